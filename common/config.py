@@ -14,11 +14,13 @@ Contract for subclasses:
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TypeVar
 
 import pydantic
+import tomli_w
 
 __all__ = ["Config", "ConfigError", "apply_overrides", "load_toml_config", "parse_overrides", "to_toml"]
 
@@ -116,7 +118,8 @@ def load_toml_config(cls: type[ConfigT], path: str | Path, overrides: Mapping[st
 def validate_config(cls: type[ConfigT], data: Mapping[str, Any], source: str = "<config>") -> ConfigT:
     """Validate a plain mapping into ``cls``; raise :class:`ConfigError` with one line per problem."""
     try:
-        return cls.model_validate(data)
+        # JSON-mode validation: TOML arrays validate as tuples, strings as paths, while "0.1" stays no float.
+        return cls.model_validate_json(json.dumps(data, default=str))
     except pydantic.ValidationError as e:
         lines = [f"  - {_field_name(err['loc'], data)}: {_reason(err)}" for err in e.errors()]
         raise ConfigError(f"{source}: invalid recipe ({len(lines)} problem(s)):\n" + "\n".join(lines)) from None
@@ -134,6 +137,8 @@ def _field_name(loc: tuple[Any, ...], data: Any) -> str:
         elif isinstance(node, dict) and item in node:
             parts.append(str(item))
             node = node[item]
+        elif isinstance(node, dict) and item == node.get("type"):
+            continue  # the tag pydantic inserts for a tagged union (e.g. 'grpo'): not a key the user wrote
         elif last or not isinstance(node, dict):
             parts.append(str(item))
         # else: a union tag such as 'grpo' that is not a key of the input: skip it.
@@ -155,40 +160,4 @@ def _reason(err: Mapping[str, Any]) -> str:
 
 def to_toml(config: Config) -> str:
     """Render a config as TOML (``None`` fields omitted, since TOML has no null); loading it back gives ``config``."""
-    return _dump_table(config.model_dump(mode="json", exclude_none=True), prefix="")
-
-
-def _dump_table(table: Mapping[str, Any], prefix: str) -> str:
-    scalars, tables, arrays = [], [], []
-    for key, value in table.items():
-        if isinstance(value, dict):
-            tables.append((key, value))
-        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            arrays.append((key, value))
-        else:
-            scalars.append(f"{_key(key)} = {_value(value)}")
-    out = "\n".join(scalars)
-    for key, sub in tables:
-        name = f"{prefix}{_key(key)}"
-        out += f"\n\n[{name}]\n" + _dump_table(sub, prefix=f"{name}.")
-    for key, items in arrays:
-        name = f"{prefix}{_key(key)}"
-        for item in items:
-            out += f"\n\n[[{name}]]\n" + _dump_table(item, prefix=f"{name}.")
-    return out.strip() + "\n"
-
-
-def _key(key: str) -> str:
-    return key if key.replace("_", "").replace("-", "").isalnum() else _value(key)
-
-
-def _value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value) if isinstance(value, int) or value == value and abs(value) != float("inf") else str(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_value(v) for v in value) + "]"
-    raise TypeError(f"cannot render {type(value).__name__} as TOML")
+    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))

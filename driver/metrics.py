@@ -1,0 +1,131 @@
+"""Where a run's metrics go: a JSONL file always, TensorBoard, a live progress line, Prometheus, a PNG at the end.
+
+One :class:`MetricsLogger` per run; ``log(step, metrics)`` fans a flat ``{name: float}`` dict out to every sink the
+recipe turned on. Names are slash-separated groups (``reward/mean``, ``time/train_s``) so TensorBoard groups them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["MetricsLogger", "plot_curves", "read_jsonl"]
+
+_PROGRESS_KEYS = (("reward/mean", "reward"), ("eval/accuracy", "acc"), ("train/kl", "kl"), ("perf/tokens_per_s", "tok/s"))
+
+
+class MetricsLogger:
+    """Fan out step metrics to JSONL (``<out>/metrics.jsonl``) and the optional sinks; close() flushes everything."""
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        num_steps: int,
+        *,
+        tensorboard: bool = True,
+        progress: bool = True,
+        prometheus_port: int | None = None,
+        append: bool = False,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / "metrics.jsonl"
+        self._file = self.path.open("a" if append else "w")
+        self._num_steps = num_steps
+        self._progress = progress
+        self._started = time.monotonic()
+        self._first_step: int | None = None
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+        self._gauges: dict[str, Any] = {}
+        self._prometheus = prometheus_port is not None
+        if self._prometheus:
+            import prometheus_client
+
+            self._registry = prometheus_client.CollectorRegistry()
+            prometheus_client.start_http_server(prometheus_port, addr="127.0.0.1", registry=self._registry)
+
+    def log(self, step: int, metrics: Mapping[str, float], phase: str = "rl") -> None:
+        """Record ``metrics`` for ``step`` in every sink; non-finite values are kept in JSONL as null."""
+        clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": step, "phase": phase, "time": time.time(), **clean}) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for name, value in clean.items():
+                if value is not None:
+                    self._tb.add_scalar(f"{phase}/{name}" if phase != "rl" else name, value, step)
+        if self._prometheus:
+            self._export_prometheus(clean)
+        if self._progress and phase == "rl":
+            self._print_progress(step, clean)
+
+    def _export_prometheus(self, metrics: Mapping[str, float | None]) -> None:
+        import prometheus_client
+
+        for name, value in metrics.items():
+            key = "rl_align_" + "".join(c if c.isalnum() else "_" for c in name)
+            if key not in self._gauges:
+                self._gauges[key] = prometheus_client.Gauge(key, name, registry=self._registry)
+            if value is not None:
+                self._gauges[key].set(value)
+
+    def _print_progress(self, step: int, metrics: Mapping[str, float | None]) -> None:
+        if self._first_step is None:
+            self._first_step, self._started = step, time.monotonic()
+        done = step - self._first_step + 1
+        per_step = (time.monotonic() - self._started) / done
+        eta = per_step * max(self._num_steps - step - 1, 0)
+        parts = [f"step {step + 1}/{self._num_steps}"]
+        for key, label in _PROGRESS_KEYS:
+            if metrics.get(key) is not None:
+                parts.append(f"{label} {metrics[key]:.3g}")
+        parts.append(f"{per_step:.1f}s/step ETA {eta:.0f}s")
+        print(" | ".join(parts), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a metrics file, in order."""
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
+    """Plot reward, held-out accuracy, KL and throughput of the RL phase from a metrics JSONL file into one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in read_jsonl(metrics_path) if r.get("phase") == "rl"]
+    panels = [
+        ("reward/mean", "reward (train samples)"),
+        ("eval/accuracy", "held-out accuracy"),
+        ("train/kl", "KL to reference"),
+        ("perf/tokens_per_s", "tokens/s"),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (key, title) in zip(axes, panels):
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o" if len(points) < 30 else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out_png)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,219 @@
+"""The recipe: one TOML file -> one typed, validated tree holding every component's own config.
+
+A recipe is the whole description of a run. Each section belongs to the component that consumes it::
+
+    [run]          this module: steps, prompts per step, loop mode, warm start, eval, logging
+    [model]        this module: the checkpoint directory and which block implementations to build
+    [algorithm]    trainer.rl.config.AlgorithmConfig (GRPO or PPO, tagged by ``type``)
+    [trainer]      trainer.config.TrainerConfig
+    [rollout]      rollout.config.RolloutConfig (``model_path`` defaults to ``[model] path``)
+    [task]         rollout.tasks.config.TaskConfig
+    [reward]       rollout.rewards.config.RewardConfig
+    [weight_sync]  weight_sync.config.WeightSyncConfig
+
+:func:`load_recipe` fails with a :class:`common.config.ConfigError` that names the file, each dotted field and the
+reason, for unknown keys, wrong types, out-of-range values and contradictory settings, before anything starts. No torch
+is imported here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import pydantic
+
+from common.config import Config, ConfigError, load_toml_config, to_toml
+from rollout.config import RolloutConfig
+from rollout.rewards.config import RewardConfig
+from rollout.tasks.config import TaskConfig
+from trainer.config import TrainerConfig
+from trainer.rl.config import AlgorithmConfig
+from weight_sync.config import WeightSyncConfig
+
+__all__ = ["Recipe", "load_recipe", "write_resolved"]
+
+
+class TinyModelSpec(Config):
+    """A tiny random model to create at ``[model] path`` when that directory does not exist yet (local, no hub)."""
+
+    family: Literal["qwen3", "llama3", "qwen3_moe"] = "qwen3"
+    """Architecture family of the tiny model."""
+    hidden_size: int = pydantic.Field(128, ge=8)
+    """Residual width."""
+    num_layers: int = pydantic.Field(4, ge=1)
+    """Transformer blocks."""
+    num_heads: int = pydantic.Field(4, ge=1)
+    """Query heads (key/value heads: half of them)."""
+    seed: int = 0
+    """Seed of the random initialisation and of the tokenizer training corpus."""
+
+
+class ModelSection(Config):
+    """Which checkpoint the policy starts from and how its blocks are implemented in the trainer."""
+
+    path: str
+    """Local HF model directory (config.json, safetensors, tokenizer): the trainer loads it, every engine serves it."""
+    create_tiny: TinyModelSpec | None = None
+    """Create a tiny random model at ``path`` first when the directory does not exist (the embedded demo)."""
+    attention: str = "sdpa"
+    """Attention block: 'sdpa', 'eager', or a registered kernel such as 'splash'."""
+    output_head: str = "chunked"
+    """Output head for log-probs: 'chunked' (never holds full logits), 'dense', or a kernel such as 'fused_pallas'."""
+    output_chunk_size: int = pydantic.Field(1024, ge=1)
+    """Tokens per chunk of the chunked output head."""
+    moe_experts: str = "grouped"
+    """MoE experts block (MoE models only): 'grouped', 'loop', or a kernel such as 'gmm_pallas'."""
+
+    def block_overrides(self) -> dict[str, Any]:
+        """The block choices as ``ModelConfig`` field overrides."""
+        return {
+            "attention": self.attention,
+            "output_head": self.output_head,
+            "output_chunk_size": self.output_chunk_size,
+            "moe_experts": self.moe_experts,
+        }
+
+
+class WarmStartConfig(Config):
+    """A supervised warm start on the task's ideal completions before RL, so that a tiny model has reward signal."""
+
+    num_steps: int = pydantic.Field(0, ge=0)
+    """SFT optimizer steps; 0 skips the warm start."""
+    num_examples_per_step: int = pydantic.Field(64, ge=1)
+    """Examples per SFT step."""
+    lr: float = pydantic.Field(3e-3, gt=0)
+    """Peak SFT learning rate (own AdamW, discarded before RL starts)."""
+
+
+class DynamicSamplingConfig(Config):
+    """DAPO-style dynamic sampling: drop groups whose rewards are all equal, generate more to fill the batch."""
+
+    enabled: bool = False
+    """Turn dynamic sampling on."""
+    max_num_rounds: int = pydantic.Field(3, ge=1)
+    """Generation rounds per step at most; the step trains on what it has after that."""
+
+
+class EvalConfig(Config):
+    """Held-out evaluation of the current policy through the rollout pool."""
+
+    every_num_steps: int = pydantic.Field(0, ge=0)
+    """Evaluate after every k-th step (and always before the first and after the last); 0: only before and after."""
+    num_problems: int = pydantic.Field(200, ge=0)
+    """Held-out problems per evaluation (0 turns evaluation off)."""
+    temperature: float = pydantic.Field(1.0, ge=0)
+    """Sampling temperature of the evaluation (the policy's own samples); greedy accuracy is reported too."""
+
+
+class LoggingConfig(Config):
+    """Where metrics go besides the JSONL file that every run writes."""
+
+    progress: bool = True
+    """A live progress line (step, reward, KL, tokens/s, ETA) on stderr."""
+    tensorboard: bool = True
+    """TensorBoard event files under ``<output_dir>/tensorboard``."""
+    plot: bool = True
+    """A PNG of reward, KL and throughput curves at the end of the run."""
+    prometheus_port: int | None = pydantic.Field(None, ge=0, le=65535)
+    """Serve Prometheus metrics on this port (loopback); None: off."""
+
+
+class RunConfig(Config):
+    """The RL loop itself."""
+
+    name: str = pydantic.Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
+    """Run name (used in the default output directory)."""
+    output_dir: str | None = None
+    """Where metrics, the resolved recipe, checkpoints and plots go; default ``runs/<name>``."""
+    seed: int = 0
+    """Seed of data order, sampling and initialisation."""
+    num_steps: int = pydantic.Field(20, ge=1)
+    """RL steps (each: generate, score, train, push)."""
+    num_prompts_per_step: int = pydantic.Field(16, ge=1)
+    """Prompts (groups) per step; each is sampled ``algorithm.group_size`` times."""
+    mode: Literal["sync", "async"] = "sync"
+    """'sync': on-policy, generate then train. 'async': generation of step t+1 overlaps training of step t."""
+    max_staleness: int = pydantic.Field(1, ge=0)
+    """Async only: how many policy versions a sample may lag behind the trainer."""
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    """DAPO dynamic sampling."""
+    warm_start: WarmStartConfig = WarmStartConfig()
+    """Supervised warm start before RL."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation."""
+    logging: LoggingConfig = LoggingConfig()
+    """Metric sinks."""
+
+    @property
+    def resolved_output_dir(self) -> Path:
+        return Path(self.output_dir or f"runs/{self.name}")
+
+
+class Recipe(Config):
+    """A whole run: every component's config, checked together."""
+
+    run: RunConfig = RunConfig()
+    """The loop."""
+    model: ModelSection
+    """The policy checkpoint and its block implementations."""
+    algorithm: AlgorithmConfig
+    """GRPO or PPO and their loss settings."""
+    trainer: TrainerConfig = TrainerConfig()
+    """How the update runs."""
+    rollout: RolloutConfig
+    """The vLLM rollout pool."""
+    task: TaskConfig
+    """Where prompts come from."""
+    reward: RewardConfig = RewardConfig()
+    """How samples are scored."""
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    """The gRPC channel from trainer ranks to engines (and external servers)."""
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _default_rollout_model(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("model"), dict):
+            rollout = dict(data.get("rollout") or {})
+            rollout.setdefault("model_path", data["model"].get("path"))
+            data = {**data, "rollout": rollout}
+        return data
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> Recipe:
+        if self.run.mode == "async":
+            if self.run.max_staleness < 1:
+                raise ValueError("run.mode = 'async' needs run.max_staleness >= 1 (0 is the sync mode)")
+            if not self.algorithm.importance_sampling.enabled:
+                raise ValueError(
+                    "run.mode = 'async' trains on samples from older weights: set "
+                    "algorithm.importance_sampling.enabled = true"
+                )
+        if self.algorithm.type == "grpo" and self.run.num_prompts_per_step * self.algorithm.group_size < 2:
+            raise ValueError("a GRPO step needs at least 2 samples")
+        if self.run.dynamic_sampling.enabled and self.algorithm.type != "grpo":
+            raise ValueError("run.dynamic_sampling needs algorithm.type = 'grpo' (it drops groups of equal rewards)")
+        if self.trainer.device != "cpu" and self.model.create_tiny is None and not self.model.path:
+            raise ValueError("model.path must name a local checkpoint directory")
+        return self
+
+
+def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Recipe:
+    """Load and validate a recipe file with dotted overrides; raise ConfigError naming file and fields."""
+    recipe = load_toml_config(Recipe, path, overrides)
+    model_dir = Path(recipe.model.path)
+    if recipe.model.create_tiny is None and not (model_dir / "config.json").is_file():
+        raise ConfigError(
+            f"{path}: model.path = {str(model_dir)!r} has no config.json: point it at a local HF model directory, "
+            "or add a [model.create_tiny] section to create a tiny one there"
+        )
+    return recipe
+
+
+def write_resolved(recipe: Recipe, out_dir: str | Path) -> Path:
+    """Write the fully resolved recipe as ``<out_dir>/recipe.resolved.toml``; return its path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "recipe.resolved.toml"
+    path.write_text(to_toml(recipe))
+    return path

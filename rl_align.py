@@ -1,0 +1,60 @@
+"""rl-align: RL post-training (GRPO or PPO) of a language model from one recipe file.
+
+    python rl_align.py --recipe recipes/grpo_tiny.toml                 # embedded Ray on this machine
+    python rl_align.py --recipe recipes/grpo_tiny.toml --trainer.optimizer.lr 1e-5 --run.num_steps 50
+    ray job submit --working-dir . -- python rl_align.py --recipe recipes/ppo_tiny.toml   # on a cluster
+    python rl_align.py --recipe recipes/grpo_tiny.toml --resume        # continue from the last checkpoint
+
+Each step: the vLLM rollout pool samples ``group_size`` completions per prompt and scores them; the trainer ranks
+compute advantages and update the policy; every rank pushes its own parameter shards over gRPC into every engine (and
+every external server the recipe lists). Metrics, the resolved recipe and checkpoints go to ``run.output_dir``.
+
+This module only parses the command line and the recipe; heavy imports (torch, Ray, vLLM) happen after validation,
+so ``--help`` and a bad recipe answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rl_align.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="Any '--section.field VALUE' overrides that field of the recipe (values parse as TOML).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--recipe", required=True, help="recipe TOML file (see recipes/)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join; default: the cluster of `ray job submit` (RAY_ADDRESS), else an embedded instance",
+    )
+    parser.add_argument("--check", action="store_true", help="validate the recipe, print it resolved, and exit")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, validate, then run; returns the process exit code."""
+    args, rest = _parser().parse_known_args(argv)
+    from common.config import ConfigError, parse_overrides, to_toml
+    from recipe import load_recipe
+
+    try:
+        recipe = load_recipe(args.recipe, parse_overrides(rest))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(to_toml(recipe), end="")
+        return 0
+    from driver.run import run
+
+    return run(recipe, resume=args.resume, address=args.address)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

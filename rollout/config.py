@@ -1,0 +1,106 @@
+"""Configuration of the rollout side: the serving engine, the sampling parameters and the pool of rollout workers.
+
+No torch or vLLM import here, so recipes validate in well under a second. ``RolloutConfig`` is the ``[rollout]`` table of
+a recipe; the group size (samples per prompt) is not here: the RL algorithm owns it and passes it to the pool.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+
+from common.config import Config
+
+__all__ = ["EngineConfig", "RolloutConfig", "SamplingConfig"]
+
+EngineDType = Literal["float32", "bfloat16", "float16"]
+
+
+class SamplingConfig(Config):
+    """How completions are sampled (vLLM's ``SamplingParams`` minus the group size ``n``, which the algorithm sets)."""
+
+    temperature: float = pydantic.Field(default=1.0, ge=0.0)
+    """Softmax temperature; 0 is greedy (then all samples of a group are equal)."""
+    top_p: float = pydantic.Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p``; 1 disables it."""
+    top_k: int = pydantic.Field(default=0, ge=0)
+    """Keep only the ``top_k`` most likely tokens; 0 disables it."""
+    max_tokens: int = pydantic.Field(default=256, ge=1)
+    """Most tokens generated per completion (finish reason 'length' when reached)."""
+    min_tokens: int = pydantic.Field(default=0, ge=0)
+    """Fewest tokens generated before end-of-sequence and stop ids may end a completion."""
+    stop: list[str] = []
+    """Stop strings; a completion ends at the first one (it is not part of the completion ids' text)."""
+    stop_token_ids: list[int] = []
+    """Token ids that end a completion besides the tokenizer's end-of-sequence token (the id is kept in the ids)."""
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence until ``max_tokens`` (benchmarks only)."""
+    seed: int | None = None
+    """Base seed: the group with id g is sampled with seed ``seed + g``, so results do not depend on which worker ran
+    it. ``None`` samples without a fixed seed."""
+
+    @pydantic.model_validator(mode="after")
+    def _check_lengths(self) -> "SamplingConfig":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}; lower min_tokens")
+        return self
+
+
+class EngineConfig(Config):
+    """One serving engine (vLLM) inside a rollout worker."""
+
+    dtype: EngineDType = "float32"
+    """Dtype the engine computes in; pushed weights are cast to it on load."""
+    kv_cache_gib: float = pydantic.Field(default=1.0, gt=0.0)
+    """KV-cache memory per engine in GiB (vLLM's ``kv_cache_memory_bytes``; same meaning on CPU, GPU and TPU)."""
+    max_model_len: int = pydantic.Field(default=2048, ge=16)
+    """Longest prompt + completion in tokens."""
+    max_num_seqs: int = pydantic.Field(default=64, ge=1)
+    """Most sequences decoded together in one engine step (the batch size of decoding)."""
+    max_num_batched_tokens: int | None = pydantic.Field(default=None, ge=16)
+    """Token budget of one engine step (prefill chunking); ``None`` keeps vLLM's default."""
+    enforce_eager: bool = True
+    """Skip torch.compile / CUDA graphs: faster start, slower steps. Turn off on accelerators for throughput."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of shared prompt prefixes (the n samples of a group share their prompt); reset on every update."""
+    seed: int = 0
+    """Engine-wide random seed (requests with a sampling seed use their own)."""
+    cpu_threads_bind: str = "auto"
+    """CPU engines only: cores the model's OpenMP threads bind to (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``): 'auto' (one
+    thread per physical core), 'nobind' (``OMP_NUM_THREADS`` threads, unpinned; for engines sharing cores with other
+    work), or a core list such as '0-3'. Ignored on GPU/TPU."""
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """Which distribution the returned per-token log-probs come from: 'processed_logprobs' is the one sampled from
+    (``log_softmax(logits / temperature)`` after top-k/top-p masking; equals what the trainer computes when top_k=0 and
+    top_p=1), 'raw_logprobs' is ``log_softmax(logits)`` ignoring temperature."""
+    tensor_parallel_size: int = pydantic.Field(default=1, ge=1)
+    """Accelerators per engine (vLLM tensor parallelism); 1 on CPU."""
+
+
+class RolloutConfig(Config):
+    """The rollout pool: which model to serve, how many workers, how each engine runs and how it samples."""
+
+    model_path: str
+    """Local HF model directory (config.json, safetensors, tokenizer files) every engine starts from."""
+    tokenizer_path: str | None = None
+    """Local tokenizer directory when it differs from ``model_path``."""
+    use_chat_template: bool | None = None
+    """Render prompts with the tokenizer's chat template: ``None`` when it has one, ``True`` requires it."""
+    num_workers: int = pydantic.Field(default=1, ge=1)
+    """Rollout workers (Ray actors), each one engine."""
+    num_cpus_per_worker: float = pydantic.Field(default=1.0, ge=0.0)
+    """Ray CPUs reserved per worker."""
+    num_gpus_per_worker: float = pydantic.Field(default=0.0, ge=0.0)
+    """Ray GPUs reserved per worker (``engine.tensor_parallel_size`` on GPU hosts, 0 on CPU)."""
+    max_groups_per_dispatch: int = pydantic.Field(default=64, ge=1)
+    """Most groups sent to one worker in one call; smaller pieces balance load and lose less when a worker dies."""
+    num_worker_restarts: int = pydantic.Field(default=3, ge=0)
+    """Replacements the pool may start over its lifetime for workers that died; one more death fails the batch."""
+    retain_latest_weights: bool = True
+    """Each worker keeps the latest pushed version in host memory so a replacement worker can pull it from a peer
+    (costs one model copy of host memory per worker). Off: replacements load the pool's checkpoint source only."""
+    engine: EngineConfig = EngineConfig()
+    """The serving engine of each worker."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Default sampling parameters (a call may pass its own)."""

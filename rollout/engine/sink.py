@@ -1,0 +1,106 @@
+"""The weight-sync sink of a vLLM engine: what the receiver hands a complete, verified version to.
+
+``VLLMWeightSink`` implements the ``weight_sync`` sink protocol: ``manifest()`` lists the tensors of the engine's model
+directory (HF-canonical names, shapes, dtypes, read from the safetensors headers), ``apply()`` checks an update against
+it and swaps it into the engine at the next generation-batch boundary. Anything refused raises before the engine
+changes, so the receiver stays on the old version. With ``retain_latest`` the sink keeps the newest full state in host
+memory so that a replacement worker can pull it (:meth:`export_latest`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
+
+from rollout.engine.vllm_engine import VLLMEngine
+from weight_sync.spec import TensorSpec
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["VLLMWeightSink", "read_checkpoint_manifest"]
+
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+def read_checkpoint_manifest(model_path: str) -> list[TensorSpec]:
+    """Every tensor in the ``*.safetensors`` files of ``model_path`` (headers only), sorted by name."""
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_path}: no *.safetensors files; the engine's model directory must hold safetensors")
+    specs = []
+    for file in files:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, info in header.items():
+            if name != "__metadata__":
+                specs.append(TensorSpec(name, tuple(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]]))
+    return sorted(specs, key=lambda s: s.name)
+
+
+def _load_checkpoint(model_path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+class VLLMWeightSink:
+    """Applies verified weight versions to a :class:`VLLMEngine` (implements ``weight_sync``'s ``WeightSink``)."""
+
+    def __init__(self, engine: VLLMEngine, retain_latest: bool = True) -> None:
+        self._engine = engine
+        self._specs = {s.name: s for s in read_checkpoint_manifest(engine.model_path)}
+        self._retain = retain_latest
+        self._latest: dict[str, torch.Tensor] = _load_checkpoint(engine.model_path) if retain_latest else {}
+        self._latest_lock = threading.Lock()
+
+    def manifest(self) -> list[TensorSpec]:
+        """The tensors this engine accepts: its checkpoint's names, global shapes and dtypes."""
+        return list(self._specs.values())
+
+    def apply(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Swap ``tensors`` in as ``policy_version`` once the current generation batch ends (blocks until then).
+
+        An update may hold a subset of the manifest made of whole fused groups. Raises ``ValueError`` (engine unchanged)
+        for unknown names, wrong shapes or dtypes, or a partial fused group.
+        """
+        self._check(tensors)
+        full = len(tensors) == len(self._specs)
+        self._engine.load_weights(policy_version, tensors, full=full)
+        if self._retain:
+            with self._latest_lock:
+                self._latest.update({name: t.detach().clone() for name, t in tensors.items()})
+
+    def export_latest(self) -> tuple[int, bytes] | None:
+        """(policy_version, safetensors bytes of the whole model) of the version served now, or ``None`` when the sink
+        was built with ``retain_latest=False``."""
+        from safetensors.torch import save as save_safetensors
+
+        with self._latest_lock:
+            if not self._retain:
+                return None
+            return self._engine.policy_version, save_safetensors(self._latest)
+
+    def _check(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        problems = []
+        for name, tensor in tensors.items():
+            spec = self._specs.get(name)
+            if spec is None:
+                problems.append(f"{name}: not in the model's manifest")
+                continue
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if tuple(tensor.shape) != spec.shape or dtype != spec.dtype:
+                problems.append(f"{name}: got {tuple(tensor.shape)} {dtype}, expected {spec.shape} {spec.dtype}")
+        if not tensors:
+            problems.append("empty update")
+        if problems:
+            raise ValueError(f"weight update refused ({len(problems)} problem(s)): " + "; ".join(problems[:8]))

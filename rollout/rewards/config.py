@@ -1,0 +1,170 @@
+"""Configuration of the reward: a weighted sum of named terms, each a tagged union on ``type``.
+
+In a recipe::
+
+    [reward]
+    on_error = "fail"
+
+    [[reward.terms]]
+    type = "math"
+
+    [[reward.terms]]
+    type = "format"
+    pattern = '^\\d+$'
+    weight = 0.1
+
+No torch import here, so recipes validate instantly; ``rollout.rewards.RewardScorer.from_config`` builds the scorer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Union
+
+import pydantic
+
+from common.config import Config
+
+__all__ = [
+    "ExactMatchRewardConfig",
+    "FormatRewardConfig",
+    "FunctionRewardConfig",
+    "MathRewardConfig",
+    "RewardConfig",
+    "RewardModelConfig",
+    "RewardTermConfig",
+]
+
+
+class _TermConfig(Config):
+    name: str | None = None
+    """Name of the term in metrics and ``Sample.reward_terms``; defaults to its ``type``. Names must be unique."""
+    weight: float = 1.0
+    """The term's score is multiplied by this before summing into the reward."""
+
+    @property
+    def term_name(self) -> str:
+        """The configured name, or the type when none is given."""
+        return self.name if self.name is not None else self.type  # type: ignore[attr-defined]
+
+
+class MathRewardConfig(_TermConfig):
+    """1.0 when the completion's final answer equals the reference mathematically (math-verify), else 0.0.
+
+    Equivalent forms count: ``"0.5"`` and ``"1/2"``, ``"\\frac{1}{2}"``, ``"\\boxed{...}"``, ``"1,234"`` and ``"1234"``.
+    """
+
+    type: Literal["math"] = "math"
+    """Selects this term."""
+    timeout_s: int = pydantic.Field(default=5, ge=1)
+    """Most seconds spent parsing or comparing one completion (enforced with SIGALRM on the main thread only; off
+    the main thread the check runs without a limit)."""
+
+
+class ExactMatchRewardConfig(_TermConfig):
+    """1.0 when the normalised completion equals the normalised reference answer, else 0.0."""
+
+    type: Literal["exact_match"] = "exact_match"
+    """Selects this term."""
+    extract_pattern: str | None = None
+    """Optional regex; the completion's text is replaced by the last match (group 1 if the pattern has a group),
+    e.g. ``'Answer:\\s*(\\S+)'``. No match scores 0."""
+    case_sensitive: bool = False
+    """Compare letter case; by default both sides are lower-cased."""
+
+    @pydantic.field_validator("extract_pattern")
+    @classmethod
+    def _check_pattern(cls, pattern: str | None) -> str | None:
+        return _compile_check(pattern) if pattern is not None else None
+
+
+class FormatRewardConfig(_TermConfig):
+    """1.0 when the completion matches ``pattern``, else 0.0."""
+
+    type: Literal["format"] = "format"
+    """Selects this term."""
+    pattern: str
+    """Python regex the completion must match (with DOTALL, so ``.`` spans lines)."""
+    mode: Literal["fullmatch", "search"] = "fullmatch"
+    """'fullmatch': the whole completion (after stripping whitespace) must match; 'search': a match anywhere."""
+
+    @pydantic.field_validator("pattern")
+    @classmethod
+    def _check_pattern(cls, pattern: str) -> str:
+        return _compile_check(pattern)
+
+
+class FunctionRewardConfig(_TermConfig):
+    """A user function ``f(completion: str, problem: Problem) -> float``, given as ``"package.module:function"``.
+
+    The module must be importable where the rollout workers run (installed, or on ``PYTHONPATH``). It is imported
+    when the scorer is built, so a wrong name fails before any actor starts.
+    """
+
+    type: Literal["function"] = "function"
+    """Selects this term."""
+    function: str = pydantic.Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """Import path ``module:function``, e.g. ``"my_rewards:length_penalty"``."""
+
+
+class RewardModelConfig(_TermConfig):
+    """Score of a local HF sequence-classification model (``AutoModelForSequenceClassification``) on prompt+completion.
+
+    The text scored is the conversation rendered with the reward model's chat template (the completion as the
+    assistant turn) when its tokenizer has one, else prompt text followed by the completion.
+    """
+
+    type: Literal["reward_model"] = "reward_model"
+    """Selects this term."""
+    path: str
+    """Local directory with the model's config, weights and tokenizer."""
+    label_index: int = pydantic.Field(default=0, ge=0)
+    """Which output logit is the reward (0 for the usual single-label reward model)."""
+    batch_size: int = pydantic.Field(default=16, ge=1)
+    """Sequences scored per forward pass."""
+    max_length: int = pydantic.Field(default=2048, ge=8)
+    """Longer inputs are truncated from the left, keeping the completion."""
+    device: str = "cpu"
+    """Torch device of the reward model ('cpu', 'cuda', 'cuda:1', ...)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the reward model runs in."""
+
+
+RewardTermConfig = Annotated[
+    Union[MathRewardConfig, ExactMatchRewardConfig, FormatRewardConfig, FunctionRewardConfig, RewardModelConfig],
+    pydantic.Field(discriminator="type"),
+]
+"""One reward term, chosen by ``type``: 'math', 'exact_match', 'format', 'function' or 'reward_model'."""
+
+
+class RewardConfig(Config):
+    """The reward of a completion: ``sum(term.weight * term.score)`` over ``terms``."""
+
+    terms: list[RewardTermConfig] = pydantic.Field(default_factory=lambda: [MathRewardConfig()], min_length=1)
+    """The reward terms; each is reported on its own in metrics and ``Sample.reward_terms``."""
+    on_error: Literal["fail", "zero"] = "fail"
+    """When a user reward function raises or returns a non-number: 'fail' stops the step with an error naming the
+    sample; 'zero' scores that term 0 for the sample and counts it in the metrics (``reward/<term>/num_errors``)."""
+    strip_suffixes: list[str] = pydantic.Field(
+        default_factory=lambda: ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>"]
+    )
+    """End-of-sequence texts removed (repeatedly) from the end of a completion, then trailing whitespace, before any
+    term sees it, so a stop token decoded into the text does not change a score."""
+
+    @pydantic.model_validator(mode="after")
+    def _check_names(self) -> RewardConfig:
+        names = [t.term_name for t in self.terms]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(
+                f"reward terms share the name(s) {duplicates}; give each term of the same type its own `name`"
+            )
+        return self
+
+
+def _compile_check(pattern: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"{pattern!r} is not a valid Python regex: {e}") from None
+    return pattern

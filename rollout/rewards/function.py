@@ -1,0 +1,95 @@
+"""User reward functions given as ``"module:function"``: resolved once at build time, called per sample.
+
+The function is called as ``f(completion: str, problem: Problem)`` and must return a real number. A call that raises
+or returns something else is a *user error about one sample*: with ``on_error = "fail"`` it becomes a
+:class:`RewardFunctionError` naming the function and the sample; with ``"zero"`` the sample scores 0 for this term
+and the error is counted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+from typing import Any, Callable, Literal, Sequence
+
+from rollout.rewards.config import FunctionRewardConfig
+from rollout.tasks.problem import Problem
+
+__all__ = ["FunctionReward", "RewardFunctionError", "resolve_function"]
+
+RewardFunction = Callable[[str, Problem], float]
+
+
+class RewardFunctionError(RuntimeError):
+    """A user reward function raised, or returned a non-number, on a sample (which the message names)."""
+
+
+def resolve_function(spec: str) -> RewardFunction:
+    """Import ``"package.module:function"`` and return the callable; ``ValueError`` says which part is missing.
+
+    An ``ImportError`` raised *inside* the user's module (a missing dependency of it) is reported as such, not as a
+    missing module.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward function {spec!r}: expected 'module:function', e.g. 'my_rewards:length_penalty'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise ValueError(
+                f"reward function {spec!r}: module {module_name!r} not found (no module named {e.name!r}); install it "
+                "or put its directory on PYTHONPATH for the driver and the rollout workers"
+            ) from None
+        raise ValueError(f"reward function {spec!r}: importing module {module_name!r} failed: {e}") from e
+    except ImportError as e:
+        raise ValueError(f"reward function {spec!r}: importing module {module_name!r} failed: {e}") from e
+    try:
+        function = getattr(module, attr)
+    except AttributeError:
+        public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
+        raise ValueError(
+            f"reward function {spec!r}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no attribute "
+            f"{attr!r}; callables there: {public[:20]}"
+        ) from None
+    if not callable(function):
+        raise ValueError(f"reward function {spec!r}: {attr!r} is a {type(function).__name__}, not a function")
+    return function
+
+
+class FunctionReward:
+    """A reward term computed by a user function, one call per sample."""
+
+    def __init__(self, config: FunctionRewardConfig, on_error: Literal["fail", "zero"]) -> None:
+        self.name = config.term_name
+        self.weight = config.weight
+        self._spec = config.function
+        self._function = resolve_function(config.function)
+        self._on_error = on_error
+
+    def score(
+        self, completions: Sequence[str], problems: Sequence[Problem], labels: Sequence[str]
+    ) -> tuple[list[float], int]:
+        scores, num_errors = [], 0
+        for completion, problem, label in zip(completions, problems, labels, strict=True):
+            try:
+                value = _as_reward(self._function(completion, problem))
+            except Exception as e:  # noqa: BLE001  (user code: a boundary; re-raised or counted per on_error)
+                if self._on_error == "fail":
+                    raise RewardFunctionError(
+                        f"reward term {self.name!r}: function {self._spec!r} failed on {label}: "
+                        f"{type(e).__name__}: {e} (set reward.on_error = 'zero' to score such samples 0 instead)"
+                    ) from e
+                value, num_errors = 0.0, num_errors + 1
+            scores.append(value)
+        return scores, num_errors
+
+
+def _as_reward(value: Any) -> float:
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"returned {value!r} of type {type(value).__name__}; a reward function must return a number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"returned {value}; a reward must be finite")
+    return value

@@ -1,0 +1,87 @@
+"""Reward from a local HF sequence-classification model, scored in batches with transformers.
+
+Each sample is rendered as a conversation (prompt messages, then the completion as the assistant turn) with the reward
+model's own chat template when it has one, else as prompt text followed by the completion; inputs longer than
+``max_length`` keep their last tokens. Batches are right-padded, so position ids match an unpadded forward pass.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from rollout.rewards.config import RewardModelConfig
+from rollout.tasks.problem import Problem
+from rollout.tokenizer import has_chat_template, load_tokenizer, messages_to_text
+
+__all__ = ["RewardModelReward"]
+
+
+class RewardModelReward:
+    """A reward term whose score is one output logit of a sequence classifier at the last token."""
+
+    def __init__(self, config: RewardModelConfig) -> None:
+        import torch
+        from transformers import AutoModelForSequenceClassification
+
+        self.name = config.term_name
+        self.weight = config.weight
+        self._config = config
+        self._tokenizer = load_tokenizer(config.path)
+        try:
+            self._model = AutoModelForSequenceClassification.from_pretrained(
+                config.path, local_files_only=True, dtype=getattr(torch, config.dtype)
+            )
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"reward model {config.path!r}: cannot load it as a sequence classifier "
+                f"(AutoModelForSequenceClassification): {e}"
+            ) from e
+        num_labels = self._model.config.num_labels
+        if config.label_index >= num_labels:
+            raise ValueError(
+                f"reward term {self.name!r}: label_index = {config.label_index} but the model has {num_labels} labels"
+            )
+        self._model.to(config.device).eval()
+        self._vocab_size = self._model.get_input_embeddings().num_embeddings
+
+    def score(
+        self, completions: Sequence[str], problems: Sequence[Problem], labels: Sequence[str]
+    ) -> tuple[list[float], int]:
+        ids = [self._encode(c, p) for c, p in zip(completions, problems, strict=True)]
+        scores: list[float] = []
+        for start in range(0, len(ids), self._config.batch_size):
+            scores.extend(self._score_batch(ids[start : start + self._config.batch_size]))
+        return scores, 0
+
+    def _encode(self, completion: str, problem: Problem) -> list[int]:
+        tokenizer = self._tokenizer
+        if has_chat_template(tokenizer):
+            messages = [{"role": "user", "content": problem.prompt}] if isinstance(problem.prompt, str) else problem.prompt
+            conversation = list(messages) + [{"role": "assistant", "content": completion}]
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            prompt = problem.prompt if isinstance(problem.prompt, str) else messages_to_text(problem.prompt)
+            ids = tokenizer.encode(prompt + completion, add_special_tokens=True)
+        return list(ids[-self._config.max_length :])
+
+    def _score_batch(self, batch: list[list[int]]) -> list[float]:
+        import torch
+
+        # HF pools at the last token that is not the pad id; padding with an id absent from the batch keeps that right
+        # even when the tokenizer's pad token also occurs in the text (pad == eos is common).
+        used = {t for row in batch for t in row}
+        pad_id = self._tokenizer.pad_token_id
+        if pad_id is None or pad_id in used:
+            pad_id = next(t for t in range(self._vocab_size) if t not in used)
+        self._model.config.get_text_config().pad_token_id = pad_id
+        longest = max(len(row) for row in batch)
+        input_ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for i, row in enumerate(batch):
+            input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            attention_mask[i, : len(row)] = 1
+        device = self._config.device
+        with torch.inference_mode():
+            logits = self._model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
+        return logits[:, self._config.label_index].float().cpu().tolist()

@@ -1,0 +1,134 @@
+"""The reward scorer: builds every configured term once, then scores batches of completions next to the engine.
+
+Usage::
+
+    scorer = RewardScorer.from_config(config.reward)   # imports user functions, loads reward models: fails early
+    rewards, terms, metrics = scorer.score(completions, problems, group_ids=group_ids)
+
+``rewards[i] = sum(term.weight * terms[term.name][i])``. Completions are the decoded text of the generated tokens;
+trailing end-of-sequence texts (``reward.strip_suffixes``) are removed before any term sees them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from rollout.rewards.config import (
+    ExactMatchRewardConfig,
+    FormatRewardConfig,
+    FunctionRewardConfig,
+    MathRewardConfig,
+    RewardConfig,
+    RewardModelConfig,
+    RewardTermConfig,
+)
+from rollout.tasks.problem import Problem
+
+__all__ = ["RewardScorer", "RewardTerm", "build_term"]
+
+
+class RewardTerm(Protocol):
+    """One scored quantity; ``score`` returns a value per sample and how many samples errored (scored 0)."""
+
+    name: str
+    weight: float
+
+    def score(
+        self, completions: Sequence[str], problems: Sequence[Problem], labels: Sequence[str]
+    ) -> tuple[list[float], int]: ...
+
+
+def build_term(config: RewardTermConfig, on_error: str) -> RewardTerm:
+    """Build the term a config describes (user functions are imported, reward models loaded here)."""
+    if isinstance(config, MathRewardConfig):
+        from rollout.rewards.rules import MathReward
+
+        return MathReward(config)
+    if isinstance(config, ExactMatchRewardConfig):
+        from rollout.rewards.rules import ExactMatchReward
+
+        return ExactMatchReward(config)
+    if isinstance(config, FormatRewardConfig):
+        from rollout.rewards.rules import FormatReward
+
+        return FormatReward(config)
+    if isinstance(config, FunctionRewardConfig):
+        from rollout.rewards.function import FunctionReward
+
+        return FunctionReward(config, on_error=on_error)
+    if isinstance(config, RewardModelConfig):
+        from rollout.rewards.reward_model import RewardModelReward
+
+        return RewardModelReward(config)
+    raise TypeError(f"unknown reward term config {type(config).__name__}")
+
+
+class RewardScorer:
+    """Scores completions with the weighted sum of the configured terms, reporting each term and error counts."""
+
+    def __init__(self, terms: Sequence[RewardTerm], strip_suffixes: Sequence[str] = ()) -> None:
+        if not terms:
+            raise ValueError("a reward scorer needs at least one term")
+        self.terms = list(terms)
+        self._suffixes = tuple(s for s in strip_suffixes if s)
+
+    @classmethod
+    def from_config(cls, config: RewardConfig) -> RewardScorer:
+        """Build every term of ``config``; a bad ``module:function`` or reward model path raises ``ValueError`` here."""
+        return cls([build_term(t, config.on_error) for t in config.terms], strip_suffixes=config.strip_suffixes)
+
+    @property
+    def term_names(self) -> list[str]:
+        return [t.name for t in self.terms]
+
+    def score(
+        self,
+        completions: Sequence[str],
+        problems: Sequence[Problem],
+        group_ids: Sequence[int] | None = None,
+    ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
+        """Score ``completions[i]`` against ``problems[i]``.
+
+        Returns ``(rewards, terms, metrics)``: the weighted sums, each term's unweighted scores by name, and
+        ``reward/mean``, ``reward/<name>/mean``, ``reward/<name>/num_errors`` and ``reward/num_errors``. ``group_ids``
+        (optional, one per completion) are only used to name samples in error messages.
+        """
+        if len(completions) != len(problems):
+            raise ValueError(f"{len(completions)} completions but {len(problems)} problems; pass one problem per completion")
+        if group_ids is not None and len(group_ids) != len(completions):
+            raise ValueError(f"{len(group_ids)} group ids for {len(completions)} completions")
+        texts = [self._strip(c) for c in completions]
+        labels = [
+            f"sample {i} (group {group_ids[i] if group_ids is not None else '?'}, problem {p.problem_id!r})"
+            for i, p in enumerate(problems)
+        ]
+        rewards = [0.0] * len(texts)
+        terms: dict[str, list[float]] = {}
+        metrics: dict[str, float] = {}
+        total_errors = 0
+        for term in self.terms:
+            scores, num_errors = term.score(texts, problems, labels)
+            assert len(scores) == len(texts), f"term {term.name} returned {len(scores)} scores for {len(texts)} samples"
+            terms[term.name] = scores
+            rewards = [r + term.weight * s for r, s in zip(rewards, scores)]
+            metrics[f"reward/{term.name}/mean"] = _mean(scores)
+            metrics[f"reward/{term.name}/num_errors"] = float(num_errors)
+            total_errors += num_errors
+        metrics["reward/mean"] = _mean(rewards)
+        metrics["reward/num_errors"] = float(total_errors)
+        return rewards, terms, metrics
+
+    def _strip(self, completion: str) -> str:
+        text = completion.rstrip()
+        while self._suffixes:
+            for suffix in self._suffixes:
+                if text.endswith(suffix):
+                    text = text[: -len(suffix)].rstrip()
+                    break
+            else:
+                return text
+        return text
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

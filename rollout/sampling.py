@@ -1,0 +1,45 @@
+"""Turn a ``SamplingConfig`` and a group size into the engine's sampling parameters (vLLM ``SamplingParams``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rollout.config import SamplingConfig
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+
+__all__ = ["group_seed", "to_vllm_sampling_params"]
+
+
+def group_seed(sampling: SamplingConfig, group_id: int) -> int | None:
+    """Seed of the group ``group_id``: ``sampling.seed + group_id``, or ``None`` when sampling is unseeded."""
+    return None if sampling.seed is None else sampling.seed + group_id
+
+
+def to_vllm_sampling_params(
+    sampling: SamplingConfig, n: int, seed: int | None = None, logprobs: bool = True
+) -> SamplingParams:
+    """vLLM parameters that draw ``n`` completions of one prompt with ``seed``, returning each sampled token's log-prob.
+
+    ``logprobs=0`` asks vLLM for the log-prob of the sampled token only (no top-k alternatives), which is all the
+    trainer needs and keeps the output small.
+    """
+    from vllm import SamplingParams
+
+    if n < 1:
+        raise ValueError(f"group size n={n} must be at least 1")
+    return SamplingParams(
+        n=n,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        max_tokens=sampling.max_tokens,
+        min_tokens=sampling.min_tokens,
+        stop=list(sampling.stop) or None,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
+        ignore_eos=sampling.ignore_eos,
+        seed=seed,
+        logprobs=0 if logprobs else None,
+        detokenize=bool(sampling.stop),  # stop strings need text; token ids alone do not
+    )

@@ -1,0 +1,96 @@
+"""Problems read from JSON-lines files: one object per line with configurable prompt, answer, id and solution keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rollout.tasks.config import JsonlTaskConfig
+from rollout.tasks.problem import Problem
+
+__all__ = ["load_jsonl", "read_jsonl_problems"]
+
+
+def load_jsonl(config: JsonlTaskConfig) -> tuple[list[Problem], list[Problem]]:
+    """Return ``(train, eval)``: from ``path`` and ``eval_path``, or ``path`` split by a seeded shuffle."""
+    train = read_jsonl_problems(config.path, config)
+    if config.eval_path is not None:
+        held_out = read_jsonl_problems(config.eval_path, config)
+    elif config.num_eval_problems > 0:
+        if config.num_eval_problems >= len(train):
+            raise ValueError(
+                f"task.num_eval_problems = {config.num_eval_problems} but {config.path} has only {len(train)} "
+                "problems; leave some for training"
+            )
+        order = np.random.default_rng([config.seed, 1]).permutation(len(train))
+        eval_idx = set(order[: config.num_eval_problems].tolist())
+        held_out = [p for i, p in enumerate(train) if i in eval_idx]
+        train = [p for i, p in enumerate(train) if i not in eval_idx]
+    else:
+        held_out = []
+    ids = [p.problem_id for p in train + held_out]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"problem id {dup!r} occurs more than once in the task files; ids must be unique")
+    return train, held_out
+
+
+def read_jsonl_problems(path: str, config: JsonlTaskConfig) -> list[Problem]:
+    """Read every non-blank line of ``path`` into a :class:`Problem`; errors name the file, line and key."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"task file {path!r} does not exist")
+    problems = []
+    with file.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            problems.append(_problem(record, where, f"{file.name}:{line_no}", config))
+    if not problems:
+        raise ValueError(f"task file {path!r} holds no problems")
+    return problems
+
+
+def _problem(record: dict[str, Any], where: str, default_id: str, config: JsonlTaskConfig) -> Problem:
+    prompt = _field(record, config.prompt_field, where)
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+        if config.system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": config.system_prompt})
+    elif isinstance(prompt, list) and prompt and all(_is_message(m) for m in prompt):
+        messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    else:
+        raise ValueError(
+            f"{where}: {config.prompt_field!r} must be text or a non-empty list of "
+            '{"role": str, "content": str} messages'
+        )
+    answer = _field(record, config.answer_field, where)
+    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
+        raise ValueError(f"{where}: {config.answer_field!r} must be a string or a number, got {answer!r}")
+    problem_id = str(_field(record, config.id_field, where)) if config.id_field else default_id
+    solution = None
+    if config.solution_field is not None:
+        solution = _field(record, config.solution_field, where)
+        if not isinstance(solution, str):
+            raise ValueError(f"{where}: {config.solution_field!r} must be a string")
+    return Problem(prompt=messages, answer=str(answer), problem_id=problem_id, solution=solution, metadata={})
+
+
+def _field(record: dict[str, Any], key: str, where: str) -> Any:
+    if key not in record:
+        raise ValueError(f"{where}: missing key {key!r} (keys present: {sorted(record)}); check the task's *_field")
+    return record[key]
+
+
+def _is_message(message: Any) -> bool:
+    return isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)

@@ -1,0 +1,25 @@
+"""One prompt of a task together with what the rewards need to check a completion of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Problem"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A prompt, its reference answer and a stable id; data only, safe to send through Ray."""
+
+    prompt: str | list[dict[str, str]]
+    """Plain text, or chat messages ``[{"role": ..., "content": ...}]``; ``rollout.tokenizer.render_prompt`` turns
+    either into token ids."""
+    answer: str
+    """Reference answer the rewards compare against (``"579"``, ``"1/2"``, ...)."""
+    problem_id: str
+    """Stable id, unique within its task and split (used in logs and in reward error messages)."""
+    solution: str | None = None
+    """Ideal completion text (without the end-of-sequence token) for a supervised warm start, if the task has one."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Task-specific data carried to rewards and logs (e.g. the operands of an arithmetic problem)."""

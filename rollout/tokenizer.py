@@ -1,0 +1,99 @@
+"""Load any HF tokenizer from a local directory and turn a prompt (chat messages or plain text) into token ids.
+
+Prompts are rendered the way vLLM's own chat entry point does it: the chat template produces text (with
+``add_generation_prompt=True``), and that text is encoded without adding special tokens again, since a template writes
+its own BOS and turn markers. Nothing is ever downloaded: the directory must hold the tokenizer files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["Messages", "PromptLike", "has_chat_template", "load_tokenizer", "messages_to_text", "render_prompt"]
+
+Messages = Sequence[Mapping[str, str]]
+"""Chat messages: ``[{"role": "system" | "user" | "assistant", "content": "..."}, ...]``."""
+PromptLike = str | Messages
+"""A prompt is plain text or a list of chat messages."""
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """Load the HF tokenizer stored in the local directory ``path`` (offline; the tokenizer is returned unchanged).
+
+    Raises ``FileNotFoundError`` if ``path`` is not a directory and ``ValueError`` if it holds no tokenizer files or
+    transformers cannot load them.
+    """
+    from transformers import AutoTokenizer
+
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"tokenizer directory {path!r} does not exist (give a local HF model or tokenizer directory; "
+            "`python -m tools.make_tiny_model --out DIR` writes a tiny one)"
+        )
+    present = [name for name in _TOKENIZER_FILES if (directory / name).is_file()]
+    if not present:
+        raise ValueError(
+            f"tokenizer directory {path!r} has no tokenizer files (expected one of {', '.join(_TOKENIZER_FILES)}); "
+            "save the tokenizer there with tokenizer.save_pretrained(DIR)"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot load the tokenizer in {path!r} (files: {', '.join(present)}): {e}") from e
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether ``tokenizer`` carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: PromptLike, use_chat_template: bool | None = None
+) -> list[int]:
+    """Token ids of ``prompt`` as the engine should see it.
+
+    ``use_chat_template``: ``None`` applies the tokenizer's chat template when it has one; ``True`` requires one (a
+    ``ValueError`` otherwise); ``False`` never applies it. With the template, plain text becomes one user message and a
+    generation prompt is appended. Without it, text is encoded as is (with the tokenizer's usual special tokens, such
+    as a BOS) and messages are joined by :func:`messages_to_text`.
+    """
+    messages = _as_messages(prompt)
+    template = has_chat_template(tokenizer)
+    if use_chat_template and not template:
+        raise ValueError(
+            f"use_chat_template=true but the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat "
+            "template; set use_chat_template=false or use a tokenizer whose tokenizer_config.json has one"
+        )
+    if template and use_chat_template is not False:
+        if messages is None:
+            messages = [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    text = prompt if messages is None else messages_to_text(messages)
+    return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+def messages_to_text(messages: Messages) -> str:
+    """Plain-text rendering of chat messages for tokenizers without a template: contents joined by blank lines."""
+    return "\n\n".join(m["content"] for m in messages)
+
+
+def _as_messages(prompt: PromptLike) -> Messages | None:
+    """``None`` for plain text; the validated message list otherwise."""
+    if isinstance(prompt, str):
+        return None
+    if not isinstance(prompt, Sequence) or not prompt:
+        raise ValueError(f"a prompt must be text or a non-empty list of chat messages, got {type(prompt).__name__}")
+    for i, message in enumerate(prompt):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or not isinstance(
+            message.get("content"), str
+        ):
+            raise ValueError(f"chat message {i} must be a mapping with string 'role' and 'content', got {message!r}")
+    return prompt

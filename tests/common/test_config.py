@@ -1,0 +1,109 @@
+"""The strict config base: overrides parse as TOML values, errors name file and dotted field, TOML round-trips."""
+
+from typing import Annotated, Literal, Union
+
+import pydantic
+import pytest
+
+from common.config import Config, ConfigError, load_toml_config, parse_overrides, to_toml, validate_config
+
+
+class Inner(Config):
+    lr: float = 1e-3
+    """Learning rate."""
+    betas: list[float] = [0.9, 0.95]
+    """Adam betas."""
+
+
+class A(Config):
+    type: Literal["a"] = "a"
+    group_size: int = pydantic.Field(4, ge=2)
+    """Samples per prompt."""
+
+
+class B(Config):
+    type: Literal["b"] = "b"
+    gamma: float = 1.0
+    """Discount."""
+
+
+class Root(Config):
+    name: str = "x"
+    """Run name."""
+    inner: Inner = Inner()
+    algo: Annotated[Union[A, B], pydantic.Field(discriminator="type")] = A()
+    """Algorithm."""
+
+
+def test_overrides_parse_toml_values_and_bare_strings():
+    got = parse_overrides(["--inner.lr", "1e-6", "--name=run one", "--inner.betas", "[0.8, 0.9]", "--flag", "true"])
+    assert got == {"inner.lr": 1e-6, "name": "run one", "inner.betas": [0.8, 0.9], "flag": True}
+
+
+def test_override_without_value_is_an_error():
+    with pytest.raises(ConfigError, match="missing value"):
+        parse_overrides(["--inner.lr"])
+
+
+def test_load_applies_overrides(tmp_path):
+    f = tmp_path / "r.toml"
+    f.write_text('name = "r"\n[inner]\nlr = 0.1\n')
+    cfg = load_toml_config(Root, f, parse_overrides(["--inner.lr", "0.5"]))
+    assert cfg.inner.lr == 0.5 and cfg.name == "r"
+
+
+@pytest.mark.parametrize(
+    "text, field, reason",
+    [
+        ("[inner]\nlrr = 0.1\n", "inner.lrr", "unknown key"),
+        ('[inner]\nlr = "fast"\n', "inner.lr", "valid number"),
+        ('[algo]\ntype = "a"\ngroup_size = 1\n', "algo.group_size", "greater than or equal to 2"),
+        ('[algo]\ntype = "c"\n', "algo", "'a', 'b'"),
+    ],
+)
+def test_errors_name_file_field_and_reason(tmp_path, text, field, reason):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_toml_config(Root, f)
+    msg = str(e.value)
+    assert str(f) in msg and f"- {field}:" in msg and reason in msg, msg
+
+
+def test_strict_types_reject_strings_for_numbers():
+    with pytest.raises(ConfigError, match="inner.lr"):
+        validate_config(Root, {"inner": {"lr": "0.1"}})
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_toml_config(Root, tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[inner\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_toml_config(Root, bad)
+
+
+def test_to_toml_round_trips(tmp_path):
+    cfg = validate_config(Root, {"algo": {"type": "b", "gamma": 0.5}, "inner": {"lr": 2.0}})
+    f = tmp_path / "resolved.toml"
+    f.write_text(to_toml(cfg))
+    assert load_toml_config(Root, f) == cfg
+
+
+class WithCheck(A):
+    @pydantic.model_validator(mode="after")
+    def _check(self):
+        if self.group_size > 8:
+            raise ValueError("group_size above 8 needs more memory; lower it")
+        return self
+
+
+class RootWithCheck(Config):
+    algo: Annotated[Union[WithCheck, B], pydantic.Field(discriminator="type")] = WithCheck()
+
+
+def test_cross_field_errors_inside_a_tagged_union_name_the_section_not_the_tag():
+    with pytest.raises(ConfigError) as e:
+        validate_config(RootWithCheck, {"algo": {"type": "a", "group_size": 9}})
+    assert "- algo: group_size above 8" in str(e.value)

@@ -1,0 +1,240 @@
+"""Reward terms on hand-made cases: math-verify equivalences, exact match, format, user functions and their errors."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from common.config import Config, ConfigError, validate_config
+from rollout.rewards import (
+    ExactMatchRewardConfig,
+    FormatRewardConfig,
+    FunctionRewardConfig,
+    MathRewardConfig,
+    RewardConfig,
+    RewardFunctionError,
+    RewardScorer,
+    resolve_function,
+)
+from rollout.tasks import Problem
+
+USER_MODULE = "rl_align_test_user_rewards"
+
+
+def _problem(answer: str, problem_id: str = "p0") -> Problem:
+    return Problem(prompt=[{"role": "user", "content": "q"}], answer=answer, problem_id=problem_id)
+
+
+def _scorer(*terms, on_error: str = "fail") -> RewardScorer:
+    return RewardScorer.from_config(RewardConfig(terms=list(terms), on_error=on_error))
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch) -> str:
+    (tmp_path / f"{USER_MODULE}.py").write_text(
+        textwrap.dedent(
+            """
+            def length(completion, problem):
+                return float(len(completion))
+
+            def boom(completion, problem):
+                if completion == "bad":
+                    raise KeyError("no such thing")
+                return 1.0
+
+            def not_a_number(completion, problem):
+                return "high"
+
+            def is_answer(completion, problem):
+                return completion == problem.answer
+
+            NOT_CALLABLE = 3
+            """
+        )
+    )
+    (tmp_path / "rl_align_test_broken_dep.py").write_text("import rl_align_test_missing_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in (USER_MODULE, "rl_align_test_broken_dep"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    return USER_MODULE
+
+
+@pytest.mark.parametrize(
+    "answer, completion",
+    [
+        ("1/2", "0.5"),
+        ("0.5", "The answer is $\\frac{1}{2}$."),
+        ("\\frac{1}{2}", "\\boxed{0.5}"),
+        ("1234", "1,234"),
+        ("579", "579<|im_end|>"),
+        ("579", "First 123 + 456, so 579"),
+        ("-7", "-7"),
+        ("2\\sqrt{2}", "$\\sqrt{8}$"),
+        ("(1, 2)", "the open interval $(1, 2)$"),
+        ("x^2+1", "$1 + x^2$"),
+    ],
+)
+def test_math_equivalent_answers_score_one(answer, completion):
+    rewards, terms, _ = _scorer(MathRewardConfig()).score([completion], [_problem(answer)])
+    assert rewards == terms["math"] == [1.0]
+
+
+@pytest.mark.parametrize(
+    "answer, completion", [("1/2", "0.25"), ("579", "578"), ("579", ""), ("579", "no idea"), ("2\\sqrt{2}", "2")]
+)
+def test_math_wrong_answers_score_zero(answer, completion):
+    assert _scorer(MathRewardConfig()).score([completion], [_problem(answer)])[0] == [0.0]
+
+
+def test_math_reference_that_cannot_be_read_is_an_error():
+    with pytest.raises(ValueError, match=r"cannot read the reference answer '\?\?\?' of problem 'p0'"):
+        _scorer(MathRewardConfig()).score(["1"], [_problem("???")])
+
+
+def test_math_off_the_main_thread():
+    # math-verify's SIGALRM timeout only works on the main thread; the scorer must still work in worker threads.
+    result: list = []
+    thread = threading.Thread(
+        target=lambda: result.append(_scorer(MathRewardConfig()).score(["0.5", "3"], [_problem("1/2")] * 2)[0])
+    )
+    thread.start()
+    thread.join()
+    assert result == [[1.0, 0.0]]
+
+
+def test_exact_match_normalises_case_and_whitespace():
+    scorer = _scorer(ExactMatchRewardConfig())
+    rewards, _, _ = scorer.score(
+        ["  Paris ", "paris\n<|im_end|>", "PARIS  France", "Lyon"],
+        [_problem("Paris"), _problem("Paris"), _problem("paris france"), _problem("Paris")],
+    )
+    assert rewards == [1.0, 1.0, 1.0, 0.0]
+    assert _scorer(ExactMatchRewardConfig(case_sensitive=True)).score(["paris"], [_problem("Paris")])[0] == [0.0]
+
+
+def test_exact_match_extracts_the_last_match():
+    scorer = _scorer(ExactMatchRewardConfig(extract_pattern=r"Answer:\s*(\S+)"))
+    rewards, _, _ = scorer.score(
+        ["Answer: 3 ... Answer: 42", "42", "Answer: 41"], [_problem("42"), _problem("42"), _problem("42")]
+    )
+    assert rewards == [1.0, 0.0, 0.0]
+
+
+def test_format_fullmatch_and_search():
+    full = _scorer(FormatRewardConfig(pattern=r"\d+"))
+    assert full.score(["123", " 123\n", "123 apples", "<|im_end|>"], [_problem("1")] * 4)[0] == [1.0, 1.0, 0.0, 0.0]
+    search = _scorer(FormatRewardConfig(pattern=r"<answer>.*</answer>", mode="search"))
+    assert search.score(["x <answer>a\nb</answer> y", "<answer>"], [_problem("1")] * 2)[0] == [1.0, 0.0]
+
+
+def test_weighted_sum_terms_and_metrics():
+    scorer = _scorer(
+        MathRewardConfig(),
+        FormatRewardConfig(name="digits_only", pattern=r"\d+", weight=0.25),
+        FormatRewardConfig(name="short", pattern=r".{0,3}", weight=-1.0),
+    )
+    rewards, terms, metrics = scorer.score(["12", "12 ok", "13"], [_problem("12")] * 3)
+    assert terms == {"math": [1.0, 1.0, 0.0], "digits_only": [1.0, 0.0, 1.0], "short": [1.0, 0.0, 1.0]}
+    assert rewards == pytest.approx([0.25, 1.0, -0.75])
+    assert metrics["reward/mean"] == pytest.approx(0.5 / 3)
+    assert metrics["reward/math/mean"] == pytest.approx(2 / 3)
+    assert metrics["reward/num_errors"] == 0.0
+    assert scorer.term_names == ["math", "digits_only", "short"]
+
+
+def test_user_function_scores(user_module):
+    scorer = _scorer(FunctionRewardConfig(function=f"{user_module}:length"), FunctionRewardConfig(
+        name="hit", function=f"{user_module}:is_answer", weight=2.0))
+    rewards, terms, _ = scorer.score(["abc", "7<|im_end|>"], [_problem("7"), _problem("7")])
+    # The stop-token text is stripped before any term sees the completion.
+    assert terms == {"function": [3.0, 1.0], "hit": [0.0, 1.0]}
+    assert rewards == [3.0, 3.0]
+
+
+def test_user_function_error_fails_naming_the_sample(user_module):
+    scorer = _scorer(FunctionRewardConfig(function=f"{user_module}:boom"), on_error="fail")
+    problems = [_problem("1", "good-one"), _problem("1", "arith-train-17")]
+    with pytest.raises(RewardFunctionError) as info:
+        scorer.score(["ok", "bad"], problems, group_ids=[4, 9])
+    message = str(info.value)
+    assert f"'{user_module}:boom'" in message and "sample 1 (group 9, problem 'arith-train-17')" in message
+    assert "KeyError" in message and "on_error = 'zero'" in message
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_user_function_error_scores_zero_and_is_counted(user_module):
+    scorer = _scorer(
+        FunctionRewardConfig(function=f"{user_module}:boom"),
+        FunctionRewardConfig(name="nan", function=f"{user_module}:not_a_number"),
+        on_error="zero",
+    )
+    rewards, terms, metrics = scorer.score(["ok", "bad", "bad"], [_problem("1")] * 3, group_ids=[0, 0, 1])
+    assert terms["function"] == [1.0, 0.0, 0.0] and terms["nan"] == [0.0, 0.0, 0.0]
+    assert rewards == [1.0, 0.0, 0.0]
+    assert metrics["reward/function/num_errors"] == 2.0
+    assert metrics["reward/nan/num_errors"] == 3.0
+    assert metrics["reward/num_errors"] == 5.0
+
+
+def test_non_number_return_fails_in_fail_mode(user_module):
+    scorer = _scorer(FunctionRewardConfig(function=f"{user_module}:not_a_number"))
+    with pytest.raises(RewardFunctionError, match="returned 'high' of type str; a reward function must return a number"):
+        scorer.score(["x"], [_problem("1")])
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("rl_align_no_such_module:f", "module 'rl_align_no_such_module' not found"),
+        ("rl_align_no_such_pkg.sub:f", "module 'rl_align_no_such_pkg.sub' not found"),
+        (f"{USER_MODULE}:missing", f"module '{USER_MODULE}' .* has no attribute 'missing'; callables there: .*'length'"),
+        (f"{USER_MODULE}:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a function"),
+        ("rl_align_test_broken_dep:f", "importing module 'rl_align_test_broken_dep' failed: No module named "
+         "'rl_align_test_missing_dependency'"),
+        ("no_colon", "expected 'module:function'"),
+    ],
+)
+def test_bad_function_spec_fails_at_build_time(user_module, spec, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_function(spec)
+    if ":" in spec:
+        with pytest.raises(ValueError, match=message):
+            RewardScorer.from_config(RewardConfig(terms=[FunctionRewardConfig(function=spec)]))
+
+
+class _Recipe(Config):
+    reward: RewardConfig = RewardConfig()
+
+
+@pytest.mark.parametrize(
+    "reward, field, message",
+    [
+        ({"terms": [{"type": "function", "function": "no colon"}]}, "reward.terms[0].function", "should match pattern"),
+        ({"terms": [{"type": "format", "pattern": "("}]}, "reward.terms[0].pattern", "not a valid Python regex"),
+        ({"terms": [{"type": "exact_match", "extract_pattern": "[a"}]}, "reward.terms[0].extract_pattern", "regex"),
+        ({"terms": [{"type": "math"}, {"type": "math", "weight": 2.0}]}, "reward", "share the name(s) ['math']"),
+        ({"terms": []}, "reward.terms", "at least 1 item"),
+        ({"terms": [{"type": "bleu"}]}, "reward.terms[0]", "does not match any of the expected tags"),
+        ({"on_error": "ignore"}, "reward.on_error", "'fail' or 'zero'"),
+        ({"terms": [{"type": "reward_model"}]}, "reward.terms[0].path", "required field is missing"),
+    ],
+)
+def test_bad_reward_configs_name_the_field(reward, field, message):
+    with pytest.raises(ConfigError) as info:
+        validate_config(_Recipe, {"reward": reward}, source="r.toml")
+    text = str(info.value)
+    assert f"  - {field}" in text and message in text
+
+
+def test_default_reward_is_math():
+    scorer = RewardScorer.from_config(RewardConfig())
+    assert scorer.term_names == ["math"]
+    assert scorer.score(["46"], [_problem("46")])[0] == [1.0]
+
+
+def test_mismatched_lengths_are_rejected():
+    with pytest.raises(ValueError, match="2 completions but 1 problems"):
+        _scorer(MathRewardConfig()).score(["1", "2"], [_problem("1")])

@@ -1,0 +1,107 @@
+"""Reward-model term: a tiny local sequence classifier, scored in batches, against a last-token reference forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout.rewards import RewardConfig, RewardModelConfig, RewardScorer
+from rollout.rewards.reward_model import RewardModelReward
+from rollout.tasks import Problem
+from tools.tiny_tokenizer import build_tokenizer, save_tokenizer
+
+PROBLEMS = [
+    Problem(prompt=[{"role": "user", "content": "What is 2 + 3?"}], answer="5", problem_id="a"),
+    Problem(prompt=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], answer="", problem_id="b"),
+    Problem(prompt="plain text prompt", answer="", problem_id="c"),
+]
+COMPLETIONS = ["5", "Hello there, this is a much longer completion than the others", "ok"]
+
+
+def _make_reward_model(out: Path, with_template: bool) -> Path:
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    tokenizer = build_tokenizer(vocab_size=300, seed=0)
+    if not with_template:
+        tokenizer.chat_template = None
+    config = Qwen3Config(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_labels=2, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    Qwen3ForSequenceClassification(config).save_pretrained(out)
+    save_tokenizer(tokenizer, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat_rm(tmp_path_factory) -> Path:
+    return _make_reward_model(tmp_path_factory.mktemp("rm") / "chat", with_template=True)
+
+
+@pytest.fixture(scope="module")
+def plain_rm(tmp_path_factory) -> Path:
+    return _make_reward_model(tmp_path_factory.mktemp("rm") / "plain", with_template=False)
+
+
+def _reference(path: Path, texts: list[str], add_special_tokens: bool, label: int) -> list[float]:
+    """Score each text alone: backbone forward, then the score head on the very last position (no HF pooling)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    out = []
+    with torch.no_grad():
+        for text in texts:
+            ids = torch.tensor([tokenizer.encode(text, add_special_tokens=add_special_tokens)])
+            hidden = model.model(input_ids=ids).last_hidden_state
+            out.append(model.score(hidden[:, -1]).float()[0, label].item())
+    return out
+
+
+def _chatml(problem: Problem, completion: str) -> str:
+    messages = [{"role": "user", "content": problem.prompt}] if isinstance(problem.prompt, str) else problem.prompt
+    turns = [*messages, {"role": "assistant", "content": completion}]
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in turns)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 16])
+def test_batched_scores_match_unbatched_reference(chat_rm, batch_size):
+    scorer = RewardScorer.from_config(
+        RewardConfig(terms=[RewardModelConfig(path=str(chat_rm), batch_size=batch_size, label_index=1, weight=0.5)])
+    )
+    rewards, terms, metrics = scorer.score(COMPLETIONS, PROBLEMS, group_ids=[0, 1, 2])
+    expected = _reference(chat_rm, [_chatml(p, c) for p, c in zip(PROBLEMS, COMPLETIONS)], False, label=1)
+    assert terms["reward_model"] == pytest.approx(expected, abs=1e-5)
+    assert rewards == pytest.approx([0.5 * e for e in expected], abs=1e-5)
+    assert metrics["reward/reward_model/mean"] == pytest.approx(sum(expected) / 3, abs=1e-5)
+
+
+def test_without_template_and_with_pad_token_in_the_text(plain_rm):
+    term = RewardModelReward(RewardModelConfig(path=str(plain_rm), batch_size=8))
+    # The second completion ends in the pad token: padding must not be confused with it.
+    completions = ["5", " ends in pad<|endoftext|>", "a much longer completion to force padding of the others"]
+    scores, num_errors = term.score(completions, PROBLEMS, ["s0", "s1", "s2"])
+    texts = ["What is 2 + 3?" + completions[0], "Be brief.\n\nHi" + completions[1], "plain text prompt" + completions[2]]
+    assert num_errors == 0
+    assert scores == pytest.approx(_reference(plain_rm, texts, True, label=0), abs=1e-5)
+
+
+def test_long_inputs_keep_their_end(chat_rm):
+    term = RewardModelReward(RewardModelConfig(path=str(chat_rm), max_length=8))
+    scores, _ = term.score(["5"], PROBLEMS[:1], ["s0"])
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(chat_rm).encode(_chatml(PROBLEMS[0], "5"), add_special_tokens=False)
+    tail_text = AutoTokenizer.from_pretrained(chat_rm).decode(ids[-8:])
+    assert scores == pytest.approx(_reference(chat_rm, [tail_text], False, label=0), abs=1e-5)
+
+
+def test_bad_reward_model_settings(chat_rm, tmp_path):
+    with pytest.raises(ValueError, match="label_index = 2 but the model has 2 labels"):
+        RewardModelReward(RewardModelConfig(path=str(chat_rm), label_index=2))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        RewardScorer.from_config(RewardConfig(terms=[RewardModelConfig(path=str(tmp_path / "missing"))]))

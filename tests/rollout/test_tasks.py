@@ -1,0 +1,217 @@
+"""Tasks and the prompt dataset: arithmetic generation, held-out disjointness, JSONL loading, seeded shuffle, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.config import Config, ConfigError, validate_config
+from rollout.tasks import ArithmeticTaskConfig, JsonlTaskConfig, Problem, PromptDataset, TaskConfig, build_dataset
+from rollout.tasks.arithmetic import generate_arithmetic
+from rollout.tasks.config import arithmetic_capacity
+
+
+class _Recipe(Config):
+    task: TaskConfig = ArithmeticTaskConfig()
+
+
+def _key(p: Problem) -> tuple:
+    return p.metadata["a"], p.metadata["op"], p.metadata["b"]
+
+
+def test_arithmetic_is_deterministic_and_correct():
+    config = ArithmeticTaskConfig(operators=["+", "-", "*"], max_digits=3, num_train_problems=300, num_eval_problems=50)
+    train, held_out = generate_arithmetic(config)
+    again = generate_arithmetic(config)
+    assert (train, held_out) == again
+    other_seed = generate_arithmetic(config.model_copy(update={"seed": 1}))
+    assert [p.answer for p in other_seed[0]] != [p.answer for p in train]
+    ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+    for p in train + held_out:
+        a, op, b = _key(p)
+        assert p.answer == p.solution == str(ops[op](a, b))
+        assert p.prompt == [{"role": "user", "content": f"What is {a} {op} {b}?"}]
+        assert 0 <= a < 1000 and 0 <= b < 1000
+        assert int(p.answer) >= 0  # allow_negative is off
+    assert {p.metadata["op"] for p in train} == {"+", "-", "*"}
+    ids = [p.problem_id for p in train + held_out]
+    assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_held_out_never_overlaps_train(seed):
+    # Ask for half of the whole problem space, so collisions would be frequent if the split leaked.
+    config = ArithmeticTaskConfig(max_digits=1, operators=["+", "*"], num_train_problems=80, num_eval_problems=20, seed=seed)
+    assert arithmetic_capacity(config) == 200
+    train, held_out = generate_arithmetic(config)
+    train_keys, eval_keys = {_key(p) for p in train}, {_key(p) for p in held_out}
+    assert len(train_keys) == 80 and len(eval_keys) == 20
+    assert not train_keys & eval_keys
+
+
+def test_system_prompt_and_template():
+    config = ArithmeticTaskConfig(system_prompt="Reply with the number only.", prompt_template="{a}{op}{b}=")
+    problem = build_dataset(config).eval_problems()[0]
+    a, op, b = _key(problem)
+    assert problem.prompt == [
+        {"role": "system", "content": "Reply with the number only."},
+        {"role": "user", "content": f"{a}{op}{b}="},
+    ]
+
+
+def test_negative_results_when_allowed():
+    config = ArithmeticTaskConfig(operators=["-"], allow_negative=True, num_train_problems=500, num_eval_problems=0)
+    train, _ = generate_arithmetic(config)
+    assert any(int(p.answer) < 0 for p in train)
+
+
+@pytest.mark.parametrize(
+    "task, field, message",
+    [
+        ({"type": "arithmetic", "max_digits": 1, "num_train_problems": 1000}, "task", "give only"),
+        ({"type": "arithmetic", "min_digits": 3, "max_digits": 2}, "task", "larger than max_digits"),
+        ({"type": "arithmetic", "prompt_template": "What is {x}?"}, "task.prompt_template", "not a valid template"),
+        ({"type": "arithmetic", "operators": ["/"]}, "task.operators[0]", "'+'"),
+        ({"type": "arithmetic", "operators": ["+", "+"]}, "task", "duplicates"),
+        ({"type": "csv"}, "task", "does not match any of the expected tags"),
+        ({"type": "jsonl", "path": "a.jsonl", "eval_path": "b.jsonl", "num_eval_problems": 3}, "task", "not both"),
+        ({"type": "arithmetic", "num_train_problems": "10"}, "task.num_train_problems", "valid integer"),
+        ({"max_digits": 3}, "task", "Unable to extract tag"),
+    ],
+)
+def test_bad_task_configs_name_the_field(task, field, message):
+    with pytest.raises(ConfigError) as info:
+        validate_config(_Recipe, {"task": task}, source="recipe.toml")
+    text = str(info.value)
+    # Model-level errors of a union member are reported at "task.<tag>" by common.config; field errors at "task.<field>".
+    assert "recipe.toml" in text and f"  - {field}" in text and message in text
+
+
+def test_task_union_picks_by_type(tmp_path):
+    recipe = validate_config(_Recipe, {"task": {"type": "jsonl", "path": str(tmp_path / "x.jsonl")}})
+    assert isinstance(recipe.task, JsonlTaskConfig)
+    assert isinstance(_Recipe().task, ArithmeticTaskConfig)
+
+
+def _drain(dataset: PromptDataset, sizes: list[int]) -> list[str]:
+    return [p.problem_id for n in sizes for p in dataset.next_batch(n)]
+
+
+def test_epochs_are_seeded_permutations():
+    config = ArithmeticTaskConfig(num_train_problems=50, num_eval_problems=5)
+    dataset = build_dataset(config)
+    epoch0, epoch1 = _drain(dataset, [50]), _drain(dataset, [50])
+    assert sorted(epoch0) == sorted(epoch1) == sorted(p.problem_id for p in generate_arithmetic(config)[0])
+    assert epoch0 != epoch1
+    assert dataset.epoch == 1
+    same_seed = build_dataset(config)
+    assert _drain(same_seed, [7, 13, 30, 50]) == epoch0 + epoch1
+    assert _drain(build_dataset(config.model_copy(update={"seed": 3})), [50]) != epoch0
+
+
+@pytest.mark.parametrize("cut", [0, 1, 3, 5])
+def test_resume_continues_exactly(cut):
+    config = ArithmeticTaskConfig(num_train_problems=20, num_eval_problems=2)
+    sizes = [3, 7, 4, 11, 9, 2]  # crosses several epoch boundaries mid-batch
+    uninterrupted = _drain(build_dataset(config), sizes)
+    first = build_dataset(config)
+    head = _drain(first, sizes[:cut])
+    state = json.loads(json.dumps(first.state_dict()))  # must survive a checkpoint round trip
+    resumed = build_dataset(config)
+    resumed.load_state_dict(state)
+    assert head + _drain(resumed, sizes[cut:]) == uninterrupted
+
+
+def test_resume_into_a_different_dataset_is_refused():
+    dataset = build_dataset(ArithmeticTaskConfig(num_train_problems=20, num_eval_problems=2))
+    dataset.next_batch(5)
+    other = build_dataset(ArithmeticTaskConfig(num_train_problems=20, num_eval_problems=2, seed=9))
+    with pytest.raises(ValueError, match="does not match this dataset"):
+        other.load_state_dict(dataset.state_dict())
+
+
+def test_eval_problems_stay_out_of_the_training_stream():
+    dataset = build_dataset(ArithmeticTaskConfig(num_train_problems=30, num_eval_problems=10))
+    seen = set(_drain(dataset, [30, 30]))
+    held_out = [p.problem_id for p in dataset.eval_problems()]
+    assert len(held_out) == 10 and not seen & set(held_out)
+    assert held_out == [p.problem_id for p in dataset.eval_problems()]
+
+
+def test_sft_examples_come_from_train_and_end_with_eos():
+    dataset = build_dataset(ArithmeticTaskConfig(num_train_problems=10, num_eval_problems=5))
+    before = dataset.state_dict()
+    examples = dataset.sft_examples(25, eos_text="<|im_end|>")
+    assert len(examples) == 25 and dataset.state_dict() == before
+    eval_ids = {p.problem_id for p in dataset.eval_problems()}
+    for problem, completion in examples:
+        assert problem.problem_id not in eval_ids
+        assert completion == problem.answer + "<|im_end|>"
+    assert len({p.problem_id for p, _ in examples}) == 10  # cycles through the whole training set
+    assert examples == dataset.sft_examples(25, eos_text="<|im_end|>")
+
+
+def _write_jsonl(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+    return str(path)
+
+
+def test_jsonl_fields_prompts_and_split(tmp_path):
+    records = [{"q": f"What is {i} + 1?", "a": i + 1, "uid": f"q{i}", "sol": f"{i} + 1 = {i + 1}"} for i in range(30)]
+    records[3] = {"q": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], "a": "4", "uid": "m", "sol": "4"}
+    path = _write_jsonl(tmp_path / "data.jsonl", records)
+    config = JsonlTaskConfig(
+        path=path, prompt_field="q", answer_field="a", id_field="uid", solution_field="sol",
+        system_prompt="Answer briefly.", num_eval_problems=6, seed=1,
+    )
+    dataset = build_dataset(config)
+    held_out = dataset.eval_problems()
+    train_ids = {p.problem_id for p in dataset.next_batch(len(dataset))}
+    assert len(held_out) == 6 and len(train_ids) == 24 and not train_ids & {p.problem_id for p in held_out}
+    assert [p.problem_id for p in build_dataset(config).eval_problems()] == [p.problem_id for p in held_out]
+    by_id = {p.problem_id: p for p in [*held_out, *build_dataset(config).next_batch(24)]}
+    assert by_id["q5"].prompt == [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is 5 + 1?"},
+    ]
+    assert by_id["q5"].answer == "6" and by_id["q5"].solution == "5 + 1 = 6"
+    assert by_id["m"].prompt == [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+
+
+def test_jsonl_eval_file_and_default_ids(tmp_path):
+    train = _write_jsonl(tmp_path / "train.jsonl", [{"prompt": "p", "answer": "1"}, {"prompt": "q", "answer": "2"}])
+    held_out = _write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "r", "answer": "3"}])
+    dataset = build_dataset(JsonlTaskConfig(path=train, eval_path=held_out))
+    assert sorted(p.problem_id for p in dataset.next_batch(2)) == ["train.jsonl:1", "train.jsonl:2"]
+    (problem,) = dataset.eval_problems()
+    assert problem.problem_id == "eval.jsonl:1" and problem.prompt == [{"role": "user", "content": "r"}]
+    assert dataset.sft_examples(1, "</s>")[0][1] in ("1</s>", "2</s>")
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"prompt": "p"}'], r"data.jsonl:1: missing key 'answer'"),
+        (['{"prompt": "p", "answer": "1"}', "{oops"], r"data.jsonl:2: not valid JSON"),
+        (['["p", "1"]'], r"data.jsonl:1: expected a JSON object"),
+        (['{"prompt": 5, "answer": "1"}'], r"'prompt' must be text or a non-empty list"),
+        (['{"prompt": "p", "answer": null}'], r"must be a string or a number"),
+        ([""], r"holds no problems"),
+    ],
+)
+def test_jsonl_errors_name_file_and_line(tmp_path, lines, message):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=message):
+        build_dataset(JsonlTaskConfig(path=str(path)))
+
+
+def test_jsonl_missing_file_and_duplicate_ids(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_dataset(JsonlTaskConfig(path=str(tmp_path / "none.jsonl")))
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "answer": "1", "id": 1}, {"prompt": "q", "answer": "2", "id": 1}])
+    with pytest.raises(ValueError, match="'1' occurs more than once"):
+        build_dataset(JsonlTaskConfig(path=path, id_field="id"))
+    with pytest.raises(ValueError, match="leave some for training"):
+        build_dataset(JsonlTaskConfig(path=path, num_eval_problems=2))

@@ -1,0 +1,93 @@
+"""Tokenizer loading from a local directory and prompt rendering with and without a chat template."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rollout.tokenizer import has_chat_template, load_tokenizer, messages_to_text, render_prompt
+from tools.make_tiny_model import make_tiny_model
+
+QUESTION = [{"role": "user", "content": "What is 12 + 345?"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=32, num_layers=1, num_heads=2)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return load_tokenizer(str(model_dir))
+
+
+def test_loads_tokenizer_written_by_make_tiny_model(tokenizer):
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.pad_token == "<|endoftext|>"
+    assert has_chat_template(tokenizer)
+    # The arithmetic task relies on one token per digit.
+    assert len(tokenizer.encode("12345", add_special_tokens=False)) == 5
+
+
+def test_missing_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenizer(str(tmp_path / "nope"))
+
+
+def test_directory_without_tokenizer_files_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_corrupt_tokenizer_file_is_a_clear_error(tmp_path, model_dir):
+    shutil.copytree(model_dir, tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot load the tokenizer"):
+        load_tokenizer(str(tmp_path / "m"))
+
+
+def test_chat_template_rendering_matches_chatml_text(tokenizer):
+    expected_text = "<|im_start|>user\nWhat is 12 + 345?<|im_end|>\n<|im_start|>assistant\n"
+    ids = render_prompt(tokenizer, QUESTION)
+    assert ids == tokenizer.encode(expected_text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == expected_text
+    # transformers 5 returns a BatchEncoding when tokenizing inside apply_chat_template.
+    reference = tokenizer.apply_chat_template(QUESTION, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert ids == list(reference)
+
+
+def test_text_prompt_becomes_one_user_message(tokenizer):
+    assert render_prompt(tokenizer, "What is 12 + 345?") == render_prompt(tokenizer, QUESTION)
+
+
+def test_system_message_is_rendered_first(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, *QUESTION]
+    text = tokenizer.decode(render_prompt(tokenizer, messages))
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+
+
+def test_chat_template_can_be_turned_off(tokenizer):
+    assert render_prompt(tokenizer, "What is 1 + 2?", use_chat_template=False) == tokenizer.encode("What is 1 + 2?")
+    two = [{"role": "system", "content": "Be brief."}, *QUESTION]
+    assert render_prompt(tokenizer, two, use_chat_template=False) == tokenizer.encode(messages_to_text(two))
+
+
+def test_tokenizer_without_template(tmp_path, model_dir):
+    plain_dir = tmp_path / "plain"
+    shutil.copytree(model_dir, plain_dir)
+    (plain_dir / "chat_template.jinja").unlink(missing_ok=True)
+    plain = load_tokenizer(str(plain_dir))
+    plain.chat_template = None  # older layouts keep the template inside tokenizer_config.json
+    assert not has_chat_template(plain)
+    assert render_prompt(plain, "What is 1 + 2?") == plain.encode("What is 1 + 2?")
+    with pytest.raises(ValueError, match="has no chat template"):
+        render_prompt(plain, "What is 1 + 2?", use_chat_template=True)
+
+
+@pytest.mark.parametrize("bad", [[], [{"role": "user"}], [{"role": "user", "content": 3}], ["hi"]])
+def test_malformed_messages_are_rejected(tokenizer, bad):
+    with pytest.raises(ValueError, match="prompt must be|chat message 0"):
+        render_prompt(tokenizer, bad)

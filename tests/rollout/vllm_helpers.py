@@ -1,0 +1,62 @@
+"""Shared pieces of the vLLM tests: engine environment, a tiny model, and an HF transformers reference."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+TINY_ARCH = dict(hidden_size=64, num_layers=2, num_heads=2)
+"""head_dim 32: vLLM's CPU attention rejects head_dim 16."""
+
+
+def make_model(out: Path, seed: int = 0) -> str:
+    from tools.make_tiny_model import make_tiny_model
+
+    return str(make_tiny_model(out, family="qwen3", seed=seed, **TINY_ARCH))
+
+
+def hf_model(model_dir: str, state: Mapping[str, torch.Tensor] | None = None):
+    """The HF transformers model of ``model_dir`` in fp32, optionally with ``state`` loaded on top."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(dict(state), strict=False)
+        model.tie_weights()
+    return model
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt: Sequence[int], completion: Sequence[int]) -> np.ndarray:
+    """Teacher-forced log-probs of ``completion`` after ``prompt``."""
+    ids = torch.tensor([list(prompt) + list(completion)])
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs.gather(1, torch.tensor(completion).unsqueeze(1)).squeeze(1).numpy()
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: Sequence[int], num_tokens: int) -> list[int]:
+    ids = torch.tensor([list(prompt)])
+    out = model.generate(ids, max_new_tokens=num_tokens, do_sample=False, min_new_tokens=num_tokens)
+    return out[0, len(prompt):].tolist()
+
+
+def perturbed_state(model_dir: str, scale: float = 0.5, seed: int = 1) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors with seeded noise added: a new 'policy version'."""
+    from safetensors.torch import load_file
+
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        for name, t in load_file(file).items():
+            state[name] = t + scale * t.std().clamp_min(0.02) * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+    return state

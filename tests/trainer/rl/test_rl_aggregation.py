@@ -1,0 +1,45 @@
+"""aggregate(): the three reduction modes on hand-computed cases, and exact splitting across micro-batches."""
+
+import pytest
+import torch
+
+from trainer.rl.aggregation import aggregate, masked_mean
+
+X = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the last row is padding
+
+
+def test_token_mean():
+    assert aggregate(X, MASK, "token_mean").item() == pytest.approx((1 + 2 + 4) / 3)
+
+
+def test_seq_mean_token_mean_ignores_padding_rows():
+    assert aggregate(X, MASK, "seq_mean_token_mean").item() == pytest.approx(((1 + 2) / 2 + 4 / 1) / 2)
+
+
+def test_token_sum_norm_divides_by_sequences_times_constant():
+    assert aggregate(X, MASK, "token_sum_norm", norm_length=4).item() == pytest.approx(7 / (2 * 4))
+    with pytest.raises(ValueError, match="norm_length"):
+        aggregate(X, MASK, "token_sum_norm")
+
+
+def test_bool_mask_and_unknown_mode():
+    assert aggregate(X, MASK.bool(), "token_mean").item() == pytest.approx(7 / 3)
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregate(X, MASK, "sum")
+
+
+def test_masked_mean_of_empty_mask_is_zero():
+    assert masked_mean(X, torch.zeros_like(X)).item() == 0.0
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "token_sum_norm"])
+def test_micro_batches_with_global_counts_sum_to_the_full_batch(mode):
+    torch.manual_seed(0)
+    x = torch.randn(6, 5)
+    mask = (torch.rand(6, 5) > 0.3).int()
+    mask[:, 0] = 1
+    full = aggregate(x, mask, mode, norm_length=5)
+    counts = dict(norm_length=5, num_tokens=float(mask.sum()), num_seqs=6.0)
+    parts = aggregate(x[:2], mask[:2], mode, **counts) + aggregate(x[2:], mask[2:], mode, **counts)
+    torch.testing.assert_close(parts, full)

@@ -1,0 +1,82 @@
+"""KL estimators: hand values, exact zeros, exact expectations and gradients on a small categorical, reward folding."""
+
+import math
+
+import pytest
+import torch
+
+from trainer.rl.kl import kl_estimate, kl_loss, kl_penalized_sequence_rewards, kl_penalized_token_rewards
+
+
+def test_hand_values_for_policy_half_reference_quarter():
+    logp, ref = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]])
+    ln2 = math.log(2)
+    assert kl_estimate(logp, ref, "k1").item() == pytest.approx(ln2)
+    assert kl_estimate(logp, ref, "k2").item() == pytest.approx(0.5 * ln2**2)
+    assert kl_estimate(logp, ref, "k3").item() == pytest.approx(0.5 - 1 + ln2)
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_estimate(logp, ref, "k4")
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_equal_log_probs_give_exactly_zero_kl_and_zero_gradient(estimator):
+    logp = torch.randn(3, 5, requires_grad=True)
+    kl = kl_estimate(logp, logp.detach().clone(), estimator)
+    assert torch.equal(kl, torch.zeros(3, 5))
+    kl.sum().backward()
+    if estimator != "k1":  # k1's gradient is 1 everywhere (its expectation over samples is 0)
+        assert torch.equal(logp.grad, torch.zeros(3, 5))
+
+
+P = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+Q = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+
+
+def _kl(a, b):
+    return (a * (a.log() - b.log())).sum()
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_k1_and_k3_are_unbiased_in_expectation_over_the_policy(estimator):
+    per_token = kl_estimate(P.log()[None], Q.log()[None], estimator)[0]
+    torch.testing.assert_close((P * per_token).sum(), _kl(P, Q))
+
+
+def test_k2_loss_gradient_is_reverse_kl_gradient_and_k3_is_forward():
+    logits = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    q_log = Q.log()
+
+    def expected_loss_grad(estimator):
+        logp = torch.log_softmax(logits, dim=-1)
+        # E_{y ~ pi}[k(y)] with the sampling distribution held fixed, as a sampled loss would be.
+        (g,) = torch.autograd.grad((logp.exp().detach() * kl_estimate(logp[None], q_log[None], estimator)[0]).sum(),
+                                   logits)  # fmt: skip
+        return g
+
+    p = torch.softmax(logits, dim=-1)
+    (reverse,) = torch.autograd.grad(_kl(p, Q), logits)
+    p = torch.softmax(logits, dim=-1)
+    (forward,) = torch.autograd.grad(_kl(Q, p), logits)
+    torch.testing.assert_close(expected_loss_grad("k2"), reverse)
+    torch.testing.assert_close(expected_loss_grad("k3"), forward)
+
+
+def test_kl_loss_aggregates_over_the_mask():
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
+    ref = torch.log(torch.tensor([[0.25, 0.5, 0.125]]))
+    mask = torch.tensor([[1, 1, 0]])
+    assert kl_loss(logp, ref, mask, "k1").item() == pytest.approx((math.log(2) + 0.0) / 2)
+
+
+def test_kl_penalized_token_rewards_put_the_score_on_the_last_token():
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    out = kl_penalized_token_rewards(torch.tensor([1.0, 2.0, 3.0]), kl, mask, coef=0.5)
+    torch.testing.assert_close(out, torch.tensor([[-0.05, -0.1, 0.85], [-0.2, 1.75, 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_kl_penalized_sequence_rewards_subtract_the_summed_kl():
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]], requires_grad=True)
+    out = kl_penalized_sequence_rewards(torch.tensor([1.0, 2.0]), kl, torch.tensor([[1, 1, 1], [1, 1, 0]]), coef=0.5)
+    torch.testing.assert_close(out, torch.tensor([0.7, 1.55]))
+    assert not out.requires_grad

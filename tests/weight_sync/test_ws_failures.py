@@ -1,0 +1,265 @@
+"""Every refusal has a precise gRPC status, nothing of a refused update is applied, and the next update succeeds."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from ws_helpers import begin, commit, raw_push, shard_messages, status_of, tiny_state_dict
+
+from protos import weight_sync_pb2 as pb
+from weight_sync.channel import WeightSyncClient
+from weight_sync.codec import decode_chunk, encode_chunk
+from weight_sync.config import WeightSyncConfig
+from weight_sync.receiver import WeightReceiver
+from weight_sync.sink import StateDictSink
+
+C = grpc.StatusCode
+SD = {"w": torch.arange(48, dtype=torch.float32).reshape(6, 8), "b": torch.arange(5, dtype=torch.int64)}
+
+
+def zeros():
+    return {k: torch.zeros_like(v) for k, v in SD.items()}
+
+
+def full_update(client, version, session="s", sd=SD):
+    begin(client, sd, version, session)
+    messages = [m for name, t in sd.items() for m in shard_messages(name, t, (0,) * t.dim(), chunk_elems=7)]
+    raw_push(client, session, version, 0, messages)  # one stream per rank
+    return commit(client, version, session)
+
+
+@pytest.fixture
+def one(receivers):
+    (receiver, sink), = receivers(1, sd=SD)
+    client = WeightSyncClient(receiver.address, WeightSyncConfig())
+    yield receiver, sink, client
+    client.close()
+
+
+def assert_untouched(receiver, sink, version=0):
+    assert receiver.policy_version == version
+    if version == 0:
+        assert all(torch.equal(sink.state_dict[k], torch.zeros_like(v)) for k, v in SD.items())
+
+
+def test_corrupted_chunk_is_data_loss_and_nothing_applies(one):
+    receiver, sink, client = one
+    begin(client, SD, 1)
+    messages = shard_messages("w", SD["w"], (0, 0), chunk_elems=7)
+    header, payload = decode_chunk(messages[3])
+    flipped = bytearray(payload)
+    flipped[5] ^= 0x10
+    messages[3] = encode_chunk(header, bytes(flipped))
+    assert status_of(lambda: raw_push(client, "s", 1, 0, messages)) == C.DATA_LOSS
+    assert status_of(lambda: commit(client, 1)) == C.NOT_FOUND  # the failed update was dropped
+    assert_untouched(receiver, sink)
+    full_update(client, 2)
+    assert receiver.policy_version == 2 and torch.equal(sink.state_dict["w"], SD["w"])
+
+
+def test_precise_statuses_for_bad_begins(one):
+    receiver, sink, client = one
+    assert status_of(lambda: begin(client, {"nope": torch.zeros(2)}, 1)) == C.NOT_FOUND
+    assert status_of(lambda: begin(client, {"w": torch.zeros(6, 9)}, 1)) == C.INVALID_ARGUMENT
+    assert status_of(lambda: begin(client, {"w": torch.zeros(6, 8, dtype=torch.float16)}, 1)) == C.INVALID_ARGUMENT
+    assert status_of(lambda: begin(client, SD, 1, rank=2, num_ranks=2)) == C.INVALID_ARGUMENT
+    assert status_of(lambda: begin(client, SD, 0)) == C.FAILED_PRECONDITION  # not newer than 0
+    assert status_of(lambda: raw_push(client, "s", 9, 0, [])) == C.NOT_FOUND  # no Begin
+    assert_untouched(receiver, sink)
+
+
+def test_precise_statuses_for_bad_shards(one):
+    receiver, sink, client = one
+    w = SD["w"]
+    cases = [
+        (shard_messages("w", w[:, :5], (0, 4)), C.OUT_OF_RANGE),  # 4 + 5 > 8
+        (shard_messages("w", w, (0, 0), chunk_elems=7)[:-1], C.INVALID_ARGUMENT),  # stream ends inside a shard
+        (shard_messages("w", w, (0, 0)) + shard_messages("w", w[:1], (0, 0)), C.INVALID_ARGUMENT),  # overlap
+        (shard_messages("x", w, (0, 0)), C.NOT_FOUND),  # not in the manifest
+        (shard_messages("w", w, (0, 0), chunk_elems=7)[1:], C.INVALID_ARGUMENT),  # no shard header first
+        ([encode_chunk(pb.ChunkHeader(num_elements=1), b"\0" * 4)], C.INVALID_ARGUMENT),
+        ([b"\x0a\x05garbage"], C.INVALID_ARGUMENT),
+    ]
+    version = 0
+    for messages, code in cases:
+        version += 1
+        begin(client, SD, version)
+        assert status_of(lambda: raw_push(client, "s", version, 0, messages)) == code, messages[:1]
+        assert_untouched(receiver, sink)
+    version += 1
+    begin(client, SD, version)
+    big = WeightSyncConfig(chunk_bytes=4096).chunk_bytes  # the fixture receiver accepts 4096-byte chunks
+    payload = b"\0" * (big + 4)
+    header = pb.ChunkHeader(num_elements=(big + 4) // 4, shard=pb.ShardHeader(name="w", offsets=(0, 0), shape=(6, 8)))
+    assert status_of(lambda: raw_push(client, "s", version, 0, [encode_chunk(header, payload)])) in (
+        C.RESOURCE_EXHAUSTED, C.OUT_OF_RANGE)
+
+
+def test_missing_coverage_fails_commit_and_keeps_the_old_version(one):
+    receiver, sink, client = one
+    full_update(client, 1)
+    begin(client, SD, 2)
+    raw_push(client, "s", 2, 0, shard_messages("w", SD["w"][:3] + 1, (0, 0)))  # half of w, none of b
+    status = status_of(lambda: commit(client, 2))
+    assert status == C.FAILED_PRECONDITION
+    assert receiver.policy_version == 1 and torch.equal(sink.state_dict["w"], SD["w"])
+    full_update(client, 3)
+    assert receiver.policy_version == 3
+
+
+def test_wrong_or_missing_token_is_unauthenticated(receivers):
+    config = WeightSyncConfig(auth_token="s3cret", chunk_bytes=4096)
+    (receiver, sink), = receivers(1, config=config, sd=SD)
+    for token in (None, "wrong", "s3cret-but-longer"):
+        client = WeightSyncClient(receiver.address, WeightSyncConfig(auth_token=token, auth_token_env=None))
+        assert status_of(client.describe) == C.UNAUTHENTICATED
+        assert status_of(lambda: begin(client, SD, 1)) == C.UNAUTHENTICATED
+        assert status_of(lambda: raw_push(client, "s", 1, 0, [])) == C.UNAUTHENTICATED
+        client.close()
+    good = WeightSyncClient(receiver.address, config)
+    full_update(good, 1)
+    assert receiver.policy_version == 1
+
+
+def test_concurrent_update_is_refused_until_the_first_ends(one):
+    receiver, sink, client = one
+    begin(client, SD, 1, session="a")
+    assert status_of(lambda: begin(client, SD, 2, session="b")) == C.ABORTED
+    assert begin(client, SD, 1, session="a").update_id == "a@1"  # Begin is idempotent per (session, version)
+    client.abort(pb.AbortRequest(session_id="a", policy_version=1, reason="test"))
+    full_update(client, 2, session="b")
+    assert receiver.policy_version == 2
+
+
+def test_stale_update_is_replaced_after_the_idle_timeout(receivers):
+    (receiver, sink), = receivers(1, config=WeightSyncConfig(update_idle_timeout_s=0.2), sd=SD)
+    client = WeightSyncClient(receiver.address, WeightSyncConfig())
+    begin(client, SD, 1, session="dead")
+    time.sleep(0.3)
+    full_update(client, 2, session="alive")
+    assert receiver.policy_version == 2
+
+
+def test_sender_killed_mid_stream_leaves_the_old_version_and_the_next_update_succeeds(one):
+    receiver, sink, client = one
+    full_update(client, 1)
+    big = {"w": SD["w"] + 100, "b": SD["b"]}
+    script = f"""
+import os, sys, time, torch
+sys.path[:0] = [{os.path.dirname(__file__)!r}, {os.getcwd()!r}]
+from ws_helpers import begin, shard_messages
+from weight_sync.channel import WeightSyncClient
+from weight_sync.config import WeightSyncConfig
+from weight_sync.relay import stream_metadata
+client = WeightSyncClient({receiver.address!r}, WeightSyncConfig())
+w = torch.arange(48, dtype=torch.float32).reshape(6, 8) + 100
+begin(client, {{"w": w}}, 2)
+def chunks():
+    for i, m in enumerate(shard_messages("w", w, (0, 0), chunk_elems=4)):
+        if i == 3:
+            time.sleep(0.5)
+            os._exit(17)  # killed mid-stream
+        yield m
+client.push(chunks(), metadata=stream_metadata("s", 2, 0, [], 0))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.returncode == 17
+    deadline = time.monotonic() + 10
+    while status_of(lambda: begin(client, big, 3)) == C.ABORTED and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the receiver sees the broken stream
+    assert receiver.policy_version == 1 and torch.equal(sink.state_dict["w"], SD["w"])
+    assert status_of(lambda: commit(client, 2)) == C.NOT_FOUND
+    raw_push(client, "s", 3, 0, [m for name, t in big.items() for m in shard_messages(name, t, (0,) * t.dim())])
+    commit(client, 3)
+    assert receiver.policy_version == 3 and torch.equal(sink.state_dict["w"], big["w"])
+
+
+def test_cancelled_stream_aborts_the_update(one):
+    receiver, sink, client = one
+    begin(client, SD, 1)
+    gate = threading.Event()
+
+    def chunks():
+        yield from shard_messages("w", SD["w"], (0, 0), chunk_elems=4)[:2]
+        gate.wait(10)
+
+    from weight_sync.relay import stream_metadata
+
+    future = client.push.future(chunks(), metadata=stream_metadata("s", 1, 0, [], 0))
+    time.sleep(0.3)
+    future.cancel()
+    gate.set()
+    deadline = time.monotonic() + 10
+    while status_of(lambda: commit(client, 1)) != C.NOT_FOUND and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert status_of(lambda: commit(client, 1)) == C.NOT_FOUND
+    full_update(client, 2)
+    assert receiver.policy_version == 2
+
+
+class RejectingSink(StateDictSink):
+    def __init__(self, sd, error):
+        super().__init__(sd)
+        self.error = error
+
+    def apply(self, policy_version, tensors):
+        if self.error is not None:
+            raise self.error
+        super().apply(policy_version, tensors)
+
+
+def test_sink_rejection_keeps_the_old_version():
+    for error, code in ((ValueError("fused group incomplete"), C.INVALID_ARGUMENT), (RuntimeError("engine died"), C.INTERNAL)):
+        sink = RejectingSink(zeros(), error)
+        receiver = WeightReceiver(sink, WeightSyncConfig())
+        receiver.start()
+        client = WeightSyncClient(receiver.address, WeightSyncConfig())
+        assert status_of(lambda: full_update(client, 1)) == code
+        assert receiver.policy_version == 0
+        sink.error = None
+        full_update(client, 2)
+        assert receiver.policy_version == 2
+        client.close()
+        receiver.stop(0)
+
+
+class SlowSink(StateDictSink):
+    def apply(self, policy_version, tensors):
+        time.sleep(1.0)  # an engine finishing its generation batch
+        super().apply(policy_version, tensors)
+
+
+def test_slow_apply_is_tolerated_and_blocks_other_updates_meanwhile():
+    receiver = WeightReceiver(SlowSink(zeros()), WeightSyncConfig())
+    receiver.start()
+    client = WeightSyncClient(receiver.address, WeightSyncConfig())
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("reply", full_update(client, 1)))
+    worker.start()
+    time.sleep(0.5)
+    assert status_of(lambda: begin(client, SD, 2, session="other")) == C.ABORTED
+    worker.join()
+    assert result["reply"].policy_version == 1 and receiver.policy_version == 1
+    client.close()
+    receiver.stop(0)
+
+
+def test_watch_version_streams_each_new_version(one):
+    receiver, sink, client = one
+    events = client.watch(pb.WatchVersionRequest(after_version=0), timeout=10, metadata=client.metadata)
+    full_update(client, 1)
+    assert next(events).policy_version == 1
+    full_update(client, 4)
+    assert next(events).policy_version == 4
+    events.cancel()
+
+
+def test_non_loopback_bind_without_tls_and_token_is_refused():
+    receiver = WeightReceiver(StateDictSink(zeros()), WeightSyncConfig(bind_host="0.0.0.0"))
+    with pytest.raises(ValueError, match="not loopback"):
+        receiver.start()

@@ -1,0 +1,112 @@
+"""End to end on loopback: 2 sender ranks x 3 receivers, sharded assembly, deltas, versions, late joiners."""
+
+import torch
+from ws_helpers import rank_shards, run_ranks, shard_rows, tiny_state_dict
+
+from weight_sync.config import WeightSyncConfig
+from weight_sync.sender import Shard, WeightSender
+
+CFG = WeightSyncConfig(chunk_bytes=4096)
+
+
+def push_all(senders, version, sd):
+    reports = run_ranks(lambda r: senders[r].push(version, rank_shards(sd, r, len(senders))), len(senders))
+    committed = senders[0].commit(version)
+    return reports, committed
+
+
+def assert_holds(sinks, sd):
+    for sink in sinks:
+        for name, tensor in sd.items():
+            assert sink.state_dict[name].dtype == tensor.dtype
+            assert torch.equal(sink.state_dict[name], tensor), name
+
+
+def test_two_ranks_three_receivers_assemble_every_tensor_exactly(receivers):
+    pairs = receivers(3)
+    endpoints = [r.address for r, _ in pairs]
+    sd = tiny_state_dict(1)
+    senders = [WeightSender(endpoints, CFG, rank=r, num_ranks=2, session_id="run") for r in range(2)]
+    reports, committed = push_all(senders, 1, sd)
+    assert all(not rep.failed for rep in reports) and all(e is None for e in committed.values())
+    assert [r.policy_version for r, _ in pairs] == [1, 1, 1]
+    assert_holds([s for _, s in pairs], sd)
+    assert sum(rep.payload_bytes for rep in reports) == sum(t.numel() * t.element_size() for t in sd.values())
+    for s in senders:
+        s.close()
+
+
+def test_tensor_parallel_column_shards_and_2d_blocks(receivers):
+    sd = {"w": torch.randn(6, 10), "e": torch.randn(5, 7, dtype=torch.float64).to(torch.bfloat16)}
+    (receiver, sink), = receivers(1, sd=sd)
+    shards = [
+        [shard_rows("w", sd["w"], 0, 2, dim=1), Shard("e", sd["e"][:3, :4].clone(), (5, 7), (0, 0)),
+         Shard("e", sd["e"][3:, :4].clone(), (5, 7), (3, 0))],
+        [shard_rows("w", sd["w"], 1, 2, dim=1), Shard("e", sd["e"][:, 4:].clone(), (5, 7), (0, 4))],
+    ]
+    senders = [WeightSender([receiver.address], WeightSyncConfig(chunk_bytes=64), rank=r, num_ranks=2) for r in range(2)]
+    run_ranks(lambda r: senders[r].push(3, shards[r]), 2)
+    assert senders[0].commit(3) == {receiver.address: None}
+    assert_holds([sink], sd)
+
+
+def test_delta_after_full_sends_fewer_bytes_and_a_late_joiner_gets_a_full_push(receivers):
+    sd = {"w": torch.randn(64, 64).to(torch.bfloat16), "b": torch.randn(64)}
+    pairs = receivers(3, sd=sd)
+    first, late = pairs[:2], pairs[2]
+    senders = [WeightSender([r.address for r, _ in first], CFG, rank=r, num_ranks=2) for r in range(2)]
+    full, _ = push_all(senders, 1, sd)
+    sd2 = {k: v.clone() for k, v in sd.items()}
+    sd2["w"][::16, ::8] += 1  # ~0.8% of the values change
+    for s in senders:
+        s.add_endpoint(late[0].address)
+    delta, committed = push_all(senders, 2, sd2)
+    assert all(e is None for e in committed.values())
+    for rep in delta:
+        assert sorted(rep.delta_endpoints) == sorted(r.address for r, _ in first)  # the late joiner is at version 0
+    assert_holds([s for _, s in (*first, late)], sd2)
+    sd3 = {k: v.clone() for k, v in sd2.items()}
+    sd3["w"][1, :4] -= 2
+    third, committed = push_all(senders, 3, sd3)
+    assert all(e is None for e in committed.values())
+    assert all(len(rep.delta_endpoints) == 3 for rep in third)
+    assert sum(rep.bytes_sent for rep in third) < sum(rep.bytes_sent for rep in full) / 2  # 3 receivers vs 2
+    assert_holds([s for _, s in (*first, late)], sd3)
+
+
+def test_version_regression_and_equal_versions_are_refused(receivers):
+    pairs = receivers(2)
+    sd = tiny_state_dict(2)
+    sender = WeightSender([r.address for r, _ in pairs], CFG)
+    report = sender.push(5, rank_shards(sd, 0, 1))
+    assert not report.failed and all(e is None for e in sender.commit(5).values())
+    for version in (5, 4):
+        report = sender.push(version, rank_shards(tiny_state_dict(3), 0, 1))
+        assert len(report.failed) == 2
+        assert all("FAILED_PRECONDITION" in e and "not newer" in e for e in report.failed.values())
+    assert [r.policy_version for r, _ in pairs] == [5, 5]
+    assert_holds([s for _, s in pairs], sd)
+
+
+def test_mismatched_model_fails_fast(receivers):
+    (receiver, _), = receivers(1)
+    sender = WeightSender([receiver.address], CFG)
+    try:
+        sender.push(1, [Shard("model.norm.weight", torch.zeros(17), (17,), (0,))])
+    except ValueError as e:
+        assert "same model" in str(e)
+    else:
+        raise AssertionError("a shape mismatch must fail before streaming")
+
+
+def test_unreachable_receiver_is_reported_and_the_others_commit(receivers):
+    (receiver, sink), = receivers(1)
+    dead = "127.0.0.1:1"
+    config = WeightSyncConfig(chunk_bytes=4096, num_retries=0, rpc_timeout_s=2)
+    sender = WeightSender([receiver.address, dead], config)
+    sd = tiny_state_dict(4)
+    report = sender.push(1, rank_shards(sd, 0, 1))
+    assert report.ok == [receiver.address] and "UNAVAILABLE" in report.failed[dead]
+    committed = sender.commit(1)
+    assert committed[receiver.address] is None and committed[dead]
+    assert_holds([sink], sd)

@@ -1,0 +1,111 @@
+"""Write a tiny, randomly initialised HF model directory (config, safetensors, tokenizer) that transformers and vLLM load.
+
+Usage::
+
+    python -m tools.make_tiny_model --family qwen3 --out artifacts/tiny-qwen3
+    python -m tools.make_tiny_model --family qwen3_moe --out /tmp/m --hidden-size 128 --num-layers 2
+
+The weights come from transformers' own model classes (an implementation independent of ours), seeded, so the same
+arguments always give the same bytes. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from tools.tiny_tokenizer import build_tokenizer, save_tokenizer
+
+__all__ = ["FAMILIES", "make_tiny_model"]
+
+FAMILIES = ("qwen3", "llama3", "qwen3_moe")
+
+
+def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **arch: Any):
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    hidden = arch.pop("hidden_size", 64)
+    num_layers = arch.pop("num_layers", 2)
+    num_heads = arch.pop("num_heads", 4)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=arch.pop("intermediate_size", 2 * hidden),
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=arch.pop("num_kv_heads", max(1, num_heads // 2)),
+        head_dim=arch.pop("head_dim", hidden // num_heads),
+        max_position_embeddings=arch.pop("max_position_embeddings", 1024),
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=arch.pop("tie_word_embeddings", True),
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+    if family == "qwen3":
+        cfg = Qwen3Config(rope_theta=arch.pop("rope_theta", 10000.0), **common)
+    elif family == "llama3":
+        cfg = LlamaConfig(rope_theta=arch.pop("rope_theta", 500000.0), **common)
+    elif family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(
+            rope_theta=arch.pop("rope_theta", 10000.0),
+            num_experts=arch.pop("num_experts", 4),
+            num_experts_per_tok=arch.pop("top_k", 2),
+            moe_intermediate_size=arch.pop("moe_intermediate_size", hidden),
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **common,
+        )
+    else:
+        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+    if arch:
+        raise ValueError(f"unknown architecture arguments for {family}: {sorted(arch)}")
+    return cfg
+
+
+def make_tiny_model(
+    out_dir: str | Path, family: str = "qwen3", seed: int = 0, vocab_size: int = 512, dtype: str = "float32", **arch: Any
+) -> Path:
+    """Create ``out_dir`` with a tiny ``family`` model and the project's tiny tokenizer; return the directory.
+
+    ``arch`` takes hidden_size, num_layers, num_heads, num_kv_heads, head_dim, intermediate_size, rope_theta,
+    tie_word_embeddings, max_position_embeddings, and for qwen3_moe num_experts, top_k, moe_intermediate_size.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    tokenizer = build_tokenizer(vocab_size=vocab_size, seed=seed)
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    model_vocab = -(-len(tokenizer) // 64) * 64  # round up: padded vocab rows, as real checkpoints have
+    config = _hf_config(family, model_vocab, eos_id, pad_id, **arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
+    model.save_pretrained(out, safe_serialization=True)
+    save_tokenizer(tokenizer, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="directory to write (created)")
+    parser.add_argument("--family", choices=FAMILIES, default="qwen3")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer vocabulary (model rounds up to 64)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-heads", type=int, default=4)
+    args = parser.parse_args(argv)
+    out = make_tiny_model(
+        args.out, args.family, seed=args.seed, vocab_size=args.vocab_size, dtype=args.dtype,
+        hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
+    )
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

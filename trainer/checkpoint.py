@@ -1,0 +1,173 @@
+"""Full-state checkpoints of the trainer with torch.distributed.checkpoint (DCP), and HF safetensors export.
+
+One checkpoint is a directory ``<root>/step_<n>`` holding:
+
+- the DCP files of every model and its optimizer (each rank writes its own shards; loads reshard freely, e.g. 2 -> 1);
+- ``trainer_state_rank<r>.pt`` per rank: LR scheduler states, the RNG states of this rank (python, numpy, torch, and the
+  accelerator's), ``step``, ``policy_version`` and the caller's opaque ``data_cursor`` dict;
+- ``COMPLETE``, written by rank 0 after every rank finished: a directory without it is ignored (a crash mid-save
+  never becomes the "latest" checkpoint).
+
+Resuming restores all of it, so on CPU the loss trajectory after a resume equals the uninterrupted one bit for bit.
+Every rank must call :meth:`CheckpointManager.save` / :meth:`load` together (they are collective).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+__all__ = ["CheckpointManager", "Checkpointable", "TrainerState", "full_model_state_dict"]
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class Checkpointable:
+    """A model with its optimizer and LR scheduler (policy or critic); the scheduler may be None."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+
+
+@dataclass
+class TrainerState:
+    """The scalar progress saved with a checkpoint and returned by a load."""
+
+    step: int
+    """Optimizer steps taken."""
+    policy_version: int
+    """Version of the policy weights (pushed to the rollout engines)."""
+    data_cursor: dict[str, Any]
+    """Opaque position in the caller's data stream (pickled as is)."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class CheckpointManager:
+    """Saves and restores ``step_<n>`` checkpoints under ``root``, keeping the newest ``num_keep``."""
+
+    def __init__(self, root: str | Path, num_keep: int = 2) -> None:
+        if num_keep < 1:
+            raise ValueError(f"num_keep must be >= 1, got {num_keep}")
+        self.root = Path(root)
+        self.num_keep = num_keep
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints as (step, path), oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for child in self.root.iterdir():
+            m = _STEP_DIR.match(child.name)
+            if m and (child / "COMPLETE").exists():
+                found.append((int(m.group(1)), child))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        found = self.checkpoints()
+        return found[-1][1] if found else None
+
+    def save(self, parts: dict[str, Checkpointable], state: TrainerState) -> Path:
+        """Write a checkpoint of ``parts`` (e.g. ``{"policy": ..., "critic": ...}``) and ``state``; collective."""
+        path = self.root / f"step_{state.step:08d}"
+        tensors: dict[str, Any] = {}
+        for name, part in parts.items():
+            model_sd, optim_sd = get_state_dict(part.model, part.optimizer)
+            tensors[f"{name}.model"] = model_sd
+            tensors[f"{name}.optim"] = optim_sd
+        dcp.save(tensors, checkpoint_id=str(path))
+        small = {
+            "schedulers": {n: p.scheduler.state_dict() for n, p in parts.items() if p.scheduler is not None},
+            "rng": _rng_states(),
+            "step": state.step,
+            "policy_version": state.policy_version,
+            "data_cursor": state.data_cursor,
+        }
+        torch.save(small, path / f"trainer_state_rank{_rank()}.pt")
+        _barrier()
+        if _rank() == 0:
+            (path / "COMPLETE").write_text(f"{state.step}\n")
+            for _, old in self.checkpoints()[: -self.num_keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+        return path
+
+    def load(self, parts: dict[str, Checkpointable], path: str | Path | None = None) -> TrainerState:
+        """Restore ``parts`` and this rank's RNG from ``path`` (default: the latest); collective.
+
+        The number of ranks may differ from the saving run (DCP reshards); RNG states then come from rank
+        ``rank % saved_ranks``, so a resharded resume is valid but not bit-identical.
+        """
+        path = Path(path) if path is not None else self.latest()
+        if path is None or not (path / "COMPLETE").exists():
+            raise FileNotFoundError(f"no complete checkpoint at {path or self.root} (missing COMPLETE marker)")
+        tensors: dict[str, Any] = {}
+        for name, part in parts.items():
+            model_sd, optim_sd = get_state_dict(part.model, part.optimizer)
+            tensors[f"{name}.model"] = model_sd
+            tensors[f"{name}.optim"] = optim_sd
+        dcp.load(tensors, checkpoint_id=str(path))
+        for name, part in parts.items():
+            set_state_dict(
+                part.model, part.optimizer,
+                model_state_dict=tensors[f"{name}.model"], optim_state_dict=tensors[f"{name}.optim"],
+            )
+        saved = sorted(path.glob("trainer_state_rank*.pt"))
+        mine = path / f"trainer_state_rank{_rank() % len(saved)}.pt"
+        small = torch.load(mine, weights_only=False)
+        for name, part in parts.items():
+            if part.scheduler is not None:
+                part.scheduler.load_state_dict(small["schedulers"][name])
+        _set_rng_states(small["rng"])
+        _barrier()
+        return TrainerState(step=small["step"], policy_version=small["policy_version"], data_cursor=small["data_cursor"])
+
+
+def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as a full, unsharded CPU tensor on rank 0 (empty dict on other ranks); collective.
+
+    For HF export only (it gathers the whole model on rank 0); weight pushes use ``parallelize.local_shards``.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)

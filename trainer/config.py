@@ -1,0 +1,172 @@
+"""Configuration of the policy trainer: devices, sharding, precision, optimizer, schedule, micro-batching, checkpoints.
+
+No torch import here (recipes validate in well under a second). The model and the RL algorithm own their own configs
+(``trainer.models.config`` and ``trainer.rl.config``); this one covers how the update is run, not what it computes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+
+from common.config import Config
+
+__all__ = [
+    "CheckpointConfig",
+    "MixedPrecisionConfig",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "ScheduleConfig",
+    "TrainerConfig",
+]
+
+Device = Literal["cpu", "cuda", "tpu"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+# Which parameter/reduction dtypes each device runs well; the rest are rejected at recipe load, not deep in a step.
+_SUPPORTED_DTYPES: dict[str, tuple[str, ...]] = {
+    "cpu": ("float32", "bfloat16"),
+    "cuda": ("float32", "bfloat16", "float16"),
+    "tpu": ("float32", "bfloat16"),
+}
+_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "tpu": "tpu"}
+
+
+class ParallelismConfig(Config):
+    """How the policy is sharded across the trainer ranks."""
+
+    fsdp: bool = True
+    """Shard parameters, gradients and optimizer state with FSDP2 (``fully_shard`` per block and the root)."""
+    reshard_after_forward: bool = True
+    """Free the gathered parameters of a block after its forward (less memory, one more all-gather in backward)."""
+    tensor_parallel_degree: int = pydantic.Field(default=1, ge=1)
+    """Ranks per tensor-parallel group (DTensor Colwise/Rowwise); 1 turns tensor parallelism off."""
+
+
+class MixedPrecisionConfig(Config):
+    """FSDP2 mixed precision: parameters are stored in float32 and cast for compute."""
+
+    param_dtype: DType = "float32"
+    """Dtype of the gathered parameters used in forward/backward."""
+    reduce_dtype: DType = "float32"
+    """Dtype of gradient reduce-scatter across ranks (float32 keeps the sum exact enough for small batches)."""
+
+
+class OptimizerConfig(Config):
+    """AdamW (decoupled weight decay)."""
+
+    lr: float = pydantic.Field(default=1e-6, gt=0)
+    """Peak learning rate (reached at the end of warmup)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam beta1, beta2."""
+    weight_decay: float = pydantic.Field(default=0.0, ge=0)
+    """Decoupled weight decay; applied to matrices only, never to norms or biases."""
+    eps: float = pydantic.Field(default=1e-8, gt=0)
+    """Adam epsilon."""
+
+    @pydantic.field_validator("betas")
+    @classmethod
+    def _check_betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must each be in [0, 1), got {betas}")
+        return betas
+
+
+class ScheduleConfig(Config):
+    """Learning-rate schedule, stepped once per optimizer step."""
+
+    kind: Literal["constant", "cosine"] = "constant"
+    """'constant' after warmup, or 'cosine' decay from the peak to ``min_lr_ratio * lr`` at ``num_total_steps``."""
+    num_warmup_steps: int = pydantic.Field(default=0, ge=0)
+    """Optimizer steps of linear warmup from ``lr / (num_warmup_steps + 1)`` to ``lr``."""
+    num_total_steps: int | None = pydantic.Field(default=None, ge=1)
+    """Optimizer steps over which cosine decays (required for 'cosine'); the lr stays at the floor afterwards."""
+    min_lr_ratio: float = pydantic.Field(default=0.0, ge=0, le=1)
+    """Floor of the cosine schedule as a fraction of the peak lr."""
+
+    @pydantic.model_validator(mode="after")
+    def _check_cosine(self) -> ScheduleConfig:
+        if self.kind == "cosine":
+            if self.num_total_steps is None:
+                raise ValueError("schedule.kind = 'cosine' needs schedule.num_total_steps (the step where decay ends)")
+            if self.num_total_steps <= self.num_warmup_steps:
+                raise ValueError(
+                    f"schedule.num_total_steps ({self.num_total_steps}) must exceed num_warmup_steps "
+                    f"({self.num_warmup_steps}) for a cosine decay"
+                )
+        return self
+
+
+class CheckpointConfig(Config):
+    """Full-state checkpoints (torch.distributed.checkpoint): model, optimizer, scheduler, RNG, step, data cursor."""
+
+    dir: str | None = None
+    """Directory holding ``step_<n>`` checkpoints; None disables periodic checkpoints."""
+    every_num_steps: int = pydantic.Field(default=0, ge=0)
+    """Save after every k-th optimizer step; 0 saves only when asked explicitly."""
+    num_keep: int = pydantic.Field(default=2, ge=1)
+    """Keep the newest n checkpoints and delete older ones."""
+
+
+class TrainerConfig(Config):
+    """How the policy (and PPO critic) update runs on the trainer ranks."""
+
+    device: Device = "cpu"
+    """Where the trainer computes: 'cpu' (gloo), 'cuda' (nccl, one GPU per rank) or 'tpu' (torch-tpu)."""
+    num_ranks: int = pydantic.Field(default=1, ge=1)
+    """Trainer ranks (Ray actors) forming one torch.distributed group."""
+    parallelism: ParallelismConfig = ParallelismConfig()
+    """Sharding of the model across ranks."""
+    mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
+    """Compute and reduction dtypes."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """AdamW settings (the critic uses the same, with ``critic_lr`` if set)."""
+    critic_lr: float | None = pydantic.Field(default=None, gt=0)
+    """PPO critic learning rate; None reuses ``optimizer.lr``."""
+    schedule: ScheduleConfig = ScheduleConfig()
+    """Learning-rate warmup and decay."""
+    max_grad_norm: float | None = pydantic.Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this value; None disables clipping (the norm is still reported)."""
+    micro_batch_tokens: int = pydantic.Field(default=4096, ge=1)
+    """Token budget of one packed micro-batch (prompt + completion tokens, before padding) per rank."""
+    num_epochs: int = pydantic.Field(default=1, ge=1)
+    """Optimizer passes over each rollout batch (PPO-style reuse; 1 = strictly on-policy after the first step)."""
+    num_minibatches: int = pydantic.Field(default=1, ge=1)
+    """Optimizer steps per epoch: the batch is split into this many mini-batches, each one optimizer step."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Periodic full-state checkpoints."""
+    seed: int = 0
+    """Seed of model init, data shuffling and dropout (same on every rank)."""
+
+    @property
+    def backend(self) -> str:
+        """torch.distributed backend for ``device`` ('gloo', 'nccl', or torch-tpu's registered backend)."""
+        return _BACKENDS[self.device]
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> TrainerConfig:
+        supported = _SUPPORTED_DTYPES[self.device]
+        for name in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self.mixed_precision, name)
+            if dtype not in supported:
+                raise ValueError(
+                    f"mixed_precision.{name} = {dtype!r} is not supported on device {self.device!r}; "
+                    f"use one of {list(supported)}"
+                )
+        tp = self.parallelism.tensor_parallel_degree
+        if self.num_ranks % tp != 0:
+            raise ValueError(
+                f"num_ranks ({self.num_ranks}) must be a multiple of parallelism.tensor_parallel_degree ({tp})"
+            )
+        if not self.parallelism.fsdp and self.num_ranks // tp > 1:
+            raise ValueError(
+                f"{self.num_ranks // tp} data-parallel ranks need parallelism.fsdp = true (the only data-parallel "
+                "mode); set fsdp = true or num_ranks = tensor_parallel_degree"
+            )
+        if self.mixed_precision.param_dtype != "float32" and not self.parallelism.fsdp:
+            raise ValueError(
+                "mixed_precision needs parallelism.fsdp = true (FSDP2 does the casting); "
+                "set fsdp = true or param_dtype = 'float32'"
+            )
+        return self

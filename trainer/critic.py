@@ -1,0 +1,40 @@
+"""PPO's critic: the policy's transformer body with a scalar value head instead of the output head.
+
+The critic is built from the same :class:`ModelConfig` (and usually the same initial weights) as the policy, so it
+shards the same way (``critic.layers`` are its blocks). Its value at row position ``t`` estimates the return of the
+state in which the token at ``t + 1`` is generated, matching the alignment of log-probs in ``trainer.packing``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["Critic"]
+
+
+class Critic(nn.Module):
+    """``values = value_head(body(tokens))``: [B, T] float32 per position."""
+
+    def __init__(self, body: nn.Module, dim: int) -> None:
+        super().__init__()
+        self.body = body
+        self.value_head = nn.Linear(dim, 1, bias=True)
+        # A zero head starts every value at 0: the first GAE is plain Monte Carlo, no random critic noise.
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+        # The body's (untied) token output head is never used by the critic: freeze it, no optimizer state for it.
+        if getattr(body, "output", None) is not None:
+            body.output.requires_grad_(False)
+
+    @property
+    def layers(self) -> nn.Module:
+        """The transformer blocks (what ``parallelize_model`` wraps in FSDP units)."""
+        return self.body.layers
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        hidden = self.body(tokens, positions=positions, segment_ids=segment_ids)  # [B, T, D]
+        values = self.value_head(hidden.to(self.value_head.weight.dtype))[..., 0]
+        return values.float().clone()  # a fresh tensor, not a view: FSDP hooks the output for backward

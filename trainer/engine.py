@@ -1,0 +1,117 @@
+"""The per-rank training state: sharded policy, frozen reference, PPO critic, their optimizers and LR schedules.
+
+:func:`build_engine` builds every model the algorithm needs from one :class:`ModelConfig` with the same seed on every
+rank (so the unsharded init is identical everywhere), loads the initial HF weights when given, then shards each model
+the same way (``trainer.parallelize``). The update itself lives in ``trainer.step``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import register_fsdp_forward_method
+
+from trainer.checkpoint import Checkpointable
+from trainer.config import TrainerConfig
+from trainer.critic import Critic
+from trainer.models.config import ModelConfig
+from trainer.models.transformer import build_model
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.parallelize import parallelize_model
+from trainer.rl.config import GRPOConfig, PPOConfig
+
+__all__ = ["TrainEngine", "build_engine"]
+
+
+@dataclass
+class TrainEngine:
+    """Everything one trainer rank updates. ``step`` counts train steps (rollout batches), not optimizer steps."""
+
+    cfg: TrainerConfig
+    model_cfg: ModelConfig
+    algorithm: GRPOConfig | PPOConfig
+    device: torch.device
+    mesh: DeviceMesh
+    policy: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    reference: nn.Module | None = None
+    critic: nn.Module | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+    critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    step: int = 0
+    policy_version: int = 0
+    data_cursor: dict = field(default_factory=dict)
+
+    @property
+    def dp_rank(self) -> int:
+        return self._dp_mesh().get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self._dp_mesh().size()
+
+    def _dp_mesh(self) -> DeviceMesh:
+        names = self.mesh.mesh_dim_names or ()
+        return self.mesh["dp"] if "tp" in names else self.mesh
+
+    def checkpointables(self) -> dict[str, Checkpointable]:
+        """The parts a checkpoint holds (the reference is frozen and rebuilt from the initial weights)."""
+        parts = {"policy": Checkpointable(self.policy, self.optimizer, self.scheduler)}
+        if self.critic is not None:
+            assert self.critic_optimizer is not None
+            parts["critic"] = Checkpointable(self.critic, self.critic_optimizer, self.critic_scheduler)
+        return parts
+
+
+def _shard(model: nn.Module, mesh: DeviceMesh, cfg: TrainerConfig) -> nn.Module:
+    model = parallelize_model(model, mesh, cfg)
+    if cfg.parallelism.fsdp and hasattr(model, "token_logprobs"):
+        # token_logprobs uses root-unit parameters (the output head) outside forward: let FSDP unshard for it too.
+        register_fsdp_forward_method(model, "token_logprobs")
+    return model
+
+
+def build_engine(
+    cfg: TrainerConfig,
+    model_cfg: ModelConfig,
+    algorithm: GRPOConfig | PPOConfig,
+    device: torch.device,
+    mesh: DeviceMesh,
+    init_path: str | None = None,
+) -> TrainEngine:
+    """Build, load and shard the policy (and the reference / critic when the algorithm needs them) on this rank.
+
+    ``init_path``: a local HF checkpoint directory with the initial weights; None keeps the seeded random init (tests).
+    Collective when FSDP is on: every rank calls it with the same arguments.
+    """
+    torch.manual_seed(cfg.seed)
+    policy = build_model(model_cfg, device=torch.device("cpu"), dtype=torch.float32)
+    if init_path is not None:
+        from trainer.models.hf_io import load_hf_checkpoint
+
+        load_hf_checkpoint(policy, init_path)
+    reference = None
+    if algorithm.kl.needs_reference:
+        reference = copy.deepcopy(policy).requires_grad_(False).eval()
+    critic = None
+    if isinstance(algorithm, PPOConfig):
+        critic = Critic(copy.deepcopy(policy), model_cfg.dim)
+
+    policy = _shard(policy.to(device), mesh, cfg)
+    optimizer = build_optimizer(policy, cfg.optimizer)
+    engine = TrainEngine(
+        cfg=cfg, model_cfg=model_cfg, algorithm=algorithm, device=device, mesh=mesh, policy=policy,
+        optimizer=optimizer, scheduler=build_scheduler(optimizer, cfg.schedule),
+    )  # fmt: skip
+    if reference is not None:
+        engine.reference = _shard(reference.to(device), mesh, cfg)
+    if critic is not None:
+        engine.critic = _shard(critic.to(device), mesh, cfg)
+        engine.critic_optimizer = build_optimizer(engine.critic, cfg.optimizer, lr=cfg.critic_lr)
+        engine.critic_scheduler = build_scheduler(engine.critic_optimizer, cfg.schedule)
+    return engine

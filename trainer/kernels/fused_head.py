@@ -1,0 +1,139 @@
+"""Fused output head as the PyTorch op ``rl_align::fused_head_logprobs``: target log-probs and entropy, no logits.
+
+The kernels are in :mod:`trainer.kernels.fused_head_kernel`. The forward op also returns the per-row log-sum-exp
+(differentiable like the other two outputs), which autograd saves so the backward op
+(``rl_align::fused_head_logprobs_backward``) only recomputes logits tile by tile. Torch reference: :func:`trainer.kernels.head_reference.head_logprobs_reference` (same signature and semantics).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from trainer.kernels.bridge import (
+    check_kernel_device,
+    int32_tensor,
+    jax_to_torch,
+    register_tpu_kernel,
+    torch_to_jax,
+    tpu_jax_op,
+)
+from trainer.kernels.fused_head_kernel import HeadBlockSizes, fused_head_backward_jax, fused_head_forward_jax
+
+__all__ = ["FLAG", "check_supported", "fused_head_logprobs"]
+
+FLAG = 'output_head = "fused_pallas"'
+_ALTERNATIVE = 'output_head = "torch" (full logits)'
+# TPU tiles; interpret mode on CPU is exact for any tile but pays per grid step, so CPU uses fewer, larger vocab tiles.
+_TPU_BLOCKS = HeadBlockSizes(block_tokens=256, block_vocab=512)
+_CPU_BLOCKS = HeadBlockSizes(block_tokens=256, block_vocab=2048)
+
+
+def check_supported(device: torch.device | str) -> None:
+    """Raise ``ValueError`` unless the fused head can run on ``device`` (cpu: interpret mode; tpu: torch-tpu)."""
+    check_kernel_device(device, flag=FLAG, alternative=_ALTERNATIVE)
+
+
+@torch.library.custom_op("rl_align::fused_head_logprobs", mutates_args=())
+def _head_op(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_supported(hidden.device)
+    outs = fused_head_forward_jax(
+        torch_to_jax(hidden), torch_to_jax(weight), torch_to_jax(targets), blocks=_CPU_BLOCKS, interpret=True
+    )
+    return tuple(jax_to_torch(o) for o in outs)
+
+
+@_head_op.register_fake
+def _head_fake(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    row = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+    return row, torch.empty_like(row), torch.empty_like(row)
+
+
+@torch.library.custom_op("rl_align::fused_head_logprobs_backward", mutates_args=())
+def _head_backward_op(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+    grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor, grad_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    check_supported(hidden.device)
+    args = [torch_to_jax(t) for t in (hidden, weight, targets, lse, entropy, grad_logprobs, grad_entropy, grad_lse)]
+    dh, dw = fused_head_backward_jax(*args, blocks=_CPU_BLOCKS, interpret=True)
+    return jax_to_torch(dh), jax_to_torch(dw)
+
+
+@_head_backward_op.register_fake
+def _head_backward_fake(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+    grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor, grad_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return torch.empty_like(hidden), torch.empty_like(weight)
+
+
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+    hidden, weight, targets = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+
+
+def _backward(
+    ctx: torch.autograd.function.FunctionCtx,
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+) -> tuple:
+    hidden, weight, targets, lse, entropy = ctx.saved_tensors
+    grads = [torch.zeros_like(lse) if g is None else g.float().contiguous() for g in (grad_logprobs, grad_entropy, grad_lse)]
+    dh, dw = _head_backward_op(hidden, weight, targets, lse, entropy, *grads)
+    return dh, dw, None
+
+
+_head_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _head_tpu(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = tpu_jax_op(
+        "rl_align_tpu::fused_head_logprobs",
+        lambda: functools.partial(fused_head_forward_jax, blocks=_TPU_BLOCKS, interpret=False),
+    )
+    return op(hidden, weight, targets)
+
+
+def _head_backward_tpu(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+    grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor, grad_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    op = tpu_jax_op(
+        "rl_align_tpu::fused_head_logprobs_backward",
+        lambda: functools.partial(fused_head_backward_jax, blocks=_TPU_BLOCKS, interpret=False),
+    )
+    return op(hidden, weight, targets, lse, entropy, grad_logprobs, grad_entropy, grad_lse)
+
+
+register_tpu_kernel(_head_op, _head_tpu)
+register_tpu_kernel(_head_backward_op, _head_backward_tpu)
+
+
+def fused_head_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each target token and the softmax entropy under ``hidden @ weight.T``, without ``[N, V]`` logits.
+
+    Shapes: ``hidden [N, D]``, ``weight [V, D]`` (same dtype), ``targets [N]`` integer in ``[0, V)``. Returns float32
+    ``(logprobs [N], entropy [N])``; differentiable wrt ``hidden`` and ``weight``. A target outside ``[0, V)`` is not
+    checked (it would cost a device sync) and reads as logit 0. Raises ``ValueError`` on a device without a Pallas path
+    (see :func:`check_supported`) or on inconsistent shapes.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"expected hidden [N, D] and weight [V, D]; got {tuple(hidden.shape)}, {tuple(weight.shape)}")
+    if targets.shape != (hidden.shape[0],):
+        raise ValueError(f"targets must be [N] = [{hidden.shape[0]}]; got {tuple(targets.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight must share a dtype; got {hidden.dtype}, {weight.dtype}")
+    logprobs, entropy, _ = _head_op(hidden, weight, int32_tensor(targets))
+    return logprobs, entropy

@@ -1,0 +1,91 @@
+"""Combining per-micro-batch metrics into one flat dict per step, across micro-batches and ranks.
+
+Each micro-batch reports a flat ``{name: float}`` (see ``trainer.rl.loss``). How a name combines follows from what it
+is, decided by :func:`reduction_of`:
+
+- loss terms (``loss``, ``*_loss``) are already divided by the *global* token/sequence count, so they **sum** to the
+  full-batch value; so do counts (``num_*``);
+- ``*_max`` / ``*_min`` take the max / min;
+- everything else is a per-token mean and is averaged weighted by the micro-batch's completion tokens.
+
+One ``all_reduce`` per reduction kind; every rank gets the same result.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MetricsAccumulator", "reduction_of"]
+
+Reduction = Literal["sum", "max", "min", "mean"]
+
+
+def reduction_of(name: str) -> Reduction:
+    """How metric ``name`` combines across micro-batches and ranks (see the module docstring)."""
+    if name == "loss" or name.endswith("_loss") or name.startswith("num_"):
+        return "sum"
+    if name.endswith("_max"):
+        return "max"
+    if name.endswith("_min"):
+        return "min"
+    return "mean"
+
+
+class MetricsAccumulator:
+    """Collects micro-batch metrics on one rank; :meth:`reduce` combines them over all ranks (collective)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = defaultdict(float)
+        self._weights: dict[str, float] = defaultdict(float)
+        self._max: dict[str, float] = {}
+        self._min: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, float], weight: float) -> None:
+        """Add one micro-batch's metrics; ``weight`` is its completion-token count (0 for an empty micro-batch)."""
+        for name, value in metrics.items():
+            kind = reduction_of(name)
+            if kind == "sum":
+                self._sums[name] += value
+                self._weights[name] = 1.0
+            elif kind == "mean":
+                self._sums[name] += value * weight
+                self._weights[name] += weight
+            elif weight > 0 and kind == "max":
+                self._max[name] = max(self._max.get(name, value), value)
+            elif weight > 0 and kind == "min":
+                self._min[name] = min(self._min.get(name, value), value)
+
+    def reduce(self, device: torch.device | str = "cpu") -> dict[str, float]:
+        """Combine over ranks (collective; ``device`` is where the process group's backend communicates).
+
+        Every rank must have seen the same metric names (true when every rank ran the same number of micro-batches
+        under the same config, as ``trainer.packing`` guarantees).
+        """
+        names = sorted(set(self._sums) | set(self._max) | set(self._min))
+        sums = [n for n in names if reduction_of(n) in ("sum", "mean")]
+        maxes = [n for n in names if reduction_of(n) == "max"]
+        mins = [n for n in names if reduction_of(n) == "min"]
+        vec = torch.tensor(
+            [self._sums.get(n, 0.0) for n in sums] + [self._weights.get(n, 0.0) for n in sums],
+            dtype=torch.float64,
+            device=device,
+        )
+        hi = torch.tensor([self._max.get(n, float("-inf")) for n in maxes], dtype=torch.float64, device=device)
+        lo = torch.tensor([self._min.get(n, float("inf")) for n in mins], dtype=torch.float64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(vec)
+            if maxes:
+                dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+            if mins:
+                dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        out: dict[str, float] = {}
+        for j, n in enumerate(sums):
+            total, weight = float(vec[j]), float(vec[len(sums) + j])
+            out[n] = total if reduction_of(n) == "sum" else (total / weight if weight > 0 else 0.0)
+        out.update({n: float(v) for n, v in zip(maxes, hi.tolist())})
+        out.update({n: float(v) for n, v in zip(mins, lo.tolist())})
+        return out

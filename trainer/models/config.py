@@ -1,0 +1,145 @@
+"""Configuration of the model family (Llama 3, Qwen 3 dense, Qwen 3 MoE): one :class:`ModelConfig` tree.
+
+No torch import here, so recipes validate instantly. The swappable compute blocks (attention, output head, MoE experts)
+are plain strings resolved at build time against small registries (``trainer.models.registry``); a kernel package adds
+a name (``"splash"``, ``"gmm_pallas"``) by registering it, without touching this file or the model code. An unknown
+name fails in :func:`trainer.models.transformer.build_model` with the list of registered names.
+
+:func:`trainer.models.hf_config.model_config_from_hf` builds a :class:`ModelConfig` from a local HF ``config.json``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import pydantic
+
+from common.config import Config
+
+__all__ = ["Family", "ModelConfig", "MoEConfig", "RopeScalingConfig"]
+
+Family = Literal["llama3", "qwen3", "qwen3_moe"]
+
+_PositiveInt = Annotated[int, pydantic.Field(gt=0)]
+_PositiveFloat = Annotated[float, pydantic.Field(gt=0)]
+
+
+class RopeScalingConfig(Config):
+    """Llama 3.1 RoPE frequency scaling ("llama3" rope type): long wavelengths are stretched by ``factor``."""
+
+    factor: _PositiveFloat = 8.0
+    """Divisor applied to the low-frequency (long-wavelength) rotary frequencies."""
+    low_freq_factor: _PositiveFloat = 1.0
+    """Wavelengths above ``original_max_seq_len / low_freq_factor`` are fully scaled."""
+    high_freq_factor: _PositiveFloat = 4.0
+    """Wavelengths below ``original_max_seq_len / high_freq_factor`` are kept; in between they are interpolated."""
+    original_max_seq_len: _PositiveInt = 8192
+    """Context length the model was pre-trained with before scaling (HF ``original_max_position_embeddings``)."""
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> RopeScalingConfig:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must be greater than low_freq_factor "
+                f"({self.low_freq_factor})"
+            )
+        return self
+
+
+class MoEConfig(Config):
+    """Sparse mixture-of-experts feed-forward (Qwen3-MoE): a softmax router picks ``top_k`` of ``num_experts``."""
+
+    num_experts: _PositiveInt
+    """Routed experts per MoE layer."""
+    top_k: _PositiveInt
+    """Experts each token is sent to (HF ``num_experts_per_tok``)."""
+    expert_ffn_hidden_dim: _PositiveInt
+    """Hidden width of each expert's SwiGLU (HF ``moe_intermediate_size``)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing probabilities to sum to 1 (Qwen3-MoE does); otherwise use the raw softmax ones."""
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> MoEConfig:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"moe.top_k ({self.top_k}) must be <= moe.num_experts ({self.num_experts})")
+        return self
+
+
+class ModelConfig(Config):
+    """A decoder-only transformer of one supported family, plus which implementation runs each swappable block."""
+
+    family: Family
+    """Architecture family: ``llama3`` (LlamaForCausalLM), ``qwen3`` (Qwen3ForCausalLM) or ``qwen3_moe``
+    (Qwen3MoeForCausalLM). Decides the HF name table and config.json layout."""
+    vocab_size: _PositiveInt
+    """Rows of the token embedding and of the output head."""
+    dim: _PositiveInt
+    """Residual stream width (HF ``hidden_size``)."""
+    num_layers: _PositiveInt
+    """Transformer blocks."""
+    num_heads: _PositiveInt
+    """Query heads per attention layer."""
+    num_kv_heads: _PositiveInt
+    """Key/value heads (grouped-query attention); must divide ``num_heads``."""
+    head_dim: _PositiveInt
+    """Width of one attention head; even (RoPE rotates pairs). Need not equal ``dim // num_heads`` (Qwen3 does not)."""
+    ffn_hidden_dim: _PositiveInt
+    """Hidden width of the dense SwiGLU feed-forward (HF ``intermediate_size``); kept but unused in MoE layers."""
+    norm_eps: _PositiveFloat = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: _PositiveFloat = 10000.0
+    """RoPE base frequency."""
+    rope_scaling: RopeScalingConfig | None = None
+    """Llama 3.1 frequency scaling; ``None`` for plain RoPE."""
+    qk_norm: bool = False
+    """RMSNorm on each query and key head before RoPE (Qwen3: true; Llama 3: false)."""
+    tie_embeddings: bool = False
+    """The output head reuses the token embedding matrix (no separate ``lm_head`` weight)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts settings; required for ``qwen3_moe`` (every layer is sparse) and absent otherwise."""
+    max_seq_len: _PositiveInt = 4096
+    """Longest sequence (packed row) the model is used with; exported as HF ``max_position_embeddings``."""
+    attention: str = "sdpa"
+    """Attention implementation, a name registered in ``ATTENTION_BLOCKS`` (built in: ``sdpa``, ``eager``)."""
+    output_head: str = "chunked"
+    """Output head for ``token_logprobs``, a name registered in ``OUTPUT_HEADS`` (built in: ``dense``, which holds
+    the full [tokens, vocab] logits, and ``chunked``, which never does)."""
+    output_chunk_size: _PositiveInt = 1024
+    """Tokens per chunk of the ``chunked`` output head: its extra memory is about 3 x chunk x vocab x 4 bytes."""
+    moe_experts: str = "grouped"
+    """MoE expert implementation, a name registered in ``MOE_EXPERTS`` (built in: ``loop``, one matmul set per
+    expert, and ``grouped``, tokens sorted by expert and one grouped matmul per projection)."""
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs of dimensions")
+        if (self.family == "qwen3_moe") != (self.moe is not None):
+            raise ValueError(
+                f"family {self.family!r}: a [moe] section is required for 'qwen3_moe' and not allowed otherwise "
+                f"(got moe={'set' if self.moe is not None else 'None'})"
+            )
+        wants_qk_norm = self.family != "llama3"
+        if self.qk_norm != wants_qk_norm:
+            raise ValueError(f"family {self.family!r} has qk_norm={wants_qk_norm}; set qk_norm = {wants_qk_norm}")
+        if self.rope_scaling is not None and self.family != "llama3":
+            raise ValueError(f"rope_scaling (Llama 3.1 style) is only supported for family 'llama3', not {self.family!r}")
+        for field in ("attention", "output_head", "moe_experts"):
+            if not getattr(self, field):
+                raise ValueError(f"{field} must name a registered block, not an empty string")
+        return self
+
+    @property
+    def num_params(self) -> int:
+        """Total parameter count (tied embeddings counted once)."""
+        attn = self.dim * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        if self.moe is None:
+            ffn = 3 * self.dim * self.ffn_hidden_dim
+        else:
+            ffn = 3 * self.dim * self.moe.expert_ffn_hidden_dim * self.moe.num_experts + self.dim * self.moe.num_experts
+        block = attn + ffn + 2 * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.vocab_size * self.dim + self.num_layers * block + self.dim + head

@@ -1,0 +1,200 @@
+"""HF checkpoint IO and the HF view of our parameters (for export and for pushing FSDP shards to serving engines).
+
+- :func:`hf_shards` maps one of our parameters, whole or a shard (local piece + its place in the global tensor), to
+  HF-named pieces with their places; no gather needed. A dim-0 shard of stacked experts becomes whole per-expert HF
+  tensors; any other tensor keeps its shape and offsets under its HF name.
+- :func:`hf_manifest` lists every HF tensor (name, shape, dtype) a full model has, in checkpoint order.
+- :func:`save_hf_checkpoint` / :func:`load_hf_checkpoint` write / read a local HF directory (``model.safetensors`` or
+  shards + ``model.safetensors.index.json``, plus ``config.json``) in the stock per-expert layout transformers and vLLM
+  load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from trainer.models.config import ModelConfig
+from trainer.models.hf_config import hf_config_dict
+from trainer.models.hf_names import name_map
+from trainer.models.transformer import Transformer, build_model
+
+__all__ = [
+    "canonical_name",
+    "hf_manifest",
+    "hf_shards",
+    "hf_state_dict",
+    "load_hf_checkpoint",
+    "save_hf_checkpoint",
+]
+
+_WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+Shape = tuple[int, ...]
+
+
+def canonical_name(name: str) -> str:
+    """Our parameter name without wrapper components (torch.compile, activation checkpointing, FSDP1)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def hf_shards(
+    model_cfg: ModelConfig, our_name: str, local: torch.Tensor, global_shape: Shape, global_offsets: Shape
+) -> Iterator[tuple[str, torch.Tensor, Shape, Shape]]:
+    """Yield ``(hf_name, piece, hf_global_shape, hf_global_offsets)`` for one of our parameters or a shard of it.
+
+    ``local`` is the piece this rank holds, at ``global_offsets`` inside a parameter of ``global_shape`` (pass the
+    full tensor with zero offsets for an unsharded one). Pieces are views of ``local`` (no copy). Raises ``ValueError``
+    for a name the family's table does not know.
+    """
+    global_shape, global_offsets = tuple(global_shape), tuple(global_offsets)
+    if len(global_shape) != local.ndim or len(global_offsets) != local.ndim:
+        raise ValueError(f"{our_name}: local {tuple(local.shape)}, global {global_shape}, offsets {global_offsets} disagree")
+    try:
+        hf_name, stacked = name_map(model_cfg.family).to_hf(canonical_name(our_name))
+    except KeyError:
+        raise ValueError(f"{our_name!r} is not a parameter of a {model_cfg.family} model") from None
+    if not stacked:
+        yield hf_name, local, global_shape, global_offsets
+        return
+    first = global_offsets[0]
+    for i in range(local.shape[0]):
+        yield hf_name.format(first + i), local[i], global_shape[1:], global_offsets[1:]
+
+
+def hf_manifest(model_cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> list[tuple[str, Shape, torch.dtype]]:
+    """Every HF tensor of a full ``model_cfg`` model as ``(hf_name, shape, dtype)``, in parameter order.
+
+    ``dtype`` is the dtype the tensors are sent or saved in. With tied embeddings ``lm_head.weight`` is absent.
+    """
+    meta = build_model(model_cfg, device="meta")
+    out = []
+    for name, p in meta.named_parameters():
+        for hf_name, piece, _, _ in hf_shards(model_cfg, name, p, tuple(p.shape), (0,) * p.ndim):
+            out.append((hf_name, tuple(piece.shape), dtype))
+    return out
+
+
+def hf_state_dict(model: Transformer, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` for the whole model, cast to ``dtype`` if given.
+
+    DTensor parameters are gathered with ``full_tensor()`` (a collective: every rank must iterate).
+    """
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        full = full.detach()
+        for hf_name, piece, _, _ in hf_shards(model.cfg, name, full, tuple(full.shape), (0,) * full.ndim):
+            yield hf_name, piece if dtype is None else piece.to(dtype)
+
+
+def save_hf_checkpoint(
+    model: Transformer, path: str, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None
+) -> list[str]:
+    """Write ``model`` as an HF checkpoint directory: safetensors (sharded above ``max_shard_bytes``) + config.json.
+
+    ``dtype`` casts the saved tensors (default: parameter dtype). With sharded (DTensor) parameters every rank must
+    call this; only rank 0 writes. Returns the written file names.
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size, total, saved_dtype = 0, 0, None
+    for hf_name, tensor in hf_state_dict(model, dtype):
+        if not writer:
+            continue
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        # contiguous clones: safetensors refuses views sharing storage (stacked experts, tied weights).
+        shards[-1][hf_name] = tensor.contiguous().clone()
+        size, total, saved_dtype = size + nbytes, total + nbytes, tensor.dtype
+    if not writer:
+        return []
+    out_dir = Path(path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = _write_shards(out_dir, shards, total)
+    config = hf_config_dict(model.cfg, dtype=_DTYPE_NAMES.get(saved_dtype, "float32"))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return [*files, "config.json"]
+
+
+def _write_shards(out_dir: Path, shards: list[dict[str, torch.Tensor]], total: int) -> list[str]:
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        files.append(fname)
+        weight_map.update({name: fname for name in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return [*files, "model.safetensors.index.json"]
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json found")
+
+
+@torch.no_grad()
+def load_hf_checkpoint(model: Transformer, path: str) -> set[str]:
+    """Copy the weights of a local HF checkpoint directory into ``model`` (unsharded parameters), casting dtypes.
+
+    Every parameter must be covered (each expert of stacked ones) and every checkpoint tensor must map to one, except
+    names the table drops and ``lm_head.weight`` when embeddings are tied. Returns the set of HF names loaded.
+    Raises ``ValueError`` on unknown, missing or mis-shaped tensors. Load before sharding the model.
+    """
+    cfg, names = model.cfg, name_map(model.cfg.family)
+    params = dict(model.named_parameters())
+    if any(hasattr(p, "to_local") for p in params.values()):
+        raise ValueError("load_hf_checkpoint needs unsharded parameters: load before fully_shard / tensor parallel")
+    covered: dict[str, set[int | None]] = {n: set() for n in params}
+    loaded, unknown = set(), []
+    for file in _checkpoint_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                try:
+                    target = names.to_ours(hf_name)
+                except KeyError:
+                    unknown.append(hf_name)
+                    continue
+                if target is None or (cfg.tie_embeddings and target[0] == "output.weight"):
+                    continue
+                ours, index = target
+                if ours not in params:
+                    unknown.append(hf_name)
+                    continue
+                dest = params[ours] if index is None else params[ours][index]
+                tensor = f.get_tensor(hf_name)
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise ValueError(f"{file.name}: {hf_name} has shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}")
+                dest.copy_(tensor)
+                covered[ours].add(index)
+                loaded.add(hf_name)
+    if unknown:
+        raise ValueError(f"{path}: tensors not in the {cfg.family} model: {sorted(unknown)[:10]} ({len(unknown)} total)")
+    missing = [n for n, got in covered.items() if got != _expected_indices(names.to_hf(n)[1], params[n])]
+    if missing:
+        raise ValueError(f"{path}: checkpoint does not cover parameters {missing[:10]} ({len(missing)} total)")
+    return loaded
+
+
+def _expected_indices(stacked: bool, param: torch.Tensor) -> set[int | None]:
+    return set(range(param.shape[0])) if stacked else {None}

@@ -1,0 +1,148 @@
+"""Qwen3-MoE sparse feed-forward: softmax router, top-k experts (optionally renormalised), stacked SwiGLU experts.
+
+Expert weights are stacked ``[E, ...]`` parameters (HF stores one tensor per expert; ``trainer.models.hf_io`` maps
+between the two). How tokens reach their experts is a registered function picked by ``ModelConfig.moe_experts``:
+
+- ``loop``: one gather + three matmuls per expert that received tokens (simple reference);
+- ``grouped``: all (token, expert) pairs sorted by expert, one grouped matmul per projection
+  (``torch.nn.functional.grouped_mm`` where torch supports it: CPU, and CUDA in bfloat16, with 16-byte aligned rows;
+  otherwise one batched matmul over experts padded to the largest group; same math).
+
+After each forward, :attr:`MoE.aux_loss` holds the router's load-balancing loss for that call (Switch Transformer
+form as HF computes it for Qwen3-MoE: ``E * sum_e f_e * p_e``, f_e = top-k assignments to e per token, p_e = mean
+router probability of e; equals ``top_k`` when perfectly balanced).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.models.config import ModelConfig
+from trainer.models.registry import MOE_EXPERTS
+
+__all__ = ["MoE", "grouped_experts", "loop_experts", "route_tokens"]
+
+
+def route_tokens(
+    logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits ``[N, E]`` -> (expert_idx ``[N, K]``, expert_weight ``[N, K]`` in logits' dtype, probs fp32)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top_w, top_idx = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return top_idx, top_w.to(logits.dtype), probs
+
+
+def load_balancing_loss(probs: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:
+    """Switch-style auxiliary loss for one layer (see the module docstring); differentiable through ``probs``."""
+    num_tokens, num_experts = probs.shape
+    counts = torch.bincount(top_idx.reshape(-1), minlength=num_experts).to(probs.dtype)
+    return num_experts * torch.sum(counts / num_tokens * probs.mean(dim=0))
+
+
+def _swiglu(h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(h, w1)) * F.linear(h, w3), w2)
+
+
+@MOE_EXPERTS.register("loop")
+def loop_experts(
+    x: torch.Tensor, expert_idx: torch.Tensor, expert_weight: torch.Tensor,
+    w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+) -> torch.Tensor:
+    """Reference: for each expert, gather its tokens, run its SwiGLU, scatter-add the weighted result."""
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        tok, slot = torch.where(expert_idx == e)
+        if tok.numel() == 0:
+            continue
+        y = _swiglu(x[tok], w1[e], w3[e], w2[e])
+        out.index_add_(0, tok, y * expert_weight[tok, slot, None])
+    return out
+
+
+@MOE_EXPERTS.register("grouped")
+def grouped_experts(
+    x: torch.Tensor, expert_idx: torch.Tensor, expert_weight: torch.Tensor,
+    w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+) -> torch.Tensor:
+    """Sort (token, expert) pairs by expert, then one grouped matmul per projection."""
+    num_experts, top_k = w1.shape[0], expert_idx.shape[1]
+    flat = expert_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tok = order // top_k
+    counts = torch.bincount(flat, minlength=num_experts)
+    groups = _Groups(flat[order], counts)
+    xs = x[tok]
+    h = F.silu(groups.linear(xs, w1)) * groups.linear(xs, w3)
+    y = groups.linear(h, w2) * expert_weight.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, tok, y)
+
+
+class _Groups:
+    """Rows sorted by expert (``expert_of_row`` ascending, ``counts`` per expert) and a per-expert linear over them."""
+
+    def __init__(self, expert_of_row: torch.Tensor, counts: torch.Tensor):
+        self.expert_of_row, self.counts = expert_of_row, counts
+        self._pad_index: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+    def linear(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``rows [M, Din]`` (sorted), ``weight [E, Dout, Din]`` -> ``[M, Dout]``, row i times weight[expert_of_row[i]]."""
+        if _grouped_mm_supported(rows, weight):
+            offs = torch.cumsum(self.counts, 0).to(torch.int32)
+            return F.grouped_mm(rows, weight.transpose(-2, -1), offs=offs)
+        expert, pos, width = self._padding()
+        padded = rows.new_zeros(weight.shape[0], width, rows.shape[1])
+        padded = padded.index_put((expert, pos), rows)
+        return torch.bmm(padded, weight.transpose(-2, -1))[expert, pos]
+
+    def _padding(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if self._pad_index is None:
+            starts = torch.cumsum(self.counts, 0) - self.counts
+            pos = torch.arange(self.expert_of_row.numel(), device=self.counts.device) - starts[self.expert_of_row]
+            self._pad_index = (self.expert_of_row, pos, max(int(self.counts.max()), 1))
+        return self._pad_index
+
+
+def _grouped_mm_supported(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if rows.device.type == "cpu":
+        ok_dtype = rows.dtype in (torch.float32, torch.bfloat16)
+    else:
+        ok_dtype = rows.device.type == "cuda" and rows.dtype == torch.bfloat16
+    aligned = all((d * rows.element_size()) % 16 == 0 for d in weight.shape[1:])
+    return ok_dtype and aligned and rows.dtype == weight.dtype
+
+
+class MoE(nn.Module):
+    """Router (``router.weight [E, D]``) + stacked experts (``experts.w1/w3 [E, I, D]``, ``experts.w2 [E, D, I]``)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        assert cfg.moe is not None
+        self.top_k, self.norm_topk_prob = cfg.moe.top_k, cfg.moe.norm_topk_prob
+        self.kernel = MOE_EXPERTS.get(cfg.moe_experts)
+        num_experts, hidden = cfg.moe.num_experts, cfg.moe.expert_ffn_hidden_dim
+        self.router = nn.Linear(cfg.dim, num_experts, bias=False, device=device, dtype=dtype)
+        self.experts = nn.Module()
+        kw = {"device": device, "dtype": dtype}
+        self.experts.w1 = nn.Parameter(torch.empty(num_experts, hidden, cfg.dim, **kw))
+        self.experts.w3 = nn.Parameter(torch.empty(num_experts, hidden, cfg.dim, **kw))
+        self.experts.w2 = nn.Parameter(torch.empty(num_experts, cfg.dim, hidden, **kw))
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, T, D]`` -> ``[B, T, D]``; sets :attr:`aux_loss`."""
+        flat = x.reshape(-1, x.shape[-1])
+        top_idx, top_w, probs = route_tokens(self.router(flat), self.top_k, self.norm_topk_prob)
+        self.aux_loss = load_balancing_loss(probs, top_idx)
+        out = self.kernel(flat, top_idx, top_w, self.experts.w1, self.experts.w3, self.experts.w2)
+        return out.view_as(x)
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.router.weight, std=std)
+        for w in (self.experts.w1, self.experts.w3, self.experts.w2):
+            nn.init.normal_(w, std=std)

@@ -1,0 +1,173 @@
+"""The decoder-only transformer shared by Llama 3, Qwen 3 and Qwen 3 MoE, built from a :class:`ModelConfig`.
+
+Usage::
+
+    model = build_model(cfg, device="cpu", dtype=torch.float32)
+    hidden = model(tokens, positions, segment_ids)          # [B, T, D], after the final norm
+    logprobs, entropy = model.token_logprobs(hidden, targets)  # [B, T] each, float32, through cfg.output_head
+    loss = ... + coef * model.moe_aux_loss()                 # MoE only: router load-balancing loss of that forward
+
+Packed rows: pass ``segment_ids`` (equal ids = one sequence; attention stays inside a segment) and ``positions`` that
+restart at 0 per segment (computed from ``segment_ids`` when omitted).
+
+FSDP2: ``model.layers`` is an ``nn.ModuleList`` of blocks (shard each, then the root, keeping embeddings, final norm
+and output head in the root unit so tied weights stay tied). ``logits``/``token_logprobs`` are called outside
+``forward``: register them with ``torch.distributed.fsdp.register_fsdp_forward_method(model, name)`` so the root's
+parameters are gathered for them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.models.attention import Attention
+from trainer.models.config import ModelConfig
+from trainer.models.layers import FeedForward, RMSNorm
+from trainer.models.moe import MoE
+from trainer.models.output_head import chunked_token_logprobs  # noqa: F401 (registers the built-in heads)
+from trainer.models.registry import ATTENTION_BLOCKS, MOE_EXPERTS, OUTPUT_HEADS
+from trainer.models.rope import rope_cos_sin
+
+__all__ = ["Transformer", "TransformerBlock", "build_model", "positions_from_segments"]
+
+_INIT_STD = 0.02
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attention(norm(x)); out = h + ffn(norm(h))``; ffn is dense SwiGLU or MoE."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
+        self.attention = Attention(cfg, device, dtype)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
+        if cfg.moe is None:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim, device, dtype)
+        else:
+            self.moe = MoE(cfg, device, dtype)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segment_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, segment_ids)
+        ffn = self.feed_forward if hasattr(self, "feed_forward") else self.moe
+        return h + ffn(self.ffn_norm(h))
+
+    def init_weights(self, std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(std)
+        (self.feed_forward if hasattr(self, "feed_forward") else self.moe).init_weights(std)
+
+
+class Transformer(nn.Module):
+    """Token embedding, ``cfg.num_layers`` blocks in ``self.layers``, final RMSNorm, output head (see module doc)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, device, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device, dtype=dtype)
+        self._head = OUTPUT_HEADS.get(cfg.output_head)
+        # A plain list (not registered): the MoE modules stay reachable through FSDP/checkpoint wrappers.
+        self._moe_layers: list[MoE] = [block.moe for block in self.layers if hasattr(block, "moe")]
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``tokens [B, T]`` -> hidden states ``[B, T, D]`` after the final norm.
+
+        ``positions [B, T]`` default to ``0..T-1`` (or restart per segment when ``segment_ids`` is given);
+        ``segment_ids [B, T]``: attention is causal and only between tokens of equal id (packed sequences).
+        """
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        for name, t in (("positions", positions), ("segment_ids", segment_ids)):
+            if t is not None and t.shape != tokens.shape:
+                raise ValueError(f"{name} shape {tuple(t.shape)} must equal tokens shape {tuple(tokens.shape)}")
+        if positions is None:
+            positions = (
+                positions_from_segments(segment_ids)
+                if segment_ids is not None
+                else torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+            )
+        h = self.tok_embeddings(tokens)
+        rope = rope_cos_sin(self.cfg, positions, h.dtype)
+        for block in self.layers:
+            h = block(h, rope, segment_ids)
+        return self.norm(h)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The ``[V, D]`` output projection (the embedding matrix when embeddings are tied)."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Dense logits ``[B, T, V]`` (float32) for ``hidden [B, T, D]``; holds them all (evaluation, parity)."""
+        return F.linear(hidden, self.output_weight).float()
+
+    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log p(targets), entropy of the full next-token distribution), each ``[B, T]`` float32, differentiable.
+
+        Computed by the ``cfg.output_head`` block (``chunked`` never holds the full [tokens, vocab] logits).
+        """
+        if targets.shape != hidden.shape[:-1]:
+            raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden's {tuple(hidden.shape[:-1])}")
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        logprobs, entropy = self._head(
+            flat, self.output_weight, targets.reshape(-1), chunk_size=self.cfg.output_chunk_size
+        )
+        return logprobs.view(targets.shape), entropy.view(targets.shape)
+
+    def moe_aux_loss(self) -> torch.Tensor | None:
+        """Mean over MoE layers of the router load-balancing loss of the last forward; ``None`` for dense models."""
+        if not self._moe_layers:
+            return None
+        losses = [m.aux_loss for m in self._moe_layers]
+        if any(loss is None for loss in losses):
+            raise RuntimeError("moe_aux_loss() called before any forward")
+        return torch.stack(losses).mean()
+
+    @torch.no_grad()
+    def init_weights(self, std: float = _INIT_STD) -> None:
+        """Fresh initialisation: normal(0, std) matrices, unit norms (call after ``to_empty`` on a meta-built model)."""
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for block in self.layers:
+            block.init_weights(std)
+        self.norm.reset_parameters()
+        if self.output is not None:
+            nn.init.normal_(self.output.weight, std=std)
+
+
+def positions_from_segments(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Positions ``[B, T]`` that restart at 0 wherever the segment id changes along each row."""
+    t = segment_ids.shape[1]
+    idx = torch.arange(t, device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    start_of_segment = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - start_of_segment
+
+
+def build_model(
+    cfg: ModelConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> Transformer:
+    """Build the model of ``cfg``; initialised unless ``device`` is ``"meta"`` (then ``to_empty`` + ``init_weights``).
+
+    Raises ``ValueError`` if a block name in ``cfg`` is not registered (the message lists the registered ones).
+    """
+    ATTENTION_BLOCKS.get(cfg.attention)
+    OUTPUT_HEADS.get(cfg.output_head)
+    MOE_EXPERTS.get(cfg.moe_experts)
+    device = torch.device(device) if device is not None else None
+    model = Transformer(cfg, device=device, dtype=dtype)
+    if device is None or device.type != "meta":
+        model.init_weights()
+    return model

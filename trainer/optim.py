@@ -1,0 +1,50 @@
+"""AdamW with decoupled weight decay on matrices only, and the warmup + constant/cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from trainer.config import OptimizerConfig, ScheduleConfig
+
+__all__ = ["build_optimizer", "build_scheduler", "lr_multiplier"]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float | None = None) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters of ``model``; weight decay on tensors with >= 2 dims only.
+
+    ``lr`` overrides ``cfg.lr`` (the PPO critic's own rate). Works on plain and FSDP2/DTensor parameters alike
+    (``foreach`` implementation: the fused one is not available for DTensor on every device).
+    """
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr if lr is None else lr, betas=cfg.betas, eps=cfg.eps, foreach=True
+    )
+
+
+def lr_multiplier(step: int, cfg: ScheduleConfig) -> float:
+    """Factor applied to the peak lr at optimizer step ``step`` (0-based: the lr used by the first step is step 0's).
+
+    Warmup ramps linearly from ``1/(W+1)`` to 1 over ``W`` steps, so the first step never uses lr 0. Cosine then
+    decays to ``min_lr_ratio`` at ``num_total_steps`` and stays there.
+    """
+    warmup = cfg.num_warmup_steps
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if cfg.kind == "constant":
+        return 1.0
+    assert cfg.num_total_steps is not None  # the config validator requires it for cosine
+    progress = min(1.0, (step - warmup) / max(1, cfg.num_total_steps - warmup))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` over :func:`lr_multiplier`; call ``.step()`` once after each ``optimizer.step()``."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))

@@ -1,0 +1,106 @@
+"""Sharding of a model across the trainer ranks: FSDP2 per block and root, optional tensor parallel via DTensor.
+
+:func:`parallelize_model` is applied once to a freshly built model (policy, reference or critic alike, so they shard
+identically). :func:`local_shards` walks what this rank holds, each piece with its place in the full tensor; the weight
+push sends exactly these pieces, so no rank ever gathers the whole model.
+
+Gradients are *summed* across data-parallel ranks (the FSDP divide factor is 1): the step normalises its loss by the
+global token/sequence count itself, which makes 1 rank and N ranks compute the same update.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from trainer.config import TrainerConfig
+
+__all__ = ["build_mesh", "local_shard_place", "local_shards", "parallelize_model"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_mesh(cfg: TrainerConfig, device_type: str) -> DeviceMesh:
+    """The device mesh over all ranks: 1-D ``("dp",)``, or 2-D ``("dp", "tp")`` when tensor parallel is on.
+
+    Needs an initialised default process group of ``cfg.num_ranks`` ranks.
+    """
+    tp = cfg.parallelism.tensor_parallel_degree
+    if tp == 1:
+        return init_device_mesh(device_type, (cfg.num_ranks,), mesh_dim_names=("dp",))
+    return init_device_mesh(device_type, (cfg.num_ranks // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard each block's linears along the plan the model declares (``model.tensor_parallel_plan``)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan_fn = getattr(model, "tensor_parallel_plan", None)
+    if plan_fn is None:
+        raise ValueError(
+            f"{type(model).__name__} declares no tensor_parallel_plan(); set parallelism.tensor_parallel_degree = 1"
+        )
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, plan_fn())
+
+
+def parallelize_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerConfig) -> nn.Module:
+    """Apply TP (if configured) then FSDP2 in place: ``fully_shard`` on every block of ``model.layers``, then the root.
+
+    The root unit keeps embeddings, final norm and output head together, so tied embeddings stay tied. Returns
+    ``model`` (now an ``FSDPModule`` when FSDP is on).
+    """
+    if cfg.parallelism.tensor_parallel_degree > 1:
+        _apply_tensor_parallel(model, mesh["tp"])
+    if not cfg.parallelism.fsdp:
+        return model
+    dp_mesh = mesh["dp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh
+    mp = MixedPrecisionPolicy(
+        param_dtype=_DTYPES[cfg.mixed_precision.param_dtype],
+        reduce_dtype=_DTYPES[cfg.mixed_precision.reduce_dtype],
+    )
+    reshard = cfg.parallelism.reshard_after_forward
+    blocks = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    # The root's parameters are needed right after the last block's forward: keep them gathered.
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # Plain SUM collectives (gloo has no PREMUL_SUM; NCCL transfers them zero-copy).
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def local_shard_place(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offsets) of this rank's piece of ``param``.
+
+    The one place that calls torch's private ``compute_local_shape_and_global_offset`` (exact for Shard and
+    _StridedShard placements, and for uneven shards); plain tensors are whole, at offset 0.
+    """
+    if not isinstance(param, DTensor):
+        return tuple(param.shape), (0,) * param.ndim
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(shape), tuple(offsets)
+
+
+def local_shards(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+    """Yield ``(name, local_tensor, global_shape, global_offsets)`` for every parameter piece this rank holds.
+
+    Names are the model's own (FSDP2 keeps them); tied parameters appear once. Local tensors are detached views of
+    the stored (full-precision) shards: copy before mutating. With replicated placements (TP-only or no FSDP) every
+    rank of the replica group yields the same piece; a receiver treats duplicates as identical coverage.
+    """
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        shape, offsets = local_shard_place(p)
+        assert tuple(local.shape) == shape, f"{name}: local piece {tuple(local.shape)} vs computed {shape}"
+        yield name, local.detach(), tuple(p.shape), offsets

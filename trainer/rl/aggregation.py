@@ -1,0 +1,71 @@
+"""Reduce per-token losses ``[B, T]`` to one scalar, under a completion mask.
+
+Three modes, as named in ``trainer.rl.config.LossAggregation``:
+
+- ``token_mean``: ``sum(x * mask) / num_tokens``: every completion token weighs the same (DAPO).
+- ``seq_mean_token_mean``: mean over sequences of each sequence's token mean: every completion weighs the same, so
+  tokens of short completions weigh more (original GRPO, GSPO).
+- ``token_sum_norm``: ``sum(x * mask) / (num_seqs * norm_length)`` with a constant ``norm_length`` (Dr. GRPO): no
+  length bias, and the scale does not move with the batch's lengths.
+
+Under gradient accumulation or data parallelism, pass the *global* ``num_tokens`` / ``num_seqs`` of the whole
+optimizer batch: then the micro-batch losses sum (over micro-batches and ranks) to exactly the full-batch loss.
+Left as None, they are counted on this micro-batch.
+
+Values off the mask are multiplied by 0, so they must be finite (pad log-probs with 0, not -inf): ``inf * 0`` is NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.rl.config import LossAggregation
+
+__all__ = ["aggregate", "masked_mean"]
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over positions where ``mask`` is set (any shape, same for both); 0 when the mask is empty."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def aggregate(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    mode: LossAggregation,
+    *,
+    norm_length: int | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> torch.Tensor:
+    """Reduce per-token values to a scalar.
+
+    Args:
+        x: [B, T] per-token values (loss terms).
+        mask: [B, T] 1 (or True) for completion tokens that count, 0 elsewhere.
+        mode: one of 'token_mean', 'seq_mean_token_mean', 'token_sum_norm'.
+        norm_length: constant per-sequence divisor, required by 'token_sum_norm'.
+        num_tokens: divisor of 'token_mean'; defaults to the tokens in ``mask``.
+        num_seqs: divisor of the per-sequence modes; defaults to the rows of ``mask`` with at least one token
+            (all-padding rows do not count).
+
+    Returns:
+        A 0-dim tensor.
+    """
+    assert x.shape == mask.shape and x.dim() == 2, f"x {tuple(x.shape)} and mask {tuple(mask.shape)} must be [B, T]"
+    mask = mask.to(x.dtype)
+    masked = x * mask
+    if mode == "token_mean":
+        denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+        return masked.sum() / denom
+    seq_tokens = mask.sum(dim=-1)  # [B]
+    if num_seqs is None:
+        num_seqs = (seq_tokens > 0).sum().clamp(min=1)
+    if mode == "seq_mean_token_mean":
+        return (masked.sum(dim=-1) / seq_tokens.clamp(min=1)).sum() / num_seqs
+    if mode == "token_sum_norm":
+        if norm_length is None:
+            raise ValueError("aggregation 'token_sum_norm' needs norm_length (the constant per-sequence divisor)")
+        return masked.sum() / (num_seqs * norm_length)
+    raise ValueError(f"unknown loss aggregation {mode!r}; use 'token_mean', 'seq_mean_token_mean' or 'token_sum_norm'")

@@ -1,0 +1,91 @@
+"""The clipped policy-gradient loss of PPO/GRPO, with DAPO's separate clip bounds and GSPO's sequence ratio.
+
+Per token: ``loss_t = w_t * max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_low, 1 + clip_high))``, where ``w_t`` is
+an optional detached importance weight (see ``trainer.rl.importance``), then aggregated over the mask.
+
+- token level (PPO): ``ratio_t = exp(logp_t - old_t)``.
+- sequence level (GSPO, Zheng et al. 2025): ``s_i = exp(mean_t (logp_t - old_t))`` over the completion, written in
+  GSPO-token form ``ratio_t = sg(s_i) * exp(logp_t - sg(logp_t))``: every token carries the value ``s_i`` and, with
+  ``seq_mean_token_mean`` aggregation, the gradient is exactly GSPO's ``-A_i * grad s_i`` for unclipped sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.rl.aggregation import aggregate, masked_mean
+from trainer.rl.config import LossAggregation, RatioLevel
+
+__all__ = ["policy_ratio", "clipped_policy_loss"]
+
+
+def policy_ratio(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, level: RatioLevel
+) -> torch.Tensor:
+    """pi / pi_old per token ('token') or GSPO's length-normalised sequence ratio on every token ('sequence').
+
+    logprobs, old_logprobs, mask: [B, T]. Returns [B, T]; 1 off-mask.
+    """
+    log_ratio = (logprobs - old_logprobs.detach()) * mask  # [B, T]
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level == "sequence":
+        seq_log_ratio = log_ratio.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)  # [B]
+        return torch.exp(seq_log_ratio.detach()[:, None] + logprobs - logprobs.detach())
+    raise ValueError(f"unknown ratio level {level!r}; use 'token' or 'sequence'")
+
+
+def clipped_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    ratio_level: RatioLevel = "token",
+    aggregation: LossAggregation = "token_mean",
+    weights: torch.Tensor | None = None,
+    **aggregate_kwargs: float | int | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate loss (to minimise).
+
+    Args:
+        logprobs: [B, T] current policy log-probs of the sampled tokens (carries the gradient).
+        old_logprobs: [B, T] log-probs under the weights that produced the batch (treated as constants).
+        advantages: [B, T] per-token advantages (sequence advantages broadcast over their tokens).
+        mask: [B, T] 1 for completion tokens.
+        clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
+        ratio_level: 'token' (PPO) or 'sequence' (GSPO).
+        aggregation: how per-token losses become a scalar; ``aggregate_kwargs`` (norm_length, num_tokens, num_seqs)
+            go to :func:`trainer.rl.aggregation.aggregate`.
+        weights: optional [B, T] detached per-token importance weights.
+
+    Returns:
+        (loss, metrics): ``clip_frac_low`` / ``clip_frac_high`` are the fractions of tokens whose gradient the lower /
+        upper bound switched off (ratio below 1 - clip_low with A < 0 / above 1 + clip_high with A > 0);
+        ``ratio_mean`` / ``ratio_min`` / ``ratio_max`` are over completion tokens.
+    """
+    mask = mask.to(logprobs.dtype)
+    ratio = policy_ratio(logprobs, old_logprobs, mask, ratio_level)
+    advantages = advantages.detach()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * weights.detach()
+    loss = aggregate(per_token, mask, aggregation, **aggregate_kwargs)
+
+    with torch.no_grad():
+        valid = mask > 0
+        low = (ratio < 1 - clip_low) & (advantages < 0)
+        high = (ratio > 1 + clip_high) & (advantages > 0)
+        any_valid = bool(valid.any())
+        metrics = {
+            "clip_frac_low": masked_mean(low.to(mask.dtype), mask).item(),
+            "clip_frac_high": masked_mean(high.to(mask.dtype), mask).item(),
+            "ratio_mean": masked_mean(ratio, mask).item() if any_valid else 1.0,
+            "ratio_min": ratio[valid].min().item() if any_valid else 1.0,
+            "ratio_max": ratio[valid].max().item() if any_valid else 1.0,
+        }
+    return loss, metrics

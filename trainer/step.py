@@ -1,0 +1,260 @@
+"""One policy update from a rollout batch (GRPO or PPO), and one supervised step for warm starts.
+
+The RL step on each rank, with every rank given the same full batch:
+
+1. split the batch into ``num_minibatches`` mini-batches (one optimizer step each) and pack each into this rank's
+   micro-batches (``trainer.packing``: balanced across ranks, equal micro-batch counts everywhere);
+2. without gradients: old log-probs (only when a batch is used for more than one optimizer step; otherwise the
+   trainer's own detached log-probs are the old ones, so the first ratio is exactly 1), reference log-probs (KL on),
+   critic values (PPO);
+3. advantages: GRPO/RLOO from the group rewards (KL folded into the reward if configured), or PPO's GAE per sequence
+   with global whitening;
+4. for each epoch and mini-batch: forward -> log-probs through the model's output head -> ``trainer.rl`` loss ->
+   backward per micro-batch; the loss is divided by the *global* token/sequence counts of the mini-batch and FSDP sums
+   gradients over ranks, so N ranks compute exactly the 1-rank update; then grad clipping, optimizer and LR step.
+
+Returns one flat dict of floats per step, identical on every rank (``trainer.metrics``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rollout.types import RolloutBatch, Sample
+from trainer.engine import TrainEngine
+from trainer.metrics import MetricsAccumulator
+from trainer.packing import MicroBatch, plan_micro_batches, split_minibatches
+from trainer.rl.advantages import compute_group_advantages, gae_advantages
+from trainer.rl.config import PPOConfig
+from trainer.rl.kl import kl_estimate, kl_penalized_token_rewards
+from trainer.rl.loss import compute_policy_loss, compute_value_loss
+from trainer.rl.sft import sft_loss
+
+__all__ = ["forward_logprobs", "rl_step", "sft_step"]
+
+
+def forward_logprobs(model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprobs [S, C], entropy [S, C], packed logprobs [1, T]) of the micro-batch's completion tokens."""
+    hidden = model(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids)
+    logprobs, entropy = model.token_logprobs(hidden, mb.targets)
+    return mb.unpack(logprobs), mb.unpack(entropy), logprobs
+
+
+def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def _mini_counts(samples: Sequence[Sample], indices: Sequence[int]) -> tuple[float, float]:
+    """Global (completion tokens, non-empty completions) of a mini-batch: the loss normalisers."""
+    lengths = [len(samples[i].completion_ids) for i in indices]
+    return float(sum(lengths)), float(sum(1 for n in lengths if n > 0))
+
+
+@torch.no_grad()
+def _rollout_side_pass(engine: TrainEngine, plans: list[list[MicroBatch]], need_old: bool) -> None:
+    """Fill ``extra['old_logprobs' | 'ref_logprobs' | 'values']`` of every micro-batch (no gradients)."""
+    for mbs in plans:
+        for mb in mbs:
+            if need_old:
+                mb.extra["old_logprobs"] = forward_logprobs(engine.policy, mb)[0]
+            if engine.reference is not None:
+                mb.extra["ref_logprobs"] = forward_logprobs(engine.reference, mb)[0]
+            if engine.critic is not None:
+                values = engine.critic(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids)
+                mb.extra["values"] = mb.unpack(values)
+
+
+def _kl_for_reward(engine: TrainEngine, mb: MicroBatch) -> torch.Tensor:
+    """Per-token KL estimate of the sampling policy to the reference, for folding into the reward."""
+    old = mb.extra.get("old_logprobs")
+    if old is None:
+        old = forward_logprobs(engine.policy, mb)[0].detach()
+        mb.extra["old_logprobs"] = old
+    return kl_estimate(old, mb.extra["ref_logprobs"], engine.algorithm.kl.estimator) * mb.loss_mask
+
+
+@torch.no_grad()
+def _group_advantages(engine: TrainEngine, samples: Sequence[Sample], plans: list[list[MicroBatch]]) -> None:
+    algo = engine.algorithm
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64, device=engine.device)
+    if algo.kl.coef > 0 and algo.kl.where == "reward":
+        # Each sample lives on exactly one rank: a sum over ranks gathers every sample's KL sum.
+        kl_sums = torch.zeros(len(samples), dtype=torch.float64, device=engine.device)
+        for mbs in plans:
+            for mb in mbs:
+                idx = torch.tensor(mb.sample_indices, dtype=torch.long, device=engine.device)
+                kl = _kl_for_reward(engine, mb)
+                kl_sums[idx] = kl.sum(dim=-1).double()
+        rewards = rewards - algo.kl.coef * _all_reduce_sum(kl_sums)
+    adv = torch.zeros_like(rewards)
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s.group_id, []).append(i)
+    for members in groups.values():
+        idx = torch.tensor(members, device=engine.device)
+        adv[idx] = compute_group_advantages(rewards[idx][None, :], algo)[0]
+    for mbs in plans:
+        for mb in mbs:
+            seq_adv = adv[torch.tensor(mb.sample_indices, dtype=torch.long, device=engine.device)].float()
+            mb.advantages = seq_adv[:, None] * mb.loss_mask
+
+
+@torch.no_grad()
+def _gae_advantages(engine: TrainEngine, samples: Sequence[Sample], plans: list[list[MicroBatch]]) -> None:
+    algo = engine.algorithm
+    assert isinstance(algo, PPOConfig)
+    for mbs in plans:
+        for mb in mbs:
+            scores = torch.tensor([samples[i].reward for i in mb.sample_indices], device=engine.device)
+            if algo.kl.coef > 0 and algo.kl.where == "reward":
+                kl = _kl_for_reward(engine, mb)
+                token_rewards = kl_penalized_token_rewards(scores, kl, mb.loss_mask, algo.kl.coef)
+            else:
+                token_rewards = kl_penalized_token_rewards(scores, torch.zeros_like(mb.loss_mask), mb.loss_mask, 0.0)
+            adv, returns = gae_advantages(token_rewards, mb.extra["values"], mb.loss_mask, algo.gamma, algo.lam)
+            mb.advantages, mb.extra["returns"] = adv, returns
+    if algo.whiten_advantages:
+        stats = torch.zeros(3, dtype=torch.float64, device=engine.device)
+        for mbs in plans:
+            for mb in mbs:
+                a = mb.advantages.double()
+                stats += torch.stack([mb.loss_mask.sum().double(), a.sum(), a.square().sum()])
+        n, total, sq = _all_reduce_sum(stats).tolist()
+        if n < 2:
+            raise ValueError(f"whitening advantages needs at least 2 completion tokens in the batch, got {int(n)}")
+        mean = total / n
+        std = max((sq - n * mean * mean) / (n - 1), 0.0) ** 0.5
+        for mbs in plans:
+            for mb in mbs:
+                mb.advantages = (mb.advantages - mean) / (std + 1e-8) * mb.loss_mask
+
+
+def _clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_norm: float | None) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"), foreach=True)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def _update_policy(engine: TrainEngine, mbs: list[MicroBatch], counts: tuple[float, float], acc: MetricsAccumulator):
+    num_tokens, num_seqs = counts
+    for mb in mbs:
+        logprobs, entropy, packed = forward_logprobs(engine.policy, mb)
+        loss, metrics = compute_policy_loss(
+            logprobs, mb.advantages, mb.loss_mask, engine.algorithm,
+            old_logprobs=mb.extra.get("old_logprobs"), ref_logprobs=mb.extra.get("ref_logprobs"),
+            rollout_logprobs=mb.rollout_logprobs, entropies=entropy, num_tokens=num_tokens, num_seqs=num_seqs,
+        )  # fmt: skip
+        # The zero term keeps the graph connected for empty micro-batches, so every rank runs the same backward.
+        (loss + 0.0 * packed.sum()).backward()
+        acc.add(metrics, float(mb.num_loss_tokens))
+
+
+def _update_critic(engine: TrainEngine, mbs: list[MicroBatch], counts: tuple[float, float], acc: MetricsAccumulator):
+    assert engine.critic is not None and isinstance(engine.algorithm, PPOConfig)
+    num_tokens, num_seqs = counts
+    for mb in mbs:
+        packed = engine.critic(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids)
+        loss, metrics = compute_value_loss(
+            mb.unpack(packed), mb.extra["values"], mb.extra["returns"], mb.loss_mask, engine.algorithm,
+            num_tokens=num_tokens, num_seqs=num_seqs,
+        )  # fmt: skip
+        (loss + 0.0 * packed.sum()).backward()
+        acc.add(metrics, float(mb.num_loss_tokens))
+
+
+def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
+    """One GRPO/PPO update on ``batch`` (every rank passes the same batch); returns the step's metrics."""
+    start = time.perf_counter()
+    cfg, samples = engine.cfg, batch.samples
+    if not samples:
+        raise ValueError("empty rollout batch: nothing to train on")
+    minis = split_minibatches(len(samples), cfg.num_minibatches)
+    plans = [
+        [mb.to(engine.device) for mb in plan_micro_batches(samples, idx, engine.dp_rank, engine.dp_size,
+                                                           cfg.micro_batch_tokens)]
+        for idx in minis
+    ]  # fmt: skip
+    need_old = cfg.num_epochs * cfg.num_minibatches > 1
+    _rollout_side_pass(engine, plans, need_old)
+    if isinstance(engine.algorithm, PPOConfig):
+        _gae_advantages(engine, samples, plans)
+    else:
+        _group_advantages(engine, samples, plans)
+
+    acc, critic_acc = MetricsAccumulator(), MetricsAccumulator()
+    grad_norms, critic_norms = [], []
+    for _ in range(cfg.num_epochs):
+        for idx, mbs in zip(minis, plans):
+            counts = _mini_counts(samples, idx)
+            _update_policy(engine, mbs, counts, acc)
+            grad_norms.append(_clip_and_step(engine.policy, engine.optimizer, engine.scheduler, cfg.max_grad_norm))
+            if engine.critic is not None:
+                _update_critic(engine, mbs, counts, critic_acc)
+                critic_norms.append(
+                    _clip_and_step(engine.critic, engine.critic_optimizer, engine.critic_scheduler, cfg.max_grad_norm)
+                )
+    num_updates = cfg.num_epochs * cfg.num_minibatches
+    # Loss terms summed over every update of the step: report their mean per optimizer step.
+    per_update = lambda k, v: v / num_updates if k == "loss" or k.endswith("_loss") else v  # noqa: E731
+    metrics = {k: per_update(k, v) for k, v in acc.reduce(engine.device).items()}
+    if engine.critic is not None:
+        metrics.update({f"critic/{k}": per_update(k, v) for k, v in critic_acc.reduce(engine.device).items()})
+    if critic_norms:
+        metrics["critic/grad_norm"] = float(np.mean(critic_norms))
+    engine.step += 1
+    engine.policy_version += 1
+    elapsed = time.perf_counter() - start
+    rewards = [s.reward for s in samples]
+    metrics.update(
+        grad_norm=float(np.mean(grad_norms)), grad_norm_max=float(np.max(grad_norms)),
+        lr=engine.scheduler.get_last_lr()[0], step_s=elapsed, tokens_per_s=batch.num_tokens * cfg.num_epochs / elapsed,
+        reward_mean=float(np.mean(rewards)), num_samples=float(len(samples)), step=float(engine.step),
+        policy_version=float(engine.policy_version),
+    )  # fmt: skip
+    return metrics
+
+
+def sft_step(engine: TrainEngine, samples: Sequence[Sample], lr: float | None = None) -> dict[str, float]:
+    """One supervised step (mean NLL of the completion tokens over the whole batch) on the policy.
+
+    ``lr`` overrides the scheduled learning rate for this step; the schedule itself does not advance (it belongs to
+    the RL steps). The weights change, so ``policy_version`` is bumped.
+    """
+    start = time.perf_counter()
+    mbs = [
+        mb.to(engine.device)
+        for mb in plan_micro_batches(samples, range(len(samples)), engine.dp_rank, engine.dp_size,
+                                     engine.cfg.micro_batch_tokens)
+    ]  # fmt: skip
+    num_tokens, _ = _mini_counts(samples, range(len(samples)))
+    acc = MetricsAccumulator()
+    for mb in mbs:
+        logprobs, _, packed = forward_logprobs(engine.policy, mb)
+        loss = sft_loss(logprobs, mb.loss_mask, "token_mean", num_tokens=num_tokens)
+        (loss + 0.0 * packed.sum()).backward()
+        acc.add({"sft_loss": loss.item(), "num_tokens": float(mb.num_loss_tokens)}, float(mb.num_loss_tokens))
+    saved = [g["lr"] for g in engine.optimizer.param_groups]
+    if lr is not None:
+        for g in engine.optimizer.param_groups:
+            g["lr"] = lr
+    grad_norm = _clip_and_step(engine.policy, engine.optimizer, None, engine.cfg.max_grad_norm)
+    for g, old in zip(engine.optimizer.param_groups, saved):
+        g["lr"] = old
+    engine.policy_version += 1
+    metrics = acc.reduce(engine.device)
+    metrics.update(grad_norm=grad_norm, step_s=time.perf_counter() - start, policy_version=float(engine.policy_version))
+    return metrics

@@ -1,0 +1,95 @@
+"""Configuration of the weight-sync channel (sender and receiver share one config). Imports no torch."""
+
+from __future__ import annotations
+
+import os
+
+import pydantic
+
+from common.config import Config
+
+__all__ = ["WeightSyncConfig"]
+
+DEFAULT_TOKEN_ENV = "RL_ALIGN_WEIGHT_SYNC_TOKEN"
+
+
+class WeightSyncConfig(Config):
+    """How trainer ranks push weights to receivers, and how a receiver serves and checks pushes."""
+
+    chunk_bytes: int = pydantic.Field(4 << 20, ge=64, le=64 << 20)
+    """Raw payload bytes per streamed chunk (a multiple of 8 keeps every dtype aligned)."""
+    rpc_timeout_s: float = pydantic.Field(30.0, gt=0)
+    """Deadline of Describe/Begin/Abort calls."""
+    push_timeout_s: float = pydantic.Field(600.0, gt=0)
+    """Deadline of one rank's whole Push stream to one receiver."""
+    commit_timeout_s: float = pydantic.Field(600.0, gt=0)
+    """Deadline of Commit; generous because a sink may wait for the engine's current generation batch to end."""
+    num_retries: int = pydantic.Field(2, ge=0)
+    """Retries of a unary call that failed with UNAVAILABLE (the server was not reachable)."""
+    retry_backoff_s: float = pydantic.Field(0.5, ge=0)
+    """Sleep before the first retry; doubles each retry."""
+    update_idle_timeout_s: float = pydantic.Field(120.0, gt=0)
+    """A staged update with no traffic for this long is dropped when another update begins."""
+    auth_token: str | None = None
+    """Bearer token; prefer `auth_token_env` so the token stays out of recipes and logs."""
+    auth_token_env: str | None = DEFAULT_TOKEN_ENV
+    """Environment variable holding the bearer token (used when `auth_token` is unset and the variable is set)."""
+    tls_cert_path: str | None = None
+    """PEM certificate of this node: the server certificate of a receiver, the client certificate for mTLS."""
+    tls_key_path: str | None = None
+    """PEM private key matching `tls_cert_path`."""
+    tls_ca_path: str | None = None
+    """PEM CA bundle that verifies peers (servers for a sender; clients too when `tls_require_client_cert`)."""
+    tls_require_client_cert: bool = False
+    """Receiver side: demand a client certificate signed by `tls_ca_path` (mTLS)."""
+    tls_server_name: str | None = None
+    """Override the host name checked against the server certificate (for certificates issued to another name)."""
+    bind_host: str = "127.0.0.1"
+    """Receiver bind address; loopback by default. Binding elsewhere without TLS and a token is refused."""
+    port: int = pydantic.Field(0, ge=0, le=65535)
+    """Receiver port; 0 picks a free one (returned by `start()`)."""
+    allow_insecure_remote: bool = False
+    """Allow a non-loopback bind without TLS or without a token (trusted private networks only)."""
+    delta: bool = True
+    """Send XOR+zstd deltas to receivers that hold the previous version; receivers keep a base copy for it."""
+    delta_zstd_level: int = pydantic.Field(1, ge=-5, le=19)
+    """zstd level of delta chunks (1 is fast; higher compresses better and costs sender CPU)."""
+    relay_fanout: int = pydantic.Field(0, ge=0, le=64)
+    """0: the sender streams to every receiver. k >= 1: the sender streams to k receivers and each forwards to up to k
+    more, so the sender's bytes per version stay about k x model bytes however many receivers there are."""
+    num_server_threads: int = pydantic.Field(32, ge=4)
+    """Receiver RPC threads (each open Push stream holds one)."""
+    endpoints: list[str] = []
+    """External receivers (host:port) that get every version besides the rollout workers' receivers."""
+
+    @pydantic.field_validator("endpoints")
+    @classmethod
+    def _check_endpoints(cls, value: list[str]) -> list[str]:
+        for endpoint in value:
+            host, sep, port = endpoint.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"endpoint {endpoint!r}: expected HOST:PORT, e.g. '10.0.0.5:50051'")
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _check_tls(self) -> "WeightSyncConfig":
+        if (self.tls_cert_path is None) != (self.tls_key_path is None):
+            raise ValueError("set both tls_cert_path and tls_key_path, or neither")
+        if self.tls_require_client_cert and (self.tls_ca_path is None or self.tls_cert_path is None):
+            raise ValueError("tls_require_client_cert needs tls_ca_path (to verify clients) and tls_cert_path/key")
+        if self.chunk_bytes % 8:
+            raise ValueError(f"chunk_bytes={self.chunk_bytes} must be a multiple of 8 so chunks align to elements")
+        return self
+
+    def resolve_token(self) -> str | None:
+        """The bearer token from `auth_token`, else from the environment variable `auth_token_env`, else None."""
+        if self.auth_token:
+            return self.auth_token
+        if self.auth_token_env:
+            return os.environ.get(self.auth_token_env) or None
+        return None
+
+    @property
+    def max_message_bytes(self) -> int:
+        """gRPC message limit: one chunk plus room for its header."""
+        return self.chunk_bytes + (64 << 10)

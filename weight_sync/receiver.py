@@ -1,0 +1,213 @@
+"""The receiver: a gRPC server that stages pushed shards, checks them, and hands whole versions to a sink.
+
+    receiver = WeightReceiver(StateDictSink(model.state_dict()), WeightSyncConfig())
+    port = receiver.start()          # binds 127.0.0.1 by default; receiver.address -> "127.0.0.1:port"
+    ...                              # trainers push; receiver.policy_version moves on every commit
+    receiver.stop()
+
+Any inference server takes pushes this way: implement `WeightSink` (manifest + apply) around the engine, run a
+`WeightReceiver` next to it (in-process, as a Ray actor member, or `python -m weight_sync serve`), and register its
+address with the trainer (`WeightSyncConfig.endpoints`). Clients in other languages use `protos/weight_sync.proto`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from typing import Iterator, Mapping
+
+import grpc
+import numpy as np
+import torch
+
+from protos import weight_sync_pb2 as pb
+from weight_sync.channel import SERVICE, check_token, grpc_options, is_loopback, server_credentials
+from weight_sync.codec import decode_chunk
+from weight_sync.config import WeightSyncConfig
+from weight_sync.relay import Relay
+from weight_sync.sink import WeightSink
+from weight_sync.spec import TensorSpec
+from weight_sync.staging import StagingArea, SyncError
+
+__all__ = ["WeightReceiver"]
+
+log = logging.getLogger("weight_sync.receiver")
+
+
+class WeightReceiver:
+    """Serves the WeightSync protocol for one sink. Thread-safe; one update is staged at a time."""
+
+    def __init__(self, sink: WeightSink, config: WeightSyncConfig | None = None) -> None:
+        self.sink = sink
+        self.config = config or WeightSyncConfig()
+        self.area = StagingArea(
+            list(sink.manifest()),
+            keep_base=self.config.delta,
+            idle_timeout_s=self.config.update_idle_timeout_s,
+            max_chunk_bytes=self.config.chunk_bytes,
+        )
+        self._token = self.config.resolve_token()
+        self._server: grpc.Server | None = None
+        self._port: int | None = None
+        self._stopping = threading.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+    def start(self) -> int:
+        """Bind and serve; return the bound port. Refuses a non-loopback bind without TLS and a token."""
+        cfg = self.config
+        if not is_loopback(cfg.bind_host) and not cfg.allow_insecure_remote:
+            if cfg.tls_cert_path is None or self._token is None:
+                raise ValueError(
+                    f"bind_host={cfg.bind_host!r} is not loopback: configure TLS (tls_cert_path/tls_key_path) and a "
+                    "token, or set allow_insecure_remote=true on a trusted network"
+                )
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.num_server_threads), options=grpc_options(cfg))
+        handlers = {
+            "Describe": grpc.unary_unary_rpc_method_handler(
+                self._describe, pb.DescribeRequest.FromString, pb.DescribeReply.SerializeToString
+            ),
+            "Begin": grpc.unary_unary_rpc_method_handler(self._begin, pb.BeginRequest.FromString, pb.BeginReply.SerializeToString),
+            "Push": grpc.stream_unary_rpc_method_handler(self._push, None, pb.PushReply.SerializeToString),
+            "Commit": grpc.unary_unary_rpc_method_handler(
+                self._commit, pb.CommitRequest.FromString, pb.CommitReply.SerializeToString
+            ),
+            "Abort": grpc.unary_unary_rpc_method_handler(self._abort, pb.AbortRequest.FromString, pb.AbortReply.SerializeToString),
+            "WatchVersion": grpc.unary_stream_rpc_method_handler(
+                self._watch, pb.WatchVersionRequest.FromString, pb.VersionEvent.SerializeToString
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        host = f"[{cfg.bind_host}]" if ":" in cfg.bind_host else cfg.bind_host
+        creds = server_credentials(cfg)
+        bind = f"{host}:{cfg.port}"
+        port = server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind)
+        if port == 0:
+            raise OSError(f"could not bind {bind}")
+        server.start()
+        self._server, self._port = server, port
+        log.info("weight receiver on %s (tls=%s, token=%s)", self.address, creds is not None, self._token is not None)
+        return port
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._stopping.set()
+        with self.area.version_changed:
+            self.area.version_changed.notify_all()
+        if self._server is not None:
+            self._server.stop(grace_s).wait()
+            self._server = None
+
+    @property
+    def address(self) -> str:
+        if self._port is None:
+            raise RuntimeError("receiver not started: call start() first")
+        host = "localhost" if self.config.bind_host in ("0.0.0.0", "::") else self.config.bind_host
+        return f"{host}:{self._port}"
+
+    @property
+    def policy_version(self) -> int:
+        return self.area.policy_version
+
+    def manifest(self) -> list[TensorSpec]:
+        return list(self.area.manifest.values())
+
+    # -- handlers ------------------------------------------------------------------------------------------------
+    def _authorize(self, context: grpc.ServicerContext) -> None:
+        problem = check_token(self._token, context.invocation_metadata())
+        if problem:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+
+    def _describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.DescribeReply:
+        self._authorize(context)
+        specs = [pb.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in self.area.manifest.values()]
+        return pb.DescribeReply(
+            manifest=specs,
+            policy_version=self.area.policy_version,
+            max_chunk_bytes=self.config.chunk_bytes,
+            delta_supported=self.config.delta,
+        )
+
+    def _begin(self, request: pb.BeginRequest, context: grpc.ServicerContext) -> pb.BeginReply:
+        self._authorize(context)
+        try:
+            update, delta = self.area.begin(request)
+        except SyncError as e:
+            context.abort(e.code, e.message)
+        return pb.BeginReply(update_id=update.update_id, current_version=self.area.policy_version, delta_accepted=delta)
+
+    def _push(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
+        self._authorize(context)
+        md = dict(context.invocation_metadata())
+        try:
+            session, version, rank = md["x-ws-session"], int(md["x-ws-version"]), int(md["x-ws-rank"])
+            targets = [t for t in md.get("x-ws-relay", "").split(",") if t]
+            fanout = int(md.get("x-ws-fanout", "2"))
+        except (KeyError, ValueError):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Push needs metadata x-ws-session, x-ws-version, x-ws-rank")
+        try:
+            writer = self.area.open_stream(session, version, rank)
+        except SyncError as e:
+            context.abort(e.code, e.message)
+        start = time.perf_counter()
+        relay = Relay(targets, fanout, session, version, rank, self.config) if targets else None
+        try:
+            for raw in chunks:
+                if relay is not None:
+                    relay.forward(raw)
+                try:
+                    header, payload = decode_chunk(raw)
+                except ValueError as e:
+                    raise SyncError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                writer.feed(header, payload)
+            writer.finish()
+        except SyncError as e:
+            writer.close_failed(e)
+            if relay is not None:
+                relay.cancel()
+            context.abort(e.code, e.message)
+        except BaseException as e:  # the client went away mid-stream (RpcError) or the server is stopping
+            writer.close_failed(SyncError(grpc.StatusCode.CANCELLED, f"rank {rank} push stream broke: {e!r}"))
+            if relay is not None:
+                relay.cancel()
+            raise
+        relayed = relay.finish() if relay is not None else []
+        seconds = time.perf_counter() - start
+        log.info(
+            "push %s@%d rank %d: %d shards, %.1f MB in %.3f s (%.2f GB/s)",
+            session, version, rank, writer.num_shards, writer.bytes_received / 1e6, seconds,
+            writer.bytes_received / max(seconds, 1e-9) / 1e9,
+        )
+        return pb.PushReply(bytes_received=writer.bytes_received, num_shards=writer.num_shards, relayed=relayed)
+
+    def _commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
+        self._authorize(context)
+        try:
+            seconds = self.area.commit(request.session_id, request.policy_version, self._apply)
+        except SyncError as e:
+            context.abort(e.code, e.message)
+        log.info("committed policy_version %d (sink apply %.3f s)", request.policy_version, seconds)
+        return pb.CommitReply(policy_version=self.area.policy_version, apply_seconds=seconds)
+
+    def _apply(self, version: int, buffers: Mapping[str, tuple[np.ndarray, TensorSpec]]) -> None:
+        tensors = {
+            name: torch.from_numpy(buf).view(getattr(torch, spec.dtype)).reshape(spec.shape)
+            for name, (buf, spec) in buffers.items()
+        }
+        self.sink.apply(version, tensors)
+
+    def _abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortReply:
+        self._authorize(context)
+        return pb.AbortReply(aborted=self.area.abort(request.session_id, request.policy_version, request.reason))
+
+    def _watch(self, request: pb.WatchVersionRequest, context: grpc.ServicerContext) -> Iterator[pb.VersionEvent]:
+        self._authorize(context)
+        last = request.after_version
+        cond = self.area.version_changed
+        while context.is_active() and not self._stopping.is_set():
+            with cond:
+                cond.wait_for(lambda: self.area.policy_version > last or self._stopping.is_set(), timeout=1.0)
+            current = self.area.policy_version
+            if current > last:
+                last = current
+                yield pb.VersionEvent(policy_version=current)

@@ -1,0 +1,125 @@
+"""Push streams fed from another thread, and the relay tree that lets receivers forward chunks to each other.
+
+With `relay_fanout = k`, the sender streams each chunk to at most k receivers; a receiver that was handed a list of
+downstream receivers (metadata `x-ws-relay`) splits it into at most k groups, streams to each group's head and hands it
+the rest. The chunk bytes are forwarded as received (no re-encoding), so the sender's uplink carries about k x model
+bytes per version however large the fleet, and every receiver still checks every shard checksum itself.
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Sequence
+
+import grpc
+
+from protos import weight_sync_pb2 as pb
+from weight_sync.channel import WeightSyncClient
+
+__all__ = ["PushStream", "Relay", "split_tree", "stream_metadata"]
+
+
+def split_tree(targets: Sequence[str], fanout: int) -> list[tuple[str, list[str]]]:
+    """Split receivers into at most `fanout` contiguous groups: [(head, rest the head forwards to), ...].
+
+    fanout 0 means no relay: every target is its own group.
+    """
+    targets = list(targets)
+    if fanout <= 0 or len(targets) <= fanout:
+        return [(t, []) for t in targets]
+    size, extra = divmod(len(targets), fanout)
+    groups, start = [], 0
+    for i in range(fanout):
+        end = start + size + (1 if i < extra else 0)
+        groups.append((targets[start], targets[start + 1 : end]))
+        start = end
+    return groups
+
+
+def stream_metadata(session_id: str, policy_version: int, rank: int, relay: Sequence[str], fanout: int) -> tuple[tuple[str, str], ...]:
+    """Push stream metadata naming the update, the sender rank and the receivers this stream's head forwards to."""
+    md = [("x-ws-session", session_id), ("x-ws-version", str(policy_version)), ("x-ws-rank", str(rank))]
+    if relay:
+        md += [("x-ws-relay", ",".join(relay)), ("x-ws-fanout", str(fanout))]
+    return tuple(md)
+
+
+class PushStream:
+    """One Push stream to one receiver, fed message by message; a bounded queue keeps memory at a few chunks."""
+
+    def __init__(self, client: WeightSyncClient, metadata: tuple[tuple[str, str], ...], timeout_s: float, depth: int = 4):
+        self.client = client
+        self.bytes_sent = 0
+        self._queue: queue.Queue[bytes | None] = queue.Queue(depth)
+        self.future = client.push.future(self._messages(), timeout=timeout_s, metadata=client.metadata + metadata)
+
+    def _messages(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            yield item
+
+    def send(self, message: bytes | None) -> bool:
+        """Queue one serialized chunk (None ends the stream); False when the stream already failed."""
+        while not self.future.done():
+            try:
+                self._queue.put(message, timeout=0.05)
+            except queue.Full:
+                continue
+            if message is not None:
+                self.bytes_sent += len(message)
+            return True
+        return False
+
+    def close(self) -> pb.PushReply | grpc.RpcError:
+        """End the stream and wait for the receiver's answer (a reply, or the RpcError it failed with)."""
+        self.send(None)
+        try:
+            return self.future.result()
+        except grpc.RpcError as e:
+            return e
+
+    def cancel(self) -> None:
+        self.future.cancel()
+
+
+def results_of(address: str, subtree: Sequence[str], outcome: pb.PushReply | grpc.RpcError) -> list[pb.RelayResult]:
+    """Per-receiver outcomes of a stream to `address` that was to be forwarded to `subtree`."""
+    if isinstance(outcome, grpc.RpcError):
+        code = outcome.code() if hasattr(outcome, "code") else grpc.StatusCode.UNKNOWN
+        details = outcome.details() if hasattr(outcome, "details") else str(outcome)
+        own = pb.RelayResult(address=address, code=code.value[0], message=details or "")
+        lost = [
+            pb.RelayResult(address=t, code=grpc.StatusCode.UNAVAILABLE.value[0], message=f"relay {address} failed")
+            for t in subtree
+        ]
+        return [own, *lost]
+    return [pb.RelayResult(address=address, code=0), *outcome.relayed]
+
+
+class Relay:
+    """A receiver's forwarding of one incoming Push stream to its share of the downstream receivers."""
+
+    def __init__(self, targets: Sequence[str], fanout: int, session_id: str, policy_version: int, rank: int, config):
+        self._streams: list[tuple[str, list[str], PushStream, WeightSyncClient]] = []
+        for head, rest in split_tree(targets, max(fanout, 1)):
+            client = WeightSyncClient(head, config)
+            md = stream_metadata(session_id, policy_version, rank, rest, fanout)
+            self._streams.append((head, rest, PushStream(client, md, config.push_timeout_s), client))
+
+    def forward(self, message: bytes) -> None:
+        for _, _, stream, _ in self._streams:
+            stream.send(message)
+
+    def finish(self) -> list[pb.RelayResult]:
+        results: list[pb.RelayResult] = []
+        for head, rest, stream, client in self._streams:
+            results += results_of(head, rest, stream.close())
+            client.close()
+        return results
+
+    def cancel(self) -> None:
+        for _, _, stream, client in self._streams:
+            stream.cancel()
+            client.close()

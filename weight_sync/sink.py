@@ -1,0 +1,128 @@
+"""Where a receiver puts a complete, verified update: the small interface engines implement, and two plain sinks.
+
+A sink is told nothing until an update is whole: every element covered exactly once, every shard checksum good. It
+then gets `apply(policy_version, tensors)`; returning accepts the update, raising rejects it (the receiver stays on its
+old version; a ValueError is reported to the sender as INVALID_ARGUMENT, anything else as INTERNAL). The tensors are
+CPU views of the receiver's staging buffers, valid only during the call: copy what you keep. `apply` may block (an
+engine waiting for its current generation batch to end); the sender's Commit deadline is `commit_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Mapping, Protocol, runtime_checkable
+
+import torch
+
+from weight_sync.spec import TensorSpec
+
+__all__ = ["SafetensorsDirSink", "StateDictSink", "TensorSpec", "WeightSink", "spec_of"]
+
+
+@runtime_checkable
+class WeightSink(Protocol):
+    """What a receiver needs from the thing that holds the weights (a state dict, a directory, a vLLM engine)."""
+
+    def manifest(self) -> list[TensorSpec]:
+        """Every tensor this sink accepts, by HF-canonical name; updates may cover any subset (whole fused groups)."""
+        ...
+
+    def apply(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Take a complete, verified update whole, or raise to reject it."""
+        ...
+
+
+def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
+    """The TensorSpec of a full tensor ("torch.bfloat16" -> "bfloat16")."""
+    return TensorSpec(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+
+
+class StateDictSink:
+    """Copies each update into the tensors of a state dict in place (e.g. `model.state_dict()` of a local model)."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        self.state_dict = dict(state_dict)
+        self.policy_version = 0
+        self._manifest = [spec_of(name, t) for name, t in self.state_dict.items()]
+
+    def manifest(self) -> list[TensorSpec]:
+        return list(self._manifest)
+
+    def apply(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        unknown = sorted(set(tensors) - set(self.state_dict))
+        if unknown:
+            raise ValueError(f"tensors not in this state dict: {unknown[:5]}")
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                self.state_dict[name].copy_(tensor)
+        self.policy_version = policy_version
+
+
+class SafetensorsDirSink:
+    """Keeps the latest version as `model.safetensors` + `policy_version.json` in a directory (an HF checkpoint dir).
+
+    The manifest is read from the `*.safetensors` files already in the directory, or given. Each update is merged
+    into the full set and written to a temporary file that replaces the old one atomically, so a reader never sees a
+    mix of versions. Other `*.safetensors` files are folded into `model.safetensors` on the first update.
+    """
+
+    FILE = "model.safetensors"
+    VERSION_FILE = "policy_version.json"
+
+    def __init__(self, directory: str, manifest: list[TensorSpec] | None = None) -> None:
+        from safetensors import safe_open
+
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._files = sorted(self.directory.glob("*.safetensors"))
+        if manifest is None:
+            manifest = []
+            for path in self._files:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():
+                        sl = f.get_slice(name)
+                        dtype = {"BF16": "bfloat16", "F32": "float32", "F16": "float16", "F64": "float64",
+                                 "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                                 "BOOL": "bool"}[sl.get_dtype()]
+                        manifest.append(TensorSpec(name, tuple(sl.get_shape()), dtype))
+        if not manifest:
+            raise ValueError(f"{directory}: no *.safetensors files to read a manifest from, and none was given")
+        self._manifest = manifest
+
+    def manifest(self) -> list[TensorSpec]:
+        return list(self._manifest)
+
+    def load(self) -> dict[str, torch.Tensor]:
+        """Every tensor currently in the directory."""
+        from safetensors.torch import load_file
+
+        out: dict[str, torch.Tensor] = {}
+        for path in sorted(self.directory.glob("*.safetensors")):
+            out.update(load_file(str(path)))
+        return out
+
+    def apply(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        known = {spec.name for spec in self._manifest}
+        unknown = sorted(set(tensors) - known)
+        if unknown:
+            raise ValueError(f"tensors not in this directory's manifest: {unknown[:5]}")
+        merged = self.load() if set(tensors) != known else {}
+        merged.update({name: t.clone() for name, t in tensors.items()})
+        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file(merged, tmp, metadata={"policy_version": str(policy_version)})
+            os.replace(tmp, self.directory / self.FILE)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        for path in self._files:
+            if path.name != self.FILE:
+                path.unlink(missing_ok=True)
+        self._files = [self.directory / self.FILE]
+        (self.directory / self.VERSION_FILE).write_text(json.dumps({"policy_version": policy_version}) + "\n")
