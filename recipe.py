@@ -23,7 +23,7 @@ from typing import Any, Literal, Mapping
 
 import pydantic
 
-from common.config import Config, ConfigError, load_toml_config, to_toml
+from common.config import Config, ConfigError, read_toml, to_toml, validate_config
 from rollout.config import RolloutConfig
 from rollout.rewards.config import RewardConfig
 from rollout.tasks.config import TaskConfig
@@ -145,6 +145,12 @@ class RunConfig(Config):
     logging: LoggingConfig = LoggingConfig()
     """Metric sinks."""
 
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.mode == "async" and self.max_staleness < 1:
+            raise ValueError("mode = 'async' needs max_staleness >= 1 (0 is the sync mode)")
+        return self
+
     @property
     def resolved_output_dir(self) -> Path:
         return Path(self.output_dir or f"runs/{self.name}")
@@ -162,7 +168,7 @@ class Recipe(Config):
     trainer: TrainerConfig = TrainerConfig()
     """How the update runs."""
     rollout: RolloutConfig
-    """The vLLM rollout pool."""
+    """The vLLM rollout pool (``model_path`` defaults to ``[model] path`` when loaded by :func:`load_recipe`)."""
     task: TaskConfig
     """Where prompts come from."""
     reward: RewardConfig = RewardConfig()
@@ -170,25 +176,12 @@ class Recipe(Config):
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     """The gRPC channel from trainer ranks to engines (and external servers)."""
 
-    @pydantic.model_validator(mode="before")
-    @classmethod
-    def _default_rollout_model(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("model"), dict):
-            rollout = dict(data.get("rollout") or {})
-            rollout.setdefault("model_path", data["model"].get("path"))
-            data = {**data, "rollout": rollout}
-        return data
-
     @pydantic.model_validator(mode="after")
     def _check(self) -> Recipe:
-        if self.run.mode == "async":
-            if self.run.max_staleness < 1:
-                raise ValueError("run.mode = 'async' needs run.max_staleness >= 1 (0 is the sync mode)")
-            if not self.algorithm.importance_sampling.enabled:
-                raise ValueError(
-                    "run.mode = 'async' trains on samples from older weights: set "
-                    "algorithm.importance_sampling.enabled = true"
-                )
+        if self.run.mode == "async" and not self.algorithm.importance_sampling.enabled:
+            raise ValueError(
+                "run.mode = 'async' trains on samples from older weights: set algorithm.importance_sampling.enabled = true"
+            )
         if self.algorithm.type == "grpo" and self.run.num_prompts_per_step * self.algorithm.group_size < 2:
             raise ValueError("a GRPO step needs at least 2 samples")
         if self.run.dynamic_sampling.enabled and self.algorithm.type != "grpo":
@@ -200,7 +193,10 @@ class Recipe(Config):
 
 def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Recipe:
     """Load and validate a recipe file with dotted overrides; raise ConfigError naming file and fields."""
-    recipe = load_toml_config(Recipe, path, overrides)
+    data = read_toml(path, overrides)
+    if isinstance(data.get("model"), dict) and isinstance(data.get("rollout", {}), dict):
+        data.setdefault("rollout", {}).setdefault("model_path", data["model"].get("path"))
+    recipe = validate_config(Recipe, data, source=str(path))
     model_dir = Path(recipe.model.path)
     if recipe.model.create_tiny is None and not (model_dir / "config.json").is_file():
         raise ConfigError(

@@ -22,7 +22,16 @@ from typing import Any, Mapping, Sequence, TypeVar
 import pydantic
 import tomli_w
 
-__all__ = ["Config", "ConfigError", "apply_overrides", "load_toml_config", "parse_overrides", "to_toml"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "apply_overrides",
+    "load_toml_config",
+    "parse_overrides",
+    "read_toml",
+    "to_toml",
+    "validate_config",
+]
 
 
 class Config(pydantic.BaseModel):
@@ -100,8 +109,8 @@ def _deep_copy(data: Any) -> Any:
     return data
 
 
-def load_toml_config(cls: type[ConfigT], path: str | Path, overrides: Mapping[str, Any] | None = None) -> ConfigT:
-    """Load ``path`` into ``cls``, applying dotted ``overrides``; raise :class:`ConfigError` naming file and fields."""
+def read_toml(path: str | Path, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Parse a TOML file into plain data and apply dotted ``overrides``; raise :class:`ConfigError` naming the file."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -111,8 +120,12 @@ def load_toml_config(cls: type[ConfigT], path: str | Path, overrides: Mapping[st
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    data = apply_overrides(data, overrides or {})
-    return validate_config(cls, data, source=str(path))
+    return apply_overrides(data, overrides or {})
+
+
+def load_toml_config(cls: type[ConfigT], path: str | Path, overrides: Mapping[str, Any] | None = None) -> ConfigT:
+    """Load ``path`` into ``cls``, applying dotted ``overrides``; raise :class:`ConfigError` naming file and fields."""
+    return validate_config(cls, read_toml(path, overrides), source=str(path))
 
 
 def validate_config(cls: type[ConfigT], data: Mapping[str, Any], source: str = "<config>") -> ConfigT:
@@ -142,7 +155,7 @@ def _field_name(loc: tuple[Any, ...], data: Any) -> str:
         elif last or not isinstance(node, dict):
             parts.append(str(item))
         # else: a union tag such as 'grpo' that is not a key of the input: skip it.
-    return ".".join(parts) or "<root>"
+    return ".".join(parts) or "(whole file)"
 
 
 def _reason(err: Mapping[str, Any]) -> str:

@@ -11,8 +11,10 @@ class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ENCODING_RAW: _ClassVar[Encoding]
     ENCODING_XOR_ZSTD: _ClassVar[Encoding]
+    ENCODING_SPARSE: _ClassVar[Encoding]
 ENCODING_RAW: Encoding
 ENCODING_XOR_ZSTD: Encoding
+ENCODING_SPARSE: Encoding
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
@@ -41,20 +43,22 @@ class DescribeReply(_message.Message):
     def __init__(self, manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., policy_version: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., delta_supported: _Optional[bool] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
-    __slots__ = ("session_id", "policy_version", "rank", "num_ranks", "tensors", "base_version")
+    __slots__ = ("session_id", "policy_version", "rank", "num_ranks", "tensors", "base_version", "num_streams")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_STREAMS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     policy_version: int
     rank: int
     num_ranks: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     base_version: int
-    def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., base_version: _Optional[int] = ...) -> None: ...
+    num_streams: int
+    def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., base_version: _Optional[int] = ..., num_streams: _Optional[int] = ...) -> None: ...
 
 class BeginReply(_message.Message):
     __slots__ = ("update_id", "current_version", "delta_accepted")

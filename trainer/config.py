@@ -129,7 +129,10 @@ class TrainerConfig(Config):
     max_grad_norm: float | None = pydantic.Field(default=1.0, gt=0)
     """Clip the global gradient norm to this value; None disables clipping (the norm is still reported)."""
     micro_batch_tokens: int = pydantic.Field(default=4096, ge=1)
-    """Token budget of one packed micro-batch (prompt + completion tokens, before padding) per rank."""
+    """Token budget of one micro-batch per rank: rows x row length, padding included."""
+    pack_row_tokens: int | None = pydantic.Field(default=None, ge=1)
+    """Longest packed row (several sequences back to back); None: the longest sequence of the mini-batch. Masked
+    attention costs row length squared however many sequences share a row, so short rows are cheaper."""
     num_epochs: int = pydantic.Field(default=1, ge=1)
     """Optimizer passes over each rollout batch (PPO-style reuse; 1 = strictly on-policy after the first step)."""
     num_minibatches: int = pydantic.Field(default=1, ge=1)

@@ -11,6 +11,7 @@ import copy
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import register_fsdp_forward_method
@@ -54,6 +55,11 @@ class TrainEngine:
     @property
     def dp_size(self) -> int:
         return self._dp_mesh().size()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The data-parallel process group (ranks holding different samples)."""
+        return self._dp_mesh().get_group()
 
     def _dp_mesh(self) -> DeviceMesh:
         names = self.mesh.mesh_dim_names or ()

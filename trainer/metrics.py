@@ -59,8 +59,10 @@ class MetricsAccumulator:
             elif weight > 0 and kind == "min":
                 self._min[name] = min(self._min.get(name, value), value)
 
-    def reduce(self, device: torch.device | str = "cpu") -> dict[str, float]:
-        """Combine over ranks (collective; ``device`` is where the process group's backend communicates).
+    def reduce(self, device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        """Combine over the ranks of ``group`` (collective; default: all ranks). Pass the data-parallel group: ranks
+        of one tensor-parallel group see the same data and must not be counted twice. ``device``: where the group's
+        backend communicates.
 
         Every rank must have seen the same metric names (true when every rank ran the same number of micro-batches
         under the same config, as ``trainer.packing`` guarantees).
@@ -76,12 +78,12 @@ class MetricsAccumulator:
         )
         hi = torch.tensor([self._max.get(n, float("-inf")) for n in maxes], dtype=torch.float64, device=device)
         lo = torch.tensor([self._min.get(n, float("inf")) for n in mins], dtype=torch.float64, device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(vec)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(vec, group=group)
             if maxes:
-                dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+                dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
             if mins:
-                dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+                dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
         out: dict[str, float] = {}
         for j, n in enumerate(sums):
             total, weight = float(vec[j]), float(vec[len(sums) + j])

@@ -18,14 +18,17 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float | None = N
     ``lr`` overrides ``cfg.lr`` (the PPO critic's own rate). Works on plain and FSDP2/DTensor parameters alike
     (``foreach`` implementation: the fused one is not available for DTensor on every device).
     """
-    decay, no_decay = [], []
+    groups: dict[tuple[bool, int], list[nn.Parameter]] = {}
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
+            # One group per (decay, device mesh): foreach kernels refuse DTensors of different meshes (FSDP x TP).
+            groups.setdefault((p.ndim >= 2, id(getattr(p, "device_mesh", None))), []).append(p)
+    param_groups = [
+        {"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
+        for (decay, _), params in groups.items()
+    ]
     return torch.optim.AdamW(
-        groups, lr=cfg.lr if lr is None else lr, betas=cfg.betas, eps=cfg.eps, foreach=True
+        param_groups, lr=cfg.lr if lr is None else lr, betas=cfg.betas, eps=cfg.eps, foreach=True
     )
 
 

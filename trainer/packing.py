@@ -1,13 +1,16 @@
 """Sequence packing: rollout samples -> token-budgeted micro-batches of packed rows, balanced across ranks.
 
-Each micro-batch is one row ``[1, T]`` holding several ``prompt + completion`` sequences back to back. Positions
-restart at 0 per sequence and ``segment_ids`` tell attention which tokens may see each other, so packing changes
-nothing numerically while padding (only up to ``pad_to_multiple_of``) stays negligible. Sequences are placed
-first-fit-decreasing by length under the token budget.
+Sequences (``prompt + completion``) are packed back to back into rows of at most ``row_tokens`` tokens
+(first-fit-decreasing), and rows are grouped into micro-batches ``[R, L]`` of at most ``token_budget`` tokens including
+the padding of shorter rows. Positions restart at 0 per sequence and ``segment_ids`` keep attention inside a sequence,
+so packing changes nothing numerically while padding stays small. Rows are kept short (by default the longest
+sequence of the batch) because masked attention over a packed row costs ``L^2`` however many sequences share it;
+many rows per micro-batch keep the matmuls large.
 
 Alignment: position ``t`` of a row predicts ``tokens[t + 1]`` (``targets[t]``). The loss side is per sequence:
-``gather_index[s, j]`` is the row position predicting completion token ``j`` of sequence ``s``, and ``loss_mask``,
-``rollout_logprobs`` and ``advantages`` are ``[S, C]`` in that layout, which is what ``trainer.rl`` expects.
+``gather_index[s, j]`` is the flat position (``row * L + t``) predicting completion token ``j`` of sequence ``s``, and
+``loss_mask``, ``rollout_logprobs`` and ``advantages`` are ``[S, C]`` in that layout, which is what ``trainer.rl``
+expects.
 
 Every rank computes the same plan from the same full batch (no communication) and pads its list of micro-batches to
 the longest rank's count with empty ones, so FSDP collectives line up on every rank.
@@ -25,26 +28,30 @@ from rollout.types import Sample
 
 __all__ = ["MicroBatch", "assign_to_ranks", "pack_samples", "plan_micro_batches", "split_minibatches"]
 
+_TENSOR_FIELDS = (
+    "tokens", "positions", "segment_ids", "targets", "gather_index", "loss_mask", "rollout_logprobs", "advantages",
+)  # fmt: skip
+
 
 @dataclass
 class MicroBatch:
-    """One packed row of sequences for the model, plus its loss inputs in per-sequence layout.
+    """Packed rows for the model, plus their loss inputs in per-sequence layout.
 
-    Model inputs are ``[1, T]`` (several sequences back to back). Loss inputs are ``[S, C]``: one row per packed
-    sequence, one column per completion token (``C`` = longest completion in the row), the layout the RL losses and GAE
-    expect. :meth:`unpack` moves any per-position model output (log-probs, entropy, values) into that layout.
+    Model inputs are ``[R, L]`` (each row holds several sequences back to back). Loss inputs are ``[S, C]``: one row
+    per packed sequence, one column per completion token (``C`` = longest completion here), the layout the RL losses
+    and GAE expect. :meth:`unpack` moves any per-position model output (log-probs, entropy, values) into that layout.
     """
 
     tokens: torch.Tensor
-    """int64 [1, T] token ids."""
+    """int64 [R, L] token ids."""
     positions: torch.Tensor
-    """int64 [1, T] position of each token inside its own sequence (restarts at 0)."""
+    """int64 [R, L] position of each token inside its own sequence (restarts at 0)."""
     segment_ids: torch.Tensor
-    """int64 [1, T] sequence number inside the row (0, 1, ...); padding gets its own id after the last sequence."""
+    """int64 [R, L] sequence number inside the row (0, 1, ...); padding gets its own id after the row's last one."""
     targets: torch.Tensor
-    """int64 [1, T] next token of the same sequence (0 where there is none)."""
+    """int64 [R, L] next token of the same sequence (0 where there is none)."""
     gather_index: torch.Tensor
-    """int64 [S, C] position in the row that predicts each completion token (0 off-mask)."""
+    """int64 [S, C] flat position (``row * L + t``) that predicts each completion token (0 off-mask)."""
     loss_mask: torch.Tensor
     """float32 [S, C] 1 for real completion tokens, 0 for the padding of shorter completions."""
     rollout_logprobs: torch.Tensor
@@ -52,39 +59,33 @@ class MicroBatch:
     advantages: torch.Tensor
     """float32 [S, C] advantage of each completion token (0 off-mask); PPO fills it after packing (GAE)."""
     sample_indices: list[int]
-    """Index (into the full batch) of each packed sequence, in row order; ``len == S``."""
+    """Index (into the full batch) of each packed sequence, in ``[S, C]`` row order; ``len == S``."""
+    num_tokens: int = 0
+    """Non-padding tokens in the rows."""
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-token tensors computed later (``old_logprobs``, ``ref_logprobs``, ``values``, ``returns``), [S, C]."""
-
-    @property
-    def num_tokens(self) -> int:
-        """Non-padding tokens in the packed row."""
-        return int((self.segment_ids < len(self.sample_indices)).sum())
 
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
     def unpack(self, per_position: torch.Tensor) -> torch.Tensor:
-        """[1, T] per-position values -> [S, C] per completion token (0 off-mask); differentiable."""
-        gathered = per_position[0][self.gather_index]
+        """[R, L] per-position values -> [S, C] per completion token (0 off-mask); differentiable."""
+        gathered = per_position.reshape(-1)[self.gather_index]
         return torch.where(self.loss_mask > 0, gathered, torch.zeros_like(gathered))
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on ``device``."""
-        moved = {
-            name: getattr(self, name).to(device)
-            for name in (
-                "tokens", "positions", "segment_ids", "targets", "gather_index", "loss_mask", "rollout_logprobs",
-                "advantages",
-            )
-        }
+        moved = {name: getattr(self, name).to(device) for name in _TENSOR_FIELDS}
         extra = {k: v.to(device) for k, v in self.extra.items()}
-        return MicroBatch(**moved, sample_indices=list(self.sample_indices), extra=extra)
+        return MicroBatch(**moved, sample_indices=list(self.sample_indices), num_tokens=self.num_tokens, extra=extra)
 
 
-def _first_fit_decreasing(lengths: Sequence[int], indices: Sequence[int], budget: int) -> list[list[int]]:
-    """Bins of indices whose lengths sum to <= budget; a sequence longer than the budget gets a bin of its own."""
+def _first_fit_decreasing(lengths: Sequence[int], indices: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of indices whose lengths sum to <= capacity; a sequence longer than that gets a bin of its own.
+
+    Bins come out in order of their first (longest) member, i.e. roughly longest first.
+    """
     order = sorted(indices, key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
     room: list[int] = []
@@ -97,8 +98,22 @@ def _first_fit_decreasing(lengths: Sequence[int], indices: Sequence[int], budget
                 break
         else:
             bins.append([i])
-            room.append(budget - n)
+            room.append(capacity - n)
     return bins
+
+
+def _group_rows(lengths: Sequence[int], indices: Sequence[int], token_budget: int, row_tokens: int) -> list[list[list[int]]]:
+    """Micro-batches as lists of rows (lists of sample indices); padded size ``rows x longest row`` <= budget."""
+    rows = _first_fit_decreasing(lengths, indices, min(row_tokens, token_budget))
+    row_len = {id(r): sum(lengths[i] for i in r) for r in rows}
+    rows.sort(key=lambda r: -row_len[id(r)])  # longest first: a micro-batch's width is its first row's length
+    groups: list[list[list[int]]] = []
+    for row in rows:
+        if groups and (len(groups[-1]) + 1) * row_len[id(groups[-1][0])] <= token_budget:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
 
 
 def _advantage_row(adv: float | np.ndarray | None, completion_len: int) -> np.ndarray:
@@ -112,47 +127,50 @@ def _advantage_row(adv: float | np.ndarray | None, completion_len: int) -> np.nd
     return arr
 
 
-def _build_row(
+def _build(
     samples: Sequence[Sample],
-    indices: Sequence[int],
+    rows: list[list[int]],
     advantages: Sequence[float | np.ndarray] | None,
     pad_to_multiple_of: int,
 ) -> MicroBatch:
-    lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in indices]
-    used = sum(lengths)
-    total = max(1, -(-used // pad_to_multiple_of) * pad_to_multiple_of)
-    num_seqs = len(indices)
-    width = max((len(samples[i].completion_ids) for i in indices), default=0)
-    tokens = np.zeros(total, dtype=np.int64)
-    positions = np.zeros(total, dtype=np.int64)
-    segment_ids = np.full(total, num_seqs, dtype=np.int64)
-    targets = np.zeros(total, dtype=np.int64)
-    gather_index = np.zeros((num_seqs, width), dtype=np.int64)
-    loss_mask = np.zeros((num_seqs, width), dtype=np.float32)
-    rollout_lp = np.zeros((num_seqs, width), dtype=np.float32)
-    adv = np.zeros((num_seqs, width), dtype=np.float32)
-    start = 0
-    for seg, (i, n) in enumerate(zip(indices, lengths)):
-        s = samples[i]
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        end = start + n
-        tokens[start : start + p] = s.prompt_ids
-        tokens[start + p : end] = s.completion_ids
-        positions[start:end] = np.arange(n)
-        segment_ids[start:end] = seg
-        targets[start : end - 1] = tokens[start + 1 : end]
-        # Position t predicts token t+1: completion token j is predicted at row position start + p - 1 + j.
-        gather_index[seg, :c] = np.arange(start + p - 1, end - 1)
-        loss_mask[seg, :c] = 1.0
-        rollout_lp[seg, :c] = s.rollout_logprobs
-        adv[seg, :c] = _advantage_row(None if advantages is None else advantages[i], c)
-        start = end
-    row = lambda a: torch.from_numpy(a).unsqueeze(0)  # noqa: E731
+    seqs = [i for row in rows for i in row]
+    seq_len = {i: len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in seqs}
+    longest = max((sum(seq_len[i] for i in row) for row in rows), default=1)
+    width_t = max(1, -(-longest // pad_to_multiple_of) * pad_to_multiple_of)
+    width_c = max((len(samples[i].completion_ids) for i in seqs), default=0)
+    shape = (max(1, len(rows)), width_t)
+    tokens, positions = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+    segment_ids, targets = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+    gather_index = np.zeros((len(seqs), width_c), np.int64)
+    loss_mask, rollout_lp, adv = (np.zeros((len(seqs), width_c), np.float32) for _ in range(3))
+    s_row = 0
+    for r, row in enumerate(rows):
+        segment_ids[r, :] = len(row)
+        start = 0
+        for seg, i in enumerate(row):
+            s, n = samples[i], seq_len[i]
+            p, c, end = len(samples[i].prompt_ids), len(samples[i].completion_ids), start + seq_len[i]
+            tokens[r, start : start + p] = s.prompt_ids
+            tokens[r, start + p : end] = s.completion_ids
+            positions[r, start:end] = np.arange(n)
+            segment_ids[r, start:end] = seg
+            targets[r, start : end - 1] = tokens[r, start + 1 : end]
+            # Position t predicts token t+1: completion token j is predicted at row position start + p - 1 + j.
+            gather_index[s_row, :c] = r * width_t + np.arange(start + p - 1, end - 1)
+            loss_mask[s_row, :c] = 1.0
+            rollout_lp[s_row, :c] = s.rollout_logprobs
+            adv[s_row, :c] = _advantage_row(None if advantages is None else advantages[i], c)
+            start, s_row = end, s_row + 1
+    t = torch.from_numpy
     return MicroBatch(
-        tokens=row(tokens), positions=row(positions), segment_ids=row(segment_ids), targets=row(targets),
-        gather_index=torch.from_numpy(gather_index), loss_mask=torch.from_numpy(loss_mask),
-        rollout_logprobs=torch.from_numpy(rollout_lp), advantages=torch.from_numpy(adv), sample_indices=list(indices),
-    )
+        tokens=t(tokens), positions=t(positions), segment_ids=t(segment_ids), targets=t(targets),
+        gather_index=t(gather_index), loss_mask=t(loss_mask), rollout_logprobs=t(rollout_lp), advantages=t(adv),
+        sample_indices=seqs, num_tokens=sum(seq_len.values()),
+    )  # fmt: skip
+
+
+def _lengths(samples: Sequence[Sample]) -> list[int]:
+    return [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
 
 
 def pack_samples(
@@ -161,20 +179,22 @@ def pack_samples(
     token_budget: int,
     advantages: Sequence[float | np.ndarray] | None = None,
     pad_to_multiple_of: int = 1,
+    row_tokens: int | None = None,
 ) -> list[MicroBatch]:
-    """Pack ``samples[i] for i in indices`` into micro-batches of at most ``token_budget`` tokens each.
+    """Pack ``samples[i] for i in indices`` into micro-batches of at most ``token_budget`` tokens (padding included).
 
-    ``advantages[i]`` (indexed like ``samples``) is a scalar broadcast over the completion or an array with one value
-    per completion token. Rows are padded to a multiple of ``pad_to_multiple_of`` (static shapes on accelerators).
+    ``row_tokens`` caps a packed row (default: ``token_budget``, one row per micro-batch); a sequence longer than
+    the row cap or the budget gets a row / micro-batch of its own. ``advantages[i]`` (indexed like ``samples``) is a
+    scalar broadcast over the completion or an array with one value per completion token. Rows are padded to a
+    multiple of ``pad_to_multiple_of`` (static shapes on accelerators).
     """
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
     for i in indices:
         if len(samples[i].prompt_ids) == 0:
             raise ValueError(f"sample {i} has an empty prompt: nothing predicts its first completion token")
-    lengths = {i: len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in indices}
-    bins = _first_fit_decreasing(lengths, list(indices), token_budget)
-    return [_build_row(samples, b, advantages, pad_to_multiple_of) for b in bins]
+    groups = _group_rows(_lengths(samples), list(indices), token_budget, row_tokens or token_budget)
+    return [_build(samples, rows, advantages, pad_to_multiple_of) for rows in groups]
 
 
 def assign_to_ranks(lengths: Sequence[int], indices: Sequence[int], num_ranks: int) -> list[list[int]]:
@@ -201,16 +221,6 @@ def split_minibatches(num_samples: int, num_minibatches: int, seed: int | None =
     return [sorted(int(i) for i in part) for part in np.array_split(order, num_minibatches)]
 
 
-def _empty_micro_batch() -> MicroBatch:
-    """A one-token row with no sequence: keeps this rank's forward/backward count equal to the other ranks'."""
-    z = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype)  # noqa: E731
-    return MicroBatch(
-        tokens=z(1, 1), positions=z(1, 1), segment_ids=z(1, 1), targets=z(1, 1), gather_index=z(0, 0),
-        loss_mask=z(0, 0, dtype=torch.float32), rollout_logprobs=z(0, 0, dtype=torch.float32),
-        advantages=z(0, 0, dtype=torch.float32), sample_indices=[],
-    )
-
-
 def plan_micro_batches(
     samples: Sequence[Sample],
     indices: Sequence[int],
@@ -219,15 +229,20 @@ def plan_micro_batches(
     token_budget: int,
     advantages: Sequence[float | np.ndarray] | None = None,
     pad_to_multiple_of: int = 1,
+    row_tokens: int | None = None,
 ) -> list[MicroBatch]:
-    """This rank's micro-batches for the samples ``indices``: balanced rank split, FFD packing, equal counts.
+    """This rank's micro-batches for the samples ``indices``: balanced rank split, packing, equal counts everywhere.
 
-    Every rank calls this with the same arguments except ``rank``, and gets the same number of micro-batches.
+    Every rank calls this with the same arguments except ``rank`` and gets the same number of micro-batches (the
+    shorter lists end with empty ones: a one-token row, no sequence). ``row_tokens`` None: rows as long as the
+    longest sequence among ``indices`` (the same on every rank).
     """
-    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+    lengths = _lengths(samples)
+    if row_tokens is None:
+        row_tokens = max((lengths[i] for i in indices), default=1)
     per_rank = assign_to_ranks(lengths, indices, num_ranks)
-    counts = [len(_first_fit_decreasing(lengths, part, token_budget)) for part in per_rank]
-    mine = pack_samples(samples, per_rank[rank], token_budget, advantages, pad_to_multiple_of)
+    counts = [len(_group_rows(lengths, part, token_budget, row_tokens)) for part in per_rank]
+    mine = pack_samples(samples, per_rank[rank], token_budget, advantages, pad_to_multiple_of, row_tokens)
     assert len(mine) == counts[rank]
-    mine.extend(_empty_micro_batch() for _ in range(max(counts) - len(mine)))
+    mine.extend(_build(samples, [], None, 1) for _ in range(max(counts) - len(mine)))
     return mine

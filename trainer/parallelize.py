@@ -20,7 +20,9 @@ from torch.distributed.tensor import DTensor
 
 from trainer.config import TrainerConfig
 
-__all__ = ["build_mesh", "local_shard_place", "local_shards", "parallelize_model"]
+__all__ = [
+    "build_mesh", "local_shard_place", "local_shards", "parallelize_model", "sync_tensor_parallel_partial_grads",
+]  # fmt: skip
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,17 +38,50 @@ def build_mesh(cfg: TrainerConfig, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (cfg.num_ranks // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def _apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard each block's linears along the plan the model declares (``model.tensor_parallel_plan``)."""
+def _block_plan(block: nn.Module) -> dict:
+    """Megatron-style plan for one dense block: q/k/v and w1/w3 split by output (heads / hidden units), wo and w2 by
+    input, so each block needs one all-reduce after attention and one after the feed-forward."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if not hasattr(block, "feed_forward"):
+        raise ValueError(
+            "tensor parallelism supports dense blocks only (MoE experts are not split); "
+            "set parallelism.tensor_parallel_degree = 1"
+        )
+    return {
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(),
+    }  # fmt: skip
+
+
+def _apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_cfg_heads: tuple[int, int] | None) -> None:
+    """Split each block's linears over ``tp_mesh``; embeddings, norms and the output head stay replicated."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan_fn = getattr(model, "tensor_parallel_plan", None)
-    if plan_fn is None:
+    tp = tp_mesh.size()
+    if model_cfg_heads is not None and any(n % tp for n in model_cfg_heads):
         raise ValueError(
-            f"{type(model).__name__} declares no tensor_parallel_plan(); set parallelism.tensor_parallel_degree = 1"
+            f"tensor_parallel_degree {tp} must divide num_heads and num_kv_heads {model_cfg_heads}"
         )
     for block in model.layers:
-        parallelize_module(block, tp_mesh, plan_fn())
+        parallelize_module(block, tp_mesh, _block_plan(block))
+
+
+def sync_tensor_parallel_partial_grads(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Sum over the TP group the gradients of replicated parameters applied to each rank's slice of heads.
+
+    The per-head q/k RMSNorm weights (Qwen3) are shared by all heads but each TP rank only sees its own heads, so their
+    gradient is a partial sum; without this the replicas drift apart. Call after backward, before clipping.
+    """
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return
+    group = mesh["tp"].get_group()
+    for name, p in model.named_parameters():
+        if p.grad is not None and name.split(".")[-2] in ("q_norm", "k_norm"):
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            torch.distributed.all_reduce(grad, group=group)
 
 
 def parallelize_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerConfig) -> nn.Module:
@@ -56,7 +91,9 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerConfig) ->
     ``model`` (now an ``FSDPModule`` when FSDP is on).
     """
     if cfg.parallelism.tensor_parallel_degree > 1:
-        _apply_tensor_parallel(model, mesh["tp"])
+        model_cfg = getattr(model, "cfg", None) or getattr(getattr(model, "body", None), "cfg", None)
+        heads = (model_cfg.num_heads, model_cfg.num_kv_heads) if model_cfg is not None else None
+        _apply_tensor_parallel(model, mesh["tp"], heads)
     if not cfg.parallelism.fsdp:
         return model
     dp_mesh = mesh["dp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh

@@ -30,6 +30,7 @@ from rollout.types import RolloutBatch, Sample
 from trainer.engine import TrainEngine
 from trainer.metrics import MetricsAccumulator
 from trainer.packing import MicroBatch, plan_micro_batches, split_minibatches
+from trainer.parallelize import sync_tensor_parallel_partial_grads
 from trainer.rl.advantages import compute_group_advantages, gae_advantages
 from trainer.rl.config import PPOConfig
 from trainer.rl.kl import kl_estimate, kl_penalized_token_rewards
@@ -40,15 +41,16 @@ __all__ = ["forward_logprobs", "rl_step", "sft_step"]
 
 
 def forward_logprobs(model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprobs [S, C], entropy [S, C], packed logprobs [1, T]) of the micro-batch's completion tokens."""
+    """(logprobs [S, C], entropy [S, C], packed logprobs [R, L]) of the micro-batch's completion tokens."""
     hidden = model(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids)
     logprobs, entropy = model.token_logprobs(hidden, mb.targets)
     return mb.unpack(logprobs), mb.unpack(entropy), logprobs
 
 
-def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(x)
+def _all_reduce_sum(engine: TrainEngine, x: torch.Tensor) -> torch.Tensor:
+    """Sum over the data-parallel ranks (tensor-parallel peers hold the same samples)."""
+    if engine.dp_size > 1:
+        dist.all_reduce(x, group=engine.dp_group)
     return x
 
 
@@ -93,7 +95,7 @@ def _group_advantages(engine: TrainEngine, samples: Sequence[Sample], plans: lis
                 idx = torch.tensor(mb.sample_indices, dtype=torch.long, device=engine.device)
                 kl = _kl_for_reward(engine, mb)
                 kl_sums[idx] = kl.sum(dim=-1).double()
-        rewards = rewards - algo.kl.coef * _all_reduce_sum(kl_sums)
+        rewards = rewards - algo.kl.coef * _all_reduce_sum(engine, kl_sums)
     adv = torch.zeros_like(rewards)
     groups: dict[int, list[int]] = {}
     for i, s in enumerate(samples):
@@ -127,7 +129,7 @@ def _gae_advantages(engine: TrainEngine, samples: Sequence[Sample], plans: list[
             for mb in mbs:
                 a = mb.advantages.double()
                 stats += torch.stack([mb.loss_mask.sum().double(), a.sum(), a.square().sum()])
-        n, total, sq = _all_reduce_sum(stats).tolist()
+        n, total, sq = _all_reduce_sum(engine, stats).tolist()
         if n < 2:
             raise ValueError(f"whitening advantages needs at least 2 completion tokens in the batch, got {int(n)}")
         mean = total / n
@@ -137,16 +139,35 @@ def _gae_advantages(engine: TrainEngine, samples: Sequence[Sample], plans: list[
                 mb.advantages = (mb.advantages - mean) / (std + 1e-8) * mb.loss_mask
 
 
-def _clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_norm: float | None) -> float:
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"), foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
+def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters grouped by device mesh: foreach kernels refuse DTensors of different meshes in one call (FSDP x TP:
+    the root unit lives on the data-parallel mesh, the blocks on the 2-D one)."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
+    return list(groups.values())
+
+
+def _clip_and_step(
+    engine: TrainEngine, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_norm: float | None
+) -> float:
+    """Clip the global gradient norm (computed per mesh group, then combined), step, zero grads; returns the norm."""
+    sync_tensor_parallel_partial_grads(model, engine.mesh)
+    groups = _by_mesh([p for p in model.parameters() if p.grad is not None])
+    squares = []
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squares.append(norm.double() ** 2)
+    total = torch.stack(squares).sum().sqrt().float()
+    if max_norm is not None:
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(norm)
+    return float(total)
 
 
 def _update_policy(engine: TrainEngine, mbs: list[MicroBatch], counts: tuple[float, float], acc: MetricsAccumulator):
@@ -185,7 +206,7 @@ def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
     minis = split_minibatches(len(samples), cfg.num_minibatches)
     plans = [
         [mb.to(engine.device) for mb in plan_micro_batches(samples, idx, engine.dp_rank, engine.dp_size,
-                                                           cfg.micro_batch_tokens)]
+                                                           cfg.micro_batch_tokens, row_tokens=cfg.pack_row_tokens)]
         for idx in minis
     ]  # fmt: skip
     need_old = cfg.num_epochs * cfg.num_minibatches > 1
@@ -201,18 +222,21 @@ def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
         for idx, mbs in zip(minis, plans):
             counts = _mini_counts(samples, idx)
             _update_policy(engine, mbs, counts, acc)
-            grad_norms.append(_clip_and_step(engine.policy, engine.optimizer, engine.scheduler, cfg.max_grad_norm))
+            grad_norms.append(
+                _clip_and_step(engine, engine.policy, engine.optimizer, engine.scheduler, cfg.max_grad_norm)
+            )
             if engine.critic is not None:
                 _update_critic(engine, mbs, counts, critic_acc)
-                critic_norms.append(
-                    _clip_and_step(engine.critic, engine.critic_optimizer, engine.critic_scheduler, cfg.max_grad_norm)
-                )
+                critic_norms.append(_clip_and_step(
+                    engine, engine.critic, engine.critic_optimizer, engine.critic_scheduler, cfg.max_grad_norm
+                ))  # fmt: skip
     num_updates = cfg.num_epochs * cfg.num_minibatches
     # Loss terms summed over every update of the step: report their mean per optimizer step.
     per_update = lambda k, v: v / num_updates if k == "loss" or k.endswith("_loss") else v  # noqa: E731
-    metrics = {k: per_update(k, v) for k, v in acc.reduce(engine.device).items()}
+    metrics = {k: per_update(k, v) for k, v in acc.reduce(engine.device, engine.dp_group).items()}
     if engine.critic is not None:
-        metrics.update({f"critic/{k}": per_update(k, v) for k, v in critic_acc.reduce(engine.device).items()})
+        critic_metrics = critic_acc.reduce(engine.device, engine.dp_group)
+        metrics.update({f"critic/{k}": per_update(k, v) for k, v in critic_metrics.items()})
     if critic_norms:
         metrics["critic/grad_norm"] = float(np.mean(critic_norms))
     engine.step += 1
@@ -238,7 +262,7 @@ def sft_step(engine: TrainEngine, samples: Sequence[Sample], lr: float | None = 
     mbs = [
         mb.to(engine.device)
         for mb in plan_micro_batches(samples, range(len(samples)), engine.dp_rank, engine.dp_size,
-                                     engine.cfg.micro_batch_tokens)
+                                     engine.cfg.micro_batch_tokens, row_tokens=engine.cfg.pack_row_tokens)
     ]  # fmt: skip
     num_tokens, _ = _mini_counts(samples, range(len(samples)))
     acc = MetricsAccumulator()
@@ -251,10 +275,10 @@ def sft_step(engine: TrainEngine, samples: Sequence[Sample], lr: float | None = 
     if lr is not None:
         for g in engine.optimizer.param_groups:
             g["lr"] = lr
-    grad_norm = _clip_and_step(engine.policy, engine.optimizer, None, engine.cfg.max_grad_norm)
+    grad_norm = _clip_and_step(engine, engine.policy, engine.optimizer, None, engine.cfg.max_grad_norm)
     for g, old in zip(engine.optimizer.param_groups, saved):
         g["lr"] = old
     engine.policy_version += 1
-    metrics = acc.reduce(engine.device)
+    metrics = acc.reduce(engine.device, engine.dp_group)
     metrics.update(grad_norm=grad_norm, step_s=time.perf_counter() - start, policy_version=float(engine.policy_version))
     return metrics

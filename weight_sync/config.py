@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 import pydantic
 
@@ -16,8 +17,10 @@ DEFAULT_TOKEN_ENV = "RL_ALIGN_WEIGHT_SYNC_TOKEN"
 class WeightSyncConfig(Config):
     """How trainer ranks push weights to receivers, and how a receiver serves and checks pushes."""
 
-    chunk_bytes: int = pydantic.Field(4 << 20, ge=64, le=64 << 20)
-    """Raw payload bytes per streamed chunk (a multiple of 8 keeps every dtype aligned)."""
+    chunk_bytes: int = pydantic.Field(1 << 20, ge=64, le=64 << 20)
+    """Raw payload bytes per streamed chunk, a multiple of 8 (1 MiB measured fastest for Python gRPC here)."""
+    num_streams: int = pydantic.Field(2, ge=1, le=64)
+    """Push streams per rank and receiver; a rank's shards are spread over them (2 moved ~2x more than 1 here)."""
     rpc_timeout_s: float = pydantic.Field(30.0, gt=0)
     """Deadline of Describe/Begin/Abort calls."""
     push_timeout_s: float = pydantic.Field(600.0, gt=0)
@@ -52,6 +55,8 @@ class WeightSyncConfig(Config):
     """Allow a non-loopback bind without TLS or without a token (trusted private networks only)."""
     delta: bool = True
     """Send XOR+zstd deltas to receivers that hold the previous version; receivers keep a base copy for it."""
+    delta_encoding: Literal["sparse", "xor_zstd"] = "sparse"
+    """Delta chunks as changed (index, value) pairs (fast to compute) or zstd of the XOR (fewer bytes, more CPU)."""
     delta_zstd_level: int = pydantic.Field(1, ge=-5, le=19)
     """zstd level of delta chunks (1 is fast; higher compresses better and costs sender CPU)."""
     relay_fanout: int = pydantic.Field(0, ge=0, le=64)

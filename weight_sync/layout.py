@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["box_error", "boxes_overlap", "read_range", "shard_view", "write_range"]
+__all__ = ["box_error", "boxes_overlap", "contiguous_range", "read_range", "shard_view", "write_range"]
 
 
 def box_error(global_shape: Sequence[int], offsets: Sequence[int], shape: Sequence[int]) -> str | None:
@@ -88,3 +88,10 @@ def read_range(view: np.ndarray, start: int, count: int) -> np.ndarray:
     if got < count:
         pieces.append(read_range(view[row], 0, count - got))
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+def contiguous_range(view: np.ndarray, start: int, count: int) -> np.ndarray | None:
+    """Elements [start, start + count) of `view` as a writable 1-D view when the box is contiguous, else None."""
+    if view.ndim <= 1 or view.flags.c_contiguous:
+        return view.reshape(-1)[start : start + count]
+    return None

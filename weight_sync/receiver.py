@@ -103,7 +103,7 @@ class WeightReceiver:
         if self._port is None:
             raise RuntimeError("receiver not started: call start() first")
         host = "localhost" if self.config.bind_host in ("0.0.0.0", "::") else self.config.bind_host
-        return f"{host}:{self._port}"
+        return f"[{host}]:{self._port}" if ":" in host else f"{host}:{self._port}"
 
     @property
     def policy_version(self) -> int:

@@ -27,35 +27,22 @@ import dataclasses
 import logging
 import time
 from concurrent import futures
+from itertools import chain
 from typing import Iterable, Sequence
 
 import grpc
 import numpy as np
-import torch
-import xxhash
-import zstandard
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.channel import WeightSyncClient
-from weight_sync.codec import encode_chunk, xor_encode
+from weight_sync.chunking import DeltaCoder, LocalShard, Shard, as_local, piece_messages, plan_streams
 from weight_sync.config import WeightSyncConfig
-from weight_sync.layout import box_error
 from weight_sync.relay import PushStream, results_of, split_tree, stream_metadata
-from weight_sync.spec import TensorSpec, element_dtype
+from weight_sync.spec import TensorSpec
 
 __all__ = ["PushReport", "Shard", "WeightSender"]
 
 log = logging.getLogger("weight_sync.sender")
-
-
-@dataclasses.dataclass(frozen=True)
-class Shard:
-    """One rank's piece of a parameter: HF name, the local tensor, the global shape and the piece's global offsets."""
-
-    name: str
-    tensor: torch.Tensor
-    global_shape: tuple[int, ...]
-    global_offsets: tuple[int, ...]
 
 
 @dataclasses.dataclass
@@ -76,27 +63,6 @@ class PushReport:
     @property
     def failed(self) -> dict[str, str]:
         return {a: err for a, err in self.errors.items() if err is not None}
-
-
-@dataclasses.dataclass
-class _Local:
-    name: str
-    spec: TensorSpec
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
-    values: np.ndarray  # flat, unsigned elements (bit patterns)
-
-
-def _as_local(shard: Shard) -> _Local:
-    tensor = shard.tensor.detach()
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    spec = TensorSpec(shard.name, tuple(shard.global_shape), dtype)
-    problem = box_error(spec.shape, tuple(shard.global_offsets), tuple(tensor.shape))
-    if problem:
-        raise ValueError(f"shard of {shard.name}: {problem}")
-    flat = tensor.cpu().contiguous().reshape(-1)
-    values = flat.view(torch.uint8).numpy().view(element_dtype(dtype)) if flat.numel() else np.empty(0, element_dtype(dtype))
-    return _Local(shard.name, spec, tuple(shard.global_offsets), tuple(tensor.shape), values)
 
 
 def _status_name(code: int) -> str:
@@ -161,7 +127,7 @@ class WeightSender:
     def _each(self, fn) -> dict[str, futures.Future]:
         return {a: self._pool.submit(fn, c) for a, c in self._clients.items()}
 
-    def _check_compatible(self, locals_: list[_Local]) -> None:
+    def _check_compatible(self, locals_: list[LocalShard]) -> None:
         for address, reply in self.describe().items():
             if isinstance(reply, str):
                 continue  # unreachable now: reported per push
@@ -176,20 +142,24 @@ class WeightSender:
                     )
 
     def push(self, policy_version: int, shards: Iterable[Shard]) -> PushReport:
-        """Begin + stream this rank's shards to every receiver. Never raises for a failing receiver (see the report)."""
+        """Begin + stream this rank's shards to every receiver. Never raises for a failing receiver (see the report).
+
+        CPU tensors are read in place: they must not change (no optimizer step) until `push` returns. Raises
+        ValueError for malformed shards or a receiver whose manifest does not match them.
+        """
         start = time.perf_counter()
-        locals_ = [_as_local(s) for s in shards]
+        locals_ = [as_local(s) for s in shards]
         specs: dict[str, TensorSpec] = {}
         for local in locals_:
             if specs.setdefault(local.name, local.spec) != local.spec:
                 raise ValueError(f"shards of {local.name} disagree on global shape or dtype")
         if not self._described:
             self._check_compatible(locals_)
-        use_base = self.config.delta and all((l.name, l.offsets) in self._base for l in locals_)
+        use_base = self.config.delta and all(l.key in self._base for l in locals_)
         request = pb.BeginRequest(
             session_id=self.session_id, policy_version=policy_version, rank=self.rank, num_ranks=self.num_ranks,
             tensors=[pb.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in specs.values()],
-            base_version=self._base_version if use_base else -1,
+            base_version=self._base_version if use_base else -1, num_streams=self.config.num_streams,
         )
         errors: dict[str, str | None] = {}
         delta, full = [], []
@@ -201,76 +171,81 @@ class WeightSender:
                 errors[address] = f"Begin: {_error_text(e)}"
         streams = [(tree, True) for tree in split_tree(delta, self.config.relay_fanout)]
         streams += [(tree, False) for tree in split_tree(full, self.config.relay_fanout)]
-        opened = [
-            (head, rest, is_delta, PushStream(self._clients[head], stream_metadata(
-                self.session_id, policy_version, self.rank, rest, self.config.relay_fanout), self.config.push_timeout_s))
-            for (head, rest), is_delta in streams
-        ]
-        payload = self._stream_shards(locals_, opened)
-        for head, rest, _, stream in opened:
-            for result in results_of(head, rest, stream.close()):
-                errors[result.address] = None if result.code == 0 else f"Push: {_status_name(result.code)}: {result.message}"
+        trees = []
+        for (head, rest), is_delta in streams:
+            md = stream_metadata(self.session_id, policy_version, self.rank, rest, self.config.relay_fanout)
+            opened = [PushStream(self._clients[head], md, self.config.push_timeout_s) for _ in range(self.config.num_streams)]
+            trees.append((head, rest, opened, is_delta))
+        payload, updated = 0, set()
+        if trees:  # nobody to send to: skip the chunking work
+            payload, updated = self._stream_shards(locals_, [(opened, is_delta) for _, _, opened, is_delta in trees])
+        for head, rest, opened, _ in trees:
+            for stream in opened:
+                for result in results_of(head, rest, stream.close()):
+                    if result.code != 0 and errors.get(result.address) is None:
+                        errors[result.address] = f"Push: {_status_name(result.code)}: {result.message}"
         if self.config.delta:
-            self._remember(locals_, policy_version)
+            self._remember(locals_, policy_version, updated)
         seconds = time.perf_counter() - start
-        sent = sum(s.bytes_sent for *_, s in opened)
+        sent = sum(s.bytes_sent for _, _, opened, _ in trees for s in opened)
         report = PushReport(policy_version, errors, delta, sent, payload, seconds)
         log.info(
             "rank %d pushed v%d: %.1f MB of shards, %.1f MB sent to %d streams in %.3f s (%.2f GB/s per receiver); "
-            "failed: %s", self.rank, policy_version, payload / 1e6, sent / 1e6, len(opened), seconds,
+            "failed: %s", self.rank, policy_version, payload / 1e6, sent / 1e6, sum(len(t[2]) for t in trees), seconds,
             payload / max(seconds, 1e-9) / 1e9, report.failed or "none",
         )
         return report
 
-    def _stream_shards(self, locals_: list[_Local], opened: list) -> int:
-        """Chunk every shard once and feed each open stream the raw or the delta encoding; return payload bytes."""
-        compressor = zstandard.ZstdCompressor(level=self.config.delta_zstd_level)
-        any_full = any(not d for *_, d, _ in opened)
-        any_delta = any(d for *_, d, _ in opened)
-        scratch = np.empty(0, dtype=np.uint8)
-        payload = 0
+    def _stream_shards(self, locals_: list[LocalShard], trees: list[tuple[list[PushStream], bool]]) -> tuple[int, set]:
+        """Chunk every shard once, round-robin over the stream groups, feeding each stream raw or delta messages.
+
+        Returns the payload bytes and the keys of the delta bases brought up to date in place while streaming.
+        """
+        any_full = any(not is_delta for _, is_delta in trees)
+        any_delta = any(is_delta for _, is_delta in trees)
+        coder = DeltaCoder(self.config.delta_encoding, self.config.delta_zstd_level) if any_delta else None
+        self._base_version = -1  # bases change in place below: invalid until the whole push went through
+        updated = set()
+        bases: dict[tuple, np.ndarray | None] = {}
         for local in locals_:
-            values = local.values
-            elem = values.dtype.itemsize
-            step = max(1, self._chunk_bytes() // elem)
-            base = self._base.get((local.name, local.offsets)) if any_delta else None
-            if base is not None and base.shape != values.shape:
-                base = None
-            if base is not None and scratch.nbytes < min(values.nbytes, step * elem):
-                scratch = np.empty(step * elem, dtype=np.uint8)
-            header = pb.ShardHeader(
-                name=local.name, offsets=local.offsets, shape=local.shape, xxh3_64=xxhash.xxh3_64_intdigest(values)
-            )
-            for begin in range(0, max(values.shape[0], 1), step):
-                piece = values[begin : begin + step]
-                chunk = pb.ChunkHeader(element_offset=begin, num_elements=piece.shape[0])
-                if begin == 0:
-                    chunk.shard.CopyFrom(header)
-                raw = encode_chunk(chunk, piece) if any_full or base is None else None
-                packed = None
-                if base is not None:
-                    coded = xor_encode(piece, base[begin : begin + step], compressor, scratch.view(values.dtype))
-                    if coded is not None:
-                        chunk.encoding = pb.ENCODING_XOR_ZSTD
-                        packed = encode_chunk(chunk, coded)
-                if packed is None and raw is None:
-                    raw = encode_chunk(chunk, piece)
-                for *_, is_delta, stream in opened:
-                    stream.send(packed if is_delta and packed is not None else raw)
-                payload += piece.nbytes
-        return payload
+            base = self._base.get(local.key) if any_delta else None
+            same = base is not None and base.shape == local.values.shape and base.dtype == local.values.dtype
+            bases[local.key] = base if same else None
+            if bases[local.key] is not None:
+                updated.add(local.key)
+        groups = plan_streams(locals_, self.config.num_streams)
+        chunk_bytes = self._chunk_bytes()
+        generators = [
+            chain.from_iterable(piece_messages(p, bases[p.local.key], chunk_bytes, coder, any_full) for p in group)
+            for group in groups
+        ]
+        payload = 0
+        active = list(range(len(generators)))
+        while active:
+            for index in list(active):
+                item = next(generators[index], None)
+                if item is None:
+                    active.remove(index)
+                    continue
+                raw, packed, nbytes = item
+                payload += nbytes
+                for streams, is_delta in trees:
+                    streams[index].send(packed if is_delta and packed is not None else raw)
+        return payload, updated
 
     def _chunk_bytes(self) -> int:
         limits = [r.max_chunk_bytes for r in self._described.values() if r.max_chunk_bytes]
         size = min([self.config.chunk_bytes, *limits])
         return size - size % 8
 
-    def _remember(self, locals_: list[_Local], policy_version: int) -> None:
+    def _remember(self, locals_: list[LocalShard], policy_version: int, updated: set) -> None:
         keep = {}
         for local in locals_:
             key = (local.name, local.offsets)
             old = self._base.get(key)
-            if old is not None and old.shape == local.values.shape and old.dtype == local.values.dtype:
+            if key in updated:
+                keep[key] = old
+            elif old is not None and old.shape == local.values.shape and old.dtype == local.values.dtype:
                 np.copyto(old, local.values)
                 keep[key] = old
             else:

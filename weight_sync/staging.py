@@ -19,14 +19,15 @@ import xxhash
 import zstandard
 
 from protos import weight_sync_pb2 as pb
-from weight_sync.codec import DeltaError, xor_decode
-from weight_sync.layout import box_error, boxes_overlap, read_range, shard_view, write_range
+from weight_sync.codec import DeltaError, sparse_decode, xor_decode
+from weight_sync.layout import box_error, boxes_overlap, contiguous_range, read_range, shard_view, write_range
 from weight_sync.spec import TensorSpec, element_dtype
 
 __all__ = ["StagedUpdate", "StagingArea", "StreamWriter", "SyncError"]
 
 MAX_SHARDS_PER_TENSOR = 4096
 MAX_RANKS = 65536
+MAX_STREAMS_PER_RANK = 64
 Code = grpc.StatusCode
 
 
@@ -61,7 +62,9 @@ class StagedUpdate:
     buffers: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     rank_specs: dict[int, tuple[TensorSpec, ...]] = dataclasses.field(default_factory=dict)
     delta_ranks: set[int] = dataclasses.field(default_factory=set)
-    done_ranks: set[int] = dataclasses.field(default_factory=set)
+    rank_streams: dict[int, int] = dataclasses.field(default_factory=dict)  # streams each rank announced
+    opened_streams: dict[int, int] = dataclasses.field(default_factory=dict)
+    done_streams: dict[int, int] = dataclasses.field(default_factory=dict)
     boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = dataclasses.field(default_factory=dict)
     covered: dict[str, int] = dataclasses.field(default_factory=dict)
     failure: SyncError | None = None
@@ -111,6 +114,9 @@ class StagingArea:
             raise SyncError(Code.INVALID_ARGUMENT, "session_id must be 1-256 characters")
         if not 1 <= req.num_ranks <= MAX_RANKS or not 0 <= req.rank < req.num_ranks:
             raise SyncError(Code.INVALID_ARGUMENT, f"rank {req.rank} of num_ranks {req.num_ranks} is out of range")
+        num_streams = max(req.num_streams, 1)
+        if num_streams > MAX_STREAMS_PER_RANK:
+            raise SyncError(Code.INVALID_ARGUMENT, f"num_streams {num_streams} exceeds {MAX_STREAMS_PER_RANK}")
         specs = tuple(self._check_spec(s) for s in req.tensors)
         if len({s.name for s in specs}) != len(specs):
             raise SyncError(Code.INVALID_ARGUMENT, "Begin lists a tensor twice")
@@ -126,11 +132,12 @@ class StagingArea:
                 if update.num_ranks != req.num_ranks:
                     raise SyncError(Code.INVALID_ARGUMENT, f"num_ranks {req.num_ranks} != {update.num_ranks} of this update")
                 if req.rank in update.rank_specs:
-                    if update.rank_specs[req.rank] != specs:
+                    if update.rank_specs[req.rank] != specs or update.rank_streams[req.rank] != num_streams:
                         raise SyncError(Code.INVALID_ARGUMENT, f"rank {req.rank} called Begin again with other tensors")
                 else:
                     self._add_specs(update, specs)
                     update.rank_specs[req.rank] = specs
+                    update.rank_streams[req.rank] = num_streams
                 delta = (
                     self.keep_base
                     and req.base_version >= 0
@@ -202,8 +209,10 @@ class StagingArea:
                 update.check_alive()
                 if rank not in update.rank_specs:
                     raise SyncError(Code.FAILED_PRECONDITION, f"rank {rank} pushed before calling Begin")
-                if rank in update.done_ranks:
-                    raise SyncError(Code.ALREADY_EXISTS, f"rank {rank} already pushed its stream for this update")
+                opened = update.opened_streams.get(rank, 0)
+                if opened >= update.rank_streams[rank]:
+                    raise SyncError(Code.ALREADY_EXISTS, f"rank {rank} already opened its {opened} stream(s)")
+                update.opened_streams[rank] = opened + 1
                 update.active_streams += 1
         return StreamWriter(self, update, rank)
 
@@ -263,7 +272,7 @@ class StagingArea:
         missing = sorted(set(range(update.num_ranks)) - set(update.rank_specs))
         if missing:
             raise SyncError(Code.FAILED_PRECONDITION, f"ranks {missing[:8]} never called Begin")
-        unfinished = sorted(set(range(update.num_ranks)) - update.done_ranks)
+        unfinished = [r for r in range(update.num_ranks) if update.done_streams.get(r, 0) < update.rank_streams[r]]
         if unfinished:
             raise SyncError(Code.FAILED_PRECONDITION, f"ranks {unfinished[:8]} have not finished their push streams")
         for name, spec in update.specs.items():
@@ -317,20 +326,37 @@ class StreamWriter:
             if len(payload) != n * elem.itemsize:
                 raise SyncError(Code.INVALID_ARGUMENT, f"{shard.name}: raw payload of {len(payload)} bytes for {n} elements")
             values = np.frombuffer(payload, dtype=elem)
-        elif header.encoding == pb.ENCODING_XOR_ZSTD:
+            shard.hasher.update(values)
+            write_range(shard.view, shard.pos, values)
+        elif header.encoding in (pb.ENCODING_XOR_ZSTD, pb.ENCODING_SPARSE):
             if not self.delta or shard.base is None:
                 raise SyncError(Code.FAILED_PRECONDITION, f"{shard.name}: delta chunk but Begin did not accept delta")
             try:
-                values = xor_decode(payload, read_range(shard.base, shard.pos, n), self._decompressor)
+                self._apply_delta(header.encoding, payload, shard, n)
             except DeltaError as e:
                 raise SyncError(Code.DATA_LOSS, f"{shard.name}: {e}") from None
         else:
             raise SyncError(Code.INVALID_ARGUMENT, f"{shard.name}: unknown encoding {header.encoding}")
-        shard.hasher.update(values)
-        write_range(shard.view, shard.pos, values)
         shard.pos += n
         if shard.pos == shard.numel and shard.hasher.intdigest() != shard.checksum:
             raise SyncError(Code.DATA_LOSS, f"{shard.name}: checksum mismatch for shard ending at element {shard.pos}")
+
+    def _apply_delta(self, encoding: int, payload: memoryview, shard: _Shard, n: int) -> None:
+        base = read_range(shard.base, shard.pos, n)
+        if encoding == pb.ENCODING_SPARSE:
+            idx, new = sparse_decode(payload, n, shard.view.dtype)
+            dest = contiguous_range(shard.view, shard.pos, n)
+            if dest is not None:  # dim-0 shards: patch the staging buffer in place, no temporary
+                np.copyto(dest, base)
+                dest[idx] = new
+                shard.hasher.update(dest)
+                return
+            values = np.array(base, copy=True)
+            values[idx] = new
+        else:
+            values = xor_decode(payload, base, self._decompressor)
+        shard.hasher.update(values)
+        write_range(shard.view, shard.pos, values)
 
     def _declare(self, msg: pb.ShardHeader) -> _Shard:
         update = self.update
@@ -380,7 +406,7 @@ class StreamWriter:
                 f"stream ended inside shard of {self.shard.name} ({self.shard.pos} of {self.shard.numel} elements)",
             )
         with update.lock:
-            update.done_ranks.add(self.rank)
+            update.done_streams[self.rank] = update.done_streams.get(self.rank, 0) + 1
             update.active_streams -= 1
 
     def close_failed(self, error: SyncError) -> None:

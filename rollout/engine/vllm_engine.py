@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -76,6 +77,8 @@ class VLLMEngine:
         self._lock = threading.Lock()
         self._policy_version = 0
         self._broken: str | None = None
+        self.last_update_s = 0.0
+        """Seconds the last weight update held the engine (generation paused), for metrics."""
 
     @property
     def policy_version(self) -> int:
@@ -126,6 +129,7 @@ class VLLMEngine:
         """Like :meth:`load_weights` with the tensors already serialized as safetensors bytes."""
         names = _safetensors_names(payload)
         with self._lock:
+            start = time.perf_counter()
             self._check_usable()
             refusals = [r for r in self._llm.collective_rpc("rl_align_check_update", args=(names,)) if r]
             if refusals:
@@ -137,6 +141,7 @@ class VLLMEngine:
                 raise EngineBrokenError(self._broken) from e
             self._llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
             self._policy_version = policy_version
+            self.last_update_s = time.perf_counter() - start
 
     def _check_usable(self) -> None:
         if self._broken is not None:

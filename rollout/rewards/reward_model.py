@@ -56,8 +56,9 @@ class RewardModelReward:
     def _encode(self, completion: str, problem: Problem) -> list[int]:
         tokenizer = self._tokenizer
         if has_chat_template(tokenizer):
-            messages = [{"role": "user", "content": problem.prompt}] if isinstance(problem.prompt, str) else problem.prompt
-            conversation = list(messages) + [{"role": "assistant", "content": completion}]
+            prompt = problem.prompt
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            conversation = messages + [{"role": "assistant", "content": completion}]
             text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
             ids = tokenizer.encode(text, add_special_tokens=False)
         else:

@@ -77,8 +77,8 @@ class ExactMatchReward:
             if text is None:
                 scores.append(0.0)
                 continue
-            same = normalize_answer(text, self._case_sensitive) == normalize_answer(problem.answer, self._case_sensitive)
-            scores.append(1.0 if same else 0.0)
+            reference = normalize_answer(problem.answer, self._case_sensitive)
+            scores.append(1.0 if normalize_answer(text, self._case_sensitive) == reference else 0.0)
         return scores, 0
 
     def _extracted(self, completion: str) -> str | None:

@@ -94,7 +94,9 @@ class RewardScorer:
         (optional, one per completion) are only used to name samples in error messages.
         """
         if len(completions) != len(problems):
-            raise ValueError(f"{len(completions)} completions but {len(problems)} problems; pass one problem per completion")
+            raise ValueError(
+                f"{len(completions)} completions but {len(problems)} problems; pass one problem per completion"
+            )
         if group_ids is not None and len(group_ids) != len(completions):
             raise ValueError(f"{len(group_ids)} group ids for {len(completions)} completions")
         texts = [self._strip(c) for c in completions]

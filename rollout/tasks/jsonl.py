@@ -31,10 +31,13 @@ def load_jsonl(config: JsonlTaskConfig) -> tuple[list[Problem], list[Problem]]:
         train = [p for i, p in enumerate(train) if i not in eval_idx]
     else:
         held_out = []
-    ids = [p.problem_id for p in train + held_out]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise ValueError(f"problem id {dup!r} occurs more than once in the task files; ids must be unique")
+    seen: set[str] = set()
+    for problem in train + held_out:
+        if problem.problem_id in seen:
+            raise ValueError(
+                f"problem id {problem.problem_id!r} occurs more than once in the task files; ids must be unique"
+            )
+        seen.add(problem.problem_id)
     return train, held_out
 
 
@@ -93,4 +96,4 @@ def _field(record: dict[str, Any], key: str, where: str) -> Any:
 
 
 def _is_message(message: Any) -> bool:
-    return isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
+    return isinstance(message, dict) and all(isinstance(message.get(k), str) for k in ("role", "content"))

@@ -181,7 +181,7 @@ def test_user_function_error_scores_zero_and_is_counted(user_module):
 
 def test_non_number_return_fails_in_fail_mode(user_module):
     scorer = _scorer(FunctionRewardConfig(function=f"{user_module}:not_a_number"))
-    with pytest.raises(RewardFunctionError, match="returned 'high' of type str; a reward function must return a number"):
+    with pytest.raises(RewardFunctionError, match="returned 'high' of type str; a reward function must return a"):
         scorer.score(["x"], [_problem("1")])
 
 
@@ -190,7 +190,7 @@ def test_non_number_return_fails_in_fail_mode(user_module):
     [
         ("rl_align_no_such_module:f", "module 'rl_align_no_such_module' not found"),
         ("rl_align_no_such_pkg.sub:f", "module 'rl_align_no_such_pkg.sub' not found"),
-        (f"{USER_MODULE}:missing", f"module '{USER_MODULE}' .* has no attribute 'missing'; callables there: .*'length'"),
+        (f"{USER_MODULE}:missing", f"'{USER_MODULE}' .* has no attribute 'missing'; callables there: .*'length'"),
         (f"{USER_MODULE}:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a function"),
         ("rl_align_test_broken_dep:f", "importing module 'rl_align_test_broken_dep' failed: No module named "
          "'rl_align_test_missing_dependency'"),
@@ -238,3 +238,16 @@ def test_default_reward_is_math():
 def test_mismatched_lengths_are_rejected():
     with pytest.raises(ValueError, match="2 completions but 1 problems"):
         _scorer(MathRewardConfig()).score(["1", "2"], [_problem("1")])
+
+
+def test_reward_config_round_trips_through_toml():
+    import tomllib
+
+    from common.config import to_toml
+
+    recipe = _Recipe(
+        reward=RewardConfig(
+            terms=[MathRewardConfig(), FormatRewardConfig(name="fmt", pattern=r"^\d+$", weight=0.1)], on_error="zero"
+        )
+    )
+    assert validate_config(_Recipe, tomllib.loads(to_toml(recipe))) == recipe

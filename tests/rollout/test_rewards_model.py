@@ -14,7 +14,11 @@ from tools.tiny_tokenizer import build_tokenizer, save_tokenizer
 
 PROBLEMS = [
     Problem(prompt=[{"role": "user", "content": "What is 2 + 3?"}], answer="5", problem_id="a"),
-    Problem(prompt=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], answer="", problem_id="b"),
+    Problem(
+        prompt=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        answer="",
+        problem_id="b",
+    ),
     Problem(prompt="plain text prompt", answer="", problem_id="c"),
 ]
 COMPLETIONS = ["5", "Hello there, this is a much longer completion than the others", "ok"]
@@ -85,7 +89,8 @@ def test_without_template_and_with_pad_token_in_the_text(plain_rm):
     # The second completion ends in the pad token: padding must not be confused with it.
     completions = ["5", " ends in pad<|endoftext|>", "a much longer completion to force padding of the others"]
     scores, num_errors = term.score(completions, PROBLEMS, ["s0", "s1", "s2"])
-    texts = ["What is 2 + 3?" + completions[0], "Be brief.\n\nHi" + completions[1], "plain text prompt" + completions[2]]
+    prompts = ["What is 2 + 3?", "Be brief.\n\nHi", "plain text prompt"]
+    texts = [p + c for p, c in zip(prompts, completions)]
     assert num_errors == 0
     assert scores == pytest.approx(_reference(plain_rm, texts, True, label=0), abs=1e-5)
 

@@ -42,7 +42,9 @@ def test_arithmetic_is_deterministic_and_correct():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_held_out_never_overlaps_train(seed):
     # Ask for half of the whole problem space, so collisions would be frequent if the split leaked.
-    config = ArithmeticTaskConfig(max_digits=1, operators=["+", "*"], num_train_problems=80, num_eval_problems=20, seed=seed)
+    config = ArithmeticTaskConfig(
+        max_digits=1, operators=["+", "*"], num_train_problems=80, num_eval_problems=20, seed=seed
+    )
     assert arithmetic_capacity(config) == 200
     train, held_out = generate_arithmetic(config)
     train_keys, eval_keys = {_key(p) for p in train}, {_key(p) for p in held_out}
@@ -84,7 +86,7 @@ def test_bad_task_configs_name_the_field(task, field, message):
     with pytest.raises(ConfigError) as info:
         validate_config(_Recipe, {"task": task}, source="recipe.toml")
     text = str(info.value)
-    # Model-level errors of a union member are reported at "task.<tag>" by common.config; field errors at "task.<field>".
+    # common.config reports a union member's model-level errors at "task.<tag>", field errors at "task.<field>".
     assert "recipe.toml" in text and f"  - {field}" in text and message in text
 
 
@@ -159,7 +161,8 @@ def _write_jsonl(path, records):
 
 def test_jsonl_fields_prompts_and_split(tmp_path):
     records = [{"q": f"What is {i} + 1?", "a": i + 1, "uid": f"q{i}", "sol": f"{i} + 1 = {i + 1}"} for i in range(30)]
-    records[3] = {"q": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], "a": "4", "uid": "m", "sol": "4"}
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    records[3] = {"q": messages, "a": "4", "uid": "m", "sol": "4"}
     path = _write_jsonl(tmp_path / "data.jsonl", records)
     config = JsonlTaskConfig(
         path=path, prompt_field="q", answer_field="a", id_field="uid", solution_field="sol",
@@ -210,8 +213,18 @@ def test_jsonl_errors_name_file_and_line(tmp_path, lines, message):
 def test_jsonl_missing_file_and_duplicate_ids(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         build_dataset(JsonlTaskConfig(path=str(tmp_path / "none.jsonl")))
-    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "answer": "1", "id": 1}, {"prompt": "q", "answer": "2", "id": 1}])
+    records = [{"prompt": "p", "answer": "1", "id": 1}, {"prompt": "q", "answer": "2", "id": 1}]
+    path = _write_jsonl(tmp_path / "d.jsonl", records)
     with pytest.raises(ValueError, match="'1' occurs more than once"):
         build_dataset(JsonlTaskConfig(path=path, id_field="id"))
     with pytest.raises(ValueError, match="leave some for training"):
         build_dataset(JsonlTaskConfig(path=path, num_eval_problems=2))
+
+
+def test_task_config_round_trips_through_toml():
+    import tomllib
+
+    from common.config import to_toml
+
+    recipe = _Recipe(task=ArithmeticTaskConfig(operators=["*"], max_digits=3, prompt_template="{a} {op} {b} = ?"))
+    assert validate_config(_Recipe, tomllib.loads(to_toml(recipe))) == recipe

@@ -91,3 +91,15 @@ def test_tokenizer_without_template(tmp_path, model_dir):
 def test_malformed_messages_are_rejected(tokenizer, bad):
     with pytest.raises(ValueError, match="prompt must be|chat message 0"):
         render_prompt(tokenizer, bad)
+
+
+def test_arithmetic_sft_example_tokenizes_as_prompt_then_digits_then_eos(tokenizer):
+    from rollout.tasks import ArithmeticTaskConfig, build_dataset
+
+    dataset = build_dataset(ArithmeticTaskConfig(num_train_problems=20, num_eval_problems=2))
+    for problem, completion in dataset.sft_examples(5, eos_text=tokenizer.eos_token):
+        prompt_ids = render_prompt(tokenizer, problem.prompt)
+        completion_ids = tokenizer.encode(completion, add_special_tokens=False)
+        assert completion_ids[-1] == tokenizer.eos_token_id
+        assert len(completion_ids) == len(problem.answer) + 1  # one token per digit, then the eos token
+        assert tokenizer.decode(prompt_ids + completion_ids).endswith(f"assistant\n{problem.answer}<|im_end|>")

@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 from rollout.config import EngineConfig, SamplingConfig  # noqa: E402
 from rollout.engine.sink import VLLMWeightSink  # noqa: E402
 from rollout.engine.vllm_engine import VLLMEngine  # noqa: E402
+from weight_sync.config import WeightSyncConfig  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 200, 300, 301, 302], [9]]
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -40,8 +41,30 @@ def sink(engine) -> VLLMWeightSink:
     return VLLMWeightSink(engine, retain_latest=True)
 
 
-def _greedy(engine: VLLMEngine) -> list[list[int]]:
-    return [group[0].token_ids.tolist() for group in engine.generate(PROMPTS, GREEDY, n=1)]
+@pytest.fixture(scope="module")
+def receiver(sink):
+    from weight_sync.receiver import WeightReceiver
+
+    receiver = WeightReceiver(sink, WeightSyncConfig())
+    receiver.start()
+    yield receiver
+    receiver.stop()
+
+
+def _push(receiver, policy_version: int, state: dict[str, torch.Tensor]) -> dict[str, str | None]:
+    """Push ``state`` as whole-tensor shards through the real gRPC channel; return the commit outcome per receiver."""
+    from weight_sync.sender import Shard, WeightSender
+
+    with WeightSender([receiver.address], WeightSyncConfig()) as sender:
+        shards = [Shard(name, t, tuple(t.shape), (0,) * t.dim()) for name, t in state.items()]
+        report = sender.push(policy_version, shards)
+        assert not report.failed, report.failed
+        return sender.commit(policy_version)
+
+
+def _sampled(engine: VLLMEngine) -> list:
+    sampling = SamplingConfig(temperature=1.0, max_tokens=12, seed=0)
+    return [group[0] for group in engine.generate(PROMPTS, sampling, n=1, seeds=[0, 1, 2, 3])]
 
 
 def test_sampled_logprobs_match_hf_teacher_forcing(engine, model_dir):
@@ -61,19 +84,19 @@ def test_sampled_logprobs_match_hf_teacher_forcing(engine, model_dir):
     assert [[c.token_ids.tolist() for c in g] for g in again] == [[c.token_ids.tolist() for c in g] for g in groups]
 
 
-def test_update_serves_new_weights_and_matches_hf(engine, sink, model_dir):
-    before = _greedy(engine)
+def test_push_through_grpc_serves_new_weights_and_matches_hf(engine, sink, receiver, model_dir):
+    before = _sampled(engine)
     state = perturbed_state(model_dir)
-    sink.apply(1, state)
-    assert engine.policy_version == 1
-    after = engine.generate(PROMPTS, GREEDY, n=1)
+    assert _push(receiver, 1, state) == {receiver.address: None}
+    assert engine.policy_version == 1 and receiver.policy_version == 1
+    after = _sampled(engine)
+    assert [c.token_ids.tolist() for c in after] != [c.token_ids.tolist() for c in before]
     ref = hf_model(model_dir, state)
-    assert [g[0].token_ids.tolist() for g in after] != before
-    for prompt, group in zip(PROMPTS, after):
-        c = group[0]
+    for prompt, c in zip(PROMPTS, after):
         assert c.policy_version == 1
-        assert c.token_ids.tolist() == hf_greedy(ref, prompt, GREEDY.max_tokens)
         assert np.abs(c.logprobs - hf_logprobs(ref, prompt, c.token_ids)).mean() <= 1e-4
+    for prompt, group in zip(PROMPTS, engine.generate(PROMPTS, GREEDY, n=1)):
+        assert group[0].token_ids.tolist() == hf_greedy(ref, prompt, GREEDY.max_tokens)
     version, payload = sink.export_latest()
     from safetensors.torch import load as load_safetensors
 
@@ -104,8 +127,8 @@ def test_update_waits_for_the_running_batch(engine, sink, model_dir):
     assert engine.generate(PROMPTS[:1], GREEDY, n=1)[0][0].policy_version == version + 1
 
 
-def test_refused_updates_leave_outputs_unchanged(engine, sink, model_dir):
-    before, version = _greedy(engine), engine.policy_version
+def test_refused_updates_leave_outputs_unchanged(engine, sink, receiver, model_dir):
+    before, version = [c.token_ids.tolist() for c in _sampled(engine)], engine.policy_version
     state = perturbed_state(model_dir, seed=5)
     bad_shape = {"model.norm.weight": torch.ones(3)}
     unknown = {"model.layers.9.mlp.up_proj.weight": torch.ones(2, 2)}
@@ -114,5 +137,8 @@ def test_refused_updates_leave_outputs_unchanged(engine, sink, model_dir):
     for update, match in [(bad_shape, "expected"), (unknown, "manifest"), (q_only, "fused"), (gate_only, "fused")]:
         with pytest.raises(ValueError, match=match):
             sink.apply(version + 1, update)
+    received = receiver.policy_version
+    outcome = _push(receiver, version + 1, q_only)  # the same refusal through gRPC: the receiver keeps its version
+    assert "fused" in (outcome[receiver.address] or "") and receiver.policy_version == received
     assert engine.policy_version == version and engine.broken is None
-    assert _greedy(engine) == before
+    assert [c.token_ids.tolist() for c in _sampled(engine)] == before

@@ -34,7 +34,7 @@ def _batch(step: int) -> RolloutBatch:
     return RolloutBatch(samples)
 
 
-def _configs(ckpt_dir: str, world: int):
+def _configs(ckpt_dir: str, world: int, tp: int):
     from trainer.config import TrainerConfig
     from trainer.models.config import ModelConfig
     from trainer.rl.config import GRPOConfig, KLConfig
@@ -44,7 +44,7 @@ def _configs(ckpt_dir: str, world: int):
         ffn_hidden_dim=64, qk_norm=True, tie_embeddings=True, output_chunk_size=16,
     )  # fmt: skip
     cfg = TrainerConfig(
-        num_ranks=world, micro_batch_tokens=96, num_minibatches=2, max_grad_norm=0.5,
+        num_ranks=world, parallelism=dict(tensor_parallel_degree=tp), micro_batch_tokens=96, num_minibatches=2, max_grad_norm=0.5,
         optimizer=dict(lr=3e-3, weight_decay=0.01),
         schedule=dict(kind="cosine", num_warmup_steps=2, num_total_steps=12, min_lr_ratio=0.1),
         checkpoint=dict(dir=ckpt_dir, num_keep=1),
@@ -57,7 +57,7 @@ def _full_weights(model) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, tp: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from trainer.checkpoint import CheckpointManager, TrainerState
@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from trainer.parallelize import build_mesh, local_shards
     from trainer.step import rl_step
 
-    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world)
+    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world, tp)
 
     def fresh():
         return build_engine(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
@@ -97,16 +97,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(world: int, out_dir: Path) -> list[dict]:
+def _run(world: int, tp: int, out_dir: Path) -> list[dict]:
     out_dir.mkdir(parents=True)
-    mp.start_processes(_worker, args=(world, _free_port(), str(out_dir)), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, tp, _free_port(), str(out_dir)), nprocs=world, start_method="spawn")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[int, list[dict]]:
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """'1': one rank; '2': two FSDP ranks; 'tp2': two tensor-parallel ranks (FSDP over a data-parallel mesh of 1)."""
     root = tmp_path_factory.mktemp("fsdp")
-    return {world: _run(world, root / f"world{world}") for world in (1, 2)}
+    return {name: _run(world, tp, root / name) for name, world, tp in (("1", 1, 1), ("2", 2, 1), ("tp2", 2, 2))}
 
 
 def _reassemble(pieces: list[list[tuple]]) -> dict[str, torch.Tensor]:
@@ -119,15 +120,16 @@ def _reassemble(pieces: list[list[tuple]]) -> dict[str, torch.Tensor]:
 
 
 def test_first_step_is_exactly_on_policy(runs) -> None:
-    first = runs[1][0]["metrics"][0]
+    first = runs["1"][0]["metrics"][0]
     # Trainer == reference weights at step 0: the KL is exactly 0 (the first mini-batch; the second one follows an
     # update). With two mini-batches the old log-probs come from a no-grad pass, and the first ratio is exactly 1.
     assert first["ratio_min"] <= 1.0 <= first["ratio_max"]
     assert first["kl"] >= 0
 
 
-def test_two_ranks_match_one_rank(runs) -> None:
-    one, two = runs[1][0], runs[2]
+@pytest.mark.parametrize("name", ["2", "tp2"])
+def test_two_ranks_match_one_rank(runs, name: str) -> None:
+    one, two = runs["1"][0], runs[name]
     for m1, m2a, m2b in zip(one["metrics"], two[0]["metrics"], two[1]["metrics"]):
         timing = ("step_s", "tokens_per_s")
         assert {k: v for k, v in m2a.items() if k not in timing} == {k: v for k, v in m2b.items() if k not in timing}
@@ -139,7 +141,7 @@ def test_two_ranks_match_one_rank(runs) -> None:
 
 
 def test_local_shards_reassemble_exactly(runs) -> None:
-    one, two = runs[1][0], runs[2]
+    one, two = runs["1"][0], runs["2"]
     init_two = _reassemble([r["init_shards"] for r in two])
     init_one = _reassemble([one["init_shards"]])
     assert init_two.keys() == init_one.keys()
@@ -153,9 +155,9 @@ def test_local_shards_reassemble_exactly(runs) -> None:
     assert sizes["tok_embeddings.weight"] < init_one["tok_embeddings.weight"].numel()
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_resume_is_bit_identical(runs, world: int) -> None:
-    for rank_result in runs[world]:
+@pytest.mark.parametrize("name", ["1", "2", "tp2"])
+def test_resume_is_bit_identical(runs, name: str) -> None:
+    for rank_result in runs[name]:
         tail = rank_result["metrics"][2:]
         resumed = rank_result["resumed_metrics"]
         assert len(resumed) == len(tail)

@@ -26,31 +26,54 @@ def _samples(num: int, seed: int = 0) -> list[Sample]:
     return out
 
 
-@pytest.mark.parametrize("budget", [16, 64, 200])
-def test_pack_places_every_token_once_under_budget(budget: int) -> None:
+@pytest.mark.parametrize("budget, row_tokens", [(16, None), (64, None), (200, None), (200, 48), (128, 60)])
+def test_pack_places_every_token_once_under_budget(budget: int, row_tokens: int | None) -> None:
     samples = _samples(30)
     advantages = [float(i) for i in range(len(samples))]
-    mbs = pack_samples(samples, range(len(samples)), budget, advantages)
+    mbs = pack_samples(samples, range(len(samples)), budget, advantages, row_tokens=row_tokens)
     seen = sorted(i for mb in mbs for i in mb.sample_indices)
     assert seen == list(range(len(samples)))
+    cap = min(budget, row_tokens or budget)
     for mb in mbs:
-        n = sum(len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in mb.sample_indices)
-        assert mb.tokens.shape == (1, n)
-        assert n <= budget or len(mb.sample_indices) == 1
-        for seg, i in enumerate(mb.sample_indices):
+        rows, width = mb.tokens.shape
+        assert rows * width <= budget or rows == 1
+        assert mb.num_tokens == sum(len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in mb.sample_indices)
+        for seg_row, i in enumerate(mb.sample_indices):
             s = samples[i]
             c = len(s.completion_ids)
-            seg_pos = (mb.segment_ids[0] == seg).nonzero().flatten()
             full = np.concatenate([s.prompt_ids, s.completion_ids])
-            assert torch.equal(mb.tokens[0, seg_pos], torch.from_numpy(full))
-            assert torch.equal(mb.positions[0, seg_pos], torch.arange(len(full)))
+            # The row holding this sequence, and its span inside the row.
+            first = int(mb.gather_index[seg_row, 0]) - len(s.prompt_ids) + 1 if c else None
+            if first is not None:
+                r, t0 = divmod(first, width)
+                span = slice(t0, t0 + len(full))
+                assert torch.equal(mb.tokens[r, span], torch.from_numpy(full))
+                assert torch.equal(mb.positions[r, span], torch.arange(len(full)))
+                assert len(set(mb.segment_ids[r, span].tolist())) == 1
+                used = int((mb.segment_ids[r] < mb.segment_ids[r].max()).sum()) if mb.segment_ids[r].max() > 0 else width
+                assert used <= cap or used == len(full)
             # The predicting positions' targets are exactly the completion tokens.
-            idx = mb.gather_index[seg, :c]
-            assert torch.equal(mb.targets[0, idx], torch.from_numpy(s.completion_ids))
-            assert mb.loss_mask[seg].sum() == c
-            assert torch.equal(mb.rollout_logprobs[seg, :c], torch.from_numpy(s.rollout_logprobs))
-            assert torch.all(mb.advantages[seg, :c] == float(i))
-            assert torch.all(mb.advantages[seg, c:] == 0)
+            idx = mb.gather_index[seg_row, :c]
+            assert torch.equal(mb.targets.reshape(-1)[idx], torch.from_numpy(s.completion_ids))
+            assert mb.loss_mask[seg_row].sum() == c
+            assert torch.equal(mb.rollout_logprobs[seg_row, :c], torch.from_numpy(s.rollout_logprobs))
+            assert torch.all(mb.advantages[seg_row, :c] == float(i))
+            assert torch.all(mb.advantages[seg_row, c:] == 0)
+
+
+def test_rows_keep_sequences_apart() -> None:
+    samples = _samples(12, seed=5)
+    (mb,) = pack_samples(samples, range(12), 10_000, row_tokens=60)
+    assert mb.tokens.shape[0] > 1 and mb.tokens.shape[1] <= max(60, max(len(s.prompt_ids) + len(s.completion_ids) for s in samples))
+    width = mb.tokens.shape[1]
+    row_of = (mb.gather_index[:, 0] // width).tolist()
+    for r in range(mb.tokens.shape[0]):
+        used = sum(len(samples[i].prompt_ids) + len(samples[i].completion_ids)
+                   for i, row in zip(mb.sample_indices, row_of) if row == r)
+        seg, pos = mb.segment_ids[r, :used], mb.positions[r, :used]
+        # The segment id changes exactly where positions restart at 0; padding after `used` has an id of its own.
+        assert torch.equal(seg[1:] != seg[:-1], pos[1:] == 0)
+        assert torch.all(mb.segment_ids[r, used:] > seg.max())
 
 
 def test_ffd_packs_tightly() -> None:
@@ -64,9 +87,9 @@ def test_ffd_packs_tightly() -> None:
 
 def test_unpack_is_differentiable_and_masked() -> None:
     samples = _samples(5, seed=2)
-    (mb,) = pack_samples(samples, range(5), 10_000)
-    x = torch.arange(mb.tokens.shape[1], dtype=torch.float32, requires_grad=True)
-    y = mb.unpack(x[None])
+    (mb,) = pack_samples(samples, range(5), 10_000, row_tokens=40)
+    x = torch.arange(mb.tokens.numel(), dtype=torch.float32, requires_grad=True)
+    y = mb.unpack(x.view(mb.tokens.shape))
     assert y.shape == mb.loss_mask.shape
     assert torch.all(y[mb.loss_mask == 0] == 0)
     y.sum().backward()

@@ -55,11 +55,11 @@ def _samples(seed: int = 0, num_groups: int = 3, group_size: int = 4) -> list[Sa
 
 
 def _set_rollout_logprobs_to_trainer(engine, samples: list[Sample]) -> None:
-    from trainer.packing import pack_samples
+    from trainer.packing import plan_micro_batches
     from trainer.step import forward_logprobs
 
     with torch.no_grad():
-        for mb in pack_samples(samples, range(len(samples)), 10_000):
+        for mb in plan_micro_batches(samples, range(len(samples)), 0, 1, engine.cfg.micro_batch_tokens):
             lp = forward_logprobs(engine.policy, mb)[0]
             for seg, i in enumerate(mb.sample_indices):
                 samples[i].rollout_logprobs = lp[seg, : len(samples[i].completion_ids)].numpy().copy()
@@ -75,7 +75,7 @@ def test_first_grpo_step_is_exactly_on_policy() -> None:
     algo = GRPOConfig(group_size=4, kl=KLConfig(coef=0.1), importance_sampling=ImportanceSamplingConfig(cap=2.0))
     engine = _engine(algo, micro_batch_tokens=40)
     samples = _samples()
-    _set_rollout_logprobs_to_trainer(engine, samples)
+    _set_rollout_logprobs_to_trainer(engine, samples)  # packed exactly as the step packs them
     m = rl_step(engine, RolloutBatch(samples))
     assert m["ratio_min"] == 1.0 and m["ratio_max"] == 1.0
     assert m["kl"] == 0.0 and m["kl_loss"] == 0.0

@@ -5,7 +5,9 @@ import pytest
 import zstandard
 
 from protos import weight_sync_pb2 as pb
-from weight_sync.codec import DeltaError, decode_chunk, encode_chunk, xor_decode, xor_encode
+from weight_sync.codec import (
+    DeltaError, decode_chunk, encode_chunk, sparse_decode, sparse_encode, sparse_payload, xor_decode, xor_encode,
+)
 
 
 def test_hand_framing_equals_protobuf_encoding_and_parses_back():
@@ -49,3 +51,22 @@ def test_delta_with_a_wrong_size_is_refused_before_decompressing():
         xor_decode(memoryview(bomb), base, zstandard.ZstdDecompressor())
     with pytest.raises(DeltaError, match="zstd"):
         xor_decode(memoryview(b"not zstd at all"), base, zstandard.ZstdDecompressor())
+
+
+def test_sparse_delta_round_trips_and_rejects_bad_indices():
+    rng = np.random.default_rng(1)
+    base = rng.integers(0, 2**16, 1000, dtype=np.uint16)
+    new = base.copy()
+    new[[3, 500, 999]] += 1
+    idx, values = sparse_encode(new, base)
+    assert idx.tolist() == [3, 500, 999]
+    got_idx, got_values = sparse_decode(memoryview(sparse_payload(idx, values)), 1000, np.dtype(np.uint16))
+    rebuilt = base.copy()
+    rebuilt[got_idx] = got_values
+    np.testing.assert_array_equal(rebuilt, new)
+    assert sparse_encode(rng.integers(0, 2**16, 1000, dtype=np.uint16), base) is None  # dense change: send raw
+    for bad in (sparse_payload(np.array([5, 5], np.uint32), values[:2]), sparse_payload(np.array([1000], np.uint32), values[:1])):
+        with pytest.raises(DeltaError, match="strictly increasing"):
+            sparse_decode(memoryview(bad), 1000, np.dtype(np.uint16))
+    with pytest.raises(DeltaError, match="whole number"):
+        sparse_decode(memoryview(b"12345"), 1000, np.dtype(np.uint16))

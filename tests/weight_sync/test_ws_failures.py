@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 import torch
+import xxhash
 from ws_helpers import begin, commit, raw_push, shard_messages, status_of, tiny_state_dict
 
 from protos import weight_sync_pb2 as pb
@@ -100,6 +101,15 @@ def test_precise_statuses_for_bad_shards(one):
         C.RESOURCE_EXHAUSTED, C.OUT_OF_RANGE)
 
 
+def test_a_rank_may_not_open_more_streams_than_it_announced(one):
+    receiver, sink, client = one
+    begin(client, SD, 1)
+    raw_push(client, "s", 1, 0, shard_messages("w", SD["w"], (0, 0)))
+    assert status_of(lambda: raw_push(client, "s", 1, 0, shard_messages("b", SD["b"], (0,)))) == C.ALREADY_EXISTS
+    assert status_of(lambda: commit(client, 1)) == C.FAILED_PRECONDITION  # b was never covered
+    assert_untouched(receiver, sink)
+
+
 def test_missing_coverage_fails_commit_and_keeps_the_old_version(one):
     receiver, sink, client = one
     full_update(client, 1)
@@ -149,22 +159,26 @@ def test_sender_killed_mid_stream_leaves_the_old_version_and_the_next_update_suc
     receiver, sink, client = one
     full_update(client, 1)
     big = {"w": SD["w"] + 100, "b": SD["b"]}
+    # No torch in the child (importing it takes seconds here): numpy bytes of the same tensor.
     script = f"""
-import os, sys, time, torch
-sys.path[:0] = [{os.path.dirname(__file__)!r}, {os.getcwd()!r}]
-from ws_helpers import begin, shard_messages
+import os, time, numpy as np, xxhash
+from protos import weight_sync_pb2 as pb
 from weight_sync.channel import WeightSyncClient
+from weight_sync.codec import encode_chunk
 from weight_sync.config import WeightSyncConfig
 from weight_sync.relay import stream_metadata
 client = WeightSyncClient({receiver.address!r}, WeightSyncConfig())
-w = torch.arange(48, dtype=torch.float32).reshape(6, 8) + 100
-begin(client, {{"w": w}}, 2)
+w = np.arange(48, dtype=np.float32) + 100
+spec = pb.TensorSpec(name="w", shape=(6, 8), dtype="float32")
+client.begin(pb.BeginRequest(session_id="s", policy_version=2, rank=0, num_ranks=1, tensors=[spec], base_version=-1))
+shard = pb.ShardHeader(name="w", offsets=(0, 0), shape=(6, 8), xxh3_64=xxhash.xxh3_64_intdigest(w))
 def chunks():
-    for i, m in enumerate(shard_messages("w", w, (0, 0), chunk_elems=4)):
+    for i in range(12):
         if i == 3:
             time.sleep(0.5)
             os._exit(17)  # killed mid-stream
-        yield m
+        header = pb.ChunkHeader(element_offset=4 * i, num_elements=4, shard=shard if i == 0 else None)
+        yield encode_chunk(header, w[4 * i : 4 * i + 4])
 client.push(chunks(), metadata=stream_metadata("s", 2, 0, [], 0))
 """
     proc = subprocess.run([sys.executable, "-c", script], timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
@@ -263,3 +277,33 @@ def test_non_loopback_bind_without_tls_and_token_is_refused():
     receiver = WeightReceiver(StateDictSink(zeros()), WeightSyncConfig(bind_host="0.0.0.0"))
     with pytest.raises(ValueError, match="not loopback"):
         receiver.start()
+
+
+def _sparse_update(client, version, base_version, new_w, base_w, checksum_of=None):
+    from weight_sync.codec import sparse_encode, sparse_payload
+
+    client.begin(pb.BeginRequest(session_id="s", policy_version=version, rank=0, num_ranks=1,
+                                 tensors=[pb.TensorSpec(name="w", shape=(6, 8), dtype="float32")], base_version=base_version))
+    new_bits = new_w.reshape(-1).view(torch.int32).numpy().view("u4")
+    base_bits = base_w.reshape(-1).view(torch.int32).numpy().view("u4")
+    idx, values = sparse_encode(new_bits, base_bits)
+    target = (checksum_of if checksum_of is not None else new_w).reshape(-1).view(torch.int32).numpy()
+    shard = pb.ShardHeader(name="w", offsets=(0, 0), shape=(6, 8), xxh3_64=xxhash.xxh3_64_intdigest(target))
+    header = pb.ChunkHeader(num_elements=48, encoding=pb.ENCODING_SPARSE, shard=shard)
+    raw_push(client, "s", version, 0, [encode_chunk(header, sparse_payload(idx, values))])
+    return commit(client, version)
+
+
+def test_delta_is_verified_by_the_checksum_of_the_result(one):
+    receiver, sink, client = one
+    full_update(client, 1)
+    new_w = SD["w"].clone()
+    new_w[2, 3], new_w[1, 1] = -1.0, 5.0
+    assert status_of(lambda: _sparse_update(client, 2, 0, new_w, SD["w"])) == C.FAILED_PRECONDITION  # stale base
+    assert receiver.policy_version == 1
+    wrong_base = SD["w"].clone()
+    wrong_base[1, 1] = 5.0  # the sender believes in another base: the decoded result misses its checksum
+    assert status_of(lambda: _sparse_update(client, 2, 1, new_w, wrong_base, checksum_of=new_w)) == C.DATA_LOSS
+    assert receiver.policy_version == 1 and torch.equal(sink.state_dict["w"], SD["w"])
+    _sparse_update(client, 2, 1, new_w, SD["w"])
+    assert receiver.policy_version == 2 and torch.equal(sink.state_dict["w"], new_w)

@@ -1,5 +1,6 @@
 """End to end on loopback: 2 sender ranks x 3 receivers, sharded assembly, deltas, versions, late joiners."""
 
+import pytest
 import torch
 from ws_helpers import rank_shards, run_ranks, shard_rows, tiny_state_dict
 
@@ -50,11 +51,13 @@ def test_tensor_parallel_column_shards_and_2d_blocks(receivers):
     assert_holds([sink], sd)
 
 
-def test_delta_after_full_sends_fewer_bytes_and_a_late_joiner_gets_a_full_push(receivers):
+@pytest.mark.parametrize("encoding", ["sparse", "xor_zstd"])
+def test_delta_after_full_sends_fewer_bytes_and_a_late_joiner_gets_a_full_push(receivers, encoding):
+    config = WeightSyncConfig(chunk_bytes=4096, delta_encoding=encoding)
     sd = {"w": torch.randn(64, 64).to(torch.bfloat16), "b": torch.randn(64)}
     pairs = receivers(3, sd=sd)
     first, late = pairs[:2], pairs[2]
-    senders = [WeightSender([r.address for r, _ in first], CFG, rank=r, num_ranks=2) for r in range(2)]
+    senders = [WeightSender([r.address for r, _ in first], config, rank=r, num_ranks=2) for r in range(2)]
     full, _ = push_all(senders, 1, sd)
     sd2 = {k: v.clone() for k, v in sd.items()}
     sd2["w"][::16, ::8] += 1  # ~0.8% of the values change

@@ -46,8 +46,9 @@ def jax_to_torch(array: jax.Array) -> torch.Tensor:
     return torch.from_dlpack(array)
 
 
-def _as_torch_device(device: torch.device | str) -> torch.device:
-    return device if isinstance(device, torch.device) else torch.device(device)
+def _device_type(device: torch.device | str) -> str:
+    # A string, not torch.device(...): "tpu" is not a device type torch knows until torch-tpu registers it.
+    return device.type if isinstance(device, torch.device) else device.split(":", 1)[0]
 
 
 @functools.cache
@@ -72,10 +73,10 @@ def check_kernel_device(device: torch.device | str, *, flag: str, alternative: s
     Supported: ``cpu`` (interpret mode, slow: for tests and parity checks), ``meta`` (shape propagation only) and
     ``tpu`` when the torch-tpu backend is present. ``alternative`` names the setting to use elsewhere.
     """
-    device = _as_torch_device(device)
-    if device.type in ("cpu", "meta"):
+    device_type = _device_type(device)
+    if device_type in ("cpu", "meta"):
         return
-    if device.type == "tpu":
+    if device_type == "tpu":
         if tpu_backend_available():
             return
         raise ValueError(
@@ -84,7 +85,7 @@ def check_kernel_device(device: torch.device | str, *, flag: str, alternative: s
         )
     raise ValueError(
         f"{flag} runs Pallas TPU kernels (Mosaic-compiled on TPU via torch-tpu, interpret mode on CPU) and has no "
-        f"path for device '{device.type}'. Set {alternative} on this platform."
+        f"path for device '{device_type}'. Set {alternative} on this platform."
     )
 
 

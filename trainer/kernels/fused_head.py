@@ -2,7 +2,8 @@
 
 The kernels are in :mod:`trainer.kernels.fused_head_kernel`. The forward op also returns the per-row log-sum-exp
 (differentiable like the other two outputs), which autograd saves so the backward op
-(``rl_align::fused_head_logprobs_backward``) only recomputes logits tile by tile. Torch reference: :func:`trainer.kernels.head_reference.head_logprobs_reference` (same signature and semantics).
+(``rl_align::fused_head_logprobs_backward``) only recomputes logits tile by tile.
+Torch reference: :func:`trainer.kernels.head_reference.head_logprobs_reference` (same signature and semantics).
 """
 
 from __future__ import annotations
@@ -25,9 +26,14 @@ __all__ = ["FLAG", "check_supported", "fused_head_logprobs"]
 
 FLAG = 'output_head = "fused_pallas"'
 _ALTERNATIVE = 'output_head = "torch" (full logits)'
-# TPU tiles; interpret mode on CPU is exact for any tile but pays per grid step, so CPU uses fewer, larger vocab tiles.
 _TPU_BLOCKS = HeadBlockSizes(block_tokens=256, block_vocab=512)
-_CPU_BLOCKS = HeadBlockSizes(block_tokens=256, block_vocab=2048)
+
+
+def _cpu_blocks(vocab_size: int) -> HeadBlockSizes:
+    # Interpret mode pads every input to whole blocks, which for the vocabulary would copy the weight: take the
+    # largest vocab tile (multiple of 128, <= 2048: few interpreted grid steps) that divides V, if there is one.
+    fits = [b for b in range(2048, 0, -128) if vocab_size % b == 0]
+    return HeadBlockSizes(block_tokens=256, block_vocab=fits[0] if fits else 2048)
 
 
 def check_supported(device: torch.device | str) -> None:
@@ -41,7 +47,8 @@ def _head_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_supported(hidden.device)
     outs = fused_head_forward_jax(
-        torch_to_jax(hidden), torch_to_jax(weight), torch_to_jax(targets), blocks=_CPU_BLOCKS, interpret=True
+        torch_to_jax(hidden), torch_to_jax(weight), torch_to_jax(targets), blocks=_cpu_blocks(weight.shape[0]),
+        interpret=True,
     )
     return tuple(jax_to_torch(o) for o in outs)
 
@@ -61,7 +68,7 @@ def _head_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     check_supported(hidden.device)
     args = [torch_to_jax(t) for t in (hidden, weight, targets, lse, entropy, grad_logprobs, grad_entropy, grad_lse)]
-    dh, dw = fused_head_backward_jax(*args, blocks=_CPU_BLOCKS, interpret=True)
+    dh, dw = fused_head_backward_jax(*args, blocks=_cpu_blocks(weight.shape[0]), interpret=True)
     return jax_to_torch(dh), jax_to_torch(dw)
 
 
@@ -86,7 +93,9 @@ def _backward(
     grad_lse: torch.Tensor | None,
 ) -> tuple:
     hidden, weight, targets, lse, entropy = ctx.saved_tensors
-    grads = [torch.zeros_like(lse) if g is None else g.float().contiguous() for g in (grad_logprobs, grad_entropy, grad_lse)]
+    grads = [
+        torch.zeros_like(lse) if g is None else g.float().contiguous() for g in (grad_logprobs, grad_entropy, grad_lse)
+    ]
     dh, dw = _head_backward_op(hidden, weight, targets, lse, entropy, *grads)
     return dh, dw, None
 

@@ -49,7 +49,8 @@ def _logits(h_ref: pl.Ref, w_ref: pl.Ref, vocab_block: jax.Array, vocab_size: in
     return z, cols, valid
 
 
-def _forward_kernel(h_ref, w_ref, tgt_ref, lp_ref, ent_ref, lse_ref, m_sc, l_sc, s_sc, t_sc, *, vocab_size, block_vocab):
+def _forward_kernel(h_ref, w_ref, tgt_ref, lp_ref, ent_ref, lse_ref, m_sc, l_sc, s_sc, t_sc, *, vocab_size,
+                    block_vocab):  # fmt: skip
     j = pl.program_id(1)
 
     @pl.when(j == 0)
@@ -151,7 +152,7 @@ def _params(interpret: bool, semantics: tuple[str, str]) -> dict:
 def fused_head_forward_jax(
     hidden: jax.Array, weight: jax.Array, targets: jax.Array, *, blocks: HeadBlockSizes, interpret: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(logprobs [N], entropy [N], lse [N])`` in float32 for ``hidden [N, D]``, ``weight [V, D]``, int32 ``targets``."""
+    """Float32 ``(logprobs [N], entropy [N], lse [N])`` for ``hidden [N, D]``, ``weight [V, D]``, int32 ``targets``."""
     (num_tokens, dim), vocab_size = hidden.shape, weight.shape[0]
     bn, bv = blocks.block_tokens, blocks.block_vocab
     padded = pl.cdiv(num_tokens, bn) * bn

@@ -79,7 +79,9 @@ _gmm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _gmm_tpu(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    op = tpu_jax_op("rl_align_tpu::gmm", lambda: functools.partial(gmm_forward_jax, tiling=_TPU_TILING, interpret=False))
+    op = tpu_jax_op(
+        "rl_align_tpu::gmm", lambda: functools.partial(gmm_forward_jax, tiling=_TPU_TILING, interpret=False)
+    )
     return op(x, w, group_sizes)
 
 

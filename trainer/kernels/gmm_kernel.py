@@ -36,7 +36,7 @@ _NN = (((1,), (0,)), ((), ()))
 
 @dataclasses.dataclass(frozen=True)
 class GmmTiling:
-    """Largest tile per dimension; each is shrunk to a multiple of 128 dividing the dimension (or the full dimension)."""
+    """Largest tile per dimension; each shrinks to a multiple of 128 dividing the dimension (or the full dimension)."""
 
     tile_m: int = 512
     tile_k: int = 512

@@ -14,6 +14,7 @@ Torch reference: :func:`trainer.kernels.attention_reference.attention_reference`
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,8 @@ def _block_size(padded_len: int) -> int:
 
 
 @functools.cache
-def _make_kernel(num_q_heads: int, padded_len: int, interpret: bool) -> splash.splash_attention_kernel.SplashAttentionKernel:
+def _make_kernel(num_q_heads: int, padded_len: int, interpret: bool) -> Any:
+    """The splash kernel (a ``SplashAttentionKernel``) for causal masks on every head, cached per shape."""
     block = _block_size(padded_len)
     sizes = splash.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block,

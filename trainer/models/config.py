@@ -125,7 +125,7 @@ class ModelConfig(Config):
         if self.qk_norm != wants_qk_norm:
             raise ValueError(f"family {self.family!r} has qk_norm={wants_qk_norm}; set qk_norm = {wants_qk_norm}")
         if self.rope_scaling is not None and self.family != "llama3":
-            raise ValueError(f"rope_scaling (Llama 3.1 style) is only supported for family 'llama3', not {self.family!r}")
+            raise ValueError(f"rope_scaling (Llama 3.1 style) is only supported for 'llama3', not {self.family!r}")
         for field in ("attention", "output_head", "moe_experts"):
             if not getattr(self, field):
                 raise ValueError(f"{field} must name a registered block, not an empty string")

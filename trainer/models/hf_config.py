@@ -43,7 +43,8 @@ def model_config_from_hf_dict(raw: Mapping[str, Any], source: str = "<config.jso
     model_type = raw.get("model_type")
     family = _FAMILY_OF_MODEL_TYPE.get(str(model_type))
     if family is None:
-        raise ValueError(f"{source}: model_type {model_type!r} is not supported (supported: {sorted(_FAMILY_OF_MODEL_TYPE)})")
+        supported = sorted(_FAMILY_OF_MODEL_TYPE)
+        raise ValueError(f"{source}: model_type {model_type!r} is not supported (supported: {supported})")
     _reject_unsupported(raw, family, source)
     num_heads = int(raw["num_attention_heads"])
     data: dict[str, Any] = {

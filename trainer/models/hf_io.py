@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Iterator
 
@@ -56,7 +55,9 @@ def hf_shards(
     """
     global_shape, global_offsets = tuple(global_shape), tuple(global_offsets)
     if len(global_shape) != local.ndim or len(global_offsets) != local.ndim:
-        raise ValueError(f"{our_name}: local {tuple(local.shape)}, global {global_shape}, offsets {global_offsets} disagree")
+        raise ValueError(
+            f"{our_name}: local {tuple(local.shape)}, global {global_shape}, offsets {global_offsets} disagree in rank"
+        )
     try:
         hf_name, stacked = name_map(model_cfg.family).to_hf(canonical_name(our_name))
     except KeyError:
@@ -184,12 +185,16 @@ def load_hf_checkpoint(model: Transformer, path: str) -> set[str]:
                 dest = params[ours] if index is None else params[ours][index]
                 tensor = f.get_tensor(hf_name)
                 if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ValueError(f"{file.name}: {hf_name} has shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}")
+                    raise ValueError(
+                        f"{file.name}: {hf_name} has shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}"
+                    )
                 dest.copy_(tensor)
                 covered[ours].add(index)
                 loaded.add(hf_name)
     if unknown:
-        raise ValueError(f"{path}: tensors not in the {cfg.family} model: {sorted(unknown)[:10]} ({len(unknown)} total)")
+        raise ValueError(
+            f"{path}: tensors not in the {cfg.family} model: {sorted(unknown)[:10]} ({len(unknown)} total)"
+        )
     missing = [n for n, got in covered.items() if got != _expected_indices(names.to_hf(n)[1], params[n])]
     if missing:
         raise ValueError(f"{path}: checkpoint does not cover parameters {missing[:10]} ({len(missing)} total)")

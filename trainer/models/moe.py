@@ -89,7 +89,7 @@ class _Groups:
         self._pad_index: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def linear(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``rows [M, Din]`` (sorted), ``weight [E, Dout, Din]`` -> ``[M, Dout]``, row i times weight[expert_of_row[i]]."""
+        """``rows [M, Din]`` (sorted), ``weight [E, Dout, Din]`` -> ``[M, Dout]``: row i @ weight[expert_of_row[i]].T"""
         if _grouped_mm_supported(rows, weight):
             offs = torch.cumsum(self.counts, 0).to(torch.int32)
             return F.grouped_mm(rows, weight.transpose(-2, -1), offs=offs)

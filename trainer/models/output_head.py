@@ -23,11 +23,14 @@ __all__ = ["chunked_token_logprobs", "dense_token_logprobs"]
 def dense_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_size: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hidden [N, D]``, ``weight [V, D]``, ``targets [N]`` -> (logprobs ``[N]``, entropy ``[N]``), float32."""
+    """``hidden [..., D]``, ``weight [V, D]``, ``targets [...]`` -> (logprobs ``[...]``, entropy ``[...]``), float32.
+
+    The outputs are fresh tensors, not views (an FSDP root method must not return views).
+    """
     del chunk_size
     logp = torch.log_softmax(F.linear(hidden, weight).float(), dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(-1, targets[:, None]).squeeze(-1), entropy
+    return logp.gather(-1, targets[..., None]).sum(-1), entropy
 
 
 @OUTPUT_HEADS.register("chunked")
@@ -43,30 +46,32 @@ def chunked_token_logprobs(
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_size):  # noqa: ANN001 (autograd signature)
-        n = hidden.shape[0]
-        logprobs = hidden.new_empty(n, dtype=torch.float32)
-        entropy = hidden.new_empty(n, dtype=torch.float32)
-        lse = hidden.new_empty(n, dtype=torch.float32)
-        for start in range(0, n, chunk_size):
+        flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        # Outputs are allocated in their final shape and filled through flat views: returned tensors are not views.
+        logprobs = hidden.new_empty(targets.shape, dtype=torch.float32)
+        entropy = hidden.new_empty(targets.shape, dtype=torch.float32)
+        lse = hidden.new_empty(flat_targets.shape, dtype=torch.float32)
+        flat_logprobs, flat_entropy = logprobs.view(-1), entropy.view(-1)
+        for start in range(0, flat_targets.numel(), chunk_size):
             sl = slice(start, start + chunk_size)
-            logits = F.linear(hidden[sl], weight).float()
+            logits = F.linear(flat_hidden[sl], weight).float()
             chunk_lse = torch.logsumexp(logits, dim=-1)
             lse[sl] = chunk_lse
-            logprobs[sl] = logits.gather(-1, targets[sl, None]).squeeze(-1) - chunk_lse
-            # entropy = lse - sum(p * logits); reuse the logits buffer for p * logits.
+            flat_logprobs[sl] = logits.gather(-1, flat_targets[sl, None]).squeeze(-1) - chunk_lse
+            # entropy = lse - sum(p * logits); reuse the probs buffer for p * logits.
             probs = (logits - chunk_lse[:, None]).exp_()
-            entropy[sl] = chunk_lse - probs.mul_(logits).sum(-1)
+            flat_entropy[sl] = chunk_lse - probs.mul_(logits).sum(-1)
             del logits, probs
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.chunk_size = chunk_size
+        ctx.save_for_backward(flat_hidden, weight, flat_targets, lse, flat_entropy.detach().clone())
+        ctx.chunk_size, ctx.hidden_shape = chunk_size, hidden.shape
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):  # noqa: ANN001
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         n, chunk_size = hidden.shape[0], ctx.chunk_size
-        g_lp = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs.float()
-        g_ent = torch.zeros_like(lse) if grad_entropy is None else grad_entropy.float()
+        g_lp = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs.reshape(-1).float()
+        g_ent = torch.zeros_like(lse) if grad_entropy is None else grad_entropy.reshape(-1).float()
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -89,4 +94,6 @@ class _ChunkedLogprobs(torch.autograd.Function):
             del grad_logits
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)
+        if need_h:
+            grad_hidden = grad_hidden.view(ctx.hidden_shape)
         return grad_hidden, grad_weight, None, None

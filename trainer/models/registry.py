@@ -5,8 +5,9 @@ Three registries, one per swappable block, each mapping a name to a plain functi
 - ``ATTENTION_BLOCKS[name](q, k, v, *, segment_ids, scale) -> out``: q ``[B, H, T, Dh]``, k/v ``[B, KVH, T, Dh]``
   (grouped-query: ``H % KVH == 0``, the function handles the grouping), segment_ids ``[B, T]`` or ``None``; attention
   is causal and, with segment ids, restricted to equal ids. Returns ``[B, H, T, Dh]``.
-- ``OUTPUT_HEADS[name](hidden, weight, targets, *, chunk_size) -> (logprobs, entropy)``: hidden ``[N, D]``, weight
-  ``[V, D]``, targets ``[N]`` int64; returns float32 ``[N]`` each, both differentiable w.r.t. hidden and weight.
+- ``OUTPUT_HEADS[name](hidden, weight, targets, *, chunk_size) -> (logprobs, entropy)``: hidden ``[..., D]``, weight
+  ``[V, D]``, targets ``[...]`` int64; returns float32 ``[...]`` each (fresh tensors, not views), both
+  differentiable w.r.t. hidden and weight.
 - ``MOE_EXPERTS[name](x, expert_idx, expert_weight, w1, w3, w2) -> out``: x ``[N, D]``, expert_idx ``[N, K]`` int64,
   expert_weight ``[N, K]``, stacked SwiGLU weights w1/w3 ``[E, I, D]`` and w2 ``[E, D, I]``; returns ``[N, D]`` =
   sum over k of ``expert_weight[:, k] * expert_{idx[:, k]}(x)``.

@@ -71,7 +71,9 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, device=device, dtype=dtype)
         self.layers = nn.ModuleList(TransformerBlock(cfg, device, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device, dtype=dtype)
+        self.output = (
+            None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device, dtype=dtype)
+        )
         self._head = OUTPUT_HEADS.get(cfg.output_head)
         # A plain list (not registered): the MoE modules stay reachable through FSDP/checkpoint wrappers.
         self._moe_layers: list[MoE] = [block.moe for block in self.layers if hasattr(block, "moe")]
@@ -120,11 +122,7 @@ class Transformer(nn.Module):
         """
         if targets.shape != hidden.shape[:-1]:
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden's {tuple(hidden.shape[:-1])}")
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        logprobs, entropy = self._head(
-            flat, self.output_weight, targets.reshape(-1), chunk_size=self.cfg.output_chunk_size
-        )
-        return logprobs.view(targets.shape), entropy.view(targets.shape)
+        return self._head(hidden, self.output_weight, targets, chunk_size=self.cfg.output_chunk_size)
 
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Mean over MoE layers of the router load-balancing loss of the last forward; ``None`` for dense models."""
@@ -134,6 +132,37 @@ class Transformer(nn.Module):
         if any(loss is None for loss in losses):
             raise RuntimeError("moe_aux_loss() called before any forward")
         return torch.stack(losses).mean()
+
+    def tensor_parallel_plan(self) -> dict[str, object]:
+        """Per-block plan for ``parallelize_module(block, tp_mesh, plan)``: Megatron-style column/row splits.
+
+        q/k/v and w1/w3 are split by output rows (heads / hidden units), o and w2 by input columns; q/k norms
+        are replicated DTensors over the local heads; other norms, the MoE router and experts stay plain replicas.
+        Needs ``num_heads`` and ``num_kv_heads`` divisible by the TP degree.
+        Sharded pieces keep the HF layout, so :func:`trainer.models.hf_io.hf_shards` maps them unchanged.
+        """
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+        plan: dict[str, object] = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+        }
+        if self.cfg.qk_norm:
+            # The norms see [B, T, local heads, Dh]: declare dim 2 sharded so their (replicated) weight gradients
+            # are summed over the TP group.
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        if self.cfg.moe is None:
+            plan.update(
+                {
+                    "feed_forward.w1": ColwiseParallel(),
+                    "feed_forward.w3": ColwiseParallel(),
+                    "feed_forward.w2": RowwiseParallel(),
+                }
+            )
+        return plan
 
     @torch.no_grad()
     def init_weights(self, std: float = _INIT_STD) -> None:

@@ -49,6 +49,17 @@ def test_logits_match_transformers(hf_dirs, name, blocks):
     assert expected.std().item() > 0.1
 
 
+def test_moe_aux_loss_matches_transformers(hf_dirs):
+    """One MoE layer: our per-layer mean equals HF's aux_loss (HF pools layers differently when there are more)."""
+    path, hf_model = hf_dirs["qwen3_moe_tied_unnormed"]
+    ours = _load_ours(path)
+    tokens = _tokens(ours.cfg.vocab_size)
+    with torch.no_grad():
+        expected = hf_model(input_ids=tokens, output_router_logits=True).aux_loss
+        ours(tokens)
+    assert ours.cfg.num_layers == 1 and torch.allclose(ours.moe_aux_loss(), expected, atol=1e-6)
+
+
 def test_rope_scaling_changes_outputs(hf_dirs):
     """The Llama 3.1 scaling in the tiny config matters at these positions, so the parity test covers it."""
     path, _ = hf_dirs["llama3_scaled"]
@@ -132,6 +143,7 @@ def test_load_rejects_incomplete_and_foreign_checkpoints(hf_dirs, tmp_path):
     with pytest.raises(ValueError, match="does not cover"):
         load_hf_checkpoint(model, str(tmp_path / "a"))
     (tmp_path / "b").mkdir()
-    save_file({**tensors, "model.layers.0.mlp.shared_expert.weight": torch.zeros(2)}, str(tmp_path / "b" / "model.safetensors"))
+    foreign = {**tensors, "model.layers.0.mlp.shared_expert.weight": torch.zeros(2)}
+    save_file(foreign, str(tmp_path / "b" / "model.safetensors"))
     with pytest.raises(ValueError, match="not in the qwen3_moe model"):
         load_hf_checkpoint(model, str(tmp_path / "b"))

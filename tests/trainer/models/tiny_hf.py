@@ -46,7 +46,11 @@ TINY_HF: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
 }
-HF_CLASSES = {"LlamaConfig": "LlamaForCausalLM", "Qwen3Config": "Qwen3ForCausalLM", "Qwen3MoeConfig": "Qwen3MoeForCausalLM"}
+HF_CLASSES = {
+    "LlamaConfig": "LlamaForCausalLM",
+    "Qwen3Config": "Qwen3ForCausalLM",
+    "Qwen3MoeConfig": "Qwen3MoeForCausalLM",
+}
 
 
 def make_hf_model(name: str, seed: int = 0) -> torch.nn.Module:

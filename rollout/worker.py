@@ -1,0 +1,177 @@
+"""A rollout worker: one vLLM engine, the weight-sync receiver that feeds it, and the reward scorer next to it.
+
+Run as a Ray actor by :class:`rollout.pool.RolloutPool` (``ray.remote(RolloutWorker)``); it is a plain class so that a
+test or a single-process script can also use it directly. Every sample it returns records the ``policy_version`` of
+the weights it was generated with; pushes arriving over gRPC are applied between generation batches (the engine lock).
+
+Late joiners: a replacement worker calls :meth:`pull_weights` before serving, which has a live peer push its retained
+latest version through the normal gRPC protocol (:meth:`push_weights_to`), or loads a checkpoint directory; either way
+the new worker's receiver ends on that version, exactly as if the trainer had pushed it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from rollout.config import RolloutConfig, SamplingConfig
+from rollout.sampling import group_seed
+from rollout.types import RolloutBatch, Sample
+
+if TYPE_CHECKING:
+    from rollout.rewards.config import RewardConfig
+    from rollout.tasks.problem import Problem
+    from weight_sync.config import WeightSyncConfig
+
+__all__ = ["RolloutWorker"]
+
+
+class RolloutWorker:
+    """One engine + one weight receiver (sink = the engine) + the reward scorer; see the module docstring."""
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        reward: RewardConfig | None = None,
+        weight_sync: WeightSyncConfig | None = None,
+    ) -> None:
+        from rollout.engine.sink import VLLMWeightSink
+        from rollout.engine.vllm_engine import VLLMEngine
+        from rollout.rewards.scorer import RewardScorer
+        from rollout.tokenizer import load_tokenizer
+        from weight_sync.config import WeightSyncConfig
+        from weight_sync.receiver import WeightReceiver
+
+        self.config = config
+        self._sync_config = weight_sync or WeightSyncConfig()
+        self.tokenizer = load_tokenizer(config.tokenizer_path or config.model_path)
+        self.scorer = RewardScorer.from_config(reward) if reward is not None else None
+        self.engine = VLLMEngine(config.model_path, config.engine, config.tokenizer_path)
+        self.sink = VLLMWeightSink(self.engine, retain_latest=config.retain_latest_weights)
+        self.receiver = WeightReceiver(self.sink, self._sync_config)
+        self.receiver.start()
+
+    def generate_groups(
+        self,
+        problems: Sequence[Problem],
+        group_ids: Sequence[int],
+        group_size: int,
+        sampling: SamplingConfig | None = None,
+    ) -> RolloutBatch:
+        """Sample ``group_size`` completions of each problem (group ``group_ids[i]`` for ``problems[i]``) and score them.
+
+        Returns the samples grouped by problem, in input order, and additive metrics: ``rollout/generate_s``,
+        ``rollout/num_completion_tokens``, ``reward/num_errors`` and ``reward/<term>/num_errors``.
+        """
+        from rollout.tokenizer import render_prompt
+
+        if len(problems) != len(group_ids):
+            raise ValueError(f"{len(problems)} problems but {len(group_ids)} group ids; pass one id per problem")
+        sampling = sampling or self.config.sampling
+        prompts = [render_prompt(self.tokenizer, p.prompt, self.config.use_chat_template) for p in problems]
+        start = time.perf_counter()
+        groups = self.engine.generate(prompts, sampling, group_size, [group_seed(sampling, g) for g in group_ids])
+        generate_s = time.perf_counter() - start
+        flat = [(i, c) for i, group in enumerate(groups) for c in group]
+        rewards, terms, errors = self._score([c.token_ids for _, c in flat], [problems[i] for i, _ in flat],
+                                             [group_ids[i] for i, _ in flat])
+        samples = [
+            Sample(
+                prompt_ids=np.asarray(prompts[i], dtype=np.int64),
+                completion_ids=c.token_ids,
+                rollout_logprobs=c.logprobs,
+                reward=rewards[k],
+                group_id=int(group_ids[i]),
+                policy_version=c.policy_version,
+                finish_reason=c.finish_reason,
+                reward_terms={name: scores[k] for name, scores in terms.items()},
+                metadata={"problem_id": problems[i].problem_id, "answer": problems[i].answer},
+            )
+            for k, (i, c) in enumerate(flat)
+        ]
+        metrics = {"rollout/generate_s": generate_s,
+                   "rollout/num_completion_tokens": float(sum(len(c.token_ids) for _, c in flat)), **errors}
+        return RolloutBatch(samples=samples, metrics=metrics)
+
+    def _score(
+        self, completions: list[np.ndarray], problems: list[Problem], group_ids: list[int]
+    ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
+        if self.scorer is None:
+            return [0.0] * len(completions), {}, {}
+        texts = self.tokenizer.batch_decode([ids.tolist() for ids in completions], skip_special_tokens=True)
+        rewards, terms, metrics = self.scorer.score(texts, problems, group_ids)
+        return rewards, terms, {k: v for k, v in metrics.items() if k.endswith("num_errors")}
+
+    def receiver_address(self) -> str:
+        """host:port of this worker's weight receiver, reachable from other nodes when it binds a wildcard address."""
+        if self._sync_config.bind_host in ("0.0.0.0", "::"):
+            import ray
+
+            return f"{ray.util.get_node_ip_address()}:{self.receiver.address.rpartition(':')[2]}"
+        return self.receiver.address
+
+    def policy_version(self) -> int:
+        """Version of the weights the engine serves now."""
+        return self.engine.policy_version
+
+    def health(self) -> dict[str, Any]:
+        """Liveness facts for the pool and for monitoring; ``ok`` is false once the engine must be replaced."""
+        return {
+            "ok": self.engine.broken is None,
+            "error": self.engine.broken,
+            "policy_version": self.engine.policy_version,
+            "last_update_s": self.engine.last_update_s,
+            "receiver_address": self.receiver_address(),
+            "pid": os.getpid(),
+        }
+
+    def push_weights_to(self, address: str) -> int:
+        """Push this worker's retained latest version to the receiver at ``address``; return the version pushed.
+
+        Raises ``RuntimeError`` when this worker retains no weights (``retain_latest_weights=false``) or the push fails.
+        """
+        from safetensors.torch import load as load_safetensors
+
+        latest = self.sink.export_latest()
+        if latest is None:
+            raise RuntimeError("this worker retains no weights (rollout.retain_latest_weights=false)")
+        version, payload = latest
+        self._push_to(address, version, load_safetensors(payload))
+        return version
+
+    def pull_weights(self, peer: Any = None, checkpoint_dir: str | None = None, policy_version: int = 0) -> int:
+        """Bring this worker to the newest weights before it serves: from ``peer`` (a RolloutWorker actor handle) or
+        else from ``checkpoint_dir`` holding ``policy_version``. Returns the version now served."""
+        import ray
+
+        if peer is not None:
+            ray.get(peer.push_weights_to.remote(self.receiver_address()))
+        elif checkpoint_dir is not None and policy_version > self.engine.policy_version:
+            from safetensors.torch import load_file
+            from pathlib import Path
+
+            state = {}
+            for file in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+                state.update(load_file(file))
+            if not state:
+                raise ValueError(f"{checkpoint_dir}: no *.safetensors files to pull weights from")
+            self._push_to(self.receiver.address, policy_version, state)
+        return self.engine.policy_version
+
+    def _push_to(self, address: str, version: int, state: dict) -> None:
+        from weight_sync.sender import Shard, WeightSender
+
+        with WeightSender([address], self._sync_config, session_id=f"replica-{os.getpid()}") as sender:
+            report = sender.push(version, [Shard(n, t, tuple(t.shape), (0,) * t.dim()) for n, t in state.items()])
+            if report.failed:
+                raise RuntimeError(f"pushing version {version} to {address} failed: {report.failed}")
+            failed = {a: e for a, e in sender.commit(version).items() if e}
+            if failed:
+                raise RuntimeError(f"commit of version {version} at {address} failed: {failed}")
+
+    def shutdown(self) -> None:
+        """Stop the receiver (the engine goes with the process)."""
+        self.receiver.stop()

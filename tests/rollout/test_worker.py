@@ -1,0 +1,53 @@
+"""RolloutWorker in-process (no Ray): prompts rendered with the chat template, groups sampled, rewards scored."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.rollout.vllm_helpers import make_model
+
+pytest.importorskip("vllm")
+
+from rollout.config import EngineConfig, RolloutConfig, SamplingConfig  # noqa: E402
+from rollout.rewards.config import ExactMatchRewardConfig, RewardConfig  # noqa: E402
+from rollout.tasks.problem import Problem  # noqa: E402
+from rollout.tokenizer import render_prompt  # noqa: E402
+from rollout.worker import RolloutWorker  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    config = RolloutConfig(
+        model_path=make_model(tmp_path_factory.mktemp("tiny")),
+        engine=EngineConfig(max_model_len=256, max_num_seqs=16, cpu_threads_bind="nobind", kv_cache_gib=0.25),
+        sampling=SamplingConfig(max_tokens=8, seed=5),
+    )
+    worker = RolloutWorker(config, reward=RewardConfig(terms=[ExactMatchRewardConfig()]))
+    yield worker
+    worker.shutdown()
+
+
+def test_generate_groups_renders_samples_and_scores(worker):
+    problems = [Problem(prompt="What is 1 + 1?", answer="2", problem_id="a"),
+                Problem(prompt=[{"role": "user", "content": "7 - 3?"}], answer="4", problem_id="b")]
+    batch = worker.generate_groups(problems, group_ids=[10, 11], group_size=3)
+    assert [s.group_id for s in batch.samples] == [10] * 3 + [11] * 3
+    for s in batch.samples:
+        problem = problems[s.group_id - 10]
+        assert s.prompt_ids.tolist() == render_prompt(worker.tokenizer, problem.prompt)
+        assert 1 <= len(s.completion_ids) <= 8 and s.rollout_logprobs.dtype == np.float32
+        assert np.all(s.rollout_logprobs <= 0) and s.policy_version == 0
+        assert s.reward in (0.0, 1.0) and set(s.reward_terms) == {"exact_match"}
+        assert s.metadata["problem_id"] == problem.problem_id
+    assert batch.metrics["reward/num_errors"] == 0
+    assert batch.metrics["rollout/num_completion_tokens"] == sum(len(s.completion_ids) for s in batch.samples)
+    # Seeds follow the group id, not the worker or the batch: the same group alone gives the same samples.
+    alone = worker.generate_groups(problems[1:], group_ids=[11], group_size=3)
+    assert [s.completion_ids.tolist() for s in alone.samples] == [s.completion_ids.tolist() for s in batch.samples[3:]]
+
+
+def test_health_and_version(worker):
+    health = worker.health()
+    assert health["ok"] and health["policy_version"] == worker.policy_version() == 0
+    assert health["receiver_address"] == worker.receiver_address() and worker.receiver_address().startswith("127.0.0.1:")

@@ -1,0 +1,49 @@
+"""`python -m weight_sync serve` as a real subprocess takes a `push --checkpoint` of an HF-style directory."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+from ws_helpers import tiny_state_dict, zeros_like_dict
+
+from weight_sync.__main__ import main
+
+
+def test_serve_and_push_a_checkpoint_with_a_token_from_the_environment(tmp_path, monkeypatch, capsys):
+    sd = tiny_state_dict(6)
+    served, source = tmp_path / "served", tmp_path / "source"
+    served.mkdir()
+    source.mkdir()
+    save_file(zeros_like_dict(sd), str(served / "model-00001-of-00002.safetensors"))
+    save_file(sd, str(source / "model.safetensors"))
+    env = {**os.environ, "RL_ALIGN_WEIGHT_SYNC_TOKEN": "tok", "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weight_sync", "serve", "--dir", str(served), "--port", "0", "--chunk_bytes", "65536"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving"), proc.stderr.read() if proc.poll() is not None else line
+        address = line.split()[-1]
+        monkeypatch.setenv("RL_ALIGN_WEIGHT_SYNC_TOKEN", "wrong")
+        assert main(["push", "--checkpoint", str(source), "--to", address, "--version", "3", "--num_retries", "0"]) == 1
+        monkeypatch.setenv("RL_ALIGN_WEIGHT_SYNC_TOKEN", "tok")
+        assert main(["push", "--checkpoint", str(source), "--to", address, "--version", "3"]) == 0
+        assert main(["describe", "--to", address]) == 0
+        assert "policy_version 3" in capsys.readouterr().out
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
+    got = load_file(str(served / "model.safetensors"))
+    assert sorted(got) == sorted(sd) and all(torch.equal(got[k], v) for k, v in sd.items())
+    assert json.loads((served / "policy_version.json").read_text()) == {"policy_version": 3}
+    assert not (served / "model-00001-of-00002.safetensors").exists()
+
+
+def test_bad_config_flag_is_a_clear_error(capsys):
+    assert main(["describe", "--to", "127.0.0.1:1", "--chunk_byts", "5"]) == 2
+    assert "chunk_byts" in capsys.readouterr().err

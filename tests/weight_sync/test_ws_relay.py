@@ -1,0 +1,51 @@
+"""Relay: receivers forward chunks to each other, so the sender's bytes per version do not grow with the fleet."""
+
+import torch
+from ws_helpers import rank_shards, run_ranks
+
+from weight_sync.config import WeightSyncConfig
+from weight_sync.relay import split_tree
+from weight_sync.sender import WeightSender
+
+SD = {"w": torch.randn(64, 32).to(torch.bfloat16), "b": torch.randn(32), "e": torch.randn(16, 8, 4)}
+MODEL_BYTES = sum(t.numel() * t.element_size() for t in SD.values())
+
+
+def test_split_tree_covers_every_target_once():
+    targets = [f"h:{i}" for i in range(8)]
+    for fanout in (1, 2, 3, 8):
+        groups = split_tree(targets, fanout)
+        assert len(groups) == min(fanout, 8)
+        assert sorted(t for head, rest in groups for t in (head, *rest)) == sorted(targets)
+    assert split_tree(targets, 0) == [(t, []) for t in targets]
+
+
+def test_eight_receivers_get_exact_weights_while_the_sender_sends_at_most_fanout_times_the_model(receivers):
+    for fanout in (2, 1):
+        config = WeightSyncConfig(chunk_bytes=1024, relay_fanout=fanout, delta=False)
+        pairs = receivers(8, config=config, sd=SD)
+        senders = [WeightSender([r.address for r, _ in pairs], config, rank=k, num_ranks=2) for k in range(2)]
+        reports = run_ranks(lambda k: senders[k].push(1, rank_shards(SD, k, 2)), 2)
+        assert all(not rep.failed and len(rep.ok) == 8 for rep in reports)
+        assert all(e is None for e in senders[0].commit(1).values())
+        for receiver, sink in pairs:
+            assert receiver.policy_version == 1
+            assert all(torch.equal(sink.state_dict[k], v) for k, v in SD.items())
+        sent = sum(rep.bytes_sent for rep in reports)
+        overhead = sum(rep.bytes_sent - fanout * rep.payload_bytes for rep in reports)
+        assert sent <= fanout * MODEL_BYTES + overhead and overhead < 0.1 * MODEL_BYTES  # headers only
+        for s in senders:
+            s.close()
+
+
+def test_a_dead_leaf_is_reported_and_the_rest_of_the_tree_commits(receivers):
+    config = WeightSyncConfig(chunk_bytes=1024, relay_fanout=2, num_retries=0, rpc_timeout_s=3)
+    pairs = receivers(4, config=config, sd=SD)
+    dead = "127.0.0.1:1"
+    endpoints = [pairs[0][0].address, dead, *[r.address for r, _ in pairs[1:]]]  # dead is a leaf under pairs[0]
+    sender = WeightSender(endpoints, config)
+    report = sender.push(1, rank_shards(SD, 0, 1))
+    assert set(report.failed) == {dead}
+    committed = sender.commit(1)
+    assert committed[dead] and all(committed[r.address] is None for r, _ in pairs)
+    assert all(torch.equal(sink.state_dict["w"], SD["w"]) for _, sink in pairs)

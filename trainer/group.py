@@ -1,0 +1,98 @@
+"""``TrainerGroup``: N ``TrainerWorker`` Ray actors forming one torch.distributed group, driven as one trainer.
+
+    group = TrainerGroup(trainer_cfg, model_cfg, algorithm_cfg, init_path="ckpt/hf", weight_sync=ws_cfg)
+    metrics = group.train_step(batch)      # the same RolloutBatch to every rank; one metrics dict back
+    group.push_weights()                   # every rank streams its own shards; rank 0 commits
+    group.save_checkpoint(data_cursor={"epoch": 0, "index": 128})
+    group.shutdown()
+
+Every method fans the call out to all ranks (they are collective) and gathers the results; metrics are identical on
+all ranks, so rank 0's are returned. Needs an initialised Ray (``ray.init``) in the calling process.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import ray
+
+from rollout.types import RolloutBatch, Sample
+from trainer.config import TrainerConfig
+from trainer.models.config import ModelConfig
+from trainer.rl.config import GRPOConfig, PPOConfig
+from trainer.worker import TrainerWorker
+
+__all__ = ["TrainerGroup"]
+
+
+class TrainerGroup:
+    """Creates the rank actors, sets up their process group, and fans calls out to them."""
+
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        model_cfg: ModelConfig,
+        algorithm: GRPOConfig | PPOConfig,
+        init_path: str | None = None,
+        weight_sync: Any = None,
+        session_id: str = "trainer",
+        num_cpus_per_rank: float = 1,
+        runtime_env: dict | None = None,
+    ) -> None:
+        """``weight_sync``: a ``WeightSyncConfig`` with the receiver endpoints (None: no pushes). Ranks ask Ray for
+        ``num_cpus_per_rank`` CPUs each, plus one GPU each on 'cuda' and one 'TPU' resource each on 'tpu'."""
+        self.cfg = cfg
+        options: dict[str, Any] = {"num_cpus": num_cpus_per_rank}
+        if cfg.device == "cuda":
+            options["num_gpus"] = 1
+        elif cfg.device == "tpu":
+            options["resources"] = {"TPU": 1}
+        if runtime_env is not None:
+            options["runtime_env"] = runtime_env
+        actor = ray.remote(TrainerWorker)
+        self.workers = [
+            actor.options(**options).remote(rank, cfg, model_cfg, algorithm, init_path, weight_sync, session_id)
+            for rank in range(cfg.num_ranks)
+        ]
+        node_ids = ray.get([w.node_id.remote() for w in self.workers])
+        host, port = ray.get(self.workers[0].master_endpoint.remote(len(set(node_ids)) == 1))
+        ray.get([w.setup.remote(host, port) for w in self.workers])
+
+    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def train_step(self, batch: RolloutBatch, data_cursor: dict | None = None) -> dict[str, float]:
+        """One RL update on ``batch``; returns the step's metrics (see ``trainer.step.rl_step``)."""
+        return self._all("train_step", ray.put(batch), data_cursor)[0]
+
+    def sft_step(self, samples: Sequence[Sample], lr: float | None = None) -> dict[str, float]:
+        """One supervised warm-start step on the completions of ``samples``."""
+        return self._all("sft_step", ray.put(list(samples)), lr)[0]
+
+    def save_checkpoint(self, data_cursor: dict | None = None) -> str:
+        """Full-state checkpoint under ``trainer.checkpoint.dir``; returns its path."""
+        return self._all("save_checkpoint", data_cursor)[0]
+
+    def load_checkpoint(self, path: str | None = None) -> dict[str, Any]:
+        """Restore every rank (default: the latest checkpoint); returns step, policy_version and data_cursor."""
+        return self._all("load_checkpoint", path)[0]
+
+    def export_hf(self, path: str, dtype: str | None = None) -> list[str]:
+        """Write the policy as an HF safetensors checkpoint at ``path`` (for serving); returns the file names."""
+        return self._all("export_hf", path, dtype)[0]
+
+    def push_weights(self, policy_version: int | None = None, dtype: str | None = None) -> list[dict[str, Any]]:
+        """Every rank pushes its own shards to every receiver, then rank 0 commits; returns each rank's outcome."""
+        return self._all("push_weights", policy_version, dtype)
+
+    def policy_version(self) -> int:
+        return self._all("policy_version")[0]
+
+    def shutdown(self) -> None:
+        """Leave the process group and stop the rank actors."""
+        try:
+            self._all("shutdown")
+        finally:
+            for w in self.workers:
+                ray.kill(w)
+            self.workers = []

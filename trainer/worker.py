@@ -1,0 +1,229 @@
+"""``TrainerWorker``: one trainer rank as a Ray actor; N of them form one torch.distributed group.
+
+Lifecycle (driven by ``trainer.group.TrainerGroup``; every call below is collective: all ranks get it together)::
+
+    workers = [TrainerWorker.remote(rank, ...) for rank in range(N)]
+    addr, port = ray.get(workers[0].master_endpoint.remote(same_node))   # rank 0 picks a free port
+    ray.get([w.setup.remote(addr, port) for w in workers])               # process group, mesh, sharded models
+    metrics = ray.get([w.train_step.remote(batch) for w in workers])[0]  # same batch to every rank
+    ray.get([w.push_weights.remote() for w in workers])                  # each rank streams its own shards
+
+The class is plain Python (``ray.remote`` is applied in ``trainer.group``), so a test can also drive it in-process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any, Sequence
+
+from rollout.types import RolloutBatch, Sample
+from trainer.config import TrainerConfig
+from trainer.models.config import ModelConfig
+from trainer.rl.config import GRPOConfig, PPOConfig
+
+__all__ = ["TrainerWorker"]
+
+_PG_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class TrainerWorker:
+    """One rank: owns its shard of the policy (and reference/critic), its optimizer state and its weight sender."""
+
+    def __init__(
+        self,
+        rank: int,
+        cfg: TrainerConfig,
+        model_cfg: ModelConfig,
+        algorithm: GRPOConfig | PPOConfig,
+        init_path: str | None = None,
+        weight_sync: Any = None,
+        session_id: str = "trainer",
+    ) -> None:
+        """``weight_sync``: a ``weight_sync.config.WeightSyncConfig`` (receiver endpoints, TLS, token) or None when
+        this run pushes no weights. ``init_path``: local HF checkpoint with the initial weights (None: seeded init)."""
+        if not 0 <= rank < cfg.num_ranks:
+            raise ValueError(f"rank {rank} is outside [0, num_ranks={cfg.num_ranks})")
+        self.rank, self.cfg, self.model_cfg, self.algorithm = rank, cfg, model_cfg, algorithm
+        self.init_path, self.weight_sync, self.session_id = init_path, weight_sync, session_id
+        self.engine = None
+        self._sender = None
+        self._checkpoints = None
+
+    # -- setup -----------------------------------------------------------------------------------------------------
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (the group picks loopback rendezvous when all ranks share a node)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def master_endpoint(self, same_node: bool) -> tuple[str, int]:
+        """Rank 0 only: (address, free port) for the process-group rendezvous."""
+        assert self.rank == 0, "only rank 0 hosts the rendezvous"
+        if same_node:
+            host = "127.0.0.1"
+        else:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        return host, _free_port(host)
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        """Join the process group, pick the device, build and shard the models (collective)."""
+        import torch
+        import torch.distributed as dist
+
+        from trainer.checkpoint import CheckpointManager
+        from trainer.engine import build_engine
+        from trainer.parallelize import build_mesh
+
+        device = self._device(torch)
+        backend = self.cfg.backend
+        if self.cfg.device == "tpu":
+            backend = dist.Backend.default_device_backend_map.get("tpu")
+            if backend is None:
+                raise ValueError("device 'tpu' needs the torch-tpu package (no 'tpu' distributed backend registered)")
+        dist.init_process_group(
+            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+            world_size=self.cfg.num_ranks, timeout=_PG_TIMEOUT,
+        )  # fmt: skip
+        mesh = build_mesh(self.cfg, device.type)
+        self.engine = build_engine(self.cfg, self.model_cfg, self.algorithm, device, mesh, self.init_path)
+        if self.cfg.checkpoint.dir is not None:
+            self._checkpoints = CheckpointManager(self.cfg.checkpoint.dir, self.cfg.checkpoint.num_keep)
+
+    def _device(self, torch):  # noqa: ANN001, ANN202 (torch is imported lazily by the caller)
+        if self.cfg.device == "cpu":
+            return torch.device("cpu")
+        if self.cfg.device == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("device 'cuda' requested but no GPU is visible to this rank (give the actor num_gpus=1)")
+            # Ray sets CUDA_VISIBLE_DEVICES per actor: the rank's GPU is always index 0 here.
+            torch.cuda.set_device(0)
+            return torch.device("cuda", 0)
+        try:
+            import torch_tpu  # noqa: F401  (registers the 'tpu' device)
+        except ImportError:
+            raise ValueError("device 'tpu' needs the torch-tpu package installed on the trainer hosts") from None
+        return torch.device("tpu")
+
+    def _require_engine(self):  # noqa: ANN202
+        if self.engine is None:
+            raise RuntimeError("TrainerWorker.setup() must run before training calls")
+        return self.engine
+
+    # -- training --------------------------------------------------------------------------------------------------
+    def train_step(self, batch: RolloutBatch, data_cursor: dict | None = None) -> dict[str, float]:
+        """One RL update on ``batch`` (the same on every rank); saves a checkpoint every ``every_num_steps`` steps,
+        recording ``data_cursor`` (the caller's position after this batch)."""
+        from trainer.step import rl_step
+
+        engine = self._require_engine()
+        metrics = rl_step(engine, batch)
+        if data_cursor is not None:
+            engine.data_cursor = dict(data_cursor)
+        every = self.cfg.checkpoint.every_num_steps
+        if self._checkpoints is not None and every > 0 and engine.step % every == 0:
+            self.save_checkpoint()
+        return metrics
+
+    def sft_step(self, samples: Sequence[Sample], lr: float | None = None) -> dict[str, float]:
+        """One supervised warm-start step on the completions of ``samples``."""
+        from trainer.step import sft_step
+
+        return sft_step(self._require_engine(), samples, lr)
+
+    # -- state -----------------------------------------------------------------------------------------------------
+    def save_checkpoint(self, data_cursor: dict | None = None) -> str:
+        """Full-state checkpoint under ``checkpoint.dir`` (``step_<n>``); returns its path."""
+        from trainer.checkpoint import TrainerState
+
+        engine = self._require_engine()
+        if data_cursor is not None:
+            engine.data_cursor = dict(data_cursor)
+        if self._checkpoints is None:
+            raise ValueError("no checkpoint directory: set trainer.checkpoint.dir")
+        state = TrainerState(engine.step, engine.policy_version, engine.data_cursor)
+        return str(self._checkpoints.save(engine.checkpointables(), state))
+
+    def load_checkpoint(self, path: str | None = None) -> dict[str, Any]:
+        """Restore from the checkpoint directory ``path`` (default: the latest complete one under ``checkpoint.dir``);
+        returns step, policy_version and data_cursor."""
+        from trainer.checkpoint import CheckpointManager
+
+        engine = self._require_engine()
+        if self._checkpoints is None and path is None:
+            raise ValueError("no checkpoint to load: set trainer.checkpoint.dir or pass a checkpoint path")
+        manager = self._checkpoints or CheckpointManager(os.path.dirname(os.path.abspath(str(path))))
+        state = manager.load(engine.checkpointables(), path)
+        engine.step, engine.policy_version, engine.data_cursor = state.step, state.policy_version, state.data_cursor
+        return {"step": state.step, "policy_version": state.policy_version, "data_cursor": state.data_cursor}
+
+    def export_hf(self, path: str, dtype: str | None = None) -> list[str]:
+        """Write the policy as an HF safetensors checkpoint (gathered on rank 0, which writes); for serving."""
+        import torch
+
+        from trainer.models.hf_io import save_hf_checkpoint
+
+        torch_dtype = getattr(torch, dtype) if dtype is not None else None
+        return save_hf_checkpoint(self._require_engine().policy, path, dtype=torch_dtype)
+
+    def policy_version(self) -> int:
+        return self._require_engine().policy_version
+
+    # -- weight push -----------------------------------------------------------------------------------------------
+    def push_weights(self, policy_version: int | None = None, dtype: str | None = None) -> dict[str, Any]:
+        """Stream this rank's own shards, under HF names, to every receiver; rank 0 commits after all ranks pushed.
+
+        ``policy_version`` defaults to the engine's; ``dtype`` casts the pieces (e.g. 'bfloat16' for a bf16 server).
+        Returns this rank's outcome: per-receiver push errors, and on rank 0 the per-receiver commit errors.
+        """
+        import torch
+        import torch.distributed as dist
+
+        from trainer.models.hf_io import hf_shards
+        from trainer.parallelize import local_shards
+        from weight_sync.sender import Shard, WeightSender
+
+        engine = self._require_engine()
+        if self.weight_sync is None:
+            raise ValueError("no weight_sync config given to the trainer: nothing to push to")
+        if self._sender is None:
+            self._sender = WeightSender(
+                [], self.weight_sync, rank=self.rank, num_ranks=self.cfg.num_ranks, session_id=self.session_id
+            )
+        version = engine.policy_version if policy_version is None else policy_version
+        cast = getattr(torch, dtype) if dtype is not None else None
+        shards = [
+            Shard(hf_name, piece if cast is None else piece.to(cast), hf_shape, hf_offsets)
+            for name, local, shape, offsets in local_shards(engine.policy)
+            for hf_name, piece, hf_shape, hf_offsets in hf_shards(self.model_cfg, name, local, shape, offsets)
+        ]
+        report = self._sender.push(version, shards)
+        dist.barrier()  # every rank's streams have been answered
+        out: dict[str, Any] = {
+            "policy_version": version, "push_errors": report.failed, "seconds": report.seconds,
+            "payload_bytes": report.payload_bytes,
+        }  # fmt: skip
+        if self.rank == 0:
+            # A receiver that missed a shard from any rank fails its own coverage check and keeps its old version.
+            out["commit_errors"] = {a: e for a, e in self._sender.commit(version).items() if e}
+        dist.barrier()
+        return out
+
+    def shutdown(self) -> None:
+        """Close the weight sender and leave the process group."""
+        import torch.distributed as dist
+
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
