@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-# This file is named like the `benchmarks` siblings of packages: run as a script, make the repository importable.
+# Run as a script, Python puts benchmarks/ first on the path; the repository root is what the imports need.
 _REPO = Path(__file__).resolve().parents[1]
 if sys.path and Path(sys.path[0]).resolve() == _REPO / "benchmarks":
     sys.path[0] = str(_REPO)
@@ -146,8 +146,9 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--case", case, "--tokens", str(args.tokens), "--dim", str(args.dim)]
         done = subprocess.run(cmd + ["--reps", str(args.reps)], env=env, capture_output=True, text=True, check=True)
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(f"Pallas kernels (CPU: interpret mode) vs torch references; forward + backward; OMP_NUM_THREADS={env['OMP_NUM_THREADS']}")
-    print(f"| case | shape | kernel peak MiB | reference peak MiB | kernel/reference memory | kernel ms | reference ms |")
+    threads = env["OMP_NUM_THREADS"]
+    print(f"Pallas kernels (CPU: interpret mode) vs torch references, forward + backward, OMP_NUM_THREADS={threads}")
+    print("| case | shape | kernel peak MiB | reference peak MiB | kernel/reference memory | kernel ms | reference ms |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         kernel, reference = row["kernel"], row["reference"]

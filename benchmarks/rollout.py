@@ -146,11 +146,11 @@ def main(argv: list[str] | None = None) -> None:
     # The bound takes the best rate the machine's matmuls reach: either dtype (the engine may use faster kernels than
     # torch for its dtype), and one core's rate times the cores (threads contend on a shared, busy host, which would
     # lower the bound and flatter the pool).
-    flops = max(
-        max(measure_matmul_flops(args.hidden_size, num_seqs, dt, 1) * num_threads,
-            measure_matmul_flops(args.hidden_size, num_seqs, dt, num_threads))
-        for dt in {"float32", args.dtype}
-    )
+    rates = {(dt, t): measure_matmul_flops(args.hidden_size, num_seqs, dt, t)
+             for dt in {"float32", args.dtype, args.hf_dtype} for t in {1, num_threads}}
+    flops = max(rate * (num_threads if t == 1 else 1) for (dt, t), rate in rates.items())
+    # HF runs on whichever thread count ran its dtype's matmuls faster here (on a busy host one thread can win).
+    hf_threads = max((t for dt, t in rates if dt == args.hf_dtype), key=lambda t: rates[(args.hf_dtype, t)])
     bound = flops / (2 * num_params)
     problems = [Problem(prompt=f"Compute {i} plus {2 * i}, then think.", answer=str(3 * i), problem_id=str(i))
                 for i in range(args.num_prompts)]
@@ -158,14 +158,15 @@ def main(argv: list[str] | None = None) -> None:
     results = {"parameters": float(num_params), "matmul_gflops": flops / 1e9, "bound_tokens_per_s": bound}
     results.update(run_pool(args, model_dir, problems, sampling))
     if not args.skip_hf:
-        results.update(run_hf(args, model_dir, problems, num_threads))
+        results.update(run_hf(args, model_dir, problems, hf_threads))
+        results["hf_threads"] = float(hf_threads)
     print(f"model: {num_params / 1e6:.1f}M parameters, {args.dtype}, {num_seqs} sequences x {args.max_tokens} tokens, "
           f"{num_threads} cores")
     print(f"compute bound : {bound:9.0f} tok/s  (matmul {flops / 1e9:.1f} GFLOP/s / 2 x params)")
     print(f"pool (vLLM)   : {results['pool_tokens_per_s']:9.0f} tok/s  = {results['pool_tokens_per_s'] / bound:.0%} of bound")
     if "hf_tokens_per_s" in results:
         print(f"HF generate   : {results['hf_tokens_per_s']:9.0f} tok/s  = {results['hf_tokens_per_s'] / bound:.0%} of bound "
-              f"({args.hf_dtype})")
+              f"({args.hf_dtype}, {hf_threads} thread(s))")
     print(f"update pause  : {results['update_pause_s'] * 1e3:9.1f} ms engine paused per full update "
           f"({results['update_pause_s'] / results['pool_seconds']:.1%} of this generation batch); "
           f"push+commit {results['push_commit_s'] * 1e3:.0f} ms")

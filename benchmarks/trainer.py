@@ -114,8 +114,8 @@ def main() -> None:
     print(f"batch: {len(batch.samples)} samples, {tokens} useful tokens (completions 8-256), micro-batch budget "
           f"{args.micro_batch_tokens}")
     print(f"matmul peak (fp32 mm): {peak_wall / 1e9:.1f} GFLOP/s wall, {peak_cpu / 1e9:.1f} GFLOP per CPU-second")
-    print(f"policy update: best {min(walls):.2f} s wall ({min(cpus):.2f} CPU-s) per step, median {np.median(walls):.2f} s;"
-          f" {tokens / min(walls):.0f} useful tokens/s")
+    print(f"policy update: best {min(walls):.2f} s wall ({min(cpus):.2f} CPU-s) per step, median "
+          f"{np.median(walls):.2f} s; {tokens / min(walls):.0f} useful tokens/s")
     print(f"achieved (6 x params x tokens): {flops / min(walls) / 1e9:.1f} GFLOP/s wall = "
           f"{flops / min(walls) / peak_wall:.2f} of the matmul peak")
     print(f"per CPU-second (robust on a shared machine): {flops / min(cpus) / 1e9:.1f} GFLOP/CPU-s = "

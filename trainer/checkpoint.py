@@ -69,7 +69,9 @@ def _barrier() -> None:
 
 
 def _rng_states() -> dict[str, Any]:
-    states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    states: dict[str, Any] = {
+        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    }  # fmt: skip
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
@@ -161,7 +163,7 @@ class CheckpointManager:
                 part.scheduler.load_state_dict(small["schedulers"][name])
         _set_rng_states(small["rng"])
         _barrier()
-        return TrainerState(step=small["step"], policy_version=small["policy_version"], data_cursor=small["data_cursor"])
+        return TrainerState(small["step"], small["policy_version"], small["data_cursor"])
 
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -102,7 +102,9 @@ def _first_fit_decreasing(lengths: Sequence[int], indices: Sequence[int], capaci
     return bins
 
 
-def _group_rows(lengths: Sequence[int], indices: Sequence[int], token_budget: int, row_tokens: int) -> list[list[list[int]]]:
+def _group_rows(
+    lengths: Sequence[int], indices: Sequence[int], token_budget: int, row_tokens: int
+) -> list[list[list[int]]]:
     """Micro-batches as lists of rows (lists of sample indices); padded size ``rows x longest row`` <= budget."""
     rows = _first_fit_decreasing(lengths, indices, min(row_tokens, token_budget))
     row_len = {id(r): sum(lengths[i] for i in r) for r in rows}

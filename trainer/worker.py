@@ -104,7 +104,9 @@ class TrainerWorker:
             return torch.device("cpu")
         if self.cfg.device == "cuda":
             if not torch.cuda.is_available():
-                raise ValueError("device 'cuda' requested but no GPU is visible to this rank (give the actor num_gpus=1)")
+                raise ValueError(
+                    "device 'cuda' requested but no GPU is visible to this rank (give the actor num_gpus=1)"
+                )
             # Ray sets CUDA_VISIBLE_DEVICES per actor: the rank's GPU is always index 0 here.
             torch.cuda.set_device(0)
             return torch.device("cuda", 0)

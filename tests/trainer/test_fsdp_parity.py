@@ -44,7 +44,8 @@ def _configs(ckpt_dir: str, world: int, tp: int):
         ffn_hidden_dim=64, qk_norm=True, tie_embeddings=True, output_chunk_size=16,
     )  # fmt: skip
     cfg = TrainerConfig(
-        num_ranks=world, parallelism=dict(tensor_parallel_degree=tp), micro_batch_tokens=96, num_minibatches=2, max_grad_norm=0.5,
+        num_ranks=world, parallelism=dict(tensor_parallel_degree=tp), micro_batch_tokens=96, num_minibatches=2,
+        max_grad_norm=0.5,
         optimizer=dict(lr=3e-3, weight_decay=0.01),
         schedule=dict(kind="cosine", num_warmup_steps=2, num_total_steps=12, min_lr_ratio=0.1),
         checkpoint=dict(dir=ckpt_dir, num_keep=1),
@@ -54,7 +55,9 @@ def _configs(ckpt_dir: str, world: int, tp: int):
 
 
 def _full_weights(model) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
 
 
 def _worker(rank: int, world: int, tp: int, port: int, out_dir: str) -> None:

@@ -62,7 +62,9 @@ def test_two_rank_group_trains_checkpoints_and_pushes(ray_session, tmp_path) -> 
     received = {name: torch.zeros(shape, dtype=dtype) for name, shape, dtype in hf_manifest(MODEL)}
     receiver = WeightReceiver(StateDictSink(received), WeightSyncConfig())
     receiver.start()
-    cfg = TrainerConfig(num_ranks=2, micro_batch_tokens=64, optimizer=dict(lr=1e-3), checkpoint=dict(dir=str(tmp_path / "ck")))
+    cfg = TrainerConfig(
+        num_ranks=2, micro_batch_tokens=64, optimizer=dict(lr=1e-3), checkpoint=dict(dir=str(tmp_path / "ck"))
+    )
     group = TrainerGroup(
         cfg, MODEL, GRPOConfig(group_size=4), weight_sync=WeightSyncConfig(endpoints=[receiver.address]),
         num_cpus_per_rank=0.5,

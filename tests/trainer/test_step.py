@@ -66,7 +66,9 @@ def _set_rollout_logprobs_to_trainer(engine, samples: list[Sample]) -> None:
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
 
 
 def test_first_grpo_step_is_exactly_on_policy() -> None:
@@ -127,7 +129,8 @@ def test_ppo_step_trains_the_critic() -> None:
     first = rl_step(engine, RolloutBatch(samples))
     assert first["loss"] == pytest.approx(0.0, abs=1e-6)  # whitened advantages, ratio 1: zero surrogate
     assert first["critic/value_mean"] == 0.0  # zero-initialised value head
-    errors = [first["critic/value_error"]] + [rl_step(engine, RolloutBatch(samples))["critic/value_error"] for _ in range(4)]
+    errors = [first["critic/value_error"]]
+    errors += [rl_step(engine, RolloutBatch(samples))["critic/value_error"] for _ in range(4)]
     assert errors[-1] < errors[0]
     assert all(np.isfinite(v) for v in first.values())
 

@@ -49,3 +49,21 @@ def test_a_dead_leaf_is_reported_and_the_rest_of_the_tree_commits(receivers):
     committed = sender.commit(1)
     assert committed[dead] and all(committed[r.address] is None for r, _ in pairs)
     assert all(torch.equal(sink.state_dict["w"], SD["w"]) for _, sink in pairs)
+
+
+def test_deltas_travel_through_the_relay_with_several_streams_per_rank(receivers):
+    config = WeightSyncConfig(chunk_bytes=512, relay_fanout=2, num_streams=3)
+    pairs = receivers(5, config=config, sd=SD)
+    senders = [WeightSender([r.address for r, _ in pairs], config, rank=k, num_ranks=2) for k in range(2)]
+    sd = {k: v.clone() for k, v in SD.items()}
+    for version in (1, 2, 3):
+        if version > 1:
+            sd["w"][version, :5] += 1
+            sd["e"][:, 1, 2] -= 1
+        reports = run_ranks(lambda k: senders[k].push(version, rank_shards(sd, k, 2)), 2)
+        assert all(not rep.failed for rep in reports)
+        assert all(len(rep.delta_endpoints) == (0 if version == 1 else 5) for rep in reports)
+        assert all(e is None for e in senders[0].commit(version).values())
+        for receiver, sink in pairs:
+            assert receiver.policy_version == version
+            assert all(torch.equal(sink.state_dict[k], v) for k, v in sd.items())

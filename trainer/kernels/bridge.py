@@ -34,7 +34,8 @@ __all__ = [
 def torch_to_jax(tensor: torch.Tensor) -> jax.Array:
     """View ``tensor`` (detached, made contiguous if it is not) as a JAX array without copying.
 
-    64-bit integer tensors must be narrowed by the caller first: JAX runs with 32-bit integers by default.
+    JAX copies only a buffer it cannot alias (e.g. a view starting at an unaligned offset). 64-bit tensors must be
+    narrowed by the caller first: JAX runs with 32-bit types by default.
     """
     if tensor.dtype in (torch.int64, torch.float64):
         raise TypeError(f"{tensor.dtype} does not cross into JAX (x64 is off); cast to a 32-bit dtype first")

@@ -29,11 +29,13 @@ _ALTERNATIVE = 'output_head = "torch" (full logits)'
 _TPU_BLOCKS = HeadBlockSizes(block_tokens=256, block_vocab=512)
 
 
-def _cpu_blocks(vocab_size: int) -> HeadBlockSizes:
-    # Interpret mode pads every input to whole blocks, which for the vocabulary would copy the weight: take the
-    # largest vocab tile (multiple of 128, <= 2048: few interpreted grid steps) that divides V, if there is one.
-    fits = [b for b in range(2048, 0, -128) if vocab_size % b == 0]
-    return HeadBlockSizes(block_tokens=256, block_vocab=fits[0] if fits else 2048)
+def _cpu_blocks(num_tokens: int, vocab_size: int) -> HeadBlockSizes:
+    # Interpret mode pays per grid step (it carries whole operands through a loop) and pads every operand to whole
+    # blocks (a copy of the weight when the vocab tile does not divide V). TPU tile rules do not apply here, so take
+    # few, large tiles: all tokens up to 1024, and the divisor of V nearest 2048 (2048 with padding if none is near).
+    divisors = [b for b in range(512, 4097) if vocab_size % b == 0]
+    block_vocab = min(divisors, key=lambda b: abs(b - 2048)) if divisors else 2048
+    return HeadBlockSizes(block_tokens=min(1024, -(-num_tokens // 8) * 8), block_vocab=block_vocab)
 
 
 def check_supported(device: torch.device | str) -> None:
@@ -46,10 +48,9 @@ def _head_op(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_supported(hidden.device)
-    outs = fused_head_forward_jax(
-        torch_to_jax(hidden), torch_to_jax(weight), torch_to_jax(targets), blocks=_cpu_blocks(weight.shape[0]),
-        interpret=True,
-    )
+    blocks = _cpu_blocks(hidden.shape[0], weight.shape[0])
+    args = (torch_to_jax(hidden), torch_to_jax(weight), torch_to_jax(targets))
+    outs = fused_head_forward_jax(*args, blocks=blocks, interpret=True)
     return tuple(jax_to_torch(o) for o in outs)
 
 
@@ -68,7 +69,7 @@ def _head_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     check_supported(hidden.device)
     args = [torch_to_jax(t) for t in (hidden, weight, targets, lse, entropy, grad_logprobs, grad_entropy, grad_lse)]
-    dh, dw = fused_head_backward_jax(*args, blocks=_cpu_blocks(weight.shape[0]), interpret=True)
+    dh, dw = fused_head_backward_jax(*args, blocks=_cpu_blocks(hidden.shape[0], weight.shape[0]), interpret=True)
     return jax_to_torch(dh), jax_to_torch(dw)
 
 

@@ -1,0 +1,182 @@
+"""One run of a recipe: build the rollout pool and the trainer group, warm start, run the RL loop, report, close.
+
+    run(recipe)                 # embedded Ray unless RAY_ADDRESS / --address names a cluster
+    run(recipe, resume=True)    # continue from the newest checkpoint under the run's output directory
+
+Everything started here is stopped here, on success, error or Ctrl-C. A trainer that dies fails the run with a clear
+message (``--resume`` continues from the last checkpoint); rollout workers that die are replaced by the pool; an
+external weight receiver that fails a push is reported and retried at the next step without stopping training.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from recipe import Recipe, write_resolved
+
+__all__ = ["run"]
+
+log = logging.getLogger("rl_align")
+
+
+def run(recipe: Recipe, resume: bool = False, address: str | None = None) -> int:
+    """Run ``recipe`` to the end; return the process exit code (0 success, 1 failure, 130 interrupted)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    out_dir = recipe.run.resolved_output_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    recipe = _with_run_defaults(recipe, out_dir)
+    write_resolved(recipe, out_dir)
+    _ensure_model(recipe)
+
+    import ray
+
+    from driver.session import ray_session
+
+    try:
+        with ray_session(address) as where:
+            log.info("Ray: %s; outputs in %s", where, out_dir)
+            with _Run(recipe, out_dir, resume) as job:
+                job.execute()
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted: actors stopped; continue with --resume", file=sys.stderr)
+        return 130
+    except ray.exceptions.ActorDiedError as e:
+        print(f"error: a trainer or rollout actor died and could not be replaced: {e}\n"
+              f"continue from the last checkpoint with: python rl_align.py --recipe ... --resume", file=sys.stderr)
+        return 1
+
+
+def _with_run_defaults(recipe: Recipe, out_dir: Path) -> Recipe:
+    """Put checkpoints under the run directory unless the recipe says where."""
+    ckpt = recipe.trainer.checkpoint
+    if ckpt.dir is None:
+        ckpt = ckpt.model_copy(update={"dir": str(out_dir / "checkpoints")})
+        recipe = recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"checkpoint": ckpt})})
+    return recipe
+
+
+def _ensure_model(recipe: Recipe) -> None:
+    path = Path(recipe.model.path)
+    spec = recipe.model.create_tiny
+    if spec is None or (path / "config.json").is_file():
+        return
+    from tools.make_tiny_model import make_tiny_model
+
+    log.info("creating a tiny %s model at %s", spec.family, path)
+    make_tiny_model(path, spec.family, seed=spec.seed, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
+                    num_heads=spec.num_heads)  # fmt: skip
+
+
+class _Run:
+    """The actors and sinks of one run, as a context manager that always closes them."""
+
+    def __init__(self, recipe: Recipe, out_dir: Path, resume: bool) -> None:
+        self.recipe, self.out_dir, self.resume = recipe, out_dir, resume
+        self.pool: Any = None
+        self.trainer: Any = None
+        self.logger: Any = None
+
+    def __enter__(self) -> _Run:
+        from driver.metrics import MetricsLogger
+        from rollout.pool import RolloutPool
+        from rollout.tasks import build_dataset
+        from rollout.tokenizer import load_tokenizer
+        from trainer.group import TrainerGroup
+        from trainer.models.hf_config import model_config_from_hf
+
+        r = self.recipe
+        self.logger = MetricsLogger(
+            self.out_dir, r.run.num_steps, tensorboard=r.run.logging.tensorboard, progress=r.run.logging.progress,
+            prometheus_port=r.run.logging.prometheus_port, append=self.resume,
+        )  # fmt: skip
+        self.dataset = build_dataset(r.task)
+        self.tokenizer = load_tokenizer(r.rollout.tokenizer_path or r.model.path)
+        model_cfg = model_config_from_hf(r.model.path, **r.model.block_overrides())
+        t0 = time.perf_counter()
+        self.pool = RolloutPool(r.rollout, r.reward, r.weight_sync)
+        log.info("rollout pool: %d worker(s) ready in %.1f s", r.rollout.num_workers, time.perf_counter() - t0)
+        self.external = list(r.weight_sync.endpoints)
+        sync_cfg = r.weight_sync.model_copy(update={"endpoints": self.pool.receiver_addresses() + self.external})
+        t0 = time.perf_counter()
+        self.trainer = TrainerGroup(r.trainer, model_cfg, r.algorithm, init_path=r.model.path, weight_sync=sync_cfg,
+                                    session_id=f"{r.run.name}-{int(time.time())}")  # fmt: skip
+        log.info("trainer: %d rank(s) ready in %.1f s", r.trainer.num_ranks, time.perf_counter() - t0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for part in (self.trainer, self.pool):
+            if part is not None:
+                try:
+                    part.shutdown()
+                except Exception as e:  # noqa: BLE001 (closing: report and keep closing the rest)
+                    log.warning("while shutting down %s: %s", type(part).__name__, e)
+        if self.logger is not None:
+            self.logger.close()
+
+    # -- the run ---------------------------------------------------------------------------------------------------
+    def execute(self) -> None:
+        from driver.evaluate import accuracy_term, evaluate
+        from driver.loop import RLLoop
+        from driver.metrics import plot_curves
+        from driver.warm_start import warm_start
+
+        r = self.recipe
+        eval_problems = self.dataset.eval_problems()[: r.run.eval.num_problems]
+        eval_sampling = r.rollout.sampling.model_copy(update={"temperature": r.run.eval.temperature})
+        term = accuracy_term(r.reward)
+        do_eval = lambda: evaluate(self.pool, eval_problems, eval_sampling, term)  # noqa: E731
+
+        start_step = 0
+        if self.resume:
+            state = self.trainer.load_checkpoint()
+            self.dataset.load_state_dict(state["data_cursor"])
+            start_step = state["step"]
+            log.info("resumed at step %d (policy version %d)", start_step, state["policy_version"])
+        elif r.run.warm_start.num_steps > 0:
+            t0 = time.perf_counter()
+            warm_start(self.trainer, self.dataset, self.tokenizer, r.run.warm_start, r.rollout.use_chat_template,
+                       lambda step, m: self.logger.log(step, m, phase="sft"))  # fmt: skip
+            self.trainer.finish_warm_start()
+            log.info("warm start: %d SFT steps in %.1f s", r.run.warm_start.num_steps, time.perf_counter() - t0)
+        if start_step > 0 or r.run.warm_start.num_steps > 0:
+            self._sync_weights()
+        before = do_eval()
+        self.logger.log(start_step - 1, before, phase="eval")
+        RLLoop(r, self.pool, self.trainer, self.dataset, self._sync_weights, self.logger.log, do_eval).run(start_step)
+        after = do_eval()
+        self.logger.log(r.run.num_steps - 1, after, phase="eval")
+        if r.trainer.checkpoint.every_num_steps:
+            self.trainer.save_checkpoint(data_cursor=self.dataset.state_dict())
+        _print_report(before, after, self.out_dir)
+        if r.run.logging.plot:
+            self.logger.close()
+            self.logger = None
+            plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png")
+
+    def _sync_weights(self) -> dict[str, float]:
+        """Push the trainer's current weights to every serving receiver (pool workers and external servers)."""
+        self.trainer.set_weight_endpoints(self.pool.receiver_addresses() + self.external)
+        outcomes = self.trainer.push_weights()
+        failed = {addr: err for o in outcomes for addr, err in {**o["push_errors"], **o.get("commit_errors", {})}.items()}
+        for addr, err in failed.items():
+            log.warning("weight push to %s failed (kept serving its old version; retried next step): %s", addr, err)
+        seconds = max(o["seconds"] for o in outcomes)
+        payload = sum(o["payload_bytes"] for o in outcomes)
+        return {
+            "push/seconds": seconds, "push/bytes": float(payload), "push/num_failed_receivers": float(len(failed)),
+            "push/gb_per_s": payload / max(seconds, 1e-9) / 1e9,
+        }  # fmt: skip
+
+
+def _print_report(before: dict[str, float], after: dict[str, float], out_dir: Path) -> None:
+    rows = [k for k in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward") if k in before and k in after]
+    lines = ["", "held-out problems      start of RL    end of RL    change", "-" * 58]
+    for key in rows:
+        lines.append(f"{key[5:]:<22} {before[key]:>11.3f} {after[key]:>12.3f} {after[key] - before[key]:>+9.3f}")
+    lines.append(f"\nmetrics: {out_dir / 'metrics.jsonl'}   curves: {out_dir / 'curves.png'}")
+    print("\n".join(lines), flush=True)

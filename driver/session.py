@@ -1,0 +1,64 @@
+"""Ray for one run: join the cluster of ``ray job submit`` (or ``--address``), else start a private embedded instance.
+
+An embedded instance gets its own temp dir and ports (shared machines: never touch another run's Ray) and is shut
+down when the run ends. Worker processes get the thread and engine settings the run needs through ``env_vars``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Iterator
+
+__all__ = ["ray_session", "worker_env_vars"]
+
+# Settings every actor process inherits. vLLM on CPU: in-process engine (fast start), a small KV cache unless the
+# recipe says otherwise, no CPU reserved for a (non-existent) separate front-end process.
+_DEFAULT_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+def worker_env_vars() -> dict[str, str]:
+    """Environment for actor processes: the defaults above, overridden by this process's own values of those keys."""
+    return {key: os.environ.get(key, value) for key, value in _DEFAULT_ENV.items()}
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, num_cpus: int | None = None) -> Iterator[str]:
+    """Yield ``"embedded"`` or the joined address while Ray is initialised; shut an embedded instance down after.
+
+    ``address`` None: join ``RAY_ADDRESS`` when set (``ray job submit`` sets it for the driver), else embed.
+    """
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    runtime_env = {"env_vars": worker_env_vars()}
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        try:
+            yield address
+        finally:
+            ray.shutdown()
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a stray ~/.ray/auth_token would silently turn auth on
+    temp_dir = tempfile.mkdtemp(prefix="rlray_", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
+    ray.init(
+        address="local",
+        num_cpus=num_cpus or max(2, os.cpu_count() or 2),
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        runtime_env=runtime_env,
+        log_to_driver=True,
+    )
+    try:
+        yield "embedded"
+    finally:
+        ray.shutdown()
