@@ -191,14 +191,18 @@ class Recipe(Config):
         return self
 
 
-def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Recipe:
-    """Load and validate a recipe file with dotted overrides; raise ConfigError naming file and fields."""
+def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None, check_paths: bool = True) -> Recipe:
+    """Load and validate a recipe file with dotted overrides; raise ConfigError naming file and fields.
+
+    ``check_paths=False`` skips the checks that need this machine's files (the model directory), so recipes for other
+    hardware validate anywhere.
+    """
     data = read_toml(path, overrides)
     if isinstance(data.get("model"), dict) and isinstance(data.get("rollout", {}), dict):
         data.setdefault("rollout", {}).setdefault("model_path", data["model"].get("path"))
     recipe = validate_config(Recipe, data, source=str(path))
     model_dir = Path(recipe.model.path)
-    if recipe.model.create_tiny is None and not (model_dir / "config.json").is_file():
+    if check_paths and recipe.model.create_tiny is None and not (model_dir / "config.json").is_file():
         raise ConfigError(
             f"{path}: model.path = {str(model_dir)!r} has no config.json: point it at a local HF model directory, "
             "or add a [model.create_tiny] section to create a tiny one there"

@@ -56,7 +56,7 @@ class RLLoop:
         run = self.recipe.run
         item = self._queue.popleft()
         batch = self.pool.collect(item.handle)
-        metrics = {f"rollout/{k}": v for k, v in batch.metrics.items()}
+        metrics = dict(batch.metrics)  # the pool's own names: rollout/*, reward/*
         if not run.dynamic_sampling.enabled:
             return batch, item.cursor, metrics
         kept = _informative_groups(batch)

@@ -103,7 +103,10 @@ class _Run:
         self.external = list(r.weight_sync.endpoints)
         sync_cfg = r.weight_sync.model_copy(update={"endpoints": self.pool.receiver_addresses() + self.external})
         t0 = time.perf_counter()
-        self.trainer = TrainerGroup(r.trainer, model_cfg, r.algorithm, init_path=r.model.path, weight_sync=sync_cfg,
+        # A resumed run rebuilds its frozen reference from the warm-started weights it was trained against.
+        warm = self.out_dir / "warm_start_model"
+        init_path = str(warm) if self.resume and (warm / "config.json").is_file() else r.model.path
+        self.trainer = TrainerGroup(r.trainer, model_cfg, r.algorithm, init_path=init_path, weight_sync=sync_cfg,
                                     session_id=f"{r.run.name}-{int(time.time())}")  # fmt: skip
         log.info("trainer: %d rank(s) ready in %.1f s", r.trainer.num_ranks, time.perf_counter() - t0)
         return self
@@ -142,6 +145,7 @@ class _Run:
             warm_start(self.trainer, self.dataset, self.tokenizer, r.run.warm_start, r.rollout.use_chat_template,
                        lambda step, m: self.logger.log(step, m, phase="sft"))  # fmt: skip
             self.trainer.finish_warm_start()
+            self.trainer.export_hf(str(self.out_dir / "warm_start_model"))
             log.info("warm start: %d SFT steps in %.1f s", r.run.warm_start.num_steps, time.perf_counter() - t0)
         if start_step > 0 or r.run.warm_start.num_steps > 0:
             self._sync_weights()

@@ -35,7 +35,8 @@ def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **arch: A
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=arch.pop("num_kv_heads", max(1, num_heads // 2)),
-        head_dim=arch.pop("head_dim", hidden // num_heads),
+        # vLLM's CPU attention rejects head_dim 16; 32 is the smallest size it takes.
+        head_dim=arch.pop("head_dim", max(32, hidden // num_heads)),
         max_position_embeddings=arch.pop("max_position_embeddings", 1024),
         rms_norm_eps=1e-6,
         tie_word_embeddings=arch.pop("tie_word_embeddings", True),

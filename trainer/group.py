@@ -69,6 +69,14 @@ class TrainerGroup:
         """One supervised warm-start step on the completions of ``samples``."""
         return self._all("sft_step", ray.put(list(samples)), lr)[0]
 
+    def finish_warm_start(self) -> None:
+        """The reference becomes the warm-started policy; RL starts with fresh optimizer and schedule state."""
+        self._all("finish_warm_start")
+
+    def set_weight_endpoints(self, endpoints: Sequence[str]) -> None:
+        """Push to exactly these receivers from now on (e.g. after the rollout pool replaced a worker)."""
+        self._all("set_weight_endpoints", list(endpoints))
+
     def save_checkpoint(self, data_cursor: dict | None = None) -> str:
         """Full-state checkpoint under ``trainer.checkpoint.dir``; returns its path."""
         return self._all("save_checkpoint", data_cursor)[0]

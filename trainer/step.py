@@ -198,7 +198,17 @@ def _update_critic(engine: TrainEngine, mbs: list[MicroBatch], counts: tuple[flo
 
 
 def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
-    """One GRPO/PPO update on ``batch`` (every rank passes the same batch); returns the step's metrics."""
+    """One GRPO/PPO update on ``batch`` (every rank passes the same batch); returns the step's metrics.
+
+    Metrics (identical on every rank): ``loss`` and its parts (``policy_loss``, ``kl_loss``; mean per optimizer step),
+    token-weighted means (``kl``, ``entropy``, ``clip_frac_low/high``, ``ratio_mean``, ``is_ratio_mean``,
+    ``is_frac_capped``, ``logprob_gap`` = mean |trainer - rollout| log-prob), extremes (``ratio_min/max``,
+    ``is_ratio_max``), ``grad_norm`` (mean over optimizer steps, before clipping) and ``grad_norm_max``, ``lr``,
+    ``step_s``, ``tokens_per_s`` (prompt + completion tokens of the batch x epochs per second, all ranks),
+    ``reward_mean``, ``num_tokens`` (completion tokens), ``num_samples``, ``step``, ``policy_version``; with PPO also
+    ``critic/value_loss``, ``critic/value_error``, ``critic/value_mean``, ``critic/value_clip_frac``,
+    ``critic/grad_norm``.
+    """
     start = time.perf_counter()
     cfg, samples = engine.cfg, batch.samples
     if not samples:
@@ -231,8 +241,12 @@ def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
                     engine, engine.critic, engine.critic_optimizer, engine.critic_scheduler, cfg.max_grad_norm
                 ))  # fmt: skip
     num_updates = cfg.num_epochs * cfg.num_minibatches
-    # Loss terms summed over every update of the step: report their mean per optimizer step.
-    per_update = lambda k, v: v / num_updates if k == "loss" or k.endswith("_loss") else v  # noqa: E731
+    # Sums over every update of the step: loss terms as the mean per optimizer step, counts per pass over the batch.
+    def per_update(k: str, v: float) -> float:
+        if k == "loss" or k.endswith("_loss"):
+            return v / num_updates
+        return v / cfg.num_epochs if k.startswith("num_") else v
+
     metrics = {k: per_update(k, v) for k, v in acc.reduce(engine.device, engine.dp_group).items()}
     if engine.critic is not None:
         critic_metrics = critic_acc.reduce(engine.device, engine.dp_group)

@@ -142,6 +142,21 @@ class TrainerWorker:
 
         return sft_step(self._require_engine(), samples, lr)
 
+    def finish_warm_start(self) -> None:
+        """End the supervised warm start: the reference (when KL needs one) becomes the current policy, and the RL
+        phase starts with fresh optimizer and schedule state (SFT's Adam moments would skew the first RL steps)."""
+        import torch
+
+        from trainer.optim import build_optimizer, build_scheduler
+
+        engine = self._require_engine()
+        if engine.reference is not None:
+            with torch.no_grad():
+                for ref, pol in zip(engine.reference.parameters(), engine.policy.parameters(), strict=True):
+                    ref.copy_(pol)
+        engine.optimizer = build_optimizer(engine.policy, self.cfg.optimizer)
+        engine.scheduler = build_scheduler(engine.optimizer, self.cfg.schedule)
+
     # -- state -----------------------------------------------------------------------------------------------------
     def save_checkpoint(self, data_cursor: dict | None = None) -> str:
         """Full-state checkpoint under ``checkpoint.dir`` (``step_<n>``); returns its path."""
@@ -181,6 +196,26 @@ class TrainerWorker:
         return self._require_engine().policy_version
 
     # -- weight push -----------------------------------------------------------------------------------------------
+    def set_weight_endpoints(self, endpoints: Sequence[str]) -> None:
+        """Push to exactly ``endpoints`` from now on (receivers that joined get a full push on the next version)."""
+        sender = self._get_sender()
+        for address in [a for a in sender.endpoints if a not in endpoints]:
+            sender.remove_endpoint(address)
+        for address in endpoints:
+            sender.add_endpoint(address)
+
+    def _get_sender(self):  # noqa: ANN202 (weight_sync is imported lazily)
+        from weight_sync.sender import WeightSender
+
+        if self.weight_sync is None:
+            raise ValueError("no weight_sync config given to the trainer: nothing to push to")
+        if self._sender is None:
+            self._sender = WeightSender(
+                [], self.weight_sync, rank=self.rank, num_ranks=self.cfg.num_ranks,
+                session_id=self.session_id,
+            )
+        return self._sender
+
     def push_weights(self, policy_version: int | None = None, dtype: str | None = None) -> dict[str, Any]:
         """Stream this rank's own shards, under HF names, to every receiver; rank 0 commits after all ranks pushed.
 
@@ -192,15 +227,10 @@ class TrainerWorker:
 
         from trainer.models.hf_io import hf_shards
         from trainer.parallelize import local_shards
-        from weight_sync.sender import Shard, WeightSender
+        from weight_sync.sender import Shard
 
         engine = self._require_engine()
-        if self.weight_sync is None:
-            raise ValueError("no weight_sync config given to the trainer: nothing to push to")
-        if self._sender is None:
-            self._sender = WeightSender(
-                [], self.weight_sync, rank=self.rank, num_ranks=self.cfg.num_ranks, session_id=self.session_id
-            )
+        sender = self._get_sender()
         version = engine.policy_version if policy_version is None else policy_version
         cast = getattr(torch, dtype) if dtype is not None else None
         shards = [
@@ -208,7 +238,7 @@ class TrainerWorker:
             for name, local, shape, offsets in local_shards(engine.policy)
             for hf_name, piece, hf_shape, hf_offsets in hf_shards(self.model_cfg, name, local, shape, offsets)
         ]
-        report = self._sender.push(version, shards)
+        report = sender.push(version, shards)
         dist.barrier()  # every rank's streams have been answered
         out: dict[str, Any] = {
             "policy_version": version, "push_errors": report.failed, "seconds": report.seconds,

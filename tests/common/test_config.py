@@ -107,3 +107,17 @@ def test_cross_field_errors_inside_a_tagged_union_name_the_section_not_the_tag()
     with pytest.raises(ConfigError) as e:
         validate_config(RootWithCheck, {"algo": {"type": "a", "group_size": 9}})
     assert "- algo: group_size above 8" in str(e.value)
+
+
+def test_base_file_merges_tables_and_replaces_values(tmp_path):
+    (tmp_path / "base.toml").write_text('name = "base"\n[inner]\nlr = 0.1\nbetas = [0.1, 0.2]\n')
+    (tmp_path / "variant.toml").write_text('base = "base.toml"\n[inner]\nbetas = [0.3, 0.4]\n')
+    cfg = load_toml_config(Root, tmp_path / "variant.toml")
+    assert cfg.name == "base" and cfg.inner.lr == 0.1 and cfg.inner.betas == [0.3, 0.4]
+
+
+def test_base_cycle_is_an_error(tmp_path):
+    (tmp_path / "a.toml").write_text('base = "b.toml"\n')
+    (tmp_path / "b.toml").write_text('base = "a.toml"\n')
+    with pytest.raises(ConfigError, match="cycle"):
+        load_toml_config(Root, tmp_path / "a.toml")

@@ -14,12 +14,12 @@ RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
 
 
 def test_there_are_recipes():
-    assert {p.name for p in RECIPES} >= {"grpo_tiny.toml"}
+    assert {p.name for p in RECIPES} >= {"grpo_tiny.toml", "ppo_tiny.toml", "dapo_tiny.toml", "gspo_tiny.toml"}
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_loads(path):
-    recipe = load_recipe(path)
+    recipe = load_recipe(path, check_paths=False)  # hardware recipes name model dirs of other machines
     assert isinstance(recipe, Recipe)
     assert recipe.rollout.model_path == recipe.model.path
 

@@ -78,3 +78,16 @@ def test_scheduler_follows_the_multiplier() -> None:
         opt.step()
         sched.step()
     assert lrs == pytest.approx([0.05, 0.1, 0.1])
+
+
+def test_toml_round_trip() -> None:
+    import tomllib
+
+    from common.config import to_toml
+
+    cfg = validate_config(
+        TrainerConfig,
+        {"num_ranks": 2, "optimizer": {"betas": [0.9, 0.95]}, "schedule": {"kind": "cosine", "num_total_steps": 10}},
+    )
+    assert cfg.optimizer.betas == (0.9, 0.95)
+    assert validate_config(TrainerConfig, tomllib.loads(to_toml(cfg))) == cfg

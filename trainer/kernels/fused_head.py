@@ -4,6 +4,7 @@ The kernels are in :mod:`trainer.kernels.fused_head_kernel`. The forward op also
 (differentiable like the other two outputs), which autograd saves so the backward op
 (``rl_align::fused_head_logprobs_backward``) only recomputes logits tile by tile.
 Torch reference: :func:`trainer.kernels.head_reference.head_logprobs_reference` (same signature and semantics).
+Importing this module registers :func:`fused_head_block` as the model's ``output_head = "fused_pallas"`` block.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from trainer.kernels.bridge import (
     tpu_jax_op,
 )
 from trainer.kernels.fused_head_kernel import HeadBlockSizes, fused_head_backward_jax, fused_head_forward_jax
+from trainer.models.registry import OUTPUT_HEADS
 
-__all__ = ["FLAG", "check_supported", "fused_head_logprobs"]
+__all__ = ["FLAG", "check_supported", "fused_head_block", "fused_head_logprobs"]
 
 FLAG = 'output_head = "fused_pallas"'
-_ALTERNATIVE = 'output_head = "torch" (full logits)'
+_ALTERNATIVE = 'output_head = "chunked" (the torch head that never holds full logits)'
 _TPU_BLOCKS = HeadBlockSizes(block_tokens=256, block_vocab=512)
 
 
@@ -147,3 +149,20 @@ def fused_head_logprobs(
         raise ValueError(f"hidden and weight must share a dtype; got {hidden.dtype}, {weight.dtype}")
     logprobs, entropy, _ = _head_op(hidden, weight, int32_tensor(targets))
     return logprobs, entropy
+
+
+def fused_head_block(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_size: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's output-head contract (``trainer.models.registry``) over :func:`fused_head_logprobs`.
+
+    ``hidden [..., D]``, ``targets [...]``; ``chunk_size`` is ignored (the kernel tiles tokens and vocabulary itself).
+    """
+    del chunk_size
+    logprobs, entropy = fused_head_logprobs(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1))
+    # Fresh tensors in the targets' shape, not views: an FSDP root method must not return views.
+    shape = targets.shape
+    return logprobs.reshape(shape).clone(), entropy.reshape(shape).clone()
+
+
+OUTPUT_HEADS.register("fused_pallas", fused_head_block, check_supported=check_supported)

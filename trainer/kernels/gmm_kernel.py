@@ -1,11 +1,12 @@
 """Grouped matmul for MoE experts in JAX/Pallas: forward and both backward products, with a ``custom_vjp``.
 
 Tokens arrive sorted by expert: ``x [M, K]`` holds expert 0's rows, then expert 1's, ... with ``group_sizes [E]``
-rows each, and ``w [E, K, N]`` holds one matrix per expert.
+rows each, and ``w [E, K, N]`` holds one matrix per expert (or ``[E, N, K]`` with ``transpose_rhs``: ``x_e @ w[e].T``,
+the ``nn.Linear`` layout of stacked expert weights, read in place instead of transposed in memory).
 
 - forward ``out = x_e @ w[e]`` per group, and ``dx = dout_e @ w[e].T``: megablox ``gmm`` (JAX's Pallas TPU kernel;
-  ``transpose_rhs=True`` for ``dx``).
-- ``dw[e] = x_e.T @ dout_e``: our own kernel below. Megablox's ``tgmm`` computes the same product, but in Pallas
+  ``transpose_rhs`` flipped for ``dx``).
+- ``dw[e] = x_e.T @ dout_e`` (``dout_e.T @ x_e`` with ``transpose_rhs``): our own kernel below. Megablox's ``tgmm`` computes the same product, but in Pallas
   interpret mode (jax 0.10.2) it never writes its output (NaN everywhere, even for one group), so CPU could not check
   it. Ours walks the same tile schedule (megablox's ``make_group_metadata``: each m-tile visited once per group it
   overlaps, empty groups visited once so their gradient is zeroed) over a static grid of the schedule's maximum
@@ -110,45 +111,60 @@ def _expert_grads(
     )(offsets, group_ids, m_tile_ids, jnp.reshape(num_visits, (1,)).astype(jnp.int32), x, grad)
 
 
-@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tiling", "interpret", "transpose_rhs"))
 def gmm_forward_jax(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tiling: GmmTiling, interpret: bool
-) -> jax.Array:
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tiling: GmmTiling, interpret: bool,
+    transpose_rhs: bool = False,
+) -> jax.Array:  # fmt: skip
     """``[M, N]`` in ``x``'s dtype (float32 accumulation); ``group_sizes`` int32 summing to ``M``."""
-    (num_rows, k), n = x.shape, w.shape[2]
+    (num_rows, k), n = x.shape, w.shape[1 if transpose_rhs else 2]
     tm = _m_tile(num_rows, tiling.tile_m)
     tiles = (tm, _tile(k, tiling.tile_k), _tile(n, tiling.tile_n))
-    out = _megablox.gmm(_pad_rows(x, tm), w, group_sizes, x.dtype, tiles, interpret=interpret)
+    out = _megablox.gmm(
+        _pad_rows(x, tm), w, group_sizes, x.dtype, tiles, transpose_rhs=transpose_rhs, interpret=interpret
+    )
     return out[:num_rows]
 
 
-@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tiling", "interpret", "transpose_rhs"))
 def gmm_backward_jax(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, grad_out: jax.Array, *, tiling: GmmTiling, interpret: bool
-) -> tuple[jax.Array, jax.Array]:
-    """``(dx [M, K], dw [E, K, N])`` for the cotangent ``grad_out [M, N]``; experts without rows get zeros."""
-    (num_rows, k), (num_experts, _, n) = x.shape, w.shape
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, grad_out: jax.Array, *, tiling: GmmTiling, interpret: bool,
+    transpose_rhs: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """``(dx [M, K], dw like w)`` for the cotangent ``grad_out [M, N]``; experts without rows get zeros."""
+    num_rows, k = x.shape
+    num_experts, n = w.shape[0], w.shape[1 if transpose_rhs else 2]
     tm = _m_tile(num_rows, tiling.tile_m)
     tk, tn = _tile(k, tiling.tile_k), _tile(n, tiling.tile_n)
-    grad_p = _pad_rows(grad_out.astype(x.dtype), tm)
-    dx = _megablox.gmm(grad_p, w, group_sizes, x.dtype, (tm, tn, tk), transpose_rhs=True, interpret=interpret)
-    dw = _expert_grads(_pad_rows(x, tm), grad_p, group_sizes, num_experts, (tm, tk, tn), w.dtype, interpret)
+    x_p, grad_p = _pad_rows(x, tm), _pad_rows(grad_out.astype(x.dtype), tm)
+    dx = _megablox.gmm(
+        grad_p, w, group_sizes, x.dtype, (tm, tn, tk), transpose_rhs=not transpose_rhs, interpret=interpret
+    )
+    if transpose_rhs:  # dw[e] = grad_e.T @ x_e: the same kernel with the operands swapped, already [E, N, K]
+        dw = _expert_grads(grad_p, x_p, group_sizes, num_experts, (tm, tn, tk), w.dtype, interpret)
+    else:
+        dw = _expert_grads(x_p, grad_p, group_sizes, num_experts, (tm, tk, tn), w.dtype, interpret)
     return dx[:num_rows], dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def gmm_jax(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tiling: GmmTiling, interpret: bool) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def gmm_jax(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, tiling: GmmTiling, interpret: bool, transpose_rhs: bool = False
+) -> jax.Array:
     """Differentiable JAX entry point (no gradient to ``group_sizes``)."""
-    return gmm_forward_jax(x, w, group_sizes, tiling=tiling, interpret=interpret)
+    return gmm_forward_jax(x, w, group_sizes, tiling=tiling, interpret=interpret, transpose_rhs=transpose_rhs)
 
 
-def _gmm_fwd(x, w, group_sizes, tiling, interpret):
-    return gmm_forward_jax(x, w, group_sizes, tiling=tiling, interpret=interpret), (x, w, group_sizes)
+def _gmm_fwd(x, w, group_sizes, tiling, interpret, transpose_rhs=False):
+    out = gmm_forward_jax(x, w, group_sizes, tiling=tiling, interpret=interpret, transpose_rhs=transpose_rhs)
+    return out, (x, w, group_sizes)
 
 
-def _gmm_bwd(tiling, interpret, residuals, grad_out):
+def _gmm_bwd(tiling, interpret, transpose_rhs, residuals, grad_out):
     x, w, group_sizes = residuals
-    dx, dw = gmm_backward_jax(x, w, group_sizes, grad_out, tiling=tiling, interpret=interpret)
+    dx, dw = gmm_backward_jax(
+        x, w, group_sizes, grad_out, tiling=tiling, interpret=interpret, transpose_rhs=transpose_rhs
+    )
     return dx, dw, None
 
 

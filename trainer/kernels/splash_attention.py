@@ -9,6 +9,7 @@ Splash needs sequence blocks that are multiples of 128, so ``T`` is zero-padded 
 real position, so causality already hides it from real queries; padded queries get their own segment id (-1).
 
 Torch reference: :func:`trainer.kernels.attention_reference.attention_reference` (same signature and semantics).
+Importing this module registers :func:`splash_attention_block` as the model's ``attention = "splash"`` block.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from trainer.kernels.bridge import (
     torch_to_jax,
     tpu_jax_op,
 )
+from trainer.models.registry import ATTENTION_BLOCKS
 
-__all__ = ["FLAG", "check_supported", "splash_attention", "splash_attention_jax"]
+__all__ = ["FLAG", "check_supported", "splash_attention", "splash_attention_block", "splash_attention_jax"]
 
 FLAG = 'attention = "splash"'
-_ALTERNATIVE = 'attention = "sdpa" (the torch attention)'
+_ALTERNATIVE = 'attention = "sdpa" (torch scaled_dot_product_attention)'
 _LANE = 128  # splash block sizes must be multiples of the TPU lane width
 _PAD_SEGMENT = -1
 
@@ -203,3 +205,13 @@ def splash_attention(
             raise ValueError(f"segment_ids must be [B, T] = {(batch, seq_len)}; got {tuple(segment_ids.shape)}")
         segment_ids = int32_tensor(segment_ids)
     return _splash_op(q, k, v, segment_ids, float(scale))
+
+
+def splash_attention_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment_ids: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """The model's attention-block contract (``trainer.models.registry``) over :func:`splash_attention`."""
+    return splash_attention(q, k, v, segment_ids, scale)
+
+
+ATTENTION_BLOCKS.register("splash", splash_attention_block, check_supported=check_supported)

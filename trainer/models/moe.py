@@ -6,7 +6,9 @@ between the two). How tokens reach their experts is a registered function picked
 - ``loop``: one gather + three matmuls per expert that received tokens (simple reference);
 - ``grouped``: all (token, expert) pairs sorted by expert, one grouped matmul per projection
   (``torch.nn.functional.grouped_mm`` where torch supports it: CPU, and CUDA in bfloat16, with 16-byte aligned rows;
-  otherwise one batched matmul over experts padded to the largest group; same math).
+  otherwise one batched matmul over experts padded to the largest group; same math);
+- ``gmm_pallas`` (:func:`trainer.kernels.gmm.gmm_experts`): the same sort (:func:`sort_by_expert`), then the Pallas
+  grouped-matmul kernel for each projection.
 
 After each forward, :attr:`MoE.aux_loss` holds the router's load-balancing loss for that call (Switch Transformer
 form as HF computes it for Qwen3-MoE: ``E * sum_e f_e * p_e``, f_e = top-k assignments to e per token, p_e = mean
@@ -15,6 +17,8 @@ router probability of e; equals ``top_k`` when perfectly balanced).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +26,7 @@ from torch import nn
 from trainer.models.config import ModelConfig
 from trainer.models.registry import MOE_EXPERTS
 
-__all__ = ["MoE", "grouped_experts", "loop_experts", "route_tokens"]
+__all__ = ["ExpertSort", "MoE", "grouped_experts", "loop_experts", "route_tokens", "sort_by_expert"]
 
 
 def route_tokens(
@@ -69,16 +73,37 @@ def grouped_experts(
     w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
 ) -> torch.Tensor:
     """Sort (token, expert) pairs by expert, then one grouped matmul per projection."""
-    num_experts, top_k = w1.shape[0], expert_idx.shape[1]
+    pairs = sort_by_expert(expert_idx, w1.shape[0])
+    groups = _Groups(pairs.expert, pairs.counts)
+    xs = x[pairs.token]
+    h = F.silu(groups.linear(xs, w1)) * groups.linear(xs, w3)
+    return pairs.combine(x, groups.linear(h, w2), expert_weight)
+
+
+class ExpertSort(NamedTuple):
+    """(token, expert) pairs sorted by expert: pair ``i`` sends token ``token[i]`` to expert ``expert[i]``."""
+
+    order: torch.Tensor
+    """``[N * K]`` positions into the flattened ``expert_idx`` (``n * K + k``), in sorted order."""
+    token: torch.Tensor
+    """``[N * K]`` token of each sorted pair (``order // K``)."""
+    expert: torch.Tensor
+    """``[N * K]`` expert of each sorted pair, ascending."""
+    counts: torch.Tensor
+    """``[E]`` pairs per expert (group sizes, int64)."""
+
+    def combine(self, x: torch.Tensor, rows: torch.Tensor, expert_weight: torch.Tensor) -> torch.Tensor:
+        """Unsort expert outputs ``rows [N * K, D]`` back to tokens: ``[N, D]`` sum of routing-weighted rows."""
+        weighted = rows * expert_weight.reshape(-1)[self.order, None]
+        return torch.zeros_like(x).index_add_(0, self.token, weighted)
+
+
+def sort_by_expert(expert_idx: torch.Tensor, num_experts: int) -> ExpertSort:
+    """Sort the (token, expert) pairs of ``expert_idx [N, K]`` by expert (stable, so tokens stay in order)."""
     flat = expert_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    tok = order // top_k
     counts = torch.bincount(flat, minlength=num_experts)
-    groups = _Groups(flat[order], counts)
-    xs = x[tok]
-    h = F.silu(groups.linear(xs, w1)) * groups.linear(xs, w3)
-    y = groups.linear(h, w2) * expert_weight.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add_(0, tok, y)
+    return ExpertSort(order, order // expert_idx.shape[1], flat[order], counts)
 
 
 class _Groups:

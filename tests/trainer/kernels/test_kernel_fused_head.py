@@ -119,3 +119,15 @@ def test_lowering_rejects_tiles_tpu_cannot_take() -> None:
     bad = HeadBlockSizes(block_tokens=100, block_vocab=100)
     with pytest.raises(ValueError, match="divisible by 8 and 128"):
         jax.jit(lambda h, w, t: fused_head_jax(h, w, t, bad, False)).trace(h, w, t).lower(lowering_platforms=("tpu",))
+
+
+def test_compiles_as_one_graph() -> None:
+    hidden, weight, targets = _inputs()
+    compiled = torch.compile(fused_head_logprobs, fullgraph=True, backend="aot_eager")
+    logprobs, entropy = compiled(hidden, weight, targets)
+    grads = torch.autograd.grad(logprobs.sum() + entropy.sum(), (hidden, weight))
+    ref_lp, ref_ent = head_logprobs_reference(hidden, weight, targets)
+    ref_grads = torch.autograd.grad(ref_lp.sum() + ref_ent.sum(), (hidden, weight))
+    torch.testing.assert_close(logprobs, ref_lp, atol=ATOL, rtol=RTOL)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)

@@ -1,0 +1,100 @@
+"""Faults from outside, as in production: a rollout worker process dies mid-run (the run must finish every step), and
+the whole job is killed after a checkpoint (``--resume`` must continue the same curve to the end)."""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import psutil
+
+from it_helpers import descendants, kill_tree, read_metrics, rl_steps, small_run_args, start_run, tail, wait_for
+
+
+def _rollout_workers(proc) -> list[psutil.Process]:
+    """The embedded Ray's RolloutWorker actor processes below the run (Ray titles them ``ray::RolloutWorker...``)."""
+    found = []
+    for p in descendants(proc):
+        try:
+            if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::RolloutWorker"):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def test_killed_rollout_worker_is_replaced_and_run_finishes(tmp_path: Path) -> None:
+    num_steps = 10
+    log = tmp_path / "run.log"
+    proc = start_run(small_run_args(tmp_path, num_steps, "--run.logging.plot", "false"), log)
+    known: list[psutil.Process] = []
+    try:
+        wait_for(lambda: len(rl_steps(read_metrics(tmp_path / "out"))) >= 2, 240, proc, "2 RL steps", log)
+        known = descendants(proc)
+        workers = _rollout_workers(proc)
+        assert len(workers) == 1, f"expected the recipe's one rollout worker, found {workers}"
+        victim = workers[0]
+        killed_after = len(rl_steps(read_metrics(tmp_path / "out")))
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=30)
+        # A replacement comes up while the run goes on.
+        replacement = wait_for(lambda: [w for w in _rollout_workers(proc) if w.pid != victim.pid], 120, proc,
+                               "a replacement rollout worker", log)  # fmt: skip
+        known += replacement
+        assert proc.wait(timeout=300) == 0, tail(log)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc, known)
+    assert killed_after < num_steps, "the run ended before the worker was killed: make it longer"
+    records = read_metrics(tmp_path / "out")
+    assert rl_steps(records) == list(range(num_steps)), tail(log)
+    rl = [r for r in records if r["phase"] == "rl"]
+    # The lost work was generated again by the replacement (or the push to the dead worker was reported failed).
+    assert sum(r["rollout/num_redispatched"] + r["push/num_failed_receivers"] for r in rl) >= 1, rl
+    # Re-synced: after the replacement, every step trains on samples of the trainer's current policy (sync mode).
+    for r in rl[killed_after + 1 :]:
+        assert r["rollout/min_policy_version"] == r["train/policy_version"] - 1, (r["step"], r)
+    pids = set(re.findall(r"\(RolloutWorker pid=(\d+)", log.read_text()))
+    assert str(victim.pid) in pids and len(pids) >= 2, pids
+    assert "held-out problems" in log.read_text()
+
+
+def test_killed_job_resumes_from_checkpoint_and_continues_curve(tmp_path: Path) -> None:
+    num_steps = 12
+    args = small_run_args(tmp_path, num_steps, "--trainer.checkpoint.every_num_steps", "2")
+    ckpt_dir = tmp_path / "out" / "checkpoints"
+    log1 = tmp_path / "run1.log"
+    proc = start_run(args, log1)
+    try:
+        wait_for(lambda: (ckpt_dir / "step_00000002" / "COMPLETE").exists(), 240, proc, "the step-2 checkpoint", log1)
+    finally:
+        kill_tree(proc)  # SIGKILL the driver and everything it started: nothing gets to clean up
+    assert proc.returncode == -signal.SIGKILL, f"the run ended ({proc.returncode}) before it was killed:\n{tail(log1)}"
+    first = read_metrics(tmp_path / "out")
+    first_steps = rl_steps(first)
+    assert first_steps and first_steps[-1] < num_steps - 1, first_steps
+    complete = sorted(int(p.parent.name[5:]) for p in ckpt_dir.glob("step_*/COMPLETE"))
+    resume_step = complete[-1]
+
+    log2 = tmp_path / "run2.log"
+    proc = start_run([*args, "--resume"], log2)
+    try:
+        assert proc.wait(timeout=300) == 0, tail(log2)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert f"resumed at step {resume_step}" in log2.read_text(), tail(log2)
+    records = read_metrics(tmp_path / "out")
+    # One curve: every step once, the steps before the checkpoint are the first run's own records.
+    assert rl_steps(records) == list(range(num_steps)), rl_steps(records)
+    rl = {r["step"]: r for r in records if r["phase"] == "rl"}
+    first_rl = {r["step"]: r for r in first if r["phase"] == "rl"}
+    for step in range(resume_step):
+        assert rl[step] == first_rl[step]
+    # The resumed run did not warm-start again, and its policy versions continue those of the checkpoint.
+    assert [r for r in records if r["phase"] == "sft"] == [r for r in first if r["phase"] == "sft"]
+    versions = [rl[s]["train/policy_version"] for s in range(num_steps)]
+    assert versions == list(range(versions[0], versions[0] + num_steps)), versions
+    assert all(rl[s]["time"] > max(r["time"] for r in first) for s in range(resume_step, num_steps))
+    assert sorted(int(p.parent.name[5:]) for p in ckpt_dir.glob("step_*/COMPLETE"))[-1] == num_steps
