@@ -4,6 +4,7 @@
     python rl_align.py --recipe recipes/grpo_tiny.toml --trainer.optimizer.lr 1e-5 --run.num_steps 50
     ray job submit --working-dir . -- python rl_align.py --recipe recipes/ppo_tiny.toml   # on a cluster
     python rl_align.py --recipe recipes/grpo_tiny.toml --resume        # continue from the last checkpoint
+    python rl_align.py --recipe recipes/grpo_tiny.toml --resume auto   # ... or start fresh if there is none
 
 Each step: the vLLM rollout pool samples ``group_size`` completions per prompt and scores them; the trainer ranks
 compute advantages and update the policy; every rank pushes its own parameter shards over gRPC into every engine (and
@@ -27,7 +28,14 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--recipe", required=True, help="recipe TOML file (see recipes/)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="required",
+        choices=("required", "auto"),
+        help="continue from the newest checkpoint of the run; '--resume auto' starts fresh when there is none "
+        "(for job retries)",
+    )
     parser.add_argument(
         "--address",
         default=None,

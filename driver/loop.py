@@ -1,8 +1,8 @@
 """The RL loop: generate -> score -> train -> push, synchronous or with generation running ahead (async).
 
 Sync mode is strictly on-policy: step t trains on samples of policy version t. Async mode keeps ``max_staleness``
-batches in flight, so generating batch t+1 overlaps training on batch t; samples then lag the trainer by up to
-``max_staleness`` versions and the trainer's truncated importance sampling corrects for it.
+batches generating while the trainer trains, so generating batch t+1 overlaps training on batch t; samples then lag the
+trainer by at most ``max_staleness`` versions and the trainer's truncated importance sampling corrects for it.
 
 Each batch remembers the dataset cursor right after its prompts were drawn; the trainer checkpoints that cursor with
 the weights, so ``--resume`` regenerates exactly the batches that were in flight when the job stopped.
@@ -27,6 +27,8 @@ class _InFlight:
     handle: Any
     cursor: dict
     """Dataset cursor right after this batch's prompts were drawn."""
+    problems: list
+    """The batch's prompts (generated again when a replacement worker served them with stale weights)."""
 
 
 class RLLoop:
@@ -49,14 +51,15 @@ class RLLoop:
     def _submit(self) -> None:
         problems = self.dataset.next_batch(self.recipe.run.num_prompts_per_step)
         handle = self.pool.submit(problems, self.recipe.algorithm.group_size)
-        self._queue.append(_InFlight(handle, self.dataset.state_dict()))
+        self._queue.append(_InFlight(handle, self.dataset.state_dict(), list(problems)))
 
     def _collect(self) -> tuple[RolloutBatch, dict, dict[str, float]]:
         """The next step's batch (with DAPO dynamic sampling when on), its cursor, and rollout metrics."""
         run = self.recipe.run
         item = self._queue.popleft()
-        batch = self.pool.collect(item.handle)
+        batch, num_stale = self._fresh(self.pool.collect(item.handle), item.problems)
         metrics = dict(batch.metrics)  # the pool's own names: rollout/*, reward/*
+        metrics["rollout/num_stale_regenerated"] = float(num_stale)
         if not run.dynamic_sampling.enabled:
             return batch, item.cursor, metrics
         kept = _informative_groups(batch)
@@ -76,24 +79,50 @@ class RLLoop:
         samples = [s for group in kept[: run.num_prompts_per_step] for s in group]
         return RolloutBatch(samples, batch.metrics), cursor, metrics
 
+    def _fresh(self, batch: RolloutBatch, problems: list) -> tuple[RolloutBatch, int]:
+        """``batch``, or when it holds samples older than the mode allows, the same prompts generated again after a
+        weight push; also how many samples were too old.
+
+        A rollout worker that died is replaced inside ``pool.collect``; when no live peer holds newer weights the
+        replacement starts from the initial checkpoint and generates the lost groups with it. Pushing now re-syncs
+        it, and the batch is generated again on the current policy (sync mode must stay on-policy).
+        """
+        if not batch.metrics.get("rollout/num_redispatched"):
+            return batch, 0  # no worker was replaced while generating it
+        run = self.recipe.run
+        # Sync: on-policy. Async: a batch submitted before step k's update is trained at step k + max_staleness + 1.
+        allowed = run.max_staleness + 1 if run.mode == "async" else 0
+        current = self.trainer.policy_version()
+        num_stale = sum(current - s.policy_version > allowed for s in batch.samples)
+        if not num_stale:
+            return batch, 0
+        self._sync_weights()
+        return self.pool.collect(self.pool.submit(problems, self.recipe.algorithm.group_size)), num_stale
+
     def run(self, start_step: int) -> None:
         """Steps ``start_step`` .. ``num_steps - 1``; the pool must already serve the trainer's current weights."""
         run = self.recipe.run
-        depth = 1 + (run.max_staleness if run.mode == "async" else 0)
-        for _ in range(min(depth, run.num_steps - start_step)):
-            self._submit()
+        ahead = run.max_staleness if run.mode == "async" else 0  # batches generating while the trainer trains
+        remaining = run.num_steps - start_step
+        num_submitted = 0
+
+        def top_up(depth: int) -> None:
+            nonlocal num_submitted
+            while len(self._queue) < depth and num_submitted < remaining:
+                self._submit()
+                num_submitted += 1
+
+        top_up(1)
         for step in range(start_step, run.num_steps):
             t0 = time.perf_counter()
             batch, cursor, metrics = self._collect()
             t1 = time.perf_counter()
-            if run.mode == "async" and step + len(self._queue) + 1 < run.num_steps:
-                self._submit()  # generation of a later batch overlaps this step's training
+            top_up(ahead)  # async: later batches generate with the current weights while this one trains
             train = self.trainer.train_step(batch, data_cursor=cursor)
             t2 = time.perf_counter()
             metrics.update(self._sync_weights())
             t3 = time.perf_counter()
-            if run.mode == "sync" and step + 1 < run.num_steps:
-                self._submit()
+            top_up(1)  # sync: the next batch is generated by the weights just pushed
             metrics.update({f"train/{k}": v for k, v in train.items()})
             metrics.update(_batch_metrics(batch, policy_version=int(train.get("policy_version", step + 1)) - 1))
             metrics.update({

@@ -66,6 +66,28 @@ class MetricsLogger:
         if self._progress and phase == "rl":
             self._print_progress(step, clean)
 
+    def drop_from(self, step: int) -> int:
+        """Remove the RL and eval records of ``step`` and later from the JSONL file; return how many were removed.
+
+        A resumed run calls this with its checkpoint's step: the killed run may have logged steps past its last
+        checkpoint, which the resumed run trains again, and the curve must hold each step once. SFT records stay.
+        """
+        self._file.close()
+        lines = self.path.read_text().splitlines()
+        kept = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short when the previous run was killed
+            if record.get("phase") == "sft" or record.get("step", -1) < step:
+                kept.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        tmp.replace(self.path)
+        self._file = self.path.open("a")
+        return len(lines) - len(kept)
+
     def _export_prometheus(self, metrics: Mapping[str, float | None]) -> None:
         import prometheus_client
 

@@ -1,7 +1,7 @@
 """One run of a recipe: build the rollout pool and the trainer group, warm start, run the RL loop, report, close.
 
     run(recipe)                 # embedded Ray unless RAY_ADDRESS / --address names a cluster
-    run(recipe, resume=True)    # continue from the newest checkpoint under the run's output directory
+    run(recipe, resume="required")   # continue from the newest checkpoint under the run's output directory
 
 Everything started here is stopped here, on success, error or Ctrl-C. A trainer that dies fails the run with a clear
 message (``--resume`` continues from the last checkpoint); rollout workers that die are replaced by the pool; an
@@ -23,12 +23,21 @@ __all__ = ["run"]
 log = logging.getLogger("rl_align")
 
 
-def run(recipe: Recipe, resume: bool = False, address: str | None = None) -> int:
-    """Run ``recipe`` to the end; return the process exit code (0 success, 1 failure, 130 interrupted)."""
+def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -> int:
+    """Run ``recipe`` to the end; return the process exit code (0 success, 1 failure, 2 bad input, 130 interrupted).
+
+    ``resume``: None starts fresh (older checkpoints of the same run directory are moved aside, never mixed in);
+    "required" continues from the newest checkpoint and fails if there is none; "auto" continues when one exists.
+    """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     out_dir = recipe.run.resolved_output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     recipe = _with_run_defaults(recipe, out_dir)
+    try:
+        resuming = _resolve_resume(Path(recipe.trainer.checkpoint.dir or out_dir / "checkpoints"), resume)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     write_resolved(recipe, out_dir)
     _ensure_model(recipe)
 
@@ -37,9 +46,9 @@ def run(recipe: Recipe, resume: bool = False, address: str | None = None) -> int
     from driver.session import ray_session
 
     try:
-        with ray_session(address) as where:
+        with ray_session(address, recipe.trainer.device) as where:
             log.info("Ray: %s; outputs in %s", where, out_dir)
-            with _Run(recipe, out_dir, resume) as job:
+            with _Run(recipe, out_dir, resuming) as job:
                 job.execute()
         return 0
     except KeyboardInterrupt:
@@ -58,6 +67,22 @@ def _with_run_defaults(recipe: Recipe, out_dir: Path) -> Recipe:
         ckpt = ckpt.model_copy(update={"dir": str(out_dir / "checkpoints")})
         recipe = recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"checkpoint": ckpt})})
     return recipe
+
+
+def _resolve_resume(ckpt_dir: Path, resume: str | None) -> bool:
+    """Whether this run continues from a checkpoint; move a fresh run's stale checkpoints aside."""
+    from trainer.checkpoint import CheckpointManager
+
+    latest = CheckpointManager(ckpt_dir).latest()
+    if resume == "required" and latest is None:
+        raise ValueError(f"--resume: no complete checkpoint under {ckpt_dir}; run without --resume (or --resume auto)")
+    if resume is not None and latest is not None:
+        return True
+    if ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
+        aside = ckpt_dir.with_name(f"{ckpt_dir.name}.previous-{time.strftime('%Y%m%d-%H%M%S')}")
+        ckpt_dir.rename(aside)
+        log.warning("fresh start: moved the earlier checkpoints of this run directory to %s", aside)
+    return False
 
 
 def _ensure_model(recipe: Recipe) -> None:
@@ -139,7 +164,9 @@ class _Run:
             state = self.trainer.load_checkpoint()
             self.dataset.load_state_dict(state["data_cursor"])
             start_step = state["step"]
-            log.info("resumed at step %d (policy version %d)", start_step, state["policy_version"])
+            num_dropped = self.logger.drop_from(start_step)
+            log.info("resumed at step %d (policy version %d); dropped %d metric records past it", start_step,
+                     state["policy_version"], num_dropped)  # fmt: skip
         elif r.run.warm_start.num_steps > 0:
             t0 = time.perf_counter()
             warm_start(self.trainer, self.dataset, self.tokenizer, r.run.warm_start, r.rollout.use_chat_template,

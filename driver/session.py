@@ -27,13 +27,19 @@ _DEFAULT_ENV = {
 }
 
 
-def worker_env_vars() -> dict[str, str]:
-    """Environment for actor processes: the defaults above, overridden by this process's own values of those keys."""
-    return {key: os.environ.get(key, value) for key, value in _DEFAULT_ENV.items()}
+def worker_env_vars(device: str = "cpu") -> dict[str, str]:
+    """Environment for actor processes: the defaults above, overridden by this process's own values of those keys.
+
+    On ``device == "tpu"`` torch-tpu must register its device at ``import torch``, so its autoload stays on.
+    """
+    env = {key: os.environ.get(key, value) for key, value in _DEFAULT_ENV.items()}
+    if device == "tpu":
+        env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "1"
+    return env
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, num_cpus: int | None = None) -> Iterator[str]:
+def ray_session(address: str | None, device: str = "cpu", num_cpus: int | None = None) -> Iterator[str]:
     """Yield ``"embedded"`` or the joined address while Ray is initialised; shut an embedded instance down after.
 
     ``address`` None: join ``RAY_ADDRESS`` when set (``ray job submit`` sets it for the driver), else embed.
@@ -41,7 +47,7 @@ def ray_session(address: str | None, num_cpus: int | None = None) -> Iterator[st
     import ray
 
     address = address or os.environ.get("RAY_ADDRESS")
-    runtime_env = {"env_vars": worker_env_vars()}
+    runtime_env = {"env_vars": worker_env_vars(device)}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         try:

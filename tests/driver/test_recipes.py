@@ -81,3 +81,13 @@ def test_bad_recipe_exits_2_with_message(tmp_path):
         [sys.executable, "rl_align.py", "--recipe", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and "algorithm.group_size" in out.stderr
+
+
+def test_resume_without_checkpoint_fails_before_anything_starts(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "rl_align.py", "--recipe", "recipes/grpo_tiny.toml", "--resume",
+         "--run.output_dir", str(tmp_path / "run")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "no complete checkpoint" in out.stderr and "Ray" not in out.stderr

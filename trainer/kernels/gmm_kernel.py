@@ -6,11 +6,12 @@ the ``nn.Linear`` layout of stacked expert weights, read in place instead of tra
 
 - forward ``out = x_e @ w[e]`` per group, and ``dx = dout_e @ w[e].T``: megablox ``gmm`` (JAX's Pallas TPU kernel;
   ``transpose_rhs`` flipped for ``dx``).
-- ``dw[e] = x_e.T @ dout_e`` (``dout_e.T @ x_e`` with ``transpose_rhs``): our own kernel below. Megablox's ``tgmm`` computes the same product, but in Pallas
-  interpret mode (jax 0.10.2) it never writes its output (NaN everywhere, even for one group), so CPU could not check
-  it. Ours walks the same tile schedule (megablox's ``make_group_metadata``: each m-tile visited once per group it
-  overlaps, empty groups visited once so their gradient is zeroed) over a static grid of the schedule's maximum
-  length, skipping the unused tail, which interpret mode and Mosaic both run.
+- ``dw[e] = x_e.T @ dout_e`` (``dout_e.T @ x_e`` with ``transpose_rhs``): our own kernel below. Megablox's ``tgmm``
+  computes the same product, but in Pallas interpret mode (jax 0.10.2) it never writes its output (NaN everywhere,
+  even for one group), so CPU could not check it. Ours walks the same tile schedule (megablox's
+  ``make_group_metadata``: each m-tile visited once per group it overlaps, empty groups visited once so their
+  gradient is zeroed) over a static grid of the schedule's maximum length, skipping the unused tail, which interpret
+  mode and Mosaic both run.
 
 Rows are zero-padded up to the m-tile; padded rows belong to no group. The megablox module is imported with importlib
 because ``megablox/__init__.py`` rebinds the name ``gmm`` to the function, shadowing the module.

@@ -100,15 +100,17 @@ class ModelConfig(Config):
     max_seq_len: _PositiveInt = 4096
     """Longest sequence (packed row) the model is used with; exported as HF ``max_position_embeddings``."""
     attention: str = "sdpa"
-    """Attention implementation, a name registered in ``ATTENTION_BLOCKS`` (built in: ``sdpa``, ``eager``)."""
+    """Attention implementation, a name registered in ``ATTENTION_BLOCKS`` (built in: ``sdpa``, ``eager``; Pallas
+    kernel: ``splash``)."""
     output_head: str = "chunked"
     """Output head for ``token_logprobs``, a name registered in ``OUTPUT_HEADS`` (built in: ``dense``, which holds
-    the full [tokens, vocab] logits, and ``chunked``, which never does)."""
+    the full [tokens, vocab] logits, and ``chunked``, which never does; Pallas kernel: ``fused_pallas``)."""
     output_chunk_size: _PositiveInt = 1024
     """Tokens per chunk of the ``chunked`` output head: its extra memory is about 3 x chunk x vocab x 4 bytes."""
     moe_experts: str = "grouped"
     """MoE expert implementation, a name registered in ``MOE_EXPERTS`` (built in: ``loop``, one matmul set per
-    expert, and ``grouped``, tokens sorted by expert and one grouped matmul per projection)."""
+    expert, and ``grouped``, tokens sorted by expert and one grouped matmul per projection; Pallas kernel:
+    ``gmm_pallas``)."""
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> ModelConfig:

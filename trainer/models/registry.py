@@ -107,7 +107,9 @@ ATTENTION_BLOCKS: BlockRegistry[Callable] = BlockRegistry(
 OUTPUT_HEADS: BlockRegistry[Callable] = BlockRegistry(
     "output head", "output_head", {"fused_pallas": "trainer.kernels.fused_head"}
 )
-MOE_EXPERTS: BlockRegistry[Callable] = BlockRegistry("MoE experts", "moe_experts", {"gmm_pallas": "trainer.kernels.gmm"})
+MOE_EXPERTS: BlockRegistry[Callable] = BlockRegistry(
+    "MoE experts", "moe_experts", {"gmm_pallas": "trainer.kernels.gmm"}
+)
 
 
 def check_blocks_supported(cfg: ModelConfig, device: Any = None) -> None:

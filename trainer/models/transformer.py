@@ -27,7 +27,7 @@ from trainer.models.config import ModelConfig
 from trainer.models.layers import FeedForward, RMSNorm
 from trainer.models.moe import MoE
 from trainer.models.output_head import chunked_token_logprobs  # noqa: F401 (registers the built-in heads)
-from trainer.models.registry import ATTENTION_BLOCKS, MOE_EXPERTS, OUTPUT_HEADS
+from trainer.models.registry import OUTPUT_HEADS, check_blocks_supported
 from trainer.models.rope import rope_cos_sin
 
 __all__ = ["Transformer", "TransformerBlock", "build_model", "positions_from_segments"]
@@ -190,12 +190,11 @@ def build_model(
 ) -> Transformer:
     """Build the model of ``cfg``; initialised unless ``device`` is ``"meta"`` (then ``to_empty`` + ``init_weights``).
 
-    Raises ``ValueError`` if a block name in ``cfg`` is not registered (the message lists the registered ones).
+    Raises ``ValueError`` if a block name in ``cfg`` is not registered (the message lists the registered ones) or
+    names a kernel that cannot run on ``device`` (the message names the flag and the setting to use instead).
     """
-    ATTENTION_BLOCKS.get(cfg.attention)
-    OUTPUT_HEADS.get(cfg.output_head)
-    MOE_EXPERTS.get(cfg.moe_experts)
     device = torch.device(device) if device is not None else None
+    check_blocks_supported(cfg, device)
     model = Transformer(cfg, device=device, dtype=dtype)
     if device is None or device.type != "meta":
         model.init_weights()

@@ -1,6 +1,7 @@
 """Grouped matmul for MoE experts: parity with per-expert torch matmuls (fp32: atol 2e-5, rtol 1e-5), empty experts,
-weights stored ``[E, K, N]`` or ``[E, N, K]`` (``transpose_rhs``), opcheck, TPU lowering. The op-level tests share one shape; the kernel-level test uses 128-row tiles so groups straddle
-tiles and every visit pattern of the expert-gradient kernel runs."""
+weights stored ``[E, K, N]`` or ``[E, N, K]`` (``transpose_rhs``), opcheck, TPU lowering. The op-level tests share
+one shape; the kernel-level test uses 128-row tiles so groups straddle tiles and every visit pattern of the
+expert-gradient kernel runs."""
 
 import jax
 import jax.numpy as jnp

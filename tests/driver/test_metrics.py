@@ -1,0 +1,41 @@
+"""The run's metric sinks: JSONL always, TensorBoard, Prometheus on loopback, and the curves PNG at the end."""
+
+import socket
+import urllib.request
+
+from driver.metrics import MetricsLogger, plot_curves, read_jsonl
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metrics_go_to_jsonl_tensorboard_prometheus_and_png(tmp_path, capsys):
+    port = _free_port()
+    logger = MetricsLogger(tmp_path, num_steps=3, tensorboard=True, progress=True, prometheus_port=port)
+    logger.log(0, {"sft_loss": 1.5}, phase="sft")
+    for step in range(3):
+        logger.log(step, {"reward/mean": 0.1 * step, "train/kl": 0.01, "perf/tokens_per_s": 100.0, "bad": float("nan")})
+    scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    logger.close()
+
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["phase"] for r in records] == ["sft", "rl", "rl", "rl"]
+    assert records[-1]["reward/mean"] == 0.2 and records[-1]["bad"] is None
+    assert any((tmp_path / "tensorboard").iterdir())
+    assert "rl_align_reward_mean 0.2" in scraped
+    assert "step 3/3" in capsys.readouterr().err
+    png = plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resumed_logger_appends(tmp_path):
+    first = MetricsLogger(tmp_path, 2, tensorboard=False, progress=False)
+    first.log(0, {"reward/mean": 1.0})
+    first.close()
+    second = MetricsLogger(tmp_path, 2, tensorboard=False, progress=False, append=True)
+    second.log(1, {"reward/mean": 2.0})
+    second.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]
