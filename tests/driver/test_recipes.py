@@ -34,11 +34,11 @@ def _broken(tmp_path, edit):
 @pytest.mark.parametrize(
     "edit, field, reason",
     [
-        (lambda t: t.replace("num_prompts_per_step = 16", "num_prompt_per_step = 16"), "run.num_prompt_per_step",
+        (lambda t: t.replace("num_prompts_per_step = 32", "num_prompt_per_step = 32"), "run.num_prompt_per_step",
          "unknown key"),
         (lambda t: t.replace("group_size = 8", "group_size = 1"), "algorithm.group_size", "group_size"),
         (lambda t: t.replace("group_size = 8", 'group_size = "8"'), "algorithm.group_size", "valid integer"),
-        (lambda t: t.replace("lr = 1e-4", "lr = -1.0"), "trainer.optimizer.lr", "greater than 0"),
+        (lambda t: t.replace("lr = 5e-4", "lr = -1.0"), "trainer.optimizer.lr", "greater than 0"),
         (lambda t: t.replace('type = "grpo"', 'type = "reinforce"'), "algorithm", "'grpo', 'ppo'"),
         (lambda t: t.replace("max_tokens = 8", "max_tokens = 0"), "rollout.sampling.max_tokens", "greater than"),
         (lambda t: t.replace('[run]\n', '[run]\nmode = "async"\nmax_staleness = 0\n'), "run", "max_staleness"),

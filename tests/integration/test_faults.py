@@ -25,7 +25,7 @@ def _rollout_workers(proc) -> list[psutil.Process]:
 
 
 def test_killed_rollout_worker_is_replaced_and_run_finishes(tmp_path: Path) -> None:
-    num_steps = 10
+    num_steps = 8
     log = tmp_path / "run.log"
     proc = start_run(small_run_args(tmp_path, num_steps, "--run.logging.plot", "false"), log)
     known: list[psutil.Process] = []
@@ -62,7 +62,7 @@ def test_killed_rollout_worker_is_replaced_and_run_finishes(tmp_path: Path) -> N
 
 
 def test_killed_job_resumes_from_checkpoint_and_continues_curve(tmp_path: Path) -> None:
-    num_steps = 12
+    num_steps = 8
     args = small_run_args(tmp_path, num_steps, "--trainer.checkpoint.every_num_steps", "2")
     out = tmp_path / "out"
     ckpt_dir = out / "checkpoints"
@@ -70,8 +70,10 @@ def test_killed_job_resumes_from_checkpoint_and_continues_curve(tmp_path: Path) 
     proc = start_run(args, log1)
     try:
         # Kill once a step past the first checkpoint is logged, so the resumed run must redo (not repeat) it.
-        past_ckpt = lambda: (ckpt_dir / "step_00000002" / "COMPLETE").exists() and 2 in rl_steps(read_metrics(out))  # noqa: E731
-        wait_for(past_ckpt, 240, proc, "a step past the step-2 checkpoint", log1)
+        def past_checkpoint() -> bool:
+            return (ckpt_dir / "step_00000002" / "COMPLETE").exists() and 2 in rl_steps(read_metrics(out))
+
+        wait_for(past_checkpoint, 240, proc, "a step past the step-2 checkpoint", log1)
     finally:
         kill_tree(proc)  # SIGKILL the driver and everything it started: nothing gets to clean up
     assert proc.returncode == -signal.SIGKILL, f"the run ended ({proc.returncode}) before it was killed:\n{tail(log1)}"
@@ -102,3 +104,30 @@ def test_killed_job_resumes_from_checkpoint_and_continues_curve(tmp_path: Path) 
     assert versions == list(range(versions[0], versions[0] + num_steps)), versions
     assert all(rl[s]["time"] > max(r["time"] for r in first) for s in range(resume_step, num_steps))
     assert sorted(int(p.parent.name[5:]) for p in ckpt_dir.glob("step_*/COMPLETE"))[-1] == num_steps
+
+
+def test_dead_trainer_fails_job_with_resume_hint(tmp_path: Path) -> None:
+    log = tmp_path / "run.log"
+    num_steps = 8
+    args = small_run_args(tmp_path, num_steps, "--trainer.checkpoint.every_num_steps", "2",
+                          "--run.logging.plot", "false")  # fmt: skip
+    proc = start_run(args, log)
+    known: list[psutil.Process] = []
+    try:
+        ckpt = tmp_path / "out" / "checkpoints" / "step_00000002" / "COMPLETE"
+        wait_for(ckpt.exists, 240, proc, "the step-2 checkpoint", log)
+        known = descendants(proc)
+        trainers = [p for p in known if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::TrainerWorker")]
+        assert len(trainers) == 1, [p.cmdline()[:1] for p in known]
+        trainers[0].send_signal(signal.SIGKILL)
+        rc = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc, known)
+    text = log.read_text()
+    assert rc == 1, tail(log)
+    assert "--resume" in text and "error:" in text, tail(log)
+    assert len(rl_steps(read_metrics(tmp_path / "out"))) < num_steps
+    # Nothing the run started outlives it.
+    _, alive = psutil.wait_procs(known, timeout=10)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive

@@ -36,7 +36,8 @@ def ray_cluster(tmp_path: Path):
     for flag, port in ports.items():
         cmd += [flag, str(port)]
     log = tmp_path / "ray_start.log"
-    proc = subprocess.Popen(cmd, env=clean_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=clean_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{dashboard_port}"
     try:
         deadline = time.monotonic() + 120
