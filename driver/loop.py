@@ -90,8 +90,8 @@ class RLLoop:
         if not batch.metrics.get("rollout/num_redispatched"):
             return batch, 0  # no worker was replaced while generating it
         run = self.recipe.run
-        # Sync: on-policy. Async: a batch submitted before step k's update is trained at step k + max_staleness + 1.
-        allowed = run.max_staleness + 1 if run.mode == "async" else 0
+        # Sync: on-policy. Async: a batch submitted before step k's update is trained at step k + max_staleness.
+        allowed = run.max_staleness if run.mode == "async" else 0
         current = self.trainer.policy_version()
         num_stale = sum(current - s.policy_version > allowed for s in batch.samples)
         if not num_stale:

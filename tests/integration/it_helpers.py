@@ -48,6 +48,7 @@ def small_run_args(tmp: Path, num_steps: int, *extra: str) -> list[str]:
     """Overrides for a quick run of the default recipe whose outputs (and tiny model) live under ``tmp``."""
     return [
         "--run.num_steps", str(num_steps),
+        "--run.num_prompts_per_step", "8",
         "--run.warm_start.num_steps", "5",
         "--run.eval.num_problems", "16",
         "--run.eval.every_num_steps", "0",
@@ -58,11 +59,11 @@ def small_run_args(tmp: Path, num_steps: int, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def start_run(args: list[str], log_path: Path, **env: str) -> subprocess.Popen:
-    """Start ``rl_align.py --recipe <default> <args>`` in its own session, output to ``log_path``."""
+def start_run(args: list[str], log_path: Path, recipe: str = RECIPE, **env: str) -> subprocess.Popen:
+    """Start ``rl_align.py --recipe <recipe> <args>`` in its own session, output to ``log_path``."""
     log = log_path.open("w")
     return subprocess.Popen(
-        [PYTHON, "rl_align.py", "--recipe", RECIPE, *args],
+        [PYTHON, "rl_align.py", "--recipe", recipe, *args],
         cwd=REPO, env=clean_env(**env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
 

@@ -8,6 +8,9 @@ import signal
 from pathlib import Path
 
 import psutil
+import pytest
+
+from recipe import load_recipe
 
 from it_helpers import descendants, kill_tree, read_metrics, rl_steps, small_run_args, start_run, tail, wait_for
 
@@ -24,10 +27,11 @@ def _rollout_workers(proc) -> list[psutil.Process]:
     return found
 
 
-def test_killed_rollout_worker_is_replaced_and_run_finishes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recipe", ["recipes/grpo_tiny.toml", "recipes/grpo_tiny_async.toml"])
+def test_killed_rollout_worker_is_replaced_and_run_finishes(tmp_path: Path, recipe: str) -> None:
     num_steps = 8
     log = tmp_path / "run.log"
-    proc = start_run(small_run_args(tmp_path, num_steps, "--run.logging.plot", "false"), log)
+    proc = start_run(small_run_args(tmp_path, num_steps, "--run.logging.plot", "false"), log, recipe)
     known: list[psutil.Process] = []
     try:
         wait_for(lambda: len(rl_steps(read_metrics(tmp_path / "out"))) >= 2, 240, proc, "2 RL steps", log)
@@ -53,9 +57,13 @@ def test_killed_rollout_worker_is_replaced_and_run_finishes(tmp_path: Path) -> N
     # The lost groups were sent to the replacement, which (no live peer to pull from) started from the initial
     # weights; the driver then pushed the current policy to it and generated that batch again.
     assert sum(r["rollout/num_stale_regenerated"] for r in rl) >= 1, rl
-    # Re-synced: every step, the one hit by the kill included, trains on samples of the current policy (sync mode).
+    # Re-synced: every step, the one hit by the kill included, trains on samples no older than the mode allows
+    # (sync: the current policy; async: at most max_staleness versions behind).
+    max_staleness = load_recipe(recipe).run.max_staleness if "async" in recipe else 0
     for r in rl:
-        assert r["rollout/min_policy_version"] == r["train/policy_version"] - 1, (r["step"], r)
+        assert r["rollout/staleness_max"] <= max_staleness, (r["step"], r)
+        if not max_staleness:
+            assert r["rollout/min_policy_version"] == r["train/policy_version"] - 1, (r["step"], r)
     pids = set(re.findall(r"\(RolloutWorker pid=(\d+)", log.read_text()))
     assert str(victim.pid) in pids and len(pids) >= 2, pids
     assert "held-out problems" in log.read_text()
