@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from typing import Iterator
 
@@ -69,3 +70,4 @@ def ray_session(address: str | None, device: str = "cpu", num_cpus: int | None =
         yield "embedded"
     finally:
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)

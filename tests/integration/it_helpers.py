@@ -1,5 +1,5 @@
 """Shared helpers of the integration tests: run ``rl_align.py`` as a subprocess we own, watch it, and kill what it
-started (never anything else: no ``ray stop``, no name-based kills)."""
+started (never anything else: no cluster-wide Ray shutdown, no name-based kills)."""
 
 from __future__ import annotations
 
