@@ -124,22 +124,24 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
-    """Plot reward, held-out accuracy, KL and throughput of the RL phase from a metrics JSONL file into one PNG."""
+    """Plot reward, held-out accuracy (start and end of RL included), KL (or entropy when the recipe has no KL term)
+    and throughput of the RL phase from a metrics JSONL file into one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [r for r in read_jsonl(metrics_path) if r.get("phase") == "rl"]
+    records = [r for r in read_jsonl(metrics_path) if r.get("phase") in ("rl", "eval")]
+    has_kl = any(r.get("train/kl") is not None for r in records)
     panels = [
         ("reward/mean", "reward (train samples)"),
         ("eval/accuracy", "held-out accuracy"),
-        ("train/kl", "KL to reference"),
+        ("train/kl", "KL to reference") if has_kl else ("train/entropy", "policy entropy (no KL term)"),
         ("perf/tokens_per_s", "tokens/s"),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for ax, (key, title) in zip(axes, panels):
-        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        points = [(r["step"] + 1, r[key]) for r in records if r.get(key) is not None]  # x: steps completed
         if points:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker="o" if len(points) < 30 else None)
