@@ -52,7 +52,7 @@ class TinyModelSpec(Config):
 class ModelSection(Config):
     """Which checkpoint the policy starts from and how its blocks are implemented in the trainer."""
 
-    path: str
+    path: str = pydantic.Field(min_length=1)
     """Local HF model directory (config.json, safetensors, tokenizer): the trainer loads it, every engine serves it."""
     create_tiny: TinyModelSpec | None = None
     """Create a tiny random model at ``path`` first when the directory does not exist (the embedded demo)."""
@@ -186,8 +186,6 @@ class Recipe(Config):
             raise ValueError("a GRPO step needs at least 2 samples")
         if self.run.dynamic_sampling.enabled and self.algorithm.type != "grpo":
             raise ValueError("run.dynamic_sampling needs algorithm.type = 'grpo' (it drops groups of equal rewards)")
-        if self.trainer.device != "cpu" and self.model.create_tiny is None and not self.model.path:
-            raise ValueError("model.path must name a local checkpoint directory")
         return self
 
 

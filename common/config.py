@@ -14,6 +14,7 @@ Contract for subclasses:
 
 from __future__ import annotations
 
+import copy
 import json
 import tomllib
 from pathlib import Path
@@ -85,7 +86,7 @@ def _parse_value(raw: str) -> Any:
 
 def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Return a copy of ``data`` with each dotted override set, creating tables as needed."""
-    out = _deep_copy(data)
+    out = copy.deepcopy(data)
     for dotted, value in overrides.items():
         parts = dotted.split(".")
         if not all(parts):
@@ -99,14 +100,6 @@ def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[
             node = child
         node[parts[-1]] = value
     return out
-
-
-def _deep_copy(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _deep_copy(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_deep_copy(v) for v in data]
-    return data
 
 
 def read_toml(path: str | Path, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -40,7 +40,7 @@ def worker_env_vars(device: str = "cpu") -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, device: str = "cpu", num_cpus: int | None = None) -> Iterator[str]:
+def ray_session(address: str | None, device: str = "cpu") -> Iterator[str]:
     """Yield ``"embedded"`` or the joined address while Ray is initialised; shut an embedded instance down after.
 
     ``address`` None: join ``RAY_ADDRESS`` when set (``ray job submit`` sets it for the driver), else embed.
@@ -60,7 +60,7 @@ def ray_session(address: str | None, device: str = "cpu", num_cpus: int | None =
     temp_dir = tempfile.mkdtemp(prefix="rlray_", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
     ray.init(
         address="local",
-        num_cpus=num_cpus or max(2, os.cpu_count() or 2),
+        num_cpus=max(2, os.cpu_count() or 2),
         include_dashboard=False,
         _temp_dir=temp_dir,
         runtime_env=runtime_env,
