@@ -4,8 +4,9 @@
     python benchmarks/weight_sync.py --size 256      # MiB; smaller for a quick look
 
 Rows: memcpy into an existing buffer (the ceiling), a raw TCP socket into a preallocated buffer, a gloo broadcast
-between two processes, our gRPC push to one receiver process (full version, then a delta where ~3% of the bf16 values
-changed; rates are model bytes / wall time of push + commit). Then the receiver's peak memory over the model's bytes,
+between two processes, our push to one receiver process (full version over the socket data plane, the default, and
+over gRPC Push streams, interleaved; then a delta where ~3% of the bf16 values changed; rates are model bytes / wall
+time of Begin + push + commit). Then the receiver's peak memory over the model's bytes,
 and the bytes the trainer sends per version with 8 receivers and relay on (counted, not timed: 8 receivers on 2 cores
 cannot show it in wall time). Receivers and baselines run in their own processes so no two share a GIL.
 """
@@ -150,7 +151,7 @@ class DiscardSink:
         pass
 
 
-def weight_receiver(size_mib: int, chunk_bytes: int) -> None:
+def weight_receiver(size_mib: int, chunk_bytes: int, plane: str) -> None:
     from weight_sync.config import WeightSyncConfig
     from weight_sync.receiver import WeightReceiver
     from weight_sync.spec import TensorSpec
@@ -159,7 +160,7 @@ def weight_receiver(size_mib: int, chunk_bytes: int) -> None:
     import gc
 
     gc.collect()
-    receiver = WeightReceiver(DiscardSink(specs), WeightSyncConfig(chunk_bytes=chunk_bytes))
+    receiver = WeightReceiver(DiscardSink(specs), WeightSyncConfig(chunk_bytes=chunk_bytes, data_plane=plane))
     receiver.start()
     baseline = _rss_bytes("VmRSS")
     done = threading.Event()
@@ -185,8 +186,13 @@ def bench_push(arrays: dict[str, np.ndarray], size_mib: int, chunk_bytes: int, r
     from weight_sync.sender import WeightSender
 
     nbytes = sum(v.nbytes for v in arrays.values())
-    proc = spawn("--_role", "receiver", "--size", str(size_mib), "--chunk-bytes", str(chunk_bytes))
-    address = proc.stdout.readline().strip()
+    # One receiver per data plane: the default (socket) one also takes the deltas and is the one whose memory counts.
+    procs = {
+        plane: spawn("--_role", "receiver", "--size", str(size_mib), "--chunk-bytes", str(chunk_bytes), "--_plane", plane)
+        for plane in ("auto", "grpc")
+    }
+    addresses = {plane: proc.stdout.readline().strip() for plane, proc in procs.items()}
+    address = addresses["auto"]
     version = 0
 
     def timed(sender, data) -> tuple[float, object]:
@@ -200,9 +206,16 @@ def bench_push(arrays: dict[str, np.ndarray], size_mib: int, chunk_bytes: int, r
         return seconds, report
 
     out: dict[str, float] = {}
-    with WeightSender([address], WeightSyncConfig(chunk_bytes=chunk_bytes, delta=False)) as sender:
-        full = [timed(sender, arrays)[0] for _ in range(repeats + 1)]
-    out["full_gbps"] = gbps(nbytes, statistics.median(full[1:]))
+    times: dict[str, list[float]] = {"tcp": [], "grpc": []}
+    for _ in range(repeats + 1):
+        for plane, runs in times.items():  # interleaved, so that load from other jobs hits both planes alike
+            target = addresses["auto" if plane == "tcp" else "grpc"]
+            with WeightSender([target], WeightSyncConfig(chunk_bytes=chunk_bytes, delta=False, data_plane=plane)) as sender:
+                seconds, report = timed(sender, arrays)
+                assert report.socket_endpoints == ([target] if plane == "tcp" else [])
+                runs.append(seconds)
+    for plane, runs in times.items():
+        out[f"full_{plane}_gbps"] = gbps(nbytes, statistics.median(runs[1:]))
     rng = np.random.default_rng(1)
     delta = []
     with WeightSender([address], WeightSyncConfig(chunk_bytes=chunk_bytes, delta=True)) as sender:
@@ -216,10 +229,11 @@ def bench_push(arrays: dict[str, np.ndarray], size_mib: int, chunk_bytes: int, r
     seconds = statistics.median(delta[1:])
     out["delta_gbps"] = gbps(nbytes, seconds)
     out["delta_wire_fraction"] = report.bytes_sent / nbytes
-    proc.send_signal(signal.SIGTERM)
-    stats = json.loads(proc.stdout.read().strip().splitlines()[-1])
-    proc.wait(timeout=60)
-    out["receiver_peak_over_model"] = stats["peak_extra_bytes"] / nbytes
+    for plane, proc in procs.items():
+        proc.send_signal(signal.SIGTERM)
+        stats = json.loads(proc.stdout.read().strip().splitlines()[-1])
+        proc.wait(timeout=60)
+        out[f"receiver_peak_over_model_{plane}"] = stats["peak_extra_bytes"] / nbytes
     return out
 
 
@@ -257,13 +271,14 @@ def main() -> None:
     parser.add_argument("--_rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--_nbytes", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--_repeats", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--_plane", default="auto", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._role == "tcp":
         return tcp_receiver(args._port, args._nbytes, args._repeats)
     if args._role == "gloo":
         return gloo_rank(args._rank, args._port, args._nbytes, args._repeats)
     if args._role == "receiver":
-        return weight_receiver(args.size, args.chunk_bytes)
+        return weight_receiver(args.size, args.chunk_bytes, args._plane)
 
     arrays = model_arrays(args.size)
     nbytes = sum(v.nbytes for v in arrays.values())
@@ -273,16 +288,18 @@ def main() -> None:
     rows["raw TCP socket (loopback)"] = bench_tcp(arrays, args.repeats)
     rows["gloo broadcast, 2 processes"] = bench_gloo(nbytes, args.repeats)
     push = bench_push(arrays, args.size, args.chunk_bytes, args.repeats)
-    rows["weight_sync push, 1 receiver, full"] = push["full_gbps"]
+    rows["weight_sync push, 1 receiver, full, socket data plane (default)"] = push["full_tcp_gbps"]
+    rows["weight_sync push, 1 receiver, full, gRPC Push streams (TLS / relay path)"] = push["full_grpc_gbps"]
     rows["weight_sync push, 1 receiver, delta 3% changed (effective)"] = push["delta_gbps"]
     tcp, mem = rows["raw TCP socket (loopback)"], rows["memcpy into an existing buffer"]
     print(f"\n| path | GB/s | / raw TCP | / memcpy |\n|---|---|---|---|")
     for name, rate in rows.items():
         print(f"| {name} | {rate:.2f} | {rate / tcp:.2f} | {rate / mem:.2f} |")
-    print(f"\ndelta push / full push effective rate: {push['delta_gbps'] / push['full_gbps']:.1f}x "
+    print(f"\ndelta push / full push effective rate: {push['delta_gbps'] / push['full_tcp_gbps']:.1f}x "
           f"(delta bytes on the wire: {100 * push['delta_wire_fraction']:.2f}% of the model)")
-    print(f"receiver peak memory above its idle RSS / model bytes: {push['receiver_peak_over_model']:.2f}x "
-          "(staging + delta base; the sink's own copy not included)")
+    print(f"receiver peak memory above its idle RSS / model bytes: {push['receiver_peak_over_model_auto']:.2f}x "
+          "(default receiver: full pushes then deltas over the socket plane: staging + delta base; the sink's own copy "
+          f"not included); {push['receiver_peak_over_model_grpc']:.2f}x for the gRPC-only receiver (full pushes only)")
     for fanout in (1, 2):
         ratio = bench_relay_bytes(args.relay_size, 8, fanout)
         print(f"trainer bytes sent per version / model bytes, 8 receivers, relay_fanout={fanout}: {ratio:.4f}x "

@@ -31,16 +31,18 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("manifest", "policy_version", "max_chunk_bytes", "delta_supported")
+    __slots__ = ("manifest", "policy_version", "max_chunk_bytes", "delta_supported", "data_port")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DELTA_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     manifest: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     policy_version: int
     max_chunk_bytes: int
     delta_supported: bool
-    def __init__(self, manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., policy_version: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., delta_supported: _Optional[bool] = ...) -> None: ...
+    data_port: int
+    def __init__(self, manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., policy_version: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., delta_supported: _Optional[bool] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
     __slots__ = ("session_id", "policy_version", "rank", "num_ranks", "tensors", "base_version", "num_streams")
@@ -61,14 +63,16 @@ class BeginRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., base_version: _Optional[int] = ..., num_streams: _Optional[int] = ...) -> None: ...
 
 class BeginReply(_message.Message):
-    __slots__ = ("update_id", "current_version", "delta_accepted")
+    __slots__ = ("update_id", "current_version", "delta_accepted", "data_ticket")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DELTA_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     current_version: int
     delta_accepted: bool
-    def __init__(self, update_id: _Optional[str] = ..., current_version: _Optional[int] = ..., delta_accepted: _Optional[bool] = ...) -> None: ...
+    data_ticket: bytes
+    def __init__(self, update_id: _Optional[str] = ..., current_version: _Optional[int] = ..., delta_accepted: _Optional[bool] = ..., data_ticket: _Optional[bytes] = ...) -> None: ...
 
 class ShardHeader(_message.Message):
     __slots__ = ("name", "offsets", "shape", "xxh3_64")
@@ -121,6 +125,28 @@ class PushReply(_message.Message):
     num_shards: int
     relayed: _containers.RepeatedCompositeFieldContainer[RelayResult]
     def __init__(self, bytes_received: _Optional[int] = ..., num_shards: _Optional[int] = ..., relayed: _Optional[_Iterable[_Union[RelayResult, _Mapping]]] = ...) -> None: ...
+
+class DataHello(_message.Message):
+    __slots__ = ("session_id", "policy_version", "rank", "ticket")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    policy_version: int
+    rank: int
+    ticket: bytes
+    def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., rank: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
+class DataReply(_message.Message):
+    __slots__ = ("code", "message", "reply")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    reply: PushReply
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reply: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("session_id", "policy_version")

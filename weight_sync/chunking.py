@@ -21,7 +21,7 @@ from weight_sync.codec import encode_chunk, sparse_encode, sparse_payload, xor_e
 from weight_sync.layout import box_error
 from weight_sync.spec import TensorSpec, element_dtype
 
-__all__ = ["DeltaCoder", "LocalShard", "Piece", "Shard", "as_local", "piece_messages", "plan_streams"]
+__all__ = ["Chunk", "DeltaCoder", "LocalShard", "Piece", "Shard", "as_local", "piece_chunks", "plan_streams"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +100,35 @@ def plan_streams(locals_: list[LocalShard], num_streams: int) -> list[list[Piece
     return groups
 
 
+@dataclasses.dataclass
+class Chunk:
+    """One chunk of a piece in its raw form (header + a view of the elements) and, when smaller, its delta form.
+
+    Each transport takes what it needs: gRPC streams the serialized PushChunk (built once, shared by every stream),
+    the socket plane writes the header and the element memory as they are (no copy).
+    """
+
+    header: pb.ChunkHeader
+    values: np.ndarray
+    delta: tuple[pb.ChunkHeader, bytes] | None = None
+    _messages: dict[bool, bytes] = dataclasses.field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes
+
+    def parts(self, delta: bool) -> tuple[pb.ChunkHeader, bytes | np.ndarray]:
+        """(header, payload) of the delta form when `delta` and one exists, else of the raw form."""
+        return self.delta if delta and self.delta is not None else (self.header, self.values)
+
+    def message(self, delta: bool) -> bytes:
+        """The serialized PushChunk of `parts(delta)`, cached."""
+        key = delta and self.delta is not None
+        if key not in self._messages:
+            self._messages[key] = encode_chunk(*self.parts(delta))
+        return self._messages[key]
+
+
 class DeltaCoder:
     """Encodes a chunk against the previous version ('sparse' or 'xor_zstd') and brings that base up to date."""
 
@@ -108,23 +137,21 @@ class DeltaCoder:
         self._compressor = zstandard.ZstdCompressor(level=zstd_level)
         self._scratch = np.empty(0, dtype=np.uint8)
 
-    def encode(self, chunk: pb.ChunkHeader, new: np.ndarray, old: np.ndarray) -> bytes | None:
-        """The delta-encoded chunk, or None when raw is smaller; `old` equals `new` afterwards either way."""
-        coded = None
+    def encode(self, chunk: pb.ChunkHeader, new: np.ndarray, old: np.ndarray) -> tuple[pb.ChunkHeader, bytes] | None:
+        """(delta header, delta payload), or None when raw is smaller; `old` equals `new` afterwards either way."""
         if self.encoding == "sparse":
             found = sparse_encode(new, old)
-            if found is not None:
-                idx, changed = found
-                old[idx] = changed
-                return encode_chunk(_with_encoding(chunk, pb.ENCODING_SPARSE), sparse_payload(idx, changed))
-        else:
-            if self._scratch.nbytes < new.nbytes:
-                self._scratch = np.empty(new.nbytes, dtype=np.uint8)
-            xored = xor_encode(new, old, self._compressor, self._scratch[: new.nbytes].view(new.dtype))
-            if xored is not None:
-                coded = encode_chunk(_with_encoding(chunk, pb.ENCODING_XOR_ZSTD), xored)
+            if found is None:
+                np.copyto(old, new)
+                return None
+            idx, changed = found
+            old[idx] = changed
+            return _with_encoding(chunk, pb.ENCODING_SPARSE), sparse_payload(idx, changed)
+        if self._scratch.nbytes < new.nbytes:
+            self._scratch = np.empty(new.nbytes, dtype=np.uint8)
+        xored = xor_encode(new, old, self._compressor, self._scratch[: new.nbytes].view(new.dtype))
         np.copyto(old, new)
-        return coded
+        return (_with_encoding(chunk, pb.ENCODING_XOR_ZSTD), xored) if xored is not None else None
 
 
 def _with_encoding(chunk: pb.ChunkHeader, encoding: int) -> pb.ChunkHeader:
@@ -134,13 +161,9 @@ def _with_encoding(chunk: pb.ChunkHeader, encoding: int) -> pb.ChunkHeader:
     return coded
 
 
-def piece_messages(
-    piece: Piece, base: np.ndarray | None, chunk_bytes: int, coder: DeltaCoder | None, need_raw: bool
-) -> Iterator[tuple[bytes | None, bytes | None, int]]:
-    """(raw message, delta message, payload bytes) per chunk of a piece; raw is None only when the delta suffices.
-
-    `base` is the previous version of the whole local shard (updated in place), or None for no delta.
-    """
+def piece_chunks(piece: Piece, base: np.ndarray | None, chunk_bytes: int, coder: DeltaCoder | None) -> Iterator[Chunk]:
+    """The chunks of a piece, with delta forms when `base` (the previous version of the whole local shard, updated in
+    place) and `coder` are given."""
     local = piece.local
     a, b = piece.span
     values = local.values[a:b]
@@ -156,6 +179,5 @@ def piece_messages(
         chunk = pb.ChunkHeader(element_offset=begin, num_elements=new.shape[0])
         if begin == 0:
             chunk.shard.CopyFrom(header)
-        packed = coder.encode(chunk, new, old[begin : begin + step]) if old is not None and coder else None
-        raw = encode_chunk(chunk, new) if need_raw or packed is None else None
-        yield raw, packed, new.nbytes
+        delta = coder.encode(chunk, new, old[begin : begin + step]) if old is not None and coder else None
+        yield Chunk(chunk, new, delta)

@@ -26,6 +26,7 @@ from protos import weight_sync_pb2 as pb
 from weight_sync.channel import SERVICE, check_token, grpc_options, is_loopback, server_credentials
 from weight_sync.codec import decode_chunk
 from weight_sync.config import WeightSyncConfig
+from weight_sync.dataplane import DataPlaneServer
 from weight_sync.relay import Relay
 from weight_sync.sink import WeightSink
 from weight_sync.spec import TensorSpec
@@ -50,6 +51,7 @@ class WeightReceiver:
         )
         self._token = self.config.resolve_token()
         self._server: grpc.Server | None = None
+        self._data: DataPlaneServer | None = None
         self._port: int | None = None
         self._stopping = threading.Event()
 
@@ -85,15 +87,26 @@ class WeightReceiver:
         port = server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind)
         if port == 0:
             raise OSError(f"could not bind {bind}")
+        if cfg.data_plane != "grpc" and creds is None:
+            self._data = DataPlaneServer(
+                self.area, cfg.bind_host, cfg.data_port,
+                max_connections=cfg.num_server_threads, idle_timeout_s=cfg.update_idle_timeout_s,
+            )
         server.start()
         self._server, self._port = server, port
-        log.info("weight receiver on %s (tls=%s, token=%s)", self.address, creds is not None, self._token is not None)
+        log.info(
+            "weight receiver on %s (tls=%s, token=%s, socket data plane port %s)", self.address, creds is not None,
+            self._token is not None, self._data.port if self._data is not None else "off",
+        )
         return port
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._stopping.set()
         with self.area.version_changed:
             self.area.version_changed.notify_all()
+        if self._data is not None:
+            self._data.stop()
+            self._data = None
         if self._server is not None:
             self._server.stop(grace_s).wait()
             self._server = None
@@ -126,6 +139,7 @@ class WeightReceiver:
             policy_version=self.area.policy_version,
             max_chunk_bytes=self.config.chunk_bytes,
             delta_supported=self.config.delta,
+            data_port=self._data.port if self._data is not None else 0,
         )
 
     def _begin(self, request: pb.BeginRequest, context: grpc.ServicerContext) -> pb.BeginReply:
@@ -134,7 +148,10 @@ class WeightReceiver:
             update, delta = self.area.begin(request)
         except SyncError as e:
             context.abort(e.code, e.message)
-        return pb.BeginReply(update_id=update.update_id, current_version=self.area.policy_version, delta_accepted=delta)
+        ticket = update.tickets[request.rank] if self._data is not None else b""
+        return pb.BeginReply(
+            update_id=update.update_id, current_version=self.area.policy_version, delta_accepted=delta, data_ticket=ticket
+        )
 
     def _push(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
         self._authorize(context)

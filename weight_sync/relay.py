@@ -9,12 +9,15 @@ bytes per version however large the fleet, and every receiver still checks every
 from __future__ import annotations
 
 import queue
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import grpc
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.channel import WeightSyncClient
+
+if TYPE_CHECKING:
+    from weight_sync.chunking import Chunk
 
 __all__ = ["PushStream", "Relay", "split_tree", "stream_metadata"]
 
@@ -72,6 +75,10 @@ class PushStream:
             return True
         return False
 
+    def send_chunk(self, chunk: "Chunk", delta: bool) -> bool:
+        """Queue one chunk of the sender (its delta form when `delta` and it has one)."""
+        return self.send(chunk.message(delta))
+
     def close(self) -> pb.PushReply | grpc.RpcError:
         """End the stream and wait for the receiver's answer (a reply, or the RpcError it failed with)."""
         self.send(None)
@@ -84,9 +91,12 @@ class PushStream:
         self.future.cancel()
 
 
-def results_of(address: str, subtree: Sequence[str], outcome: pb.PushReply | grpc.RpcError) -> list[pb.RelayResult]:
-    """Per-receiver outcomes of a stream to `address` that was to be forwarded to `subtree`."""
-    if isinstance(outcome, grpc.RpcError):
+def results_of(address: str, subtree: Sequence[str], outcome: pb.PushReply | Exception) -> list[pb.RelayResult]:
+    """Per-receiver outcomes of a stream to `address` that was to be forwarded to `subtree`.
+
+    `outcome`: the stream's reply, or its failure (a grpc.RpcError, or a data-plane StreamFailure: same accessors).
+    """
+    if not isinstance(outcome, pb.PushReply):
         code = outcome.code() if hasattr(outcome, "code") else grpc.StatusCode.UNKNOWN
         details = outcome.details() if hasattr(outcome, "details") else str(outcome)
         own = pb.RelayResult(address=address, code=code.value[0], message=details or "")

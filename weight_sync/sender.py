@@ -35,8 +35,9 @@ import numpy as np
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.channel import WeightSyncClient
-from weight_sync.chunking import DeltaCoder, LocalShard, Shard, as_local, piece_messages, plan_streams
+from weight_sync.chunking import DeltaCoder, LocalShard, Shard, as_local, piece_chunks, plan_streams
 from weight_sync.config import WeightSyncConfig
+from weight_sync.dataplane import SocketStream
 from weight_sync.relay import PushStream, results_of, split_tree, stream_metadata
 from weight_sync.spec import TensorSpec
 
@@ -52,6 +53,8 @@ class PushReport:
     policy_version: int
     errors: dict[str, str | None]
     delta_endpoints: list[str]
+    socket_endpoints: list[str]
+    """Receivers this rank streamed to over the socket data plane (the others took gRPC Push streams)."""
     bytes_sent: int
     payload_bytes: int
     seconds: float
@@ -124,8 +127,10 @@ class WeightSender:
                 out[address] = _error_text(e)
         return out
 
-    def _each(self, fn) -> dict[str, futures.Future]:
-        return {a: self._pool.submit(fn, c) for a, c in self._clients.items()}
+    def _each(self, fn, addresses: list[str] | None = None) -> dict[str, futures.Future]:
+        """Run fn(client) for every receiver (or those in `addresses`) concurrently."""
+        chosen = self._clients if addresses is None else {a: self._clients[a] for a in addresses}
+        return {a: self._pool.submit(fn, c) for a, c in chosen.items()}
 
     def _check_compatible(self, locals_: list[LocalShard]) -> None:
         for address, reply in self.describe().items():
@@ -162,46 +167,84 @@ class WeightSender:
             base_version=self._base_version if use_base else -1, num_streams=self.config.num_streams,
         )
         errors: dict[str, str | None] = {}
-        delta, full = [], []
-        for address, fut in self._each(lambda c: c.begin(request)).items():
+        ports: dict[str, int] = {}
+        for address in self.endpoints:
             try:
-                (delta if fut.result().delta_accepted else full).append(address)
-                errors[address] = None
+                ports[address] = self._socket_port(address)
+            except ValueError as e:
+                errors[address] = f"Push: {e}"  # refused before Begin: nothing is left staged there
+        delta, full, tickets = [], [], {}
+        for address, fut in self._each(lambda c: c.begin(request), list(ports)).items():
+            try:
+                reply = fut.result()
             except grpc.RpcError as e:
                 errors[address] = f"Begin: {_error_text(e)}"
-        streams = [(tree, True) for tree in split_tree(delta, self.config.relay_fanout)]
-        streams += [(tree, False) for tree in split_tree(full, self.config.relay_fanout)]
-        trees = []
-        for (head, rest), is_delta in streams:
-            md = stream_metadata(self.session_id, policy_version, self.rank, rest, self.config.relay_fanout)
-            opened = [PushStream(self._clients[head], md, self.config.push_timeout_s) for _ in range(self.config.num_streams)]
-            trees.append((head, rest, opened, is_delta))
+                continue
+            (delta if reply.delta_accepted else full).append(address)
+            tickets[address] = reply.data_ticket
+            errors[address] = None
+        groups = self._open_streams(policy_version, delta, full, {a: ports[a] if tickets[a] else 0 for a in tickets}, tickets)
         payload, updated = 0, set()
-        if trees:  # nobody to send to: skip the chunking work
-            payload, updated = self._stream_shards(locals_, [(opened, is_delta) for _, _, opened, is_delta in trees])
-        for head, rest, opened, _ in trees:
+        if groups:  # nobody to send to: skip the chunking work
+            payload, updated = self._stream_shards(locals_, [(opened, is_delta) for _, _, opened, is_delta in groups])
+        for head, rest, opened, _ in groups:
             for stream in opened:
                 for result in results_of(head, rest, stream.close()):
                     if result.code != 0 and errors.get(result.address) is None:
                         errors[result.address] = f"Push: {_status_name(result.code)}: {result.message}"
+        if any(errors.values()):
+            self._described.clear()  # re-describe next time: a receiver may have restarted on other ports
         if self.config.delta:
             self._remember(locals_, policy_version, updated)
         seconds = time.perf_counter() - start
-        sent = sum(s.bytes_sent for _, _, opened, _ in trees for s in opened)
-        report = PushReport(policy_version, errors, delta, sent, payload, seconds)
+        sent = sum(s.bytes_sent for _, _, opened, _ in groups for s in opened)
+        sockets = [head for head, _, opened, _ in groups if opened and isinstance(opened[0], SocketStream)]
+        report = PushReport(policy_version, errors, delta, sockets, sent, payload, seconds)
         log.info(
             "rank %d pushed v%d: %.1f MB of shards, %.1f MB sent to %d streams in %.3f s (%.2f GB/s per receiver); "
-            "failed: %s", self.rank, policy_version, payload / 1e6, sent / 1e6, sum(len(t[2]) for t in trees), seconds,
+            "failed: %s", self.rank, policy_version, payload / 1e6, sent / 1e6, sum(len(g[2]) for g in groups), seconds,
             payload / max(seconds, 1e-9) / 1e9, report.failed or "none",
         )
         return report
 
-    def _stream_shards(self, locals_: list[LocalShard], trees: list[tuple[list[PushStream], bool]]) -> tuple[int, set]:
+    def _socket_port(self, address: str) -> int:
+        """The receiver's data port when pushes to it should use the socket plane, else 0 (gRPC Push streams).
+
+        Raises ValueError when `data_plane = "tcp"` demands a socket plane the receiver does not offer.
+        """
+        cfg = self.config
+        if cfg.data_plane == "grpc" or cfg.tls_ca_path is not None or cfg.relay_fanout:
+            return 0
+        described = self._described.get(address)
+        port = described.data_port if described is not None else 0
+        if cfg.data_plane == "tcp" and not port:
+            raise ValueError(f"data_plane='tcp' but receiver {address} offers no socket data plane")
+        return port
+
+    def _open_streams(
+        self, policy_version: int, delta: list[str], full: list[str], ports: dict[str, int], tickets: dict[str, bytes]
+    ) -> list[tuple[str, list[str], list, bool]]:
+        """Open this rank's streams: (head receiver, receivers it relays to, streams, delta?) per stream group."""
+        groups = []
+        streams = [(tree, True) for tree in split_tree(delta, self.config.relay_fanout)]
+        streams += [(tree, False) for tree in split_tree(full, self.config.relay_fanout)]
+        cfg = self.config
+        for (head, rest), is_delta in streams:
+            if ports[head]:
+                host = head.rpartition(":")[0]
+                hello = pb.DataHello(session_id=self.session_id, policy_version=policy_version, rank=self.rank, ticket=tickets[head])
+                opened = [SocketStream(host, ports[head], hello, cfg.push_timeout_s) for _ in range(cfg.num_streams)]
+            else:
+                md = stream_metadata(self.session_id, policy_version, self.rank, rest, cfg.relay_fanout)
+                opened = [PushStream(self._clients[head], md, cfg.push_timeout_s) for _ in range(cfg.num_streams)]
+            groups.append((head, rest, opened, is_delta))
+        return groups
+
+    def _stream_shards(self, locals_: list[LocalShard], trees: list[tuple[list, bool]]) -> tuple[int, set]:
         """Chunk every shard once, round-robin over the stream groups, feeding each stream raw or delta messages.
 
         Returns the payload bytes and the keys of the delta bases brought up to date in place while streaming.
         """
-        any_full = any(not is_delta for _, is_delta in trees)
         any_delta = any(is_delta for _, is_delta in trees)
         coder = DeltaCoder(self.config.delta_encoding, self.config.delta_zstd_level) if any_delta else None
         self._base_version = -1  # bases change in place below: invalid until the whole push went through
@@ -216,7 +259,7 @@ class WeightSender:
         groups = plan_streams(locals_, self.config.num_streams)
         chunk_bytes = self._chunk_bytes()
         generators = [
-            chain.from_iterable(piece_messages(p, bases[p.local.key], chunk_bytes, coder, any_full) for p in group)
+            chain.from_iterable(piece_chunks(p, bases[p.local.key], chunk_bytes, coder) for p in group)
             for group in groups
         ]
         payload = 0
@@ -227,10 +270,9 @@ class WeightSender:
                 if item is None:
                     active.remove(index)
                     continue
-                raw, packed, nbytes = item
-                payload += nbytes
+                payload += item.nbytes
                 for streams, is_delta in trees:
-                    streams[index].send(packed if is_delta and packed is not None else raw)
+                    streams[index].send_chunk(item, is_delta)
         return payload, updated
 
     def _chunk_bytes(self) -> int:

@@ -9,6 +9,8 @@ A failure anywhere (bad chunk, broken stream, Abort) marks it failed: nothing of
 from __future__ import annotations
 
 import dataclasses
+import hmac
+import secrets
 import threading
 import time
 from typing import Callable, Mapping
@@ -63,6 +65,7 @@ class StagedUpdate:
     rank_specs: dict[int, tuple[TensorSpec, ...]] = dataclasses.field(default_factory=dict)
     delta_ranks: set[int] = dataclasses.field(default_factory=set)
     rank_streams: dict[int, int] = dataclasses.field(default_factory=dict)  # streams each rank announced
+    tickets: dict[int, bytes] = dataclasses.field(default_factory=dict)  # socket data-plane ticket per rank
     opened_streams: dict[int, int] = dataclasses.field(default_factory=dict)
     done_streams: dict[int, int] = dataclasses.field(default_factory=dict)
     boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = dataclasses.field(default_factory=dict)
@@ -138,6 +141,7 @@ class StagingArea:
                     self._add_specs(update, specs)
                     update.rank_specs[req.rank] = specs
                     update.rank_streams[req.rank] = num_streams
+                    update.tickets[req.rank] = secrets.token_bytes(32)
                 delta = (
                     self.keep_base
                     and req.base_version >= 0
@@ -200,7 +204,8 @@ class StagingArea:
             self._update = None
 
     # -- Push ----------------------------------------------------------------------------------------------------
-    def open_stream(self, session_id: str, policy_version: int, rank: int) -> "StreamWriter":
+    def open_stream(self, session_id: str, policy_version: int, rank: int, ticket: bytes | None = None) -> "StreamWriter":
+        """A writer for one of `rank`'s Push streams. `ticket`: the one Begin gave the rank (socket data plane)."""
         with self._lock:
             update = self._update
             if update is None or update.key != (session_id, policy_version):
@@ -209,6 +214,8 @@ class StagingArea:
                 update.check_alive()
                 if rank not in update.rank_specs:
                     raise SyncError(Code.FAILED_PRECONDITION, f"rank {rank} pushed before calling Begin")
+                if ticket is not None and not hmac.compare_digest(ticket, update.tickets[rank]):
+                    raise SyncError(Code.UNAUTHENTICATED, f"data-plane ticket of rank {rank} does not match its Begin")
                 opened = update.opened_streams.get(rank, 0)
                 if opened >= update.rank_streams[rank]:
                     raise SyncError(Code.ALREADY_EXISTS, f"rank {rank} already opened its {opened} stream(s)")
@@ -300,13 +307,21 @@ class StreamWriter:
         self.shard: _Shard | None = None
         self.num_shards = 0
         self.bytes_received = 0
+        self._pending: pb.ChunkHeader | None = None
         self._decompressor = zstandard.ZstdDecompressor()
 
     def feed(self, header: pb.ChunkHeader, payload: memoryview) -> None:
+        """Check and write one chunk (gRPC Push path)."""
+        self.begin_chunk(header, len(payload))
+        self.end_chunk(payload)
+
+    def begin_chunk(self, header: pb.ChunkHeader, payload_bytes: int) -> memoryview | None:
+        """Check a chunk's header before its payload is read; return the staging bytes a raw payload may be read into
+        directly (contiguous destination), else None. Every call is followed by `end_chunk`."""
         update = self.update
         update.check_alive()
         update.last_activity = time.monotonic()
-        self.bytes_received += len(payload)
+        self.bytes_received += payload_bytes
         if header.HasField("shard"):
             if self.shard is not None and self.shard.pos != self.shard.numel:
                 raise SyncError(Code.INVALID_ARGUMENT, f"shard of {self.shard.name} started before the previous ended")
@@ -320,23 +335,38 @@ class StreamWriter:
             raise SyncError(Code.INVALID_ARGUMENT, f"{shard.name}: chunk at element {header.element_offset}, expected {shard.pos}")
         if (n == 0 and shard.numel) or shard.pos + n > shard.numel:
             raise SyncError(Code.OUT_OF_RANGE, f"{shard.name}: chunk of {n} elements at {shard.pos} exceeds shard size {shard.numel}")
-        if n * elem.itemsize > self.area.max_chunk_bytes:
+        if n * elem.itemsize > self.area.max_chunk_bytes or payload_bytes > self.area.max_chunk_bytes:
             raise SyncError(Code.RESOURCE_EXHAUSTED, f"{shard.name}: chunk of {n * elem.itemsize} bytes exceeds {self.area.max_chunk_bytes}")
+        self._pending = header
         if header.encoding == pb.ENCODING_RAW:
-            if len(payload) != n * elem.itemsize:
-                raise SyncError(Code.INVALID_ARGUMENT, f"{shard.name}: raw payload of {len(payload)} bytes for {n} elements")
-            values = np.frombuffer(payload, dtype=elem)
-            shard.hasher.update(values)
-            write_range(shard.view, shard.pos, values)
-        elif header.encoding in (pb.ENCODING_XOR_ZSTD, pb.ENCODING_SPARSE):
+            if payload_bytes != n * elem.itemsize:
+                raise SyncError(Code.INVALID_ARGUMENT, f"{shard.name}: raw payload of {payload_bytes} bytes for {n} elements")
+            dest = contiguous_range(shard.view, shard.pos, n)
+            return memoryview(dest).cast("B") if dest is not None and n else None
+        if header.encoding in (pb.ENCODING_XOR_ZSTD, pb.ENCODING_SPARSE):
             if not self.delta or shard.base is None:
                 raise SyncError(Code.FAILED_PRECONDITION, f"{shard.name}: delta chunk but Begin did not accept delta")
+            return None
+        raise SyncError(Code.INVALID_ARGUMENT, f"{shard.name}: unknown encoding {header.encoding}")
+
+    def end_chunk(self, payload: memoryview | None) -> None:
+        """Write the chunk `begin_chunk` checked: `payload`, or None when it was read into the returned bytes."""
+        header, shard = self._pending, self.shard
+        assert header is not None and shard is not None, "end_chunk without begin_chunk"
+        self._pending = None
+        n = header.num_elements
+        if header.encoding == pb.ENCODING_RAW:
+            if payload is None:
+                shard.hasher.update(contiguous_range(shard.view, shard.pos, n))
+            else:
+                values = np.frombuffer(payload, dtype=shard.view.dtype)
+                shard.hasher.update(values)
+                write_range(shard.view, shard.pos, values)
+        else:
             try:
                 self._apply_delta(header.encoding, payload, shard, n)
             except DeltaError as e:
                 raise SyncError(Code.DATA_LOSS, f"{shard.name}: {e}") from None
-        else:
-            raise SyncError(Code.INVALID_ARGUMENT, f"{shard.name}: unknown encoding {header.encoding}")
         shard.pos += n
         if shard.pos == shard.numel and shard.hasher.intdigest() != shard.checksum:
             raise SyncError(Code.DATA_LOSS, f"{shard.name}: checksum mismatch for shard ending at element {shard.pos}")
