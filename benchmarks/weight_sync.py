@@ -68,6 +68,28 @@ def bench_memcpy(arrays: dict[str, np.ndarray], repeats: int) -> float:
     return gbps(sum(v.nbytes for v in arrays.values()), statistics.median(times[1:]))
 
 
+def bench_delta_compare(arrays: dict[str, np.ndarray], chunk_bytes: int, repeats: int) -> float:
+    """Rate of the compare alone that any delta encoding needs (new vs base, ~3% changed), chunk by chunk: the ceiling
+    of a delta push's effective rate on one core, whatever the link."""
+    from weight_sync.codec import sparse_encode
+
+    rng = np.random.default_rng(3)
+    bases = {k: v.copy() for k, v in arrays.items()}
+    news = {k: v.copy() for k, v in arrays.items()}
+    for v in news.values():
+        v.reshape(-1)[rng.integers(0, v.size, int(0.03 * v.size))] ^= 1
+    step = chunk_bytes // 2
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for k, v in news.items():
+            flat, base = v.reshape(-1), bases[k].reshape(-1)
+            for i in range(0, flat.size, step):
+                sparse_encode(flat[i : i + step], base[i : i + step])
+        times.append(time.perf_counter() - start)
+    return gbps(sum(v.nbytes for v in arrays.values()), statistics.median(times[1:]))
+
+
 def tcp_receiver(port: int, nbytes: int, repeats: int) -> None:
     buf = bytearray(nbytes)
     view = memoryview(buf)
@@ -291,6 +313,7 @@ def main() -> None:
     rows["weight_sync push, 1 receiver, full, socket data plane (default)"] = push["full_tcp_gbps"]
     rows["weight_sync push, 1 receiver, full, gRPC Push streams (TLS / relay path)"] = push["full_grpc_gbps"]
     rows["weight_sync push, 1 receiver, delta 3% changed (effective)"] = push["delta_gbps"]
+    rows["delta compare alone, 1 core (ceiling of any delta push)"] = bench_delta_compare(arrays, args.chunk_bytes, args.repeats)
     tcp, mem = rows["raw TCP socket (loopback)"], rows["memcpy into an existing buffer"]
     print(f"\n| path | GB/s | / raw TCP | / memcpy |\n|---|---|---|---|")
     for name, rate in rows.items():

@@ -65,7 +65,8 @@ def _describe(args: argparse.Namespace, extra: list[str]) -> int:
 
     client = WeightSyncClient(args.to, _config(extra))
     reply = client.describe()
-    print(f"{args.to}: policy_version {reply.policy_version}, {len(reply.manifest)} tensors")
+    plane = f"socket data plane on port {reply.data_port}" if reply.data_port else "gRPC Push only"
+    print(f"{args.to}: policy_version {reply.policy_version}, {len(reply.manifest)} tensors, {plane}")
     for spec in reply.manifest:
         print(f"  {spec.name} {tuple(spec.shape)} {spec.dtype}")
     return 0
