@@ -127,16 +127,30 @@ class PushReply(_message.Message):
     def __init__(self, bytes_received: _Optional[int] = ..., num_shards: _Optional[int] = ..., relayed: _Optional[_Iterable[_Union[RelayResult, _Mapping]]] = ...) -> None: ...
 
 class DataHello(_message.Message):
-    __slots__ = ("session_id", "policy_version", "rank", "ticket")
+    __slots__ = ("session_id", "policy_version", "rank", "ticket", "relay", "fanout")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    FANOUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     policy_version: int
     rank: int
     ticket: bytes
-    def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., rank: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+    relay: _containers.RepeatedCompositeFieldContainer[RelayTarget]
+    fanout: int
+    def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., rank: _Optional[int] = ..., ticket: _Optional[bytes] = ..., relay: _Optional[_Iterable[_Union[RelayTarget, _Mapping]]] = ..., fanout: _Optional[int] = ...) -> None: ...
+
+class RelayTarget(_message.Message):
+    __slots__ = ("address", "data_port", "ticket")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    data_port: int
+    ticket: bytes
+    def __init__(self, address: _Optional[str] = ..., data_port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class DataReply(_message.Message):
     __slots__ = ("code", "message", "reply")

@@ -66,7 +66,7 @@ class WeightSyncConfig(Config):
     """How shard bytes travel. 'tcp': over plain sockets to the receiver's data port (control stays on gRPC; Begin
     hands each rank a one-time ticket); moves bytes at the socket's own rate. 'grpc': as Push chunks inside gRPC, which
     works through TLS and proxies but copies every chunk several times. 'auto': tcp where both ends allow it (no TLS,
-    the receiver offers a data port, no relay tree), grpc otherwise. A receiver offers the socket plane unless
+    the receivers offer a data port; relay trees too), grpc otherwise. A receiver offers the socket plane unless
     `data_plane = "grpc"` or TLS is configured (the socket plane is not encrypted)."""
     data_port: int = pydantic.Field(0, ge=0, le=65535)
     """Receiver's socket data-plane port; 0 picks a free one (announced in Describe)."""
@@ -92,8 +92,6 @@ class WeightSyncConfig(Config):
             raise ValueError("tls_require_client_cert needs tls_ca_path (to verify clients) and tls_cert_path/key")
         if self.data_plane == "tcp" and (self.tls_cert_path is not None or self.tls_ca_path is not None):
             raise ValueError("data_plane='tcp' sends plaintext: with TLS configured use 'auto' or 'grpc'")
-        if self.data_plane == "tcp" and self.relay_fanout:
-            raise ValueError("relay trees forward gRPC Push streams: with relay_fanout > 0 use data_plane 'auto' or 'grpc'")
         if self.chunk_bytes % 8:
             raise ValueError(f"chunk_bytes={self.chunk_bytes} must be a multiple of 8 so chunks align to elements")
         return self

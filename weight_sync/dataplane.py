@@ -22,9 +22,10 @@ import numpy as np
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.chunking import Chunk
+from weight_sync.relay import results_of, split_tree
 from weight_sync.staging import StagingArea, SyncError
 
-__all__ = ["DataPlaneServer", "SocketStream", "StreamFailure"]
+__all__ = ["DataPlaneServer", "SocketRelay", "SocketStream", "StreamFailure", "relay_hello"]
 
 log = logging.getLogger("weight_sync.dataplane")
 
@@ -86,9 +87,12 @@ class DataPlaneServer:
     gave its rank for the open update; at most `max_connections` streams are served at once (more are refused).
     """
 
-    def __init__(self, area: StagingArea, host: str, port: int, *, max_connections: int, idle_timeout_s: float) -> None:
+    def __init__(
+        self, area: StagingArea, host: str, port: int, *, max_connections: int, idle_timeout_s: float, push_timeout_s: float
+    ) -> None:
         self.area = area
         self.idle_timeout_s = idle_timeout_s
+        self.push_timeout_s = push_timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
         self._listener = socket.create_server((host.strip("[]"), port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.port: int = self._listener.getsockname()[1]
@@ -149,6 +153,7 @@ class DataPlaneServer:
             return
         start = time.perf_counter()
         scratch = bytearray(0)
+        relay = SocketRelay(hello, self.push_timeout_s) if hello.relay else None
         try:
             while True:
                 (head_len,) = _U32.unpack(_recv_bytes(conn, 4))
@@ -165,26 +170,35 @@ class DataPlaneServer:
                 if dest is not None:
                     _recv_into(conn, dest)
                     writer.end_chunk(None)
+                    if relay is not None:  # staging memory stays put until this stream (and its relay) finished
+                        relay.forward(header, np.frombuffer(dest, dtype=np.uint8))
                     continue
                 if len(scratch) < payload_len:
                     scratch = bytearray(payload_len)
                 view = memoryview(scratch)[:payload_len]
                 _recv_into(conn, view)
                 writer.end_chunk(view)
+                if relay is not None:  # the scratch buffer is reused by the next chunk: forward a copy
+                    relay.forward(header, np.frombuffer(bytes(view), dtype=np.uint8))
             writer.finish()
         except SyncError as e:
             writer.close_failed(e)
+            if relay is not None:
+                relay.cancel()
             return self._reply(conn, e.code, e.message)
         except (OSError, ConnectionError) as e:  # the sender died or stalled past the idle timeout
             writer.close_failed(SyncError(Code.CANCELLED, f"rank {hello.rank} data-plane stream broke: {e!r}"))
+            if relay is not None:
+                relay.cancel()
             return
+        relayed = relay.finish() if relay is not None else []
         seconds = time.perf_counter() - start
         log.info(
             "socket push %s@%d rank %d: %d shards, %.1f MB in %.3f s (%.2f GB/s)", hello.session_id,
             hello.policy_version, hello.rank, writer.num_shards, writer.bytes_received / 1e6, seconds,
             writer.bytes_received / max(seconds, 1e-9) / 1e9,
         )
-        reply = pb.PushReply(bytes_received=writer.bytes_received, num_shards=writer.num_shards)
+        reply = pb.PushReply(bytes_received=writer.bytes_received, num_shards=writer.num_shards, relayed=relayed)
         self._reply(conn, Code.OK, "", reply)
 
     @staticmethod
@@ -308,3 +322,39 @@ class SocketStream:
             code = next((c for c in Code if c.value[0] == reply.code), Code.UNKNOWN)
             raise StreamFailure(code, reply.message)
         return reply.reply
+
+
+def relay_hello(hello: pb.DataHello, head: pb.RelayTarget, rest: list[pb.RelayTarget], fanout: int) -> pb.DataHello:
+    """The hello that opens `head`'s stream of the same update and rank, asking it to forward to `rest`."""
+    return pb.DataHello(
+        session_id=hello.session_id, policy_version=hello.policy_version, rank=hello.rank, ticket=head.ticket,
+        relay=rest, fanout=fanout,
+    )
+
+
+class SocketRelay:
+    """A receiver's forwarding of one data-plane stream to its share of the downstream receivers (`hello.relay`),
+    split into at most `hello.fanout` subtrees; chunks are forwarded as received, after this receiver checked them."""
+
+    def __init__(self, hello: pb.DataHello, timeout_s: float) -> None:
+        targets = {t.address: t for t in hello.relay}
+        self._streams: list[tuple[str, list[str], SocketStream]] = []
+        for head, rest in split_tree(list(targets), max(hello.fanout, 1)):
+            first = relay_hello(hello, targets[head], [targets[a] for a in rest], hello.fanout)
+            stream = SocketStream(head.rpartition(":")[0], targets[head].data_port, first, timeout_s)
+            self._streams.append((head, rest, stream))
+
+    def forward(self, header: pb.ChunkHeader, payload: np.ndarray) -> None:
+        chunk = Chunk(header, payload)
+        for _, _, stream in self._streams:
+            stream.send_chunk(chunk, False)
+
+    def finish(self) -> list[pb.RelayResult]:
+        results: list[pb.RelayResult] = []
+        for head, rest, stream in self._streams:
+            results += results_of(head, rest, stream.close())
+        return results
+
+    def cancel(self) -> None:
+        for _, _, stream in self._streams:
+            stream.cancel()

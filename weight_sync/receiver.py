@@ -91,6 +91,7 @@ class WeightReceiver:
             self._data = DataPlaneServer(
                 self.area, cfg.bind_host, cfg.data_port,
                 max_connections=cfg.num_server_threads, idle_timeout_s=cfg.update_idle_timeout_s,
+                push_timeout_s=cfg.push_timeout_s,
             )
         server.start()
         self._server, self._port = server, port

@@ -37,7 +37,7 @@ from protos import weight_sync_pb2 as pb
 from weight_sync.channel import WeightSyncClient
 from weight_sync.chunking import DeltaCoder, LocalShard, Shard, as_local, piece_chunks, plan_streams
 from weight_sync.config import WeightSyncConfig
-from weight_sync.dataplane import SocketStream
+from weight_sync.dataplane import SocketStream, relay_hello
 from weight_sync.relay import PushStream, results_of, split_tree, stream_metadata
 from weight_sync.spec import TensorSpec
 
@@ -213,7 +213,7 @@ class WeightSender:
         Raises ValueError when `data_plane = "tcp"` demands a socket plane the receiver does not offer.
         """
         cfg = self.config
-        if cfg.data_plane == "grpc" or cfg.tls_ca_path is not None or cfg.relay_fanout:
+        if cfg.data_plane == "grpc" or cfg.tls_ca_path is not None:
             return 0
         described = self._described.get(address)
         port = described.data_port if described is not None else 0
@@ -230,9 +230,11 @@ class WeightSender:
         streams += [(tree, False) for tree in split_tree(full, self.config.relay_fanout)]
         cfg = self.config
         for (head, rest), is_delta in streams:
-            if ports[head]:
+            if all(ports[a] for a in (head, *rest)):  # a relay tree rides sockets only if every member offers them
+                targets = [pb.RelayTarget(address=a, data_port=ports[a], ticket=tickets[a]) for a in (head, *rest)]
+                base = pb.DataHello(session_id=self.session_id, policy_version=policy_version, rank=self.rank)
+                hello = relay_hello(base, targets[0], targets[1:], cfg.relay_fanout)
                 host = head.rpartition(":")[0]
-                hello = pb.DataHello(session_id=self.session_id, policy_version=policy_version, rank=self.rank, ticket=tickets[head])
                 opened = [SocketStream(host, ports[head], hello, cfg.push_timeout_s) for _ in range(cfg.num_streams)]
             else:
                 md = stream_metadata(self.session_id, policy_version, self.rank, rest, cfg.relay_fanout)

@@ -121,11 +121,11 @@ def test_a_grpc_only_receiver_offers_no_port_and_tcp_senders_say_so(receivers):
     assert torch.equal(sink.state_dict["w"], SD["w"])
 
 
-def test_config_refuses_plaintext_sockets_with_tls_or_relays():
+def test_config_refuses_plaintext_sockets_with_tls():
     with pytest.raises(ValueError, match="plaintext"):
         WeightSyncConfig(data_plane="tcp", tls_ca_path="/ca.pem")
-    with pytest.raises(ValueError, match="relay"):
-        WeightSyncConfig(data_plane="tcp", relay_fanout=2)
+    with pytest.raises(ValueError, match="plaintext"):
+        WeightSyncConfig(data_plane="tcp", tls_cert_path="/c.pem", tls_key_path="/k.pem")
 
 
 def test_a_wrong_ticket_is_unauthenticated_and_a_right_one_applies(one):

@@ -1,5 +1,6 @@
 """Relay: receivers forward chunks to each other, so the sender's bytes per version do not grow with the fleet."""
 
+import pytest
 import torch
 from ws_helpers import rank_shards, run_ranks
 
@@ -20,13 +21,15 @@ def test_split_tree_covers_every_target_once():
     assert split_tree(targets, 0) == [(t, []) for t in targets]
 
 
-def test_eight_receivers_get_exact_weights_while_the_sender_sends_at_most_fanout_times_the_model(receivers):
+@pytest.mark.parametrize("plane", ["auto", "grpc"])  # auto: the relay tree rides the socket data plane
+def test_eight_receivers_get_exact_weights_while_the_sender_sends_at_most_fanout_times_the_model(receivers, plane):
     for fanout in (2, 1):
-        config = WeightSyncConfig(chunk_bytes=1024, relay_fanout=fanout, delta=False)
+        config = WeightSyncConfig(chunk_bytes=1024, relay_fanout=fanout, delta=False, data_plane=plane)
         pairs = receivers(8, config=config, sd=SD)
         senders = [WeightSender([r.address for r, _ in pairs], config, rank=k, num_ranks=2) for k in range(2)]
         reports = run_ranks(lambda k: senders[k].push(1, rank_shards(SD, k, 2)), 2)
         assert all(not rep.failed and len(rep.ok) == 8 for rep in reports)
+        assert all(len(rep.socket_endpoints) == (fanout if plane == "auto" else 0) for rep in reports)
         assert all(e is None for e in senders[0].commit(1).values())
         for receiver, sink in pairs:
             assert receiver.policy_version == 1
@@ -38,8 +41,9 @@ def test_eight_receivers_get_exact_weights_while_the_sender_sends_at_most_fanout
             s.close()
 
 
-def test_a_dead_leaf_is_reported_and_the_rest_of_the_tree_commits(receivers):
-    config = WeightSyncConfig(chunk_bytes=1024, relay_fanout=2, num_retries=0, rpc_timeout_s=3)
+@pytest.mark.parametrize("plane", ["auto", "grpc"])
+def test_a_dead_leaf_is_reported_and_the_rest_of_the_tree_commits(receivers, plane):
+    config = WeightSyncConfig(chunk_bytes=1024, relay_fanout=2, num_retries=0, rpc_timeout_s=3, data_plane=plane)
     pairs = receivers(4, config=config, sd=SD)
     dead = "127.0.0.1:1"
     endpoints = [pairs[0][0].address, dead, *[r.address for r, _ in pairs[1:]]]  # dead is a leaf under pairs[0]
@@ -51,8 +55,9 @@ def test_a_dead_leaf_is_reported_and_the_rest_of_the_tree_commits(receivers):
     assert all(torch.equal(sink.state_dict["w"], SD["w"]) for _, sink in pairs)
 
 
-def test_deltas_travel_through_the_relay_with_several_streams_per_rank(receivers):
-    config = WeightSyncConfig(chunk_bytes=512, relay_fanout=2, num_streams=3)
+@pytest.mark.parametrize("plane", ["auto", "grpc"])
+def test_deltas_travel_through_the_relay_with_several_streams_per_rank(receivers, plane):
+    config = WeightSyncConfig(chunk_bytes=512, relay_fanout=2, num_streams=3, data_plane=plane)
     pairs = receivers(5, config=config, sd=SD)
     senders = [WeightSender([r.address for r, _ in pairs], config, rank=k, num_ranks=2) for k in range(2)]
     sd = {k: v.clone() for k, v in SD.items()}
