@@ -57,6 +57,9 @@ class WeightSyncConfig(Config):
     """Send XOR+zstd deltas to receivers that hold the previous version; receivers keep a base copy for it."""
     delta_encoding: Literal["sparse", "xor_zstd"] = "sparse"
     """Delta chunks as changed (index, value) pairs (fast to compute) or zstd of the XOR (fewer bytes, more CPU)."""
+    delta_threads: int = pydantic.Field(4, ge=1, le=64)
+    """Threads of a sender that encode delta chunks ahead of its streams (the compare is compute-bound: ~1-3 GB/s of
+    model per core here), so a host's idle cores between steps shorten a delta push."""
     delta_zstd_level: int = pydantic.Field(1, ge=-5, le=19)
     """zstd level of delta chunks (1 is fast; higher compresses better and costs sender CPU)."""
     relay_fanout: int = pydantic.Field(0, ge=0, le=64)

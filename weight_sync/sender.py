@@ -23,19 +23,20 @@ receiver: the report lists per-receiver outcomes, and a receiver that missed a v
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
 from concurrent import futures
 from itertools import chain
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import grpc
 import numpy as np
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.channel import WeightSyncClient
-from weight_sync.chunking import DeltaCoder, LocalShard, Shard, as_local, piece_chunks, plan_streams
+from weight_sync.chunking import Chunk, DeltaCoder, LocalShard, Shard, as_local, piece_chunks, plan_streams
 from weight_sync.config import WeightSyncConfig
 from weight_sync.dataplane import SocketStream, relay_hello
 from weight_sync.relay import PushStream, results_of, split_tree, stream_metadata
@@ -66,6 +67,18 @@ class PushReport:
     @property
     def failed(self) -> dict[str, str]:
         return {a: err for a, err in self.errors.items() if err is not None}
+
+
+def _encoded(chunks: Iterator[Chunk], coder: DeltaCoder, pool: futures.Executor, depth: int) -> Iterator[Chunk]:
+    """`chunks` in order, each with its delta form, encoded on `pool` up to `depth` chunks ahead of the consumer."""
+    pending: collections.deque[futures.Future | Chunk] = collections.deque()
+    for chunk in chunks:
+        pending.append(pool.submit(coder.encode, chunk) if chunk.base is not None else chunk)
+        if len(pending) >= depth:
+            head = pending.popleft()
+            yield head.result() if isinstance(head, futures.Future) else head
+    for head in pending:
+        yield head.result() if isinstance(head, futures.Future) else head
 
 
 def _status_name(code: int) -> str:
@@ -99,6 +112,7 @@ class WeightSender:
         self.rank, self.num_ranks, self.session_id = rank, num_ranks, session_id
         self._clients = {a: WeightSyncClient(a, self.config) for a in self.endpoints}
         self._pool = futures.ThreadPoolExecutor(max_workers=32)
+        self._encoders: futures.ThreadPoolExecutor | None = None
         self._base: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
         self._base_version = -1
         self._described: dict[str, pb.DescribeReply] = {}
@@ -261,9 +275,13 @@ class WeightSender:
         groups = plan_streams(locals_, self.config.num_streams)
         chunk_bytes = self._chunk_bytes()
         generators = [
-            chain.from_iterable(piece_chunks(p, bases[p.local.key], chunk_bytes, coder) for p in group)
-            for group in groups
+            chain.from_iterable(piece_chunks(p, bases[p.local.key], chunk_bytes) for p in group) for group in groups
         ]
+        if coder is not None:
+            if self._encoders is None:
+                self._encoders = futures.ThreadPoolExecutor(self.config.delta_threads, thread_name_prefix="ws-delta")
+            depth = 2 * self.config.delta_threads
+            generators = [_encoded(g, coder, self._encoders, depth) for g in generators]
         payload = 0
         active = list(range(len(generators)))
         while active:
@@ -322,6 +340,8 @@ class WeightSender:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._encoders is not None:
+            self._encoders.shutdown(wait=True)
         for client in self._clients.values():
             client.close()
 
