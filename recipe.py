@@ -57,9 +57,10 @@ class ModelSection(Config):
     create_tiny: TinyModelSpec | None = None
     """Create a tiny random model at ``path`` first when the directory does not exist (the embedded demo)."""
     attention: str = "sdpa"
-    """Attention block: 'sdpa', 'eager', or a registered kernel such as 'splash'."""
+    """Attention block: 'sdpa' (per packed sequence, no mask), 'eager' (masked reference), or a kernel such as 'splash'."""
     output_head: str = "chunked"
-    """Output head for log-probs: 'chunked' (never holds full logits), 'dense', or a kernel such as 'fused_pallas'."""
+    """Output head for log-probs: 'chunked' (never holds full logits), 'cached' (chunked, keeps fp32 probabilities for
+    a faster backward), 'dense', or a kernel such as 'fused_pallas'."""
     output_chunk_size: int = pydantic.Field(1024, ge=1)
     """Tokens per chunk of the chunked output head."""
     moe_experts: str = "grouped"

@@ -3,6 +3,7 @@
 One checkpoint is a directory ``<root>/step_<n>`` holding:
 
 - the DCP files of every model and its optimizer (each rank writes its own shards; loads reshard freely, e.g. 2 -> 1);
+  a frozen model (the KL reference) is a part without optimizer, saved so that a resume needs no other file;
 - ``trainer_state_rank<r>.pt`` per rank: LR scheduler states, the RNG states of this rank (python, numpy, torch, and the
   accelerator's), ``step``, ``policy_version`` and the caller's opaque ``data_cursor`` dict;
 - ``COMPLETE``, written by rank 0 after every rank finished: a directory without it is ignored (a crash mid-save
@@ -14,6 +15,7 @@ Every rank must call :meth:`CheckpointManager.save` / :meth:`load` together (the
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import shutil
@@ -30,21 +32,37 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
 __all__ = ["CheckpointManager", "Checkpointable", "TrainerState", "full_model_state_dict"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class Checkpointable:
-    """A model with its optimizer and LR scheduler (policy or critic); the scheduler may be None."""
+    """A model with its optimizer and LR scheduler (policy, critic), or a frozen model alone (optimizer None)."""
 
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None = None
     scheduler: Any = None
+
+
+def _state_dicts(name: str, part: Checkpointable) -> dict[str, Any]:
+    """The DCP entries of one part: its model's (and optimizer's) state dict, sharded as the model is."""
+    if part.optimizer is None:
+        return {f"{name}.model": get_model_state_dict(part.model)}
+    model_sd, optim_sd = get_state_dict(part.model, part.optimizer)
+    return {f"{name}.model": model_sd, f"{name}.optim": optim_sd}
+
+
+def _saved_parts(path: Path) -> set[str]:
+    """Names of the parts whose model a DCP checkpoint directory holds."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {key.split(".", 1)[0] for key in keys if key.split(".", 2)[1:2] == ["model"]}
 
 
 @dataclass
@@ -115,9 +133,7 @@ class CheckpointManager:
         path = self.root / f"step_{state.step:08d}"
         tensors: dict[str, Any] = {}
         for name, part in parts.items():
-            model_sd, optim_sd = get_state_dict(part.model, part.optimizer)
-            tensors[f"{name}.model"] = model_sd
-            tensors[f"{name}.optim"] = optim_sd
+            tensors.update(_state_dicts(name, part))
         dcp.save(tensors, checkpoint_id=str(path))
         small = {
             "schedulers": {n: p.scheduler.state_dict() for n, p in parts.items() if p.scheduler is not None},
@@ -135,26 +151,39 @@ class CheckpointManager:
         _barrier()
         return path
 
-    def load(self, parts: dict[str, Checkpointable], path: str | Path | None = None) -> TrainerState:
+    def load(
+        self, parts: dict[str, Checkpointable], path: str | Path | None = None, missing_ok: tuple[str, ...] = ()
+    ) -> TrainerState:
         """Restore ``parts`` and this rank's RNG from ``path`` (default: the latest); collective.
 
         The number of ranks may differ from the saving run (DCP reshards); RNG states then come from rank
-        ``rank % saved_ranks``, so a resharded resume is valid but not bit-identical.
+        ``rank % saved_ranks``, so a resharded resume is valid but not bit-identical. A part named in ``missing_ok``
+        that the checkpoint does not hold (one written before that part was saved) keeps its current state, with a
+        warning; any other missing part raises ``ValueError``.
         """
         path = Path(path) if path is not None else self.latest()
         if path is None or not (path / "COMPLETE").exists():
             raise FileNotFoundError(f"no complete checkpoint at {path or self.root} (missing COMPLETE marker)")
+        saved = _saved_parts(path)
+        absent = [name for name in parts if name not in saved]
+        if [name for name in absent if name not in missing_ok]:
+            raise ValueError(f"checkpoint {path} holds no {absent} (it has {sorted(saved)}); it was written by a run "
+                             "with a different algorithm or model set")
+        for name in absent:
+            log.warning("checkpoint %s holds no %r: keeping its current weights (rebuilt at startup)", path, name)
+        parts = {name: part for name, part in parts.items() if name in saved}
         tensors: dict[str, Any] = {}
         for name, part in parts.items():
-            model_sd, optim_sd = get_state_dict(part.model, part.optimizer)
-            tensors[f"{name}.model"] = model_sd
-            tensors[f"{name}.optim"] = optim_sd
+            tensors.update(_state_dicts(name, part))
         dcp.load(tensors, checkpoint_id=str(path))
         for name, part in parts.items():
-            set_state_dict(
-                part.model, part.optimizer,
-                model_state_dict=tensors[f"{name}.model"], optim_state_dict=tensors[f"{name}.optim"],
-            )
+            if part.optimizer is None:
+                set_model_state_dict(part.model, tensors[f"{name}.model"])
+            else:
+                set_state_dict(
+                    part.model, part.optimizer,
+                    model_state_dict=tensors[f"{name}.model"], optim_state_dict=tensors[f"{name}.optim"],
+                )  # fmt: skip
         saved = sorted(path.glob("trainer_state_rank*.pt"))
         mine = path / f"trainer_state_rank{_rank() % len(saved)}.pt"
         small = torch.load(mine, weights_only=False)

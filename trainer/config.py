@@ -99,7 +99,8 @@ class ScheduleConfig(Config):
 
 
 class CheckpointConfig(Config):
-    """Full-state checkpoints (torch.distributed.checkpoint): model, optimizer, scheduler, RNG, step, data cursor."""
+    """Full-state checkpoints (torch.distributed.checkpoint): model, optimizer, scheduler, RNG, step, data cursor, and
+    the frozen KL reference when the algorithm uses one (a resume needs no other file)."""
 
     dir: str | None = None
     """Directory holding ``step_<n>`` checkpoints; None disables periodic checkpoints."""
@@ -131,8 +132,10 @@ class TrainerConfig(Config):
     micro_batch_tokens: int = pydantic.Field(default=4096, ge=1)
     """Token budget of one micro-batch per rank: rows x row length, padding included."""
     pack_row_tokens: int | None = pydantic.Field(default=None, ge=1)
-    """Longest packed row (several sequences back to back); None: the longest sequence of the mini-batch. Masked
-    attention costs row length squared however many sequences share a row, so short rows are cheaper."""
+    """Longest packed row (several sequences back to back). None: with a segment-local attention block (``sdpa``,
+    ``splash``: attention runs per sequence, so row length costs nothing) one row of ``micro_batch_tokens`` per
+    micro-batch, no padding; with masked attention (``eager``: row length squared however many sequences share a
+    row) the longest sequence of the mini-batch."""
     num_epochs: int = pydantic.Field(default=1, ge=1)
     """Optimizer passes over each rollout batch (PPO-style reuse; 1 = strictly on-policy after the first step)."""
     num_minibatches: int = pydantic.Field(default=1, ge=1)

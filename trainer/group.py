@@ -89,9 +89,12 @@ class TrainerGroup:
         """Write the policy as an HF safetensors checkpoint at ``path`` (for serving); returns the file names."""
         return self._all("export_hf", path, dtype)[0]
 
-    def push_weights(self, policy_version: int | None = None, dtype: str | None = None) -> list[dict[str, Any]]:
-        """Every rank pushes its own shards to every receiver, then rank 0 commits; returns each rank's outcome."""
-        return self._all("push_weights", policy_version, dtype)
+    def push_weights(
+        self, policy_version: int | None = None, dtype: str | None = None, endpoints: Sequence[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """Every rank pushes its own shards to every receiver (or, in full, to just ``endpoints``), then rank 0
+        commits; returns each rank's outcome."""
+        return self._all("push_weights", policy_version, dtype, list(endpoints) if endpoints is not None else None)
 
     def policy_version(self) -> int:
         return self._all("policy_version")[0]

@@ -3,8 +3,8 @@
 Each micro-batch reports a flat ``{name: float}`` (see ``trainer.rl.loss``). How a name combines follows from what it
 is, decided by :func:`reduction_of`:
 
-- loss terms (``loss``, ``*_loss``) are already divided by the *global* token/sequence count, so they **sum** to the
-  full-batch value; so do counts (``num_*``);
+- loss terms (``loss``, ``*_loss``, ``loss/*``) are already divided by the *global* token/sequence count, so they
+  **sum** to the full-batch value; so do counts (``num_*``);
 - ``*_max`` / ``*_min`` take the max / min;
 - everything else is a per-token mean and is averaged weighted by the micro-batch's completion tokens.
 
@@ -26,7 +26,7 @@ Reduction = Literal["sum", "max", "min", "mean"]
 
 def reduction_of(name: str) -> Reduction:
     """How metric ``name`` combines across micro-batches and ranks (see the module docstring)."""
-    if name == "loss" or name.endswith("_loss") or name.startswith("num_"):
+    if name == "loss" or name.endswith("_loss") or name.startswith(("loss/", "num_")):
         return "sum"
     if name.endswith("_max"):
         return "max"

@@ -1,11 +1,14 @@
 """Sequence packing: rollout samples -> token-budgeted micro-batches of packed rows, balanced across ranks.
 
 Sequences (``prompt + completion``) are packed back to back into rows of at most ``row_tokens`` tokens
-(first-fit-decreasing), and rows are grouped into micro-batches ``[R, L]`` of at most ``token_budget`` tokens including
-the padding of shorter rows. Positions restart at 0 per sequence and ``segment_ids`` keep attention inside a sequence,
-so packing changes nothing numerically while padding stays small. Rows are kept short (by default the longest
-sequence of the batch) because masked attention over a packed row costs ``L^2`` however many sequences share it;
-many rows per micro-batch keep the matmuls large.
+(first-fit-decreasing; balanced longest-first when each row is a whole micro-batch), and rows are grouped into
+micro-batches ``[R, L]`` of at most ``token_budget`` tokens including the padding of shorter rows. Positions restart
+at 0 per sequence and ``segment_ids`` keep attention inside a sequence, so packing changes nothing numerically.
+
+Row length is the caller's choice. With a segment-local attention block (``sdpa``) the cost does not depend on it,
+and one row per micro-batch (``row_tokens = token_budget``) needs no padding at all. With a dense-mask block
+(``eager``) attention costs ``L^2`` per row however many sequences share it, so rows are kept short (by default the
+longest sequence of the batch) and many rows per micro-batch keep the matmuls large.
 
 Alignment: position ``t`` of a row predicts ``tokens[t + 1]`` (``targets[t]``). The loss side is per sequence:
 ``gather_index[s, j]`` is the flat position (``row * L + t``) predicting completion token ``j`` of sequence ``s``, and
@@ -69,6 +72,16 @@ class MicroBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    @property
+    def loss_positions(self) -> torch.Tensor:
+        """int64 [N] flat row positions (``row * L + t``) predicting the ``N`` real completion tokens, in the
+        row-major order of ``loss_mask``; :meth:`scatter` puts per-token values computed there into ``[S, C]``."""
+        return self.gather_index[self.loss_mask > 0]
+
+    def scatter(self, per_token: torch.Tensor) -> torch.Tensor:
+        """[N] values at :attr:`loss_positions` -> [S, C] (0 off-mask); differentiable."""
+        return per_token.new_zeros(self.loss_mask.shape).masked_scatter(self.loss_mask > 0, per_token)
+
     def unpack(self, per_position: torch.Tensor) -> torch.Tensor:
         """[R, L] per-position values -> [S, C] per completion token (0 off-mask); differentiable."""
         gathered = per_position.reshape(-1)[self.gather_index]
@@ -102,11 +115,31 @@ def _first_fit_decreasing(lengths: Sequence[int], indices: Sequence[int], capaci
     return bins
 
 
+def _balanced_bins(lengths: Sequence[int], indices: Sequence[int], capacity: int) -> list[list[int]]:
+    """As many bins as first-fit-decreasing needs, filled longest-first onto the least-loaded bin instead.
+
+    For one row per micro-batch: no near-empty last micro-batch (a tail of a few tokens runs every matmul at a poor
+    shape and pays a whole round of FSDP gathers). Falls back to the first-fit bins when balancing would overflow one
+    (a sequence longer than ``capacity``, or an unlucky mix).
+    """
+    first_fit = _first_fit_decreasing(lengths, indices, capacity)
+    load = [0] * len(first_fit)
+    bins: list[list[int]] = [[] for _ in first_fit]
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        b = min(range(len(bins)), key=lambda b: (load[b], b))
+        bins[b].append(i)
+        load[b] += lengths[i]
+    return bins if max(load, default=0) <= capacity else first_fit
+
+
 def _group_rows(
     lengths: Sequence[int], indices: Sequence[int], token_budget: int, row_tokens: int
 ) -> list[list[list[int]]]:
     """Micro-batches as lists of rows (lists of sample indices); padded size ``rows x longest row`` <= budget."""
-    rows = _first_fit_decreasing(lengths, indices, min(row_tokens, token_budget))
+    if row_tokens >= token_budget:  # one row per micro-batch: balance the micro-batches
+        rows = _balanced_bins(lengths, indices, token_budget)
+    else:  # several rows share a micro-batch's width: tight rows pad least
+        rows = _first_fit_decreasing(lengths, indices, row_tokens)
     row_len = {id(r): sum(lengths[i] for i in r) for r in rows}
     rows.sort(key=lambda r: -row_len[id(r)])  # longest first: a micro-batch's width is its first row's length
     groups: list[list[list[int]]] = []

@@ -29,22 +29,47 @@ from torch import nn
 from rollout.types import RolloutBatch, Sample
 from trainer.engine import TrainEngine
 from trainer.metrics import MetricsAccumulator
+from trainer.models.registry import ATTENTION_BLOCKS
 from trainer.packing import MicroBatch, plan_micro_batches, split_minibatches
 from trainer.parallelize import sync_tensor_parallel_partial_grads
 from trainer.rl.advantages import compute_group_advantages, gae_advantages
 from trainer.rl.config import PPOConfig
 from trainer.rl.kl import kl_estimate, kl_penalized_token_rewards
 from trainer.rl.loss import compute_policy_loss, compute_value_loss
+from trainer.rl.router_aux import add_router_aux_loss, count_router_tokens, moe_aux_coef
 from trainer.rl.sft import sft_loss
 
-__all__ = ["forward_logprobs", "rl_step", "sft_step"]
+__all__ = ["forward_logprobs", "plan_rank_micro_batches", "rl_step", "sft_step"]
 
 
 def forward_logprobs(model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprobs [S, C], entropy [S, C], packed logprobs [R, L]) of the micro-batch's completion tokens."""
+    """(logprobs [S, C], entropy [S, C], hidden states [R, L, D]) of the micro-batch's completion tokens.
+
+    The output head runs only at the positions that predict a completion token: prompt positions never enter the
+    loss, and the head (``6 x vocab x dim`` FLOPs per token) would otherwise cost as much as a few blocks.
+    """
     hidden = model(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids)
-    logprobs, entropy = model.token_logprobs(hidden, mb.targets)
-    return mb.unpack(logprobs), mb.unpack(entropy), logprobs
+    positions = mb.loss_positions
+    logprobs, entropy = model.token_logprobs(
+        hidden.reshape(-1, hidden.shape[-1])[positions], mb.targets.reshape(-1)[positions]
+    )
+    return mb.scatter(logprobs), mb.scatter(entropy), hidden
+
+
+def plan_rank_micro_batches(engine: TrainEngine, samples: Sequence[Sample], indices: Sequence[int]) -> list[MicroBatch]:
+    """This rank's packed micro-batches of ``samples[indices]`` on the engine's device, as the steps use them.
+
+    The row cap is ``cfg.pack_row_tokens`` when set; otherwise the whole micro-batch budget when the attention block
+    is segment-local (long rows then cost nothing extra and need no padding), else the packer's default.
+    """
+    cfg = engine.cfg
+    row_tokens = cfg.pack_row_tokens
+    if row_tokens is None and ATTENTION_BLOCKS.is_segment_local(engine.model_cfg.attention):
+        row_tokens = cfg.micro_batch_tokens
+    mbs = plan_micro_batches(
+        samples, indices, engine.dp_rank, engine.dp_size, cfg.micro_batch_tokens, row_tokens=row_tokens
+    )
+    return [mb.to(engine.device) for mb in mbs]
 
 
 def _all_reduce_sum(engine: TrainEngine, x: torch.Tensor) -> torch.Tensor:
@@ -170,17 +195,22 @@ def _clip_and_step(
     return float(total)
 
 
-def _update_policy(engine: TrainEngine, mbs: list[MicroBatch], counts: tuple[float, float], acc: MetricsAccumulator):
+def _update_policy(
+    engine: TrainEngine, mbs: list[MicroBatch], counts: tuple[float, float], acc: MetricsAccumulator,
+    num_router_tokens: float,
+):  # fmt: skip
     num_tokens, num_seqs = counts
+    aux_coef = moe_aux_coef(engine.algorithm, engine.model_cfg)
     for mb in mbs:
-        logprobs, entropy, packed = forward_logprobs(engine.policy, mb)
+        logprobs, entropy, hidden = forward_logprobs(engine.policy, mb)
         loss, metrics = compute_policy_loss(
             logprobs, mb.advantages, mb.loss_mask, engine.algorithm,
             old_logprobs=mb.extra.get("old_logprobs"), ref_logprobs=mb.extra.get("ref_logprobs"),
             rollout_logprobs=mb.rollout_logprobs, entropies=entropy, num_tokens=num_tokens, num_seqs=num_seqs,
         )  # fmt: skip
+        loss, metrics = add_router_aux_loss(loss, metrics, engine.policy, mb, aux_coef, num_router_tokens)
         # The zero term keeps the graph connected for empty micro-batches, so every rank runs the same backward.
-        (loss + 0.0 * packed.sum()).backward()
+        (loss + 0.0 * hidden.sum()).backward()
         acc.add(metrics, float(mb.num_loss_tokens))
 
 
@@ -200,7 +230,8 @@ def _update_critic(engine: TrainEngine, mbs: list[MicroBatch], counts: tuple[flo
 def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
     """One GRPO/PPO update on ``batch`` (every rank passes the same batch); returns the step's metrics.
 
-    Metrics (identical on every rank): ``loss`` and its parts (``policy_loss``, ``kl_loss``; mean per optimizer step),
+    Metrics (identical on every rank): ``loss`` and its parts (``policy_loss``, ``kl_loss``, MoE only: ``loss/moe_aux``,
+    the unweighted router load-balancing term, see ``trainer.rl.router_aux``; mean per optimizer step),
     token-weighted means (``kl``, ``entropy``, ``clip_frac_low/high``, ``ratio_mean``, ``is_ratio_mean``,
     ``is_frac_capped``, ``logprob_gap`` = mean |trainer - rollout| log-prob), extremes (``ratio_min/max``,
     ``is_ratio_max``), ``grad_norm`` (mean over optimizer steps, before clipping) and ``grad_norm_max``, ``lr``,
@@ -214,11 +245,7 @@ def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
     if not samples:
         raise ValueError("empty rollout batch: nothing to train on")
     minis = split_minibatches(len(samples), cfg.num_minibatches)
-    plans = [
-        [mb.to(engine.device) for mb in plan_micro_batches(samples, idx, engine.dp_rank, engine.dp_size,
-                                                           cfg.micro_batch_tokens, row_tokens=cfg.pack_row_tokens)]
-        for idx in minis
-    ]  # fmt: skip
+    plans = [plan_rank_micro_batches(engine, samples, idx) for idx in minis]
     need_old = cfg.num_epochs * cfg.num_minibatches > 1
     _rollout_side_pass(engine, plans, need_old)
     if isinstance(engine.algorithm, PPOConfig):
@@ -231,7 +258,7 @@ def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
     for _ in range(cfg.num_epochs):
         for idx, mbs in zip(minis, plans):
             counts = _mini_counts(samples, idx)
-            _update_policy(engine, mbs, counts, acc)
+            _update_policy(engine, mbs, counts, acc, count_router_tokens(samples, idx))
             grad_norms.append(
                 _clip_and_step(engine, engine.policy, engine.optimizer, engine.scheduler, cfg.max_grad_norm)
             )
@@ -243,7 +270,7 @@ def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
     num_updates = cfg.num_epochs * cfg.num_minibatches
     # Sums over every update of the step: loss terms as the mean per optimizer step, counts per pass over the batch.
     def per_update(k: str, v: float) -> float:
-        if k == "loss" or k.endswith("_loss"):
+        if k == "loss" or k.endswith("_loss") or k.startswith("loss/"):
             return v / num_updates
         return v / cfg.num_epochs if k.startswith("num_") else v
 
@@ -273,17 +300,13 @@ def sft_step(engine: TrainEngine, samples: Sequence[Sample], lr: float | None = 
     the RL steps). The weights change, so ``policy_version`` is bumped.
     """
     start = time.perf_counter()
-    mbs = [
-        mb.to(engine.device)
-        for mb in plan_micro_batches(samples, range(len(samples)), engine.dp_rank, engine.dp_size,
-                                     engine.cfg.micro_batch_tokens, row_tokens=engine.cfg.pack_row_tokens)
-    ]  # fmt: skip
+    mbs = plan_rank_micro_batches(engine, samples, range(len(samples)))
     num_tokens, _ = _mini_counts(samples, range(len(samples)))
     acc = MetricsAccumulator()
     for mb in mbs:
-        logprobs, _, packed = forward_logprobs(engine.policy, mb)
+        logprobs, _, hidden = forward_logprobs(engine.policy, mb)
         loss = sft_loss(logprobs, mb.loss_mask, "token_mean", num_tokens=num_tokens)
-        (loss + 0.0 * packed.sum()).backward()
+        (loss + 0.0 * hidden.sum()).backward()
         acc.add({"sft_loss": loss.item(), "num_tokens": float(mb.num_loss_tokens)}, float(mb.num_loss_tokens))
     saved = [g["lr"] for g in engine.optimizer.param_groups]
     if lr is not None:

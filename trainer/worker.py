@@ -159,7 +159,8 @@ class TrainerWorker:
 
     # -- state -----------------------------------------------------------------------------------------------------
     def save_checkpoint(self, data_cursor: dict | None = None) -> str:
-        """Full-state checkpoint under ``checkpoint.dir`` (``step_<n>``); returns its path."""
+        """Full-state checkpoint under ``checkpoint.dir`` (``step_<n>``), the KL reference included; returns its
+        path."""
         from trainer.checkpoint import TrainerState
 
         engine = self._require_engine()
@@ -179,7 +180,8 @@ class TrainerWorker:
         if self._checkpoints is None and path is None:
             raise ValueError("no checkpoint to load: set trainer.checkpoint.dir or pass a checkpoint path")
         manager = self._checkpoints or CheckpointManager(os.path.dirname(os.path.abspath(str(path))))
-        state = manager.load(engine.checkpointables(), path)
+        # Checkpoints written before the reference was saved: keep the one rebuilt from init_path (with a warning).
+        state = manager.load(engine.checkpointables(), path, missing_ok=("reference",))
         engine.step, engine.policy_version, engine.data_cursor = state.step, state.policy_version, state.data_cursor
         return {"step": state.step, "policy_version": state.policy_version, "data_cursor": state.data_cursor}
 
@@ -216,10 +218,14 @@ class TrainerWorker:
             )
         return self._sender
 
-    def push_weights(self, policy_version: int | None = None, dtype: str | None = None) -> dict[str, Any]:
+    def push_weights(
+        self, policy_version: int | None = None, dtype: str | None = None, endpoints: Sequence[str] | None = None
+    ) -> dict[str, Any]:
         """Stream this rank's own shards, under HF names, to every receiver; rank 0 commits after all ranks pushed.
 
         ``policy_version`` defaults to the engine's; ``dtype`` casts the pieces (e.g. 'bfloat16' for a bf16 server).
+        ``endpoints`` pushes (in full) to just those receivers instead, e.g. a replacement rollout worker catching up
+        with the version the others already serve; the regular receivers and their delta bases are left alone.
         Returns this rank's outcome: per-receiver push errors, and on rank 0 the per-receiver commit errors.
         """
         import torch
@@ -227,10 +233,14 @@ class TrainerWorker:
 
         from trainer.models.hf_io import hf_shards
         from trainer.parallelize import local_shards
-        from weight_sync.sender import Shard
+        from weight_sync.sender import Shard, WeightSender
 
         engine = self._require_engine()
         sender = self._get_sender()
+        if endpoints is not None:
+            one_off = sender.config.model_copy(update={"endpoints": [], "delta": False})
+            sender = WeightSender(list(endpoints), one_off, rank=self.rank, num_ranks=self.cfg.num_ranks,
+                                  session_id=self.session_id)  # fmt: skip
         version = engine.policy_version if policy_version is None else policy_version
         cast = getattr(torch, dtype) if dtype is not None else None
         shards = [
@@ -238,16 +248,20 @@ class TrainerWorker:
             for name, local, shape, offsets in local_shards(engine.policy)
             for hf_name, piece, hf_shape, hf_offsets in hf_shards(self.model_cfg, name, local, shape, offsets)
         ]
-        report = sender.push(version, shards)
-        dist.barrier()  # every rank's streams have been answered
-        out: dict[str, Any] = {
-            "policy_version": version, "push_errors": report.failed, "seconds": report.seconds,
-            "payload_bytes": report.payload_bytes,
-        }  # fmt: skip
-        if self.rank == 0:
-            # A receiver that missed a shard from any rank fails its own coverage check and keeps its old version.
-            out["commit_errors"] = {a: e for a, e in self._sender.commit(version).items() if e}
-        dist.barrier()
+        try:
+            report = sender.push(version, shards)
+            dist.barrier()  # every rank's streams have been answered
+            out: dict[str, Any] = {
+                "policy_version": version, "push_errors": report.failed, "seconds": report.seconds,
+                "payload_bytes": report.payload_bytes,
+            }  # fmt: skip
+            if self.rank == 0:
+                # A receiver that missed a shard from any rank fails its own coverage check and keeps its old version.
+                out["commit_errors"] = {a: e for a, e in sender.commit(version).items() if e}
+            dist.barrier()
+        finally:
+            if endpoints is not None:
+                sender.close()
         return out
 
     def shutdown(self) -> None:

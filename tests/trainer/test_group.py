@@ -84,12 +84,24 @@ def test_two_rank_group_trains_checkpoints_and_pushes(ray_session, tmp_path) -> 
         assert metrics["policy_version"] == 1.0 and np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
         group.push_weights(policy_version=2)
         assert receiver.policy_version == 2
+        # A late receiver (e.g. a replacement rollout worker) catches up with a one-off push of the same version; the
+        # regular receiver, already at version 2, is not pushed to again (it would refuse and report an error).
+        late = {name: torch.zeros(shape, dtype=dtype) for name, shape, dtype in hf_manifest(MODEL)}
+        late_receiver = WeightReceiver(StateDictSink(late), WeightSyncConfig())
+        late_receiver.start()
+        try:
+            outcome = group.push_weights(policy_version=2, endpoints=[late_receiver.address])
+            assert [o["push_errors"] for o in outcome] == [{}, {}] and outcome[0]["commit_errors"] == {}
+            assert late_receiver.policy_version == 2
+        finally:
+            late_receiver.stop()
         group.export_hf(str(tmp_path / "hf"))
         from safetensors.torch import load_file
 
         exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
         for name, tensor in exported.items():
             assert torch.equal(received[name], tensor), name
+            assert torch.equal(late[name], tensor), name
         assert not torch.equal(received["model.embed_tokens.weight"], single["model.embed_tokens.weight"])
 
         path = group.save_checkpoint()

@@ -132,3 +132,23 @@ def test_split_minibatches() -> None:
     assert [len(p) for p in parts] == [4, 3, 3]
     with pytest.raises(ValueError):
         split_minibatches(2, 3)
+
+
+def test_scatter_of_loss_positions_equals_unpack() -> None:
+    """The step runs the output head only at ``loss_positions``; scattering back must equal unpacking a full map."""
+    samples = _samples(9, seed=6)
+    for mb in pack_samples(samples, range(9), 120, row_tokens=60):
+        full = torch.randn(mb.tokens.shape, requires_grad=True)
+        picked = full.reshape(-1)[mb.loss_positions]
+        assert picked.shape == (mb.num_loss_tokens,)
+        assert torch.equal(mb.scatter(picked), mb.unpack(full))
+        mb.scatter(picked).sum().backward()
+        assert full.grad.sum() == mb.num_loss_tokens
+
+
+def test_one_row_per_micro_batch_has_no_padding() -> None:
+    """Rows as long as the budget (segment-local attention): each micro-batch is one row, no padding at all."""
+    samples = _samples(30, seed=7)
+    mbs = plan_micro_batches(samples, range(30), 0, 1, 128, row_tokens=128)
+    assert all(mb.tokens.shape[0] == 1 and mb.tokens.shape[1] == mb.num_tokens for mb in mbs)
+    assert sum(mb.num_tokens for mb in mbs) == sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)

@@ -55,11 +55,10 @@ def _samples(seed: int = 0, num_groups: int = 3, group_size: int = 4) -> list[Sa
 
 
 def _set_rollout_logprobs_to_trainer(engine, samples: list[Sample]) -> None:
-    from trainer.packing import plan_micro_batches
-    from trainer.step import forward_logprobs
+    from trainer.step import forward_logprobs, plan_rank_micro_batches
 
     with torch.no_grad():
-        for mb in plan_micro_batches(samples, range(len(samples)), 0, 1, engine.cfg.micro_batch_tokens):
+        for mb in plan_rank_micro_batches(engine, samples, range(len(samples))):
             lp = forward_logprobs(engine.policy, mb)[0]
             for seg, i in enumerate(mb.sample_indices):
                 samples[i].rollout_logprobs = lp[seg, : len(samples[i].completion_ids)].numpy().copy()
@@ -100,6 +99,38 @@ def test_old_logprob_pass_matches_the_gradient_pass() -> None:
         logprobs = forward_logprobs(engine.policy, mb)[0]
         assert logprobs.requires_grad
         assert torch.equal(logprobs.detach(), mb.extra["old_logprobs"])
+
+
+def test_head_at_completion_positions_equals_full_head() -> None:
+    """forward_logprobs runs the output head only where a completion token is predicted: same values as the full
+    [R, L] head unpacked, and the same gradients."""
+    from trainer.step import forward_logprobs, plan_rank_micro_batches
+
+    engine = _engine(GRPOConfig(group_size=4), micro_batch_tokens=60)
+    samples = _samples(seed=6)
+    for mb in plan_rank_micro_batches(engine, samples, range(len(samples))):
+        logprobs, entropy, hidden = forward_logprobs(engine.policy, mb)
+        full_lp, full_ent = engine.policy.token_logprobs(hidden, mb.targets)
+        torch.testing.assert_close(logprobs, mb.unpack(full_lp), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(entropy, mb.unpack(full_ent), rtol=1e-6, atol=1e-6)
+        grads = [torch.autograd.grad((lp * mb.loss_mask).sum(), hidden, retain_graph=True)[0]
+                 for lp in (logprobs, mb.unpack(full_lp))]  # fmt: skip
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+
+def test_segment_local_attention_packs_one_row_per_micro_batch() -> None:
+    from trainer.step import plan_rank_micro_batches
+
+    samples = _samples(seed=7)
+    total = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    mbs = plan_rank_micro_batches(_engine(GRPOConfig(group_size=4), micro_batch_tokens=64), samples, range(12))
+    assert all(mb.tokens.shape == (1, mb.num_tokens) for mb in mbs)  # no padding
+    assert sum(mb.num_tokens for mb in mbs) == total
+    # An explicit row cap still wins.
+    capped = _engine(GRPOConfig(group_size=4), micro_batch_tokens=64, pack_row_tokens=30)
+    assert max(mb.tokens.shape[1] for mb in plan_rank_micro_batches(capped, samples, range(12))) <= max(
+        30, max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    )
 
 
 def test_micro_batching_does_not_change_the_update() -> None:

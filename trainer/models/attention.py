@@ -2,7 +2,15 @@
 
 The projection weights keep the HF layout (``wq`` = ``q_proj`` etc.), so checkpoints and weight pushes need no
 permutation. The attention product itself is a registered function picked by ``ModelConfig.attention`` (see
-``trainer.models.registry`` for the contract); ``sdpa`` and ``eager`` are built in.
+``trainer.models.registry`` for the contract); built in:
+
+- ``sdpa``: ``scaled_dot_product_attention`` with ``is_causal=True`` run once per packed segment, so no ``[T, T]``
+  mask is built and the cost is the sum of the segments' squared lengths, however long the packed row (an arbitrary
+  mask would also force SDPA off its fused causal kernels). Segment-local: rows may be as long as the token budget.
+- ``eager``: matmul-softmax-matmul over a dense mask, the plain reference.
+
+:func:`masked_sdpa_attention` (SDPA over the dense ``[B, 1, T, T]`` mask, not registered) is the parity reference of
+the per-segment path.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from trainer.models.layers import RMSNorm
 from trainer.models.registry import ATTENTION_BLOCKS
 from trainer.models.rope import apply_rope
 
-__all__ = ["Attention", "attention_mask", "eager_attention", "sdpa_attention"]
+__all__ = ["Attention", "attention_mask", "eager_attention", "masked_sdpa_attention", "sdpa_attention", "segment_spans"]
 
 
 def attention_mask(seq_len: int, segment_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -28,11 +36,57 @@ def attention_mask(seq_len: int, segment_ids: torch.Tensor | None, device: torch
     return (causal & same)[:, None]
 
 
-@ATTENTION_BLOCKS.register("sdpa")
+def segment_spans(segment_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row of ``segment_ids [B, T]``, the ``(start, end)`` of each run of equal ids, in order.
+
+    Raises ``ValueError`` if an id comes back after another one in the same row (``[0, 0, 1, 0]``): such a row says
+    that separated runs form one sequence, which per-run attention cannot honour; pack each sequence contiguously.
+    """
+    ids = segment_ids.detach().cpu()
+    t = ids.shape[1]
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    spans = []
+    for r, row_starts in enumerate(starts.tolist()):
+        bounds = [i for i, is_start in enumerate(row_starts) if is_start] + [t]
+        if len(bounds) - 1 != int(ids[r].unique().numel()):
+            raise ValueError(
+                f"segment_ids row {r} repeats an id after a different one ({ids[r].tolist()}): each packed "
+                "sequence must occupy one contiguous run of its row"
+            )
+        spans.append(list(zip(bounds[:-1], bounds[1:])))
+    return spans
+
+
+@ATTENTION_BLOCKS.register("sdpa", segment_local=True)
 def sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment_ids: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """``torch.nn.functional.scaled_dot_product_attention`` (its fused CPU/GPU kernels), native GQA."""
+    """Causal SDPA (fused CPU/GPU kernels, native GQA) applied to each packed segment separately.
+
+    Equal to :func:`masked_sdpa_attention` (a token attends to earlier tokens of its own run of equal segment ids)
+    without materialising any mask; segments must be contiguous runs (see :func:`segment_spans`).
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if segment_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    pieces = []
+    # split (not slicing) so backward concatenates the pieces' gradients once instead of zero-filling a full-size
+    # gradient per piece.
+    for spans, qr, kr, vr in zip(segment_spans(segment_ids), q.split(1), k.split(1), v.split(1), strict=True):
+        lengths = [b - a for a, b in spans]
+        for qs, ks, vs in zip(qr.split(lengths, 2), kr.split(lengths, 2), vr.split(lengths, 2), strict=True):
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+            pieces.append(out.transpose(1, 2))
+    # Concatenated as [T, H, Dh] per row: the caller's transpose back to [B, T, H * Dh] is then a free view.
+    b, t = segment_ids.shape
+    return torch.cat(pieces, dim=1).view(b, t, q.shape[1], q.shape[3]).transpose(1, 2)
+
+
+def masked_sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment_ids: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """SDPA over the dense ``[B, 1, T, T]`` causal-and-same-segment mask: the parity reference of ``sdpa``."""
     gqa = q.shape[1] != k.shape[1]
     if segment_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)

@@ -57,6 +57,9 @@ class MoEConfig(Config):
     """Hidden width of each expert's SwiGLU (HF ``moe_intermediate_size``)."""
     norm_topk_prob: bool = True
     """Renormalise the top-k routing probabilities to sum to 1 (Qwen3-MoE does); otherwise use the raw softmax ones."""
+    aux_loss_coef: float = pydantic.Field(default=0.001, ge=0)
+    """Weight of the router load-balancing loss in training (HF ``router_aux_loss_coef``; 0.001 is Qwen3-MoE's
+    default); 0 turns the term off. The RL algorithm may override it (``algorithm.moe_aux_loss_coef``)."""
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> MoEConfig:
@@ -100,11 +103,12 @@ class ModelConfig(Config):
     max_seq_len: _PositiveInt = 4096
     """Longest sequence (packed row) the model is used with; exported as HF ``max_position_embeddings``."""
     attention: str = "sdpa"
-    """Attention implementation, a name registered in ``ATTENTION_BLOCKS`` (built in: ``sdpa``, ``eager``; Pallas
-    kernel: ``splash``)."""
+    """Attention implementation, a name registered in ``ATTENTION_BLOCKS`` (built in: ``sdpa``, causal SDPA run per
+    packed sequence with no mask, and ``eager``, the masked reference; Pallas kernel: ``splash``)."""
     output_head: str = "chunked"
     """Output head for ``token_logprobs``, a name registered in ``OUTPUT_HEADS`` (built in: ``dense``, which holds
-    the full [tokens, vocab] logits, and ``chunked``, which never does; Pallas kernel: ``fused_pallas``)."""
+    the full [tokens, vocab] logits; ``chunked``, which never does; ``cached``, chunked forward that keeps the fp32
+    probabilities for a cheaper backward (tokens x vocab x 4 bytes, like ``dense``); Pallas kernel: ``fused_pallas``)."""
     output_chunk_size: _PositiveInt = 1024
     """Tokens per chunk of the ``chunked`` output head: its extra memory is about 3 x chunk x vocab x 4 bytes."""
     moe_experts: str = "grouped"

@@ -23,6 +23,8 @@ _HF_NAMES: dict[Family, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+# transformers' Qwen3MoeConfig default, used when a config.json leaves router_aux_loss_coef out.
+_QWEN3_MOE_AUX_LOSS_COEF = 0.001
 
 
 def model_config_from_hf(path: str, **block_overrides: Any) -> ModelConfig:
@@ -68,6 +70,7 @@ def model_config_from_hf_dict(raw: Mapping[str, Any], source: str = "<config.jso
             "top_k": int(raw["num_experts_per_tok"]),
             "expert_ffn_hidden_dim": int(raw["moe_intermediate_size"]),
             "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+            "aux_loss_coef": float(raw.get("router_aux_loss_coef", _QWEN3_MOE_AUX_LOSS_COEF)),
         }
     data.update(overrides)
     return validate_config(ModelConfig, data, source=source)
@@ -169,7 +172,7 @@ def hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
                 "decoder_sparse_step": 1,
                 "mlp_only_layers": [],
                 "output_router_logits": False,
-                "router_aux_loss_coef": 0.001,
+                "router_aux_loss_coef": cfg.moe.aux_loss_coef,
             }
         )
     return out

@@ -10,9 +10,14 @@ between the two). How tokens reach their experts is a registered function picked
 - ``gmm_pallas`` (:func:`trainer.kernels.gmm.gmm_experts`): the same sort (:func:`sort_by_expert`), then the Pallas
   grouped-matmul kernel for each projection.
 
-After each forward, :attr:`MoE.aux_loss` holds the router's load-balancing loss for that call (Switch Transformer
-form as HF computes it for Qwen3-MoE: ``E * sum_e f_e * p_e``, f_e = top-k assignments to e per token, p_e = mean
-router probability of e; equals ``top_k`` when perfectly balanced).
+Router load-balancing loss (Switch Transformer form, as HF's ``load_balancing_loss_func`` computes it for
+Qwen3-MoE): ``E * sum_e f_e * p_e`` with f_e = top-k assignments to expert e per token and p_e = mean router
+probability of e, over the tokens that count; it equals ``top_k`` when routing is perfectly balanced and is
+differentiable through p_e only. Each forward records its routing (:attr:`MoE.routing`, held until the next forward),
+so the loss can be taken afterwards over any token subset: :attr:`MoE.aux_loss` over all tokens of the call,
+:func:`router_aux_loss` as the mean over a model's MoE layers with padding masked out. A mean of per-layer terms
+balances every layer on its own (as Megatron and torchtitan do); HF instead pools the counts of all layers before
+taking the product, which agrees with this for one layer only.
 """
 
 from __future__ import annotations
@@ -26,7 +31,17 @@ from torch import nn
 from trainer.models.config import ModelConfig
 from trainer.models.registry import MOE_EXPERTS
 
-__all__ = ["ExpertSort", "MoE", "grouped_experts", "loop_experts", "route_tokens", "sort_by_expert"]
+__all__ = [
+    "ExpertSort",
+    "MoE",
+    "Routing",
+    "grouped_experts",
+    "load_balancing_loss",
+    "loop_experts",
+    "route_tokens",
+    "router_aux_loss",
+    "sort_by_expert",
+]
 
 
 def route_tokens(
@@ -40,11 +55,40 @@ def route_tokens(
     return top_idx, top_w.to(logits.dtype), probs
 
 
-def load_balancing_loss(probs: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:
-    """Switch-style auxiliary loss for one layer (see the module docstring); differentiable through ``probs``."""
-    num_tokens, num_experts = probs.shape
-    counts = torch.bincount(top_idx.reshape(-1), minlength=num_experts).to(probs.dtype)
-    return num_experts * torch.sum(counts / num_tokens * probs.mean(dim=0))
+def load_balancing_loss(
+    probs: torch.Tensor, top_idx: torch.Tensor, token_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Load-balancing loss of one layer (see the module docstring): 0-dim float32, differentiable through ``probs``.
+
+    ``probs [N, E]`` router softmax (fp32), ``top_idx [N, K]`` chosen experts, ``token_mask`` (N elements, any shape;
+    nonzero = the token counts) leaves padding out; None counts every token. No counted token gives exactly 0.
+    """
+    num_experts, top_k = probs.shape[1], top_idx.shape[1]
+    if token_mask is None:
+        weight = probs.new_ones(probs.shape[0])
+    else:
+        if token_mask.numel() != probs.shape[0]:
+            raise ValueError(f"token_mask has {token_mask.numel()} elements for {probs.shape[0]} routed tokens")
+        weight = (token_mask.reshape(-1) != 0).to(probs.dtype)
+    num_counted = weight.sum().clamp_min(1.0)
+    counts = probs.new_zeros(num_experts).index_add_(0, top_idx.reshape(-1), weight.repeat_interleave(top_k))
+    mean_probs = (probs * weight[:, None]).sum(dim=0) / num_counted
+    return num_experts * torch.sum(counts / num_counted * mean_probs)
+
+
+def router_aux_loss(model: nn.Module, token_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Mean over the MoE layers of ``model`` of their load-balancing loss in the last forward; None if it has none.
+
+    ``token_mask [B, T]`` (the shape of that forward's tokens; nonzero = counts) leaves padding out. Finds the layers
+    through ``model.modules()``, so FSDP / tensor-parallel wrappers and a critic around the backbone work too.
+    """
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        return None
+    missing = [i for i, m in enumerate(layers) if m.routing is None]
+    if missing:
+        raise RuntimeError(f"router_aux_loss: MoE layers {missing} have no routing yet; run a forward first")
+    return torch.stack([load_balancing_loss(*m.routing, token_mask) for m in layers]).mean()
 
 
 def _swiglu(h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -142,6 +186,15 @@ def _grouped_mm_supported(rows: torch.Tensor, weight: torch.Tensor) -> bool:
     return ok_dtype and aligned and rows.dtype == weight.dtype
 
 
+class Routing(NamedTuple):
+    """What a MoE layer's router decided in one forward (kept for the load-balancing loss)."""
+
+    probs: torch.Tensor
+    """``[N, E]`` float32 router softmax, part of the autograd graph when the forward was."""
+    expert_idx: torch.Tensor
+    """``[N, K]`` experts chosen for each token."""
+
+
 class MoE(nn.Module):
     """Router (``router.weight [E, D]``) + stacked experts (``experts.w1/w3 [E, I, D]``, ``experts.w2 [E, D, I]``)."""
 
@@ -157,13 +210,20 @@ class MoE(nn.Module):
         self.experts.w1 = nn.Parameter(torch.empty(num_experts, hidden, cfg.dim, **kw))
         self.experts.w3 = nn.Parameter(torch.empty(num_experts, hidden, cfg.dim, **kw))
         self.experts.w2 = nn.Parameter(torch.empty(num_experts, cfg.dim, hidden, **kw))
-        self.aux_loss: torch.Tensor | None = None
+        # The last forward's routing. Autograd saves these tensors anyway, so keeping them costs no memory in
+        # training; after a no-grad forward they stay alive until the next one.
+        self.routing: Routing | None = None
+
+    @property
+    def aux_loss(self) -> torch.Tensor | None:
+        """Load-balancing loss of the last forward over all its tokens; None before the first forward."""
+        return None if self.routing is None else load_balancing_loss(*self.routing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [B, T, D]`` -> ``[B, T, D]``; sets :attr:`aux_loss`."""
+        """``x [B, T, D]`` -> ``[B, T, D]``; records :attr:`routing` (token order ``b * T + t``)."""
         flat = x.reshape(-1, x.shape[-1])
         top_idx, top_w, probs = route_tokens(self.router(flat), self.top_k, self.norm_topk_prob)
-        self.aux_loss = load_balancing_loss(probs, top_idx)
+        self.routing = Routing(probs, top_idx)
         out = self.kernel(flat, top_idx, top_w, self.experts.w1, self.experts.w3, self.experts.w2)
         return out.view_as(x)
 

@@ -5,8 +5,11 @@
 - ``chunked``: a custom autograd function that walks ``chunk_size`` tokens at a time, keeps only per-token
   log-sum-exp and entropy (``[N]``) from forward, and recomputes each chunk's logits in backward. Peak extra memory
   is a few ``[chunk_size, V]`` float32 buffers plus the weight gradient, never the full ``[N, V]``.
+- ``cached``: ``chunked``'s forward, but it keeps every chunk's float32 probabilities (``[N, V]``, as much as
+  ``dense``'s logits) so backward skips the logits matmul (a third of the head's FLOPs) and the exp. For when the
+  head's tokens times vocabulary fit in memory comfortably (CPU training, short completions).
 
-Both compute logits in the parameters' dtype and do the softmax math in float32, so they agree to float rounding.
+All compute logits in the parameters' dtype and do the softmax math in float32, so they agree to float rounding.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch.nn.functional as F
 
 from trainer.models.registry import OUTPUT_HEADS
 
-__all__ = ["chunked_token_logprobs", "dense_token_logprobs"]
+__all__ = ["cached_token_logprobs", "chunked_token_logprobs", "dense_token_logprobs"]
 
 
 @OUTPUT_HEADS.register("dense")
@@ -40,60 +43,127 @@ def chunked_token_logprobs(
     """Same contract as :func:`dense_token_logprobs`, in chunks of ``chunk_size`` tokens (see the module docstring)."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    return _ChunkedLogprobs.apply(hidden, weight, targets, chunk_size)
+    return _ChunkedLogprobs.apply(hidden, weight, targets, chunk_size, False)
+
+
+@OUTPUT_HEADS.register("cached")
+def cached_token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`dense_token_logprobs`; keeps ``[N, V]`` float32 probabilities for backward."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    return _ChunkedLogprobs.apply(hidden, weight, targets, chunk_size, True)
+
+
+def _logits_into(buf: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T`` in the parameters' dtype, as float32 in the leading rows of the reused buffer ``buf``.
+
+    Reusing one buffer per call matters on CPU: a fresh ``[chunk, V]`` float32 block is above glibc's mmap
+    threshold, so every allocation would page-fault its whole size in again.
+    """
+    out = buf[: hidden.shape[0]]
+    if weight.dtype == torch.float32 and hidden.dtype == torch.float32:
+        return torch.mm(hidden, weight.t(), out=out)
+    return out.copy_(F.linear(hidden, weight))
+
+
+def _softmax_stats(
+    logits: torch.Tensor, targets: torch.Tensor, exp_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(target logit, log-sum-exp, entropy) per row of float32 ``logits [n, V]``; ``exp_out`` ends up holding the
+    probabilities. Overwrites ``logits``."""
+    target_logit = logits.gather(-1, targets[:, None]).squeeze(-1)
+    row_max = logits.amax(dim=-1)
+    shifted = logits.sub_(row_max[:, None])  # z - max <= 0: exp cannot overflow
+    e = torch.exp(shifted, out=exp_out)
+    sum_e = e.sum(-1)
+    # entropy = log(sum e) - sum(e * (z - max)) / sum e, from the unnormalised e.
+    entropy = sum_e.log() - shifted.mul_(e).sum(-1) / sum_e
+    e.mul_(sum_e.reciprocal()[:, None])
+    return target_logit, row_max + sum_e.log(), entropy
+
+
+def _grad_logits(
+    out: torch.Tensor, probs: torch.Tensor, logp: torch.Tensor | None, targets: torch.Tensor,
+    g_lp: torch.Tensor, g_ent: torch.Tensor | None, entropy: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """d loss / d logits into ``out`` (may alias ``probs``; ``logp`` is overwritten, None: derived from ``probs``).
+
+    d logprob[t] / d logits = onehot(t) - p and d entropy / d logits = -p * (log p + H), so the gradient is
+    ``p * (a * log p + b) + g_lp * onehot(t)`` with ``a = -g_ent``, ``b = -g_ent * H - g_lp``.
+    """
+    if g_ent is None:
+        grad = torch.mul(probs, -g_lp[:, None], out=out)
+    else:
+        a, b = -g_ent, -g_ent * entropy - g_lp
+        if logp is None:  # p log p with 0 where p underflowed to 0 (its gradient term is 0 too)
+            grad = torch.xlogy(probs, probs, out=out).mul_(a[:, None]).add_(probs * b[:, None])
+        else:
+            grad = torch.mul(probs, logp.mul_(a[:, None]).add_(b[:, None]), out=out)
+    return grad.scatter_add_(-1, targets[:, None], g_lp[:, None])
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size):  # noqa: ANN001 (autograd signature)
+    def forward(ctx, hidden, weight, targets, chunk_size, keep_probs):  # noqa: ANN001 (autograd signature)
+        ctx.set_materialize_grads(False)  # an unused output (entropy without a bonus) gets None: a cheaper backward
         flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        n, vocab = flat_targets.numel(), weight.shape[0]
         # Outputs are allocated in their final shape and filled through flat views: returned tensors are not views.
         logprobs = hidden.new_empty(targets.shape, dtype=torch.float32)
         entropy = hidden.new_empty(targets.shape, dtype=torch.float32)
         lse = hidden.new_empty(flat_targets.shape, dtype=torch.float32)
         flat_logprobs, flat_entropy = logprobs.view(-1), entropy.view(-1)
-        for start in range(0, flat_targets.numel(), chunk_size):
+        logits_buf = hidden.new_empty((min(chunk_size, n), vocab), dtype=torch.float32)
+        probs = hidden.new_empty((n if keep_probs else min(chunk_size, n), vocab), dtype=torch.float32)
+        for start in range(0, n, chunk_size):
             sl = slice(start, start + chunk_size)
-            logits = F.linear(flat_hidden[sl], weight).float()
-            chunk_lse = torch.logsumexp(logits, dim=-1)
-            lse[sl] = chunk_lse
-            flat_logprobs[sl] = logits.gather(-1, flat_targets[sl, None]).squeeze(-1) - chunk_lse
-            # entropy = lse - sum(p * logits); reuse the probs buffer for p * logits.
-            probs = (logits - chunk_lse[:, None]).exp_()
-            flat_entropy[sl] = chunk_lse - probs.mul_(logits).sum(-1)
-            del logits, probs
-        ctx.save_for_backward(flat_hidden, weight, flat_targets, lse, flat_entropy.detach().clone())
+            logits = _logits_into(logits_buf, flat_hidden[sl], weight)
+            exp_out = probs[sl] if keep_probs else probs[: logits.shape[0]]
+            target_logit, lse[sl], flat_entropy[sl] = _softmax_stats(logits, flat_targets[sl], exp_out)
+            flat_logprobs[sl] = target_logit - lse[sl]
+        del logits_buf
+        saved_probs = probs if keep_probs else None
+        ctx.save_for_backward(flat_hidden, weight, flat_targets, lse, flat_entropy.detach().clone(), saved_probs)
         ctx.chunk_size, ctx.hidden_shape = chunk_size, hidden.shape
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):  # noqa: ANN001
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy, saved_probs = ctx.saved_tensors
         n, chunk_size = hidden.shape[0], ctx.chunk_size
-        g_lp = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs.reshape(-1).float()
-        g_ent = torch.zeros_like(lse) if grad_entropy is None else grad_entropy.reshape(-1).float()
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (grad_logprobs is None and grad_entropy is None) or not (need_h or need_w):
+            return None, None, None, None, None
+        g_lp = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs.reshape(-1).float()
+        g_ent = None if grad_entropy is None else grad_entropy.reshape(-1).float()
         grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        buf = hidden.new_empty((min(chunk_size, n), weight.shape[0]), dtype=torch.float32)
+        probs_buf = torch.empty_like(buf) if saved_probs is None else None
         for start in range(0, n, chunk_size):
             sl = slice(start, start + chunk_size)
-            h = hidden[sl]
-            logp = F.linear(h, weight).float().sub_(lse[sl, None])
-            probs = logp.exp()
-            # d entropy / d logits = -p * (log p + H);  d logprob[t] / d logits = onehot(t) - p
-            grad_logits = logp.add_(entropy[sl, None]).mul_(probs).mul_(-g_ent[sl, None])
-            grad_logits.sub_(probs.mul_(g_lp[sl, None]))
-            del probs
-            grad_logits.scatter_add_(-1, targets[sl, None], g_lp[sl, None])
-            del logp  # same storage as grad_logits; drop the alias so a dtype cast below can free it
+            h, g_ent_chunk = hidden[sl], None if g_ent is None else g_ent[sl]
+            if saved_probs is None:
+                logp = _logits_into(buf, h, weight).sub_(lse[sl, None])
+                probs = torch.exp(logp, out=probs_buf[: logp.shape[0]])
+                grad_logits = _grad_logits(probs, probs, logp, targets[sl], g_lp[sl], g_ent_chunk, entropy[sl])
+            else:
+                probs = saved_probs[sl]
+                grad_logits = _grad_logits(
+                    buf[: probs.shape[0]], probs, None, targets[sl], g_lp[sl], g_ent_chunk, entropy[sl]
+                )
             grad_logits = grad_logits.to(weight.dtype)
-            if need_h:
+            if need_h and grad_hidden.dtype == weight.dtype:
+                torch.mm(grad_logits, weight, out=grad_hidden[sl])
+            elif need_h:
                 grad_hidden[sl] = grad_logits @ weight
             if need_w:
                 grad_weight.addmm_(grad_logits.t().float(), h.float())
-            del grad_logits
+        del buf, probs_buf
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)
         if need_h:
             grad_hidden = grad_hidden.view(ctx.hidden_shape)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None

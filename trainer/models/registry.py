@@ -4,7 +4,9 @@ Three registries, one per swappable block, each mapping a name to a plain functi
 
 - ``ATTENTION_BLOCKS[name](q, k, v, *, segment_ids, scale) -> out``: q ``[B, H, T, Dh]``, k/v ``[B, KVH, T, Dh]``
   (grouped-query: ``H % KVH == 0``, the function handles the grouping), segment_ids ``[B, T]`` or ``None``; attention
-  is causal and, with segment ids, restricted to equal ids. Returns ``[B, H, T, Dh]``.
+  is causal and, with segment ids, restricted to equal ids. Returns ``[B, H, T, Dh]``. A block registered with
+  ``segment_local=True`` costs the sum over segments of their squared lengths, not the packed row's squared length:
+  the trainer then packs rows up to the whole micro-batch token budget (no padding) unless told otherwise.
 - ``OUTPUT_HEADS[name](hidden, weight, targets, *, chunk_size) -> (logprobs, entropy)``: hidden ``[..., D]``, weight
   ``[V, D]``, targets ``[...]`` int64; returns float32 ``[...]`` each (fresh tensors, not views), both
   differentiable w.r.t. hidden and weight.
@@ -46,15 +48,23 @@ class BlockRegistry(Generic[FnT]):
         self.config_field = config_field
         self._impls: dict[str, FnT] = {}
         self._checks: dict[str, DeviceCheck] = {}
+        self._segment_local: set[str] = set()
         self._lazy_modules = dict(lazy_modules or {})
 
     def register(
-        self, name: str, fn: FnT | None = None, *, replace: bool = False, check_supported: DeviceCheck | None = None
+        self,
+        name: str,
+        fn: FnT | None = None,
+        *,
+        replace: bool = False,
+        check_supported: DeviceCheck | None = None,
+        segment_local: bool = False,
     ) -> Callable[[FnT], FnT] | FnT:
         """Register ``fn`` under ``name`` (or use as a decorator: ``@REGISTRY.register("name")``).
 
         ``check_supported(device)``, if given, raises ``ValueError`` when the block cannot run on ``device`` (a
-        ``torch.device`` or its string). Registering a taken name raises ``ValueError`` unless ``replace=True``.
+        ``torch.device`` or its string). ``segment_local``: attention blocks whose cost does not grow with the packed
+        row's length (see the module docstring). Registering a taken name raises ``ValueError`` unless ``replace=True``.
         """
 
         def add(f: FnT) -> FnT:
@@ -65,6 +75,10 @@ class BlockRegistry(Generic[FnT]):
                 self._checks[name] = check_supported
             else:
                 self._checks.pop(name, None)
+            if segment_local:
+                self._segment_local.add(name)
+            else:
+                self._segment_local.discard(name)
             return f
 
         return add if fn is None else add(fn)
@@ -89,6 +103,11 @@ class BlockRegistry(Generic[FnT]):
         check = self._checks.get(name)
         if check is not None:
             check(device)
+
+    def is_segment_local(self, name: str) -> bool:
+        """Whether block ``name`` was registered ``segment_local`` (unknown names raise as in :meth:`get`)."""
+        self.get(name)
+        return name in self._segment_local
 
     def __getitem__(self, name: str) -> FnT:
         return self.get(name)

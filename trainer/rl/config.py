@@ -91,6 +91,10 @@ class _PolicyConfig(Config):
     """Weight of the entropy bonus (subtracted from the loss); 0 turns it off."""
     importance_sampling: ImportanceSamplingConfig = ImportanceSamplingConfig()
     """Correction for the rollout/trainer log-prob mismatch."""
+    moe_aux_loss_coef: float | None = pydantic.Field(default=None, ge=0)
+    """Weight of the MoE router load-balancing loss added to the policy loss (mean over MoE layers, reported as
+    ``loss/moe_aux``); None takes the model's own (``model.moe.aux_loss_coef``, from the checkpoint's HF
+    ``router_aux_loss_coef``), 0 turns the term off. Dense models have no router: the setting does not apply."""
 
     @pydantic.model_validator(mode="after")
     def _check_policy(self) -> _PolicyConfig:

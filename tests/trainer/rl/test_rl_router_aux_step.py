@@ -1,0 +1,82 @@
+"""The router load-balancing term inside ``rl_step`` (FSDP2 over a 1-rank gloo group): reported as ``loss/moe_aux``,
+added with the configured weight, off at 0, absent for dense models, a mean per optimizer step."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from rollout.types import RolloutBatch, Sample
+from trainer.config import TrainerConfig
+from trainer.models.config import ModelConfig
+from trainer.rl.config import GRPOConfig
+
+MOE = ModelConfig(
+    family="qwen3_moe", vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+    ffn_hidden_dim=48, qk_norm=True, output_chunk_size=16,
+    moe=dict(num_experts=4, top_k=2, expert_ffn_hidden_dim=16, aux_loss_coef=0.3),
+)  # fmt: skip
+DENSE = MOE.model_copy(update={"family": "qwen3", "moe": None})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _samples(seed: int = 0) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(3):
+        for _ in range(4):
+            p, c = int(rng.integers(2, 9)), int(rng.integers(1, 16))
+            out.append(Sample(prompt_ids=rng.integers(1, 64, p), completion_ids=rng.integers(1, 64, c),
+                              rollout_logprobs=np.full(c, -4.0, np.float32), reward=float(rng.random()), group_id=g,
+                              policy_version=0))  # fmt: skip
+    return out
+
+
+def _step(model_cfg: ModelConfig, algo: GRPOConfig, **overrides) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    from trainer.engine import build_engine
+    from trainer.parallelize import build_mesh
+    from trainer.step import rl_step
+
+    cfg = TrainerConfig(**{"optimizer": {"lr": 1e-2}, "micro_batch_tokens": 48, **overrides})
+    engine = build_engine(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+    metrics = rl_step(engine, RolloutBatch(_samples()))
+    weights = {n: p.full_tensor().detach().clone() for n, p in engine.policy.named_parameters()}
+    return metrics, weights
+
+
+def test_the_term_is_added_with_its_weight_and_reported() -> None:
+    off, w_off = _step(MOE, GRPOConfig(group_size=4, moe_aux_loss_coef=0.0))
+    on, w_on = _step(MOE, GRPOConfig(group_size=4, moe_aux_loss_coef=0.3))
+    default, w_default = _step(MOE, GRPOConfig(group_size=4))  # the model's own coefficient, 0.3
+    assert off["loss"] == off["policy_loss"]  # coef 0: the optimized loss is the policy loss alone
+    assert off["loss/moe_aux"] == on["loss/moe_aux"] > 1.0  # about top_k = 2 near balance
+    assert on["policy_loss"] == off["policy_loss"]
+    assert on["loss"] == pytest.approx(on["policy_loss"] + 0.3 * on["loss/moe_aux"], rel=1e-6)
+    assert default == pytest.approx({**on, "step_s": default["step_s"], "tokens_per_s": default["tokens_per_s"]})
+    router = "layers.0.moe.router.weight"
+    assert not torch.equal(w_on[router], w_off[router])
+    assert torch.equal(w_on[router], w_default[router])
+
+
+def test_dense_models_report_nothing() -> None:
+    metrics, _ = _step(DENSE, GRPOConfig(group_size=4, moe_aux_loss_coef=0.3))
+    assert "loss/moe_aux" not in metrics and metrics["loss"] == metrics["policy_loss"]
+
+
+def test_metric_is_a_mean_per_optimizer_step() -> None:
+    one, _ = _step(MOE, GRPOConfig(group_size=4), num_minibatches=1)
+    four, _ = _step(MOE, GRPOConfig(group_size=4), num_minibatches=2, num_epochs=2)
+    assert one["loss/moe_aux"] == pytest.approx(four["loss/moe_aux"], rel=0.1)  # not summed over the 4 updates
