@@ -6,11 +6,16 @@ trainer by at most ``max_staleness`` versions and the trainer's truncated import
 
 Each batch remembers the dataset cursor right after its prompts were drawn; the trainer checkpoints that cursor with
 the weights, so ``--resume`` regenerates exactly the batches that were in flight when the job stopped.
+
+After every push the loop tells the pool the committed ``policy_version``, and it lends the pool a weight publisher
+(the trainer pushing its current weights to named receivers): a rollout worker that dies is replaced by the pool with
+one that serves that version before it takes work, so a death never makes a batch older than the mode allows.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -21,14 +26,14 @@ from rollout.types import RolloutBatch
 
 __all__ = ["RLLoop"]
 
+log = logging.getLogger("rl_align")
+
 
 @dataclass
 class _InFlight:
     handle: Any
     cursor: dict
     """Dataset cursor right after this batch's prompts were drawn."""
-    problems: list
-    """The batch's prompts (generated again when a replacement worker served them with stale weights)."""
 
 
 class RLLoop:
@@ -47,19 +52,19 @@ class RLLoop:
         self.recipe, self.pool, self.trainer, self.dataset = recipe, pool, trainer, dataset
         self._sync_weights, self._log, self._evaluate = sync_weights, log, evaluate
         self._queue: collections.deque[_InFlight] = collections.deque()
+        pool.set_weight_publisher(self._publish)
 
     def _submit(self) -> None:
         problems = self.dataset.next_batch(self.recipe.run.num_prompts_per_step)
         handle = self.pool.submit(problems, self.recipe.algorithm.group_size)
-        self._queue.append(_InFlight(handle, self.dataset.state_dict(), list(problems)))
+        self._queue.append(_InFlight(handle, self.dataset.state_dict()))
 
     def _collect(self) -> tuple[RolloutBatch, dict, dict[str, float]]:
         """The next step's batch (with DAPO dynamic sampling when on), its cursor, and rollout metrics."""
         run = self.recipe.run
         item = self._queue.popleft()
-        batch, num_stale = self._fresh(self.pool.collect(item.handle), item.problems)
+        batch = self.pool.collect(item.handle)
         metrics = dict(batch.metrics)  # the pool's own names: rollout/*, reward/*
-        metrics["rollout/num_stale_regenerated"] = float(num_stale)
         if not run.dynamic_sampling.enabled:
             return batch, item.cursor, metrics
         kept = _informative_groups(batch)
@@ -79,25 +84,16 @@ class RLLoop:
         samples = [s for group in kept[: run.num_prompts_per_step] for s in group]
         return RolloutBatch(samples, batch.metrics), cursor, metrics
 
-    def _fresh(self, batch: RolloutBatch, problems: list) -> tuple[RolloutBatch, int]:
-        """``batch``, or when it holds samples older than the mode allows, the same prompts generated again after a
-        weight push; also how many samples were too old.
-
-        A rollout worker that died is replaced inside ``pool.collect``; when no live peer holds newer weights the
-        replacement starts from the initial checkpoint and generates the lost groups with it. Pushing now re-syncs
-        it, and the batch is generated again on the current policy (sync mode must stay on-policy).
-        """
-        if not batch.metrics.get("rollout/num_redispatched"):
-            return batch, 0  # no worker was replaced while generating it
-        run = self.recipe.run
-        # Sync: on-policy. Async: a batch submitted before step k's update is trained at step k + max_staleness.
-        allowed = run.max_staleness if run.mode == "async" else 0
-        current = self.trainer.policy_version()
-        num_stale = sum(current - s.policy_version > allowed for s in batch.samples)
-        if not num_stale:
-            return batch, 0
-        self._sync_weights()
-        return self.pool.collect(self.pool.submit(problems, self.recipe.algorithm.group_size)), num_stale
+    def _publish(self, addresses: list[str]) -> int:
+        """The pool's weight publisher: push the trainer's current weights to ``addresses`` only (replacement workers);
+        return the version pushed."""
+        outcomes = self.trainer.push_weights(endpoints=addresses)
+        failed = {a: e for o in outcomes for a, e in {**o["push_errors"], **o.get("commit_errors", {})}.items() if e}
+        if failed:
+            raise RuntimeError(f"pushing the current policy to replacement rollout worker(s) failed: {failed}")
+        version = int(outcomes[0]["policy_version"])
+        log.info("pushed policy_version %d to replacement rollout worker(s) %s before they serve", version, addresses)
+        return version
 
     def run(self, start_step: int) -> None:
         """Steps ``start_step`` .. ``num_steps - 1``; the pool must already serve the trainer's current weights."""
@@ -112,6 +108,7 @@ class RLLoop:
                 self._submit()
                 num_submitted += 1
 
+        self.pool.set_policy_version(self.trainer.policy_version())
         top_up(1)
         for step in range(start_step, run.num_steps):
             t0 = time.perf_counter()
@@ -120,11 +117,13 @@ class RLLoop:
             top_up(ahead)  # async: later batches generate with the current weights while this one trains
             train = self.trainer.train_step(batch, data_cursor=cursor)
             t2 = time.perf_counter()
+            version = int(train["policy_version"])
             metrics.update(self._sync_weights())
+            self.pool.set_policy_version(version)
             t3 = time.perf_counter()
             top_up(1)  # sync: the next batch is generated by the weights just pushed
             metrics.update({f"train/{k}": v for k, v in train.items()})
-            metrics.update(_batch_metrics(batch, policy_version=int(train.get("policy_version", step + 1)) - 1))
+            metrics.update(_batch_metrics(batch, policy_version=version - 1))
             metrics.update({
                 "time/generate_s": t1 - t0, "time/train_s": t2 - t1, "time/push_s": t3 - t2,
                 "time/step_s": time.perf_counter() - t0,

@@ -128,7 +128,7 @@ class _Run:
         self.external = list(r.weight_sync.endpoints)
         sync_cfg = r.weight_sync.model_copy(update={"endpoints": self.pool.receiver_addresses() + self.external})
         t0 = time.perf_counter()
-        # A resumed run rebuilds its frozen reference from the warm-started weights it was trained against.
+        # A resumed run starts from the warm-started weights (its checkpoint then restores policy and reference).
         warm = self.out_dir / "warm_start_model"
         init_path = str(warm) if self.resume and (warm / "config.json").is_file() else r.model.path
         self.trainer = TrainerGroup(r.trainer, model_cfg, r.algorithm, init_path=init_path, weight_sync=sync_cfg,

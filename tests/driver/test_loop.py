@@ -1,6 +1,7 @@
 """The RL loop's ordering, with hand-written fakes for the pool, trainer and dataset (the real ones are exercised by
 tests/integration): sync trains on-policy, async keeps generation one batch ahead, dynamic sampling drops groups whose
-rewards are all equal, and each step hands the trainer the dataset cursor of the batch it trains on."""
+rewards are all equal, each step hands the trainer the dataset cursor of the batch it trains on, and the pool learns
+every committed version and can have the trainer push to a replacement worker."""
 
 import numpy as np
 
@@ -23,10 +24,21 @@ class FakeDataset:
 
 
 class FakePool:
-    """Problem p's group scores 1,0,1,0.. when p is even and all 0 when p is odd (so odd groups are uninformative)."""
+    """Problem p's group scores 1,0,1,0.. when p is even and all 0 when p is odd (so odd groups are uninformative).
 
-    def __init__(self, events):
+    ``replace_on_collect``: collecting that handle simulates a dead worker whose replacement (serving version 0) gets
+    the committed version from the loop's weight publisher before it regenerates the batch, as the real pool does.
+    """
+
+    def __init__(self, events, replace_on_collect=None):
         self.events, self.version, self._handles, self._num_submitted = events, 0, {}, 0
+        self.replace_on_collect, self.publish, self.committed = replace_on_collect, None, []
+
+    def set_weight_publisher(self, publish):
+        self.publish = publish
+
+    def set_policy_version(self, version):
+        self.committed.append(version)
 
     def submit(self, problems, group_size, sampling=None):
         handle, self._num_submitted = self._num_submitted, self._num_submitted + 1
@@ -36,6 +48,9 @@ class FakePool:
 
     def collect(self, handle):
         problems, group_size, version = self._handles.pop(handle)
+        if handle == self.replace_on_collect:
+            version = self.publish(["replacement:1"])
+            self.events.append(("published", version))
         samples = [
             Sample(np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(1, np.float32),
                    reward=float(p % 2 == 0 and k % 2 == 0), group_id=p, policy_version=version)
@@ -48,6 +63,13 @@ class FakeTrainer:
     def __init__(self, events, pool):
         self.events, self.pool, self.version = events, pool, 0
 
+    def policy_version(self):
+        return self.version
+
+    def push_weights(self, endpoints):
+        self.events.append(("push_to", tuple(endpoints), self.version))
+        return [{"policy_version": self.version, "push_errors": {}, "commit_errors": {}}]
+
     def train_step(self, batch, data_cursor):
         self.events.append(("train", sorted(batch.groups()), data_cursor["position"]))
         self.version += 1
@@ -59,14 +81,16 @@ class FakeTrainer:
         return {}
 
 
-def _run(overrides, num_steps=3):
+def _run(overrides, num_steps=3, replace_on_collect=None, pool_out=None):
     recipe = load_recipe("recipes/grpo_tiny.toml", {"run.num_steps": num_steps, "run.num_prompts_per_step": 2,
                                                     "algorithm.group_size": 2, **overrides})  # fmt: skip
     events, logged = [], []
-    pool = FakePool(events)
+    pool = FakePool(events, replace_on_collect)
     trainer = FakeTrainer(events, pool)
     loop = RLLoop(recipe, pool, trainer, FakeDataset(), trainer.push, lambda s, m: logged.append((s, m)), dict)
     loop.run(start_step=0)
+    if pool_out is not None:
+        pool_out.append(pool)
     return events, logged
 
 
@@ -103,3 +127,17 @@ def test_dynamic_sampling_keeps_only_informative_groups():
     (_, groups, _), = [e for e in events if e[0] == "train"]
     assert groups == [0, 2]  # problem 1 (all rewards 0) dropped, problem 2 drawn in a second round
     assert logged[0][1]["rollout/dynamic_sampling_rounds"] == 2.0
+
+
+def test_pool_is_told_each_committed_version():
+    pools = []
+    _run({"run.mode": "async", "run.max_staleness": 1}, num_steps=3, pool_out=pools)
+    assert pools[0].committed == [0, 1, 2, 3]  # the trainer's version at the start, then after every push
+
+
+def test_replacement_gets_the_committed_version_from_the_publisher():
+    # Sync: batch 2 is submitted after the push of version 2; its worker dies and the replacement needs version 2.
+    events, logged = _run({}, num_steps=3, replace_on_collect=2)
+    assert ("push_to", ("replacement:1",), 2) in events and ("published", 2) in events
+    assert events.index(("published", 2)) < [i for i, e in enumerate(events) if e[0] == "train"][2]
+    assert [m["rollout/staleness_max"] for _, m in logged] == [0.0, 0.0, 0.0]  # on-policy, no batch regenerated

@@ -37,7 +37,8 @@ def pool(model_dir, tmp_path_factory):
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}})
     config = RolloutConfig(
         model_path=model_dir, num_workers=2, max_groups_per_dispatch=2, num_worker_restarts=2,
-        engine=EngineConfig(max_model_len=256, max_num_seqs=16, cpu_threads_bind="nobind", kv_cache_gib=0.25),
+        engine=EngineConfig(max_model_len=256, max_num_seqs=16, cpu_threads_bind="nobind", kv_cache_gib=0.25,
+                            enforce_eager=True),
     )
     pool = RolloutPool(config, reward=RewardConfig(terms=[ExactMatchRewardConfig()]), weight_sync=WeightSyncConfig())
     yield pool

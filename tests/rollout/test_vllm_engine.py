@@ -33,7 +33,8 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def engine(model_dir) -> VLLMEngine:
-    return VLLMEngine(model_dir, EngineConfig(max_model_len=256, max_num_seqs=16, cpu_threads_bind="nobind"))
+    config = EngineConfig(max_model_len=256, max_num_seqs=16, cpu_threads_bind="nobind", enforce_eager=True)
+    return VLLMEngine(model_dir, config)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ from rollout.worker import RolloutWorker  # noqa: E402
 def worker(tmp_path_factory):
     config = RolloutConfig(
         model_path=make_model(tmp_path_factory.mktemp("tiny")),
-        engine=EngineConfig(max_model_len=256, max_num_seqs=16, cpu_threads_bind="nobind", kv_cache_gib=0.25),
+        engine=EngineConfig(max_model_len=256, max_num_seqs=16, cpu_threads_bind="nobind", kv_cache_gib=0.25,
+                            enforce_eager=True),
         sampling=SamplingConfig(max_tokens=8, seed=5),
     )
     worker = RolloutWorker(config, reward=RewardConfig(terms=[ExactMatchRewardConfig()]))

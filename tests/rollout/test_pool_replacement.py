@@ -1,0 +1,171 @@
+"""RolloutPool's replacement of dead workers, on Ray actors that stand in for RolloutWorker (no vLLM, so it runs in
+seconds): a replacement serves the committed policy_version before it takes work, whichever source has it (a live
+peer, the weight publisher, the trainer's next push), and a pool with no source fails instead of hanging.
+
+The real workers (vLLM engines, gRPC pulls) are covered by test_pool.py and tests/integration/test_faults.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from rollout.config import RolloutConfig  # noqa: E402
+from rollout.pool import RolloutPool  # noqa: E402
+from rollout.tasks.problem import Problem  # noqa: E402
+from rollout.types import RolloutBatch, Sample  # noqa: E402
+
+PROBLEMS = [Problem(prompt=f"p{i}", answer=str(i), problem_id=f"p{i}") for i in range(6)]
+
+
+class FakeWorker:
+    """RolloutWorker's pool-facing methods over a version number: a 'push' sets it, samples record it."""
+
+    def __init__(self, config, reward=None, weight_sync=None):
+        self.version = 0
+        self.changed = threading.Condition()
+
+    def receiver_address(self):
+        return f"fake:{os.getpid()}"
+
+    def policy_version(self):
+        return self.version
+
+    def receive(self, version):
+        """What a committed push through the worker's receiver does."""
+        with self.changed:
+            self.version = version
+            self.changed.notify_all()
+
+    def wait_for_version(self, policy_version, timeout_s=None):
+        with self.changed:
+            self.changed.wait_for(lambda: self.version >= policy_version, timeout=timeout_s)
+        return self.version
+
+    def pull_weights(self, peer=None, checkpoint_dir=None, policy_version=0):
+        if peer is not None:
+            self.receive(ray.get(peer.policy_version.remote()))
+        elif checkpoint_dir is not None:
+            self.receive(policy_version)
+        return self.version
+
+    def generate_groups(self, problems, group_ids, group_size, sampling=None):
+        version = self.version
+        time.sleep(0.2)
+        samples = [
+            Sample(np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(1, np.float32), reward=1.0, group_id=g,
+                   policy_version=version)
+            for g in group_ids for _ in range(group_size)
+        ]  # fmt: skip
+        return RolloutBatch(samples, {"rollout/num_completion_tokens": float(len(samples))})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session(tmp_path_factory):
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors need not import this test module
+    ray.init(address="local", _temp_dir=str(tmp_path_factory.mktemp("ray")), include_dashboard=False, num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+def _pool(monkeypatch, num_workers: int, retain: bool = True) -> RolloutPool:
+    monkeypatch.setattr("rollout.worker.RolloutWorker", FakeWorker)
+    config = RolloutConfig(model_path="unused", num_workers=num_workers, num_cpus_per_worker=0.0,
+                           max_groups_per_dispatch=2, retain_latest_weights=retain)  # fmt: skip
+    return RolloutPool(config)
+
+
+def _push(pool: RolloutPool, version: int) -> None:
+    """A trainer push of ``version`` to every address the pool lists, then the driver's report of it."""
+    by_address = {ray.get(a.receiver_address.remote()): a for a in pool.workers}
+    ray.get([by_address[address].receive.remote(version) for address in pool.receiver_addresses()])
+    pool.set_policy_version(version)
+
+
+def _publisher(pool: RolloutPool, version: int, calls: list):
+    def publish(addresses: list[str]) -> int:
+        calls.append(list(addresses))
+        by_address = {ray.get(a.receiver_address.remote()): a for a in pool.workers}
+        ray.get([by_address[address].receive.remote(version) for address in addresses])
+        return version
+
+    return publish
+
+
+def _collect_after_kill(pool: RolloutPool, victim) -> RolloutBatch:
+    handle = pool.submit(PROBLEMS, group_size=2)
+    ray.kill(victim)
+    return pool.collect(handle, timeout_s=60)
+
+
+def _assert_complete(batch: RolloutBatch, version: int) -> None:
+    first = batch.samples[0].group_id  # group ids are unique per pool: this batch's are consecutive
+    assert sorted({s.group_id for s in batch.samples}) == list(range(first, first + len(PROBLEMS)))
+    assert len(batch.samples) == 2 * len(PROBLEMS)
+    assert {s.policy_version for s in batch.samples} == {version}
+    assert batch.metrics["rollout/num_redispatched"] >= 1
+
+
+def test_lone_replacement_gets_the_committed_version_from_the_publisher(monkeypatch):
+    pool = _pool(monkeypatch, num_workers=1)
+    try:
+        _push(pool, 3)
+        calls: list = []
+        pool.set_weight_publisher(_publisher(pool, 3, calls))
+        (old,) = pool.receiver_addresses()
+        batch = _collect_after_kill(pool, pool.workers[0])
+        _assert_complete(batch, 3)  # regenerated by the replacement, on the committed version, not the initial one
+        (new,) = pool.receiver_addresses()
+        assert new != old and calls == [[new]]
+    finally:
+        pool.shutdown()
+
+
+def test_replacement_pulls_from_a_live_peer_before_the_publisher(monkeypatch):
+    pool = _pool(monkeypatch, num_workers=2)
+    try:
+        by_address = {ray.get(a.receiver_address.remote()): a for a in pool.workers}
+        ray.get([a.receive.remote(2) for a in by_address.values()])  # pushed, but the driver did not report it...
+        pool.collect(pool.submit(PROBLEMS[:2], group_size=1), timeout_s=60)
+        assert pool.policy_version == 2  # ...the pool learned it from what its workers serve
+        calls: list = []
+        pool.set_weight_publisher(_publisher(pool, 2, calls))
+        _assert_complete(_collect_after_kill(pool, pool.workers[0]), 2)
+        pool.wait_for_workers(timeout_s=60)
+        assert pool.policy_versions() == [2, 2] and calls == []
+    finally:
+        pool.shutdown()
+
+
+def test_replacement_without_a_source_waits_for_the_next_push(monkeypatch):
+    pool = _pool(monkeypatch, num_workers=2, retain=False)  # no peer can hand its weights on
+    try:
+        _push(pool, 1)
+        _assert_complete(_collect_after_kill(pool, pool.workers[0]), 1)  # the live peer ran every group
+        deadline = time.monotonic() + 60
+        while len(pool.receiver_addresses()) < 2 and time.monotonic() < deadline:  # the replacement is starting
+            time.sleep(0.1)
+        assert len(pool.receiver_addresses()) == 2, "the next push must reach the waiting replacement"
+        assert len(pool.policy_versions()) == 1, "the replacement (version 0) must not serve yet"
+        _push(pool, 2)
+        pool.wait_for_workers(timeout_s=60)
+        assert pool.policy_versions() == [2, 2]
+    finally:
+        pool.shutdown()
+
+
+def test_no_worker_and_no_source_fails_instead_of_hanging(monkeypatch):
+    pool = _pool(monkeypatch, num_workers=1)
+    try:
+        _push(pool, 1)
+        with pytest.raises(RuntimeError, match="set_weight_publisher"):
+            _collect_after_kill(pool, pool.workers[0])
+    finally:
+        pool.shutdown()
