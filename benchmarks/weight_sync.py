@@ -315,7 +315,7 @@ def main() -> None:
     rows["weight_sync push, 1 receiver, delta 3% changed (effective)"] = push["delta_gbps"]
     rows["delta compare alone, 1 core (ceiling of any delta push)"] = bench_delta_compare(arrays, args.chunk_bytes, args.repeats)
     tcp, mem = rows["raw TCP socket (loopback)"], rows["memcpy into an existing buffer"]
-    print(f"\n| path | GB/s | / raw TCP | / memcpy |\n|---|---|---|---|")
+    print("\n| path | GB/s | / raw TCP | / memcpy |\n|---|---|---|---|")
     for name, rate in rows.items():
         print(f"| {name} | {rate:.2f} | {rate / tcp:.2f} | {rate / mem:.2f} |")
     print(f"\ndelta push / full push effective rate: {push['delta_gbps'] / push['full_tcp_gbps']:.1f}x "

@@ -8,13 +8,13 @@ import shutil
 import socket
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from rollout.types import RolloutBatch, Sample
+from rollout.types import RolloutBatch
+from trainer_batches import random_batch
 from trainer.checkpoint import CheckpointManager, Checkpointable, TrainerState
 from trainer.config import TrainerConfig
 from trainer.models.config import ModelConfig
@@ -59,15 +59,7 @@ def test_frozen_part_round_trips_and_old_checkpoints_still_load(tmp_path, caplog
 
 
 def _batch(step: int) -> RolloutBatch:
-    rng = np.random.default_rng(50 + step)
-    samples = []
-    for g in range(3):
-        for _ in range(4):
-            p, c = int(rng.integers(2, 8)), int(rng.integers(1, 14))
-            samples.append(Sample(prompt_ids=rng.integers(1, 64, p), completion_ids=rng.integers(1, 64, c),
-                                  rollout_logprobs=(-3.0 - rng.random(c)).astype(np.float32),
-                                  reward=float(rng.random()), group_id=g, policy_version=step))  # fmt: skip
-    return RolloutBatch(samples)
+    return random_batch(50 + step, prompt_len=(2, 8), completion_len=(1, 14), logprob=(-4.0, -3.0), policy_version=step)
 
 
 def _free_port() -> int:

@@ -7,31 +7,19 @@ import os
 import socket
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rollout.types import RolloutBatch, Sample
+from rollout.types import RolloutBatch
+from trainer_batches import random_batch
 
 NUM_STEPS = 4  # checkpoint after step 2, then steps 3-4 twice (uninterrupted, resumed)
 
 
 def _batch(step: int) -> RolloutBatch:
-    rng = np.random.default_rng(100 + step)
-    samples = []
-    for g in range(4):
-        for _ in range(4):
-            p, c = int(rng.integers(2, 9)), int(rng.integers(1, 24))
-            samples.append(
-                Sample(
-                    prompt_ids=rng.integers(1, 64, p), completion_ids=rng.integers(1, 64, c),
-                    rollout_logprobs=(-3.5 - 0.3 * rng.random(c)).astype(np.float32), reward=float(rng.random()),
-                    group_id=g, policy_version=0,
-                )
-            )  # fmt: skip
-    return RolloutBatch(samples)
+    return random_batch(100 + step, num_groups=4, completion_len=(1, 24), logprob=(-3.8, -3.5))
 
 
 def _configs(ckpt_dir: str, world: int, tp: int):

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.types import RolloutBatch, Sample
+from rollout.types import RolloutBatch
+from trainer_batches import random_batch
 from trainer.config import TrainerConfig
 from trainer.models.config import ModelConfig
 from trainer.rl.config import GRPOConfig
@@ -36,19 +37,7 @@ def ray_session():
 
 
 def _batch() -> RolloutBatch:
-    rng = np.random.default_rng(7)
-    samples = []
-    for g in range(2):
-        for _ in range(4):
-            p, c = int(rng.integers(2, 8)), int(rng.integers(1, 16))
-            samples.append(
-                Sample(
-                    prompt_ids=rng.integers(1, 96, p), completion_ids=rng.integers(1, 96, c),
-                    rollout_logprobs=(-4.5 * np.ones(c)).astype(np.float32), reward=float(rng.random()),
-                    group_id=g, policy_version=0,
-                )
-            )  # fmt: skip
-    return RolloutBatch(samples)
+    return random_batch(7, num_groups=2, prompt_len=(2, 8), completion_len=(1, 16), vocab_size=96, logprob=-4.5)
 
 
 def test_two_rank_group_trains_checkpoints_and_pushes(ray_session, tmp_path) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from rollout.types import RolloutBatch, Sample
+from trainer_batches import random_samples
 from trainer.config import TrainerConfig
 from trainer.models.config import ModelConfig
 from trainer.rl.config import GRPOConfig, ImportanceSamplingConfig, KLConfig, PPOConfig
@@ -40,18 +41,7 @@ def _engine(algo, **overrides):
 
 
 def _samples(seed: int = 0, num_groups: int = 3, group_size: int = 4) -> list[Sample]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for g in range(num_groups):
-        for _ in range(group_size):
-            p, c = int(rng.integers(2, 9)), int(rng.integers(1, 20))
-            out.append(
-                Sample(
-                    prompt_ids=rng.integers(1, 64, p), completion_ids=rng.integers(1, 64, c),
-                    rollout_logprobs=np.zeros(c, np.float32), reward=float(rng.random()), group_id=g, policy_version=0,
-                )
-            )  # fmt: skip
-    return out
+    return random_samples(seed, num_groups=num_groups, group_size=group_size)
 
 
 def _set_rollout_logprobs_to_trainer(engine, samples: list[Sample]) -> None:

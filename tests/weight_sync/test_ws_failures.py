@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 import xxhash
-from ws_helpers import begin, commit, raw_push, shard_messages, status_of, tiny_state_dict
+from ws_helpers import begin, commit, raw_push, shard_messages, status_of
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.channel import WeightSyncClient

@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 from protos.generate import PROTOS_DIR, REPO_ROOT, generate, generated_names
 

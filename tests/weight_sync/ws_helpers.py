@@ -12,7 +12,6 @@ import xxhash
 from protos import weight_sync_pb2 as pb
 from weight_sync.channel import WeightSyncClient
 from weight_sync.codec import encode_chunk
-from weight_sync.config import WeightSyncConfig
 from weight_sync.relay import stream_metadata
 from weight_sync.sender import Shard
 

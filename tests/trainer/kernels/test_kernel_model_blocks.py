@@ -107,7 +107,7 @@ def test_gmm_experts_match_loop_with_an_expert_left_empty() -> None:
 
 
 def test_kernel_model_loads_and_saves_the_stock_hf_checkpoint(tmp_path: Path) -> None:
-    hf_model = save_hf_model("qwen3_moe", tmp_path)
+    save_hf_model("qwen3_moe", tmp_path)
     stock = {}
     for file in tmp_path.glob("*.safetensors"):
         with safe_open(str(file), "pt") as f:

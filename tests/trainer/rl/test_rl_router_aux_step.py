@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import socket
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from rollout.types import RolloutBatch, Sample
+from trainer_batches import random_samples
 from trainer.config import TrainerConfig
 from trainer.models.config import ModelConfig
 from trainer.rl.config import GRPOConfig
@@ -34,15 +34,7 @@ def process_group():
 
 
 def _samples(seed: int = 0) -> list[Sample]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for g in range(3):
-        for _ in range(4):
-            p, c = int(rng.integers(2, 9)), int(rng.integers(1, 16))
-            out.append(Sample(prompt_ids=rng.integers(1, 64, p), completion_ids=rng.integers(1, 64, c),
-                              rollout_logprobs=np.full(c, -4.0, np.float32), reward=float(rng.random()), group_id=g,
-                              policy_version=0))  # fmt: skip
-    return out
+    return random_samples(seed, completion_len=(1, 16), logprob=-4.0)
 
 
 def _step(model_cfg: ModelConfig, algo: GRPOConfig, **overrides) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
