@@ -1,7 +1,8 @@
 """Achieved FLOP/s of our GRPO policy update on a ~40M-parameter model against this machine's measured matmul FLOP/s.
 
-Run: ``.venv/bin/python benchmarks/trainer.py [--threads N] [--steps 5]`` (one process, FSDP2 over a 1-rank group,
-exactly the code path of a trainer rank). It prints, in one run:
+Run: ``.venv/bin/python benchmarks/trainer.py [--threads N] [--steps 5] [--compile]`` (one process, one rank: exactly
+the code path of a single-rank trainer, which skips FSDP; ``--compile`` sets ``trainer.compile``). It prints, in one
+run:
 
 - the matmul peak: best-of-several fp32 ``torch.mm`` of square matrices of the model's size class;
 - the policy update: a realistic GRPO batch (16 prompts of 64-192 tokens, completion lengths uniform in 8-256) packed
@@ -38,7 +39,7 @@ from rollout.types import RolloutBatch, Sample
 from trainer.config import TrainerConfig
 from trainer.engine import build_engine
 from trainer.models.config import ModelConfig
-from trainer.parallelize import build_mesh
+from trainer.parallelize import build_mesh, uses_fsdp
 from trainer.rl.config import GRPOConfig, ImportanceSamplingConfig
 from trainer.step import rl_step
 
@@ -97,6 +98,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: least noisy when shared)")
     parser.add_argument("--steps", type=int, default=3, help="timed policy updates (after one warm-up)")
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--compile", action="store_true", help="trainer.compile = true (fused elementwise ops)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -105,14 +107,16 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    cfg = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, optimizer={"lr": 1e-5})
+    cfg = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, optimizer={"lr": 1e-5}, compile=args.compile)
     algo = GRPOConfig(group_size=4, importance_sampling=ImportanceSamplingConfig(enabled=True))
     engine = build_engine(cfg, MODEL_40M, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
     num_params = sum(p.numel() for p in engine.policy.parameters())
     batch = grpo_batch(MODEL_40M.vocab_size)
     tokens = batch.num_tokens
 
-    rl_step(engine, batch)  # warm-up (allocator, thread pools)
+    compile_s = time.perf_counter()
+    rl_step(engine, batch)  # warm-up (allocator, thread pools, compilation)
+    compile_s = time.perf_counter() - compile_s
     walls, cpus, peaks = [], [], []
     for _ in range(args.steps):
         peaks.append(matmul_flops())
@@ -128,7 +132,8 @@ def main() -> None:
     print(f"model: {num_params / 1e6:.1f}M params ({MODEL_40M.family}, dim {MODEL_40M.dim}, {MODEL_40M.num_layers} "
           f"layers, vocab {MODEL_40M.vocab_size}); threads: {args.threads}")
     print(f"blocks: attention {MODEL_40M.attention!r}, output head {MODEL_40M.output_head!r}, AdamW "
-          f"{'fused' if engine.optimizer.defaults.get('fused') else 'foreach'}")
+          f"{'fused' if engine.optimizer.defaults.get('fused') else 'foreach'}, FSDP {uses_fsdp(engine.mesh, cfg)}, "
+          f"compile {cfg.compile} (first step {compile_s:.1f} s)")
     print(f"batch: {len(batch.samples)} samples, {tokens} useful tokens (completions 8-256), micro-batch budget "
           f"{args.micro_batch_tokens}")
     print(f"matmul peak (fp32 mm): {peak_wall / 1e9:.1f} GFLOP/s wall, {peak_cpu / 1e9:.1f} GFLOP per CPU-second")

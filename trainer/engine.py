@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from trainer.checkpoint import Checkpointable
 from trainer.config import TrainerConfig
@@ -79,7 +79,7 @@ class TrainEngine:
 
 def _shard(model: nn.Module, mesh: DeviceMesh, cfg: TrainerConfig) -> nn.Module:
     model = parallelize_model(model, mesh, cfg)
-    if cfg.parallelism.fsdp and hasattr(model, "token_logprobs"):
+    if isinstance(model, FSDPModule) and hasattr(model, "token_logprobs"):
         # token_logprobs uses root-unit parameters (the output head) outside forward: let FSDP unshard for it too.
         register_fsdp_forward_method(model, "token_logprobs")
     return model
@@ -100,6 +100,8 @@ def build_engine(
     """
     torch.manual_seed(cfg.seed)
     policy = build_model(model_cfg, device=torch.device("cpu"), dtype=torch.float32)
+    if cfg.compile:
+        policy.compile_elementwise()  # before the copies below, so the reference and critic run compiled too
     if init_path is not None:
         from trainer.models.hf_io import load_hf_checkpoint
 

@@ -22,6 +22,7 @@ from trainer.config import TrainerConfig
 
 __all__ = [
     "build_mesh", "local_shard_place", "local_shards", "parallelize_model", "sync_tensor_parallel_partial_grads",
+    "uses_fsdp",
 ]  # fmt: skip
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,8 +86,20 @@ def sync_tensor_parallel_partial_grads(model: nn.Module, mesh: DeviceMesh) -> No
             torch.distributed.all_reduce(grad, group=group)
 
 
+def uses_fsdp(mesh: DeviceMesh, cfg: TrainerConfig) -> bool:
+    """Whether :func:`parallelize_model` applies FSDP2: ``parallelism.fsdp`` is on and there is something to shard or
+    cast. On a one-rank mesh with float32 parameters and reductions, FSDP would only copy every parameter into and out
+    of its flat buffers and scale gradients by 1 (~3% of a CPU step), so the model stays a plain module; DCP
+    checkpoints load across both layouts and ``local_shards`` yields the same whole tensors."""
+    if not cfg.parallelism.fsdp:
+        return False
+    float32 = cfg.mixed_precision.param_dtype == "float32" and cfg.mixed_precision.reduce_dtype == "float32"
+    return mesh.size() > 1 or not float32
+
+
 def parallelize_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerConfig) -> nn.Module:
-    """Apply TP (if configured) then FSDP2 in place: ``fully_shard`` on every block of ``model.layers``, then the root.
+    """Apply TP (if configured) then FSDP2 in place (when :func:`uses_fsdp`): ``fully_shard`` on every block of
+    ``model.layers``, then the root.
 
     The root unit keeps embeddings, final norm and output head together, so tied embeddings stay tied. Returns
     ``model`` (now an ``FSDPModule`` when FSDP is on).
@@ -95,7 +108,7 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerConfig) ->
         model_cfg = getattr(model, "cfg", None) or getattr(getattr(model, "body", None), "cfg", None)
         heads = (model_cfg.num_heads, model_cfg.num_kv_heads) if model_cfg is not None else None
         _apply_tensor_parallel(model, mesh["tp"], heads)
-    if not cfg.parallelism.fsdp:
+    if not uses_fsdp(mesh, cfg):
         return model
     dp_mesh = mesh["dp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh
     mp = MixedPrecisionPolicy(

@@ -1,5 +1,5 @@
-"""The policy update on one rank (FSDP2 over a 1-rank gloo group): on-policy exactness, micro-batching invariance,
-PPO with a critic, SFT warm start, HF export."""
+"""The policy update on one rank (a 1-rank gloo group, which runs the plain module: ``parallelize.uses_fsdp``):
+on-policy exactness, micro-batching invariance, PPO with a critic, SFT warm start, HF export."""
 
 from __future__ import annotations
 

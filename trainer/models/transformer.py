@@ -124,6 +124,14 @@ class Transformer(nn.Module):
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden's {tuple(hidden.shape[:-1])}")
         return self._head(hidden, self.output_weight, targets, chunk_size=self.cfg.output_chunk_size)
 
+    def compile_elementwise(self) -> None:
+        """Run the elementwise ops of every block (RMSNorm, SwiGLU, and any module with a ``use_compiled`` switch)
+        through their ``torch.compile``-d copies (see :mod:`trainer.models.layers`); same math within float32
+        rounding. Call before sharding or copying the model; parameters and state-dict names are untouched."""
+        for module in self.modules():
+            if hasattr(module, "use_compiled"):
+                module.use_compiled = True
+
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Mean over MoE layers of the router load-balancing loss of the last forward; ``None`` for dense models."""
         if not self._moe_layers:

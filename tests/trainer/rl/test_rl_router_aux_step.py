@@ -1,4 +1,4 @@
-"""The router load-balancing term inside ``rl_step`` (FSDP2 over a 1-rank gloo group): reported as ``loss/moe_aux``,
+"""The router load-balancing term inside ``rl_step`` (one rank): reported as ``loss/moe_aux``,
 added with the configured weight, off at 0, absent for dense models, a mean per optimizer step."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from rollout.types import RolloutBatch, Sample
 from trainer_batches import random_samples
@@ -45,7 +46,10 @@ def _step(model_cfg: ModelConfig, algo: GRPOConfig, **overrides) -> tuple[dict[s
     cfg = TrainerConfig(**{"optimizer": {"lr": 1e-2}, "micro_batch_tokens": 48, **overrides})
     engine = build_engine(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
     metrics = rl_step(engine, RolloutBatch(_samples()))
-    weights = {n: p.full_tensor().detach().clone() for n, p in engine.policy.named_parameters()}
+    # One float32 rank runs the plain module (no FSDP DTensors); full_tensor() covers the sharded layout.
+    weights = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in engine.policy.named_parameters()
+    }
     return metrics, weights
 
 

@@ -1,0 +1,67 @@
+"""``trainer.compile`` under FSDP2: two sharded ranks with the compiled elementwise ops follow one eager rank (same
+losses and weights within float32 noise), and checkpoints and weight-push shards are those of the eager model."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainer_batches import random_batch
+
+NUM_STEPS = 2
+
+
+def _worker(rank: int, world: int, compile: bool, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from torch.distributed.fsdp import FSDPModule
+
+    from trainer.config import TrainerConfig
+    from trainer.engine import build_engine
+    from trainer.models.config import ModelConfig
+    from trainer.parallelize import build_mesh, local_shards
+    from trainer.rl.config import GRPOConfig, KLConfig
+    from trainer.step import rl_step
+
+    model_cfg = ModelConfig(
+        family="llama3", vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+        ffn_hidden_dim=64, tie_embeddings=True, output_chunk_size=16,
+    )  # fmt: skip
+    cfg = TrainerConfig(num_ranks=world, micro_batch_tokens=96, optimizer={"lr": 3e-3}, compile=compile)
+    algo = GRPOConfig(group_size=4, kl=KLConfig(coef=0.05))
+    engine = build_engine(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+    assert isinstance(engine.policy, FSDPModule) == (world > 1)
+    metrics = [rl_step(engine, random_batch(10 + s, num_groups=4, completion_len=(1, 24))) for s in range(NUM_STEPS)]
+    weights = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in engine.policy.named_parameters()
+    }
+    shard_names = sorted(name for name, *_ in local_shards(engine.policy))
+    torch.save({"metrics": metrics, "weights": weights, "shards": shard_names}, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _run(world: int, compile: bool, out_dir: Path) -> dict:
+    out_dir.mkdir(parents=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(world, compile, port, str(out_dir)), nprocs=world, start_method="spawn")
+    return torch.load(out_dir / "0.pt", weights_only=False)
+
+
+def test_compiled_fsdp_ranks_match_one_eager_rank(tmp_path) -> None:
+    eager = _run(1, False, tmp_path / "eager")
+    fused = _run(2, True, tmp_path / "compiled")
+    assert fused["shards"] == eager["shards"]
+    for m1, m2 in zip(eager["metrics"], fused["metrics"], strict=True):
+        for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
+    for name, w in eager["weights"].items():
+        torch.testing.assert_close(fused["weights"][name], w, rtol=1e-5, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")

@@ -1,0 +1,98 @@
+"""A single float32 rank runs the plain module (FSDP there only copies parameters in and out): same updates as the
+FSDP layout, checkpoints load across the two layouts, and the weight push sees whole tensors."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from trainer_batches import random_batch
+from trainer.checkpoint import CheckpointManager, TrainerState
+from trainer.config import TrainerConfig
+from trainer.models.config import ModelConfig
+from trainer.rl.config import GRPOConfig
+
+MODEL = ModelConfig(
+    family="qwen3", vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, ffn_hidden_dim=64,
+    qk_norm=True, tie_embeddings=True, output_chunk_size=16,
+)  # fmt: skip
+ALGO = GRPOConfig(group_size=4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _engine(**overrides):
+    from trainer.engine import build_engine
+    from trainer.parallelize import build_mesh
+
+    cfg = TrainerConfig(**{"optimizer": {"lr": 1e-3}, "micro_batch_tokens": 10_000, **overrides})
+    return build_engine(cfg, MODEL, ALGO, torch.device("cpu"), build_mesh(cfg, "cpu"))
+
+
+def _params(engine) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in engine.policy.named_parameters()
+    }
+
+
+def test_fsdp_applies_only_where_it_shards_or_casts():
+    from trainer.parallelize import build_mesh, uses_fsdp
+
+    plain = TrainerConfig()
+    mesh = build_mesh(plain, "cpu")
+    assert not uses_fsdp(mesh, plain)
+    assert uses_fsdp(mesh, TrainerConfig(mixed_precision={"param_dtype": "bfloat16"}))
+    assert uses_fsdp(mesh, TrainerConfig(mixed_precision={"reduce_dtype": "bfloat16"}))
+    assert not uses_fsdp(mesh, TrainerConfig(parallelism={"fsdp": False}))
+
+
+def test_single_rank_engine_is_plain_and_pushes_whole_tensors():
+    from trainer.parallelize import local_shards
+
+    engine = _engine()
+    assert not isinstance(engine.policy, FSDPModule)
+    assert not any(isinstance(p, DTensor) for p in engine.policy.parameters())
+    shards = list(local_shards(engine.policy))
+    assert {name for name, *_ in shards} == {n for n, _ in engine.policy.named_parameters()}
+    for name, local, shape, offsets in shards:
+        assert tuple(local.shape) == shape and set(offsets) == {0}, name
+
+
+def test_fsdp_checkpoint_loads_into_plain_engine_and_updates_match(tmp_path, monkeypatch):
+    from trainer.step import rl_step
+
+    with monkeypatch.context() as m:  # the layout a one-rank run had before FSDP was skipped there
+        m.setattr("trainer.parallelize.uses_fsdp", lambda mesh, cfg: True)
+        sharded = _engine()
+    assert isinstance(sharded.policy, FSDPModule)
+    plain = _engine()
+    first = random_batch(0, num_groups=3, group_size=4)
+    metrics = [rl_step(engine, first) for engine in (sharded, plain)]
+    assert metrics[0]["grad_norm"] == pytest.approx(metrics[1]["grad_norm"], rel=1e-6)
+    for name, p in _params(plain).items():
+        torch.testing.assert_close(p, _params(sharded)[name], rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+    manager = CheckpointManager(tmp_path)
+    manager.save(sharded.checkpointables(), TrainerState(1, 1, {}))
+    resumed = _engine(seed=1)  # different init: everything must come from the checkpoint
+    manager.load(resumed.checkpointables())
+    assert all(torch.equal(p, _params(sharded)[n]) for n, p in _params(resumed).items())
+    second = random_batch(1, num_groups=3, group_size=4)
+    after = [rl_step(engine, second) for engine in (sharded, resumed)]
+    for key in ("loss", "grad_norm"):
+        assert after[0][key] == pytest.approx(after[1][key], rel=1e-6, abs=1e-7), key
+    for name, p in _params(resumed).items():
+        torch.testing.assert_close(p, _params(sharded)[name], rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
