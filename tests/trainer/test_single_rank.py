@@ -3,11 +3,9 @@ FSDP layout, checkpoints load across the two layouts, and the weight push sees w
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -24,14 +22,7 @@ MODEL = ModelConfig(
 ALGO = GRPOConfig(group_size=4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_rank_group")
 
 
 def _engine(**overrides):

@@ -3,12 +3,10 @@ on-policy exactness, micro-batching invariance, PPO with a critic, SFT warm star
 
 from __future__ import annotations
 
-import socket
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from rollout.types import RolloutBatch, Sample
 from trainer_batches import random_samples
@@ -22,14 +20,7 @@ MODEL = ModelConfig(
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_rank_group")
 
 
 def _engine(algo, **overrides):

@@ -3,11 +3,9 @@ added with the configured weight, off at 0, absent for dense models, a mean per 
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rollout.types import RolloutBatch, Sample
@@ -24,14 +22,7 @@ MOE = ModelConfig(
 DENSE = MOE.model_copy(update={"family": "qwen3", "moe": None})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_rank_group")
 
 
 def _samples(seed: int = 0) -> list[Sample]:
