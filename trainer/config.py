@@ -147,10 +147,10 @@ class TrainerConfig(Config):
     seed: int = 0
     """Seed of model init, data shuffling and dropout (same on every rank)."""
     compile: bool = False
-    """Fuse each block's elementwise ops (RMSNorm, SwiGLU) with ``torch.compile`` (inductor, any sequence length; a
-    C++ compiler on CPU). Compiles once per op on the first step (a few seconds; ~6 s with a cold inductor cache on
-    one CPU core), then ~3-4% faster updates on CPU (``benchmarks/trainer.py --compile``); parameters, checkpoints and
-    weight pushes are unchanged. CPU and CUDA only, not with tensor parallelism."""
+    """Fuse each block's elementwise ops (RMSNorm, SwiGLU, RoPE) with ``torch.compile`` (inductor, any sequence
+    length; a C++ compiler on CPU). Compiles once per op on the first step (a few seconds; ~6 s with a cold inductor
+    cache on one CPU core), then ~3-4% faster updates on CPU (``benchmarks/trainer.py --compile``); parameters,
+    checkpoints and weight pushes are unchanged. CPU and CUDA only, not with tensor parallelism."""
 
     @property
     def backend(self) -> str:

@@ -66,8 +66,8 @@ class TrainEngine:
         return self.mesh["dp"] if "tp" in names else self.mesh
 
     def checkpointables(self) -> dict[str, Checkpointable]:
-        """The parts a checkpoint holds: the policy and critic with their optimizers, and the frozen KL reference (it may
-        be the warm-start policy, which no file outside the checkpoint is guaranteed to hold on resume)."""
+        """The parts a checkpoint holds: the policy and critic with their optimizers, and the frozen KL reference (it
+        may be the warm-start policy, which no file outside the checkpoint is guaranteed to hold on resume)."""
         parts = {"policy": Checkpointable(self.policy, self.optimizer, self.scheduler)}
         if self.critic is not None:
             assert self.critic_optimizer is not None

@@ -88,13 +88,21 @@ class DataPlaneServer:
     """
 
     def __init__(
-        self, area: StagingArea, host: str, port: int, *, max_connections: int, idle_timeout_s: float, push_timeout_s: float
+        self,
+        area: StagingArea,
+        host: str,
+        port: int,
+        *,
+        max_connections: int,
+        idle_timeout_s: float,
+        push_timeout_s: float,
     ) -> None:
         self.area = area
         self.idle_timeout_s = idle_timeout_s
         self.push_timeout_s = push_timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
-        self._listener = socket.create_server((host.strip("[]"), port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host.strip("[]"), port), family=family)
         self.port: int = self._listener.getsockname()[1]
         self._stopping = threading.Event()
         self._connections: set[socket.socket] = set()
@@ -160,7 +168,9 @@ class DataPlaneServer:
                 if head_len == 0:
                     break
                 if head_len > MAX_HEADER_BYTES:
-                    raise SyncError(Code.INVALID_ARGUMENT, f"chunk header of {head_len} bytes exceeds {MAX_HEADER_BYTES}")
+                    raise SyncError(
+                        Code.INVALID_ARGUMENT, f"chunk header of {head_len} bytes exceeds {MAX_HEADER_BYTES}"
+                    )
                 try:
                     header = pb.ChunkHeader.FromString(_recv_bytes(conn, head_len))
                 except Exception as e:  # protobuf's DecodeError types
@@ -282,7 +292,8 @@ class SocketStream:
 
     def _stream(self, host: str, port: int, hello: pb.DataHello) -> pb.PushReply:
         try:
-            self._sock = sock = socket.create_connection((host, port), timeout=max(self._deadline - time.monotonic(), 1))
+            timeout = max(self._deadline - time.monotonic(), 1)
+            self._sock = sock = socket.create_connection((host, port), timeout=timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(_framed(hello))
             while (item := self._queue.get()) is not None:
@@ -296,7 +307,8 @@ class SocketStream:
                 sock.sendall(_U32.pack(0))
         except OSError as e:
             # The receiver may have refused the stream and closed: its reply says why.
-            return self._read_reply(fail=StreamFailure(Code.UNAVAILABLE, f"data-plane connection to {host}:{port} broke: {e!r}"))
+            broke = StreamFailure(Code.UNAVAILABLE, f"data-plane connection to {host}:{port} broke: {e!r}")
+            return self._read_reply(fail=broke)
         return self._read_reply(fail=None)
 
     def _send(self, sock: socket.socket, prefix: bytes, body: memoryview) -> None:

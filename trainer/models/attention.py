@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.models.config import ModelConfig
-from trainer.models.layers import RMSNorm
+from trainer.models.layers import RMSNorm, compiled
 from trainer.models.registry import ATTENTION_BLOCKS
 from trainer.models.rope import apply_rope
 
@@ -115,6 +115,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.use_compiled = False  # RoPE through its torch.compile-d copy (Transformer.compile_elementwise)
         self.kernel = ATTENTION_BLOCKS.get(cfg.attention)
         kw = {"bias": False, "device": device, "dtype": dtype}
         self.wq = nn.Linear(cfg.dim, cfg.num_heads * cfg.head_dim, **kw)
@@ -136,7 +137,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        rotate = compiled(apply_rope) if self.use_compiled else apply_rope
+        q, k = rotate(q, *rope), rotate(k, *rope)
         out = self.kernel(q, k, v, segment_ids=segment_ids, scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 

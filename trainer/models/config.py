@@ -108,7 +108,8 @@ class ModelConfig(Config):
     output_head: str = "chunked"
     """Output head for ``token_logprobs``, a name registered in ``OUTPUT_HEADS`` (built in: ``dense``, which holds
     the full [tokens, vocab] logits; ``chunked``, which never does; ``cached``, chunked forward that keeps the fp32
-    probabilities for a cheaper backward (tokens x vocab x 4 bytes, like ``dense``); Pallas kernel: ``fused_pallas``)."""
+    probabilities for a cheaper backward (tokens x vocab x 4 bytes, like ``dense``); Pallas kernel:
+    ``fused_pallas``)."""
     output_chunk_size: _PositiveInt = 1024
     """Tokens per chunk of the ``chunked`` output head: its extra memory is about 3 x chunk x vocab x 4 bytes."""
     moe_experts: str = "grouped"
