@@ -149,8 +149,9 @@ class TrainerConfig(Config):
     compile: bool = False
     """Fuse each block's elementwise ops (RMSNorm, SwiGLU, RoPE) with ``torch.compile`` (inductor, any sequence
     length; a C++ compiler on CPU). Compiles once per op on the first step (a few seconds; ~6 s with a cold inductor
-    cache on one CPU core), then ~3-4% faster updates on CPU (``benchmarks/trainer.py --compile``); parameters,
-    checkpoints and weight pushes are unchanged. CPU and CUDA only, not with tensor parallelism."""
+    cache on one CPU core); on this 2-core CPU the update moved by -3%..+3% in paired runs (``benchmarks/trainer.py
+    --compile``), so it is off by default. Parameters, checkpoints and weight pushes are unchanged. CPU and CUDA only,
+    not with tensor parallelism."""
 
     @property
     def backend(self) -> str:
