@@ -202,12 +202,7 @@ class DataPlaneServer:
                 relay.cancel()
             return
         relayed = relay.finish() if relay is not None else []
-        seconds = time.perf_counter() - start
-        log.info(
-            "socket push %s@%d rank %d: %d shards, %.1f MB in %.3f s (%.2f GB/s)", hello.session_id,
-            hello.policy_version, hello.rank, writer.num_shards, writer.bytes_received / 1e6, seconds,
-            writer.bytes_received / max(seconds, 1e-9) / 1e9,
-        )
+        log.info("socket push %s", writer.summary(time.perf_counter() - start))
         reply = pb.PushReply(bytes_received=writer.bytes_received, num_shards=writer.num_shards, relayed=relayed)
         self._reply(conn, Code.OK, "", reply)
 

@@ -190,12 +190,7 @@ class WeightReceiver:
                 relay.cancel()
             raise
         relayed = relay.finish() if relay is not None else []
-        seconds = time.perf_counter() - start
-        log.info(
-            "push %s@%d rank %d: %d shards, %.1f MB in %.3f s (%.2f GB/s)",
-            session, version, rank, writer.num_shards, writer.bytes_received / 1e6, seconds,
-            writer.bytes_received / max(seconds, 1e-9) / 1e9,
-        )
+        log.info("push %s", writer.summary(time.perf_counter() - start))
         return pb.PushReply(bytes_received=writer.bytes_received, num_shards=writer.num_shards, relayed=relayed)
 
     def _commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:

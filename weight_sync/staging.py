@@ -439,6 +439,15 @@ class StreamWriter:
             update.done_streams[self.rank] = update.done_streams.get(self.rank, 0) + 1
             update.active_streams -= 1
 
+    def summary(self, seconds: float) -> str:
+        """One log line about this stream after it ended cleanly in ``seconds``."""
+        u, nbytes = self.update, self.bytes_received
+        rate = nbytes / max(seconds, 1e-9) / 1e9
+        return (
+            f"{u.session_id}@{u.policy_version} rank {self.rank}: {self.num_shards} shards, "
+            f"{nbytes / 1e6:.1f} MB in {seconds:.3f} s ({rate:.2f} GB/s)"
+        )
+
     def close_failed(self, error: SyncError) -> None:
         with self.update.lock:
             self.update.active_streams -= 1

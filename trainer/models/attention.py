@@ -15,6 +15,8 @@ the per-segment path.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,6 +60,21 @@ def segment_spans(segment_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     return spans
 
 
+_last_spans: tuple[weakref.ref, int, list[list[tuple[int, int]]]] | None = None
+
+
+def _spans_of(segment_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """:func:`segment_spans`, computed once per ``segment_ids`` tensor: every layer of a forward gets the same tensor,
+    and reading it back to the host per layer would cost a device sync each time."""
+    global _last_spans
+    cached = _last_spans
+    if cached is not None and cached[0]() is segment_ids and cached[1] == segment_ids._version:
+        return cached[2]
+    spans = segment_spans(segment_ids)
+    _last_spans = (weakref.ref(segment_ids), segment_ids._version, spans)
+    return spans
+
+
 @ATTENTION_BLOCKS.register("sdpa", segment_local=True)
 def sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment_ids: torch.Tensor | None, scale: float
@@ -73,7 +90,7 @@ def sdpa_attention(
     pieces = []
     # split (not slicing) so backward concatenates the pieces' gradients once instead of zero-filling a full-size
     # gradient per piece.
-    for spans, qr, kr, vr in zip(segment_spans(segment_ids), q.split(1), k.split(1), v.split(1), strict=True):
+    for spans, qr, kr, vr in zip(_spans_of(segment_ids), q.split(1), k.split(1), v.split(1), strict=True):
         lengths = [b - a for a, b in spans]
         for qs, ks, vs in zip(qr.split(lengths, 2), kr.split(lengths, 2), vr.split(lengths, 2), strict=True):
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)

@@ -41,9 +41,7 @@ def chunked_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_size: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`dense_token_logprobs`, in chunks of ``chunk_size`` tokens (see the module docstring)."""
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    return _ChunkedLogprobs.apply(hidden, weight, targets, chunk_size, False)
+    return _chunked(hidden, weight, targets, chunk_size, keep_probs=False)
 
 
 @OUTPUT_HEADS.register("cached")
@@ -51,9 +49,15 @@ def cached_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_size: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`dense_token_logprobs`; keeps ``[N, V]`` float32 probabilities for backward."""
+    return _chunked(hidden, weight, targets, chunk_size, keep_probs=True)
+
+
+def _chunked(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, *, keep_probs: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    return _ChunkedLogprobs.apply(hidden, weight, targets, chunk_size, True)
+    return _ChunkedLogprobs.apply(hidden, weight, targets, chunk_size, keep_probs)
 
 
 def _logits_into(buf: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
