@@ -14,7 +14,7 @@ __all__ = ["Critic"]
 
 
 class Critic(nn.Module):
-    """``values = value_head(body(tokens))``: [B, T] float32 per position."""
+    """``values = value_head(body(tokens))``: float32 per position."""
 
     def __init__(self, body: nn.Module, dim: int) -> None:
         super().__init__()
@@ -33,8 +33,13 @@ class Critic(nn.Module):
         return self.body.layers
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        output_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.body(tokens, positions=positions, segment_ids=segment_ids)  # [B, T, D]
+        """Values ``[B, T]``, or ``[N]`` at the flat ``output_positions`` only (as ``Transformer.forward``)."""
+        hidden = self.body(tokens, positions=positions, segment_ids=segment_ids, output_positions=output_positions)
         values = self.value_head(hidden.to(self.value_head.weight.dtype))[..., 0]
         return values.float().clone()  # a fresh tensor, not a view: FSDP hooks the output for backward

@@ -43,16 +43,15 @@ __all__ = ["forward_logprobs", "plan_rank_micro_batches", "rl_step", "sft_step"]
 
 
 def forward_logprobs(model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprobs [S, C], entropy [S, C], hidden states [R, L, D]) of the micro-batch's completion tokens.
+    """(logprobs [S, C], entropy [S, C], hidden states [N, D]) of the micro-batch's N completion tokens.
 
-    The output head runs only at the positions that predict a completion token: prompt positions never enter the
-    loss, and the head (``6 x vocab x dim`` FLOPs per token) would otherwise cost as much as a few blocks.
+    The last block's output projection and feed-forward and the output head run only at the positions that predict a
+    completion token (``Transformer.forward(output_positions=...)``): prompt positions never enter the loss, and the
+    head (``6 x vocab x dim`` FLOPs per token) would otherwise cost as much as a few blocks.
     """
-    hidden = model(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids)
     positions = mb.loss_positions
-    logprobs, entropy = model.token_logprobs(
-        hidden.reshape(-1, hidden.shape[-1])[positions], mb.targets.reshape(-1)[positions]
-    )
+    hidden = model(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids, output_positions=positions)
+    logprobs, entropy = model.token_logprobs(hidden, mb.targets.reshape(-1)[positions])
     return mb.scatter(logprobs), mb.scatter(entropy), hidden
 
 
@@ -85,6 +84,13 @@ def _mini_counts(samples: Sequence[Sample], indices: Sequence[int]) -> tuple[flo
     return float(sum(lengths)), float(sum(1 for n in lengths if n > 0))
 
 
+def _critic_values(engine: TrainEngine, mb: MicroBatch) -> torch.Tensor:
+    """The critic's values ``[N]`` at the micro-batch's completion-predicting positions (see :func:`forward_logprobs`)."""
+    assert engine.critic is not None
+    positions = mb.loss_positions
+    return engine.critic(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids, output_positions=positions)
+
+
 @torch.no_grad()
 def _rollout_side_pass(engine: TrainEngine, plans: list[list[MicroBatch]], need_old: bool) -> None:
     """Fill ``extra['old_logprobs' | 'ref_logprobs' | 'values']`` of every micro-batch (no gradients)."""
@@ -95,8 +101,7 @@ def _rollout_side_pass(engine: TrainEngine, plans: list[list[MicroBatch]], need_
             if engine.reference is not None:
                 mb.extra["ref_logprobs"] = forward_logprobs(engine.reference, mb)[0]
             if engine.critic is not None:
-                values = engine.critic(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids)
-                mb.extra["values"] = mb.unpack(values)
+                mb.extra["values"] = mb.scatter(_critic_values(engine, mb))
 
 
 def _kl_for_reward(engine: TrainEngine, mb: MicroBatch) -> torch.Tensor:
@@ -218,12 +223,12 @@ def _update_critic(engine: TrainEngine, mbs: list[MicroBatch], counts: tuple[flo
     assert engine.critic is not None and isinstance(engine.algorithm, PPOConfig)
     num_tokens, num_seqs = counts
     for mb in mbs:
-        packed = engine.critic(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids)
+        values = _critic_values(engine, mb)
         loss, metrics = compute_value_loss(
-            mb.unpack(packed), mb.extra["values"], mb.extra["returns"], mb.loss_mask, engine.algorithm,
+            mb.scatter(values), mb.extra["values"], mb.extra["returns"], mb.loss_mask, engine.algorithm,
             num_tokens=num_tokens, num_seqs=num_seqs,
         )  # fmt: skip
-        (loss + 0.0 * packed.sum()).backward()
+        (loss + 0.0 * values.sum()).backward()
         acc.add(metrics, float(mb.num_loss_tokens))
 
 

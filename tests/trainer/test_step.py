@@ -83,20 +83,24 @@ def test_old_logprob_pass_matches_the_gradient_pass() -> None:
 
 
 def test_head_at_completion_positions_equals_full_head() -> None:
-    """forward_logprobs runs the output head only where a completion token is predicted: same values as the full
-    [R, L] head unpacked, and the same gradients."""
+    """forward_logprobs runs the last block's projection/feed-forward and the output head only where a completion
+    token is predicted: same values as the full [R, L] forward and head unpacked, and the same weight gradients."""
     from trainer.step import forward_logprobs, plan_rank_micro_batches
 
     engine = _engine(GRPOConfig(group_size=4), micro_batch_tokens=60)
     samples = _samples(seed=6)
+    params = list(engine.policy.parameters())
     for mb in plan_rank_micro_batches(engine, samples, range(len(samples))):
         logprobs, entropy, hidden = forward_logprobs(engine.policy, mb)
-        full_lp, full_ent = engine.policy.token_logprobs(hidden, mb.targets)
+        assert hidden.shape == (mb.num_loss_tokens, engine.model_cfg.dim)
+        full_hidden = engine.policy(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids)
+        full_lp, full_ent = engine.policy.token_logprobs(full_hidden, mb.targets)
         torch.testing.assert_close(logprobs, mb.unpack(full_lp), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(entropy, mb.unpack(full_ent), rtol=1e-6, atol=1e-6)
-        grads = [torch.autograd.grad((lp * mb.loss_mask).sum(), hidden, retain_graph=True)[0]
-                 for lp in (logprobs, mb.unpack(full_lp))]  # fmt: skip
-        torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+        grads = [torch.autograd.grad((lp * mb.loss_mask).sum() + ent.sum(), params)
+                 for lp, ent in ((logprobs, entropy), (mb.unpack(full_lp), mb.unpack(full_ent)))]  # fmt: skip
+        for got, want in zip(*grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_segment_local_attention_packs_one_row_per_micro_batch() -> None:

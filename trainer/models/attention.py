@@ -143,9 +143,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device, dtype) if cfg.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segment_ids: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        segment_ids: torch.Tensor | None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x [B, T, D]`` -> ``[B, T, D]``; ``rope`` = (cos, sin) from :func:`rope_cos_sin`."""
+        """``x [B, T, D]`` -> ``[B, T, D]``; ``rope`` = (cos, sin) from :func:`rope_cos_sin`. With ``keep`` (int64 flat
+        positions ``b * T + t``): ``[N, D]``, the output projection applied to those positions only."""
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(b, t, -1, self.head_dim)
@@ -156,8 +161,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         rotate = compiled(apply_rope) if self.use_compiled else apply_rope
         q, k = rotate(q, *rope), rotate(k, *rope)
-        out = self.kernel(q, k, v, segment_ids=segment_ids, scale=self.scale)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        out = self.kernel(q, k, v, segment_ids=segment_ids, scale=self.scale).transpose(1, 2).reshape(b, t, -1)
+        return self.wo(out if keep is None else out.reshape(b * t, -1)[keep])
 
     def init_weights(self, std: float) -> None:
         for lin in (self.wq, self.wk, self.wv, self.wo):

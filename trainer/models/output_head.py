@@ -60,6 +60,14 @@ def _chunked(
     return _ChunkedLogprobs.apply(hidden, weight, targets, chunk_size, keep_probs)
 
 
+def _even_chunk(n: int, chunk_size: int) -> int:
+    """The chunk length that splits ``n`` tokens into as few chunks of at most ``chunk_size`` as possible, of equal
+    length but the last: 1,036 tokens at 1,024 become 2 x 518, not 1,024 + a 12-row matmul at a fraction of the
+    speed."""
+    chunks = max(1, -(-n // chunk_size))
+    return max(1, -(-n // chunks))
+
+
 def _logits_into(buf: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``hidden @ weight.T`` in the parameters' dtype, as float32 in the leading rows of the reused buffer ``buf``.
 
@@ -114,6 +122,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output (entropy without a bonus) gets None: a cheaper backward
         flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         n, vocab = flat_targets.numel(), weight.shape[0]
+        chunk_size = _even_chunk(n, chunk_size)
         # Outputs are allocated in their final shape and filled through flat views: returned tensors are not views.
         logprobs = hidden.new_empty(targets.shape, dtype=torch.float32)
         entropy = hidden.new_empty(targets.shape, dtype=torch.float32)
@@ -143,7 +152,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         g_lp = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs.reshape(-1).float()
         g_ent = None if grad_entropy is None else grad_entropy.reshape(-1).float()
         grad_hidden = torch.empty_like(hidden) if need_h else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        # Written by the first chunk's matmul, accumulated by the others: no zero-fill pass over [V, D].
+        grad_weight = None
+        if need_w:
+            alloc = torch.zeros if n == 0 else torch.empty
+            grad_weight = alloc(weight.shape, dtype=torch.float32, device=weight.device)
         buf = hidden.new_empty((min(chunk_size, n), weight.shape[0]), dtype=torch.float32)
         probs_buf = torch.empty_like(buf) if saved_probs is None else None
         for start in range(0, n, chunk_size):
@@ -163,7 +176,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 torch.mm(grad_logits, weight, out=grad_hidden[sl])
             elif need_h:
                 grad_hidden[sl] = grad_logits @ weight
-            if need_w:
+            if need_w and start == 0:
+                torch.mm(grad_logits.t().float(), h.float(), out=grad_weight)
+            elif need_w:
                 grad_weight.addmm_(grad_logits.t().float(), h.float())
         del buf, probs_buf
         if need_w:

@@ -4,6 +4,7 @@ Usage::
 
     model = build_model(cfg, device="cpu", dtype=torch.float32)
     hidden = model(tokens, positions, segment_ids)          # [B, T, D], after the final norm
+    hidden = model(tokens, positions, segment_ids, output_positions=idx)  # [N, D] at flat positions idx only
     logprobs, entropy = model.token_logprobs(hidden, targets)  # [B, T] each, float32, through cfg.output_head
     loss = ... + coef * model.moe_aux_loss()                 # MoE only: router load-balancing loss of that forward
 
@@ -49,10 +50,21 @@ class TransformerBlock(nn.Module):
             self.moe = MoE(cfg, device, dtype)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segment_ids: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        segment_ids: torch.Tensor | None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, segment_ids)
+        """``x [B, T, D]`` -> ``[B, T, D]``; with ``keep`` (int64 flat positions ``b * T + t``) -> ``[N, D]`` at
+        those positions only: attention still reads every position's keys and values, but its output projection and
+        the feed-forward run on the kept rows alone."""
         ffn = self.feed_forward if hasattr(self, "feed_forward") else self.moe
+        if keep is not None and not hasattr(self, "feed_forward"):
+            # MoE: route every token, so the router's load-balancing statistics match an untrimmed forward.
+            return self(x, rope, segment_ids).reshape(-1, x.shape[-1])[keep]
+        attn = self.attention(self.attention_norm(x), rope, segment_ids, keep=keep)
+        h = (x if keep is None else x.reshape(-1, x.shape[-1])[keep]) + attn
         return h + ffn(self.ffn_norm(h))
 
     def init_weights(self, std: float) -> None:
@@ -83,11 +95,16 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        output_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``tokens [B, T]`` -> hidden states ``[B, T, D]`` after the final norm.
 
         ``positions [B, T]`` default to ``0..T-1`` (or restart per segment when ``segment_ids`` is given);
         ``segment_ids [B, T]``: attention is causal and only between tokens of equal id (packed sequences).
+        ``output_positions`` (int64 ``[N]`` flat positions ``b * T + t``): return ``[N, D]`` for those positions
+        only, equal to ``forward(...).reshape(-1, D)[output_positions]``. Nothing after the last block's attention
+        can reach another position, so the last dense block runs its output projection and feed-forward on those
+        rows alone (an RL loss reads only completion positions: prompts are often half the tokens).
         """
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
@@ -102,8 +119,9 @@ class Transformer(nn.Module):
             )
         h = self.tok_embeddings(tokens)
         rope = rope_cos_sin(self.cfg, positions, h.dtype)
-        for block in self.layers:
-            h = block(h, rope, segment_ids)
+        last = len(self.layers) - 1
+        for i, block in enumerate(self.layers):
+            h = block(h, rope, segment_ids, keep=output_positions if i == last else None)
         return self.norm(h)
 
     @property

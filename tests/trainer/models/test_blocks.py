@@ -44,6 +44,42 @@ def test_packed_segments_equal_separate_sequences(family, attention):
     assert (unmasked - alone).abs().max().item() > 1e-3  # the mask matters
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_output_positions_equal_the_selected_rows_of_a_full_forward(family, attention):
+    """The trimmed last block gives the same hidden states, gradients and MoE router loss as selecting afterwards."""
+    torch.manual_seed(0)
+    full_model = build_model(_cfg(family, attention=attention))
+    trimmed_model = build_model(_cfg(family, attention=attention))
+    trimmed_model.load_state_dict(full_model.state_dict())
+    tokens = torch.randint(0, 80, (2, 12))
+    segment_ids = torch.tensor([[0] * 5 + [1] * 7, [2] * 12])
+    keep = torch.tensor([3, 4, 9, 10, 11, 12, 20, 23])
+    weights = torch.randn(len(keep), BASE["dim"])
+    full = full_model(tokens, segment_ids=segment_ids).reshape(-1, BASE["dim"])[keep]
+    trimmed = trimmed_model(tokens, segment_ids=segment_ids, output_positions=keep)
+    assert trimmed.shape == (len(keep), BASE["dim"])
+    assert (full - trimmed).abs().max().item() < 1e-5
+    losses = []
+    for model, hidden in ((full_model, full), (trimmed_model, trimmed)):
+        aux = model.moe_aux_loss()
+        losses.append(aux)
+        ((hidden * weights).sum() + (0 if aux is None else aux)).backward()
+    if family == "qwen3_moe":
+        assert torch.equal(losses[0], losses[1])
+    trimmed_params = dict(trimmed_model.named_parameters())
+    for name, p in full_model.named_parameters():
+        if p.grad is None:  # the untied output head: no head call here
+            assert trimmed_params[name].grad is None, name
+            continue
+        assert (p.grad - trimmed_params[name].grad).abs().max().item() < 1e-5, name
+    # No kept position: still one connected graph (every rank of a sharded step runs the same backward).
+    empty = trimmed_model(tokens, segment_ids=segment_ids, output_positions=torch.zeros(0, dtype=torch.long))
+    trimmed_model.zero_grad()
+    (empty.sum() + 0.0 * empty.sum()).backward()
+    assert trimmed_model.layers[-1].attention.wk.weight.grad is not None
+
+
 def _head_inputs(n=37, v=300, d=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, d, generator=g).requires_grad_()
