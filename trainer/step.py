@@ -85,7 +85,7 @@ def _mini_counts(samples: Sequence[Sample], indices: Sequence[int]) -> tuple[flo
 
 
 def _critic_values(engine: TrainEngine, mb: MicroBatch) -> torch.Tensor:
-    """The critic's values ``[N]`` at the micro-batch's completion-predicting positions (see :func:`forward_logprobs`)."""
+    """The critic's values ``[N]`` at the positions that predict completion tokens (as :func:`forward_logprobs`)."""
     assert engine.critic is not None
     positions = mb.loss_positions
     return engine.critic(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids, output_positions=positions)

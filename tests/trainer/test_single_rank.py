@@ -35,7 +35,8 @@ def _engine(**overrides):
 
 def _params(engine) -> dict[str, torch.Tensor]:
     return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in engine.policy.named_parameters()
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in engine.policy.named_parameters()
     }
 
 

@@ -1,6 +1,6 @@
 """``trainer.compile``: the torch.compile-d elementwise ops equal the plain torch ones, forward and backward, at any
-length (dynamic shapes), alone and inside a whole model; the switch leaves parameters and state-dict names alone; configs that cannot compile
-are refused."""
+length (dynamic shapes), alone and inside a whole model; the switch leaves parameters and state-dict names alone;
+configs that cannot compile are refused."""
 
 from __future__ import annotations
 

@@ -39,7 +39,8 @@ def _step(model_cfg: ModelConfig, algo: GRPOConfig, **overrides) -> tuple[dict[s
     metrics = rl_step(engine, RolloutBatch(_samples()))
     # One float32 rank runs the plain module (no FSDP DTensors); full_tensor() covers the sharded layout.
     weights = {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in engine.policy.named_parameters()
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in engine.policy.named_parameters()
     }
     return metrics, weights
 
