@@ -57,7 +57,8 @@ class ModelSection(Config):
     create_tiny: TinyModelSpec | None = None
     """Create a tiny random model at ``path`` first when the directory does not exist (the embedded demo)."""
     attention: str = "sdpa"
-    """Attention block: 'sdpa' (per packed sequence, no mask), 'eager' (masked reference), or a kernel such as 'splash'."""
+    """Attention block: 'sdpa' (per packed sequence, no mask), 'eager' (masked reference), or a kernel such as
+    'splash'."""
     output_head: str = "chunked"
     """Output head for log-probs: 'chunked' (never holds full logits), 'cached' (chunked, keeps fp32 probabilities for
     a faster backward), 'dense', or a kernel such as 'fused_pallas'."""
@@ -181,7 +182,8 @@ class Recipe(Config):
     def _check(self) -> Recipe:
         if self.run.mode == "async" and not self.algorithm.importance_sampling.enabled:
             raise ValueError(
-                "run.mode = 'async' trains on samples from older weights: set algorithm.importance_sampling.enabled = true"
+                "run.mode = 'async' trains on samples from older weights: "
+                "set algorithm.importance_sampling.enabled = true"
             )
         if self.algorithm.type == "grpo" and self.run.num_prompts_per_step * self.algorithm.group_size < 2:
             raise ValueError("a GRPO step needs at least 2 samples")

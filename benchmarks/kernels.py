@@ -148,7 +148,9 @@ def main() -> None:
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     threads = env["OMP_NUM_THREADS"]
     print(f"Pallas kernels (CPU: interpret mode) vs torch references, forward + backward, OMP_NUM_THREADS={threads}")
-    print("| case | shape | kernel peak MiB | reference peak MiB | kernel/reference memory | kernel ms | reference ms |")
+    print(
+        "| case | shape | kernel peak MiB | reference peak MiB | kernel/reference memory | kernel ms | reference ms |"
+    )
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         kernel, reference = row["kernel"], row["reference"]

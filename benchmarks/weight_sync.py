@@ -38,7 +38,10 @@ def model_arrays(size_mib: int, seed: int = 0) -> dict[str, np.ndarray]:
     per = size_mib * (1 << 20) // 2 // NUM_TENSORS
     cols = 1024
     rows = max(per // cols, 1)
-    return {f"model.layers.{i}.mlp.weight": rng.integers(0, 2**16, (rows, cols), dtype=np.uint16) for i in range(NUM_TENSORS)}
+    return {
+        f"model.layers.{i}.mlp.weight": rng.integers(0, 2**16, (rows, cols), dtype=np.uint16)
+        for i in range(NUM_TENSORS)
+    }
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -210,7 +213,9 @@ def bench_push(arrays: dict[str, np.ndarray], size_mib: int, chunk_bytes: int, r
     nbytes = sum(v.nbytes for v in arrays.values())
     # One receiver per data plane: the default (socket) one also takes the deltas and is the one whose memory counts.
     procs = {
-        plane: spawn("--_role", "receiver", "--size", str(size_mib), "--chunk-bytes", str(chunk_bytes), "--_plane", plane)
+        plane: spawn(
+            "--_role", "receiver", "--size", str(size_mib), "--chunk-bytes", str(chunk_bytes), "--_plane", plane
+        )
         for plane in ("auto", "grpc")
     }
     addresses = {plane: proc.stdout.readline().strip() for plane, proc in procs.items()}
@@ -232,7 +237,8 @@ def bench_push(arrays: dict[str, np.ndarray], size_mib: int, chunk_bytes: int, r
     for _ in range(repeats + 1):
         for plane, runs in times.items():  # interleaved, so that load from other jobs hits both planes alike
             target = addresses["auto" if plane == "tcp" else "grpc"]
-            with WeightSender([target], WeightSyncConfig(chunk_bytes=chunk_bytes, delta=False, data_plane=plane)) as sender:
+            config = WeightSyncConfig(chunk_bytes=chunk_bytes, delta=False, data_plane=plane)
+            with WeightSender([target], config) as sender:
                 seconds, report = timed(sender, arrays)
                 assert report.socket_endpoints == ([target] if plane == "tcp" else [])
                 runs.append(seconds)
@@ -313,7 +319,9 @@ def main() -> None:
     rows["weight_sync push, 1 receiver, full, socket data plane (default)"] = push["full_tcp_gbps"]
     rows["weight_sync push, 1 receiver, full, gRPC Push streams (TLS / relay path)"] = push["full_grpc_gbps"]
     rows["weight_sync push, 1 receiver, delta 3% changed (effective)"] = push["delta_gbps"]
-    rows["delta compare alone, 1 core (ceiling of any delta push)"] = bench_delta_compare(arrays, args.chunk_bytes, args.repeats)
+    rows["delta compare alone, 1 core (ceiling of any delta push)"] = bench_delta_compare(
+        arrays, args.chunk_bytes, args.repeats
+    )
     tcp, mem = rows["raw TCP socket (loopback)"], rows["memcpy into an existing buffer"]
     print("\n| path | GB/s | / raw TCP | / memcpy |\n|---|---|---|---|")
     for name, rate in rows.items():

@@ -15,7 +15,12 @@ from typing import Any, Mapping
 
 __all__ = ["MetricsLogger", "plot_curves", "read_jsonl"]
 
-_PROGRESS_KEYS = (("reward/mean", "reward"), ("eval/accuracy", "acc"), ("train/kl", "kl"), ("perf/tokens_per_s", "tok/s"))
+_PROGRESS_KEYS = (
+    ("reward/mean", "reward"),
+    ("eval/accuracy", "acc"),
+    ("train/kl", "kl"),
+    ("perf/tokens_per_s", "tok/s"),
+)
 
 
 class MetricsLogger:

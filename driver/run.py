@@ -196,7 +196,9 @@ class _Run:
         """Push the trainer's current weights to every serving receiver (pool workers and external servers)."""
         self.trainer.set_weight_endpoints(self.pool.receiver_addresses() + self.external)
         outcomes = self.trainer.push_weights()
-        failed = {addr: err for o in outcomes for addr, err in {**o["push_errors"], **o.get("commit_errors", {})}.items()}
+        failed = {
+            addr: err for o in outcomes for addr, err in {**o["push_errors"], **o.get("commit_errors", {})}.items()
+        }
         for addr, err in failed.items():
             log.warning("weight push to %s failed (kept serving its old version; retried next step): %s", addr, err)
         seconds = max(o["seconds"] for o in outcomes)

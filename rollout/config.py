@@ -1,7 +1,7 @@
 """Configuration of the rollout side: the serving engine, the sampling parameters and the pool of rollout workers.
 
-No torch or vLLM import here, so recipes validate in well under a second. ``RolloutConfig`` is the ``[rollout]`` table of
-a recipe; the group size (samples per prompt) is not here: the RL algorithm owns it and passes it to the pool.
+No torch or vLLM import here, so recipes validate in well under a second. ``RolloutConfig`` is the ``[rollout]`` table
+of a recipe; the group size (samples per prompt) is not here: the RL algorithm owns it and passes it to the pool.
 """
 
 from __future__ import annotations

@@ -267,7 +267,9 @@ class RolloutPool:
         worker = min(ready, key=lambda w: w.num_inflight_groups)
         worker.num_inflight_groups += len(piece.group_ids)
         piece.worker, piece.num_dispatches = worker, piece.num_dispatches + 1
-        piece.ref = worker.actor.generate_groups.remote(piece.problems, piece.group_ids, piece.group_size, piece.sampling)
+        piece.ref = worker.actor.generate_groups.remote(
+            piece.problems, piece.group_ids, piece.group_size, piece.sampling
+        )
 
     def _settle(self, ref: Any, pending: _Pending) -> None:
         import ray

@@ -61,7 +61,8 @@ class RolloutWorker:
         group_size: int,
         sampling: SamplingConfig | None = None,
     ) -> RolloutBatch:
-        """Sample ``group_size`` completions of each problem (group ``group_ids[i]`` for ``problems[i]``) and score them.
+        """Sample ``group_size`` completions of each problem (group ``group_ids[i]`` for ``problems[i]``) and score
+        them.
 
         Returns the samples grouped by problem, in input order, and additive metrics: ``rollout/generate_s``,
         ``rollout/num_completion_tokens``, ``reward/num_errors`` and ``reward/<term>/num_errors``.

@@ -1,4 +1,5 @@
-"""Write a tiny, randomly initialised HF model directory (config, safetensors, tokenizer) that transformers and vLLM load.
+"""Write a tiny, randomly initialised HF model directory (config, safetensors, tokenizer) that transformers and vLLM
+load.
 
 Usage::
 
@@ -67,7 +68,12 @@ def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **arch: A
 
 
 def make_tiny_model(
-    out_dir: str | Path, family: str = "qwen3", seed: int = 0, vocab_size: int = 512, dtype: str = "float32", **arch: Any
+    out_dir: str | Path,
+    family: str = "qwen3",
+    seed: int = 0,
+    vocab_size: int = 512,
+    dtype: str = "float32",
+    **arch: Any,
 ) -> Path:
     """Create ``out_dir`` with a tiny ``family`` model and the project's tiny tokenizer; return the directory.
 

@@ -67,7 +67,8 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0) -> PreTrainedTokenizer
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> Path:
-    """Write the tokenizer files (``tokenizer.json``, ``tokenizer_config.json`` with the chat template) to ``out_dir``."""
+    """Write the tokenizer files (``tokenizer.json``, ``tokenizer_config.json`` with the chat template) to
+    ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)

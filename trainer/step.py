@@ -219,15 +219,23 @@ def _update_policy(
         acc.add(metrics, float(mb.num_loss_tokens))
 
 
-def _update_critic(engine: TrainEngine, mbs: list[MicroBatch], counts: tuple[float, float], acc: MetricsAccumulator):
+def _update_critic(
+    engine: TrainEngine, mbs: list[MicroBatch], counts: tuple[float, float], acc: MetricsAccumulator,
+    num_router_tokens: float,
+):  # fmt: skip
     assert engine.critic is not None and isinstance(engine.algorithm, PPOConfig)
     num_tokens, num_seqs = counts
+    aux_coef = moe_aux_coef(engine.algorithm, engine.model_cfg)
     for mb in mbs:
         values = _critic_values(engine, mb)
         loss, metrics = compute_value_loss(
             mb.scatter(values), mb.extra["values"], mb.extra["returns"], mb.loss_mask, engine.algorithm,
             num_tokens=num_tokens, num_seqs=num_seqs,
         )  # fmt: skip
+        # An MoE critic's routers get the same load-balancing term as the policy's (``critic/loss/moe_aux``).
+        loss, metrics = add_router_aux_loss(
+            loss, {**metrics, "loss": metrics["value_loss"]}, engine.critic, mb, aux_coef, num_router_tokens
+        )
         (loss + 0.0 * values.sum()).backward()
         acc.add(metrics, float(mb.num_loss_tokens))
 
@@ -243,7 +251,8 @@ def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
     ``step_s``, ``tokens_per_s`` (prompt + completion tokens of the batch x epochs per second, all ranks),
     ``reward_mean``, ``num_tokens`` (completion tokens), ``num_samples``, ``step``, ``policy_version``; with PPO also
     ``critic/value_loss``, ``critic/value_error``, ``critic/value_mean``, ``critic/value_clip_frac``,
-    ``critic/grad_norm``.
+    ``critic/grad_norm``, and ``critic/loss`` (the value loss plus, MoE only, the critic routers' weighted
+    ``critic/loss/moe_aux``).
     """
     start = time.perf_counter()
     cfg, samples = engine.cfg, batch.samples
@@ -263,12 +272,13 @@ def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
     for _ in range(cfg.num_epochs):
         for idx, mbs in zip(minis, plans):
             counts = _mini_counts(samples, idx)
-            _update_policy(engine, mbs, counts, acc, count_router_tokens(samples, idx))
+            num_router_tokens = count_router_tokens(samples, idx)
+            _update_policy(engine, mbs, counts, acc, num_router_tokens)
             grad_norms.append(
                 _clip_and_step(engine, engine.policy, engine.optimizer, engine.scheduler, cfg.max_grad_norm)
             )
             if engine.critic is not None:
-                _update_critic(engine, mbs, counts, critic_acc)
+                _update_critic(engine, mbs, counts, critic_acc, num_router_tokens)
                 critic_norms.append(_clip_and_step(
                     engine, engine.critic, engine.critic_optimizer, engine.critic_scheduler, cfg.max_grad_norm
                 ))  # fmt: skip
@@ -301,18 +311,24 @@ def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
 def sft_step(engine: TrainEngine, samples: Sequence[Sample], lr: float | None = None) -> dict[str, float]:
     """One supervised step (mean NLL of the completion tokens over the whole batch) on the policy.
 
-    ``lr`` overrides the scheduled learning rate for this step; the schedule itself does not advance (it belongs to
-    the RL steps). The weights change, so ``policy_version`` is bumped.
+    Metrics: ``sft_loss`` (the NLL), ``loss`` (what was minimised: the NLL plus, MoE only, the router load-balancing
+    term ``loss/moe_aux`` weighted as in :func:`rl_step`), ``num_tokens``, ``grad_norm``, ``step_s``,
+    ``policy_version``. ``lr`` overrides the scheduled learning rate for this step; the schedule itself does not
+    advance (it belongs to the RL steps). The weights change, so ``policy_version`` is bumped.
     """
     start = time.perf_counter()
     mbs = plan_rank_micro_batches(engine, samples, range(len(samples)))
     num_tokens, _ = _mini_counts(samples, range(len(samples)))
+    aux_coef = moe_aux_coef(engine.algorithm, engine.model_cfg)
+    num_router_tokens = count_router_tokens(samples, range(len(samples)))
     acc = MetricsAccumulator()
     for mb in mbs:
         logprobs, _, hidden = forward_logprobs(engine.policy, mb)
         loss = sft_loss(logprobs, mb.loss_mask, "token_mean", num_tokens=num_tokens)
+        metrics = {"loss": loss.item(), "sft_loss": loss.item(), "num_tokens": float(mb.num_loss_tokens)}
+        loss, metrics = add_router_aux_loss(loss, metrics, engine.policy, mb, aux_coef, num_router_tokens)
         (loss + 0.0 * hidden.sum()).backward()
-        acc.add({"sft_loss": loss.item(), "num_tokens": float(mb.num_loss_tokens)}, float(mb.num_loss_tokens))
+        acc.add(metrics, float(mb.num_loss_tokens))
     saved = [g["lr"] for g in engine.optimizer.param_groups]
     if lr is not None:
         for g in engine.optimizer.param_groups:

@@ -109,7 +109,9 @@ class WeightSyncClient:
 
     def _unary(self, method: str, reply: type) -> grpc.UnaryUnaryMultiCallable:
         return self.channel.unary_unary(
-            f"/{SERVICE}/{method}", request_serializer=lambda m: m.SerializeToString(), response_deserializer=reply.FromString
+            f"/{SERVICE}/{method}",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=reply.FromString,
         )
 
     def _call(self, fn: Callable[..., T], request: object, timeout_s: float) -> T:

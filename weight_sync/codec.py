@@ -77,7 +77,9 @@ def decode_chunk(data: bytes) -> tuple[pb.ChunkHeader, memoryview]:
     return message.header, memoryview(message.payload)
 
 
-def xor_encode(new: np.ndarray, base: np.ndarray, compressor: zstandard.ZstdCompressor, scratch: np.ndarray) -> bytes | None:
+def xor_encode(
+    new: np.ndarray, base: np.ndarray, compressor: zstandard.ZstdCompressor, scratch: np.ndarray
+) -> bytes | None:
     """zstd(new XOR base) for two equal 1-D arrays, or None when the result would not be smaller than `new`."""
     out = scratch[: new.shape[0]]
     np.bitwise_xor(new, base, out=out)

@@ -37,7 +37,9 @@ def boxes_overlap(a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[
     return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_off, a_shape, b_off, b_shape))
 
 
-def shard_view(flat: np.ndarray, global_shape: Sequence[int], offsets: Sequence[int], shape: Sequence[int]) -> np.ndarray:
+def shard_view(
+    flat: np.ndarray, global_shape: Sequence[int], offsets: Sequence[int], shape: Sequence[int]
+) -> np.ndarray:
     """The N-d view of `flat` (a 1-D array holding the global tensor) covered by the box; no copy."""
     full = flat.reshape(tuple(global_shape))
     return full[(Ellipsis, *(slice(o, o + s) for o, s in zip(offsets, shape)))]  # Ellipsis: a view even for 0-d

@@ -70,12 +70,16 @@ class WeightReceiver:
             "Describe": grpc.unary_unary_rpc_method_handler(
                 self._describe, pb.DescribeRequest.FromString, pb.DescribeReply.SerializeToString
             ),
-            "Begin": grpc.unary_unary_rpc_method_handler(self._begin, pb.BeginRequest.FromString, pb.BeginReply.SerializeToString),
+            "Begin": grpc.unary_unary_rpc_method_handler(
+                self._begin, pb.BeginRequest.FromString, pb.BeginReply.SerializeToString
+            ),
             "Push": grpc.stream_unary_rpc_method_handler(self._push, None, pb.PushReply.SerializeToString),
             "Commit": grpc.unary_unary_rpc_method_handler(
                 self._commit, pb.CommitRequest.FromString, pb.CommitReply.SerializeToString
             ),
-            "Abort": grpc.unary_unary_rpc_method_handler(self._abort, pb.AbortRequest.FromString, pb.AbortReply.SerializeToString),
+            "Abort": grpc.unary_unary_rpc_method_handler(
+                self._abort, pb.AbortRequest.FromString, pb.AbortReply.SerializeToString
+            ),
             "WatchVersion": grpc.unary_stream_rpc_method_handler(
                 self._watch, pb.WatchVersionRequest.FromString, pb.VersionEvent.SerializeToString
             ),
@@ -151,7 +155,10 @@ class WeightReceiver:
             context.abort(e.code, e.message)
         ticket = update.tickets[request.rank] if self._data is not None else b""
         return pb.BeginReply(
-            update_id=update.update_id, current_version=self.area.policy_version, delta_accepted=delta, data_ticket=ticket
+            update_id=update.update_id,
+            current_version=self.area.policy_version,
+            delta_accepted=delta,
+            data_ticket=ticket,
         )
 
     def _push(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:

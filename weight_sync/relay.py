@@ -39,7 +39,9 @@ def split_tree(targets: Sequence[str], fanout: int) -> list[tuple[str, list[str]
     return groups
 
 
-def stream_metadata(session_id: str, policy_version: int, rank: int, relay: Sequence[str], fanout: int) -> tuple[tuple[str, str], ...]:
+def stream_metadata(
+    session_id: str, policy_version: int, rank: int, relay: Sequence[str], fanout: int
+) -> tuple[tuple[str, str], ...]:
     """Push stream metadata naming the update, the sender rank and the receivers this stream's head forwards to."""
     md = [("x-ws-session", session_id), ("x-ws-version", str(policy_version)), ("x-ws-rank", str(rank))]
     if relay:
@@ -50,7 +52,9 @@ def stream_metadata(session_id: str, policy_version: int, rank: int, relay: Sequ
 class PushStream:
     """One Push stream to one receiver, fed message by message; a bounded queue keeps memory at a few chunks."""
 
-    def __init__(self, client: WeightSyncClient, metadata: tuple[tuple[str, str], ...], timeout_s: float, depth: int = 4):
+    def __init__(
+        self, client: WeightSyncClient, metadata: tuple[tuple[str, str], ...], timeout_s: float, depth: int = 4
+    ):
         self.client = client
         self.bytes_sent = 0
         self._queue: queue.Queue[bytes | None] = queue.Queue(depth)

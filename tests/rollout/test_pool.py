@@ -1,4 +1,5 @@
-"""RolloutPool on real vLLM workers (Ray actors): pushes reach every worker, and a worker killed mid-batch loses no group.
+"""RolloutPool on real vLLM workers (Ray actors): pushes reach every worker, and a worker killed mid-batch loses no
+group.
 
 One Ray instance and one pool of 2 workers per module; the tiny model keeps each engine start to seconds.
 """

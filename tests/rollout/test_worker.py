@@ -51,7 +51,8 @@ def test_generate_groups_renders_samples_and_scores(worker):
 def test_health_and_version(worker):
     health = worker.health()
     assert health["ok"] and health["policy_version"] == worker.policy_version() == 0
-    assert health["receiver_address"] == worker.receiver_address() and worker.receiver_address().startswith("127.0.0.1:")
+    assert health["receiver_address"] == worker.receiver_address()
+    assert worker.receiver_address().startswith("127.0.0.1:")
 
 
 def test_pull_weights_from_a_checkpoint_goes_through_the_receiver(worker, tmp_path):

@@ -52,5 +52,7 @@ def test_threaded_delta_encoding_matches_sequential_and_updates_every_base():
         assert [c.delta for c in ahead] == [c.delta for c in one_by_one]
         assert np.array_equal(base, local.values)  # every chunk's base slice brought up to date
         if encoding == "sparse":
-            changed = sum(len(sparse_decode(memoryview(c.delta[1]), c.values.size, c.values.dtype)[0]) for c in ahead if c.delta)
+            changed = sum(
+                len(sparse_decode(memoryview(c.delta[1]), c.values.size, c.values.dtype)[0]) for c in ahead if c.delta
+            )
             assert changed == np.count_nonzero(old != local.values)

@@ -65,7 +65,10 @@ def test_sparse_delta_round_trips_and_rejects_bad_indices():
     rebuilt[got_idx] = got_values
     np.testing.assert_array_equal(rebuilt, new)
     assert sparse_encode(rng.integers(0, 2**16, 1000, dtype=np.uint16), base) is None  # dense change: send raw
-    for bad in (sparse_payload(np.array([5, 5], np.uint32), values[:2]), sparse_payload(np.array([1000], np.uint32), values[:1])):
+    for bad in (
+        sparse_payload(np.array([5, 5], np.uint32), values[:2]),
+        sparse_payload(np.array([1000], np.uint32), values[:1]),
+    ):
         with pytest.raises(DeltaError, match="strictly increasing"):
             sparse_decode(memoryview(bad), 1000, np.dtype(np.uint16))
     with pytest.raises(DeltaError, match="whole number"):

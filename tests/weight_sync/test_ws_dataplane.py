@@ -156,7 +156,10 @@ def test_a_corrupted_payload_is_data_loss_and_nothing_applies(one):
     [
         (struct.pack("<I", 1 << 20), C.INVALID_ARGUMENT),  # header longer than any ChunkHeader may be
         (chunk_frame(pb.ChunkHeader(num_elements=4), b"")[:-8] + struct.pack("<Q", 1 << 40), C.INVALID_ARGUMENT),
-        (shard_frames("w", np.zeros(48, np.float32), (6, 8), 48)[0][:-192 - 8] + struct.pack("<Q", 1 << 40), C.RESOURCE_EXHAUSTED),
+        (
+            shard_frames("w", np.zeros(48, np.float32), (6, 8), 48)[0][:-192 - 8] + struct.pack("<Q", 1 << 40),
+            C.RESOURCE_EXHAUSTED,
+        ),
         (shard_frames("nope", np.zeros(4, np.float32), (4,))[0], C.NOT_FOUND),
     ],
     ids=["huge-header", "no-shard-header", "huge-payload", "unknown-tensor"],
@@ -198,7 +201,8 @@ def test_fuzzed_streams_never_crash_the_receiver_nor_apply_bad_data(one, cut, fl
     body = bytearray(full_body())
     for pos, mask in flips:
         body[pos % len(body)] ^= mask
-    socket_push(port, pb.DataHello(session_id="s", policy_version=version, rank=0, ticket=ticket), bytes(body[: cut or None]))
+    hello = pb.DataHello(session_id="s", policy_version=version, rank=0, ticket=ticket)
+    socket_push(port, hello, bytes(body[: cut or None]))
     status = status_of(lambda: commit(client, version))
     if status == C.OK:  # only an intact stream may commit, and then the weights are exact
         assert torch.equal(sink.state_dict["w"], SD["w"]) and torch.equal(sink.state_dict["b"], SD["b"])

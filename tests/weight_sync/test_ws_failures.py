@@ -228,7 +228,10 @@ class RejectingSink(StateDictSink):
 
 
 def test_sink_rejection_keeps_the_old_version():
-    for error, code in ((ValueError("fused group incomplete"), C.INVALID_ARGUMENT), (RuntimeError("engine died"), C.INTERNAL)):
+    for error, code in (
+        (ValueError("fused group incomplete"), C.INVALID_ARGUMENT),
+        (RuntimeError("engine died"), C.INTERNAL),
+    ):
         sink = RejectingSink(zeros(), error)
         receiver = WeightReceiver(sink, WeightSyncConfig())
         receiver.start()
@@ -283,7 +286,8 @@ def _sparse_update(client, version, base_version, new_w, base_w, checksum_of=Non
     from weight_sync.codec import sparse_encode, sparse_payload
 
     client.begin(pb.BeginRequest(session_id="s", policy_version=version, rank=0, num_ranks=1,
-                                 tensors=[pb.TensorSpec(name="w", shape=(6, 8), dtype="float32")], base_version=base_version))
+                                 tensors=[pb.TensorSpec(name="w", shape=(6, 8), dtype="float32")],
+                                 base_version=base_version))
     new_bits = new_w.reshape(-1).view(torch.int32).numpy().view("u4")
     base_bits = base_w.reshape(-1).view(torch.int32).numpy().view("u4")
     idx, values = sparse_encode(new_bits, base_bits)

@@ -24,7 +24,13 @@ from weight_sync.relay import stream_metadata
 from weight_sync.sink import StateDictSink
 from weight_sync.spec import element_dtype
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64, "int8": torch.int8}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "int8": torch.int8,
+}
 MUTATIONS = ["none", "drop_shard", "duplicate_shard", "shift_offset", "flip_byte", "bad_checksum", "truncate",
              "swap_chunks", "garbage", "wrong_count", "bad_shape"]
 

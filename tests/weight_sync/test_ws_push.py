@@ -45,7 +45,9 @@ def test_tensor_parallel_column_shards_and_2d_blocks(receivers):
          Shard("e", sd["e"][3:, :4].clone(), (5, 7), (3, 0))],
         [shard_rows("w", sd["w"], 1, 2, dim=1), Shard("e", sd["e"][:, 4:].clone(), (5, 7), (0, 4))],
     ]
-    senders = [WeightSender([receiver.address], WeightSyncConfig(chunk_bytes=64), rank=r, num_ranks=2) for r in range(2)]
+    senders = [
+        WeightSender([receiver.address], WeightSyncConfig(chunk_bytes=64), rank=r, num_ranks=2) for r in range(2)
+    ]
     run_ranks(lambda r: senders[r].push(3, shards[r]), 2)
     assert senders[0].commit(3) == {receiver.address: None}
     assert_holds([sink], sd)

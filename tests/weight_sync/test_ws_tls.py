@@ -51,7 +51,9 @@ def pki(tmp_path_factory):
         paths[f"{who}_key"] = root / f"{who}.key"
         paths[f"{who}_cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         paths[f"{who}_key"].write_bytes(
-            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
         )
     return {k: str(v) for k, v in paths.items()}
 
@@ -92,11 +94,15 @@ def test_mtls_requires_a_client_certificate_signed_by_the_ca(pki):
     )
     receiver, sink, sd = _serve(server)
     try:
-        anonymous = WeightSyncClient(receiver.address, WeightSyncConfig(tls_ca_path=pki["ca"], num_retries=0, rpc_timeout_s=3))
+        anonymous = WeightSyncClient(
+            receiver.address, WeightSyncConfig(tls_ca_path=pki["ca"], num_retries=0, rpc_timeout_s=3)
+        )
         with pytest.raises(grpc.RpcError) as err:
             anonymous.describe()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        client = WeightSyncConfig(tls_ca_path=pki["ca"], tls_cert_path=pki["client_cert"], tls_key_path=pki["client_key"])
+        client = WeightSyncConfig(
+            tls_ca_path=pki["ca"], tls_cert_path=pki["client_cert"], tls_key_path=pki["client_key"]
+        )
         assert _push_ok(receiver.address, client, sd)
         assert receiver.policy_version == 1
     finally:

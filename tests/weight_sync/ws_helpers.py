@@ -85,7 +85,9 @@ def run_ranks(fn: Callable[[int], object], num_ranks: int) -> list[object]:
 
 
 def spec_msgs(sd: dict[str, torch.Tensor]) -> list[pb.TensorSpec]:
-    return [pb.TensorSpec(name=k, shape=tuple(v.shape), dtype=str(v.dtype).removeprefix("torch.")) for k, v in sd.items()]
+    return [
+        pb.TensorSpec(name=k, shape=tuple(v.shape), dtype=str(v.dtype).removeprefix("torch.")) for k, v in sd.items()
+    ]
 
 
 def shard_messages(name: str, t: torch.Tensor, offsets: Sequence[int], chunk_elems: int = 64) -> list[bytes]:
@@ -104,7 +106,9 @@ def shard_messages(name: str, t: torch.Tensor, offsets: Sequence[int], chunk_ele
     return out
 
 
-def raw_push(client: WeightSyncClient, session: str, version: int, rank: int, messages: Sequence[bytes]) -> pb.PushReply:
+def raw_push(
+    client: WeightSyncClient, session: str, version: int, rank: int, messages: Sequence[bytes]
+) -> pb.PushReply:
     """One Push stream of pre-serialized chunks; raises grpc.RpcError with the receiver's status."""
     md = client.metadata + stream_metadata(session, version, rank, [], 0)
     return client.push(iter(messages), timeout=30, metadata=md)

@@ -68,3 +68,43 @@ def test_metric_is_a_mean_per_optimizer_step() -> None:
     one, _ = _step(MOE, GRPOConfig(group_size=4), num_minibatches=1)
     four, _ = _step(MOE, GRPOConfig(group_size=4), num_minibatches=2, num_epochs=2)
     assert one["loss/moe_aux"] == pytest.approx(four["loss/moe_aux"], rel=0.1)  # not summed over the 4 updates
+
+
+def _engine(model_cfg: ModelConfig, algo):
+    from trainer.engine import build_engine
+    from trainer.parallelize import build_mesh
+
+    cfg = TrainerConfig(optimizer={"lr": 1e-2}, micro_batch_tokens=48)
+    return build_engine(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+
+
+def test_sft_warm_start_minimises_the_term_too() -> None:
+    from trainer.step import sft_step
+
+    runs = {}
+    for coef in (0.0, 0.3):
+        engine = _engine(MOE, GRPOConfig(group_size=4, moe_aux_loss_coef=coef))
+        runs[coef] = (sft_step(engine, _samples()), engine.policy.get_parameter("layers.0.moe.router.weight"))
+    (off, router_off), (on, router_on) = runs[0.0], runs[0.3]
+    assert off["loss"] == off["sft_loss"] == on["sft_loss"]
+    assert on["loss/moe_aux"] == off["loss/moe_aux"] > 1.0
+    assert on["loss"] == pytest.approx(on["sft_loss"] + 0.3 * on["loss/moe_aux"], rel=1e-6)
+    assert not torch.equal(router_on, router_off)
+    dense = sft_step(_engine(DENSE, GRPOConfig(group_size=4)), _samples())
+    assert "loss/moe_aux" not in dense and dense["loss"] == dense["sft_loss"]
+
+
+def test_ppo_critic_routers_get_the_term() -> None:
+    from trainer.rl.config import PPOConfig
+    from trainer.step import rl_step
+
+    runs = {}
+    for coef in (0.0, 0.3):
+        engine = _engine(MOE, PPOConfig(moe_aux_loss_coef=coef))
+        metrics = rl_step(engine, RolloutBatch(_samples()))
+        runs[coef] = (metrics, engine.critic.get_parameter("body.layers.0.moe.router.weight").detach().clone())
+    (off, router_off), (on, router_on) = runs[0.0], runs[0.3]
+    assert off["critic/loss"] == off["critic/value_loss"] == on["critic/value_loss"]
+    assert on["critic/loss/moe_aux"] == off["critic/loss/moe_aux"] > 1.0
+    assert on["critic/loss"] == pytest.approx(on["critic/value_loss"] + 0.3 * on["critic/loss/moe_aux"], rel=1e-6)
+    assert not torch.equal(router_on, router_off)
