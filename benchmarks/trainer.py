@@ -9,7 +9,8 @@ run:
   into micro-batches, forward + output head + loss + backward + AdamW; achieved FLOP/s counted as
   ``6 x params x useful tokens`` (non-padding prompt + completion tokens; attention FLOPs not counted). The model's
   blocks (printed) are the per-segment ``sdpa`` attention and the ``cached`` output head, which the trainer runs at
-  completion positions only, so the head does less work than the ``6 x params`` count credits;
+  completion positions only, as it does the last block's output projection and feed-forward (nothing after them
+  reaches another position), so the step does less work than the ``6 x params`` count credits;
 - useful tokens per second and the ratio achieved / peak (target >= 0.9 on an otherwise idle machine).
 
 Shared machines give noisy numbers: the matmul peak and the steps are measured interleaved, the best is kept, and
@@ -81,16 +82,19 @@ def grpo_batch(vocab: int, num_groups: int = 4, group_size: int = 4, seed: int =
 
 def executed_matmul_flops(batch: RolloutBatch, cfg: ModelConfig = MODEL_40M) -> float:
     """Matmul FLOPs one policy update really performs (fwd + bwd = 3 x forward): the blocks' projections on every
-    token, the output head (``cached``: 3 matmuls of ``2 x V x D``; ``chunked`` recomputes one more) on completion
-    tokens only, and causal attention per sequence. The embedding lookup is not a matmul."""
+    token, except the last block's output projection and feed-forward, which run on completion-predicting positions
+    only, as does the output head (``cached``: 3 matmuls of ``2 x V x D``; ``chunked`` recomputes one more); causal
+    attention per sequence. The embedding lookup is not a matmul."""
     embed = cfg.vocab_size * cfg.dim
-    block_params = cfg.num_params - embed * (1 if cfg.tie_embeddings else 2)
+    block_params = (cfg.num_params - embed * (1 if cfg.tie_embeddings else 2)) // cfg.num_layers
+    trimmed = cfg.num_heads * cfg.head_dim * cfg.dim + 3 * cfg.dim * cfg.ffn_hidden_dim  # wo + SwiGLU
     head_matmuls = 4 if cfg.output_head == "chunked" else 3
     completion = sum(len(s.completion_ids) for s in batch.samples)
     attention = 3 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * sum(
         (len(s.prompt_ids) + len(s.completion_ids)) ** 2 for s in batch.samples
     )
-    return 6 * block_params * batch.num_tokens + 2 * head_matmuls * embed * completion + attention
+    blocks = cfg.num_layers * block_params * batch.num_tokens - trimmed * (batch.num_tokens - completion)
+    return 6 * blocks + 2 * head_matmuls * embed * completion + attention
 
 
 def main() -> None:
@@ -144,7 +148,8 @@ def main() -> None:
     print(f"per CPU-second (robust on a shared machine): {flops / min(cpus) / 1e9:.1f} GFLOP/CPU-s = "
           f"{flops / min(cpus) / peak_cpu:.2f} of the matmul peak")
     executed = executed_matmul_flops(batch)
-    print(f"executed matmul FLOPs (blocks on every token, head on completion tokens, causal attention): "
+    print(f"executed matmul FLOPs (blocks on every token but the last one's wo/FFN and the head on completion "
+          f"positions only, causal attention): "
           f"{executed / 1e9:.0f} GFLOP = {executed / min(cpus) / peak_cpu:.2f} of the matmul peak per CPU-second")
 
 

@@ -200,7 +200,8 @@ class _Run:
             addr: err for o in outcomes for addr, err in {**o["push_errors"], **o.get("commit_errors", {})}.items()
         }
         for addr, err in failed.items():
-            log.warning("weight push to %s failed (kept serving its old version; retried next step): %s", addr, err)
+            log.warning("weight push to %s failed (it keeps serving its old version): %s", addr, err)
+        self.pool.resync(list(failed))  # pool workers among them take no work until they catch up
         seconds = max(o["seconds"] for o in outcomes)
         payload = sum(o["payload_bytes"] for o in outcomes)
         return {

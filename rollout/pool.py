@@ -5,6 +5,7 @@
     ...                                               # train on the previous batch meanwhile (async mode)
     batch = pool.collect(handle)                      # RolloutBatch: len(problems) * 8 samples
     sender_endpoints = pool.receiver_addresses()      # push the next version here (re-read after every collect)
+    pool.resync(failed_addresses)                     # workers the push did not reach: no work until caught up
     pool.set_policy_version(version)                  # ...and say it was committed
     pool.set_weight_publisher(push_to)                # push_to(addresses) -> version: catches up a lone replacement
     pool.shutdown()
@@ -23,7 +24,9 @@ gRPC); the weight publisher of :meth:`set_weight_publisher` (the trainer pushes 
 worker: the source when no peer is left, e.g. in a pool of one); the checkpoint directory of :meth:`set_weight_source`;
 or else the trainer's next regular push, which reaches it because :meth:`receiver_addresses` lists it from then on.
 So a replacement never generates with weights older than the last committed version, and a batch hit by a death needs
-no regeneration. A replacement's receiver address differs from the dead worker's, so the trainer's sender must follow
+no regeneration. A live worker that a push did not reach (its receiver failed or refused the update) is treated the
+same way after :meth:`resync`: it keeps serving its old version, so it takes no new work until it has caught up from
+those sources; if the weight publisher cannot reach it either, it is replaced. A replacement's receiver address differs from the dead worker's, so the trainer's sender must follow
 :meth:`receiver_addresses`. Errors raised by a worker itself (a reward function failing the step, a bad prompt) are
 not retried: they surface from :meth:`collect`; a worker whose engine broke during a weight update
 (``EngineBrokenError``) counts as dead.
@@ -32,6 +35,7 @@ not retried: they surface from :meth:`collect`; a worker whose engine broke duri
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -46,6 +50,8 @@ if TYPE_CHECKING:
     from weight_sync.config import WeightSyncConfig
 
 __all__ = ["RolloutHandle", "RolloutPool"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -193,6 +199,16 @@ class RolloutPool:
         moves back)."""
         self._policy_version = max(self._policy_version, policy_version)
 
+    def resync(self, addresses: Sequence[str]) -> None:
+        """Workers at ``addresses`` missed the last push (failed or refused): give them no new work until they serve
+        :attr:`policy_version` again, caught up like a replacement (see the module docstring). Call it together with
+        :meth:`set_policy_version` for that push; addresses that are not this pool's workers (external servers) and
+        workers already catching up are ignored. Pieces already running on them finish as they are."""
+        missed = set(addresses)
+        for worker in self._workers:
+            if worker.address in missed and worker.ready_ref is None:
+                worker.ready_ref = worker.actor.policy_version.remote()
+
     def set_weight_publisher(self, publish: Callable[[list[str]], int] | None) -> None:
         """Register ``publish(addresses) -> policy_version``: push the trainer's current weights to just these
         receivers now, and return the version pushed (raise when the push failed).
@@ -329,7 +345,12 @@ class RolloutPool:
         if peer is not None:
             worker.ready_ref = worker.actor.pull_weights.remote(peer)
         elif self._publisher is not None:
-            pushed = self._publisher([worker.address])
+            try:
+                pushed = self._publisher([worker.address])
+            except Exception as e:  # noqa: BLE001 (whatever broke the push, this worker cannot get the weights)
+                log.warning("weight publisher could not reach rollout worker %s (%s); replacing it", worker.address, e)
+                self._replace(worker)
+                return
             if pushed < target:
                 raise RuntimeError(
                     f"the weight publisher pushed policy_version {pushed}, older than the {target} the pool was told "

@@ -1,6 +1,7 @@
 """RolloutPool's replacement of dead workers, on Ray actors that stand in for RolloutWorker (no vLLM, so it runs in
 seconds): a replacement serves the committed policy_version before it takes work, whichever source has it (a live
-peer, the weight publisher, the trainer's next push), and a pool with no source fails instead of hanging.
+peer, the weight publisher, the trainer's next push), and a pool with no source fails instead of hanging; a live
+worker that missed a push (``resync``) is caught up the same way, and replaced when the publisher cannot reach it.
 
 The real workers (vLLM engines, gRPC pulls) are covered by test_pool.py and tests/integration/test_faults.py.
 """
@@ -167,5 +168,64 @@ def test_no_worker_and_no_source_fails_instead_of_hanging(monkeypatch):
         _push(pool, 1)
         with pytest.raises(RuntimeError, match="set_weight_publisher"):
             _collect_after_kill(pool, pool.workers[0])
+    finally:
+        pool.shutdown()
+
+
+def _push_to(pool: RolloutPool, version: int, missed: set[int]) -> None:
+    """A trainer push of ``version`` that fails at the workers numbered in ``missed``; the driver reports both."""
+    actors = pool.workers
+    addresses = ray.get([a.receiver_address.remote() for a in actors])
+    ray.get([a.receive.remote(version) for i, a in enumerate(actors) if i not in missed])
+    pool.resync([addresses[i] for i in missed] + ["external:1"])  # unknown addresses (external servers) are ignored
+    pool.set_policy_version(version)
+
+
+def test_live_worker_that_missed_a_push_serves_nothing_old(monkeypatch):
+    pool = _pool(monkeypatch, num_workers=2)
+    try:
+        _push(pool, 1)
+        _push_to(pool, 2, missed={1})
+        batch = pool.collect(pool.submit(PROBLEMS, group_size=2), timeout_s=60)
+        assert {s.policy_version for s in batch.samples} == {2}  # never version 1 from the worker that missed it
+        pool.wait_for_workers(timeout_s=60)
+        assert pool.policy_versions() == [2, 2]  # caught up from its live peer
+    finally:
+        pool.shutdown()
+
+
+def test_lone_worker_that_missed_a_push_is_caught_up_by_the_publisher(monkeypatch):
+    pool = _pool(monkeypatch, num_workers=1)
+    try:
+        calls: list = []
+        pool.set_weight_publisher(_publisher(pool, 3, calls))
+        (address,) = pool.receiver_addresses()
+        _push_to(pool, 3, missed={0})
+        batch = pool.collect(pool.submit(PROBLEMS, group_size=2), timeout_s=60)
+        assert {s.policy_version for s in batch.samples} == {3}
+        assert calls == [[address]] and pool.receiver_addresses() == [address]  # the same worker, not replaced
+    finally:
+        pool.shutdown()
+
+
+def test_worker_the_publisher_cannot_reach_is_replaced(monkeypatch):
+    pool = _pool(monkeypatch, num_workers=1)
+    try:
+        calls: list = []
+        reach = _publisher(pool, 3, calls)
+
+        def flaky(addresses: list[str]) -> int:
+            if not calls:
+                calls.append("refused")
+                raise RuntimeError("push refused")
+            return reach(addresses)
+
+        pool.set_weight_publisher(flaky)
+        (old,) = pool.receiver_addresses()
+        _push_to(pool, 3, missed={0})
+        batch = pool.collect(pool.submit(PROBLEMS, group_size=2), timeout_s=60)
+        assert {s.policy_version for s in batch.samples} == {3}
+        (new,) = pool.receiver_addresses()
+        assert new != old and calls == ["refused", [new]]
     finally:
         pool.shutdown()
