@@ -27,9 +27,9 @@ So a replacement never generates with weights older than the last committed vers
 no regeneration. A live worker that a push did not reach (its receiver failed or refused the update) is treated the
 same way after :meth:`resync`: it keeps serving its old version, so it takes no new work until it has caught up from
 those sources; if the weight publisher cannot reach it either, it is replaced. A replacement's receiver address
-differs from the dead worker's, so the trainer's sender must follow :meth:`receiver_addresses`. Errors raised by a worker itself (a reward function failing the step, a bad prompt) are
-not retried: they surface from :meth:`collect`; a worker whose engine broke during a weight update
-(``EngineBrokenError``) counts as dead.
+differs from the dead worker's, so the trainer's sender must follow :meth:`receiver_addresses`. Errors raised by a
+worker itself (a reward function failing the step, a bad prompt) are not retried: they surface from :meth:`collect`;
+a worker whose engine broke during a weight update (``EngineBrokenError``) counts as dead.
 """
 
 from __future__ import annotations
