@@ -11,8 +11,10 @@ with ``--group-size`` completions of uniform 8-256 tokens, random ids; ``benchma
 model (beta/KL 0), no activation checkpointing. Both sides start from the same weights: our randomly initialised
 model is exported as an HF checkpoint directory that TRL loads.
 
-- ours: ``trainer.step.rl_step`` exactly as ``benchmarks/trainer.py`` runs it (FSDP2 over a 1-rank gloo group,
-  sequences packed into micro-batches of ``--micro-batch-tokens``, chunked output head, token-mean loss, IS correction);
+- ours: ``trainer.step.rl_step`` exactly as ``benchmarks/trainer.py`` runs it (a 1-rank gloo group, whose float32
+  rank runs the plain module without FSDP; sequences packed into micro-batches of ``--micro-batch-tokens``; the
+  model's ``cached`` output head and last block's feed-forward at completion positions only; token-mean loss, IS
+  correction);
 - TRL: ``benchmarks/trl_side.py`` in ``.venv-trl``; generation is replaced by TRL's ``rollout_func`` hook returning the
   fixed completions, so the timed step is TRL's own padding, advantages, forward/backward per micro-batch ("dapo"
   loss), clipping and AdamW. Its micro-batches hold as many padded rows as fit the same token budget.

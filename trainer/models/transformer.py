@@ -58,14 +58,16 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         """``x [B, T, D]`` -> ``[B, T, D]``; with ``keep`` (int64 flat positions ``b * T + t``) -> ``[N, D]`` at
         those positions only: attention still reads every position's keys and values, but its output projection and
-        the feed-forward run on the kept rows alone."""
-        ffn = self.feed_forward if hasattr(self, "feed_forward") else self.moe
-        if keep is not None and not hasattr(self, "feed_forward"):
-            # MoE: route every token, so the router's load-balancing statistics match an untrimmed forward.
-            return self(x, rope, segment_ids).reshape(-1, x.shape[-1])[keep]
-        attn = self.attention(self.attention_norm(x), rope, segment_ids, keep=keep)
-        h = (x if keep is None else x.reshape(-1, x.shape[-1])[keep]) + attn
-        return h + ffn(self.ffn_norm(h))
+        a dense feed-forward run on the kept rows alone (an MoE block runs every row and selects afterwards)."""
+        dense = hasattr(self, "feed_forward")
+        # MoE: route every token, so the router's load-balancing statistics match an untrimmed forward.
+        trim = keep if dense else None
+        attn = self.attention(self.attention_norm(x), rope, segment_ids, keep=trim)
+        h = (x if trim is None else x.reshape(-1, x.shape[-1])[trim]) + attn
+        out = h + (self.feed_forward if dense else self.moe)(self.ffn_norm(h))
+        if keep is not None and trim is None:
+            out = out.reshape(-1, out.shape[-1])[keep]
+        return out
 
     def init_weights(self, std: float) -> None:
         self.attention_norm.reset_parameters()
