@@ -1,0 +1,102 @@
+"""The trainer's CUDA paths (marked ``gpu``; skipped without a CUDA device): per-segment SDPA against the masked
+reference, MoE grouped experts (``F.grouped_mm`` in bf16) against the loop, and one GRPO / PPO step on the GPU against
+the same step on the CPU."""
+
+from __future__ import annotations
+
+import socket
+from typing import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainer_batches import random_batch
+from trainer.config import TrainerConfig
+from trainer.models.attention import masked_sdpa_attention, sdpa_attention
+from trainer.models.config import ModelConfig
+from trainer.rl.config import GRPOConfig, PPOConfig
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DENSE = ModelConfig(
+    family="qwen3", vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, ffn_hidden_dim=64,
+    qk_norm=True, tie_embeddings=True, output_chunk_size=16,
+)  # fmt: skip
+MOE = ModelConfig(
+    **{**DENSE.model_dump(), "family": "qwen3_moe", "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_dim": 16}}
+)
+
+
+@pytest.fixture(scope="module")
+def cuda_group() -> Iterator[None]:
+    """A one-rank group with gloo for CPU tensors and NCCL for CUDA ones; TF32 off so CPU and GPU agree closely."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.cuda.set_device(0)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def test_per_segment_sdpa_matches_the_masked_reference(dtype: torch.dtype, tol: float) -> None:
+    lengths = [5, 37, 1, 90, 17]
+    segment_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].cuda()
+    gen, total = torch.Generator(device="cuda").manual_seed(0), sum(lengths)
+    q, k, v = (
+        torch.randn(1, h, total, 64, device="cuda", generator=gen, dtype=dtype).requires_grad_() for h in (8, 2, 2)
+    )
+    upstream = torch.randn(1, 8, total, 64, device="cuda", generator=gen, dtype=dtype)
+    results = []
+    for kernel in (sdpa_attention, masked_sdpa_attention):
+        out = kernel(q, k, v, segment_ids=segment_ids, scale=64**-0.5)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), upstream)))
+    for got, want in zip(*results, strict=True):
+        assert (got.float() - want.float()).abs().max().item() < tol
+
+
+def test_grouped_experts_match_the_loop_in_bf16() -> None:
+    from trainer.models.moe import grouped_experts, loop_experts
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    n, d, e, hidden, k = 96, 64, 8, 32, 2
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=gen) * 0.2).bfloat16().requires_grad_()
+
+    x, w1, w3, w2 = rand(n, d), rand(e, hidden, d), rand(e, hidden, d), rand(e, d, hidden)
+    expert_idx = torch.randint(0, e, (n, k), device="cuda", generator=gen)
+    expert_weight = torch.rand(n, k, device="cuda", generator=gen).bfloat16()
+    upstream = torch.randn(n, d, device="cuda", generator=gen).bfloat16()
+    results = []
+    for experts in (grouped_experts, loop_experts):
+        out = experts(x, expert_idx, expert_weight, w1, w3, w2)
+        results.append((out, *torch.autograd.grad(out, (x, w1, w3, w2), upstream)))
+    for got, want in zip(*results, strict=True):
+        assert (got.float() - want.float()).abs().max().item() < 2e-2 * max(1.0, want.float().abs().max().item())
+
+
+@pytest.mark.parametrize(
+    "model_cfg,algo", [(DENSE, GRPOConfig(group_size=4)), (MOE, GRPOConfig(group_size=4)), (DENSE, PPOConfig())]
+)
+def test_one_step_on_the_gpu_equals_the_cpu_step(cuda_group, model_cfg: ModelConfig, algo) -> None:
+    from trainer.engine import build_engine
+    from trainer.parallelize import build_mesh
+    from trainer.step import rl_step
+
+    runs = {}
+    for device in ("cpu", "cuda"):
+        cfg = TrainerConfig(optimizer={"lr": 1e-3}, micro_batch_tokens=64)
+        engine = build_engine(cfg, model_cfg, algo, torch.device(device), build_mesh(cfg, device))
+        metrics = rl_step(engine, random_batch(3))
+        runs[device] = (metrics, {n: p.detach().float().cpu() for n, p in engine.policy.named_parameters()})
+    (cpu_metrics, cpu_params), (gpu_metrics, gpu_params) = runs["cpu"], runs["cuda"]
+    assert gpu_metrics["loss"] == pytest.approx(cpu_metrics["loss"], rel=1e-3, abs=1e-5)
+    assert gpu_metrics["grad_norm"] == pytest.approx(cpu_metrics["grad_norm"], rel=1e-3)
+    for name, p in cpu_params.items():
+        assert (gpu_params[name] - p).abs().max().item() < 1e-4, name
