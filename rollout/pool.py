@@ -303,10 +303,6 @@ class RolloutPool:
             if isinstance(e, RayTaskError) and not isinstance(e.cause, EngineBrokenError):
                 raise  # the worker's own error (reward function, prompt): retrying elsewhere would fail the same way
             self._replace(worker)
-            pending.num_redispatched += 1
-            for other in [p for pend in self._pending.values() for p in pend.pieces if p.worker is worker and p.ref]:
-                other.ref = None
-                self._dispatch(other)
             return
         worker.num_inflight_groups -= len(piece.group_ids)
         self.set_policy_version(max(s.policy_version for s in batch.samples))  # what a worker serves was committed
@@ -374,6 +370,8 @@ class RolloutPool:
             )
 
     def _replace(self, dead: _Worker) -> None:
+        """Kill ``dead``'s actor, start a replacement in its slot (caught up before it takes work) and send the pieces
+        it was running to the other workers."""
         import ray
 
         if self._num_restarts >= self.config.num_worker_restarts:
@@ -386,6 +384,14 @@ class RolloutPool:
         actor = self._actor_cls.remote(*self._worker_args)
         dead.actor, dead.ready_ref, dead.awaiting_push = actor, actor.receiver_address.remote(), False
         dead.num_inflight_groups, dead.address = 0, None
+        # Whatever was running on it (a live worker can be replaced while generating) goes to the other workers now;
+        # left to fail, each piece would replace this slot once more.
+        for pend in self._pending.values():
+            for piece in pend.pieces:
+                if piece.worker is dead and piece.ref is not None:
+                    piece.ref = None
+                    pend.num_redispatched += 1
+                    self._dispatch(piece)
 
     def _newest_peer(self, exclude: _Worker, at_least: int) -> Any:
         """The serving worker with the newest retained weights if it serves ``at_least``, else ``None``."""

@@ -76,10 +76,11 @@ def ray_session(tmp_path_factory):
     ray.shutdown()
 
 
-def _pool(monkeypatch, num_workers: int, retain: bool = True) -> RolloutPool:
+def _pool(monkeypatch, num_workers: int, retain: bool = True, restarts: int = 3) -> RolloutPool:
     monkeypatch.setattr("rollout.worker.RolloutWorker", FakeWorker)
     config = RolloutConfig(model_path="unused", num_workers=num_workers, num_cpus_per_worker=0.0,
-                           max_groups_per_dispatch=2, retain_latest_weights=retain)  # fmt: skip
+                           max_groups_per_dispatch=2, retain_latest_weights=retain,
+                           num_worker_restarts=restarts)  # fmt: skip
     return RolloutPool(config)
 
 
@@ -208,24 +209,49 @@ def test_lone_worker_that_missed_a_push_is_caught_up_by_the_publisher(monkeypatc
         pool.shutdown()
 
 
+def _refusing_once(pool: RolloutPool, version: int, calls: list):
+    """A weight publisher whose first push is refused; later ones push ``version``."""
+    reach = _publisher(pool, version, calls)
+
+    def publish(addresses: list[str]) -> int:
+        if not calls:
+            calls.append("refused")
+            raise RuntimeError("push refused")
+        return reach(addresses)
+
+    return publish
+
+
 def test_worker_the_publisher_cannot_reach_is_replaced(monkeypatch):
     pool = _pool(monkeypatch, num_workers=1)
     try:
         calls: list = []
-        reach = _publisher(pool, 3, calls)
-
-        def flaky(addresses: list[str]) -> int:
-            if not calls:
-                calls.append("refused")
-                raise RuntimeError("push refused")
-            return reach(addresses)
-
-        pool.set_weight_publisher(flaky)
+        pool.set_weight_publisher(_refusing_once(pool, 3, calls))
         (old,) = pool.receiver_addresses()
         _push_to(pool, 3, missed={0})
         batch = pool.collect(pool.submit(PROBLEMS, group_size=2), timeout_s=60)
         assert {s.policy_version for s in batch.samples} == {3}
         (new,) = pool.receiver_addresses()
+        assert new != old and calls == ["refused", [new]]
+    finally:
+        pool.shutdown()
+
+
+def test_worker_replaced_while_generating_hands_its_pieces_on_once(monkeypatch):
+    pool = _pool(monkeypatch, num_workers=2, retain=False, restarts=1)  # a second replacement would raise
+    try:
+        calls: list = []
+        pool.set_weight_publisher(_refusing_once(pool, 2, calls))
+        _push(pool, 1)
+        handle = pool.submit(PROBLEMS, group_size=2)  # pieces now run on both workers
+        old = pool.receiver_addresses()[1]
+        _push_to(pool, 2, missed={1})  # worker 1 misses the push mid-generation; the publisher cannot reach it
+        batch = pool.collect(handle, timeout_s=60)
+        first = batch.samples[0].group_id
+        assert sorted({s.group_id for s in batch.samples}) == list(range(first, first + len(PROBLEMS)))
+        assert len(batch.samples) == 2 * len(PROBLEMS) and batch.metrics["rollout/num_redispatched"] >= 1
+        pool.wait_for_workers(timeout_s=60)
+        new = pool.receiver_addresses()[1]
         assert new != old and calls == ["refused", [new]]
     finally:
         pool.shutdown()
