@@ -24,7 +24,7 @@ import numpy as np
 
 from rollout.types import RolloutBatch
 
-__all__ = ["RLLoop"]
+__all__ = ["RLLoop", "push_failures"]
 
 log = logging.getLogger("rl_align")
 
@@ -88,7 +88,7 @@ class RLLoop:
         """The pool's weight publisher: push the trainer's current weights to ``addresses`` only (replacement workers);
         return the version pushed."""
         outcomes = self.trainer.push_weights(endpoints=addresses)
-        failed = {a: e for o in outcomes for a, e in {**o["push_errors"], **o.get("commit_errors", {})}.items() if e}
+        failed = push_failures(outcomes)
         if failed:
             raise RuntimeError(f"pushing the current policy to replacement rollout worker(s) failed: {failed}")
         version = int(outcomes[0]["policy_version"])
@@ -133,6 +133,12 @@ class RLLoop:
             if every and (step + 1) % every == 0 and step + 1 < run.num_steps:
                 metrics.update(self._evaluate())
             self._log(step, metrics)
+
+
+def push_failures(outcomes: list[dict[str, Any]]) -> dict[str, str]:
+    """Receiver address -> error for every receiver whose push (on any rank) or commit failed, from the per-rank
+    outcomes of ``TrainerGroup.push_weights``."""
+    return {a: e for o in outcomes for a, e in {**o["push_errors"], **o.get("commit_errors", {})}.items() if e}
 
 
 def _informative_groups(batch: RolloutBatch) -> list[list[Any]]:

@@ -194,11 +194,11 @@ class _Run:
 
     def _sync_weights(self) -> dict[str, float]:
         """Push the trainer's current weights to every serving receiver (pool workers and external servers)."""
+        from driver.loop import push_failures
+
         self.trainer.set_weight_endpoints(self.pool.receiver_addresses() + self.external)
         outcomes = self.trainer.push_weights()
-        failed = {
-            addr: err for o in outcomes for addr, err in {**o["push_errors"], **o.get("commit_errors", {})}.items()
-        }
+        failed = push_failures(outcomes)
         for addr, err in failed.items():
             log.warning("weight push to %s failed (it keeps serving its old version): %s", addr, err)
         self.pool.resync(list(failed))  # pool workers among them take no work until they catch up
