@@ -108,6 +108,7 @@ class _Run:
 
     def __enter__(self) -> _Run:
         from driver.metrics import MetricsLogger
+        from driver.publisher import WeightPublisher
         from rollout.pool import RolloutPool
         from rollout.tasks import build_dataset
         from rollout.tokenizer import load_tokenizer
@@ -125,8 +126,8 @@ class _Run:
         t0 = time.perf_counter()
         self.pool = RolloutPool(r.rollout, r.reward, r.weight_sync)
         log.info("rollout pool: %d worker(s) ready in %.1f s", r.rollout.num_workers, time.perf_counter() - t0)
-        self.external = list(r.weight_sync.endpoints)
-        sync_cfg = r.weight_sync.model_copy(update={"endpoints": self.pool.receiver_addresses() + self.external})
+        # The publisher hands the trainer's ranks their receivers before every push.
+        sync_cfg = r.weight_sync.model_copy(update={"endpoints": []})
         t0 = time.perf_counter()
         # A resumed run starts from the warm-started weights (its checkpoint then restores policy and reference).
         warm = self.out_dir / "warm_start_model"
@@ -134,6 +135,7 @@ class _Run:
         self.trainer = TrainerGroup(r.trainer, model_cfg, r.algorithm, init_path=init_path, weight_sync=sync_cfg,
                                     session_id=f"{r.run.name}-{int(time.time())}")  # fmt: skip
         log.info("trainer: %d rank(s) ready in %.1f s", r.trainer.num_ranks, time.perf_counter() - t0)
+        self.publisher = WeightPublisher(self.trainer, self.pool, external=r.weight_sync.endpoints)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -178,37 +180,20 @@ class _Run:
             self.trainer.export_hf(str(self.out_dir / "warm_start_model"))
             log.info("warm start: %d SFT steps in %.1f s", r.run.warm_start.num_steps, time.perf_counter() - t0)
         if start_step > 0 or r.run.warm_start.num_steps > 0:
-            self._sync_weights()
+            self.publisher.publish()
         before = do_eval()
         self.logger.log(start_step - 1, before, phase="eval")
-        RLLoop(r, self.pool, self.trainer, self.dataset, self._sync_weights, self.logger.log, do_eval).run(start_step)
+        RLLoop(r, self.pool, self.trainer, self.dataset, self.publisher, self.logger.log, do_eval).run(start_step)
         after = do_eval()
         self.logger.log(r.run.num_steps - 1, after, phase="eval")
-        if r.trainer.checkpoint.every_num_steps:
+        every = r.trainer.checkpoint.every_num_steps
+        if every and r.run.num_steps % every:  # the loop saved the last step when it was due
             self.trainer.save_checkpoint(data_cursor=self.dataset.state_dict())
         _print_report(before, after, self.out_dir)
         if r.run.logging.plot:
             self.logger.close()
             self.logger = None
             plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png")
-
-    def _sync_weights(self) -> dict[str, float]:
-        """Push the trainer's current weights to every serving receiver (pool workers and external servers)."""
-        from driver.loop import push_failures
-
-        self.trainer.set_weight_endpoints(self.pool.receiver_addresses() + self.external)
-        outcomes = self.trainer.push_weights()
-        failed = push_failures(outcomes)
-        for addr, err in failed.items():
-            log.warning("weight push to %s failed (it keeps serving its old version): %s", addr, err)
-        self.pool.resync(list(failed))  # pool workers among them take no work until they catch up
-        seconds = max(o["seconds"] for o in outcomes)
-        payload = sum(o["payload_bytes"] for o in outcomes)
-        return {
-            "push/seconds": seconds, "push/bytes": float(payload), "push/num_failed_receivers": float(len(failed)),
-            "push/gb_per_s": payload / max(seconds, 1e-9) / 1e9,
-        }  # fmt: skip
-
 
 def _print_report(before: dict[str, float], after: dict[str, float], out_dir: Path) -> None:
     rows = [k for k in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward") if k in before and k in after]

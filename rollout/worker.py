@@ -4,9 +4,8 @@ Run as a Ray actor by :class:`rollout.pool.RolloutPool` (``ray.remote(RolloutWor
 test or a single-process script can also use it directly. Every sample it returns records the ``policy_version`` of
 the weights it was generated with; pushes arriving over gRPC are applied between generation batches (the engine lock).
 
-Late joiners: a replacement worker calls :meth:`pull_weights` before serving, which has a live peer push its retained
-latest version through the normal gRPC protocol (:meth:`push_weights_to`), or loads a checkpoint directory; either way
-the new worker's receiver ends on that version, exactly as if the trainer had pushed it.
+Weights only ever arrive through the receiver, pushed by the trainer: a replacement worker starts on the model
+directory (version 0) and is caught up by the trainer before it takes work (:mod:`rollout.fleet`).
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(config.tokenizer_path or config.model_path)
         self.scorer = RewardScorer.from_config(reward) if reward is not None else None
         self.engine = VLLMEngine(config.model_path, config.engine, config.tokenizer_path)
-        self.sink = VLLMWeightSink(self.engine, retain_latest=config.retain_latest_weights)
+        self.sink = VLLMWeightSink(self.engine)
         self.receiver = WeightReceiver(self.sink, self._sync_config)
         self.receiver.start()
 
@@ -136,50 +135,6 @@ class RolloutWorker:
             "receiver_address": self.receiver_address(),
             "pid": os.getpid(),
         }
-
-    def push_weights_to(self, address: str) -> int:
-        """Push this worker's retained latest version to the receiver at ``address``; return the version pushed.
-
-        Raises ``RuntimeError`` when this worker retains no weights (``retain_latest_weights=false``) or the push fails.
-        """
-        from safetensors.torch import load as load_safetensors
-
-        latest = self.sink.export_latest()
-        if latest is None:
-            raise RuntimeError("this worker retains no weights (rollout.retain_latest_weights=false)")
-        version, payload = latest
-        self._push_to(address, version, load_safetensors(payload))
-        return version
-
-    def pull_weights(self, peer: Any = None, checkpoint_dir: str | None = None, policy_version: int = 0) -> int:
-        """Bring this worker to the newest weights before it serves: from ``peer`` (a RolloutWorker actor handle) or
-        else from ``checkpoint_dir`` holding ``policy_version``. Returns the version now served."""
-        import ray
-
-        if peer is not None:
-            ray.get(peer.push_weights_to.remote(self.receiver_address()))
-        elif checkpoint_dir is not None and policy_version > self.engine.policy_version:
-            from safetensors.torch import load_file
-            from pathlib import Path
-
-            state = {}
-            for file in sorted(Path(checkpoint_dir).glob("*.safetensors")):
-                state.update(load_file(file))
-            if not state:
-                raise ValueError(f"{checkpoint_dir}: no *.safetensors files to pull weights from")
-            self._push_to(self.receiver.address, policy_version, state)
-        return self.engine.policy_version
-
-    def _push_to(self, address: str, version: int, state: dict) -> None:
-        from weight_sync.sender import Shard, WeightSender
-
-        with WeightSender([address], self._sync_config, session_id=f"replica-{os.getpid()}") as sender:
-            report = sender.push(version, [Shard(n, t, tuple(t.shape), (0,) * t.dim()) for n, t in state.items()])
-            if report.failed:
-                raise RuntimeError(f"pushing version {version} to {address} failed: {report.failed}")
-            failed = {a: e for a, e in sender.commit(version).items() if e}
-            if failed:
-                raise RuntimeError(f"commit of version {version} at {address} failed: {failed}")
 
     def shutdown(self) -> None:
         """Stop the receiver (the engine goes with the process)."""

@@ -61,9 +61,9 @@ class TrainerGroup:
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
-    def train_step(self, batch: RolloutBatch, data_cursor: dict | None = None) -> dict[str, float]:
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """One RL update on ``batch``; returns the step's metrics (see ``trainer.step.rl_step``)."""
-        return self._all("train_step", ray.put(batch), data_cursor)[0]
+        return self._all("train_step", ray.put(batch))[0]
 
     def sft_step(self, samples: Sequence[Sample], lr: float | None = None) -> dict[str, float]:
         """One supervised warm-start step on the completions of ``samples``."""

@@ -122,19 +122,12 @@ class TrainerWorker:
         return self.engine
 
     # -- training --------------------------------------------------------------------------------------------------
-    def train_step(self, batch: RolloutBatch, data_cursor: dict | None = None) -> dict[str, float]:
-        """One RL update on ``batch`` (the same on every rank); saves a checkpoint every ``every_num_steps`` steps,
-        recording ``data_cursor`` (the caller's position after this batch)."""
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One RL update on ``batch`` (the same on every rank); returns the step's metrics. Nothing else: the driver
+        decides when to checkpoint (:meth:`save_checkpoint`)."""
         from trainer.step import rl_step
 
-        engine = self._require_engine()
-        metrics = rl_step(engine, batch)
-        if data_cursor is not None:
-            engine.data_cursor = dict(data_cursor)
-        every = self.cfg.checkpoint.every_num_steps
-        if self._checkpoints is not None and every > 0 and engine.step % every == 0:
-            self.save_checkpoint()
-        return metrics
+        return rl_step(self._require_engine(), batch)
 
     def sft_step(self, samples: Sequence[Sample], lr: float | None = None) -> dict[str, float]:
         """One supervised warm-start step on the completions of ``samples``."""
@@ -200,23 +193,30 @@ class TrainerWorker:
     # -- weight push -----------------------------------------------------------------------------------------------
     def set_weight_endpoints(self, endpoints: Sequence[str]) -> None:
         """Push to exactly ``endpoints`` from now on (receivers that joined get a full push on the next version)."""
-        sender = self._get_sender()
-        for address in [a for a in sender.endpoints if a not in endpoints]:
-            sender.remove_endpoint(address)
+        if self._sender is None:
+            self._sender = self._new_sender(endpoints, self._sync_config())
+            return
+        for address in [a for a in self._sender.endpoints if a not in endpoints]:
+            self._sender.remove_endpoint(address)
         for address in endpoints:
-            sender.add_endpoint(address)
+            self._sender.add_endpoint(address)
 
     def _get_sender(self):  # noqa: ANN202 (weight_sync is imported lazily)
-        from weight_sync.sender import WeightSender
+        if self._sender is None:
+            self._sender = self._new_sender([], self._sync_config())  # the config's endpoints, if any
+        return self._sender
 
+    def _sync_config(self):  # noqa: ANN202
         if self.weight_sync is None:
             raise ValueError("no weight_sync config given to the trainer: nothing to push to")
-        if self._sender is None:
-            self._sender = WeightSender(
-                [], self.weight_sync, rank=self.rank, num_ranks=self.cfg.num_ranks,
-                session_id=self.session_id,
-            )
-        return self._sender
+        return self.weight_sync
+
+    def _new_sender(self, endpoints: Sequence[str], config: Any):  # noqa: ANN202
+        """The one way this rank builds a sender: its rank, the group's size and the run's session id."""
+        from weight_sync.sender import WeightSender
+
+        return WeightSender(list(endpoints), config, rank=self.rank, num_ranks=self.cfg.num_ranks,
+                            session_id=self.session_id)  # fmt: skip
 
     def push_weights(
         self, policy_version: int | None = None, dtype: str | None = None, endpoints: Sequence[str] | None = None
@@ -233,14 +233,14 @@ class TrainerWorker:
 
         from trainer.models.hf_io import hf_shards
         from trainer.parallelize import local_shards
-        from weight_sync.sender import Shard, WeightSender
+        from weight_sync.sender import Shard
 
         engine = self._require_engine()
-        sender = self._get_sender()
-        if endpoints is not None:
-            one_off = sender.config.model_copy(update={"endpoints": [], "delta": False})
-            sender = WeightSender(list(endpoints), one_off, rank=self.rank, num_ranks=self.cfg.num_ranks,
-                                  session_id=self.session_id)  # fmt: skip
+        if endpoints is None:
+            sender = self._get_sender()
+        else:  # a full push that leaves the regular receivers' delta bases alone
+            one_off = self._sync_config().model_copy(update={"endpoints": [], "delta": False})
+            sender = self._new_sender(endpoints, one_off)
         version = engine.policy_version if policy_version is None else policy_version
         cast = getattr(torch, dtype) if dtype is not None else None
         shards = [

@@ -3,14 +3,12 @@
 ``VLLMWeightSink`` implements the ``weight_sync`` sink protocol: ``manifest()`` lists the tensors of the engine's model
 directory (HF-canonical names, shapes, dtypes, read from the safetensors headers), ``apply()`` checks an update against
 it and swaps it into the engine at the next generation-batch boundary. Anything refused raises before the engine
-changes, so the receiver stays on the old version. With ``retain_latest`` the sink keeps the newest full state in host
-memory so that a replacement worker can pull it (:meth:`export_latest`).
+changes, so the receiver stays on the old version.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
@@ -44,24 +42,12 @@ def read_checkpoint_manifest(model_path: str) -> list[TensorSpec]:
     return sorted(specs, key=lambda s: s.name)
 
 
-def _load_checkpoint(model_path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(Path(model_path).glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
-
-
 class VLLMWeightSink:
     """Applies verified weight versions to a :class:`VLLMEngine` (implements ``weight_sync``'s ``WeightSink``)."""
 
-    def __init__(self, engine: VLLMEngine, retain_latest: bool = True) -> None:
+    def __init__(self, engine: VLLMEngine) -> None:
         self._engine = engine
         self._specs = {s.name: s for s in read_checkpoint_manifest(engine.model_path)}
-        self._retain = retain_latest
-        self._latest: dict[str, torch.Tensor] = _load_checkpoint(engine.model_path) if retain_latest else {}
-        self._latest_lock = threading.Lock()
 
     def manifest(self) -> list[TensorSpec]:
         """The tensors this engine accepts: its checkpoint's names, global shapes and dtypes."""
@@ -76,19 +62,6 @@ class VLLMWeightSink:
         self._check(tensors)
         full = len(tensors) == len(self._specs)
         self._engine.load_weights(policy_version, tensors, full=full)
-        if self._retain:
-            with self._latest_lock:
-                self._latest.update({name: t.detach().clone() for name, t in tensors.items()})
-
-    def export_latest(self) -> tuple[int, bytes] | None:
-        """(policy_version, safetensors bytes of the whole model) of the version served now, or ``None`` when the sink
-        was built with ``retain_latest=False``."""
-        from safetensors.torch import save as save_safetensors
-
-        with self._latest_lock:
-            if not self._retain:
-                return None
-            return self._engine.policy_version, save_safetensors(self._latest)
 
     def _check(self, tensors: Mapping[str, torch.Tensor]) -> None:
         problems = []

@@ -1,12 +1,14 @@
 """The RL loop's ordering, with hand-written fakes for the pool, trainer and dataset (the real ones are exercised by
 tests/integration): sync trains on-policy, async keeps generation one batch ahead, dynamic sampling drops groups whose
-rewards are all equal, each step hands the trainer the dataset cursor of the batch it trains on, and the pool learns
-every committed version and can have the trainer push to a replacement worker."""
+rewards are all equal, each step checkpoints the dataset cursor of the batch it trained on when due, and the
+publisher tells the pool every committed version and pushes to a replacement worker on the pool's request."""
 
 import numpy as np
 
 from driver.loop import RLLoop
+from driver.publisher import WeightPublisher
 from recipe import load_recipe
+from rollout.metrics import sample_metrics
 from rollout.types import RolloutBatch, Sample
 
 
@@ -32,13 +34,22 @@ class FakePool:
 
     def __init__(self, events, replace_on_collect=None):
         self.events, self.version, self._handles, self._num_submitted = events, 0, {}, 0
-        self.replace_on_collect, self.publish, self.committed = replace_on_collect, None, []
+        self.replace_on_collect, self.publish, self.committed, self.held_back = replace_on_collect, None, [], []
 
     def set_weight_publisher(self, publish):
         self.publish = publish
 
+    def poll(self):
+        pass
+
+    def receiver_addresses(self):
+        return ["worker:1"]
+
     def set_policy_version(self, version):
         self.committed.append(version)
+
+    def hold_back(self, addresses):
+        self.held_back.append(list(addresses))
 
     def submit(self, problems, group_size, sampling=None):
         handle, self._num_submitted = self._num_submitted, self._num_submitted + 1
@@ -56,38 +67,48 @@ class FakePool:
                    reward=float(p % 2 == 0 and k % 2 == 0), group_id=p, policy_version=version)
             for p in problems for k in range(group_size)
         ]  # fmt: skip
-        return RolloutBatch(samples, {"rollout/seconds": 0.0})
+        return RolloutBatch(samples, {"rollout/seconds": 0.0, **sample_metrics(samples)})
 
 
 class FakeTrainer:
-    def __init__(self, events, pool):
-        self.events, self.pool, self.version = events, pool, 0
+    """A TrainerGroup over a version number: a regular push makes the pool generate with it."""
+
+    def __init__(self, events, pool, failing=()):
+        self.events, self.pool, self.version, self.endpoints, self.failing = events, pool, 0, [], set(failing)
 
     def policy_version(self):
         return self.version
 
-    def push_weights(self, endpoints):
-        self.events.append(("push_to", tuple(endpoints), self.version))
-        return [{"policy_version": self.version, "push_errors": {}, "commit_errors": {}}]
+    def set_weight_endpoints(self, endpoints):
+        self.endpoints = list(endpoints)
 
-    def train_step(self, batch, data_cursor):
-        self.events.append(("train", sorted(batch.groups()), data_cursor["position"]))
+    def push_weights(self, endpoints=None):
+        if endpoints is not None:
+            self.events.append(("push_to", tuple(endpoints), self.version))
+            return [{"policy_version": self.version, "push_errors": {}, "commit_errors": {}}]
+        self.pool.version = self.version
+        self.events.append(("push", self.version))
+        errors = {a: ("refused" if a in self.failing else None) for a in self.endpoints}
+        return [{"policy_version": self.version, "push_errors": errors, "commit_errors": {}, "seconds": 0.1,
+                 "payload_bytes": 10}]  # fmt: skip
+
+    def train_step(self, batch):
+        self.events.append(("train", sorted(batch.groups())))
         self.version += 1
         return {"policy_version": float(self.version)}
 
-    def push(self):
-        self.pool.version = self.version
-        self.events.append(("push", self.version))
-        return {}
+    def save_checkpoint(self, data_cursor):
+        self.events.append(("checkpoint", self.version, data_cursor["position"]))
 
 
-def _run(overrides, num_steps=3, replace_on_collect=None, pool_out=None):
+def _run(overrides, num_steps=3, replace_on_collect=None, pool_out=None, failing=()):
     recipe = load_recipe("recipes/grpo_tiny.toml", {"run.num_steps": num_steps, "run.num_prompts_per_step": 2,
                                                     "algorithm.group_size": 2, **overrides})  # fmt: skip
     events, logged = [], []
     pool = FakePool(events, replace_on_collect)
-    trainer = FakeTrainer(events, pool)
-    loop = RLLoop(recipe, pool, trainer, FakeDataset(), trainer.push, lambda s, m: logged.append((s, m)), dict)
+    trainer = FakeTrainer(events, pool, failing)
+    publisher = WeightPublisher(trainer, pool, external=["external:1"])
+    loop = RLLoop(recipe, pool, trainer, FakeDataset(), publisher, lambda s, m: logged.append((s, m)), dict)
     loop.run(start_step=0)
     if pool_out is not None:
         pool_out.append(pool)
@@ -116,23 +137,43 @@ def test_async_staleness_never_exceeds_the_bound():
     assert max(m["rollout/staleness_max"] for _, m in logged) == 2.0
 
 
-def test_training_gets_the_cursor_of_its_own_batch():
-    events, _ = _run({"run.mode": "async", "run.max_staleness": 1}, num_steps=3)
-    trains = [e for e in events if e[0] == "train"]
-    assert [cursor for _, _, cursor in trains] == [2, 4, 6]
+def test_checkpoints_when_due_with_the_cursor_of_the_trained_batch():
+    events, _ = _run({"run.mode": "async", "run.max_staleness": 1, "trainer.checkpoint.every_num_steps": 2},
+                     num_steps=4)  # fmt: skip
+    assert [e for e in events if e[0] == "checkpoint"] == [("checkpoint", 2, 4), ("checkpoint", 4, 8)]
+    # Batch 3 (prompts 4-5) was already drawn when step 2's checkpoint was taken: the cursor is of step 2's batch.
+    kinds = [e[0] for e in events]
+    assert kinds.index("checkpoint") == [i for i, k in enumerate(kinds) if k == "train"][1] + 1
+
+
+def test_no_checkpoint_unless_asked():
+    events, _ = _run({"trainer.checkpoint.every_num_steps": 0})
+    assert not [e for e in events if e[0] == "checkpoint"]
 
 
 def test_dynamic_sampling_keeps_only_informative_groups():
     events, logged = _run({"run.dynamic_sampling.enabled": True}, num_steps=1)
-    (_, groups, _), = [e for e in events if e[0] == "train"]
+    (_, groups), = [e for e in events if e[0] == "train"]
     assert groups == [0, 2]  # problem 1 (all rewards 0) dropped, problem 2 drawn in a second round
-    assert logged[0][1]["rollout/dynamic_sampling_rounds"] == 2.0
+    metrics = logged[0][1]
+    assert metrics["rollout/dynamic_sampling_rounds"] == 2.0
+    # The reward curve shows everything sampled (groups 0, 1 and 2: 1/6 of 6 samples... per group 1,0 | 0,0 | 1,0),
+    # the batch trained on (groups 0 and 2) its own figure.
+    assert metrics["reward/mean"] == 2 / 6 and metrics["rollout/num_samples"] == 6.0
+    assert metrics["reward/filtered_mean"] == 2 / 4
 
 
 def test_pool_is_told_each_committed_version():
     pools = []
     _run({"run.mode": "async", "run.max_staleness": 1}, num_steps=3, pool_out=pools)
-    assert pools[0].committed == [0, 1, 2, 3]  # the trainer's version at the start, then after every push
+    assert pools[0].committed == [1, 2, 3]  # after every push
+
+
+def test_failed_push_holds_back_pool_workers_and_reports_external_ones():
+    pools = []
+    _, logged = _run({}, num_steps=2, pool_out=pools, failing=("worker:1", "external:1"))
+    assert pools[0].held_back == [["worker:1", "external:1"]] * 2  # the pool ignores addresses it does not own
+    assert [m["push/num_failed_receivers"] for _, m in logged] == [2.0, 2.0]
 
 
 def test_replacement_gets_the_committed_version_from_the_publisher():

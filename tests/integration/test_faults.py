@@ -55,12 +55,12 @@ def test_killed_rollout_worker_is_replaced_and_run_finishes(tmp_path: Path, reci
     assert rl_steps(records) == list(range(num_steps)), tail(log)
     rl = [r for r in records if r["phase"] == "rl"]
     # Killed mid-generation, its groups were sent again to the replacement; killed between batches, the next push to it
-    # failed and the pool replaced it before giving it work (RolloutPool.resync). Either way the replacement (no live
-    # peer to pull from) had the trainer push the committed version to it before it took work: no batch was generated
-    # with older weights, none regenerated.
+    # failed and the pool held it back, then replaced it when the catch-up push failed too (rollout.fleet). Either way
+    # the trainer pushed the committed version to the replacement before it took work: no batch was generated with
+    # older weights, none regenerated.
     redispatched = sum(r["rollout/num_redispatched"] for r in rl)
     assert redispatched >= 1 or "failed (it keeps serving its old version)" in log.read_text(), tail(log)
-    assert "to replacement rollout worker(s)" in log.read_text(), tail(log)
+    assert "to catch them up" in log.read_text(), tail(log)
     # Every step, the one hit by the kill included, trains on samples of the expected versions: sync, the current
     # policy (the version before this step's update); async, no more than max_staleness versions behind it.
     max_staleness = load_recipe(recipe).run.max_staleness if "async" in recipe else 0

@@ -60,8 +60,18 @@ def _push_all(addresses: list[str], policy_version: int, state) -> None:
 def test_killed_worker_mid_batch_still_returns_every_group(pool, model_dir):
     addresses = pool.receiver_addresses()
     assert len(addresses) == 2
-    _push_all(addresses, 1, perturbed_state(model_dir))
+    state = perturbed_state(model_dir)
+    _push_all(addresses, 1, state)
+    pool.set_policy_version(1)
     assert pool.policy_versions() == [1, 1]
+    pushed_to = []
+
+    def publish(to: list[str]) -> int:  # the trainer's catch-up push, as driver.publisher does it
+        pushed_to.extend(to)
+        _push_all(to, 1, state)
+        return 1
+
+    pool.set_weight_publisher(publish)
 
     handle = pool.submit(PROBLEMS, group_size=2, sampling=LONG)
     time.sleep(1.0)  # both workers are generating by now
@@ -75,7 +85,8 @@ def test_killed_worker_mid_batch_still_returns_every_group(pool, model_dir):
     assert "reward/exact_match/mean" in batch.metrics
 
     pool.wait_for_workers(timeout_s=300)
-    assert pool.policy_versions() == [1, 1], "the replacement pulled the newest version before serving"
+    assert pool.policy_versions() == [1, 1], "the replacement was pushed the committed version before serving"
     assert len(set(pool.receiver_addresses()) - set(addresses)) == 1
+    assert pushed_to == [a for a in pool.receiver_addresses() if a not in addresses]
     again = pool.collect(pool.submit(PROBLEMS[:4], group_size=2, sampling=LONG), timeout_s=300)
     assert sorted({s.group_id for s in again.samples}) == list(range(8, 12))

@@ -1,7 +1,7 @@
-"""RolloutPool's replacement of dead workers, on Ray actors that stand in for RolloutWorker (no vLLM, so it runs in
-seconds): a replacement serves the committed policy_version before it takes work, whichever source has it (a live
-peer, the weight publisher, the trainer's next push), and a pool with no source fails instead of hanging; a live
-worker that missed a push (``resync``) is caught up the same way, and replaced when the publisher cannot reach it.
+"""RolloutPool's worker fleet (rollout.fleet), on Ray actors that stand in for RolloutWorker (no vLLM, so it runs in
+seconds): a replacement serves the committed policy_version before it takes work, from the trainer (the weight
+publisher, or else the trainer's next push), and a pool with no way to get it fails instead of hanging; a live worker
+that missed a push (``hold_back``) is caught up the same way, and replaced when the publisher cannot reach it.
 
 The real workers (vLLM engines, gRPC pulls) are covered by test_pool.py and tests/integration/test_faults.py.
 """
@@ -50,13 +50,6 @@ class FakeWorker:
             self.changed.wait_for(lambda: self.version >= policy_version, timeout=timeout_s)
         return self.version
 
-    def pull_weights(self, peer=None, checkpoint_dir=None, policy_version=0):
-        if peer is not None:
-            self.receive(ray.get(peer.policy_version.remote()))
-        elif checkpoint_dir is not None:
-            self.receive(policy_version)
-        return self.version
-
     def generate_groups(self, problems, group_ids, group_size, sampling=None):
         version = self.version
         time.sleep(0.2)
@@ -76,16 +69,17 @@ def ray_session(tmp_path_factory):
     ray.shutdown()
 
 
-def _pool(monkeypatch, num_workers: int, retain: bool = True, restarts: int = 3) -> RolloutPool:
+def _pool(monkeypatch, num_workers: int, restarts: int = 3) -> RolloutPool:
     monkeypatch.setattr("rollout.worker.RolloutWorker", FakeWorker)
     config = RolloutConfig(model_path="unused", num_workers=num_workers, num_cpus_per_worker=0.0,
-                           max_groups_per_dispatch=2, retain_latest_weights=retain,
-                           num_worker_restarts=restarts)  # fmt: skip
+                           max_groups_per_dispatch=2, num_worker_restarts=restarts)  # fmt: skip
     return RolloutPool(config)
 
 
 def _push(pool: RolloutPool, version: int) -> None:
-    """A trainer push of ``version`` to every address the pool lists, then the driver's report of it."""
+    """A trainer push of ``version`` to every address the pool lists, then the driver's report of it (as
+    driver.publisher.WeightPublisher.publish does it)."""
+    pool.poll()
     by_address = {ray.get(a.receiver_address.remote()): a for a in pool.workers}
     ray.get([by_address[address].receive.remote(version) for address in pool.receiver_addresses()])
     pool.set_policy_version(version)
@@ -130,7 +124,7 @@ def test_lone_replacement_gets_the_committed_version_from_the_publisher(monkeypa
         pool.shutdown()
 
 
-def test_replacement_pulls_from_a_live_peer_before_the_publisher(monkeypatch):
+def test_pool_learns_versions_its_workers_serve(monkeypatch):
     pool = _pool(monkeypatch, num_workers=2)
     try:
         by_address = {ray.get(a.receiver_address.remote()): a for a in pool.workers}
@@ -141,18 +135,35 @@ def test_replacement_pulls_from_a_live_peer_before_the_publisher(monkeypatch):
         pool.set_weight_publisher(_publisher(pool, 2, calls))
         _assert_complete(_collect_after_kill(pool, pool.workers[0]), 2)
         pool.wait_for_workers(timeout_s=60)
-        assert pool.policy_versions() == [2, 2] and calls == []
+        assert pool.policy_versions() == [2, 2] and len(calls) == 1  # the replacement was pushed version 2
+    finally:
+        pool.shutdown()
+
+
+def test_receiver_addresses_reads_without_advancing(monkeypatch):
+    pool = _pool(monkeypatch, num_workers=2)  # no publisher: a worker that needs weights waits for the next push
+    try:
+        _push(pool, 1)
+        first, second = pool.receiver_addresses()
+        pool.set_policy_version(2)  # committed, but the push missed the second worker
+        pool.hold_back([second])
+        refs = pool.fleet.pending_refs()
+        assert len(refs) == 1 and ray.wait(refs, timeout=60)[0] == refs  # its version answer is in, not taken in yet
+        assert pool.receiver_addresses() == pool.receiver_addresses() == [first]
+        pool.poll()  # now the fleet advances: it serves version 1 < 2, so it waits for the next push and is listed
+        assert pool.receiver_addresses() == [first, second]
     finally:
         pool.shutdown()
 
 
 def test_replacement_without_a_source_waits_for_the_next_push(monkeypatch):
-    pool = _pool(monkeypatch, num_workers=2, retain=False)  # no peer can hand its weights on
+    pool = _pool(monkeypatch, num_workers=2)  # no weight publisher registered
     try:
         _push(pool, 1)
         _assert_complete(_collect_after_kill(pool, pool.workers[0]), 1)  # the live peer ran every group
         deadline = time.monotonic() + 60
         while len(pool.receiver_addresses()) < 2 and time.monotonic() < deadline:  # the replacement is starting
+            pool.poll()
             time.sleep(0.1)
         assert len(pool.receiver_addresses()) == 2, "the next push must reach the waiting replacement"
         assert len(pool.policy_versions()) == 1, "the replacement (version 0) must not serve yet"
@@ -178,7 +189,7 @@ def _push_to(pool: RolloutPool, version: int, missed: set[int]) -> None:
     actors = pool.workers
     addresses = ray.get([a.receiver_address.remote() for a in actors])
     ray.get([a.receive.remote(version) for i, a in enumerate(actors) if i not in missed])
-    pool.resync([addresses[i] for i in missed] + ["external:1"])  # unknown addresses (external servers) are ignored
+    pool.hold_back([addresses[i] for i in missed] + ["external:1"])  # unknown addresses (external servers) are ignored
     pool.set_policy_version(version)
 
 
@@ -189,8 +200,10 @@ def test_live_worker_that_missed_a_push_serves_nothing_old(monkeypatch):
         _push_to(pool, 2, missed={1})
         batch = pool.collect(pool.submit(PROBLEMS, group_size=2), timeout_s=60)
         assert {s.policy_version for s in batch.samples} == {2}  # never version 1 from the worker that missed it
+        assert pool.policy_versions() == [2]  # no publisher: it waits for the next push, serving nothing meanwhile
+        _push(pool, 3)
         pool.wait_for_workers(timeout_s=60)
-        assert pool.policy_versions() == [2, 2]  # caught up from its live peer
+        assert pool.policy_versions() == [3, 3]
     finally:
         pool.shutdown()
 
@@ -238,7 +251,7 @@ def test_worker_the_publisher_cannot_reach_is_replaced(monkeypatch):
 
 
 def test_worker_replaced_while_generating_hands_its_pieces_on_once(monkeypatch):
-    pool = _pool(monkeypatch, num_workers=2, retain=False, restarts=1)  # a second replacement would raise
+    pool = _pool(monkeypatch, num_workers=2, restarts=1)  # a second replacement would raise
     try:
         calls: list = []
         pool.set_weight_publisher(_refusing_once(pool, 2, calls))

@@ -55,19 +55,18 @@ def test_health_and_version(worker):
     assert worker.receiver_address().startswith("127.0.0.1:")
 
 
-def test_pull_weights_from_a_checkpoint_goes_through_the_receiver(worker, tmp_path):
-    from safetensors.torch import load, save_file
-
+def test_pushed_weights_reach_generation_through_the_receiver(worker):
     from tests.rollout.vllm_helpers import perturbed_state
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.sender import Shard, WeightSender
 
     state = perturbed_state(worker.config.model_path, seed=4)
-    save_file(state, str(tmp_path / "model.safetensors"))
     problem = [Problem(prompt="2 + 2?", answer="4", problem_id="c")]
     before = worker.generate_groups(problem, group_ids=[0], group_size=2)
-    assert worker.pull_weights(checkpoint_dir=str(tmp_path), policy_version=3) == 3
-    assert worker.receiver.policy_version == 3 and worker.health()["last_update_s"] > 0
+    with WeightSender([worker.receiver_address()], WeightSyncConfig(), session_id="test") as sender:
+        assert not sender.push(3, [Shard(n, t, tuple(t.shape), (0,) * t.dim()) for n, t in state.items()]).failed
+        assert not any(sender.commit(3).values())
+    assert worker.policy_version() == 3 and worker.health()["last_update_s"] > 0
     after = worker.generate_groups(problem, group_ids=[0], group_size=2)
     assert all(s.policy_version == 3 for s in after.samples)
     assert [s.completion_ids.tolist() for s in after.samples] != [s.completion_ids.tolist() for s in before.samples]
-    version, payload = worker.sink.export_latest()  # what a replacement would be pushed by this worker
-    assert version == 3 and all(load(payload)[k].equal(v) for k, v in state.items())

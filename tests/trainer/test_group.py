@@ -69,7 +69,7 @@ def test_two_rank_group_trains_checkpoints_and_pushes(ray_session, tmp_path) -> 
         for name, tensor in single.items():
             assert torch.equal(received[name], tensor), name
 
-        metrics = group.train_step(_batch(), data_cursor={"index": 8})
+        metrics = group.train_step(_batch())
         assert metrics["policy_version"] == 1.0 and np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
         group.push_weights(policy_version=2)
         assert receiver.policy_version == 2
@@ -93,7 +93,7 @@ def test_two_rank_group_trains_checkpoints_and_pushes(ray_session, tmp_path) -> 
             assert torch.equal(late[name], tensor), name
         assert not torch.equal(received["model.embed_tokens.weight"], single["model.embed_tokens.weight"])
 
-        path = group.save_checkpoint()
+        path = group.save_checkpoint(data_cursor={"index": 8})
         assert os.path.exists(os.path.join(path, "COMPLETE"))
         group.train_step(_batch())
         state = group.load_checkpoint()

@@ -1,0 +1,75 @@
+"""The weight publisher: the one place the policy is pushed from the trainer to the servers that generate with it.
+
+    publisher = WeightPublisher(trainer, pool, external=recipe.weight_sync.endpoints)
+    metrics = publisher.publish()        # after every optimizer step (and after a warm start or resume)
+    # the pool calls publisher.push_to([address]) itself to catch up a replaced or held-back worker
+
+``publish`` pushes the trainer's current version to every receiver: the pool's serving workers, pool workers waiting
+for this push, and every external server of the recipe (``weight_sync.endpoints``). Each trainer rank streams its own
+shards and rank 0 commits (``TrainerGroup.push_weights``). Then the pool learns the committed version, and what a
+failed push means is decided here: a pool worker that missed it is held back (no work until it serves the version:
+the pool catches it up with :meth:`push_to`, and replaces it when even that fails); an external server that missed it
+is reported and gets a full push at the next version, without stopping training.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+__all__ = ["WeightPublisher", "push_failures"]
+
+log = logging.getLogger("rl_align")
+
+
+class WeightPublisher:
+    """Pushes the trainer's weights to the rollout pool and the external servers; see the module docstring."""
+
+    def __init__(self, trainer: Any, pool: Any, external: Sequence[str] = ()) -> None:
+        """``trainer``: a ``TrainerGroup`` (``set_weight_endpoints``, ``push_weights``); ``pool``: a ``RolloutPool``;
+        ``external``: host:port of receivers outside the pool. Registers :meth:`push_to` as the pool's catch-up push."""
+        self.trainer, self.pool, self.external = trainer, pool, list(external)
+        pool.set_weight_publisher(self.push_to)
+
+    def endpoints(self) -> list[str]:
+        """Every receiver the next regular push goes to (pool workers first, then the external servers)."""
+        self.pool.poll()
+        return self.pool.receiver_addresses() + self.external
+
+    def publish(self) -> dict[str, float]:
+        """Push the trainer's current version everywhere; return ``push/*`` metrics (seconds of the slowest rank,
+        payload bytes of all ranks, failed receivers, GB/s)."""
+        endpoints = self.endpoints()
+        if not endpoints:  # e.g. a pool of one whose worker is being replaced: it is caught up when it starts
+            self.pool.set_policy_version(self.trainer.policy_version())
+            return {"push/seconds": 0.0, "push/bytes": 0.0, "push/num_failed_receivers": 0.0, "push/gb_per_s": 0.0}
+        self.trainer.set_weight_endpoints(endpoints)
+        outcomes = self.trainer.push_weights()
+        failed = push_failures(outcomes)
+        for address, error in failed.items():
+            log.warning("weight push to %s failed (it keeps serving its old version): %s", address, error)
+        self.pool.set_policy_version(int(outcomes[0]["policy_version"]))
+        self.pool.hold_back(list(failed))  # external addresses are not the pool's: it ignores them
+        seconds = max(o["seconds"] for o in outcomes)
+        payload = sum(o["payload_bytes"] for o in outcomes)
+        return {
+            "push/seconds": seconds, "push/bytes": float(payload), "push/num_failed_receivers": float(len(failed)),
+            "push/gb_per_s": payload / max(seconds, 1e-9) / 1e9,
+        }  # fmt: skip
+
+    def push_to(self, addresses: list[str]) -> int:
+        """Push the trainer's current weights (in full) to just ``addresses`` now; return the version pushed. Raises
+        ``RuntimeError`` when any of them did not take it."""
+        outcomes = self.trainer.push_weights(endpoints=addresses)
+        failed = push_failures(outcomes)
+        if failed:
+            raise RuntimeError(f"pushing the current policy to {addresses} failed: {failed}")
+        version = int(outcomes[0]["policy_version"])
+        log.info("pushed policy_version %d to rollout worker(s) %s to catch them up", version, addresses)
+        return version
+
+
+def push_failures(outcomes: list[dict[str, Any]]) -> dict[str, str]:
+    """Receiver address -> error for every receiver whose push (on any rank) or commit failed, from the per-rank
+    outcomes of ``TrainerGroup.push_weights``."""
+    return {a: e for o in outcomes for a, e in {**o["push_errors"], **o.get("commit_errors", {})}.items() if e}
