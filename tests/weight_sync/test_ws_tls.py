@@ -110,7 +110,17 @@ def test_mtls_requires_a_client_certificate_signed_by_the_ca(pki):
 
 
 def test_remote_bind_is_allowed_with_tls_and_a_token(pki):
+    with pytest.raises(ValueError, match="not loopback"):
+        _serve(WeightSyncConfig(bind_host="0.0.0.0", auth_token="t"))  # no TLS: refused
+    with pytest.raises(ValueError, match="not loopback"):
+        _serve(WeightSyncConfig(bind_host="0.0.0.0", tls_cert_path=pki["server_cert"],
+                                tls_key_path=pki["server_key"]))  # no token: refused  # fmt: skip
     config = WeightSyncConfig(bind_host="0.0.0.0", tls_cert_path=pki["server_cert"], tls_key_path=pki["server_key"],
                               auth_token="t")
-    receiver, _, _ = _serve(config)
-    receiver.stop(0)
+    receiver, sink, sd = _serve(config)
+    try:
+        assert _push_ok(f"127.0.0.1:{receiver.address.rpartition(':')[2]}", WeightSyncConfig(
+            tls_ca_path=pki["ca"], auth_token="t"), sd)  # fmt: skip
+        assert receiver.policy_version == 1 and all(torch.equal(sink.state_dict[k], v) for k, v in sd.items())
+    finally:
+        receiver.stop(0)
