@@ -6,7 +6,7 @@ export OMP_NUM_THREADS ?= 1
 export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install demo test test-slow bench protos
+.PHONY: install demo test lint test-slow bench protos
 
 install: $(STAMP)
 
@@ -22,8 +22,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/python rl_align.py --recipe recipes/grpo_tiny.toml
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(VENV)/bin/python -m pytest -q
+
+# Lint and type-check the packages (settings in pyproject.toml); part of `make test`.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m slow

@@ -51,7 +51,7 @@ class MetricsLogger:
             self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
         self._gauges: dict[str, Any] = {}
         self._prometheus = prometheus_port is not None
-        if self._prometheus:
+        if prometheus_port is not None:
             import prometheus_client
 
             self._registry = prometheus_client.CollectorRegistry()

@@ -90,9 +90,9 @@ class RolloutPool:
 
         self.config = config
         # Threaded actors: health/version calls answer while a generation batch runs; the engine lock orders the rest.
-        actor_cls = ray.remote(
+        actor_cls = ray.remote(RolloutWorker).options(
             num_cpus=config.num_cpus_per_worker, num_gpus=config.num_gpus_per_worker, max_concurrency=4
-        )(RolloutWorker)
+        )
         self.fleet = WorkerFleet(
             actor_cls, (config, reward, weight_sync), config.num_workers, config.num_worker_restarts,
             on_replaced=self._hand_on, startup_timeout_s=startup_timeout_s,

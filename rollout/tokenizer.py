@@ -64,7 +64,7 @@ def render_prompt(
     generation prompt is appended. Without it, text is encoded as is (with the tokenizer's usual special tokens, such
     as a BOS) and messages are joined by :func:`messages_to_text`.
     """
-    messages = _as_messages(prompt)
+    _check_prompt(prompt)
     template = has_chat_template(tokenizer)
     if use_chat_template and not template:
         raise ValueError(
@@ -72,11 +72,11 @@ def render_prompt(
             "template; set use_chat_template=false or use a tokenizer whose tokenizer_config.json has one"
         )
     if template and use_chat_template is not False:
-        if messages is None:
-            messages = [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    text = prompt if messages is None else messages_to_text(messages)
+        chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert isinstance(rendered, str)
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    text = prompt if isinstance(prompt, str) else messages_to_text(prompt)
     return list(tokenizer.encode(text, add_special_tokens=True))
 
 
@@ -85,10 +85,10 @@ def messages_to_text(messages: Messages) -> str:
     return "\n\n".join(m["content"] for m in messages)
 
 
-def _as_messages(prompt: PromptLike) -> Messages | None:
-    """``None`` for plain text; the validated message list otherwise."""
+def _check_prompt(prompt: PromptLike) -> None:
+    """Raise ``ValueError`` unless ``prompt`` is text or a non-empty list of well-formed chat messages."""
     if isinstance(prompt, str):
-        return None
+        return
     if not isinstance(prompt, Sequence) or not prompt:
         raise ValueError(f"a prompt must be text or a non-empty list of chat messages, got {type(prompt).__name__}")
     for i, message in enumerate(prompt):
@@ -96,4 +96,3 @@ def _as_messages(prompt: PromptLike) -> Messages | None:
             message.get("content"), str
         ):
             raise ValueError(f"chat message {i} must be a mapping with string 'role' and 'content', got {message!r}")
-    return prompt

@@ -50,7 +50,7 @@ class TrainerGroup:
         if runtime_env is not None:
             options["runtime_env"] = runtime_env
         actor = ray.remote(TrainerWorker)
-        self.workers = [
+        self.workers: list[Any] = [
             actor.options(**options).remote(rank, cfg, model_cfg, algorithm, init_path, weight_sync, session_id)
             for rank in range(cfg.num_ranks)
         ]

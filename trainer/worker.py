@@ -16,12 +16,18 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from rollout.types import RolloutBatch, Sample
 from trainer.config import TrainerConfig
 from trainer.models.config import ModelConfig
 from trainer.rl.config import GRPOConfig, PPOConfig
+
+if TYPE_CHECKING:
+    from trainer.checkpoint import CheckpointManager
+    from trainer.engine import TrainEngine
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.sender import WeightSender
 
 __all__ = ["TrainerWorker"]
 
@@ -44,7 +50,7 @@ class TrainerWorker:
         model_cfg: ModelConfig,
         algorithm: GRPOConfig | PPOConfig,
         init_path: str | None = None,
-        weight_sync: Any = None,
+        weight_sync: WeightSyncConfig | None = None,
         session_id: str = "trainer",
     ) -> None:
         """``weight_sync``: a ``weight_sync.config.WeightSyncConfig`` (receiver endpoints, TLS, token) or None when
@@ -53,9 +59,9 @@ class TrainerWorker:
             raise ValueError(f"rank {rank} is outside [0, num_ranks={cfg.num_ranks})")
         self.rank, self.cfg, self.model_cfg, self.algorithm = rank, cfg, model_cfg, algorithm
         self.init_path, self.weight_sync, self.session_id = init_path, weight_sync, session_id
-        self.engine = None
-        self._sender = None
-        self._checkpoints = None
+        self.engine: TrainEngine | None = None
+        self._sender: WeightSender | None = None
+        self._checkpoints: CheckpointManager | None = None
 
     # -- setup -----------------------------------------------------------------------------------------------------
     def node_id(self) -> str:
@@ -85,7 +91,7 @@ class TrainerWorker:
         from trainer.parallelize import build_mesh
 
         device = self._device(torch)
-        backend = self.cfg.backend
+        backend: str | None = self.cfg.backend
         if self.cfg.device == "tpu":
             backend = dist.Backend.default_device_backend_map.get("tpu")
             if backend is None:
@@ -116,7 +122,7 @@ class TrainerWorker:
             raise ValueError("device 'tpu' needs the torch-tpu package installed on the trainer hosts") from None
         return torch.device("tpu")
 
-    def _require_engine(self):  # noqa: ANN202
+    def _require_engine(self) -> TrainEngine:
         if self.engine is None:
             raise RuntimeError("TrainerWorker.setup() must run before training calls")
         return self.engine
@@ -201,17 +207,17 @@ class TrainerWorker:
         for address in endpoints:
             self._sender.add_endpoint(address)
 
-    def _get_sender(self):  # noqa: ANN202 (weight_sync is imported lazily)
+    def _get_sender(self) -> WeightSender:
         if self._sender is None:
             self._sender = self._new_sender([], self._sync_config())  # the config's endpoints, if any
         return self._sender
 
-    def _sync_config(self):  # noqa: ANN202
+    def _sync_config(self) -> WeightSyncConfig:
         if self.weight_sync is None:
             raise ValueError("no weight_sync config given to the trainer: nothing to push to")
         return self.weight_sync
 
-    def _new_sender(self, endpoints: Sequence[str], config: Any):  # noqa: ANN202
+    def _new_sender(self, endpoints: Sequence[str], config: WeightSyncConfig) -> WeightSender:
         """The one way this rank builds a sender: its rank, the group's size and the run's session id."""
         from weight_sync.sender import WeightSender
 

@@ -11,7 +11,7 @@ and leaves the original parameters empty, so ``load_weights`` alone reports succ
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 __all__ = ["WeightUpdateExtension", "check_fused_groups", "expected_parameters"]
 
@@ -53,6 +53,10 @@ def expected_parameters(names: Iterable[str], packed_modules: Mapping[str, list[
 
 class WeightUpdateExtension:
     """Methods added to vLLM's worker; ``self`` is the worker (``self.model_runner``, ``self.reload_weights``)."""
+
+    # Provided by the vLLM worker class this is mixed into (declared for the type checker only).
+    model_runner: Any
+    reload_weights: Callable[..., Any]
 
     def rl_align_check_update(self, names: list[str]) -> str | None:
         """Why an update with these tensor names must be refused (a partial fused group), or ``None``; loads nothing."""

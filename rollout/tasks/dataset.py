@@ -53,7 +53,7 @@ class PromptDataset:
         """The next ``num_prompts`` training problems; a batch may span two epochs (each epoch a new shuffle)."""
         if num_prompts < 1:
             raise ValueError(f"num_prompts = {num_prompts}: ask for at least one prompt")
-        batch = []
+        batch: list[Problem] = []
         while len(batch) < num_prompts:
             if self._position == len(self._order):
                 self._epoch += 1
