@@ -2,8 +2,8 @@
 
 A recipe is the whole description of a run. Each section belongs to the component that consumes it::
 
-    [run]          this module: steps, prompts per step, loop mode, warm start, eval, logging
-    [model]        this module: the checkpoint directory and which block implementations to build
+    [run]          this module: steps, prompts per step, loop mode, warm start, eval, logging, the base seed
+    [model]        this module: the checkpoint directory; the block fields are trainer.models.config.BlockChoices
     [algorithm]    trainer.rl.config.AlgorithmConfig (GRPO or PPO, tagged by ``type``)
     [trainer]      trainer.config.TrainerConfig
     [rollout]      rollout.config.RolloutConfig (``model_path`` defaults to ``[model] path``)
@@ -11,23 +11,28 @@ A recipe is the whole description of a run. Each section belongs to the componen
     [reward]       rollout.rewards.config.RewardConfig
     [weight_sync]  weight_sync.config.WeightSyncConfig
 
-:func:`load_recipe` fails with a :class:`common.config.ConfigError` that names the file, each dotted field and the
-reason, for unknown keys, wrong types, out-of-range values and contradictory settings, before anything starts. No torch
-is imported here.
+Validating a :class:`Recipe` checks the sections together (the chosen blocks against ``trainer.device``, the loop mode
+against the algorithm) and resolves the defaults one section takes from another: ``rollout.model_path`` from
+``[model] path``, and every component seed left unset from ``run.seed``. :func:`load_recipe` adds the checks that need
+this machine (the model directory, the reward functions' modules). Every problem fails with a
+:class:`common.config.ConfigError` naming the file or command-line flag that set the value, the dotted field and the
+reason, before anything starts. No torch is imported here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import pydantic
 
-from common.config import Config, ConfigError, read_toml, to_toml, validate_config
-from rollout.config import RolloutConfig
-from rollout.rewards.config import RewardConfig
+from common.config import Config, FieldError, config_error, read_toml_with_sources, to_toml, validate_config
+from rollout.config import RolloutConfig, SamplingConfig
+from rollout.rewards.config import FunctionRewardConfig, RewardConfig
 from rollout.tasks.config import TaskConfig
 from trainer.config import TrainerConfig
+from trainer.models.config import BlockChoices, Family
 from trainer.rl.config import AlgorithmConfig
 from weight_sync.config import WeightSyncConfig
 
@@ -37,7 +42,7 @@ __all__ = ["Recipe", "load_recipe", "write_resolved"]
 class TinyModelSpec(Config):
     """A tiny random model to create at ``[model] path`` when that directory does not exist yet (local, no hub)."""
 
-    family: Literal["qwen3", "llama3", "qwen3_moe"] = "qwen3"
+    family: Family = "qwen3"
     """Architecture family of the tiny model."""
     hidden_size: int = pydantic.Field(128, ge=8)
     """Residual width."""
@@ -46,35 +51,17 @@ class TinyModelSpec(Config):
     num_heads: int = pydantic.Field(4, ge=1)
     """Query heads (key/value heads: half of them)."""
     seed: int = 0
-    """Seed of the random initialisation and of the tokenizer training corpus."""
+    """Seed of the random initialisation and of the tokenizer training corpus; unset means ``run.seed``."""
 
 
-class ModelSection(Config):
-    """Which checkpoint the policy starts from and how its blocks are implemented in the trainer."""
+class ModelSection(BlockChoices):
+    """Which checkpoint the policy starts from and how its blocks are implemented in the trainer (the block fields and
+    their checks are :class:`trainer.models.config.BlockChoices`, shared with the trainer's ``ModelConfig``)."""
 
     path: str = pydantic.Field(min_length=1)
     """Local HF model directory (config.json, safetensors, tokenizer): the trainer loads it, every engine serves it."""
     create_tiny: TinyModelSpec | None = None
     """Create a tiny random model at ``path`` first when the directory does not exist (the embedded demo)."""
-    attention: str = "sdpa"
-    """Attention block: 'sdpa' (per packed sequence, no mask), 'eager' (masked reference), or a kernel such as
-    'splash'."""
-    output_head: str = "chunked"
-    """Output head for log-probs: 'chunked' (never holds full logits), 'cached' (chunked, keeps fp32 probabilities for
-    a faster backward), 'dense', or a kernel such as 'fused_pallas'."""
-    output_chunk_size: int = pydantic.Field(1024, ge=1)
-    """Tokens per chunk of the chunked output head."""
-    moe_experts: str = "grouped"
-    """MoE experts block (MoE models only): 'grouped', 'loop', or a kernel such as 'gmm_pallas'."""
-
-    def block_overrides(self) -> dict[str, Any]:
-        """The block choices as ``ModelConfig`` field overrides."""
-        return {
-            "attention": self.attention,
-            "output_head": self.output_head,
-            "output_chunk_size": self.output_chunk_size,
-            "moe_experts": self.moe_experts,
-        }
 
 
 class WarmStartConfig(Config):
@@ -128,8 +115,12 @@ class RunConfig(Config):
     """Run name (used in the default output directory)."""
     output_dir: str | None = None
     """Where metrics, the resolved recipe, checkpoints and plots go; default ``runs/<name>``."""
-    seed: int = 0
-    """Seed of data order, sampling and initialisation."""
+    seed: int = pydantic.Field(0, ge=0)
+    """Base seed of the run: the value of every component seed the recipe leaves unset (``trainer.seed``: the
+    trainer's torch RNG; ``task.seed``: problem generation and data order; ``rollout.engine.seed``: the engines'
+    sampler; ``model.create_tiny.seed``: the tiny model's initialisation), and the seed of held-out evaluation unless
+    ``rollout.sampling.seed`` is set (see :attr:`Recipe.eval_sampling`). Training samples are drawn with per-group
+    seeds only when ``rollout.sampling.seed`` is set."""
     num_steps: int = pydantic.Field(20, ge=1)
     """RL steps (each: generate, score, train, push)."""
     num_prompts_per_step: int = pydantic.Field(16, ge=1)
@@ -170,7 +161,7 @@ class Recipe(Config):
     trainer: TrainerConfig = TrainerConfig()
     """How the update runs."""
     rollout: RolloutConfig
-    """The vLLM rollout pool (``model_path`` defaults to ``[model] path`` when loaded by :func:`load_recipe`)."""
+    """The vLLM rollout pool (``model_path`` unset: ``[model] path``)."""
     task: TaskConfig
     """Where prompts come from."""
     reward: RewardConfig = RewardConfig()
@@ -181,34 +172,84 @@ class Recipe(Config):
     @pydantic.model_validator(mode="after")
     def _check(self) -> Recipe:
         if self.run.mode == "async" and not self.algorithm.importance_sampling.enabled:
-            raise ValueError(
+            raise FieldError(
+                "algorithm.importance_sampling.enabled",
                 "run.mode = 'async' trains on samples from older weights: "
-                "set algorithm.importance_sampling.enabled = true"
+                "set algorithm.importance_sampling.enabled = true",
             )
         if self.algorithm.type == "grpo" and self.run.num_prompts_per_step * self.algorithm.group_size < 2:
-            raise ValueError("a GRPO step needs at least 2 samples")
+            raise FieldError("run.num_prompts_per_step", "a GRPO step needs at least 2 samples")
         if self.run.dynamic_sampling.enabled and self.algorithm.type != "grpo":
-            raise ValueError("run.dynamic_sampling needs algorithm.type = 'grpo' (it drops groups of equal rewards)")
+            raise FieldError(
+                "run.dynamic_sampling.enabled",
+                "run.dynamic_sampling needs algorithm.type = 'grpo' (it drops groups of equal rewards)",
+            )
+        blocked = self.model.device_problems(self.trainer.device, prefix="model.")
+        if blocked:
+            field, problem = next(iter(blocked.items()))
+            raise FieldError(f"model.{field}", f"{problem} (trainer.device = {self.trainer.device!r})")
         return self
+
+    @pydantic.model_validator(mode="after")
+    def _resolve_defaults(self) -> Recipe:
+        """Fill in the defaults one section takes from another, so every reader sees one resolved value."""
+        rollout, model, seed = self.rollout, self.model, self.run.seed
+        if rollout.model_path is None:
+            rollout = rollout.model_copy(update={"model_path": model.path})
+        if "seed" not in rollout.engine.model_fields_set:
+            rollout = rollout.model_copy(update={"engine": rollout.engine.model_copy(update={"seed": seed})})
+        if model.create_tiny is not None and "seed" not in model.create_tiny.model_fields_set:
+            model = model.model_copy(update={"create_tiny": model.create_tiny.model_copy(update={"seed": seed})})
+        resolved: dict[str, Config] = {"rollout": rollout, "model": model}
+        for name in ("trainer", "task"):
+            section = getattr(self, name)
+            explicit = "seed" in section.model_fields_set
+            resolved[name] = section if explicit else section.model_copy(update={"seed": seed})
+        for name, section in resolved.items():
+            # The one place a recipe is completed: sections are frozen, and validation is not over yet.
+            object.__setattr__(self, name, section)
+        return self
+
+    @property
+    def eval_sampling(self) -> SamplingConfig:
+        """Sampling of held-out evaluation: ``rollout.sampling`` at ``run.eval.temperature``, seeded with
+        ``rollout.sampling.seed`` or, when that is unset, ``run.seed`` (so evaluation is reproducible either way)."""
+        sampling = self.rollout.sampling
+        seed = self.run.seed if sampling.seed is None else sampling.seed
+        return sampling.model_copy(update={"temperature": self.run.eval.temperature, "seed": seed})
 
 
 def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None, check_paths: bool = True) -> Recipe:
-    """Load and validate a recipe file with dotted overrides; raise ConfigError naming file and fields.
+    """Load and validate a recipe file with dotted overrides; raise ConfigError naming the source and each field.
 
-    ``check_paths=False`` skips the checks that need this machine's files (the model directory), so recipes for other
-    hardware validate anywhere.
+    ``check_paths=False`` skips the checks that need this machine (the model directory, the reward functions'
+    modules), so recipes for other hardware validate anywhere.
     """
-    data = read_toml(path, overrides)
-    if isinstance(data.get("model"), dict) and isinstance(data.get("rollout", {}), dict):
-        data.setdefault("rollout", {}).setdefault("model_path", data["model"].get("path"))
-    recipe = validate_config(Recipe, data, source=str(path))
-    model_dir = Path(recipe.model.path)
-    if check_paths and recipe.model.create_tiny is None and not (model_dir / "config.json").is_file():
-        raise ConfigError(
-            f"{path}: model.path = {str(model_dir)!r} has no config.json: point it at a local HF model directory, "
-            "or add a [model.create_tiny] section to create a tiny one there"
-        )
+    data, sources = read_toml_with_sources(path, overrides)
+    recipe = validate_config(Recipe, data, source=str(path), sources=sources)
+    problems = _host_problems(recipe) if check_paths else []
+    if problems:
+        raise config_error(problems, data, source=str(path), sources=sources)
     return recipe
+
+
+def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
+    """What this machine lacks for ``recipe``: ``(location, reason)`` pairs, as :func:`config_error` takes them."""
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    model_dir = Path(recipe.model.path)
+    if recipe.model.create_tiny is None and not (model_dir / "config.json").is_file():
+        problems.append((
+            ("model", "path"),
+            f"{str(model_dir)!r} has no config.json: point it at a local HF model directory, or add a "
+            "[model.create_tiny] section to create a tiny one there",
+        ))  # fmt: skip
+    for i, term in enumerate(recipe.reward.terms):
+        if isinstance(term, FunctionRewardConfig):
+            try:
+                term.check_importable()
+            except ValueError as e:
+                problems.append((("reward", "terms", i, "function"), str(e)))
+    return problems
 
 
 def write_resolved(recipe: Recipe, out_dir: str | Path) -> Path:

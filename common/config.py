@@ -3,22 +3,28 @@
 Each component owns a nested ``Config`` (a subclass of :class:`Config`) with a docstring under every field. Recipes are
 TOML files; :func:`load_toml_config` parses one into a config class, applies dotted CLI overrides
 (``--trainer.optimizer.lr 1e-6``) and turns every validation problem into one :class:`ConfigError` whose message names
-the file, the dotted field and the reason. Nothing here imports torch, so a bad recipe fails in well under a second,
-before any actor starts.
+where the value was written (the file, a ``base =`` file, or the command-line flag), the dotted field and the reason;
+an unknown key names the field the user probably meant. Nothing here imports torch, so a bad recipe fails in well under
+a second, before any actor starts.
 
 Contract for subclasses:
 - unknown keys are errors (``extra="forbid"``), types are strict (no ``"3"`` for ``3``), configs are frozen;
-- user mistakes found in cross-field validators raise ``ValueError`` with a message that says what to do;
-- paths are plain ``str`` (TOML has no path type) and counts are named ``num_*``.
+- user mistakes found in cross-field validators raise ``ValueError`` with a message that says what to do, or
+  :class:`FieldError` to name the field at fault when it is not the section the validator belongs to;
+- paths are plain ``str`` (TOML has no path type) and counts are named ``num_*``;
+- dtypes are :data:`DType` (the one declaration every component shares).
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import tomllib
+import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, Literal, TypeVar
 
 import pydantic
 import tomli_w
@@ -26,13 +32,24 @@ import tomli_w
 __all__ = [
     "Config",
     "ConfigError",
+    "DType",
+    "FieldError",
+    "Sources",
     "apply_overrides",
+    "config_error",
     "load_toml_config",
     "parse_overrides",
     "read_toml",
+    "read_toml_with_sources",
     "to_toml",
     "validate_config",
 ]
+
+DType = Literal["float32", "bfloat16", "float16"]
+"""Floating-point dtype names a config may ask for (trainer precision, serving engines, reward models)."""
+
+Sources = dict[tuple[str, ...], str]
+"""Where each key of a recipe's data was written: key path -> a file name or ``command-line flag --a.b``."""
 
 
 class Config(pydantic.BaseModel):
@@ -48,10 +65,23 @@ class Config(pydantic.BaseModel):
 
 
 class ConfigError(ValueError):
-    """A recipe or override that cannot be used; the message lists every problem with its dotted field name."""
+    """A recipe or override that cannot be used; the message lists every problem with its source and dotted field."""
+
+
+class FieldError(ValueError):
+    """Raised by a cross-field validator to blame ``field`` (dotted, relative to the validated model) for ``message``.
+
+    ``raise FieldError("model.attention", "...")`` in a validator of the recipe reports ``model.attention`` (and the
+    file or flag that set it) instead of the whole recipe.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 ConfigT = TypeVar("ConfigT", bound=Config)
+Loc = tuple[str | int, ...]
 
 
 def parse_overrides(args: Sequence[str]) -> dict[str, Any]:
@@ -84,21 +114,38 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
-def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """Return a copy of ``data`` with each dotted override set, creating tables as needed."""
+def _override_source(dotted: str) -> str:
+    """How an error names the command-line flag ``--<dotted>`` as the source of a value."""
+    return f"command-line flag --{dotted}"
+
+
+def apply_overrides(
+    data: dict[str, Any], overrides: Mapping[str, Any], sources: Sources | None = None
+) -> dict[str, Any]:
+    """Return a copy of ``data`` with each dotted override set, creating tables as needed.
+
+    ``sources``, if given, is updated in place: every key an override sets or creates is attributed to its flag.
+    """
     out = copy.deepcopy(data)
     for dotted, value in overrides.items():
-        parts = dotted.split(".")
+        parts = tuple(dotted.split("."))
         if not all(parts):
             raise ConfigError(f"override --{dotted}: empty component in dotted name")
+        source = _override_source(dotted)
         node = out
         for j, part in enumerate(parts[:-1]):
+            if part not in node and sources is not None:
+                sources[parts[: j + 1]] = source
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
                 where = ".".join(parts[: j + 1])
                 raise ConfigError(f"override --{dotted}: {where} is a value ({child!r}), not a table")
             node = child
         node[parts[-1]] = value
+        if sources is not None:
+            for key in [k for k in sources if k[: len(parts)] == parts]:
+                del sources[key]
+            sources.update(_key_sources(value, source, parts))
     return out
 
 
@@ -108,10 +155,18 @@ def read_toml(path: str | Path, overrides: Mapping[str, Any] | None = None) -> d
     A top-level ``base = "other.toml"`` (relative to this file) starts from that file's data: tables merge key by key,
     and everything else written here replaces the base's value. Variants of a recipe stay a few lines long.
     """
-    return apply_overrides(_read_with_base(Path(path), ()), overrides or {})
+    return read_toml_with_sources(path, overrides)[0]
 
 
-def _read_with_base(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+def read_toml_with_sources(
+    path: str | Path, overrides: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], Sources]:
+    """:func:`read_toml`, plus where each key was written (this file, a base file, or a flag) for error messages."""
+    data, sources = _read_with_base(Path(path), ())
+    return apply_overrides(data, overrides or {}, sources), sources
+
+
+def _read_with_base(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], Sources]:
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -121,14 +176,29 @@ def _read_with_base(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     base = data.pop("base", None)
+    sources = _key_sources(data, str(path), ())
     if base is None:
-        return data
+        return data, sources
     if not isinstance(base, str):
         raise ConfigError(f"{path}: base must be a file name string, got {base!r}")
     base_path = (path.parent / base).resolve()
     if base_path in seen:
         raise ConfigError(f"{path}: base files form a cycle through {base_path}")
-    return _merge(_read_with_base(base_path, (*seen, path.resolve())), data)
+    if not base_path.is_file():
+        raise ConfigError(
+            f"{path}: base = {base!r}: no file {base_path} (a base is found relative to the file that names it)"
+        )
+    base_data, base_sources = _read_with_base(base_path, (*seen, path.resolve()))
+    return _merge(base_data, data), {**base_sources, **sources}
+
+
+def _key_sources(value: Any, source: str, prefix: tuple[str, ...]) -> Sources:
+    """``source`` for ``prefix`` and, when ``value`` is a table, every key path under it."""
+    out: Sources = {prefix: source} if prefix else {}
+    if isinstance(value, dict):
+        for key, child in value.items():
+            out.update(_key_sources(child, source, (*prefix, str(key))))
+    return out
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -142,44 +212,100 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_toml_config(cls: type[ConfigT], path: str | Path, overrides: Mapping[str, Any] | None = None) -> ConfigT:
-    """Load ``path`` into ``cls``, applying dotted ``overrides``; raise :class:`ConfigError` naming file and fields."""
-    return validate_config(cls, read_toml(path, overrides), source=str(path))
+    """Load ``path`` into ``cls``, applying dotted ``overrides``; raise :class:`ConfigError` naming source and field."""
+    data, sources = read_toml_with_sources(path, overrides)
+    return validate_config(cls, data, source=str(path), sources=sources)
 
 
-def validate_config(cls: type[ConfigT], data: Mapping[str, Any], source: str = "<config>") -> ConfigT:
-    """Validate a plain mapping into ``cls``; raise :class:`ConfigError` with one line per problem."""
+def validate_config(
+    cls: type[ConfigT], data: Mapping[str, Any], source: str = "<config>", sources: Sources | None = None
+) -> ConfigT:
+    """Validate a plain mapping into ``cls``; raise :class:`ConfigError` with one line per problem.
+
+    ``source`` names where ``data`` came from; ``sources`` (from :func:`read_toml_with_sources`) names, per key, the
+    file or flag that wrote it, so each problem is reported against the source that can fix it.
+    """
     try:
         # JSON-mode validation: TOML arrays validate as tuples, strings as paths, while "0.1" stays no float.
         return cls.model_validate_json(json.dumps(data, default=str))
     except pydantic.ValidationError as e:
-        lines = [f"  - {_field_name(err['loc'], data)}: {_reason(err)}" for err in e.errors()]
-        raise ConfigError(f"{source}: invalid recipe ({len(lines)} problem(s)):\n" + "\n".join(lines)) from None
+        problems = []
+        for err in e.errors():
+            loc, reason = tuple(err["loc"]), _reason(err, cls, data)
+            blamed = err.get("ctx", {}).get("error")
+            if isinstance(blamed, FieldError):
+                loc = (*loc, _Blamed(blamed.field))
+            problems.append((loc, reason))
+        raise config_error(problems, data, source, sources) from None
 
 
-def _field_name(loc: tuple[Any, ...], data: Any) -> str:
-    """Dotted name of an error location, dropping the tags pydantic inserts for tagged unions."""
+class _Blamed(str):
+    """A dotted field named by a :class:`FieldError`: reported as written, whether or not the data has it."""
+
+
+def config_error(
+    problems: Sequence[tuple[Loc, str]], data: Any, source: str = "<config>", sources: Sources | None = None
+) -> ConfigError:
+    """One :class:`ConfigError` for ``(location, reason)`` problems, grouped by the source of each location.
+
+    A location is a pydantic error location in ``data`` (keys, list indices, union tags). Problems whose location was
+    written by another file or a flag (per ``sources``) are listed under that source; the rest under ``source``.
+    """
+    grouped: dict[str, list[str]] = {}
+    for loc, reason in problems:
+        name, keys = _field_name(loc, data)
+        where = _source_of(keys, sources or {}, source)
+        grouped.setdefault(where, []).append(f"- {name}: {reason}")
+    num = sum(len(lines) for lines in grouped.values())
+    if len(grouped) == 1:
+        [(where, lines)] = grouped.items()
+        return ConfigError(f"{where}: invalid recipe ({num} problem(s)):\n" + "\n".join(f"  {x}" for x in lines))
+    parts = [f"invalid recipe ({num} problem(s)):"]
+    for where, lines in grouped.items():
+        parts += [f"  {where}:", *(f"    {x}" for x in lines)]
+    return ConfigError("\n".join(parts))
+
+
+def _source_of(keys: tuple[str, ...], sources: Sources, default: str) -> str:
+    for n in range(len(keys), 0, -1):
+        if keys[:n] in sources:
+            return sources[keys[:n]]
+    return default
+
+
+def _field_name(loc: Loc, data: Any) -> tuple[str, tuple[str, ...]]:
+    """Dotted name of an error location, dropping the tags pydantic inserts for tagged unions; plus the key path of
+    the data that location is in (keys only, up to the first list)."""
     parts: list[str] = []
+    keys: list[str] = []
+    in_list = False
     node = data
     for j, item in enumerate(loc):
         last = j == len(loc) - 1
-        if isinstance(node, list) and isinstance(item, int):
+        if isinstance(item, _Blamed):
+            parts += item.split(".")
+            keys += [] if in_list else item.split(".")
+        elif isinstance(node, list) and isinstance(item, int):
             parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
             node = node[item] if item < len(node) else None
+            in_list = True
         elif isinstance(node, dict) and item in node:
             parts.append(str(item))
+            keys += [] if in_list else [str(item)]
             node = node[item]
         elif isinstance(node, dict) and item == node.get("type"):
             continue  # the tag pydantic inserts for a tagged union (e.g. 'grpo'): not a key the user wrote
         elif last or not isinstance(node, dict):
             parts.append(str(item))
+            keys += [] if in_list else [str(item)]
         # else: a union tag such as 'grpo' that is not a key of the input: skip it.
-    return ".".join(parts) or "(whole file)"
+    return ".".join(parts) or "(whole file)", tuple(keys)
 
 
-def _reason(err: Mapping[str, Any]) -> str:
+def _reason(err: Mapping[str, Any], cls: type[pydantic.BaseModel], data: Any) -> str:
     kind = err.get("type", "")
     if kind == "extra_forbidden":
-        return "unknown key (check the spelling; see the documented fields of this section)"
+        return _unknown_key(tuple(err["loc"]), cls, data)
     if kind == "missing":
         return "required field is missing"
     msg = str(err.get("msg", "invalid"))
@@ -187,6 +313,100 @@ def _reason(err: Mapping[str, Any]) -> str:
     if kind not in ("value_error", "assertion_error") and "input" in err and not isinstance(err["input"], dict):
         msg += f" (got {err['input']!r})"
     return msg
+
+
+# -- unknown keys: what the user probably meant --------------------------------------------------------------------
+
+
+def _unknown_key(loc: Loc, cls: type[pydantic.BaseModel], data: Any) -> str:
+    """Why ``loc`` is no key: the close field names of its section, fields of that name elsewhere, or the list."""
+    key = str(loc[-1])
+    section = _field_name(loc[:-1], data)[0] if loc[:-1] else ""
+    fields = list(dict.fromkeys(f for c in _section_classes(cls, loc[:-1]) for f in c.model_fields))
+    prefix = f"{section}." if section else ""
+    close = [prefix + f for f in difflib.get_close_matches(key, fields, n=3, cutoff=0.6)]
+    elsewhere = [p for p in _paths_of_field(cls, key) if p != prefix + key][:3]
+    other_types = [
+        _tag(c) for c in _section_classes(cls, loc[:-1], resolve_tags=False) if key in c.model_fields and _tag(c)
+    ]
+    if not section:
+        is_table = isinstance(_value_at(loc, data), dict)
+        what = f"unknown section {key!r}: there is no [{key}]" if is_table else f"unknown key {key!r}"
+        listing = f"the top-level sections and keys are: {', '.join(fields)}"
+    else:
+        what = f"unknown key (no field {key!r} in [{section}])"
+        listing = f"the fields of [{section}] are: {', '.join(fields)}"
+    if other_types:
+        return f"{what}; {key!r} is a field of type = {' or '.join(repr(t) for t in other_types)}, not of this type"
+    if close or elsewhere:
+        return f"{what}; did you mean {' or '.join(close + elsewhere)}?"
+    return f"{what} (check the spelling); {listing}"
+
+
+def _value_at(loc: Loc, data: Any) -> Any:
+    node = data
+    for item in loc:
+        if isinstance(node, dict) and item in node:
+            node = node[item]
+        elif isinstance(node, list) and isinstance(item, int) and item < len(node):
+            node = node[item]
+        elif not (isinstance(node, dict) and item == node.get("type")):
+            return None
+    return node
+
+
+def _model_classes(annotation: Any) -> list[type[pydantic.BaseModel]]:
+    """The config classes a field annotation can hold (through Optional, unions, Annotated and containers)."""
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return [annotation]
+    return [c for arg in typing.get_args(annotation) for c in _model_classes(arg)]
+
+
+def _is_sequence(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (list, tuple):
+        return True
+    return origin is not Literal and any(_is_sequence(a) for a in typing.get_args(annotation))
+
+
+def _tag(cls: type[pydantic.BaseModel]) -> Any:
+    field = cls.model_fields.get("type")
+    return None if field is None else field.default
+
+
+def _section_classes(
+    cls: type[pydantic.BaseModel], loc: Loc, resolve_tags: bool = True
+) -> list[type[pydantic.BaseModel]]:
+    """The config classes the table at error location ``loc`` may be: the union member its tag picked, or (with
+    ``resolve_tags=False``) every member of the union."""
+    classes = [cls]
+    for item in loc:
+        if isinstance(item, int):
+            continue
+        fields = [c.model_fields[item] for c in classes if item in c.model_fields]
+        if fields:
+            classes = list(dict.fromkeys(m for f in fields for m in _model_classes(f.annotation)))
+        elif resolve_tags:  # a union tag pydantic put into the location
+            classes = [c for c in classes if _tag(c) == item] or classes
+    return classes
+
+
+def _paths_of_field(cls: type[pydantic.BaseModel], name: str) -> list[str]:
+    """Dotted paths (``reward.terms[].weight`` for list items) of every field called ``name`` in ``cls``'s tree."""
+    found: list[str] = []
+
+    def walk(c: type[pydantic.BaseModel], prefix: str, seen: tuple[type, ...]) -> None:
+        for field_name, field in c.model_fields.items():
+            path = f"{prefix}{field_name}"
+            if field_name == name and path not in found:
+                found.append(path)
+            suffix = "[]" if _is_sequence(field.annotation) else ""
+            for child in _model_classes(field.annotation):
+                if child not in seen:
+                    walk(child, f"{path}{suffix}.", (*seen, child))
+
+    walk(cls, "", (cls,))
+    return found
 
 
 def to_toml(config: Config) -> str:

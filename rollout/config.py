@@ -10,11 +10,9 @@ from typing import Literal
 
 import pydantic
 
-from common.config import Config
+from common.config import Config, DType
 
 __all__ = ["EngineConfig", "RolloutConfig", "SamplingConfig"]
-
-EngineDType = Literal["float32", "bfloat16", "float16"]
 
 
 class SamplingConfig(Config):
@@ -41,7 +39,7 @@ class SamplingConfig(Config):
     it. ``None`` samples without a fixed seed."""
 
     @pydantic.model_validator(mode="after")
-    def _check_lengths(self) -> "SamplingConfig":
+    def _check_lengths(self) -> SamplingConfig:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}; lower min_tokens")
         return self
@@ -50,7 +48,7 @@ class SamplingConfig(Config):
 class EngineConfig(Config):
     """One serving engine (vLLM) inside a rollout worker."""
 
-    dtype: EngineDType = "float32"
+    dtype: DType = "float32"
     """Dtype the engine computes in; pushed weights are cast to it on load."""
     kv_cache_gib: float = pydantic.Field(default=1.0, gt=0.0)
     """KV-cache memory per engine in GiB (vLLM's ``kv_cache_memory_bytes``; same meaning on CPU, GPU and TPU)."""
@@ -67,7 +65,8 @@ class EngineConfig(Config):
     enable_prefix_caching: bool = True
     """Reuse the KV of shared prompt prefixes (the n samples of a group share their prompt); reset on every update."""
     seed: int = 0
-    """Engine-wide random seed (requests with a sampling seed use their own)."""
+    """Engine-wide random seed (requests with a sampling seed use their own). In a recipe, unset means
+    ``run.seed``."""
     cpu_threads_bind: str = "auto"
     """CPU engines only: cores the model's OpenMP threads bind to (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``): 'auto' (one
     thread per physical core), 'nobind' (``OMP_NUM_THREADS`` threads, unpinned; for engines sharing cores with other
@@ -83,8 +82,10 @@ class EngineConfig(Config):
 class RolloutConfig(Config):
     """The rollout pool: which model to serve, how many workers, how each engine runs and how it samples."""
 
-    model_path: str
-    """Local HF model directory (config.json, safetensors, tokenizer files) every engine starts from."""
+    model_path: str | None = None
+    """Local HF model directory (config.json, safetensors, tokenizer files) every engine starts from. In a recipe,
+    unset means the ``[model] path`` (the recipe fills it in, so ``recipe.rollout.model_path`` is always set); set it
+    only to serve another copy of the same checkpoint. A config made for a pool by hand must set it."""
     tokenizer_path: str | None = None
     """Local tokenizer directory when it differs from ``model_path``."""
     use_chat_template: bool | None = None
@@ -106,3 +107,10 @@ class RolloutConfig(Config):
     """The serving engine of each worker."""
     sampling: SamplingConfig = SamplingConfig()
     """Default sampling parameters (a call may pass its own)."""
+
+    @property
+    def served_model_path(self) -> str:
+        """``model_path``, the directory every engine serves; ``ValueError`` when a hand-made config left it unset."""
+        if self.model_path is None:
+            raise ValueError("rollout.model_path is unset: set it, or build the config as part of a recipe")
+        return self.model_path

@@ -46,9 +46,9 @@ class RolloutWorker:
 
         self.config = config
         self._sync_config = weight_sync or WeightSyncConfig()
-        self.tokenizer = load_tokenizer(config.tokenizer_path or config.model_path)
+        self.tokenizer = load_tokenizer(config.tokenizer_path or config.served_model_path)
         self.scorer = RewardScorer.from_config(reward) if reward is not None else None
-        self.engine = VLLMEngine(config.model_path, config.engine, config.tokenizer_path)
+        self.engine = VLLMEngine(config.served_model_path, config.engine, config.tokenizer_path)
         self.sink = VLLMWeightSink(self.engine)
         self.receiver = WeightReceiver(self.sink, self._sync_config)
         self.receiver.start()

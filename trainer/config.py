@@ -6,14 +6,17 @@ No torch import here (recipes validate in well under a second). The model and th
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import pydantic
 
-from common.config import Config
+from common.config import Config, DType
 
 __all__ = [
     "CheckpointConfig",
+    "DType",
+    "Device",
     "MixedPrecisionConfig",
     "OptimizerConfig",
     "ParallelismConfig",
@@ -22,7 +25,7 @@ __all__ = [
 ]
 
 Device = Literal["cpu", "cuda", "tpu"]
-DType = Literal["float32", "bfloat16", "float16"]
+"""Where the trainer computes."""
 
 # Which parameter/reduction dtypes each device runs well; the rest are rejected at recipe load, not deep in a step.
 _SUPPORTED_DTYPES: dict[str, tuple[str, ...]] = {
@@ -129,8 +132,9 @@ class TrainerConfig(Config):
     """PPO critic learning rate; None reuses ``optimizer.lr``."""
     schedule: ScheduleConfig = ScheduleConfig()
     """Learning-rate warmup and decay."""
-    max_grad_norm: float | None = pydantic.Field(default=1.0, gt=0)
-    """Clip the global gradient norm to this value; None disables clipping (the norm is still reported)."""
+    max_grad_norm: float = pydantic.Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this value; ``inf`` (TOML ``inf``, Python ``math.inf``) disables clipping (the
+    norm is still reported). Read it through :attr:`grad_clip_norm`."""
     micro_batch_tokens: int = pydantic.Field(default=4096, ge=1)
     """Token budget of one micro-batch per rank: rows x row length, padding included."""
     pack_row_tokens: int | None = pydantic.Field(default=None, ge=1)
@@ -145,13 +149,19 @@ class TrainerConfig(Config):
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Periodic full-state checkpoints."""
     seed: int = 0
-    """Seed of model init, data shuffling and dropout (same on every rank)."""
+    """Seed of the trainer's torch RNG, set before the model is built (its random initialisation when no checkpoint is
+    loaded); the same on every rank. In a recipe, unset means ``run.seed``."""
     compile: bool = False
     """Fuse each block's elementwise ops (RMSNorm, SwiGLU, RoPE) with ``torch.compile`` (inductor, any sequence
     length; a C++ compiler on CPU). Compiles once per op on the first step (a few seconds; ~6 s with a cold inductor
     cache on one CPU core); on this 2-core CPU the update moved by -3%..+3% in paired runs (``benchmarks/trainer.py
     --compile``), so it is off by default. Parameters, checkpoints and weight pushes are unchanged. CPU and CUDA only,
     not with tensor parallelism."""
+
+    @property
+    def grad_clip_norm(self) -> float | None:
+        """The norm to clip gradients to, or None when clipping is off (``max_grad_norm = inf``)."""
+        return None if math.isinf(self.max_grad_norm) else self.max_grad_norm
 
     @property
     def backend(self) -> str:

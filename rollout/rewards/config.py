@@ -19,11 +19,11 @@ No torch import here, so recipes validate instantly; ``rollout.rewards.RewardSco
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import pydantic
 
-from common.config import Config
+from common.config import Config, DType
 
 __all__ = [
     "ExactMatchRewardConfig",
@@ -97,14 +97,21 @@ class FormatRewardConfig(_TermConfig):
 class FunctionRewardConfig(_TermConfig):
     """A user function ``f(completion: str, problem: Problem) -> float``, given as ``"package.module:function"``.
 
-    The module must be importable where the rollout workers run (installed, or on ``PYTHONPATH``). It is imported
-    when the scorer is built, so a wrong name fails before any actor starts.
+    The module must be importable where the driver and the rollout workers run (installed, or on ``PYTHONPATH``).
+    :func:`recipe.load_recipe` resolves it (:meth:`check_importable`), so a wrong name or a module that fails to import
+    is reported at load, before any actor starts; the scorer resolves it again where it runs.
     """
 
     type: Literal["function"] = "function"
     """Selects this term."""
     function: str = pydantic.Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
     """Import path ``module:function``, e.g. ``"my_rewards:length_penalty"``."""
+
+    def check_importable(self) -> None:
+        """Import the module and look the function up, as the scorer will; ``ValueError`` says what is missing."""
+        from rollout.rewards.function import resolve_function
+
+        resolve_function(self.function)
 
 
 class RewardModelConfig(_TermConfig):
@@ -126,21 +133,23 @@ class RewardModelConfig(_TermConfig):
     """Longer inputs are truncated from the left, keeping the completion."""
     device: str = "cpu"
     """Torch device of the reward model ('cpu', 'cuda', 'cuda:1', ...)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: DType = "float32"
     """Dtype the reward model runs in."""
 
 
 RewardTermConfig = Annotated[
-    Union[MathRewardConfig, ExactMatchRewardConfig, FormatRewardConfig, FunctionRewardConfig, RewardModelConfig],
+    MathRewardConfig | ExactMatchRewardConfig | FormatRewardConfig | FunctionRewardConfig | RewardModelConfig,
     pydantic.Field(discriminator="type"),
 ]
 """One reward term, chosen by ``type``: 'math', 'exact_match', 'format', 'function' or 'reward_model'."""
+
+_DEFAULT_TERM: RewardTermConfig = MathRewardConfig()
 
 
 class RewardConfig(Config):
     """The reward of a completion: ``sum(term.weight * term.score)`` over ``terms``."""
 
-    terms: list[RewardTermConfig] = pydantic.Field(default_factory=lambda: [MathRewardConfig()], min_length=1)
+    terms: list[RewardTermConfig] = pydantic.Field(default_factory=lambda: [_DEFAULT_TERM], min_length=1)
     """The reward terms; each is reported on its own in metrics and ``Sample.reward_terms``."""
     on_error: Literal["fail", "zero"] = "fail"
     """When a user reward function raises or returns a non-number: 'fail' stops the step with an error naming the

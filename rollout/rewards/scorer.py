@@ -11,7 +11,8 @@ trailing end-of-sequence texts (``reward.strip_suffixes``) are removed before an
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Literal, Protocol
 
 from rollout.rewards.config import (
     ExactMatchRewardConfig,
@@ -38,7 +39,7 @@ class RewardTerm(Protocol):
     ) -> tuple[list[float], int]: ...
 
 
-def build_term(config: RewardTermConfig, on_error: str) -> RewardTerm:
+def build_term(config: RewardTermConfig, on_error: Literal["fail", "zero"]) -> RewardTerm:
     """Build the term a config describes (user functions are imported, reward models loaded here)."""
     if isinstance(config, MathRewardConfig):
         from rollout.rewards.rules import MathReward

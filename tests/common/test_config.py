@@ -1,6 +1,6 @@
 """The strict config base: overrides parse as TOML values, errors name file and dotted field, TOML round-trips."""
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import pydantic
 import pytest
@@ -31,7 +31,7 @@ class Root(Config):
     name: str = "x"
     """Run name."""
     inner: Inner = Inner()
-    algo: Annotated[Union[A, B], pydantic.Field(discriminator="type")] = A()
+    algo: Annotated[A | B, pydantic.Field(discriminator="type")] = A()
     """Algorithm."""
 
 
@@ -100,7 +100,7 @@ class WithCheck(A):
 
 
 class RootWithCheck(Config):
-    algo: Annotated[Union[WithCheck, B], pydantic.Field(discriminator="type")] = WithCheck()
+    algo: Annotated[WithCheck | B, pydantic.Field(discriminator="type")] = WithCheck()
 
 
 def test_cross_field_errors_inside_a_tagged_union_name_the_section_not_the_tag():
@@ -121,3 +121,87 @@ def test_base_cycle_is_an_error(tmp_path):
     (tmp_path / "b.toml").write_text('base = "a.toml"\n')
     with pytest.raises(ConfigError, match="cycle"):
         load_toml_config(Root, tmp_path / "a.toml")
+
+
+# -- where a problem was written, and what the user probably meant (issue 12) ---------------------------------------
+
+
+def _error(tmp_path, text, overrides=(), name="r.toml"):
+    f = tmp_path / name
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_toml_config(Root, f, parse_overrides(list(overrides)))
+    return f, str(e.value)
+
+
+def test_unknown_key_suggests_the_close_field_of_its_section(tmp_path):
+    _, msg = _error(tmp_path, "[inner]\nlrr = 0.1\n")
+    assert "- inner.lrr: unknown key" in msg and "did you mean inner.lr?" in msg, msg
+
+
+def test_unknown_key_names_the_section_that_has_a_field_of_that_name(tmp_path):
+    _, msg = _error(tmp_path, "[inner]\ngroup_size = 4\n")
+    assert "- inner.group_size: unknown key" in msg and "did you mean algo.group_size?" in msg, msg
+
+
+def test_field_of_the_other_union_member_names_its_type(tmp_path):
+    _, msg = _error(tmp_path, '[algo]\ntype = "a"\ngamma = 0.5\n')
+    assert "- algo.gamma: unknown key" in msg and "is a field of type = 'b'" in msg, msg
+
+
+def test_unknown_key_without_a_close_name_lists_the_fields_of_its_section(tmp_path):
+    _, msg = _error(tmp_path, "[inner]\nmomentum = 0.1\n")
+    assert "the fields of [inner] are: lr, betas" in msg, msg
+
+
+def test_override_errors_name_the_flag_not_the_file(tmp_path):
+    f, msg = _error(tmp_path, "[inner]\nlr = 0.1\n", ["--inner.lr", "abc"])
+    assert msg.startswith("command-line flag --inner.lr: ") and "- inner.lr: Input should be a valid number" in msg
+    assert str(f) not in msg, msg
+
+
+def test_override_of_a_section_that_does_not_exist_lists_the_sections(tmp_path):
+    f, msg = _error(tmp_path, 'name = "r"\n', ["--no.such.field", "1"])
+    assert msg.startswith("command-line flag --no.such.field: ") and str(f) not in msg, msg
+    assert "- no: unknown section 'no': there is no [no]" in msg and "are: name, inner, algo" in msg, msg
+
+
+def test_problems_from_the_file_and_from_flags_are_grouped_by_source(tmp_path):
+    f, msg = _error(tmp_path, "[inner]\nlrr = 0.1\n", ["--inner.lr", "abc"])
+    assert f"\n  {f}:\n    - inner.lrr: unknown key" in msg, msg
+    assert "\n  command-line flag --inner.lr:\n    - inner.lr: Input should be a valid number" in msg, msg
+
+
+def test_missing_base_file_is_reported_with_the_file_that_names_it(tmp_path):
+    f, msg = _error(tmp_path, 'base = "nope.toml"\n', name="variant.toml")
+    assert msg.startswith(f"{f}: base = 'nope.toml': no file {tmp_path / 'nope.toml'}"), msg
+
+
+def test_a_bad_value_of_the_base_file_is_reported_against_the_base_file(tmp_path):
+    (tmp_path / "base.toml").write_text('[inner]\nlr = "fast"\n')
+    _, msg = _error(tmp_path, 'base = "base.toml"\nname = "v"\n', name="variant.toml")
+    assert msg.startswith(f"{tmp_path / 'base.toml'}: invalid recipe") and "- inner.lr:" in msg, msg
+
+
+class RootWithFieldError(Config):
+    inner: Inner = Inner()
+    name: str = "x"
+
+    @pydantic.model_validator(mode="after")
+    def _check(self):
+        from common.config import FieldError  # imported here so that the other tests of this file run on older code
+
+        if self.name == "bad":
+            raise FieldError("inner.lr", "lr must be small for this name")
+        return self
+
+
+def test_field_error_of_a_cross_section_validator_blames_that_field_and_its_source(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        validate_config(RootWithFieldError, {"name": "bad"})
+    assert "- inner.lr: lr must be small for this name" in str(e.value)
+    f = tmp_path / "r.toml"
+    f.write_text('name = "bad"\n')
+    with pytest.raises(ConfigError) as e:
+        load_toml_config(RootWithFieldError, f, {"inner.lr": 0.5})
+    assert str(e.value).startswith("command-line flag --inner.lr: "), str(e.value)

@@ -1,5 +1,6 @@
 """Every checked-in recipe validates; broken recipes fail at load naming the file and field; the CLI stays light."""
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,8 @@ def test_broken_recipes_name_file_and_field(tmp_path, edit, field, reason):
 
 def test_missing_model_dir_without_create_tiny_is_rejected(tmp_path):
     path = _broken(tmp_path, lambda t: t.split("[model.create_tiny]")[0] + "[algorithm]" + t.split("[algorithm]")[1])
-    with pytest.raises(ConfigError, match="model.path .* has no config.json"):
+    expected = r"^command-line flag --model.path: .*\n  - model.path: .* has no config.json"
+    with pytest.raises(ConfigError, match=expected):
         load_recipe(path, {"model.path": str(tmp_path / "nowhere")})
 
 
@@ -91,3 +93,183 @@ def test_resume_without_checkpoint_fails_before_anything_starts(tmp_path):
     )  # fmt: skip
     assert out.returncode == 2, out.stderr
     assert "no complete checkpoint" in out.stderr and "Ray" not in out.stderr
+
+
+# -- issue 12: config facts declared once; a new user's mistakes fail at --check, naming source, field and the fix ----
+
+
+def _check(args, timeout=60):
+    """``rl_align.py --check`` in a subprocess: (exit code, stderr)."""
+    out = subprocess.run(
+        [sys.executable, "rl_align.py", "--check", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    return out.returncode, out.stderr
+
+
+def _error(path, overrides=None, **kw):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(path, overrides, **kw)
+    return str(e.value)
+
+
+def test_unknown_block_fails_at_check_naming_file_field_and_the_declared_names(tmp_path):
+    path = _broken(tmp_path, lambda t: t.replace("[model]\n", '[model]\nattention = "flash_attn"\n'))
+    rc, err = _check(["--recipe", str(path)])
+    assert rc == 2 and f"{path}: invalid recipe" in err, err
+    assert "- model.attention: unknown attention block 'flash_attn'" in err, err
+    assert "available: ['eager', 'sdpa', 'splash']" in err, err
+    msg = _error(path, {"model.attention": "splsh"})  # a typo: the close name is offered
+    assert msg.startswith("command-line flag --model.attention: ") and "did you mean 'splash'?" in msg, msg
+
+
+KERNELS = [("attention", "splash", "sdpa"), ("output_head", "fused_pallas", "chunked"), ("moe_experts", "gmm_pallas",
+           "grouped")]  # fmt: skip
+
+
+@pytest.mark.parametrize("field, kernel, alternative", KERNELS)
+def test_pallas_kernel_with_device_cuda_fails_at_load_naming_field_and_fix(tmp_path, field, kernel, alternative):
+    path = _broken(tmp_path, lambda t: t.replace("[model]\n", f'[model]\n{field} = "{kernel}"\n'))
+    msg = _error(path, {"trainer.device": "cuda"})
+    assert f"- model.{field}: model.{field} = " + f'"{kernel}" has no path for device ' + "'cuda'" in msg, msg
+    assert f'set model.{field} = "{alternative}"' in msg and str(path) in msg, msg
+    load_recipe(path, {"trainer.device": "cpu"})  # the Pallas kernels run on CPU (interpret mode)
+
+
+def test_pallas_kernel_with_device_cuda_fails_at_check(tmp_path):
+    path = _broken(tmp_path, lambda t: t.replace('device = "cpu"', 'device = "cuda"'))
+    rc, err = _check(["--recipe", str(path), "--model.output_head", "fused_pallas"])
+    assert rc == 2 and err.startswith("error: command-line flag --model.output_head: "), err
+    assert 'set model.output_head = "chunked"' in err, err
+
+
+def _with_function_reward(text, spec):
+    return text.replace('type = "exact_match"', f'type = "function"\nfunction = "{spec}"')
+
+
+def test_function_reward_whose_module_does_not_import_fails_at_check(tmp_path):
+    path = _broken(tmp_path, lambda t: _with_function_reward(t, "no_such_reward_module:score"))
+    rc, err = _check(["--recipe", str(path)])
+    assert rc == 2 and "- reward.terms[0].function: reward function 'no_such_reward_module:score'" in err, err
+    assert "module 'no_such_reward_module' not found" in err and str(path) in err, err
+
+
+def test_function_reward_module_that_fails_inside_or_lacks_the_function_is_reported_at_load(tmp_path, monkeypatch):
+    (tmp_path / "broken_rewards.py").write_text("import no_such_dependency_of_it\n")
+    (tmp_path / "ok_rewards.py").write_text("def score(completion, problem):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    broken = _broken(tmp_path, lambda t: _with_function_reward(t, "broken_rewards:score"))
+    assert "importing module 'broken_rewards' failed" in _error(broken)
+    term = lambda spec: {"reward.terms": [{"type": "function", "function": spec}]}  # noqa: E731
+    assert "has no attribute 'scor'" in _error(broken, term("ok_rewards:scor"))
+    load_recipe(broken, term("ok_rewards:score"))
+    load_recipe(broken, check_paths=False)  # recipes for other machines validate anywhere
+
+
+def test_a_field_of_another_section_names_that_section(tmp_path):
+    path = _broken(tmp_path, lambda t: t.replace("[run]\n", "[run]\ngroup_size = 8\n"))
+    rc, err = _check(["--recipe", str(path)])
+    assert rc == 2 and f"{path}: invalid recipe" in err, err
+    assert "- run.group_size: unknown key (no field 'group_size' in [run]); did you mean algorithm.group_size?" in err
+
+
+def test_missing_base_file_names_the_file_with_the_base_line(tmp_path):
+    path = tmp_path / "variant.toml"
+    path.write_text('base = "grpo_tiny_typo.toml"\n[run]\nnum_steps = 3\n')
+    rc, err = _check(["--recipe", str(path)])
+    assert rc == 2 and err.startswith(f"error: {path}: base = 'grpo_tiny_typo.toml': no file "), err
+
+
+def test_bad_override_blames_the_flag_not_the_recipe_file():
+    rc, err = _check(["--recipe", "recipes/grpo_tiny.toml", "--trainer.optimizer.lr", "abc"])
+    assert rc == 2 and err.startswith("error: command-line flag --trainer.optimizer.lr: invalid recipe"), err
+    assert "- trainer.optimizer.lr: Input should be a valid number (got 'abc')" in err and "grpo_tiny.toml" not in err
+
+
+def test_override_of_an_unknown_section_says_so_and_lists_the_sections():
+    rc, err = _check(["--recipe", "recipes/grpo_tiny.toml", "--no.such.field", "1"])
+    assert rc == 2 and err.startswith("error: command-line flag --no.such.field: "), err
+    assert "- no: unknown section 'no': there is no [no]" in err, err
+    assert "run, model, algorithm, trainer, rollout, task, reward, weight_sync" in err, err
+
+
+def test_block_fields_are_declared_once_and_checked_against_the_registry():
+    from recipe import ModelSection
+    from trainer.models.config import BlockChoices, ModelConfig
+    from trainer.models.registry import BLOCK_REGISTRIES
+
+    assert issubclass(ModelSection, BlockChoices) and issubclass(ModelConfig, BlockChoices)
+    assert not set(BlockChoices.model_fields) & set(ModelSection.__annotations__)  # not re-declared in the recipe
+    assert set(BLOCK_REGISTRIES) | {"output_chunk_size"} == set(BlockChoices.model_fields)
+    with pytest.raises(ValueError, match="unknown MoE experts block 'megablocks'"):
+        ModelConfig(family="llama3", vocab_size=32, dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                    ffn_hidden_dim=32, moe_experts="megablocks")  # fmt: skip
+
+
+def test_declared_blocks_are_registered_by_their_modules_with_the_declared_devices():
+    """The torch-free declaration and the implementations agree: each module registers its declared names, and a
+    Pallas kernel's own check accepts exactly the declared devices (tpu also needs torch-tpu on the host)."""
+    from trainer.models.registry import BLOCK_REGISTRIES, PALLAS_DEVICES
+
+    for field, registry in BLOCK_REGISTRIES.items():
+        for name, spec in registry.declared.items():
+            assert registry.get(name).__module__ == spec.module, (field, name)
+            if spec.devices is None:
+                continue
+            assert spec.devices == PALLAS_DEVICES and spec.alternative in registry.declared
+            assert importlib.import_module(spec.module)._ALTERNATIVE.startswith(f'{field} = "{spec.alternative}"')
+            kernel_check = registry._checks[name]
+            kernel_check("cpu")
+            with pytest.raises(ValueError, match=f'"{name}".*\'cuda\'.*"{spec.alternative}"'):
+                registry.check_supported(name, "cuda")
+            with pytest.raises(ValueError, match="no path for device 'cuda'"):
+                kernel_check("cuda")
+
+
+def test_shared_literals_have_one_definition():
+    from common.config import DType
+    from recipe import TinyModelSpec
+    from rollout.config import EngineConfig
+    from rollout.rewards.config import RewardModelConfig
+    from trainer.config import MixedPrecisionConfig
+    from trainer.models.config import Family, ModelConfig
+
+    assert TinyModelSpec.model_fields["family"].annotation is Family is ModelConfig.model_fields["family"].annotation
+    for cls, field in ((EngineConfig, "dtype"), (RewardModelConfig, "dtype"), (MixedPrecisionConfig, "param_dtype")):
+        assert cls.model_fields[field].annotation is DType, (cls, field)
+
+
+def test_rollout_model_path_is_resolved_by_the_recipe_not_patched_into_the_file_data():
+    from common.config import read_toml, validate_config
+
+    data = read_toml(ROOT / "recipes" / "grpo_tiny.toml")
+    assert "model_path" not in data["rollout"]
+    recipe = validate_config(Recipe, data)  # without load_recipe: the Recipe itself resolves it
+    assert recipe.rollout.model_path == recipe.model.path == recipe.rollout.served_model_path
+    served = load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"rollout.model_path": "artifacts/served-copy"})
+    assert served.rollout.model_path == "artifacts/served-copy" and served.model.path == "artifacts/tiny-qwen3"
+
+
+def test_run_seed_is_the_default_of_every_component_seed(tmp_path):
+    default = load_recipe(ROOT / "recipes" / "grpo_tiny.toml")
+    seeds = lambda r: (r.trainer.seed, r.task.seed, r.rollout.engine.seed, r.model.create_tiny.seed)  # noqa: E731
+    assert seeds(default) == (0, 0, 0, 0) and default.eval_sampling.seed == 0
+    assert default.rollout.sampling.seed is None  # training samples stay unseeded unless the recipe seeds them
+    seeded = load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"run.seed": 7})
+    assert seeds(seeded) == (7, 7, 7, 7) and seeded.eval_sampling.seed == 7
+    explicit = load_recipe(
+        ROOT / "recipes" / "grpo_tiny.toml", {"run.seed": 7, "trainer.seed": 3, "rollout.sampling.seed": 0}
+    )
+    assert seeds(explicit) == (3, 7, 7, 7) and explicit.eval_sampling.seed == 0
+    assert load_recipe(write_resolved(seeded, tmp_path)) == seeded
+
+
+def test_max_grad_norm_inf_disables_clipping_and_round_trips(tmp_path):
+    default = load_recipe(ROOT / "recipes" / "grpo_tiny.toml")
+    assert default.trainer.grad_clip_norm == default.trainer.max_grad_norm == 1.0
+    path = _broken(tmp_path, lambda t: t.replace("[trainer]\n", "[trainer]\nmax_grad_norm = inf\n"))
+    unclipped = load_recipe(path)
+    assert unclipped.trainer.grad_clip_norm is None
+    assert load_recipe(write_resolved(unclipped, tmp_path / "out")) == unclipped
+    flag = load_recipe(ROOT / "recipes" / "grpo_tiny.toml", parse_overrides(["--trainer.max_grad_norm", "inf"]))
+    assert flag.trainer.grad_clip_norm is None
+    assert "greater than 0" in _error(path, {"trainer.max_grad_norm": 0.0})

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import torch
+
+from trainer.models.registry import PALLAS_DEVICES
 
 __all__ = [
     "check_kernel_device",
@@ -71,23 +74,21 @@ def tpu_backend_available() -> bool:
 def check_kernel_device(device: torch.device | str, *, flag: str, alternative: str) -> None:
     """Raise ``ValueError`` unless a Pallas kernel enabled by ``flag`` can run on ``device``.
 
-    Supported: ``cpu`` (interpret mode, slow: for tests and parity checks), ``meta`` (shape propagation only) and
-    ``tpu`` when the torch-tpu backend is present. ``alternative`` names the setting to use elsewhere.
+    Supported: the devices of :data:`trainer.models.registry.PALLAS_DEVICES` (``cpu`` in interpret mode, ``tpu`` when
+    the torch-tpu backend is present) and ``meta`` (shape propagation only). ``alternative`` names the setting to use
+    elsewhere.
     """
     device_type = _device_type(device)
-    if device_type in ("cpu", "meta"):
-        return
-    if device_type == "tpu":
-        if tpu_backend_available():
-            return
+    if device_type != "meta" and device_type not in PALLAS_DEVICES:
+        raise ValueError(
+            f"{flag} runs Pallas TPU kernels (Mosaic-compiled on TPU via torch-tpu, interpret mode on CPU) and has no "
+            f"path for device '{device_type}'. Set {alternative} on this platform."
+        )
+    if device_type == "tpu" and not tpu_backend_available():
         raise ValueError(
             f"{flag} on device 'tpu' needs the torch-tpu backend (pip install 'rl-align[tpu]') on a TPU host; "
             f"none is available here. Run on a TPU host or set {alternative}."
         )
-    raise ValueError(
-        f"{flag} runs Pallas TPU kernels (Mosaic-compiled on TPU via torch-tpu, interpret mode on CPU) and has no "
-        f"path for device '{device_type}'. Set {alternative} on this platform."
-    )
 
 
 _TPU_OPS: dict[str, Any] = {}

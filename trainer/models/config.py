@@ -1,24 +1,27 @@
 """Configuration of the model family (Llama 3, Qwen 3 dense, Qwen 3 MoE): one :class:`ModelConfig` tree.
 
 No torch import here, so recipes validate instantly. The swappable compute blocks (attention, output head, MoE experts)
-are plain strings resolved at build time against small registries (``trainer.models.registry``); a kernel package adds
-a name (``"splash"``, ``"gmm_pallas"``) by registering it, without touching this file or the model code. An unknown
-name fails in :func:`trainer.models.transformer.build_model` with the list of registered names.
+are the four fields of :class:`BlockChoices`, which both :class:`ModelConfig` and the recipe's ``[model]`` section
+inherit. Each name is checked on validation against the torch-free block declarations of ``trainer.models.registry``
+(which also say on which devices each block runs) and resolved to its implementation at build time.
 
 :func:`trainer.models.hf_config.model_config_from_hf` builds a :class:`ModelConfig` from a local HF ``config.json``.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 
 from common.config import Config
+from trainer.models.registry import BLOCK_REGISTRIES
 
-__all__ = ["Family", "ModelConfig", "MoEConfig", "RopeScalingConfig"]
+__all__ = ["BlockChoices", "Family", "ModelConfig", "MoEConfig", "RopeScalingConfig"]
 
 Family = Literal["llama3", "qwen3", "qwen3_moe"]
+"""The supported architecture families: ``llama3`` (LlamaForCausalLM), ``qwen3`` (Qwen3ForCausalLM) and ``qwen3_moe``
+(Qwen3MoeForCausalLM)."""
 
 _PositiveInt = Annotated[int, pydantic.Field(gt=0)]
 _PositiveFloat = Annotated[float, pydantic.Field(gt=0)]
@@ -68,12 +71,56 @@ class MoEConfig(Config):
         return self
 
 
-class ModelConfig(Config):
+class BlockChoices(Config):
+    """Which implementation runs each swappable block: the one declaration of these fields, inherited by
+    :class:`ModelConfig` and by the recipe's ``[model]`` section.
+
+    A name must be declared in ``trainer.models.registry`` or registered there by code that ran before this config is
+    validated (a recipe is validated before any user code runs, so it names declared blocks only).
+    :meth:`device_problems` says which chosen blocks the declaration rules out on a trainer device.
+    """
+
+    attention: str = "sdpa"
+    """Attention implementation, a name of ``ATTENTION_BLOCKS`` (built in: ``sdpa``, causal SDPA run per
+    packed sequence with no mask, and ``eager``, the masked reference; Pallas kernel: ``splash``)."""
+    output_head: str = "chunked"
+    """Output head for ``token_logprobs``, a name of ``OUTPUT_HEADS`` (built in: ``dense``, which holds
+    the full [tokens, vocab] logits; ``chunked``, which never does; ``cached``, chunked forward that keeps the fp32
+    probabilities for a cheaper backward (tokens x vocab x 4 bytes, like ``dense``); Pallas kernel:
+    ``fused_pallas``)."""
+    output_chunk_size: _PositiveInt = 1024
+    """Tokens per chunk of the ``chunked`` output head: its extra memory is about 3 x chunk x vocab x 4 bytes."""
+    moe_experts: str = "grouped"
+    """MoE expert implementation (MoE models only), a name of ``MOE_EXPERTS`` (built in: ``loop``, one
+    matmul set per expert, and ``grouped``, tokens sorted by expert and one grouped matmul per projection; Pallas
+    kernel: ``gmm_pallas``)."""
+
+    @pydantic.field_validator(*BLOCK_REGISTRIES)
+    @classmethod
+    def _check_block_name(cls, name: str, info: pydantic.ValidationInfo) -> str:
+        BLOCK_REGISTRIES[str(info.field_name)].check_name(name)
+        return name
+
+    def block_overrides(self) -> dict[str, Any]:
+        """The four block fields as ``ModelConfig`` field overrides (``model_config_from_hf(path, **overrides)``)."""
+        return {field: getattr(self, field) for field in BlockChoices.model_fields}
+
+    def device_problems(self, device: str, prefix: str = "") -> dict[str, str]:
+        """Block field -> why its declared block cannot run on trainer device ``device`` (empty when all can); the
+        messages name each field as ``prefix + field`` (e.g. ``model.attention``)."""
+        problems = {}
+        for field, registry in BLOCK_REGISTRIES.items():
+            problem = registry.device_problem(getattr(self, field), device, field=prefix + field)
+            if problem is not None:
+                problems[field] = problem
+        return problems
+
+
+class ModelConfig(BlockChoices):
     """A decoder-only transformer of one supported family, plus which implementation runs each swappable block."""
 
     family: Family
-    """Architecture family: ``llama3`` (LlamaForCausalLM), ``qwen3`` (Qwen3ForCausalLM) or ``qwen3_moe``
-    (Qwen3MoeForCausalLM). Decides the HF name table and config.json layout."""
+    """Architecture family. Decides the HF name table and config.json layout."""
     vocab_size: _PositiveInt
     """Rows of the token embedding and of the output head."""
     dim: _PositiveInt
@@ -102,20 +149,6 @@ class ModelConfig(Config):
     """Mixture-of-experts settings; required for ``qwen3_moe`` (every layer is sparse) and absent otherwise."""
     max_seq_len: _PositiveInt = 4096
     """Longest sequence (packed row) the model is used with; exported as HF ``max_position_embeddings``."""
-    attention: str = "sdpa"
-    """Attention implementation, a name registered in ``ATTENTION_BLOCKS`` (built in: ``sdpa``, causal SDPA run per
-    packed sequence with no mask, and ``eager``, the masked reference; Pallas kernel: ``splash``)."""
-    output_head: str = "chunked"
-    """Output head for ``token_logprobs``, a name registered in ``OUTPUT_HEADS`` (built in: ``dense``, which holds
-    the full [tokens, vocab] logits; ``chunked``, which never does; ``cached``, chunked forward that keeps the fp32
-    probabilities for a cheaper backward (tokens x vocab x 4 bytes, like ``dense``); Pallas kernel:
-    ``fused_pallas``)."""
-    output_chunk_size: _PositiveInt = 1024
-    """Tokens per chunk of the ``chunked`` output head: its extra memory is about 3 x chunk x vocab x 4 bytes."""
-    moe_experts: str = "grouped"
-    """MoE expert implementation, a name registered in ``MOE_EXPERTS`` (built in: ``loop``, one matmul set per
-    expert, and ``grouped``, tokens sorted by expert and one grouped matmul per projection; Pallas kernel:
-    ``gmm_pallas``)."""
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -133,9 +166,6 @@ class ModelConfig(Config):
             raise ValueError(f"family {self.family!r} has qk_norm={wants_qk_norm}; set qk_norm = {wants_qk_norm}")
         if self.rope_scaling is not None and self.family != "llama3":
             raise ValueError(f"rope_scaling (Llama 3.1 style) is only supported for 'llama3', not {self.family!r}")
-        for field in ("attention", "output_head", "moe_experts"):
-            if not getattr(self, field):
-                raise ValueError(f"{field} must name a registered block, not an empty string")
         return self
 
     @property
