@@ -24,8 +24,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 # Run as a script, Python puts benchmarks/ first on the path; the repository root is what the imports need.
 _REPO = Path(__file__).resolve().parents[1]

@@ -36,13 +36,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from rollout.types import RolloutBatch, Sample
-from trainer.config import TrainerConfig
-from trainer.engine import build_engine
-from trainer.models.config import ModelConfig
-from trainer.parallelize import build_mesh, uses_fsdp
-from trainer.rl.config import GRPOConfig, ImportanceSamplingConfig
-from trainer.step import rl_step
+from rollout.types import RolloutBatch, Sample  # noqa: E402
+from trainer.config import TrainerConfig  # noqa: E402
+from trainer.engine import build_engine  # noqa: E402
+from trainer.models.config import ModelConfig  # noqa: E402
+from trainer.parallelize import build_mesh, uses_fsdp  # noqa: E402
+from trainer.rl.config import GRPOConfig, ImportanceSamplingConfig  # noqa: E402
+from trainer.step import rl_step  # noqa: E402
 
 MODEL_40M = ModelConfig(
     family="llama3", vocab_size=16384, dim=512, num_layers=8, num_heads=8, num_kv_heads=8, head_dim=64,

@@ -14,17 +14,23 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tools.tiny_tokenizer import build_tokenizer, save_tokenizer
 
 __all__ = ["FAMILIES", "make_tiny_model"]
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
 FAMILIES = ("qwen3", "llama3", "qwen3_moe")
 
 
-def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **arch: Any):
+def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **arch: Any) -> PreTrainedConfig:
     from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    def rope(default_theta: float) -> dict[str, Any]:
+        return {"rope_type": "default", "rope_theta": arch.pop("rope_theta", default_theta)}
 
     hidden = arch.pop("hidden_size", 64)
     num_layers = arch.pop("num_layers", 2)
@@ -45,13 +51,14 @@ def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **arch: A
         eos_token_id=eos_id,
         pad_token_id=pad_id,
     )
+    cfg: PreTrainedConfig
     if family == "qwen3":
-        cfg = Qwen3Config(rope_theta=arch.pop("rope_theta", 10000.0), **common)
+        cfg = Qwen3Config(rope_parameters=rope(10000.0), **common)
     elif family == "llama3":
-        cfg = LlamaConfig(rope_theta=arch.pop("rope_theta", 500000.0), **common)
+        cfg = LlamaConfig(rope_parameters=rope(500000.0), **common)
     elif family == "qwen3_moe":
         cfg = Qwen3MoeConfig(
-            rope_theta=arch.pop("rope_theta", 10000.0),
+            rope_parameters=rope(10000.0),
             num_experts=arch.pop("num_experts", 4),
             num_experts_per_tok=arch.pop("top_k", 2),
             moe_intermediate_size=arch.pop("moe_intermediate_size", hidden),

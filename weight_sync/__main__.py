@@ -55,7 +55,7 @@ def _push(args: argparse.Namespace, extra: list[str]) -> int:
         committed = sender.commit(args.version)
     failed = {a: e for a, e in committed.items() if e}
     for address, error in committed.items():
-        print(f"{address}: {'committed v%d' % args.version if error is None else error}")
+        print(f"{address}: {f'committed v{args.version}' if error is None else error}")
     print(f"{report.payload_bytes / 1e6:.1f} MB in {report.seconds:.2f} s", flush=True)
     return 1 if failed else 0
 

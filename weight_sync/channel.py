@@ -5,10 +5,12 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.config import WeightSyncConfig
@@ -107,7 +109,7 @@ class WeightSyncClient:
             response_deserializer=pb.VersionEvent.FromString,
         )
 
-    def _unary(self, method: str, reply: type) -> grpc.UnaryUnaryMultiCallable:
+    def _unary(self, method: str, reply: type[Message]) -> grpc.UnaryUnaryMultiCallable:
         return self.channel.unary_unary(
             f"/{SERVICE}/{method}",
             request_serializer=lambda m: m.SerializeToString(),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -85,7 +85,7 @@ class Piece:
 
 def plan_streams(locals_: list[LocalShard], num_streams: int) -> list[list[Piece]]:
     """Spread shards over `num_streams` groups of near-equal bytes, cutting shards larger than an equal share."""
-    share = max(sum(l.values.nbytes for l in locals_) / num_streams, 1)
+    share = max(sum(local.values.nbytes for local in locals_) / num_streams, 1)
     pieces: list[Piece] = []
     for local in locals_:
         rows = local.shape[0] if local.shape else 1
@@ -169,7 +169,7 @@ class DeltaCoder:
         return chunk
 
 
-def _with_encoding(chunk: pb.ChunkHeader, encoding: int) -> pb.ChunkHeader:
+def _with_encoding(chunk: pb.ChunkHeader, encoding: pb.Encoding) -> pb.ChunkHeader:
     coded = pb.ChunkHeader()
     coded.CopyFrom(chunk)
     coded.encoding = encoding
@@ -187,7 +187,7 @@ def piece_chunks(piece: Piece, base: np.ndarray | None, chunk_bytes: int) -> Ite
     if shape:
         offsets[0] += piece.row0
         shape[0] = piece.row1 - piece.row0
-    header = pb.ShardHeader(name=local.name, offsets=offsets, shape=shape, xxh3_64=xxhash.xxh3_64_intdigest(values))
+    header = pb.ShardHeader(name=local.name, offsets=offsets, shape=shape, xxh3_64=xxhash.xxh3_64_intdigest(values.data))
     step = max(1, chunk_bytes // values.itemsize)
     for begin in range(0, max(values.shape[0], 1), step):
         new = values[begin : begin + step]

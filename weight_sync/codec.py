@@ -53,7 +53,9 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
 def encode_chunk(header: pb.ChunkHeader, payload: bytes | memoryview | np.ndarray) -> bytes:
     """Serialize a PushChunk (header, payload) with one copy of the payload."""
     head = header.SerializeToString()
-    body = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
+    if isinstance(payload, np.ndarray):
+        payload = payload.data  # the array's buffer, as memoryview(payload) gives it
+    body = payload if isinstance(payload, bytes) else payload.cast("B")
     return b"".join((b"\x0a", _varint(len(head)), head, b"\x12", _varint(len(body)), body))
 
 
@@ -83,7 +85,7 @@ def xor_encode(
     """zstd(new XOR base) for two equal 1-D arrays, or None when the result would not be smaller than `new`."""
     out = scratch[: new.shape[0]]
     np.bitwise_xor(new, base, out=out)
-    packed = compressor.compress(out)
+    packed = compressor.compress(out.data)
     return packed if len(packed) < new.nbytes else None
 
 

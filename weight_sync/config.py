@@ -88,7 +88,7 @@ class WeightSyncConfig(Config):
         return value
 
     @pydantic.model_validator(mode="after")
-    def _check_tls(self) -> "WeightSyncConfig":
+    def _check_tls(self) -> WeightSyncConfig:
         if (self.tls_cert_path is None) != (self.tls_key_path is None):
             raise ValueError("set both tls_cert_path and tls_key_path, or neither")
         if self.tls_require_client_cert and (self.tls_ca_path is None or self.tls_cert_path is None):

@@ -17,8 +17,11 @@ import socket
 import struct
 import threading
 import time
+from typing import TypeVar
+
 import grpc
 import numpy as np
+from google.protobuf.message import Message
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.chunking import Chunk
@@ -28,6 +31,7 @@ from weight_sync.staging import StagingArea, SyncError
 __all__ = ["DataPlaneServer", "SocketRelay", "SocketStream", "StreamFailure", "relay_hello"]
 
 log = logging.getLogger("weight_sync.dataplane")
+_M = TypeVar("_M", bound=Message)
 
 MAX_HEADER_BYTES = 1 << 16
 DRAIN_S = 2.0  # how long a receiver keeps reading a refused stream so that its answer arrives
@@ -65,7 +69,7 @@ def _recv_bytes(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_message(sock: socket.socket, message_type: type, limit: int = MAX_HEADER_BYTES):
+def _recv_message(sock: socket.socket, message_type: type[_M], limit: int = MAX_HEADER_BYTES) -> _M:
     (n,) = _U32.unpack(_recv_bytes(sock, 4))
     if n > limit:
         raise SyncError(Code.INVALID_ARGUMENT, f"{message_type.__name__} frame of {n} bytes exceeds {limit}")
@@ -75,7 +79,7 @@ def _recv_message(sock: socket.socket, message_type: type, limit: int = MAX_HEAD
         raise SyncError(Code.INVALID_ARGUMENT, f"malformed {message_type.__name__} frame: {e}") from None
 
 
-def _framed(message) -> bytes:
+def _framed(message: Message) -> bytes:
     data = message.SerializeToString()
     return _U32.pack(len(data)) + data
 
@@ -296,7 +300,7 @@ class SocketStream:
                     break  # the receiver answered early: it refused the stream (its reply says why)
                 header, payload = item[0].parts(item[1])
                 head = header.SerializeToString()
-                body = memoryview(payload).cast("B") if isinstance(payload, np.ndarray) else memoryview(payload)
+                body = payload.data.cast("B") if isinstance(payload, np.ndarray) else memoryview(payload)
                 self._send(sock, b"".join((_U32.pack(len(head)), head, _U64.pack(len(body)))), body)
             else:
                 sock.sendall(_U32.pack(0))

@@ -8,7 +8,8 @@ FSDP dim-0 shards are a single memcpy and tensor-parallel column shards a single
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
+from types import EllipsisType
 
 import numpy as np
 
@@ -42,7 +43,8 @@ def shard_view(
 ) -> np.ndarray:
     """The N-d view of `flat` (a 1-D array holding the global tensor) covered by the box; no copy."""
     full = flat.reshape(tuple(global_shape))
-    return full[(Ellipsis, *(slice(o, o + s) for o, s in zip(offsets, shape)))]  # Ellipsis: a view even for 0-d
+    box: tuple[EllipsisType | slice, ...] = (Ellipsis, *(slice(o, o + s) for o, s in zip(offsets, shape)))
+    return full[box]  # Ellipsis: a view even for 0-d
 
 
 def write_range(view: np.ndarray, start: int, values: np.ndarray) -> None:

@@ -12,11 +12,12 @@ address with the trainer (`WeightSyncConfig.endpoints`). Clients in other langua
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from concurrent import futures
-from typing import Iterator, Mapping
 
 import grpc
 import numpy as np
@@ -220,13 +221,17 @@ class WeightReceiver:
         self._authorize(context)
         return pb.AbortReply(aborted=self.area.abort(request.session_id, request.policy_version, request.reason))
 
+    def _changed_since(self, policy_version: int) -> bool:
+        """A Watch's wake-up condition: a version newer than `policy_version` committed, or the receiver is stopping."""
+        return self.area.policy_version > policy_version or self._stopping.is_set()
+
     def _watch(self, request: pb.WatchVersionRequest, context: grpc.ServicerContext) -> Iterator[pb.VersionEvent]:
         self._authorize(context)
         last = request.after_version
         cond = self.area.version_changed
         while context.is_active() and not self._stopping.is_set():
             with cond:
-                cond.wait_for(lambda: self.area.policy_version > last or self._stopping.is_set(), timeout=1.0)
+                cond.wait_for(functools.partial(self._changed_since, last), timeout=1.0)
             current = self.area.policy_version
             if current > last:
                 last = current

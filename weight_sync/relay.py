@@ -9,7 +9,8 @@ bytes per version however large the fleet, and every receiver still checks every
 from __future__ import annotations
 
 import queue
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
@@ -19,7 +20,7 @@ from weight_sync.channel import WeightSyncClient
 if TYPE_CHECKING:
     from weight_sync.chunking import Chunk
 
-__all__ = ["PushStream", "Relay", "split_tree", "stream_metadata"]
+__all__ = ["ChunkStream", "PushStream", "Relay", "split_tree", "stream_metadata"]
 
 
 def split_tree(targets: Sequence[str], fanout: int) -> list[tuple[str, list[str]]]:
@@ -47,6 +48,20 @@ def stream_metadata(
     if relay:
         md += [("x-ws-relay", ",".join(relay)), ("x-ws-fanout", str(fanout))]
     return tuple(md)
+
+
+class ChunkStream(Protocol):
+    """What the sender feeds: one Push stream to a head receiver, `PushStream` (gRPC) or `dataplane.SocketStream`."""
+
+    bytes_sent: int
+
+    def send_chunk(self, chunk: Chunk, delta: bool) -> bool:
+        """Queue one chunk (its delta form when `delta` and it has one); False when the stream already failed."""
+        ...
+
+    def close(self) -> pb.PushReply | Exception:
+        """End the stream and wait for the receiver's answer: its reply, or the error the stream failed with."""
+        ...
 
 
 class PushStream:
@@ -79,7 +94,7 @@ class PushStream:
             return True
         return False
 
-    def send_chunk(self, chunk: "Chunk", delta: bool) -> bool:
+    def send_chunk(self, chunk: Chunk, delta: bool) -> bool:
         """Queue one chunk of the sender (its delta form when `delta` and it has one)."""
         return self.send(chunk.message(delta))
 

@@ -27,9 +27,9 @@ import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent import futures
 from itertools import chain
-from typing import Iterable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -39,12 +39,13 @@ from weight_sync.channel import WeightSyncClient
 from weight_sync.chunking import Chunk, DeltaCoder, LocalShard, Shard, as_local, piece_chunks, plan_streams
 from weight_sync.config import WeightSyncConfig
 from weight_sync.dataplane import SocketStream, relay_hello
-from weight_sync.relay import PushStream, results_of, split_tree, stream_metadata
+from weight_sync.relay import ChunkStream, PushStream, results_of, split_tree, stream_metadata
 from weight_sync.spec import TensorSpec
 
 __all__ = ["PushReport", "Shard", "WeightSender"]
 
 log = logging.getLogger("weight_sync.sender")
+ShardKey = tuple[str, tuple[int, ...]]  # LocalShard.key: (tensor name, shard offsets)
 
 
 @dataclasses.dataclass
@@ -113,7 +114,7 @@ class WeightSender:
         self._clients = {a: WeightSyncClient(a, self.config) for a in self.endpoints}
         self._pool = futures.ThreadPoolExecutor(max_workers=32)
         self._encoders: futures.ThreadPoolExecutor | None = None
-        self._base: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
+        self._base: dict[ShardKey, np.ndarray] = {}
         self._base_version = -1
         self._described: dict[str, pb.DescribeReply] = {}
 
@@ -174,7 +175,7 @@ class WeightSender:
                 raise ValueError(f"shards of {local.name} disagree on global shape or dtype")
         if not self._described:
             self._check_compatible(locals_)
-        use_base = self.config.delta and all(l.key in self._base for l in locals_)
+        use_base = self.config.delta and all(local.key in self._base for local in locals_)
         request = pb.BeginRequest(
             session_id=self.session_id, policy_version=policy_version, rank=self.rank, num_ranks=self.num_ranks,
             tensors=[pb.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in specs.values()],
@@ -187,7 +188,9 @@ class WeightSender:
                 ports[address] = self._socket_port(address)
             except ValueError as e:
                 errors[address] = f"Push: {e}"  # refused before Begin: nothing is left staged there
-        delta, full, tickets = [], [], {}
+        delta: list[str] = []
+        full: list[str] = []
+        tickets: dict[str, bytes] = {}
         for address, fut in self._each(lambda c: c.begin(request), list(ports)).items():
             try:
                 reply = fut.result()
@@ -199,7 +202,8 @@ class WeightSender:
             errors[address] = None
         stream_ports = {a: ports[a] if tickets[a] else 0 for a in tickets}
         groups = self._open_streams(policy_version, delta, full, stream_ports, tickets)
-        payload, updated = 0, set()
+        payload = 0
+        updated: set[ShardKey] = set()
         if groups:  # nobody to send to: skip the chunking work
             payload, updated = self._stream_shards(locals_, [(opened, is_delta) for _, _, opened, is_delta in groups])
         for head, rest, opened, _ in groups:
@@ -238,13 +242,14 @@ class WeightSender:
 
     def _open_streams(
         self, policy_version: int, delta: list[str], full: list[str], ports: dict[str, int], tickets: dict[str, bytes]
-    ) -> list[tuple[str, list[str], list, bool]]:
+    ) -> list[tuple[str, list[str], list[ChunkStream], bool]]:
         """Open this rank's streams: (head receiver, receivers it relays to, streams, delta?) per stream group."""
-        groups = []
+        groups: list[tuple[str, list[str], list[ChunkStream], bool]] = []
         streams = [(tree, True) for tree in split_tree(delta, self.config.relay_fanout)]
         streams += [(tree, False) for tree in split_tree(full, self.config.relay_fanout)]
         cfg = self.config
         for (head, rest), is_delta in streams:
+            opened: list[ChunkStream]
             if all(ports[a] for a in (head, *rest)):  # a relay tree rides sockets only if every member offers them
                 targets = [pb.RelayTarget(address=a, data_port=ports[a], ticket=tickets[a]) for a in (head, *rest)]
                 base = pb.DataHello(session_id=self.session_id, policy_version=policy_version, rank=self.rank)
@@ -257,7 +262,9 @@ class WeightSender:
             groups.append((head, rest, opened, is_delta))
         return groups
 
-    def _stream_shards(self, locals_: list[LocalShard], trees: list[tuple[list, bool]]) -> tuple[int, set]:
+    def _stream_shards(
+        self, locals_: list[LocalShard], trees: list[tuple[list[ChunkStream], bool]]
+    ) -> tuple[int, set[ShardKey]]:
         """Chunk every shard once, round-robin over the stream groups, feeding each stream raw or delta messages.
 
         Returns the payload bytes and the keys of the delta bases brought up to date in place while streaming.
@@ -265,8 +272,8 @@ class WeightSender:
         any_delta = any(is_delta for _, is_delta in trees)
         coder = DeltaCoder(self.config.delta_encoding, self.config.delta_zstd_level) if any_delta else None
         self._base_version = -1  # bases change in place below: invalid until the whole push went through
-        updated = set()
-        bases: dict[tuple, np.ndarray | None] = {}
+        updated: set[ShardKey] = set()
+        bases: dict[ShardKey, np.ndarray | None] = {}
         for local in locals_:
             base = self._base.get(local.key) if any_delta else None
             same = base is not None and base.shape == local.values.shape and base.dtype == local.values.dtype
@@ -275,7 +282,7 @@ class WeightSender:
                 updated.add(local.key)
         groups = plan_streams(locals_, self.config.num_streams)
         chunk_bytes = self._chunk_bytes()
-        generators = [
+        generators: list[Iterator[Chunk]] = [
             chain.from_iterable(piece_chunks(p, bases[p.local.key], chunk_bytes) for p in group) for group in groups
         ]
         if coder is not None:
@@ -301,12 +308,13 @@ class WeightSender:
         size = min([self.config.chunk_bytes, *limits])
         return size - size % 8
 
-    def _remember(self, locals_: list[LocalShard], policy_version: int, updated: set) -> None:
-        keep = {}
+    def _remember(self, locals_: list[LocalShard], policy_version: int, updated: set[ShardKey]) -> None:
+        keep: dict[ShardKey, np.ndarray] = {}
         for local in locals_:
-            key = (local.name, local.offsets)
+            key = local.key
             old = self._base.get(key)
             if key in updated:
+                assert old is not None, f"{key}: an updated delta base must be a remembered one"
                 keep[key] = old
             elif old is not None and old.shape == local.values.shape and old.dtype == local.values.dtype:
                 np.copyto(old, local.values)
@@ -352,7 +360,7 @@ class WeightSender:
         for client in self._clients.values():
             client.close()
 
-    def __enter__(self) -> "WeightSender":
+    def __enter__(self) -> WeightSender:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -13,7 +13,7 @@ import hmac
 import secrets
 import threading
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import grpc
 import numpy as np
@@ -49,7 +49,7 @@ class _Shard:
     base: np.ndarray | None  # same box in the committed base, for delta chunks
     numel: int
     checksum: int
-    hasher: "xxhash.xxh3_64"
+    hasher: xxhash.xxh3_64
     pos: int = 0
 
 
@@ -208,7 +208,7 @@ class StagingArea:
     # -- Push ----------------------------------------------------------------------------------------------------
     def open_stream(
         self, session_id: str, policy_version: int, rank: int, ticket: bytes | None = None
-    ) -> "StreamWriter":
+    ) -> StreamWriter:
         """A writer for one of `rank`'s Push streams. `ticket`: the one Begin gave the rank (socket data plane)."""
         with self._lock:
             update = self._update
@@ -361,7 +361,7 @@ class StreamWriter:
                     Code.INVALID_ARGUMENT, f"{shard.name}: raw payload of {payload_bytes} bytes for {n} elements"
                 )
             dest = contiguous_range(shard.view, shard.pos, n)
-            return memoryview(dest).cast("B") if dest is not None and n else None
+            return dest.data.cast("B") if dest is not None and n else None  # .data: memoryview(dest)
         if header.encoding in (pb.ENCODING_XOR_ZSTD, pb.ENCODING_SPARSE):
             if not self.delta or shard.base is None:
                 raise SyncError(Code.FAILED_PRECONDITION, f"{shard.name}: delta chunk but Begin did not accept delta")
@@ -375,13 +375,16 @@ class StreamWriter:
         self._pending = None
         n = header.num_elements
         if header.encoding == pb.ENCODING_RAW:
-            if payload is None:
-                shard.hasher.update(contiguous_range(shard.view, shard.pos, n))
+            if payload is None:  # begin_chunk returned this range and the payload was read into it
+                dest = contiguous_range(shard.view, shard.pos, n)
+                assert dest is not None, "end_chunk(None) after a chunk with no contiguous destination"
+                shard.hasher.update(dest.data)
             else:
                 values = np.frombuffer(payload, dtype=shard.view.dtype)
-                shard.hasher.update(values)
+                shard.hasher.update(values.data)
                 write_range(shard.view, shard.pos, values)
         else:
+            assert payload is not None, "end_chunk(None) after a delta chunk"
             try:
                 self._apply_delta(header.encoding, payload, shard, n)
             except DeltaError as e:
@@ -391,6 +394,7 @@ class StreamWriter:
             raise SyncError(Code.DATA_LOSS, f"{shard.name}: checksum mismatch for shard ending at element {shard.pos}")
 
     def _apply_delta(self, encoding: int, payload: memoryview, shard: _Shard, n: int) -> None:
+        assert shard.base is not None, "begin_chunk accepts delta chunks only for shards with a base"
         base = read_range(shard.base, shard.pos, n)
         if encoding == pb.ENCODING_SPARSE:
             idx, new = sparse_decode(payload, n, shard.view.dtype)
@@ -398,13 +402,13 @@ class StreamWriter:
             if dest is not None:  # dim-0 shards: patch the staging buffer in place, no temporary
                 np.copyto(dest, base)
                 dest[idx] = new
-                shard.hasher.update(dest)
+                shard.hasher.update(dest.data)
                 return
             values = np.array(base, copy=True)
             values[idx] = new
         else:
             values = xor_decode(payload, base, self._decompressor)
-        shard.hasher.update(values)
+        shard.hasher.update(values.data)
         write_range(shard.view, shard.pos, values)
 
     def _declare(self, msg: pb.ShardHeader) -> _Shard:

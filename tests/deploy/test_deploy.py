@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Iterator
 from math import prod
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from it_helpers import kill_tree, read_metrics, start_run, tail
 
 MIN_GAIN = 0.30

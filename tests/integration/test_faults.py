@@ -9,10 +9,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from it_helpers import descendants, kill_tree, read_metrics, rl_steps, small_run_args, start_run, tail, wait_for
 
 from recipe import load_recipe
-
-from it_helpers import descendants, kill_tree, read_metrics, rl_steps, small_run_args, start_run, tail, wait_for
 
 
 def _rollout_workers(proc) -> list[psutil.Process]:

@@ -12,8 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-from it_helpers import REPO, PYTHON, RECIPE, clean_env, free_port, kill_tree, read_metrics, rl_steps, small_run_args
+from it_helpers import PYTHON, RECIPE, REPO, clean_env, free_port, kill_tree, read_metrics, rl_steps, small_run_args
 
 RAY = str(Path(PYTHON).parent / "ray")
 # Never upload the venv, run outputs, caches or git objects (most are in .gitignore too, which Ray also honours).

@@ -6,7 +6,14 @@ import zstandard
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.codec import (
-    DeltaError, decode_chunk, encode_chunk, sparse_decode, sparse_encode, sparse_payload, xor_decode, xor_encode,
+    DeltaError,
+    decode_chunk,
+    encode_chunk,
+    sparse_decode,
+    sparse_encode,
+    sparse_payload,
+    xor_decode,
+    xor_encode,
 )
 
 

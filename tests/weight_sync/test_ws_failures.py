@@ -5,6 +5,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 
 import grpc
 import pytest
@@ -90,7 +91,7 @@ def test_precise_statuses_for_bad_shards(one):
     for messages, code in cases:
         version += 1
         begin(client, SD, version)
-        assert status_of(lambda: raw_push(client, "s", version, 0, messages)) == code, messages[:1]
+        assert status_of(partial(raw_push, client, "s", version, 0, messages)) == code, messages[:1]
         assert_untouched(receiver, sink)
     version += 1
     begin(client, SD, version)
@@ -128,8 +129,8 @@ def test_wrong_or_missing_token_is_unauthenticated(receivers):
     for token in (None, "wrong", "s3cret-but-longer"):
         client = WeightSyncClient(receiver.address, WeightSyncConfig(auth_token=token, auth_token_env=None))
         assert status_of(client.describe) == C.UNAUTHENTICATED
-        assert status_of(lambda: begin(client, SD, 1)) == C.UNAUTHENTICATED
-        assert status_of(lambda: raw_push(client, "s", 1, 0, [])) == C.UNAUTHENTICATED
+        assert status_of(partial(begin, client, SD, 1)) == C.UNAUTHENTICATED
+        assert status_of(partial(raw_push, client, "s", 1, 0, [])) == C.UNAUTHENTICATED
         client.close()
     good = WeightSyncClient(receiver.address, config)
     full_update(good, 1)
@@ -236,7 +237,7 @@ def test_sink_rejection_keeps_the_old_version():
         receiver = WeightReceiver(sink, WeightSyncConfig())
         receiver.start()
         client = WeightSyncClient(receiver.address, WeightSyncConfig())
-        assert status_of(lambda: full_update(client, 1)) == code
+        assert status_of(partial(full_update, client, 1)) == code
         assert receiver.policy_version == 0
         sink.error = None
         full_update(client, 2)

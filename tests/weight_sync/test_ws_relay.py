@@ -27,7 +27,7 @@ def test_eight_receivers_get_exact_weights_while_the_sender_sends_at_most_fanout
         config = WeightSyncConfig(chunk_bytes=1024, relay_fanout=fanout, delta=False, data_plane=plane)
         pairs = receivers(8, config=config, sd=SD)
         senders = [WeightSender([r.address for r, _ in pairs], config, rank=k, num_ranks=2) for k in range(2)]
-        reports = run_ranks(lambda k: senders[k].push(1, rank_shards(SD, k, 2)), 2)
+        reports = run_ranks(lambda k, senders=senders: senders[k].push(1, rank_shards(SD, k, 2)), 2)
         assert all(not rep.failed and len(rep.ok) == 8 for rep in reports)
         assert all(len(rep.socket_endpoints) == (fanout if plane == "auto" else 0) for rep in reports)
         assert all(e is None for e in senders[0].commit(1).values())
@@ -65,7 +65,7 @@ def test_deltas_travel_through_the_relay_with_several_streams_per_rank(receivers
         if version > 1:
             sd["w"][version, :5] += 1
             sd["e"][:, 1, 2] -= 1
-        reports = run_ranks(lambda k: senders[k].push(version, rank_shards(sd, k, 2)), 2)
+        reports = run_ranks(lambda k, version=version: senders[k].push(version, rank_shards(sd, k, 2)), 2)
         assert all(not rep.failed for rep in reports)
         assert all(len(rep.delta_endpoints) == (0 if version == 1 else 5) for rep in reports)
         assert all(e is None for e in senders[0].commit(version).values())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import torch
