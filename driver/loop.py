@@ -17,8 +17,9 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from rollout.metrics import sample_metrics
 from rollout.types import RolloutBatch

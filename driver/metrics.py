@@ -10,8 +10,9 @@ import json
 import math
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = ["MetricsLogger", "plot_curves", "read_jsonl"]
 

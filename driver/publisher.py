@@ -15,7 +15,8 @@ is reported and gets a full push at the next version, without stopping training.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["WeightPublisher", "push_failures"]
 

@@ -157,11 +157,7 @@ class _Run:
 
         r = self.recipe
         eval_problems = self.dataset.eval_problems()[: r.run.eval.num_problems]
-        # Seeded even when training sampling is not: the evaluation's own randomness is reproducible.
-        eval_sampling = r.rollout.sampling.model_copy(
-            update={"temperature": r.run.eval.temperature, "seed": r.rollout.sampling.seed or r.run.seed}
-        )
-        term = accuracy_term(r.reward)
+        eval_sampling, term = r.eval_sampling, accuracy_term(r.reward)
         do_eval = lambda: evaluate(self.pool, eval_problems, eval_sampling, term)  # noqa: E731
 
         start_step = 0

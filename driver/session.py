@@ -10,7 +10,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = ["ray_session", "worker_env_vars"]
 

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 __all__ = ["WorkerFleet", "WorkerSlot", "WorkerState"]
 

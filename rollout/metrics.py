@@ -8,7 +8,7 @@ everything a step sampled (all dynamic-sampling rounds) and names the figures of
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

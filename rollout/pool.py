@@ -28,8 +28,9 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.fleet import Publisher, WorkerFleet, WorkerSlot

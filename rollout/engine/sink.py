@@ -9,8 +9,9 @@ changes, so the receiver stays on the old version.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from rollout.engine.vllm_engine import VLLMEngine
 from weight_sync.spec import TensorSpec

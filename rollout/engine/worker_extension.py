@@ -11,7 +11,8 @@ and leaves the original parameters empty, so ``load_weights`` alone reports succ
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 __all__ = ["WeightUpdateExtension", "check_fused_groups", "expected_parameters"]
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
-from typing import Any, Callable, Literal, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 from rollout.rewards.config import FunctionRewardConfig
 from rollout.tasks.problem import Problem

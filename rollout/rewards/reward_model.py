@@ -7,7 +7,7 @@ model's own chat template when it has one, else as prompt text followed by the c
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from rollout.rewards.config import RewardModelConfig
 from rollout.tasks.problem import Problem

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import re
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from rollout.rewards.config import ExactMatchRewardConfig, FormatRewardConfig, MathRewardConfig
 from rollout.tasks.problem import Problem

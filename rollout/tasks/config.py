@@ -6,7 +6,7 @@ recipes validate instantly; ``rollout.tasks.build_dataset`` turns a config into 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import pydantic
 
@@ -138,5 +138,5 @@ class JsonlTaskConfig(Config):
         return self
 
 
-TaskConfig = Annotated[Union[ArithmeticTaskConfig, JsonlTaskConfig], pydantic.Field(discriminator="type")]
+TaskConfig = Annotated[ArithmeticTaskConfig | JsonlTaskConfig, pydantic.Field(discriminator="type")]
 """The prompt source of a recipe, chosen by ``type``: 'arithmetic' or 'jsonl'."""
