@@ -32,6 +32,10 @@ class Critic(nn.Module):
         """The transformer blocks (what ``parallelize_model`` wraps in FSDP units)."""
         return self.body.layers
 
+    def tensor_parallel_plan(self, degree: int) -> dict[str, object]:
+        """The body's per-block plan (``Transformer.tensor_parallel_plan``); the value head stays replicated."""
+        return self.body.tensor_parallel_plan(degree)
+
     def forward(
         self,
         tokens: torch.Tensor,

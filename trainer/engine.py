@@ -1,8 +1,9 @@
-"""The per-rank training state: sharded policy, frozen reference, PPO critic, their optimizers and LR schedules.
+"""The per-rank training state: the algorithm, sharded policy, frozen reference, critic, optimizers and LR schedules.
 
-:func:`build_engine` builds every model the algorithm needs from one :class:`ModelConfig` with the same seed on every
-rank (so the unsharded init is identical everywhere), loads the initial HF weights when given, then shards each model
-the same way (``trainer.parallelize``). The update itself lives in ``trainer.step``.
+:func:`build_engine` builds every model the algorithm needs (``Algorithm.needs_reference`` / ``needs_critic``) from
+one :class:`ModelConfig` with the same seed on every rank (so the unsharded init is identical everywhere), loads the
+initial HF weights when given, then shards each model the same way (``trainer.parallelize``). The update itself lives
+in ``trainer.step``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from trainer.models.config import ModelConfig
 from trainer.models.transformer import build_model
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import parallelize_model
-from trainer.rl.config import GRPOConfig, PPOConfig
+from trainer.rl.algorithms import Algorithm, build_algorithm
+from trainer.rl.config import AlgorithmConfig
 
 __all__ = ["TrainEngine", "build_engine"]
 
@@ -34,7 +36,8 @@ class TrainEngine:
 
     cfg: TrainerConfig
     model_cfg: ModelConfig
-    algorithm: GRPOConfig | PPOConfig
+    algorithm: Algorithm
+    """The RL algorithm (``algorithm.config`` is its recipe section)."""
     device: torch.device
     mesh: DeviceMesh
     policy: nn.Module
@@ -88,7 +91,7 @@ def _shard(model: nn.Module, mesh: DeviceMesh, cfg: TrainerConfig) -> nn.Module:
 def build_engine(
     cfg: TrainerConfig,
     model_cfg: ModelConfig,
-    algorithm: GRPOConfig | PPOConfig,
+    algorithm: AlgorithmConfig,
     device: torch.device,
     mesh: DeviceMesh,
     init_path: str | None = None,
@@ -98,6 +101,7 @@ def build_engine(
     ``init_path``: a local HF checkpoint directory with the initial weights; None keeps the seeded random init (tests).
     Collective when FSDP is on: every rank calls it with the same arguments.
     """
+    algo = build_algorithm(algorithm)
     torch.manual_seed(cfg.seed)
     policy = build_model(model_cfg, device=torch.device("cpu"), dtype=torch.float32)
     if cfg.compile:
@@ -107,16 +111,16 @@ def build_engine(
 
         load_hf_checkpoint(policy, init_path)
     reference = None
-    if algorithm.kl.needs_reference:
+    if algo.needs_reference:
         reference = copy.deepcopy(policy).requires_grad_(False).eval()
     critic = None
-    if isinstance(algorithm, PPOConfig):
+    if algo.needs_critic:
         critic = Critic(copy.deepcopy(policy), model_cfg.dim)
 
     policy = _shard(policy.to(device), mesh, cfg)
     optimizer = build_optimizer(policy, cfg.optimizer)
     engine = TrainEngine(
-        cfg=cfg, model_cfg=model_cfg, algorithm=algorithm, device=device, mesh=mesh, policy=policy,
+        cfg=cfg, model_cfg=model_cfg, algorithm=algo, device=device, mesh=mesh, policy=policy,
         optimizer=optimizer, scheduler=build_scheduler(optimizer, cfg.schedule),
     )  # fmt: skip
     if reference is not None:

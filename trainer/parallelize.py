@@ -39,42 +39,22 @@ def build_mesh(cfg: TrainerConfig, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (cfg.num_ranks // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def _block_plan(block: nn.Module) -> dict:
-    """Megatron-style plan for one dense block: q/k/v and w1/w3 split by output (heads / hidden units), wo and w2 by
-    input, so each block needs one all-reduce after attention and one after the feed-forward."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    if not hasattr(block, "feed_forward"):
-        raise ValueError(
-            "tensor parallelism supports dense blocks only (MoE experts are not split); "
-            "set parallelism.tensor_parallel_degree = 1"
-        )
-    return {
-        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(),
-    }  # fmt: skip
-
-
-def _apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_cfg_heads: tuple[int, int] | None) -> None:
-    """Split each block's linears over ``tp_mesh``; embeddings, norms and the output head stay replicated."""
+def _apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split each block over ``tp_mesh`` by the model's ``tensor_parallel_plan`` (``Transformer`` or ``Critic``);
+    embeddings, norms and the output head stay replicated."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    tp = tp_mesh.size()
-    if model_cfg_heads is not None and any(n % tp for n in model_cfg_heads):
-        raise ValueError(
-            f"tensor_parallel_degree {tp} must divide num_heads and num_kv_heads {model_cfg_heads}"
-        )
+    plan = model.tensor_parallel_plan(tp_mesh.size())
     for block in model.layers:
-        parallelize_module(block, tp_mesh, _block_plan(block))
+        parallelize_module(block, tp_mesh, plan)
 
 
 def sync_tensor_parallel_partial_grads(model: nn.Module, mesh: DeviceMesh) -> None:
     """Sum over the TP group the gradients of replicated parameters applied to each rank's slice of heads.
 
-    The per-head q/k RMSNorm weights (Qwen3) are shared by all heads but each TP rank only sees its own heads, so their
-    gradient is a partial sum; without this the replicas drift apart. Call after backward, before clipping.
+    The per-head q/k RMSNorm weights (Qwen3), plain replicas under ``Transformer.tensor_parallel_plan``, are shared by
+    all heads but each TP rank only sees its own heads, so their gradient is a partial sum; without this the replicas
+    drift apart. Call after backward, before clipping (``trainer.step`` does).
     """
     names = mesh.mesh_dim_names or ()
     if "tp" not in names:
@@ -105,9 +85,7 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerConfig) ->
     ``model`` (now an ``FSDPModule`` when FSDP is on).
     """
     if cfg.parallelism.tensor_parallel_degree > 1:
-        model_cfg = getattr(model, "cfg", None) or getattr(getattr(model, "body", None), "cfg", None)
-        heads = (model_cfg.num_heads, model_cfg.num_kv_heads) if model_cfg is not None else None
-        _apply_tensor_parallel(model, mesh["tp"], heads)
+        _apply_tensor_parallel(model, mesh["tp"])
     if not uses_fsdp(mesh, cfg):
         return model
     dp_mesh = mesh["dp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh

@@ -1,4 +1,4 @@
-"""One policy update from a rollout batch (GRPO or PPO), and one supervised step for warm starts.
+"""One policy update from a rollout batch (any algorithm of ``trainer.rl.algorithms``), and one supervised step.
 
 The RL step on each rank, with every rank given the same full batch:
 
@@ -6,12 +6,13 @@ The RL step on each rank, with every rank given the same full batch:
    micro-batches (``trainer.packing``: balanced across ranks, equal micro-batch counts everywhere);
 2. without gradients: old log-probs (only when a batch is used for more than one optimizer step; otherwise the
    trainer's own detached log-probs are the old ones, so the first ratio is exactly 1), reference log-probs (KL on),
-   critic values (PPO);
-3. advantages: GRPO/RLOO from the group rewards (KL folded into the reward if configured), or PPO's GAE per sequence
-   with global whitening;
-4. for each epoch and mini-batch: forward -> log-probs through the model's output head -> ``trainer.rl`` loss ->
-   backward per micro-batch; the loss is divided by the *global* token/sequence counts of the mini-batch and FSDP sums
-   gradients over ranks, so N ranks compute exactly the 1-rank update; then grad clipping, optimizer and LR step.
+   critic values (algorithms with a critic);
+3. advantages: ``engine.algorithm.compute_advantages`` (GRPO/RLOO from the group rewards, PPO's GAE with global
+   whitening; KL folded into the reward if configured);
+4. for each epoch and mini-batch: forward -> log-probs through the model's output head -> the algorithm's policy loss
+   (and value loss for its critic) -> backward per micro-batch; the loss is divided by the *global* token/sequence
+   counts of the mini-batch and FSDP sums gradients over ranks, so N ranks compute exactly the 1-rank update; then
+   grad clipping, optimizer and LR step.
 
 Returns one flat dict of floats per step, identical on every rank (``trainer.metrics``).
 """
@@ -32,10 +33,8 @@ from trainer.metrics import MetricsAccumulator
 from trainer.models.registry import ATTENTION_BLOCKS
 from trainer.packing import MicroBatch, plan_micro_batches, split_minibatches
 from trainer.parallelize import sync_tensor_parallel_partial_grads
-from trainer.rl.advantages import compute_group_advantages, gae_advantages
-from trainer.rl.config import PPOConfig
-from trainer.rl.kl import kl_estimate, kl_penalized_token_rewards
-from trainer.rl.loss import compute_policy_loss, compute_value_loss
+from trainer.rl.algorithms import AdvantageInputs
+from trainer.rl.kl import kl_estimate
 from trainer.rl.router_aux import add_router_aux_loss, count_router_tokens, moe_aux_coef
 from trainer.rl.sft import sft_loss
 
@@ -110,63 +109,17 @@ def _kl_for_reward(engine: TrainEngine, mb: MicroBatch) -> torch.Tensor:
     if old is None:
         old = forward_logprobs(engine.policy, mb)[0].detach()
         mb.extra["old_logprobs"] = old
-    return kl_estimate(old, mb.extra["ref_logprobs"], engine.algorithm.kl.estimator) * mb.loss_mask
+    return kl_estimate(old, mb.extra["ref_logprobs"], engine.algorithm.config.kl.estimator) * mb.loss_mask
 
 
 @torch.no_grad()
-def _group_advantages(engine: TrainEngine, samples: Sequence[Sample], plans: list[list[MicroBatch]]) -> None:
-    algo = engine.algorithm
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64, device=engine.device)
-    if algo.kl.coef > 0 and algo.kl.where == "reward":
-        # Each sample lives on exactly one rank: a sum over ranks gathers every sample's KL sum.
-        kl_sums = torch.zeros(len(samples), dtype=torch.float64, device=engine.device)
-        for mbs in plans:
-            for mb in mbs:
-                idx = torch.tensor(mb.sample_indices, dtype=torch.long, device=engine.device)
-                kl = _kl_for_reward(engine, mb)
-                kl_sums[idx] = kl.sum(dim=-1).double()
-        rewards = rewards - algo.kl.coef * _all_reduce_sum(engine, kl_sums)
-    adv = torch.zeros_like(rewards)
-    groups: dict[int, list[int]] = {}
-    for i, s in enumerate(samples):
-        groups.setdefault(s.group_id, []).append(i)
-    for members in groups.values():
-        idx = torch.tensor(members, device=engine.device)
-        adv[idx] = compute_group_advantages(rewards[idx][None, :], algo)[0]
-    for mbs in plans:
-        for mb in mbs:
-            seq_adv = adv[torch.tensor(mb.sample_indices, dtype=torch.long, device=engine.device)].float()
-            mb.advantages = seq_adv[:, None] * mb.loss_mask
-
-
-@torch.no_grad()
-def _gae_advantages(engine: TrainEngine, samples: Sequence[Sample], plans: list[list[MicroBatch]]) -> None:
-    algo = engine.algorithm
-    assert isinstance(algo, PPOConfig)
-    for mbs in plans:
-        for mb in mbs:
-            scores = torch.tensor([samples[i].reward for i in mb.sample_indices], device=engine.device)
-            if algo.kl.coef > 0 and algo.kl.where == "reward":
-                kl = _kl_for_reward(engine, mb)
-                token_rewards = kl_penalized_token_rewards(scores, kl, mb.loss_mask, algo.kl.coef)
-            else:
-                token_rewards = kl_penalized_token_rewards(scores, torch.zeros_like(mb.loss_mask), mb.loss_mask, 0.0)
-            adv, returns = gae_advantages(token_rewards, mb.extra["values"], mb.loss_mask, algo.gamma, algo.lam)
-            mb.advantages, mb.extra["returns"] = adv, returns
-    if algo.whiten_advantages:
-        stats = torch.zeros(3, dtype=torch.float64, device=engine.device)
-        for mbs in plans:
-            for mb in mbs:
-                a = mb.advantages.double()
-                stats += torch.stack([mb.loss_mask.sum().double(), a.sum(), a.square().sum()])
-        n, total, sq = _all_reduce_sum(engine, stats).tolist()
-        if n < 2:
-            raise ValueError(f"whitening advantages needs at least 2 completion tokens in the batch, got {int(n)}")
-        mean = total / n
-        std = max((sq - n * mean * mean) / (n - 1), 0.0) ** 0.5
-        for mbs in plans:
-            for mb in mbs:
-                mb.advantages = (mb.advantages - mean) / (std + 1e-8) * mb.loss_mask
+def _compute_advantages(engine: TrainEngine, samples: Sequence[Sample], plans: list[list[MicroBatch]]) -> None:
+    """Fill ``mb.advantages`` (and ``extra['returns']`` for a critic) of every micro-batch by the algorithm."""
+    engine.algorithm.compute_advantages(AdvantageInputs(
+        samples=samples, micro_batches=[mb for mbs in plans for mb in mbs],
+        token_kl=lambda mb: _kl_for_reward(engine, mb), all_reduce_sum=lambda x: _all_reduce_sum(engine, x),
+        device=engine.device,
+    ))  # fmt: skip
 
 
 def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -205,14 +158,10 @@ def _update_policy(
     num_router_tokens: float,
 ):  # fmt: skip
     num_tokens, num_seqs = counts
-    aux_coef = moe_aux_coef(engine.algorithm, engine.model_cfg)
+    aux_coef = moe_aux_coef(engine.algorithm.config, engine.model_cfg)
     for mb in mbs:
         logprobs, entropy, hidden = forward_logprobs(engine.policy, mb)
-        loss, metrics = compute_policy_loss(
-            logprobs, mb.advantages, mb.loss_mask, engine.algorithm,
-            old_logprobs=mb.extra.get("old_logprobs"), ref_logprobs=mb.extra.get("ref_logprobs"),
-            rollout_logprobs=mb.rollout_logprobs, entropies=entropy, num_tokens=num_tokens, num_seqs=num_seqs,
-        )  # fmt: skip
+        loss, metrics = engine.algorithm.policy_loss(mb, logprobs, entropy, num_tokens, num_seqs)
         loss, metrics = add_router_aux_loss(loss, metrics, engine.policy, mb, aux_coef, num_router_tokens)
         # The zero term keeps the graph connected for empty micro-batches, so every rank runs the same backward.
         (loss + 0.0 * hidden.sum()).backward()
@@ -223,15 +172,12 @@ def _update_critic(
     engine: TrainEngine, mbs: list[MicroBatch], counts: tuple[float, float], acc: MetricsAccumulator,
     num_router_tokens: float,
 ):  # fmt: skip
-    assert engine.critic is not None and isinstance(engine.algorithm, PPOConfig)
+    assert engine.critic is not None
     num_tokens, num_seqs = counts
-    aux_coef = moe_aux_coef(engine.algorithm, engine.model_cfg)
+    aux_coef = moe_aux_coef(engine.algorithm.config, engine.model_cfg)
     for mb in mbs:
         values = _critic_values(engine, mb)
-        loss, metrics = compute_value_loss(
-            mb.scatter(values), mb.extra["values"], mb.extra["returns"], mb.loss_mask, engine.algorithm,
-            num_tokens=num_tokens, num_seqs=num_seqs,
-        )  # fmt: skip
+        loss, metrics = engine.algorithm.value_loss(mb, mb.scatter(values), num_tokens, num_seqs)
         # An MoE critic's routers get the same load-balancing term as the policy's (``critic/loss/moe_aux``).
         loss, metrics = add_router_aux_loss(
             loss, {**metrics, "loss": metrics["value_loss"]}, engine.critic, mb, aux_coef, num_router_tokens
@@ -241,7 +187,7 @@ def _update_critic(
 
 
 def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
-    """One GRPO/PPO update on ``batch`` (every rank passes the same batch); returns the step's metrics.
+    """One update of ``engine.algorithm`` on ``batch`` (every rank passes the same batch); returns the step's metrics.
 
     Metrics (identical on every rank): ``loss`` and its parts (``policy_loss``, ``kl_loss``, MoE only: ``loss/moe_aux``,
     the unweighted router load-balancing term, see ``trainer.rl.router_aux``; mean per optimizer step),
@@ -249,8 +195,8 @@ def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
     ``is_frac_capped``, ``logprob_gap`` = mean |trainer - rollout| log-prob), extremes (``ratio_min/max``,
     ``is_ratio_max``), ``grad_norm`` (mean over optimizer steps, before clipping) and ``grad_norm_max``, ``lr``,
     ``step_s``, ``tokens_per_s`` (prompt + completion tokens of the batch x epochs per second, all ranks),
-    ``reward_mean``, ``num_tokens`` (completion tokens), ``num_samples``, ``step``, ``policy_version``; with PPO also
-    ``critic/value_loss``, ``critic/value_error``, ``critic/value_mean``, ``critic/value_clip_frac``,
+    ``reward_mean``, ``num_tokens`` (completion tokens), ``num_samples``, ``step``, ``policy_version``; with a critic
+    (PPO) also ``critic/value_loss``, ``critic/value_error``, ``critic/value_mean``, ``critic/value_clip_frac``,
     ``critic/grad_norm``, and ``critic/loss`` (the value loss plus, MoE only, the critic routers' weighted
     ``critic/loss/moe_aux``).
     """
@@ -262,10 +208,7 @@ def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
     plans = [plan_rank_micro_batches(engine, samples, idx) for idx in minis]
     need_old = cfg.num_epochs * cfg.num_minibatches > 1
     _rollout_side_pass(engine, plans, need_old)
-    if isinstance(engine.algorithm, PPOConfig):
-        _gae_advantages(engine, samples, plans)
-    else:
-        _group_advantages(engine, samples, plans)
+    _compute_advantages(engine, samples, plans)
 
     acc, critic_acc = MetricsAccumulator(), MetricsAccumulator()
     grad_norms, critic_norms = [], []
@@ -319,7 +262,7 @@ def sft_step(engine: TrainEngine, samples: Sequence[Sample], lr: float | None = 
     start = time.perf_counter()
     mbs = plan_rank_micro_batches(engine, samples, range(len(samples)))
     num_tokens, _ = _mini_counts(samples, range(len(samples)))
-    aux_coef = moe_aux_coef(engine.algorithm, engine.model_cfg)
+    aux_coef = moe_aux_coef(engine.algorithm.config, engine.model_cfg)
     num_router_tokens = count_router_tokens(samples, range(len(samples)))
     acc = MetricsAccumulator()
     for mb in mbs:

@@ -3,6 +3,7 @@ on-policy exactness, micro-batching invariance, PPO with a critic, SFT warm star
 
 from __future__ import annotations
 
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -149,6 +150,20 @@ def test_ppo_step_trains_the_critic() -> None:
     errors += [rl_step(engine, RolloutBatch(samples))["critic/value_error"] for _ in range(4)]
     assert errors[-1] < errors[0]
     assert all(np.isfinite(v) for v in first.values())
+
+
+def test_ppo_step_with_a_micro_batch_without_completion_tokens() -> None:
+    """Regression: GAE crashed on a micro-batch without completion tokens ([S, 0]: the empty fillers that even out
+    micro-batch counts on several ranks, or here an empty completion packed alone)."""
+    from trainer.step import rl_step
+
+    samples = _samples(seed=8)
+    samples[5] = replace(samples[5], completion_ids=samples[5].completion_ids[:0],
+                         rollout_logprobs=samples[5].rollout_logprobs[:0])  # fmt: skip
+    engine = _engine(PPOConfig(kl=KLConfig(coef=0.05, where="reward")), micro_batch_tokens=1)  # one sample each
+    metrics = rl_step(engine, RolloutBatch(samples))
+    assert metrics["num_tokens"] == sum(len(s.completion_ids) for s in samples)
+    assert all(np.isfinite(v) for v in metrics.values())
 
 
 def test_sft_step_lowers_nll() -> None:

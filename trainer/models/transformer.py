@@ -161,36 +161,34 @@ class Transformer(nn.Module):
             raise RuntimeError("moe_aux_loss() called before any forward")
         return torch.stack(losses).mean()
 
-    def tensor_parallel_plan(self) -> dict[str, object]:
-        """Per-block plan for ``parallelize_module(block, tp_mesh, plan)``: Megatron-style column/row splits.
+    def tensor_parallel_plan(self, degree: int) -> dict[str, object]:
+        """Per-block plan for ``parallelize_module(block, tp_mesh, plan)`` over ``degree`` ranks: Megatron-style
+        column/row splits, so each block needs one all-reduce after attention and one after the feed-forward.
 
-        q/k/v and w1/w3 are split by output rows (heads / hidden units), o and w2 by input columns; q/k norms
-        are replicated DTensors over the local heads; other norms, the MoE router and experts stay plain replicas.
-        Needs ``num_heads`` and ``num_kv_heads`` divisible by the TP degree.
-        Sharded pieces keep the HF layout, so :func:`trainer.models.hf_io.hf_shards` maps them unchanged.
+        q/k/v and w1/w3 are split by output rows (heads / hidden units), o and w2 by input columns. Norms stay plain
+        replicas; the q/k norms (Qwen 3) then see only this rank's heads, so their weight gradients are partial sums
+        that :func:`trainer.parallelize.sync_tensor_parallel_partial_grads` adds up after backward. Sharded pieces keep
+        the HF layout, so :func:`trainer.models.hf_io.hf_shards` maps them unchanged.
+
+        Raises ``ValueError`` for MoE blocks (experts are not split) and when ``degree`` does not divide
+        ``num_heads`` and ``num_kv_heads``.
         """
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-        plan: dict[str, object] = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(),
-        }
-        if self.cfg.qk_norm:
-            # The norms see [B, T, local heads, Dh]: declare dim 2 sharded so their (replicated) weight gradients
-            # are summed over the TP group.
-            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        if self.cfg.moe is None:
-            plan.update(
-                {
-                    "feed_forward.w1": ColwiseParallel(),
-                    "feed_forward.w3": ColwiseParallel(),
-                    "feed_forward.w2": RowwiseParallel(),
-                }
+        if self.cfg.moe is not None:
+            raise ValueError(
+                "tensor parallelism supports dense blocks only (MoE experts are not split); "
+                "set parallelism.tensor_parallel_degree = 1"
             )
-        return plan
+        heads = (self.cfg.num_heads, self.cfg.num_kv_heads)
+        if any(n % degree for n in heads):
+            raise ValueError(f"tensor_parallel_degree {degree} must divide num_heads and num_kv_heads {heads}")
+        return {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        }  # fmt: skip
 
     @torch.no_grad()
     def init_weights(self, std: float = _INIT_STD) -> None:

@@ -1,7 +1,10 @@
-"""RL math of the policy update, one idea per module, pure functions on ``[B, T]`` tensors with a completion mask.
+"""RL math of the policy update: the algorithms, and the pure functions on ``[B, T]`` tensors with a completion mask
+that they compose.
 
-``config`` (the algorithm's typed config, no torch), ``advantages`` (GRPO/RLOO/GAE), ``policy_loss`` (PPO clip, DAPO
-clip-higher, GSPO), ``kl`` (k1/k2/k3), ``entropy``, ``value_loss``, ``importance`` (truncated IS against the rollout
-engine), ``sft``, ``aggregation`` (token/sequence means), and ``loss``, which composes them for one micro-batch;
+``algorithms`` holds one object per ``[algorithm] type`` (GRPO, PPO: whether a critic is trained, how advantages are
+computed, the losses) and the registry; adding an algorithm starts there. ``config`` (the algorithm's typed config,
+no torch), ``advantages`` (GRPO/RLOO/GAE, whitening), ``policy_loss`` (PPO clip, DAPO clip-higher, GSPO), ``kl``
+(k1/k2/k3), ``entropy``, ``value_loss``, ``importance`` (truncated IS against the rollout engine), ``sft``,
+``aggregation`` (token/sequence means), and ``loss``, which composes the policy loss of one micro-batch;
 ``router_aux`` adds the MoE router load-balancing term to it.
 """

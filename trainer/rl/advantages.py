@@ -1,25 +1,29 @@
 """Advantage estimators: group-relative (GRPO, RLOO) from scalar rewards, and GAE (PPO) from a critic's values.
 
 Group estimators take rewards shaped ``[num_groups, group_size]`` (the samples of one prompt in one row) and return
-one advantage per completion; :func:`expand_to_tokens` spreads them over the completion's tokens. GAE works per token on
-``[B, T]`` tensors with a completion mask, so variable lengths and masked holes (e.g. tool output) are handled.
+one advantage per completion; :func:`compute_group_advantages` applies the configured one to a batch's per-sample
+rewards and group ids, and :func:`expand_to_tokens` spreads the result over each completion's tokens. GAE works per
+token on ``[B, T]`` tensors with a completion mask, so variable lengths and masked holes (e.g. tool output) are
+handled; :func:`whiten` normalises advantages with moments that may be summed over micro-batches and ranks first
+(:func:`whitening_moments`). The algorithms in ``trainer.rl.algorithms`` compose these.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from trainer.rl.config import GRPOConfig, PPOConfig
-from trainer.rl.kl import kl_penalized_sequence_rewards, kl_penalized_token_rewards
+from trainer.rl.config import GRPOConfig
 
 __all__ = [
-    "compute_advantages",
     "compute_group_advantages",
     "expand_to_tokens",
     "gae_advantages",
     "grpo_advantages",
     "rloo_advantages",
     "whiten",
+    "whitening_moments",
 ]
 
 
@@ -48,11 +52,26 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - others_mean
 
 
-def compute_group_advantages(rewards: torch.Tensor, config: GRPOConfig) -> torch.Tensor:
-    """Advantages of ``rewards`` [N, K] by ``config.advantage_estimator``; returns [N, K]."""
-    if config.advantage_estimator == "rloo":
-        return rloo_advantages(rewards)
-    return grpo_advantages(rewards, scale_by_std=config.scale_advantages_by_std, eps=config.advantage_eps)
+def compute_group_advantages(rewards: torch.Tensor, group_ids: Sequence[int], config: GRPOConfig) -> torch.Tensor:
+    """Per-sample advantages by ``config.advantage_estimator``, each sample compared with the others of its group.
+
+    rewards: [B] (float64 in the step); ``group_ids[i]`` is sample i's group. The samples of a group need not be
+    adjacent, and groups may differ in size (each needs at least 2). Returns [B] in ``rewards``' dtype.
+    """
+    if len(group_ids) != rewards.shape[0]:
+        raise ValueError(f"{len(group_ids)} group ids for {rewards.shape[0]} rewards")
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        members.setdefault(g, []).append(i)
+    advantages = torch.zeros_like(rewards)
+    for indices in members.values():
+        idx = torch.tensor(indices, device=rewards.device)
+        group = rewards[idx][None, :]  # [1, K]
+        if config.advantage_estimator == "rloo":
+            advantages[idx] = rloo_advantages(group)[0]
+        else:
+            advantages[idx] = grpo_advantages(group, config.scale_advantages_by_std, config.advantage_eps)[0]
+    return advantages
 
 
 def expand_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -74,11 +93,12 @@ def gae_advantages(
 
     Returns:
         (advantages, returns), both [B, T] and 0 off-mask; ``returns = advantages + values`` are the critic's targets.
+        ``T = 0`` (a micro-batch without completion tokens) gives empty tensors.
     """
     mask = mask.to(values.dtype)
     rewards, values = rewards.detach(), values.detach()
-    next_value = torch.zeros_like(values[:, 0])  # [B]
-    next_adv = torch.zeros_like(values[:, 0])  # [B]
+    next_value = values.new_zeros(values.shape[0])  # [B]
+    next_adv = values.new_zeros(values.shape[0])  # [B]
     advantages = torch.zeros_like(values)
     for t in reversed(range(values.shape[1])):
         m = mask[:, t]
@@ -91,56 +111,25 @@ def gae_advantages(
     return advantages, returns
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Shift and scale ``x`` to mean 0 and std 1 (unbiased) over the masked positions; 0 off-mask. Any shape."""
-    mask = mask.to(x.dtype)
-    n = mask.sum()
-    if n < 2:
-        raise ValueError(f"whitening needs at least 2 masked-in values, got {int(n)}")
-    mean = (x * mask).sum() / n
-    var = (((x - mean) * mask) ** 2).sum() / (n - 1)
-    return (x - mean) * torch.rsqrt(var + eps) * mask
+def whitening_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[count, sum, sum of squares]`` (float64) of ``x`` over the masked positions; any shape.
 
-
-def compute_advantages(
-    scores: torch.Tensor,
-    mask: torch.Tensor,
-    config: GRPOConfig | PPOConfig,
-    *,
-    kl: torch.Tensor | None = None,
-    values: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token advantages of a whole rollout batch, as the algorithm config says.
-
-    Args:
-        scores: [B] sequence rewards; for GRPO the B samples are ordered group by group (B = num_groups * group_size).
-        mask: [B, T] 1 for completion tokens.
-        config: GRPO (group advantages spread over tokens) or PPO (GAE from ``values``, optionally whitened).
-        kl: [B, T] per-token KL estimates to the reference; required when ``config.kl.where == 'reward'`` and
-            ``config.kl.coef > 0``, ignored otherwise.
-        values: [B, T] critic values at rollout time; required by PPO.
-
-    Returns:
-        (advantages [B, T], returns [B, T] for PPO's critic or None for GRPO), 0 off-mask.
+    Moments add up: sum them over micro-batches (and ranks) and pass the total to :func:`whiten`.
     """
-    kl_in_reward = config.kl.coef > 0 and config.kl.where == "reward"
-    if kl_in_reward and kl is None:
-        raise ValueError("algorithm.kl.where = 'reward' with coef > 0 needs the per-token KL to the reference")
-    if isinstance(config, GRPOConfig):
-        if scores.shape[0] % config.group_size != 0:
-            raise ValueError(
-                f"{scores.shape[0]} samples do not split into groups of group_size = {config.group_size}; "
-                "pass whole groups, ordered group by group"
-            )
-        if kl_in_reward:
-            scores = kl_penalized_sequence_rewards(scores, kl, mask, config.kl.coef)
-        grouped = compute_group_advantages(scores.reshape(-1, config.group_size), config)
-        return expand_to_tokens(grouped.reshape(-1), mask), None
-    if values is None:
-        raise ValueError("PPO advantages (GAE) need the critic's per-token values")
-    kl_term = kl if kl_in_reward else torch.zeros_like(values)
-    rewards = kl_penalized_token_rewards(scores, kl_term, mask, config.kl.coef)
-    advantages, returns = gae_advantages(rewards, values, mask, config.gamma, config.lam)
-    if config.whiten_advantages:
-        advantages = whiten(advantages, mask)
-    return advantages, returns
+    a = (x * mask).double()
+    return torch.stack([mask.sum().double(), a.sum(), a.square().sum()])
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean) / (std + eps)`` on the masked positions, 0 off-mask; any shape.
+
+    ``moments``: :func:`whitening_moments` of the whole population ``x`` belongs to (e.g. summed over every
+    micro-batch of every rank); default: those of ``x`` alone. The std is unbiased. Raises ``ValueError`` for fewer
+    than 2 values.
+    """
+    n, total, sq = (whitening_moments(x, mask) if moments is None else moments).tolist()
+    if n < 2:
+        raise ValueError(f"whitening needs at least 2 masked-in values (completion tokens), got {int(n)}")
+    mean = total / n
+    std = max((sq - n * mean * mean) / (n - 1), 0.0) ** 0.5
+    return (x - mean) / (std + eps) * mask

@@ -1,13 +1,14 @@
 """Configuration of the RL algorithm: what the policy update computes (advantages, policy loss, KL, entropy, IS).
 
-``AlgorithmConfig`` is a tagged union on ``type``: ``[algorithm] type = "grpo"`` or ``"ppo"``. How the update is run
+``AlgorithmConfig`` is a tagged union on ``type``: ``[algorithm] type = "grpo"`` or ``"ppo"``; each type's update
+(advantages, losses, whether it trains a critic) is an object in ``trainer.rl.algorithms``. How the update is run
 (devices, optimizer, micro-batches, epochs, the critic's learning rate) lives in ``trainer.config.TrainerConfig``.
 No torch import here, so recipes validate instantly.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 import pydantic
 
@@ -21,6 +22,7 @@ __all__ = [
     "KLEstimator",
     "LossAggregation",
     "PPOConfig",
+    "PolicyConfig",
     "RatioLevel",
 ]
 
@@ -49,6 +51,16 @@ class KLConfig(Config):
         """Whether the trainer must load and run a frozen reference model."""
         return self.coef > 0
 
+    @property
+    def in_loss(self) -> bool:
+        """Whether ``coef * KL`` is a term of the policy loss."""
+        return self.coef > 0 and self.where == "loss"
+
+    @property
+    def in_reward(self) -> bool:
+        """Whether the KL is subtracted from the reward before advantages."""
+        return self.coef > 0 and self.where == "reward"
+
 
 class ImportanceSamplingConfig(Config):
     """Truncated importance sampling for the gap between the rollout engine's log-probs and the trainer's.
@@ -65,9 +77,13 @@ class ImportanceSamplingConfig(Config):
     """Upper bound on a weight (C in the paper); larger reduces bias, smaller reduces variance."""
 
 
-class _PolicyConfig(Config):
-    """Fields shared by GRPO and PPO: the clipped policy loss and its extra terms."""
+class PolicyConfig(Config):
+    """Fields shared by every algorithm (the base of GRPO's and PPO's configs): the clipped policy loss and its extra
+    terms."""
 
+    group_relative: ClassVar[bool] = False
+    """Whether advantages compare the samples of one group with each other (GRPO and its variants): a step then
+    needs at least 2 samples, and a group of equal rewards carries no signal (dynamic sampling may drop it)."""
     group_size: int = pydantic.Field(default=1, ge=1)
     """Completions sampled per prompt (rollout ``n``); samples of one prompt form one group."""
     clip_low: float = pydantic.Field(default=0.2, gt=0, lt=1)
@@ -97,7 +113,7 @@ class _PolicyConfig(Config):
     ``router_aux_loss_coef``), 0 turns the term off. Dense models have no router: the setting does not apply."""
 
     @pydantic.model_validator(mode="after")
-    def _check_policy(self) -> _PolicyConfig:
+    def _check_policy(self) -> PolicyConfig:
         if self.loss_aggregation == "token_sum_norm" and self.loss_norm_length is None:
             raise ValueError(
                 "loss_aggregation = 'token_sum_norm' divides by a constant length; set loss_norm_length "
@@ -115,11 +131,12 @@ class _PolicyConfig(Config):
         return self
 
 
-class GRPOConfig(_PolicyConfig):
+class GRPOConfig(PolicyConfig):
     """GRPO and its variants (DAPO, Dr. GRPO, GSPO, RLOO): critic-free, advantages from rewards within a group."""
 
     type: Literal["grpo"] = "grpo"
     """Selects this algorithm in a recipe."""
+    group_relative: ClassVar[bool] = True
     group_size: int = 8
     """Completions sampled per prompt; advantages compare the samples of one prompt, so at least 2."""
     advantage_estimator: Literal["grpo", "rloo"] = "grpo"
@@ -150,7 +167,7 @@ class GRPOConfig(_PolicyConfig):
         return self
 
 
-class PPOConfig(_PolicyConfig):
+class PPOConfig(PolicyConfig):
     """PPO with a learned critic: per-token advantages from GAE, a clipped value loss for the critic."""
 
     type: Literal["ppo"] = "ppo"

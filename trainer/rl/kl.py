@@ -8,19 +8,18 @@ With ``r = log pi_ref(y_t) - log pi(y_t)`` on a token sampled from pi (J. Schulm
 - ``k3 = exp(r) - 1 - r``: unbiased value, non-negative, low variance; as a loss (GRPO's choice) its expected
   gradient is that of the forward KL(ref || pi).
 
-All three are exactly 0 where policy and reference agree. Use the estimate either as a loss term
-(:func:`kl_loss`) or folded into the reward before advantages (:func:`kl_penalized_token_rewards` for GAE,
-:func:`kl_penalized_sequence_rewards` for group advantages); in the reward it must be detached, which these do.
+All three are exactly 0 where policy and reference agree. The estimate is used either as a loss term (aggregated
+like the policy loss, ``trainer.rl.loss``) or folded into the reward before advantages, detached: per token for GAE
+(:func:`kl_penalized_token_rewards`), summed over the completion for group advantages (``trainer.rl.algorithms.grpo``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from trainer.rl.aggregation import aggregate
-from trainer.rl.config import KLEstimator, LossAggregation
+from trainer.rl.config import KLEstimator
 
-__all__ = ["kl_estimate", "kl_loss", "kl_penalized_sequence_rewards", "kl_penalized_token_rewards"]
+__all__ = ["kl_estimate", "kl_penalized_token_rewards"]
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
@@ -35,21 +34,6 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: K
     raise ValueError(f"unknown KL estimator {estimator!r}; use 'k1', 'k2' or 'k3'")
 
 
-def kl_loss(
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    estimator: KLEstimator,
-    aggregation: LossAggregation = "token_mean",
-    **aggregate_kwargs: float | int | None,
-) -> torch.Tensor:
-    """KL as a loss term: the aggregated per-token estimate (differentiable in ``logprobs``). Shapes [B, T]; 0-dim out.
-
-    ``aggregate_kwargs`` (norm_length, num_tokens, num_seqs) go to :func:`trainer.rl.aggregation.aggregate`.
-    """
-    return aggregate(kl_estimate(logprobs, ref_logprobs, estimator), mask, aggregation, **aggregate_kwargs)
-
-
 def kl_penalized_token_rewards(
     scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, coef: float
 ) -> torch.Tensor:
@@ -59,19 +43,11 @@ def kl_penalized_token_rewards(
     """
     mask = mask.to(kl.dtype)
     rewards = -coef * kl.detach() * mask
+    if mask.shape[1] == 0:  # no completion tokens in the micro-batch: nothing to put the score on
+        return rewards
     positions = torch.arange(mask.shape[1], device=mask.device)
     last = (mask * (positions + 1)).argmax(dim=-1)  # [B] index of the last completion token
     has_tokens = mask.sum(dim=-1) > 0
     rows = torch.arange(mask.shape[0], device=mask.device)
     rewards[rows, last] += torch.where(has_tokens, scores.to(rewards.dtype), torch.zeros_like(rewards[:, 0]))
     return rewards
-
-
-def kl_penalized_sequence_rewards(
-    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, coef: float
-) -> torch.Tensor:
-    """Sequence rewards for group advantages: ``score - coef * sum_t kl_t`` over the completion.
-
-    scores: [B]; kl, mask: [B, T]. Returns [B] (detached).
-    """
-    return scores - coef * (kl.detach() * mask.to(kl.dtype)).sum(dim=-1)

@@ -1,10 +1,11 @@
-"""The loss of one micro-batch: clipped policy loss, KL to the reference, entropy bonus and IS correction, by config.
+"""The policy loss of one micro-batch: clipped policy loss, KL to the reference, entropy bonus and IS correction.
 
-Typical use inside a train step (``old_logprobs=None`` means the batch is used once, right after it was generated, so
-the trainer's own detached log-probs are the old ones)::
+What every algorithm of ``trainer.rl.algorithms`` minimises for the policy (``Algorithm.policy_loss``). Typical use
+(``old_logprobs=None`` means the batch is used once, right after it was generated, so the trainer's own detached
+log-probs are the old ones)::
 
     loss, metrics = compute_policy_loss(
-        logprobs, advantages, mask, config.algorithm,
+        logprobs, advantages, mask, algorithm_config,
         rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropies=entropies,
         num_tokens=batch_tokens, num_seqs=batch_seqs,  # whole optimizer batch, for exact gradient accumulation
     )
@@ -19,21 +20,20 @@ from __future__ import annotations
 import torch
 
 from trainer.rl.aggregation import aggregate, masked_mean
-from trainer.rl.config import GRPOConfig, PPOConfig
+from trainer.rl.config import PolicyConfig
 from trainer.rl.entropy import entropy_bonus
 from trainer.rl.importance import truncated_importance_weights
 from trainer.rl.kl import kl_estimate
 from trainer.rl.policy_loss import clipped_policy_loss
-from trainer.rl.value_loss import clipped_value_loss
 
-__all__ = ["compute_policy_loss", "compute_value_loss"]
+__all__ = ["compute_policy_loss"]
 
 
 def compute_policy_loss(
     logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    config: GRPOConfig | PPOConfig,
+    config: PolicyConfig,
     *,
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
@@ -86,13 +86,12 @@ def compute_policy_loss(
     metrics["policy_loss"] = loss.item()
     metrics.update(pg_metrics)
 
-    kl_in_loss = config.kl.coef > 0 and config.kl.where == "loss"
-    if kl_in_loss and ref_logprobs is None:
+    if config.kl.in_loss and ref_logprobs is None:
         raise ValueError("algorithm.kl.coef > 0 with where = 'loss' needs ref_logprobs from the reference model")
     if ref_logprobs is not None:
         kl = kl_estimate(logprobs, ref_logprobs, config.kl.estimator)  # [B, T]
         metrics["kl"] = masked_mean(kl.detach(), mask).item()
-        if kl_in_loss:
+        if config.kl.in_loss:
             kl_loss = aggregate(kl, mask, config.loss_aggregation, **agg)
             metrics["kl_loss"] = kl_loss.item()
             loss = loss + config.kl.coef * kl_loss
@@ -105,25 +104,4 @@ def compute_policy_loss(
             loss = loss - entropy_bonus(entropies, mask, config.entropy_coef, config.loss_aggregation, **agg)
 
     metrics["loss"] = loss.item()
-    return loss, metrics
-
-
-def compute_value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    mask: torch.Tensor,
-    config: PPOConfig,
-    *,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO critic loss ``vf_coef * clipped_value_loss``, aggregated like the policy loss. Shapes [B, T]; see
-    :func:`trainer.rl.value_loss.clipped_value_loss` for the metrics (plus ``value_loss``, the scaled loss)."""
-    loss, metrics = clipped_value_loss(
-        values, old_values, returns, mask, config.value_clip, config.loss_aggregation,
-        norm_length=config.loss_norm_length, num_tokens=num_tokens, num_seqs=num_seqs,
-    )  # fmt: skip
-    loss = config.vf_coef * loss
-    metrics["value_loss"] = loss.item()
     return loss, metrics

@@ -6,7 +6,7 @@ pile onto the same experts). Gradient accumulation: each micro-batch enters with
 batch's tokens`` (all ranks), so the accumulated gradient is that of the token-weighted mean over micro-batches, the
 same on 1 or N ranks. Use inside a step, after ``compute_policy_loss``::
 
-    coef = moe_aux_coef(engine.algorithm, engine.model_cfg)       # None: dense model, nothing to add
+    coef = moe_aux_coef(engine.algorithm.config, engine.model_cfg)  # None: dense model, nothing to add
     num_tokens = count_router_tokens(samples, minibatch_indices)  # once per optimizer batch
     loss, metrics = add_router_aux_loss(loss, metrics, model, mb, coef, num_tokens)
 
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from trainer.models.moe import router_aux_loss
-from trainer.rl.config import GRPOConfig, PPOConfig
+from trainer.rl.config import PolicyConfig
 
 if TYPE_CHECKING:
     from rollout.types import Sample
@@ -34,7 +34,7 @@ __all__ = ["METRIC", "add_router_aux_loss", "count_router_tokens", "moe_aux_coef
 METRIC = "loss/moe_aux"
 
 
-def moe_aux_coef(algorithm: GRPOConfig | PPOConfig, model_cfg: ModelConfig) -> float | None:
+def moe_aux_coef(algorithm: PolicyConfig, model_cfg: ModelConfig) -> float | None:
     """The weight of the term: the algorithm's override, else the model's own; None for a dense model."""
     if model_cfg.moe is None:
         return None

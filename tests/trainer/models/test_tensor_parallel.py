@@ -1,4 +1,6 @@
-"""Tensor parallel (2 gloo ranks, spawned): the model's tensor_parallel_plan gives the single-process results."""
+"""Tensor parallel as production runs it (2 gloo ranks, spawned): ``parallelize_model`` with the model's
+``tensor_parallel_plan``, then ``sync_tensor_parallel_partial_grads``, gives the single-process results and gradients;
+the plan refuses what it cannot split. FSDP x TP steps: ``tests/trainer/test_fsdp_parity.py``."""
 
 from __future__ import annotations
 
@@ -9,6 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from trainer.critic import Critic
+from trainer.models.config import ModelConfig
+from trainer.models.transformer import build_model
 
 CFG_KW = dict(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, ffn_hidden_dim=48,
               qk_norm=True, output_chunk_size=7)  # fmt: skip
@@ -21,24 +27,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, family: str, out: dict) -> None:
+def _worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from trainer.models.config import ModelConfig
+        from trainer.config import TrainerConfig
         from trainer.models.hf_io import hf_shards, hf_state_dict
-        from trainer.models.transformer import build_model
+        from trainer.parallelize import build_mesh, parallelize_model, sync_tensor_parallel_partial_grads
 
-        cfg = ModelConfig(family=family, **CFG_KW, **({"moe": MOE} if family == "qwen3_moe" else {}))
+        cfg = ModelConfig(family="qwen3", **CFG_KW)
+        trainer_cfg = TrainerConfig(num_ranks=2, parallelism={"tensor_parallel_degree": 2, "fsdp": False})
         torch.manual_seed(0)
         plain = build_model(cfg)
-        model = copy.deepcopy(plain)
-        mesh = init_device_mesh("cpu", (2,))
-        for block in model.layers:
-            parallelize_module(block, mesh, model.tensor_parallel_plan())
+        mesh = build_mesh(trainer_cfg, "cpu")
+        model = parallelize_model(copy.deepcopy(plain), mesh, trainer_cfg)
         tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
         # Only some positions feed the head: the last block's trimmed path runs under TP too.
         keep = torch.tensor([0, 3, 4, 8, 9, 17])
@@ -48,10 +50,12 @@ def _worker(rank: int, port: int, family: str, out: dict) -> None:
             lp, ent = m.token_logprobs(m(tokens, output_positions=keep), targets)
             (lp.mean() + ent.mean()).backward()
             results.append(lp.detach())
+        sync_tensor_parallel_partial_grads(model, mesh)
         assert (results[0] - results[1]).abs().max() < 1e-5
         full = dict(hf_state_dict(plain))
         plain_params = dict(plain.named_parameters())
         for name, p in model.named_parameters():
+            # Replicated parameters (the q/k norms among them) must hold the whole gradient on every rank.
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             assert (grad - plain_params[name].grad).abs().max() < 1e-5, name
             if hasattr(p, "to_local"):
@@ -61,15 +65,13 @@ def _worker(rank: int, port: int, family: str, out: dict) -> None:
                 for hf_name, piece, _, offs in hf_shards(cfg, name, p.to_local(), tuple(p.shape), tuple(offsets)):
                     index = tuple(slice(o, o + s) for o, s in zip(offs, piece.shape))
                     assert torch.equal(full[hf_name][index], piece), hf_name
-        out[rank] = "ok"
     finally:
         dist.destroy_process_group()
 
 
-def _run(rank: int, port: int, family: str, queue) -> None:
-    out: dict = {}
+def _run(rank: int, port: int, queue) -> None:
     try:
-        _worker(rank, port, family, out)
+        _worker(rank, port)
         queue.put((rank, "ok"))
     except BaseException as e:  # process boundary: report to the parent
         queue.put((rank, repr(e)))
@@ -77,9 +79,22 @@ def _run(rank: int, port: int, family: str, queue) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
-def test_tensor_parallel_plan_matches_single_process(family):
+def test_tensor_parallel_matches_single_process():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_run, args=(_free_port(), family, queue), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(_run, args=(_free_port(), queue), nprocs=2, start_method="spawn", join=True)
     assert sorted(queue.get(timeout=5) for _ in range(2)) == [(0, "ok"), (1, "ok")]
+
+
+def test_plan_splits_dense_blocks_and_refuses_moe_and_uneven_heads():
+    dense = build_model(ModelConfig(family="qwen3", **CFG_KW))
+    plan = dense.tensor_parallel_plan(2)
+    assert set(plan) == {f"attention.{w}" for w in ("wq", "wk", "wv", "wo")} | {
+        f"feed_forward.{w}" for w in ("w1", "w2", "w3")
+    }
+    assert Critic(dense, CFG_KW["dim"]).tensor_parallel_plan(2).keys() == plan.keys()
+    with pytest.raises(ValueError, match="must divide num_heads and num_kv_heads"):
+        dense.tensor_parallel_plan(4)  # 2 kv heads
+    moe = build_model(ModelConfig(family="qwen3_moe", **CFG_KW, moe=MOE))
+    with pytest.raises(ValueError, match="dense blocks only"):
+        moe.tensor_parallel_plan(2)

@@ -1,4 +1,7 @@
-"""Advantage estimators on hand-computed cases; GAE also against a plain-Python loop and the Monte-Carlo identity."""
+"""Advantage estimators on hand-computed cases; GAE also against a plain-Python loop and the Monte-Carlo identity.
+
+These are the functions the step runs (through ``trainer.rl.algorithms``; ``test_rl_algorithms`` tests that wiring).
+"""
 
 import math
 import random
@@ -7,14 +10,15 @@ import pytest
 import torch
 
 from trainer.rl.advantages import (
-    compute_advantages,
+    compute_group_advantages,
     expand_to_tokens,
     gae_advantages,
     grpo_advantages,
     rloo_advantages,
     whiten,
+    whitening_moments,
 )
-from trainer.rl.config import GRPOConfig, KLConfig, PPOConfig
+from trainer.rl.config import GRPOConfig
 
 
 def test_grpo_with_std_scaling():
@@ -44,6 +48,22 @@ def test_group_of_one_is_rejected():
         grpo_advantages(torch.ones(3, 1))
     with pytest.raises(ValueError, match="at least 2"):
         rloo_advantages(torch.ones(3, 1))
+
+
+def test_group_advantages_of_a_batch_compare_each_sample_with_its_own_group():
+    # Groups 7 and 3 interleaved and of different sizes: each is normalised on its own.
+    rewards = torch.tensor([1.0, 10.0, 2.0, 13.0, 3.0, 10.0], dtype=torch.float64)
+    group_ids = [7, 3, 7, 3, 7, 3]
+    dr_grpo = GRPOConfig(group_size=3, scale_advantages_by_std=False)
+    adv = compute_group_advantages(rewards, group_ids, dr_grpo)
+    assert adv.dtype == torch.float64
+    torch.testing.assert_close(adv, torch.tensor([-1.0, -1.0, 0.0, 2.0, 1.0, -1.0], dtype=torch.float64))
+    rloo = GRPOConfig(group_size=3, advantage_estimator="rloo", scale_advantages_by_std=False)
+    torch.testing.assert_close(compute_group_advantages(rewards, group_ids, rloo), 1.5 * adv)
+    grpo = compute_group_advantages(rewards[[0, 2, 4]], [7, 7, 7], GRPOConfig(group_size=3))
+    torch.testing.assert_close(grpo, torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64) / (1 + 1e-6))  # std 1
+    with pytest.raises(ValueError, match="at least 2"):
+        compute_group_advantages(rewards[:3], [0, 0, 1], dr_grpo)
 
 
 def test_expand_to_tokens():
@@ -100,44 +120,29 @@ def test_gae_with_gamma_and_lambda_one_is_reward_to_go_minus_value():
     torch.testing.assert_close(adv, torch.tensor([[1.2, 0.9, 2.2, 0.0]]))
 
 
+def test_gae_of_a_micro_batch_without_completion_tokens_is_empty():
+    """Regression: the empty filler micro-batches of a multi-rank PPO step ([S, 0]) crashed GAE."""
+    adv, ret = gae_advantages(torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0), gamma=1.0, lam=0.95)
+    assert adv.shape == ret.shape == (2, 0)
+
+
 def test_whiten():
     out = whiten(torch.tensor([1.0, 2.0, 3.0, 100.0]), torch.tensor([1, 1, 1, 0]), eps=0.0)
     torch.testing.assert_close(out, torch.tensor([-1.0, 0.0, 1.0, 0.0]))
+    with pytest.raises(ValueError, match="at least 2"):
+        whiten(torch.tensor([1.0, 2.0]), torch.tensor([1, 0]))
 
 
-def test_compute_advantages_grpo_spreads_group_advantages_and_folds_kl_into_the_reward():
-    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]])
-    scores = torch.tensor([1.0, 0.0, 2.0, 4.0])
-    cfg = GRPOConfig(group_size=2, scale_advantages_by_std=False)
-    adv, returns = compute_advantages(scores, mask, cfg)
-    assert returns is None
-    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.5], [-0.5, 0.0], [-1.0, -1.0], [1.0, 1.0]]))
-
-    kl = torch.tensor([[1.0, 1.0], [0.0, 7.0], [0.0, 0.0], [0.0, 2.0]])  # 7.0 is off-mask
-    cfg = GRPOConfig(group_size=2, scale_advantages_by_std=False, kl=KLConfig(coef=0.5, where="reward"))
-    adv, _ = compute_advantages(scores, mask, cfg, kl=kl)  # penalised scores: 0, 0, 2, 3
-    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.0], [0.0, 0.0], [-0.5, -0.5], [0.5, 0.5]]))
-    with pytest.raises(ValueError, match="per-token KL"):
-        compute_advantages(scores, mask, cfg)
-    with pytest.raises(ValueError, match="groups of group_size = 3"):
-        compute_advantages(scores, mask, GRPOConfig(group_size=3))
-
-
-def test_compute_advantages_ppo_runs_gae_on_the_final_score():
-    mask = torch.tensor([[1, 1, 1]])
-    values = torch.tensor([[0.5, 0.6, 0.7]])
-    cfg = PPOConfig(gamma=0.9, lam=0.8, whiten_advantages=False)
-    adv, ret = compute_advantages(torch.tensor([1.0]), mask, cfg, values=values)
-    torch.testing.assert_close(adv, torch.tensor([[0.21712, 0.246, 0.3]]))
-    torch.testing.assert_close(ret, torch.tensor([[0.71712, 0.846, 1.0]]))
-    with pytest.raises(ValueError, match="values"):
-        compute_advantages(torch.tensor([1.0]), mask, cfg)
-
-
-def test_compute_advantages_ppo_with_kl_in_the_reward():
-    # gamma = lam = 1 and zero values: advantages are rewards-to-go of [-0.1, -0.2 + 1].
-    cfg = PPOConfig(gamma=1.0, lam=1.0, whiten_advantages=False, kl=KLConfig(coef=0.5, where="reward"))
-    adv, ret = compute_advantages(torch.tensor([1.0]), torch.ones(1, 2), cfg, kl=torch.tensor([[0.2, 0.4]]),
-                                  values=torch.zeros(1, 2))  # fmt: skip
-    torch.testing.assert_close(adv, torch.tensor([[0.7, 0.8]]))
-    torch.testing.assert_close(ret, adv)
+def test_whiten_with_moments_summed_over_parts_equals_whitening_the_whole():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 7, generator=g)
+    mask = (torch.rand(5, 7, generator=g) > 0.3).float()
+    parts = [slice(0, 2), slice(2, 5)]  # e.g. two micro-batches (or ranks) of one batch
+    moments = sum((whitening_moments(x[p], mask[p]) for p in parts), start=torch.zeros(3, dtype=torch.float64))
+    whole = whiten(x, mask)
+    for p in parts:
+        torch.testing.assert_close(whiten(x[p], mask[p], moments), whole[p])
+    n = int(mask.sum())
+    on = whole[mask > 0].double()
+    assert on.mean().item() == pytest.approx(0.0, abs=1e-6) and on.std().item() == pytest.approx(1.0, abs=1e-6)
+    assert whitening_moments(x, mask)[0].item() == n and torch.equal(whole[mask == 0], torch.zeros(5 * 7 - n))

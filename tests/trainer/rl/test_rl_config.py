@@ -35,6 +35,14 @@ def test_type_selects_the_algorithm_and_defaults_are_valid():
     assert _load({"type": "grpo", "kl": {"coef": 0.01}}).kl.needs_reference
 
 
+def test_torch_free_facts_for_recipe_checks():
+    assert _load({"type": "grpo"}).group_relative and not _load({"type": "ppo"}).group_relative
+    assert "group_relative" not in GRPOConfig.model_fields  # a fact of the class, not a recipe key
+    in_loss, in_reward = KLConfig(coef=0.1), KLConfig(coef=0.1, where="reward")
+    assert in_loss.in_loss and not in_loss.in_reward and in_reward.in_reward and not in_reward.in_loss
+    assert not KLConfig(where="reward").in_reward  # coef 0: off
+
+
 def test_unknown_type_and_fields_of_the_other_algorithm_are_rejected():
     assert "algorithm" in _error({"type": "reinforce"})
     msg = _error({"type": "grpo", "gamma": 0.9})  # a PPO field

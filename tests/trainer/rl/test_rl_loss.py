@@ -1,4 +1,4 @@
-"""compute_policy_loss / compute_value_loss: the on-policy identity, a hand-computed composition, exact accumulation."""
+"""compute_policy_loss: the on-policy identity, a hand-computed composition, exact accumulation."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 
 from trainer.rl.aggregation import aggregate
 from trainer.rl.config import GRPOConfig, ImportanceSamplingConfig, KLConfig, PPOConfig
-from trainer.rl.loss import compute_policy_loss, compute_value_loss
+from trainer.rl.loss import compute_policy_loss
 
 LN = math.log
 
@@ -99,6 +99,15 @@ def test_kl_in_the_reward_is_reported_but_not_added_to_the_loss():
     assert loss.item() == pytest.approx(-1.0) and m["kl"] == pytest.approx(LN(2)) and "kl_loss" not in m
 
 
+def test_kl_loss_aggregates_over_the_mask():
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
+    ref = torch.log(torch.tensor([[0.25, 0.5, 0.125]]))
+    config = GRPOConfig(kl=KLConfig(coef=0.1, estimator="k1"),
+                        importance_sampling=ImportanceSamplingConfig(enabled=False))  # fmt: skip
+    _, m = compute_policy_loss(logp, torch.zeros(1, 3), torch.tensor([[1, 1, 0]]), config, ref_logprobs=ref)
+    assert m["kl_loss"] == pytest.approx((LN(2) + 0.0) / 2)
+
+
 def test_missing_inputs_are_named():
     x, ones = torch.zeros(1, 2), torch.ones(1, 2)
     with pytest.raises(ValueError, match="rollout_logprobs"):
@@ -133,10 +142,3 @@ def test_micro_batches_with_global_counts_accumulate_the_full_batch_gradient(agg
     counts = dict(num_tokens=float(mask.sum()), num_seqs=4.0)
     (accumulated,) = torch.autograd.grad(loss_of(slice(0, 2), **counts) + loss_of(slice(2, 4), **counts), logits)
     torch.testing.assert_close(accumulated, full)
-
-
-def test_value_loss_is_scaled_by_vf_coef():
-    values = torch.tensor([[1.1, 0.0]])
-    loss, m = compute_value_loss(values, torch.ones(1, 2), torch.full((1, 2), 2.0), torch.tensor([[1, 0]]),
-                                 PPOConfig(vf_coef=0.5))  # fmt: skip
-    assert loss.item() == pytest.approx(0.5 * 0.5 * 0.81) and m["value_loss"] == pytest.approx(loss.item())

@@ -1,0 +1,99 @@
+"""What every RL algorithm provides to the step, and what the step hands it.
+
+An :class:`Algorithm` owns what differs between algorithms: whether a critic is trained, how advantages are computed
+from the batch, and the losses. The step (``trainer.step``) owns everything else: packing, the no-grad pass that
+fills ``old_logprobs`` / ``ref_logprobs`` / ``values``, backward, clipping and the optimizers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
+
+import torch
+
+from trainer.rl.config import PolicyConfig
+from trainer.rl.loss import compute_policy_loss
+
+if TYPE_CHECKING:
+    from rollout.types import Sample
+    from trainer.packing import MicroBatch
+
+__all__ = ["AdvantageInputs", "Algorithm"]
+
+ConfigT = TypeVar("ConfigT", bound=PolicyConfig)
+
+
+@dataclass
+class AdvantageInputs:
+    """What advantages are computed from, on one data-parallel rank, after the step's no-grad pass."""
+
+    samples: Sequence[Sample]
+    """The whole rollout batch, the same on every rank (rewards, group ids)."""
+    micro_batches: list[MicroBatch]
+    """This rank's micro-batches of every mini-batch, ``extra`` filled by the no-grad pass (``values`` when the
+    algorithm has a critic). Each sample is in exactly one micro-batch of one rank."""
+    token_kl: Callable[[MicroBatch], torch.Tensor]
+    """``[S, C]`` per-token KL estimate of the sampling policy to the reference, 0 off-mask (needs the reference)."""
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]
+    """Sums a tensor over the data-parallel ranks (in place) and returns it; every rank must call it alike."""
+    device: torch.device
+    """Where the micro-batches live."""
+
+    def sample_sums(self, per_token: Callable[[MicroBatch], torch.Tensor]) -> torch.Tensor:
+        """``[len(samples)]`` float64: each sample's completion sum of ``per_token(mb)`` (``[S, C]``), from every rank.
+
+        Collective: every rank calls it (each sample lives on one rank, so the sum over ranks gathers them all).
+        """
+        sums = torch.zeros(len(self.samples), dtype=torch.float64, device=self.device)
+        for mb in self.micro_batches:
+            idx = torch.tensor(mb.sample_indices, dtype=torch.long, device=self.device)
+            sums[idx] = per_token(mb).sum(dim=-1).double()
+        return self.all_reduce_sum(sums)
+
+
+class Algorithm(ABC, Generic[ConfigT]):
+    """One RL algorithm, built from its config by ``trainer.rl.algorithms.build_algorithm``.
+
+    Subclasses set :attr:`needs_critic` and implement :meth:`compute_advantages`; the policy loss defaults to the
+    clipped loss of ``trainer.rl.loss`` (with KL, entropy and IS terms as the config says).
+    """
+
+    needs_critic: ClassVar[bool] = False
+    """Whether the engine builds a critic and the step trains it with :meth:`value_loss`."""
+
+    def __init__(self, config: ConfigT) -> None:
+        self.config = config
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the engine loads a frozen reference model (the KL penalty is on)."""
+        return self.config.kl.needs_reference
+
+    @abstractmethod
+    def compute_advantages(self, inputs: AdvantageInputs) -> None:
+        """Set ``mb.advantages`` ``[S, C]`` (0 off-mask) of every micro-batch, and ``mb.extra['returns']`` when the
+        algorithm has a critic. Collective: every rank calls it. The step runs it without gradients."""
+
+    def policy_loss(
+        self, mb: MicroBatch, logprobs: torch.Tensor, entropies: torch.Tensor, num_tokens: float, num_seqs: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """This micro-batch's share of the policy loss and its metrics (``trainer.rl.loss.compute_policy_loss``).
+
+        logprobs, entropies: ``[S, C]`` from the policy (carry the gradient); num_tokens, num_seqs: the optimizer
+        batch's global counts.
+        """
+        return compute_policy_loss(
+            logprobs, mb.advantages, mb.loss_mask, self.config,
+            old_logprobs=mb.extra.get("old_logprobs"), ref_logprobs=mb.extra.get("ref_logprobs"),
+            rollout_logprobs=mb.rollout_logprobs, entropies=entropies, num_tokens=num_tokens, num_seqs=num_seqs,
+        )  # fmt: skip
+
+    def value_loss(
+        self, mb: MicroBatch, values: torch.Tensor, num_tokens: float, num_seqs: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """This micro-batch's share of the critic loss (``values`` ``[S, C]`` carry the gradient) and its metrics;
+        only algorithms with :attr:`needs_critic`."""
+        raise NotImplementedError(f"{type(self).__name__} trains no critic")
