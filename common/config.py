@@ -33,6 +33,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DType",
+    "Family",
     "FieldError",
     "Sources",
     "apply_overrides",
@@ -47,6 +48,9 @@ __all__ = [
 
 DType = Literal["float32", "bfloat16", "float16"]
 """Floating-point dtype names a config may ask for (trainer precision, serving engines, reward models)."""
+Family = Literal["llama3", "qwen3", "qwen3_moe"]
+"""The supported architecture families: ``llama3`` (LlamaForCausalLM), ``qwen3`` (Qwen3ForCausalLM) and ``qwen3_moe``
+(Qwen3MoeForCausalLM). Declared here so the model config, the recipe and ``tools/make_tiny_model`` share it."""
 
 Sources = dict[tuple[str, ...], str]
 """Where each key of a recipe's data was written: key path -> a file name or ``command-line flag --a.b``."""

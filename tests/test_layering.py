@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED: dict[str, set[str]] = {
     "common": set(),
     "protos": set(),
-    "tools": set(),
+    "tools": {"common"},
     "weight_sync": {"common", "protos"},
     "rollout": {"common", "protos", "weight_sync"},
     "trainer": {"common", "protos", "weight_sync", "rollout.types"},

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
+from common.config import Family
 from tools.tiny_tokenizer import build_tokenizer, save_tokenizer
 
 __all__ = ["FAMILIES", "make_tiny_model"]
@@ -23,7 +24,7 @@ __all__ = ["FAMILIES", "make_tiny_model"]
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-FAMILIES = ("qwen3", "llama3", "qwen3_moe")
+FAMILIES: tuple[str, ...] = get_args(Family)
 
 
 def _hf_config(family: str, vocab_size: int, eos_id: int, pad_id: int, **arch: Any) -> PreTrainedConfig:

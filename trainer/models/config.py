@@ -10,18 +10,14 @@ inherit. Each name is checked on validation against the torch-free block declara
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import pydantic
 
-from common.config import Config
+from common.config import Config, Family
 from trainer.models.registry import BLOCK_REGISTRIES
 
 __all__ = ["BlockChoices", "Family", "ModelConfig", "MoEConfig", "RopeScalingConfig"]
-
-Family = Literal["llama3", "qwen3", "qwen3_moe"]
-"""The supported architecture families: ``llama3`` (LlamaForCausalLM), ``qwen3`` (Qwen3ForCausalLM) and ``qwen3_moe``
-(Qwen3MoeForCausalLM)."""
 
 _PositiveInt = Annotated[int, pydantic.Field(gt=0)]
 _PositiveFloat = Annotated[float, pydantic.Field(gt=0)]
