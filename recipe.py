@@ -177,12 +177,13 @@ class Recipe(Config):
                 "run.mode = 'async' trains on samples from older weights: "
                 "set algorithm.importance_sampling.enabled = true",
             )
-        if self.algorithm.type == "grpo" and self.run.num_prompts_per_step * self.algorithm.group_size < 2:
+        if self.algorithm.group_relative and self.run.num_prompts_per_step * self.algorithm.group_size < 2:
             raise FieldError("run.num_prompts_per_step", "a GRPO step needs at least 2 samples")
-        if self.run.dynamic_sampling.enabled and self.algorithm.type != "grpo":
+        if self.run.dynamic_sampling.enabled and not self.algorithm.group_relative:
             raise FieldError(
                 "run.dynamic_sampling.enabled",
-                "run.dynamic_sampling needs algorithm.type = 'grpo' (it drops groups of equal rewards)",
+                "run.dynamic_sampling needs a group-relative algorithm such as algorithm.type = 'grpo' (it drops "
+                "groups of equal rewards)",
             )
         blocked = self.model.device_problems(self.trainer.device, prefix="model.")
         if blocked:

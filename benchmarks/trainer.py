@@ -38,10 +38,10 @@ import torch.distributed as dist  # noqa: E402
 
 from rollout.types import RolloutBatch, Sample  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
-from trainer.engine import build_engine  # noqa: E402
 from trainer.models.config import ModelConfig  # noqa: E402
 from trainer.parallelize import build_mesh, uses_fsdp  # noqa: E402
 from trainer.rl.config import GRPOConfig, ImportanceSamplingConfig  # noqa: E402
+from trainer.state import build_train_state  # noqa: E402
 from trainer.step import rl_step  # noqa: E402
 
 MODEL_40M = ModelConfig(
@@ -113,19 +113,19 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     cfg = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, optimizer={"lr": 1e-5}, compile=args.compile)
     algo = GRPOConfig(group_size=4, importance_sampling=ImportanceSamplingConfig(enabled=True))
-    engine = build_engine(cfg, MODEL_40M, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
-    num_params = sum(p.numel() for p in engine.policy.parameters())
+    state = build_train_state(cfg, MODEL_40M, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+    num_params = sum(p.numel() for p in state.policy.parameters())
     batch = grpo_batch(MODEL_40M.vocab_size)
     tokens = batch.num_tokens
 
     compile_s = time.perf_counter()
-    rl_step(engine, batch)  # warm-up (allocator, thread pools, compilation)
+    rl_step(state, batch)  # warm-up (allocator, thread pools, compilation)
     compile_s = time.perf_counter() - compile_s
     walls, cpus, peaks = [], [], []
     for _ in range(args.steps):
         peaks.append(matmul_flops())
         wall, cpu = time.perf_counter(), time.process_time()
-        rl_step(engine, batch)
+        rl_step(state, batch)
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
     peaks.append(matmul_flops())
@@ -136,7 +136,7 @@ def main() -> None:
     print(f"model: {num_params / 1e6:.1f}M params ({MODEL_40M.family}, dim {MODEL_40M.dim}, {MODEL_40M.num_layers} "
           f"layers, vocab {MODEL_40M.vocab_size}); threads: {args.threads}")
     print(f"blocks: attention {MODEL_40M.attention!r}, output head {MODEL_40M.output_head!r}, AdamW "
-          f"{'fused' if engine.optimizer.defaults.get('fused') else 'foreach'}, FSDP {uses_fsdp(engine.mesh, cfg)}, "
+          f"{'fused' if state.optimizer.defaults.get('fused') else 'foreach'}, FSDP {uses_fsdp(state.mesh, cfg)}, "
           f"compile {cfg.compile} (first step {compile_s:.1f} s)")
     print(f"batch: {len(batch.samples)} samples, {tokens} useful tokens (completions 8-256), micro-batch budget "
           f"{args.micro_batch_tokens}")

@@ -50,10 +50,10 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks.trainer import MODEL_40M, grpo_batch  # noqa: E402
 from rollout.types import RolloutBatch  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
-from trainer.engine import TrainEngine, build_engine  # noqa: E402
 from trainer.models.hf_io import save_hf_checkpoint  # noqa: E402
 from trainer.parallelize import build_mesh  # noqa: E402
 from trainer.rl.config import GRPOConfig, ImportanceSamplingConfig  # noqa: E402
+from trainer.state import TrainState, build_train_state  # noqa: E402
 from trainer.step import rl_step  # noqa: E402
 
 TARGET = 1.5
@@ -84,7 +84,7 @@ def write_batch_json(batch: RolloutBatch, path: Path) -> None:
     path.write_text(json.dumps({"groups": [groups[k] for k in sorted(groups)]}))
 
 
-def build_our_engine(micro_batch_tokens: int, group_size: int) -> TrainEngine:
+def build_our_engine(micro_batch_tokens: int, group_size: int) -> TrainState:
     """Our trainer rank on a 1-rank gloo group, configured as in ``benchmarks/trainer.py``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -92,7 +92,7 @@ def build_our_engine(micro_batch_tokens: int, group_size: int) -> TrainEngine:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     cfg = TrainerConfig(micro_batch_tokens=micro_batch_tokens, optimizer={"lr": 1e-5})
     algo = GRPOConfig(group_size=group_size, importance_sampling=ImportanceSamplingConfig(enabled=True))
-    return build_engine(cfg, MODEL_40M, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+    return build_train_state(cfg, MODEL_40M, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
 
 
 class TrlSide:
@@ -137,9 +137,9 @@ class TrlSide:
         return summary
 
 
-def time_ours(engine: TrainEngine, batch: RolloutBatch) -> tuple[float, float]:
+def time_ours(state: TrainState, batch: RolloutBatch) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
-    rl_step(engine, batch)
+    rl_step(state, batch)
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
@@ -171,25 +171,25 @@ def main() -> None:
 
     batch = grpo_batch(MODEL_40M.vocab_size, num_groups=args.num_prompts, group_size=args.group_size)
     tokens = batch.num_tokens
-    engine = build_our_engine(args.micro_batch_tokens, args.group_size)
-    num_params = sum(p.numel() for p in engine.policy.parameters())
+    state = build_our_engine(args.micro_batch_tokens, args.group_size)
+    num_params = sum(p.numel() for p in state.policy.parameters())
     with tempfile.TemporaryDirectory(prefix="trainer_vs_trl_") as tmp:
         work = Path(tmp)
-        save_hf_checkpoint(engine.policy, str(work / "model"))
+        save_hf_checkpoint(state.policy, str(work / "model"))
         write_tokenizer(MODEL_40M.vocab_size, work / "model")
         write_batch_json(batch, work / "batch.json")
         trl = TrlSide(work / "model", work / "batch.json", args, work / "trl_side.log")
         try:
-            time_ours(engine, batch)  # warm-up (allocator, thread pools)
+            time_ours(state, batch)  # warm-up (allocator, thread pools)
             trl.step()
             ours_t, trl_t = [], []
             for rep in range(args.reps):
                 if rep % 2 == 0:
-                    ours_t.append(time_ours(engine, batch))
+                    ours_t.append(time_ours(state, batch))
                     trl_t.append(trl.step())
                 else:
                     trl_t.append(trl.step())
-                    ours_t.append(time_ours(engine, batch))
+                    ours_t.append(time_ours(state, batch))
             summary = trl.finish()
         except BaseException:
             trl.proc.kill()

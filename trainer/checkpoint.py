@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-__all__ = ["CheckpointManager", "Checkpointable", "TrainerState", "full_model_state_dict"]
+__all__ = ["CheckpointManager", "Checkpointable", "TrainProgress", "full_model_state_dict"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def _saved_parts(path: Path) -> set[str]:
 
 
 @dataclass
-class TrainerState:
+class TrainProgress:
     """The scalar progress saved with a checkpoint and returned by a load."""
 
     step: int
@@ -128,9 +128,9 @@ class CheckpointManager:
         found = self.checkpoints()
         return found[-1][1] if found else None
 
-    def save(self, parts: dict[str, Checkpointable], state: TrainerState) -> Path:
-        """Write a checkpoint of ``parts`` (e.g. ``{"policy": ..., "critic": ...}``) and ``state``; collective."""
-        path = self.root / f"step_{state.step:08d}"
+    def save(self, parts: dict[str, Checkpointable], progress: TrainProgress) -> Path:
+        """Write a checkpoint of ``parts`` (e.g. ``{"policy": ..., "critic": ...}``) and ``progress``; collective."""
+        path = self.root / f"step_{progress.step:08d}"
         tensors: dict[str, Any] = {}
         for name, part in parts.items():
             tensors.update(_state_dicts(name, part))
@@ -138,14 +138,14 @@ class CheckpointManager:
         small = {
             "schedulers": {n: p.scheduler.state_dict() for n, p in parts.items() if p.scheduler is not None},
             "rng": _rng_states(),
-            "step": state.step,
-            "policy_version": state.policy_version,
-            "data_cursor": state.data_cursor,
+            "step": progress.step,
+            "policy_version": progress.policy_version,
+            "data_cursor": progress.data_cursor,
         }
         torch.save(small, path / f"trainer_state_rank{_rank()}.pt")
         _barrier()
         if _rank() == 0:
-            (path / "COMPLETE").write_text(f"{state.step}\n")
+            (path / "COMPLETE").write_text(f"{progress.step}\n")
             for _, old in self.checkpoints()[: -self.num_keep]:
                 shutil.rmtree(old, ignore_errors=True)
         _barrier()
@@ -153,7 +153,7 @@ class CheckpointManager:
 
     def load(
         self, parts: dict[str, Checkpointable], path: str | Path | None = None, missing_ok: tuple[str, ...] = ()
-    ) -> TrainerState:
+    ) -> TrainProgress:
         """Restore ``parts`` and this rank's RNG from ``path`` (default: the latest); collective.
 
         The number of ranks may differ from the saving run (DCP reshards); RNG states then come from rank
@@ -164,14 +164,14 @@ class CheckpointManager:
         path = Path(path) if path is not None else self.latest()
         if path is None or not (path / "COMPLETE").exists():
             raise FileNotFoundError(f"no complete checkpoint at {path or self.root} (missing COMPLETE marker)")
-        saved = _saved_parts(path)
-        absent = [name for name in parts if name not in saved]
+        saved_parts = _saved_parts(path)
+        absent = [name for name in parts if name not in saved_parts]
         if [name for name in absent if name not in missing_ok]:
-            raise ValueError(f"checkpoint {path} holds no {absent} (it has {sorted(saved)}); it was written by a run "
-                             "with a different algorithm or model set")
+            raise ValueError(f"checkpoint {path} holds no {absent} (it has {sorted(saved_parts)}); it was written by "
+                             "a run with a different algorithm or model set")
         for name in absent:
             log.warning("checkpoint %s holds no %r: keeping its current weights (rebuilt at startup)", path, name)
-        parts = {name: part for name, part in parts.items() if name in saved}
+        parts = {name: part for name, part in parts.items() if name in saved_parts}
         tensors: dict[str, Any] = {}
         for name, part in parts.items():
             tensors.update(_state_dicts(name, part))
@@ -184,15 +184,15 @@ class CheckpointManager:
                     part.model, part.optimizer,
                     model_state_dict=tensors[f"{name}.model"], optim_state_dict=tensors[f"{name}.optim"],
                 )  # fmt: skip
-        saved = sorted(path.glob("trainer_state_rank*.pt"))
-        mine = path / f"trainer_state_rank{_rank() % len(saved)}.pt"
+        rank_files = sorted(path.glob("trainer_state_rank*.pt"))
+        mine = path / f"trainer_state_rank{_rank() % len(rank_files)}.pt"
         small = torch.load(mine, weights_only=False)
         for name, part in parts.items():
             if part.scheduler is not None:
                 part.scheduler.load_state_dict(small["schedulers"][name])
         _set_rng_states(small["rng"])
         _barrier()
-        return TrainerState(small["step"], small["policy_version"], small["data_cursor"])
+        return TrainProgress(small["step"], small["policy_version"], small["data_cursor"])
 
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -201,4 +201,6 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     For HF export only (it gathers the whole model on rank 0); weight pushes use ``parallelize.local_shards``.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    state = get_model_state_dict(model, options=options)
+    assert all(isinstance(v, torch.Tensor) for v in state.values()), "a model state dict holds tensors only"
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}

@@ -153,10 +153,9 @@ class TrainerConfig(Config):
     loaded); the same on every rank. In a recipe, unset means ``run.seed``."""
     compile: bool = False
     """Fuse each block's elementwise ops (RMSNorm, SwiGLU, RoPE) with ``torch.compile`` (inductor, any sequence
-    length; a C++ compiler on CPU). Compiles once per op on the first step (a few seconds; ~6 s with a cold inductor
-    cache on one CPU core); on this 2-core CPU the update moved by -3%..+3% in paired runs (``benchmarks/trainer.py
-    --compile``), so it is off by default. Parameters, checkpoints and weight pushes are unchanged. CPU and CUDA only,
-    not with tensor parallelism."""
+    length; a C++ compiler on CPU). Compiles once per op on the first step. Off by default: on CPU it was a wash (see
+    README "Measured", ``benchmarks/trainer.py --compile``). Parameters, checkpoints and weight pushes are unchanged.
+    CPU and CUDA only, not with tensor parallelism."""
 
     @property
     def grad_clip_norm(self) -> float | None:

@@ -10,13 +10,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from trainer.models.transformer import Transformer
+
 __all__ = ["Critic"]
 
 
 class Critic(nn.Module):
     """``values = value_head(body(tokens))``: float32 per position."""
 
-    def __init__(self, body: nn.Module, dim: int) -> None:
+    def __init__(self, body: Transformer, dim: int) -> None:
         super().__init__()
         self.body = body
         self.value_head = nn.Linear(dim, 1, bias=True)
@@ -24,11 +26,11 @@ class Critic(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
         # The body's (untied) token output head is never used by the critic: freeze it, no optimizer state for it.
-        if getattr(body, "output", None) is not None:
+        if body.output is not None:
             body.output.requires_grad_(False)
 
     @property
-    def layers(self) -> nn.Module:
+    def layers(self) -> nn.ModuleList:
         """The transformer blocks (what ``parallelize_model`` wraps in FSDP units)."""
         return self.body.layers
 

@@ -12,7 +12,8 @@ all ranks, so rank 0's are returned. Needs an initialised Ray (``ray.init``) in 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ray
 

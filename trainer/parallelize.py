@@ -10,7 +10,8 @@ global token/sequence count itself, which makes 1 rank and N ranks compute the s
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -19,6 +20,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainer.config import TrainerConfig
+from trainer.critic import Critic
+from trainer.models.transformer import Transformer
+
+ModelT = TypeVar("ModelT", Transformer, Critic)
+"""What the trainer shards: a policy / reference :class:`Transformer` or a PPO :class:`Critic` (same blocks)."""
 
 __all__ = [
     "build_mesh", "local_shard_place", "local_shards", "parallelize_model", "sync_tensor_parallel_partial_grads",
@@ -39,7 +45,7 @@ def build_mesh(cfg: TrainerConfig, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (cfg.num_ranks // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def _apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def _apply_tensor_parallel(model: Transformer | Critic, tp_mesh: DeviceMesh) -> None:
     """Split each block over ``tp_mesh`` by the model's ``tensor_parallel_plan`` (``Transformer`` or ``Critic``);
     embeddings, norms and the output head stay replicated."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -77,7 +83,7 @@ def uses_fsdp(mesh: DeviceMesh, cfg: TrainerConfig) -> bool:
     return mesh.size() > 1 or not float32
 
 
-def parallelize_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerConfig) -> nn.Module:
+def parallelize_model(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> ModelT:
     """Apply TP (if configured) then FSDP2 in place (when :func:`uses_fsdp`): ``fully_shard`` on every block of
     ``model.layers``, then the root.
 
@@ -94,7 +100,7 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh, cfg: TrainerConfig) ->
         reduce_dtype=_DTYPES[cfg.mixed_precision.reduce_dtype],
     )
     reshard = cfg.parallelism.reshard_after_forward
-    blocks = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
+    blocks = list(model.layers)
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     # The root's parameters are needed right after the last block's forward: keep them gathered.

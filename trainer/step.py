@@ -7,7 +7,7 @@ The RL step on each rank, with every rank given the same full batch:
 2. without gradients: old log-probs (only when a batch is used for more than one optimizer step; otherwise the
    trainer's own detached log-probs are the old ones, so the first ratio is exactly 1), reference log-probs (KL on),
    critic values (algorithms with a critic);
-3. advantages: ``engine.algorithm.compute_advantages`` (GRPO/RLOO from the group rewards, PPO's GAE with global
+3. advantages: ``state.algorithm.compute_advantages`` (GRPO/RLOO from the group rewards, PPO's GAE with global
    whitening; KL folded into the reward if configured);
 4. for each epoch and mini-batch: forward -> log-probs through the model's output head -> the algorithm's policy loss
    (and value loss for its critic) -> backward per micro-batch; the loss is divided by the *global* token/sequence
@@ -20,7 +20,7 @@ Returns one flat dict of floats per step, identical on every rank (``trainer.met
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from rollout.types import RolloutBatch, Sample
-from trainer.engine import TrainEngine
 from trainer.metrics import MetricsAccumulator
+from trainer.models.transformer import Transformer
 from trainer.models.registry import ATTENTION_BLOCKS
 from trainer.packing import MicroBatch, plan_micro_batches, split_minibatches
 from trainer.parallelize import sync_tensor_parallel_partial_grads
@@ -37,11 +37,12 @@ from trainer.rl.algorithms import AdvantageInputs
 from trainer.rl.kl import kl_estimate
 from trainer.rl.router_aux import add_router_aux_loss, count_router_tokens, moe_aux_coef
 from trainer.rl.sft import sft_loss
+from trainer.state import TrainState
 
 __all__ = ["forward_logprobs", "plan_rank_micro_batches", "rl_step", "sft_step"]
 
 
-def forward_logprobs(model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def forward_logprobs(model: Transformer, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprobs [S, C], entropy [S, C], hidden states [N, D]) of the micro-batch's N completion tokens.
 
     The last block's output projection and feed-forward and the output head run only at the positions that predict a
@@ -54,26 +55,26 @@ def forward_logprobs(model: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, to
     return mb.scatter(logprobs), mb.scatter(entropy), hidden
 
 
-def plan_rank_micro_batches(engine: TrainEngine, samples: Sequence[Sample], indices: Sequence[int]) -> list[MicroBatch]:
-    """This rank's packed micro-batches of ``samples[indices]`` on the engine's device, as the steps use them.
+def plan_rank_micro_batches(state: TrainState, samples: Sequence[Sample], indices: Sequence[int]) -> list[MicroBatch]:
+    """This rank's packed micro-batches of ``samples[indices]`` on the state's device, as the steps use them.
 
     The row cap is ``cfg.pack_row_tokens`` when set; otherwise the whole micro-batch budget when the attention block
     is segment-local (long rows then cost nothing extra and need no padding), else the packer's default.
     """
-    cfg = engine.cfg
+    cfg = state.cfg
     row_tokens = cfg.pack_row_tokens
-    if row_tokens is None and ATTENTION_BLOCKS.is_segment_local(engine.model_cfg.attention):
+    if row_tokens is None and ATTENTION_BLOCKS.is_segment_local(state.model_cfg.attention):
         row_tokens = cfg.micro_batch_tokens
     mbs = plan_micro_batches(
-        samples, indices, engine.dp_rank, engine.dp_size, cfg.micro_batch_tokens, row_tokens=row_tokens
+        samples, indices, state.dp_rank, state.dp_size, cfg.micro_batch_tokens, row_tokens=row_tokens
     )
-    return [mb.to(engine.device) for mb in mbs]
+    return [mb.to(state.device) for mb in mbs]
 
 
-def _all_reduce_sum(engine: TrainEngine, x: torch.Tensor) -> torch.Tensor:
+def _all_reduce_sum(state: TrainState, x: torch.Tensor) -> torch.Tensor:
     """Sum over the data-parallel ranks (tensor-parallel peers hold the same samples)."""
-    if engine.dp_size > 1:
-        dist.all_reduce(x, group=engine.dp_group)
+    if state.dp_size > 1:
+        dist.all_reduce(x, group=state.dp_group)
     return x
 
 
@@ -83,42 +84,42 @@ def _mini_counts(samples: Sequence[Sample], indices: Sequence[int]) -> tuple[flo
     return float(sum(lengths)), float(sum(1 for n in lengths if n > 0))
 
 
-def _critic_values(engine: TrainEngine, mb: MicroBatch) -> torch.Tensor:
+def _critic_values(state: TrainState, mb: MicroBatch) -> torch.Tensor:
     """The critic's values ``[N]`` at the positions that predict completion tokens (as :func:`forward_logprobs`)."""
-    assert engine.critic is not None
+    assert state.critic is not None
     positions = mb.loss_positions
-    return engine.critic(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids, output_positions=positions)
+    return state.critic(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids, output_positions=positions)
 
 
 @torch.no_grad()
-def _rollout_side_pass(engine: TrainEngine, plans: list[list[MicroBatch]], need_old: bool) -> None:
+def _no_grad_pass(state: TrainState, plans: list[list[MicroBatch]], need_old: bool) -> None:
     """Fill ``extra['old_logprobs' | 'ref_logprobs' | 'values']`` of every micro-batch (no gradients)."""
     for mbs in plans:
         for mb in mbs:
             if need_old:
-                mb.extra["old_logprobs"] = forward_logprobs(engine.policy, mb)[0]
-            if engine.reference is not None:
-                mb.extra["ref_logprobs"] = forward_logprobs(engine.reference, mb)[0]
-            if engine.critic is not None:
-                mb.extra["values"] = mb.scatter(_critic_values(engine, mb))
+                mb.extra["old_logprobs"] = forward_logprobs(state.policy, mb)[0]
+            if state.reference is not None:
+                mb.extra["ref_logprobs"] = forward_logprobs(state.reference, mb)[0]
+            if state.critic is not None:
+                mb.extra["values"] = mb.scatter(_critic_values(state, mb))
 
 
-def _kl_for_reward(engine: TrainEngine, mb: MicroBatch) -> torch.Tensor:
+def _kl_for_reward(state: TrainState, mb: MicroBatch) -> torch.Tensor:
     """Per-token KL estimate of the sampling policy to the reference, for folding into the reward."""
     old = mb.extra.get("old_logprobs")
     if old is None:
-        old = forward_logprobs(engine.policy, mb)[0].detach()
+        old = forward_logprobs(state.policy, mb)[0].detach()
         mb.extra["old_logprobs"] = old
-    return kl_estimate(old, mb.extra["ref_logprobs"], engine.algorithm.config.kl.estimator) * mb.loss_mask
+    return kl_estimate(old, mb.extra["ref_logprobs"], state.algorithm.config.kl.estimator) * mb.loss_mask
 
 
 @torch.no_grad()
-def _compute_advantages(engine: TrainEngine, samples: Sequence[Sample], plans: list[list[MicroBatch]]) -> None:
+def _compute_advantages(state: TrainState, samples: Sequence[Sample], plans: list[list[MicroBatch]]) -> None:
     """Fill ``mb.advantages`` (and ``extra['returns']`` for a critic) of every micro-batch by the algorithm."""
-    engine.algorithm.compute_advantages(AdvantageInputs(
+    state.algorithm.compute_advantages(AdvantageInputs(
         samples=samples, micro_batches=[mb for mbs in plans for mb in mbs],
-        token_kl=lambda mb: _kl_for_reward(engine, mb), all_reduce_sum=lambda x: _all_reduce_sum(engine, x),
-        device=engine.device,
+        token_kl=lambda mb: _kl_for_reward(state, mb), all_reduce_sum=lambda x: _all_reduce_sum(state, x),
+        device=state.device,
     ))  # fmt: skip
 
 
@@ -132,14 +133,14 @@ def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def _clip_and_step(
-    engine: TrainEngine, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_norm: float | None
+    state: TrainState, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_norm: float | None
 ) -> float:
     """Clip the global gradient norm (computed per mesh group, then combined), step, zero grads; returns the norm."""
-    sync_tensor_parallel_partial_grads(model, engine.mesh)
+    sync_tensor_parallel_partial_grads(model, state.mesh)
     groups = _by_mesh([p for p in model.parameters() if p.grad is not None])
     squares = []
     for group in groups:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], 2.0, foreach=True)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         squares.append(norm.double() ** 2)
     total = torch.stack(squares).sum().sqrt().float()
@@ -154,40 +155,40 @@ def _clip_and_step(
 
 
 def _update_policy(
-    engine: TrainEngine, mbs: list[MicroBatch], counts: tuple[float, float], acc: MetricsAccumulator,
+    state: TrainState, mbs: list[MicroBatch], counts: tuple[float, float], acc: MetricsAccumulator,
     num_router_tokens: float,
 ):  # fmt: skip
     num_tokens, num_seqs = counts
-    aux_coef = moe_aux_coef(engine.algorithm.config, engine.model_cfg)
+    aux_coef = moe_aux_coef(state.algorithm.config, state.model_cfg)
     for mb in mbs:
-        logprobs, entropy, hidden = forward_logprobs(engine.policy, mb)
-        loss, metrics = engine.algorithm.policy_loss(mb, logprobs, entropy, num_tokens, num_seqs)
-        loss, metrics = add_router_aux_loss(loss, metrics, engine.policy, mb, aux_coef, num_router_tokens)
+        logprobs, entropy, hidden = forward_logprobs(state.policy, mb)
+        loss, metrics = state.algorithm.policy_loss(mb, logprobs, entropy, num_tokens, num_seqs)
+        loss, metrics = add_router_aux_loss(loss, metrics, state.policy, mb, aux_coef, num_router_tokens)
         # The zero term keeps the graph connected for empty micro-batches, so every rank runs the same backward.
         (loss + 0.0 * hidden.sum()).backward()
         acc.add(metrics, float(mb.num_loss_tokens))
 
 
 def _update_critic(
-    engine: TrainEngine, mbs: list[MicroBatch], counts: tuple[float, float], acc: MetricsAccumulator,
+    state: TrainState, mbs: list[MicroBatch], counts: tuple[float, float], acc: MetricsAccumulator,
     num_router_tokens: float,
 ):  # fmt: skip
-    assert engine.critic is not None
+    assert state.critic is not None
     num_tokens, num_seqs = counts
-    aux_coef = moe_aux_coef(engine.algorithm.config, engine.model_cfg)
+    aux_coef = moe_aux_coef(state.algorithm.config, state.model_cfg)
     for mb in mbs:
-        values = _critic_values(engine, mb)
-        loss, metrics = engine.algorithm.value_loss(mb, mb.scatter(values), num_tokens, num_seqs)
+        values = _critic_values(state, mb)
+        loss, metrics = state.algorithm.value_loss(mb, mb.scatter(values), num_tokens, num_seqs)
         # An MoE critic's routers get the same load-balancing term as the policy's (``critic/loss/moe_aux``).
         loss, metrics = add_router_aux_loss(
-            loss, {**metrics, "loss": metrics["value_loss"]}, engine.critic, mb, aux_coef, num_router_tokens
+            loss, {**metrics, "loss": metrics["value_loss"]}, state.critic, mb, aux_coef, num_router_tokens
         )
         (loss + 0.0 * values.sum()).backward()
         acc.add(metrics, float(mb.num_loss_tokens))
 
 
-def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
-    """One update of ``engine.algorithm`` on ``batch`` (every rank passes the same batch); returns the step's metrics.
+def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
+    """One update of ``state.algorithm`` on ``batch`` (every rank passes the same batch); returns the step's metrics.
 
     Metrics (identical on every rank): ``loss`` and its parts (``policy_loss``, ``kl_loss``, MoE only: ``loss/moe_aux``,
     the unweighted router load-balancing term, see ``trainer.rl.router_aux``; mean per optimizer step),
@@ -195,20 +196,20 @@ def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
     ``is_frac_capped``, ``logprob_gap`` = mean |trainer - rollout| log-prob), extremes (``ratio_min/max``,
     ``is_ratio_max``), ``grad_norm`` (mean over optimizer steps, before clipping) and ``grad_norm_max``, ``lr``,
     ``step_s``, ``tokens_per_s`` (prompt + completion tokens of the batch x epochs per second, all ranks),
-    ``reward_mean``, ``num_tokens`` (completion tokens), ``num_samples``, ``step``, ``policy_version``; with a critic
+    ``num_tokens`` (completion tokens), ``num_samples``, ``step``, ``policy_version``; with a critic
     (PPO) also ``critic/value_loss``, ``critic/value_error``, ``critic/value_mean``, ``critic/value_clip_frac``,
     ``critic/grad_norm``, and ``critic/loss`` (the value loss plus, MoE only, the critic routers' weighted
     ``critic/loss/moe_aux``).
     """
     start = time.perf_counter()
-    cfg, samples = engine.cfg, batch.samples
+    cfg, samples = state.cfg, batch.samples
     if not samples:
         raise ValueError("empty rollout batch: nothing to train on")
     minis = split_minibatches(len(samples), cfg.num_minibatches)
-    plans = [plan_rank_micro_batches(engine, samples, idx) for idx in minis]
+    plans = [plan_rank_micro_batches(state, samples, idx) for idx in minis]
     need_old = cfg.num_epochs * cfg.num_minibatches > 1
-    _rollout_side_pass(engine, plans, need_old)
-    _compute_advantages(engine, samples, plans)
+    _no_grad_pass(state, plans, need_old)
+    _compute_advantages(state, samples, plans)
 
     acc, critic_acc = MetricsAccumulator(), MetricsAccumulator()
     grad_norms, critic_norms = [], []
@@ -216,14 +217,15 @@ def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
         for idx, mbs in zip(minis, plans):
             counts = _mini_counts(samples, idx)
             num_router_tokens = count_router_tokens(samples, idx)
-            _update_policy(engine, mbs, counts, acc, num_router_tokens)
+            _update_policy(state, mbs, counts, acc, num_router_tokens)
             grad_norms.append(
-                _clip_and_step(engine, engine.policy, engine.optimizer, engine.scheduler, cfg.max_grad_norm)
+                _clip_and_step(state, state.policy, state.optimizer, state.scheduler, cfg.grad_clip_norm)
             )
-            if engine.critic is not None:
-                _update_critic(engine, mbs, counts, critic_acc, num_router_tokens)
+            if state.critic is not None:
+                assert state.critic_optimizer is not None, "a critic is built with its optimizer"
+                _update_critic(state, mbs, counts, critic_acc, num_router_tokens)
                 critic_norms.append(_clip_and_step(
-                    engine, engine.critic, engine.critic_optimizer, engine.critic_scheduler, cfg.max_grad_norm
+                    state, state.critic, state.critic_optimizer, state.critic_scheduler, cfg.grad_clip_norm
                 ))  # fmt: skip
     num_updates = cfg.num_epochs * cfg.num_minibatches
     # Sums over every update of the step: loss terms as the mean per optimizer step, counts per pass over the batch.
@@ -232,26 +234,25 @@ def rl_step(engine: TrainEngine, batch: RolloutBatch) -> dict[str, float]:
             return v / num_updates
         return v / cfg.num_epochs if k.startswith("num_") else v
 
-    metrics = {k: per_update(k, v) for k, v in acc.reduce(engine.device, engine.dp_group).items()}
-    if engine.critic is not None:
-        critic_metrics = critic_acc.reduce(engine.device, engine.dp_group)
+    metrics = {k: per_update(k, v) for k, v in acc.reduce(state.device, state.dp_group).items()}
+    if state.critic is not None:
+        critic_metrics = critic_acc.reduce(state.device, state.dp_group)
         metrics.update({f"critic/{k}": per_update(k, v) for k, v in critic_metrics.items()})
     if critic_norms:
         metrics["critic/grad_norm"] = float(np.mean(critic_norms))
-    engine.step += 1
-    engine.policy_version += 1
+    state.step += 1
+    state.policy_version += 1
     elapsed = time.perf_counter() - start
-    rewards = [s.reward for s in samples]
     metrics.update(
         grad_norm=float(np.mean(grad_norms)), grad_norm_max=float(np.max(grad_norms)),
-        lr=engine.scheduler.get_last_lr()[0], step_s=elapsed, tokens_per_s=batch.num_tokens * cfg.num_epochs / elapsed,
-        reward_mean=float(np.mean(rewards)), num_samples=float(len(samples)), step=float(engine.step),
-        policy_version=float(engine.policy_version),
+        lr=float(state.scheduler.get_last_lr()[0]), step_s=elapsed, tokens_per_s=batch.num_tokens * cfg.num_epochs / elapsed,
+        num_samples=float(len(samples)), step=float(state.step),
+        policy_version=float(state.policy_version),
     )  # fmt: skip
     return metrics
 
 
-def sft_step(engine: TrainEngine, samples: Sequence[Sample], lr: float | None = None) -> dict[str, float]:
+def sft_step(state: TrainState, samples: Sequence[Sample], lr: float | None = None) -> dict[str, float]:
     """One supervised step (mean NLL of the completion tokens over the whole batch) on the policy.
 
     Metrics: ``sft_loss`` (the NLL), ``loss`` (what was minimised: the NLL plus, MoE only, the router load-balancing
@@ -260,26 +261,26 @@ def sft_step(engine: TrainEngine, samples: Sequence[Sample], lr: float | None = 
     advance (it belongs to the RL steps). The weights change, so ``policy_version`` is bumped.
     """
     start = time.perf_counter()
-    mbs = plan_rank_micro_batches(engine, samples, range(len(samples)))
+    mbs = plan_rank_micro_batches(state, samples, range(len(samples)))
     num_tokens, _ = _mini_counts(samples, range(len(samples)))
-    aux_coef = moe_aux_coef(engine.algorithm.config, engine.model_cfg)
+    aux_coef = moe_aux_coef(state.algorithm.config, state.model_cfg)
     num_router_tokens = count_router_tokens(samples, range(len(samples)))
     acc = MetricsAccumulator()
     for mb in mbs:
-        logprobs, _, hidden = forward_logprobs(engine.policy, mb)
+        logprobs, _, hidden = forward_logprobs(state.policy, mb)
         loss = sft_loss(logprobs, mb.loss_mask, "token_mean", num_tokens=num_tokens)
         metrics = {"loss": loss.item(), "sft_loss": loss.item(), "num_tokens": float(mb.num_loss_tokens)}
-        loss, metrics = add_router_aux_loss(loss, metrics, engine.policy, mb, aux_coef, num_router_tokens)
+        loss, metrics = add_router_aux_loss(loss, metrics, state.policy, mb, aux_coef, num_router_tokens)
         (loss + 0.0 * hidden.sum()).backward()
         acc.add(metrics, float(mb.num_loss_tokens))
-    saved = [g["lr"] for g in engine.optimizer.param_groups]
+    saved = [g["lr"] for g in state.optimizer.param_groups]
     if lr is not None:
-        for g in engine.optimizer.param_groups:
+        for g in state.optimizer.param_groups:
             g["lr"] = lr
-    grad_norm = _clip_and_step(engine, engine.policy, engine.optimizer, None, engine.cfg.max_grad_norm)
-    for g, old in zip(engine.optimizer.param_groups, saved):
+    grad_norm = _clip_and_step(state, state.policy, state.optimizer, None, state.cfg.grad_clip_norm)
+    for g, old in zip(state.optimizer.param_groups, saved):
         g["lr"] = old
-    engine.policy_version += 1
-    metrics = acc.reduce(engine.device, engine.dp_group)
-    metrics.update(grad_norm=grad_norm, step_s=time.perf_counter() - start, policy_version=float(engine.policy_version))
+    state.policy_version += 1
+    metrics = acc.reduce(state.device, state.dp_group)
+    metrics.update(grad_norm=grad_norm, step_s=time.perf_counter() - start, policy_version=float(state.policy_version))
     return metrics

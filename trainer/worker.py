@@ -16,7 +16,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from rollout.types import RolloutBatch, Sample
 from trainer.config import TrainerConfig
@@ -25,7 +26,7 @@ from trainer.rl.config import GRPOConfig, PPOConfig
 
 if TYPE_CHECKING:
     from trainer.checkpoint import CheckpointManager
-    from trainer.engine import TrainEngine
+    from trainer.state import TrainState
     from weight_sync.config import WeightSyncConfig
     from weight_sync.sender import WeightSender
 
@@ -59,7 +60,7 @@ class TrainerWorker:
             raise ValueError(f"rank {rank} is outside [0, num_ranks={cfg.num_ranks})")
         self.rank, self.cfg, self.model_cfg, self.algorithm = rank, cfg, model_cfg, algorithm
         self.init_path, self.weight_sync, self.session_id = init_path, weight_sync, session_id
-        self.engine: TrainEngine | None = None
+        self.state: TrainState | None = None
         self._sender: WeightSender | None = None
         self._checkpoints: CheckpointManager | None = None
 
@@ -87,8 +88,8 @@ class TrainerWorker:
         import torch.distributed as dist
 
         from trainer.checkpoint import CheckpointManager
-        from trainer.engine import build_engine
         from trainer.parallelize import build_mesh
+        from trainer.state import build_train_state
 
         device = self._device(torch)
         backend: str | None = self.cfg.backend
@@ -101,7 +102,7 @@ class TrainerWorker:
             world_size=self.cfg.num_ranks, timeout=_PG_TIMEOUT,
         )  # fmt: skip
         mesh = build_mesh(self.cfg, device.type)
-        self.engine = build_engine(self.cfg, self.model_cfg, self.algorithm, device, mesh, self.init_path)
+        self.state = build_train_state(self.cfg, self.model_cfg, self.algorithm, device, mesh, self.init_path)
         if self.cfg.checkpoint.dir is not None:
             self._checkpoints = CheckpointManager(self.cfg.checkpoint.dir, self.cfg.checkpoint.num_keep)
 
@@ -122,10 +123,10 @@ class TrainerWorker:
             raise ValueError("device 'tpu' needs the torch-tpu package installed on the trainer hosts") from None
         return torch.device("tpu")
 
-    def _require_engine(self) -> TrainEngine:
-        if self.engine is None:
+    def _require_state(self) -> TrainState:
+        if self.state is None:
             raise RuntimeError("TrainerWorker.setup() must run before training calls")
-        return self.engine
+        return self.state
 
     # -- training --------------------------------------------------------------------------------------------------
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
@@ -133,13 +134,13 @@ class TrainerWorker:
         decides when to checkpoint (:meth:`save_checkpoint`)."""
         from trainer.step import rl_step
 
-        return rl_step(self._require_engine(), batch)
+        return rl_step(self._require_state(), batch)
 
     def sft_step(self, samples: Sequence[Sample], lr: float | None = None) -> dict[str, float]:
         """One supervised warm-start step on the completions of ``samples``."""
         from trainer.step import sft_step
 
-        return sft_step(self._require_engine(), samples, lr)
+        return sft_step(self._require_state(), samples, lr)
 
     def finish_warm_start(self) -> None:
         """End the supervised warm start: the reference (when KL needs one) becomes the current policy, and the RL
@@ -148,41 +149,42 @@ class TrainerWorker:
 
         from trainer.optim import build_optimizer, build_scheduler
 
-        engine = self._require_engine()
-        if engine.reference is not None:
+        state = self._require_state()
+        if state.reference is not None:
             with torch.no_grad():
-                for ref, pol in zip(engine.reference.parameters(), engine.policy.parameters(), strict=True):
+                for ref, pol in zip(state.reference.parameters(), state.policy.parameters(), strict=True):
                     ref.copy_(pol)
-        engine.optimizer = build_optimizer(engine.policy, self.cfg.optimizer)
-        engine.scheduler = build_scheduler(engine.optimizer, self.cfg.schedule)
+        state.optimizer = build_optimizer(state.policy, self.cfg.optimizer)
+        state.scheduler = build_scheduler(state.optimizer, self.cfg.schedule)
 
     # -- state -----------------------------------------------------------------------------------------------------
     def save_checkpoint(self, data_cursor: dict | None = None) -> str:
         """Full-state checkpoint under ``checkpoint.dir`` (``step_<n>``), the KL reference included; returns its
         path."""
-        from trainer.checkpoint import TrainerState
+        from trainer.checkpoint import TrainProgress
 
-        engine = self._require_engine()
+        state = self._require_state()
         if data_cursor is not None:
-            engine.data_cursor = dict(data_cursor)
+            state.data_cursor = dict(data_cursor)
         if self._checkpoints is None:
             raise ValueError("no checkpoint directory: set trainer.checkpoint.dir")
-        state = TrainerState(engine.step, engine.policy_version, engine.data_cursor)
-        return str(self._checkpoints.save(engine.checkpointables(), state))
+        progress = TrainProgress(state.step, state.policy_version, state.data_cursor)
+        return str(self._checkpoints.save(state.checkpointables(), progress))
 
     def load_checkpoint(self, path: str | None = None) -> dict[str, Any]:
         """Restore from the checkpoint directory ``path`` (default: the latest complete one under ``checkpoint.dir``);
         returns step, policy_version and data_cursor."""
         from trainer.checkpoint import CheckpointManager
 
-        engine = self._require_engine()
+        state = self._require_state()
         if self._checkpoints is None and path is None:
             raise ValueError("no checkpoint to load: set trainer.checkpoint.dir or pass a checkpoint path")
         manager = self._checkpoints or CheckpointManager(os.path.dirname(os.path.abspath(str(path))))
         # Checkpoints written before the reference was saved: keep the one rebuilt from init_path (with a warning).
-        state = manager.load(engine.checkpointables(), path, missing_ok=("reference",))
-        engine.step, engine.policy_version, engine.data_cursor = state.step, state.policy_version, state.data_cursor
-        return {"step": state.step, "policy_version": state.policy_version, "data_cursor": state.data_cursor}
+        progress = manager.load(state.checkpointables(), path, missing_ok=("reference",))
+        state.step, state.policy_version = progress.step, progress.policy_version
+        state.data_cursor = progress.data_cursor
+        return {"step": progress.step, "policy_version": progress.policy_version, "data_cursor": progress.data_cursor}
 
     def export_hf(self, path: str, dtype: str | None = None) -> list[str]:
         """Write the policy as an HF safetensors checkpoint (gathered on rank 0, which writes); for serving."""
@@ -191,10 +193,10 @@ class TrainerWorker:
         from trainer.models.hf_io import save_hf_checkpoint
 
         torch_dtype = getattr(torch, dtype) if dtype is not None else None
-        return save_hf_checkpoint(self._require_engine().policy, path, dtype=torch_dtype)
+        return save_hf_checkpoint(self._require_state().policy, path, dtype=torch_dtype)
 
     def policy_version(self) -> int:
-        return self._require_engine().policy_version
+        return self._require_state().policy_version
 
     # -- weight push -----------------------------------------------------------------------------------------------
     def set_weight_endpoints(self, endpoints: Sequence[str]) -> None:
@@ -229,7 +231,7 @@ class TrainerWorker:
     ) -> dict[str, Any]:
         """Stream this rank's own shards, under HF names, to every receiver; rank 0 commits after all ranks pushed.
 
-        ``policy_version`` defaults to the engine's; ``dtype`` casts the pieces (e.g. 'bfloat16' for a bf16 server).
+        ``policy_version`` defaults to the state's; ``dtype`` casts the pieces (e.g. 'bfloat16' for a bf16 server).
         ``endpoints`` pushes (in full) to just those receivers instead, e.g. a replacement rollout worker catching up
         with the version the others already serve; the regular receivers and their delta bases are left alone.
         Returns this rank's outcome: per-receiver push errors, and on rank 0 the per-receiver commit errors.
@@ -241,17 +243,17 @@ class TrainerWorker:
         from trainer.parallelize import local_shards
         from weight_sync.sender import Shard
 
-        engine = self._require_engine()
+        state = self._require_state()
         if endpoints is None:
             sender = self._get_sender()
         else:  # a full push that leaves the regular receivers' delta bases alone
             one_off = self._sync_config().model_copy(update={"endpoints": [], "delta": False})
             sender = self._new_sender(endpoints, one_off)
-        version = engine.policy_version if policy_version is None else policy_version
+        version = state.policy_version if policy_version is None else policy_version
         cast = getattr(torch, dtype) if dtype is not None else None
         shards = [
             Shard(hf_name, piece if cast is None else piece.to(cast), hf_shape, hf_offsets)
-            for name, local, shape, offsets in local_shards(engine.policy)
+            for name, local, shape, offsets in local_shards(state.policy)
             for hf_name, piece, hf_shape, hf_offsets in hf_shards(self.model_cfg, name, local, shape, offsets)
         ]
         try:

@@ -136,7 +136,7 @@ class DeltaCoder:
     """Encodes chunks against the previous version ('sparse' or 'xor_zstd') and brings that base up to date.
 
     Thread-safe: chunks are disjoint, and each thread keeps its own zstd compressor and scratch buffer, so a sender
-    encodes several chunks at once (the compare is compute-bound: one core moves ~1-3 GB/s of model here).
+    encodes several chunks at once (the compare is compute-bound).
     """
 
     def __init__(self, encoding: str, zstd_level: int) -> None:
@@ -187,7 +187,8 @@ def piece_chunks(piece: Piece, base: np.ndarray | None, chunk_bytes: int) -> Ite
     if shape:
         offsets[0] += piece.row0
         shape[0] = piece.row1 - piece.row0
-    header = pb.ShardHeader(name=local.name, offsets=offsets, shape=shape, xxh3_64=xxhash.xxh3_64_intdigest(values.data))
+    checksum = xxhash.xxh3_64_intdigest(values.data)
+    header = pb.ShardHeader(name=local.name, offsets=offsets, shape=shape, xxh3_64=checksum)
     step = max(1, chunk_bytes // values.itemsize)
     for begin in range(0, max(values.shape[0], 1), step):
         new = values[begin : begin + step]

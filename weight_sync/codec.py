@@ -7,9 +7,9 @@ zero-copy view of the received message (protobuf `bytes` fields otherwise copy t
 Delta, two encodings of a chunk against the receiver's committed base (the receiver checks the decoded result against
 the shard's xxh3_64 either way):
 - sparse (default): the indices of the elements whose bit pattern changed and their new values; a vectorized compare,
-  ~0.8 GB/s per core here, 6 bytes per changed bf16 value;
-- xor_zstd: `zstd(new_bits XOR base_bits)`; smaller on the wire (~3.1% of the bytes at 3% changed values) but zstd
-  runs at ~0.4 GB/s per core on such data, so it only pays on slow links.
+  6 bytes per changed bf16 value;
+- xor_zstd: `zstd(new_bits XOR base_bits)`; smaller on the wire but costlier to compute, so it only pays on slow links
+  (`weight_sync/README.md` has the measured rates).
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ class WeightSyncConfig(Config):
     """How trainer ranks push weights to receivers, and how a receiver serves and checks pushes."""
 
     chunk_bytes: int = pydantic.Field(1 << 20, ge=64, le=64 << 20)
-    """Raw payload bytes per streamed chunk, a multiple of 8 (1 MiB measured fastest for Python gRPC here)."""
+    """Raw payload bytes per streamed chunk, a multiple of 8 (``benchmarks/weight_sync.py`` compares sizes)."""
     num_streams: int = pydantic.Field(2, ge=1, le=64)
-    """Push streams per rank and receiver; a rank's shards are spread over them (2 moved ~2x more than 1 here)."""
+    """Push streams per rank and receiver; a rank's shards are spread over them."""
     rpc_timeout_s: float = pydantic.Field(30.0, gt=0)
     """Deadline of Describe/Begin/Abort calls."""
     push_timeout_s: float = pydantic.Field(600.0, gt=0)
@@ -58,8 +58,8 @@ class WeightSyncConfig(Config):
     delta_encoding: Literal["sparse", "xor_zstd"] = "sparse"
     """Delta chunks as changed (index, value) pairs (fast to compute) or zstd of the XOR (fewer bytes, more CPU)."""
     delta_threads: int = pydantic.Field(4, ge=1, le=64)
-    """Threads of a sender that encode delta chunks ahead of its streams (the compare is compute-bound: ~1-3 GB/s of
-    model per core here), so a host's idle cores between steps shorten a delta push."""
+    """Threads of a sender that encode delta chunks ahead of its streams (the compare is compute-bound), so a host's
+    idle cores between steps shorten a delta push."""
     delta_zstd_level: int = pydantic.Field(1, ge=-5, le=19)
     """zstd level of delta chunks (1 is fast; higher compresses better and costs sender CPU)."""
     relay_fanout: int = pydantic.Field(0, ge=0, le=64)

@@ -1,6 +1,6 @@
 """The socket data plane: a rank's Push stream as a plain TCP connection, at the socket's own rate.
 
-Python gRPC copies every chunk several times on both ends (measured ~0.4-0.9x of a raw socket here); this plane writes
+Python gRPC copies every chunk several times on both ends (see `weight_sync/README.md` for the rates); this plane writes
 each chunk's header and element memory straight to the socket (`sendmsg`, no copy) and the receiver reads contiguous
 raw payloads straight into its staging buffer (`recv_into`), so a push costs the socket plus one xxh3 pass per side.
 Control stays on gRPC (Describe announces `data_port`, Begin hands each rank a ticket, Commit/Abort as before) and every

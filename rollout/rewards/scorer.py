@@ -90,9 +90,10 @@ class RewardScorer:
     ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
         """Score ``completions[i]`` against ``problems[i]``.
 
-        Returns ``(rewards, terms, metrics)``: the weighted sums, each term's unweighted scores by name, and
-        ``reward/mean``, ``reward/<name>/mean``, ``reward/<name>/num_errors`` and ``reward/num_errors``. ``group_ids``
-        (optional, one per completion) are only used to name samples in error messages.
+        Returns ``(rewards, terms, error_counts)``: the weighted sums, each term's unweighted scores by name, and the
+        additive counters ``reward/<name>/num_errors`` and ``reward/num_errors`` (reward means are computed from the
+        samples, by ``rollout.metrics.sample_metrics``). ``group_ids`` (optional, one per completion) are only used to
+        name samples in error messages.
         """
         if len(completions) != len(problems):
             raise ValueError(
@@ -114,10 +115,8 @@ class RewardScorer:
             assert len(scores) == len(texts), f"term {term.name} returned {len(scores)} scores for {len(texts)} samples"
             terms[term.name] = scores
             rewards = [r + term.weight * s for r, s in zip(rewards, scores)]
-            metrics[f"reward/{term.name}/mean"] = _mean(scores)
             metrics[f"reward/{term.name}/num_errors"] = float(num_errors)
             total_errors += num_errors
-        metrics["reward/mean"] = _mean(rewards)
         metrics["reward/num_errors"] = float(total_errors)
         return rewards, terms, metrics
 
@@ -131,7 +130,3 @@ class RewardScorer:
             else:
                 return text
         return text
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0

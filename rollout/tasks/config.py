@@ -18,6 +18,10 @@ Operator = Literal["+", "-", "*"]
 """Arithmetic operators the built-in task can ask about."""
 
 
+def _default_operators() -> list[Operator]:
+    return ["+", "-"]
+
+
 class ArithmeticTaskConfig(Config):
     """Multi-digit integer arithmetic with exact, verifiable answers (the task of the embedded default recipe).
 
@@ -33,7 +37,7 @@ class ArithmeticTaskConfig(Config):
     """Fewest digits of an operand (1 includes 0-9)."""
     max_digits: int = pydantic.Field(default=2, ge=1, le=18)
     """Most digits of an operand."""
-    operators: list[Operator] = pydantic.Field(default_factory=lambda: ["+", "-"], min_length=1)
+    operators: list[Operator] = pydantic.Field(default_factory=_default_operators, min_length=1)
     """Operators to draw from, uniformly; e.g. ["+", "-", "*"]."""
     allow_negative: bool = False
     """If false, subtraction puts the larger operand first so every result is >= 0."""

@@ -4,7 +4,7 @@ the one-rank process group that in-process engines need."""
 from __future__ import annotations
 
 import socket
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist

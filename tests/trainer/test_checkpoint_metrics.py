@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.checkpoint import CheckpointManager, Checkpointable, TrainerState
+from trainer.checkpoint import Checkpointable, CheckpointManager, TrainProgress
 from trainer.metrics import MetricsAccumulator, reduction_of
 
 
@@ -32,7 +32,7 @@ def test_save_keep_and_resume(tmp_path) -> None:
     part = _part()
     for step in (1, 2, 3):
         _train(part, 1)
-        manager.save({"policy": part}, TrainerState(step, step + 10, {"cursor": step}))
+        manager.save({"policy": part}, TrainProgress(step, step + 10, {"cursor": step}))
     assert [s for s, _ in manager.checkpoints()] == [2, 3]
     (tmp_path / "step_00000009").mkdir()  # a crashed save: no COMPLETE marker
     assert manager.latest() == tmp_path / "step_00000003"
@@ -42,7 +42,7 @@ def test_save_keep_and_resume(tmp_path) -> None:
 
     resumed = _part()
     state = manager.load({"policy": resumed})
-    assert state == TrainerState(3, 13, {"cursor": 3})
+    assert state == TrainProgress(3, 13, {"cursor": 3})
     assert resumed.scheduler.last_epoch == 3
     _train(resumed, 2)  # same RNG draws and optimizer state as the uninterrupted run
     for name, p in resumed.model.named_parameters():

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+from trainer_batches import random_batch
 
 from rollout.types import RolloutBatch
-from trainer_batches import random_batch
-from trainer.checkpoint import CheckpointManager, Checkpointable, TrainerState
+from trainer.checkpoint import Checkpointable, CheckpointManager, TrainProgress
 from trainer.config import TrainerConfig
 from trainer.models.config import ModelConfig
 from trainer.rl.config import GRPOConfig, KLConfig
@@ -39,7 +39,7 @@ def _part(seed: int, frozen: bool = False) -> Checkpointable:
 def test_frozen_part_round_trips_and_old_checkpoints_still_load(tmp_path, caplog) -> None:
     manager = CheckpointManager(tmp_path)
     saved = {"policy": _part(0), "reference": _part(1, frozen=True)}
-    manager.save(saved, TrainerState(1, 1, {}))
+    manager.save(saved, TrainProgress(1, 1, {}))
     loaded = {"policy": _part(2), "reference": _part(3, frozen=True)}
     manager.load(loaded)
     for name in saved:
@@ -48,7 +48,7 @@ def test_frozen_part_round_trips_and_old_checkpoints_still_load(tmp_path, caplog
     manager.load({"policy": policy_only})
     assert torch.equal(policy_only.model.weight, saved["policy"].model.weight)
 
-    manager.save({"policy": saved["policy"]}, TrainerState(2, 2, {}))  # a run from before the reference was saved
+    manager.save({"policy": saved["policy"]}, TrainProgress(2, 2, {}))  # a run from before the reference was saved
     rebuilt = _part(3, frozen=True)
     with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
         manager.load({"policy": _part(2), "reference": rebuilt}, missing_ok=("reference",))
@@ -101,9 +101,9 @@ def _resume_flow(rank: int, world: int, ports: tuple[int, int], root: Path) -> d
         for step in range(2):
             first.train_step(_batch(step))
         first.save_checkpoint(data_cursor={"next": 2})
-        out["warm_reference"] = _full(first.engine.reference)
+        out["warm_reference"] = _full(first.state.reference)
         out["expected"] = [first.train_step(_batch(step)) for step in (2, 3)]
-        out["expected_policy"], out["expected_reference"] = _full(first.engine.policy), _full(first.engine.reference)
+        out["expected_policy"], out["expected_reference"] = _full(first.state.policy), _full(first.state.reference)
         torch.distributed.barrier()
         if rank == 0:
             shutil.rmtree(warm)  # resume falls back to the base checkpoint for init_path, as the driver does
@@ -112,11 +112,11 @@ def _resume_flow(rank: int, world: int, ports: tuple[int, int], root: Path) -> d
 
     resumed = _worker(rank, world, ports[1], root, root / "base")
     try:
-        out["base_reference"] = _full(resumed.engine.reference)
+        out["base_reference"] = _full(resumed.state.reference)
         out["state"] = resumed.load_checkpoint()
-        out["loaded_reference"] = _full(resumed.engine.reference)
+        out["loaded_reference"] = _full(resumed.state.reference)
         out["got"] = [resumed.train_step(_batch(step)) for step in (2, 3)]
-        out["got_policy"], out["got_reference"] = _full(resumed.engine.policy), _full(resumed.engine.reference)
+        out["got_policy"], out["got_reference"] = _full(resumed.state.policy), _full(resumed.state.reference)
     finally:
         resumed.shutdown()
     return out

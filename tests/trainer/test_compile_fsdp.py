@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from trainer_batches import random_batch
 
 NUM_STEPS = 2
@@ -23,10 +22,10 @@ def _worker(rank: int, world: int, compile: bool, port: int, out_dir: str) -> No
     from torch.distributed.fsdp import FSDPModule
 
     from trainer.config import TrainerConfig
-    from trainer.engine import build_engine
     from trainer.models.config import ModelConfig
     from trainer.parallelize import build_mesh, local_shards
     from trainer.rl.config import GRPOConfig, KLConfig
+    from trainer.state import build_train_state
     from trainer.step import rl_step
 
     model_cfg = ModelConfig(
@@ -35,14 +34,14 @@ def _worker(rank: int, world: int, compile: bool, port: int, out_dir: str) -> No
     )  # fmt: skip
     cfg = TrainerConfig(num_ranks=world, micro_batch_tokens=96, optimizer={"lr": 3e-3}, compile=compile)
     algo = GRPOConfig(group_size=4, kl=KLConfig(coef=0.05))
-    engine = build_engine(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
-    assert isinstance(engine.policy, FSDPModule) == (world > 1)
-    metrics = [rl_step(engine, random_batch(10 + s, num_groups=4, completion_len=(1, 24))) for s in range(NUM_STEPS)]
+    state = build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+    assert isinstance(state.policy, FSDPModule) == (world > 1)
+    metrics = [rl_step(state, random_batch(10 + s, num_groups=4, completion_len=(1, 24))) for s in range(NUM_STEPS)]
     weights = {
         n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-        for n, p in engine.policy.named_parameters()
+        for n, p in state.policy.named_parameters()
     }
-    shard_names = sorted(name for name, *_ in local_shards(engine.policy))
+    shard_names = sorted(name for name, *_ in local_shards(state.policy))
     torch.save({"metrics": metrics, "weights": weights, "shards": shard_names}, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 

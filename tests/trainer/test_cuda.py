@@ -5,13 +5,13 @@ the same step on the CPU."""
 from __future__ import annotations
 
 import socket
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
-
 from trainer_batches import random_batch
+
 from trainer.config import TrainerConfig
 from trainer.models.attention import masked_sdpa_attention, sdpa_attention
 from trainer.models.config import ModelConfig
@@ -85,16 +85,16 @@ def test_grouped_experts_match_the_loop_in_bf16() -> None:
     "model_cfg,algo", [(DENSE, GRPOConfig(group_size=4)), (MOE, GRPOConfig(group_size=4)), (DENSE, PPOConfig())]
 )
 def test_one_step_on_the_gpu_equals_the_cpu_step(cuda_group, model_cfg: ModelConfig, algo) -> None:
-    from trainer.engine import build_engine
     from trainer.parallelize import build_mesh
+    from trainer.state import build_train_state
     from trainer.step import rl_step
 
     runs = {}
     for device in ("cpu", "cuda"):
         cfg = TrainerConfig(optimizer={"lr": 1e-3}, micro_batch_tokens=64)
-        engine = build_engine(cfg, model_cfg, algo, torch.device(device), build_mesh(cfg, device))
-        metrics = rl_step(engine, random_batch(3))
-        runs[device] = (metrics, {n: p.detach().float().cpu() for n, p in engine.policy.named_parameters()})
+        state = build_train_state(cfg, model_cfg, algo, torch.device(device), build_mesh(cfg, device))
+        metrics = rl_step(state, random_batch(3))
+        runs[device] = (metrics, {n: p.detach().float().cpu() for n, p in state.policy.named_parameters()})
     (cpu_metrics, cpu_params), (gpu_metrics, gpu_params) = runs["cpu"], runs["cuda"]
     assert gpu_metrics["loss"] == pytest.approx(cpu_metrics["loss"], rel=1e-3, abs=1e-5)
     assert gpu_metrics["grad_norm"] == pytest.approx(cpu_metrics["grad_norm"], rel=1e-3)

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from trainer_batches import random_batch
 
 from rollout.types import RolloutBatch
-from trainer_batches import random_batch
 
 NUM_STEPS = 4  # checkpoint after step 2, then steps 3-4 twice (uninterrupted, resumed)
 
@@ -51,32 +51,33 @@ def _full_weights(model) -> dict[str, torch.Tensor]:
 def _worker(rank: int, world: int, tp: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    from trainer.checkpoint import CheckpointManager, TrainerState
-    from trainer.engine import build_engine
+    from trainer.checkpoint import CheckpointManager, TrainProgress
     from trainer.parallelize import build_mesh, local_shards
+    from trainer.state import build_train_state
     from trainer.step import rl_step
 
     cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world, tp)
 
     def fresh():
-        return build_engine(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+        return build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
 
-    engine = fresh()
-    result: dict = {"init_shards": [(n, t.clone(), s, o) for n, t, s, o in local_shards(engine.policy)]}
+    state = fresh()
+    result: dict = {"init_shards": [(n, t.clone(), s, o) for n, t, s, o in local_shards(state.policy)]}
     manager = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.num_keep)
     losses = []
     for step in range(NUM_STEPS):
         if step == 2:
-            manager.save(engine.checkpointables(), TrainerState(engine.step, engine.policy_version, {"next": step}))
-        losses.append(rl_step(engine, _batch(step)))
+            manager.save(state.checkpointables(), TrainProgress(state.step, state.policy_version, {"next": step}))
+        losses.append(rl_step(state, _batch(step)))
     result["metrics"] = losses
-    result["weights"] = _full_weights(engine.policy)
-    result["final_shards"] = [(n, t.clone(), s, o) for n, t, s, o in local_shards(engine.policy)]
+    result["weights"] = _full_weights(state.policy)
+    result["final_shards"] = [(n, t.clone(), s, o) for n, t, s, o in local_shards(state.policy)]
 
     resumed = fresh()
-    state = manager.load(resumed.checkpointables())
-    resumed.step, resumed.policy_version = state.step, state.policy_version
-    result["resumed_metrics"] = [rl_step(resumed, _batch(step)) for step in range(state.data_cursor["next"], NUM_STEPS)]
+    progress = manager.load(resumed.checkpointables())
+    resumed.step, resumed.policy_version = progress.step, progress.policy_version
+    first = progress.data_cursor["next"]
+    result["resumed_metrics"] = [rl_step(resumed, _batch(step)) for step in range(first, NUM_STEPS)]
     result["resumed_weights"] = _full_weights(resumed.policy)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()

@@ -10,9 +10,9 @@ import tempfile
 import numpy as np
 import pytest
 import torch
+from trainer_batches import random_batch
 
 from rollout.types import RolloutBatch
-from trainer_batches import random_batch
 from trainer.config import TrainerConfig
 from trainer.models.config import ModelConfig
 from trainer.rl.config import GRPOConfig

@@ -3,14 +3,13 @@ FSDP layout, checkpoints load across the two layouts, and the weight push sees w
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-
 from trainer_batches import random_batch
-from trainer.checkpoint import CheckpointManager, TrainerState
+
+from trainer.checkpoint import CheckpointManager, TrainProgress
 from trainer.config import TrainerConfig
 from trainer.models.config import ModelConfig
 from trainer.rl.config import GRPOConfig
@@ -26,17 +25,17 @@ pytestmark = pytest.mark.usefixtures("single_rank_group")
 
 
 def _engine(**overrides):
-    from trainer.engine import build_engine
     from trainer.parallelize import build_mesh
+    from trainer.state import build_train_state
 
     cfg = TrainerConfig(**{"optimizer": {"lr": 1e-3}, "micro_batch_tokens": 10_000, **overrides})
-    return build_engine(cfg, MODEL, ALGO, torch.device("cpu"), build_mesh(cfg, "cpu"))
+    return build_train_state(cfg, MODEL, ALGO, torch.device("cpu"), build_mesh(cfg, "cpu"))
 
 
-def _params(engine) -> dict[str, torch.Tensor]:
+def _params(state) -> dict[str, torch.Tensor]:
     return {
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-        for n, p in engine.policy.named_parameters()
+        for n, p in state.policy.named_parameters()
     }
 
 
@@ -54,11 +53,11 @@ def test_fsdp_applies_only_where_it_shards_or_casts():
 def test_single_rank_engine_is_plain_and_pushes_whole_tensors():
     from trainer.parallelize import local_shards
 
-    engine = _engine()
-    assert not isinstance(engine.policy, FSDPModule)
-    assert not any(isinstance(p, DTensor) for p in engine.policy.parameters())
-    shards = list(local_shards(engine.policy))
-    assert {name for name, *_ in shards} == {n for n, _ in engine.policy.named_parameters()}
+    state = _engine()
+    assert not isinstance(state.policy, FSDPModule)
+    assert not any(isinstance(p, DTensor) for p in state.policy.parameters())
+    shards = list(local_shards(state.policy))
+    assert {name for name, *_ in shards} == {n for n, _ in state.policy.named_parameters()}
     for name, local, shape, offsets in shards:
         assert tuple(local.shape) == shape and set(offsets) == {0}, name
 
@@ -72,18 +71,18 @@ def test_fsdp_checkpoint_loads_into_plain_engine_and_updates_match(tmp_path, mon
     assert isinstance(sharded.policy, FSDPModule)
     plain = _engine()
     first = random_batch(0, num_groups=3, group_size=4)
-    metrics = [rl_step(engine, first) for engine in (sharded, plain)]
+    metrics = [rl_step(state, first) for state in (sharded, plain)]
     assert metrics[0]["grad_norm"] == pytest.approx(metrics[1]["grad_norm"], rel=1e-6)
     for name, p in _params(plain).items():
         torch.testing.assert_close(p, _params(sharded)[name], rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
 
     manager = CheckpointManager(tmp_path)
-    manager.save(sharded.checkpointables(), TrainerState(1, 1, {}))
+    manager.save(sharded.checkpointables(), TrainProgress(1, 1, {}))
     resumed = _engine(seed=1)  # different init: everything must come from the checkpoint
     manager.load(resumed.checkpointables())
     assert all(torch.equal(p, _params(sharded)[n]) for n, p in _params(resumed).items())
     second = random_batch(1, num_groups=3, group_size=4)
-    after = [rl_step(engine, second) for engine in (sharded, resumed)]
+    after = [rl_step(state, second) for state in (sharded, resumed)]
     for key in ("loss", "grad_norm"):
         assert after[0][key] == pytest.approx(after[1][key], rel=1e-6, abs=1e-7), key
     for name, p in _params(resumed).items():

@@ -8,9 +8,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from trainer_batches import random_samples
 
 from rollout.types import RolloutBatch, Sample
-from trainer_batches import random_samples
 from trainer.config import TrainerConfig
 from trainer.models.config import ModelConfig
 from trainer.rl.config import GRPOConfig, ImportanceSamplingConfig, KLConfig, PPOConfig
@@ -25,23 +25,23 @@ pytestmark = pytest.mark.usefixtures("single_rank_group")
 
 
 def _engine(algo, **overrides):
-    from trainer.engine import build_engine
     from trainer.parallelize import build_mesh
+    from trainer.state import build_train_state
 
     cfg = TrainerConfig(**{"optimizer": {"lr": 1e-3}, "micro_batch_tokens": 10_000, **overrides})
-    return build_engine(cfg, MODEL, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+    return build_train_state(cfg, MODEL, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
 
 
 def _samples(seed: int = 0, num_groups: int = 3, group_size: int = 4) -> list[Sample]:
     return random_samples(seed, num_groups=num_groups, group_size=group_size)
 
 
-def _set_rollout_logprobs_to_trainer(engine, samples: list[Sample]) -> None:
+def _set_rollout_logprobs_to_trainer(state, samples: list[Sample]) -> None:
     from trainer.step import forward_logprobs, plan_rank_micro_batches
 
     with torch.no_grad():
-        for mb in plan_rank_micro_batches(engine, samples, range(len(samples))):
-            lp = forward_logprobs(engine.policy, mb)[0]
+        for mb in plan_rank_micro_batches(state, samples, range(len(samples))):
+            lp = forward_logprobs(state.policy, mb)[0]
             for seg, i in enumerate(mb.sample_indices):
                 samples[i].rollout_logprobs = lp[seg, : len(samples[i].completion_ids)].numpy().copy()
 
@@ -56,10 +56,10 @@ def test_first_grpo_step_is_exactly_on_policy() -> None:
     from trainer.step import rl_step
 
     algo = GRPOConfig(group_size=4, kl=KLConfig(coef=0.1), importance_sampling=ImportanceSamplingConfig(cap=2.0))
-    engine = _engine(algo, micro_batch_tokens=40)
+    state = _engine(algo, micro_batch_tokens=40)
     samples = _samples()
-    _set_rollout_logprobs_to_trainer(engine, samples)  # packed exactly as the step packs them
-    m = rl_step(engine, RolloutBatch(samples))
+    _set_rollout_logprobs_to_trainer(state, samples)  # packed exactly as the step packs them
+    m = rl_step(state, RolloutBatch(samples))
     assert m["ratio_min"] == 1.0 and m["ratio_max"] == 1.0
     assert m["kl"] == 0.0 and m["kl_loss"] == 0.0
     assert m["is_ratio_mean"] == 1.0 and m["is_ratio_max"] == 1.0 and m["logprob_gap"] == 0.0
@@ -71,14 +71,14 @@ def test_first_grpo_step_is_exactly_on_policy() -> None:
 def test_old_logprob_pass_matches_the_gradient_pass() -> None:
     """Batches reused for several optimizer steps take old log-probs from a no-grad pass: bitwise the same values."""
     from trainer.packing import plan_micro_batches
-    from trainer.step import _rollout_side_pass, forward_logprobs
+    from trainer.step import _no_grad_pass, forward_logprobs
 
-    engine = _engine(GRPOConfig(group_size=4), micro_batch_tokens=40)
+    state = _engine(GRPOConfig(group_size=4), micro_batch_tokens=40)
     samples = _samples(seed=5)
     mbs = plan_micro_batches(samples, range(len(samples)), 0, 1, 40)
-    _rollout_side_pass(engine, [mbs], need_old=True)
+    _no_grad_pass(state, [mbs], need_old=True)
     for mb in mbs:
-        logprobs = forward_logprobs(engine.policy, mb)[0]
+        logprobs = forward_logprobs(state.policy, mb)[0]
         assert logprobs.requires_grad
         assert torch.equal(logprobs.detach(), mb.extra["old_logprobs"])
 
@@ -88,14 +88,14 @@ def test_head_at_completion_positions_equals_full_head() -> None:
     token is predicted: same values as the full [R, L] forward and head unpacked, and the same weight gradients."""
     from trainer.step import forward_logprobs, plan_rank_micro_batches
 
-    engine = _engine(GRPOConfig(group_size=4), micro_batch_tokens=60)
+    state = _engine(GRPOConfig(group_size=4), micro_batch_tokens=60)
     samples = _samples(seed=6)
-    params = list(engine.policy.parameters())
-    for mb in plan_rank_micro_batches(engine, samples, range(len(samples))):
-        logprobs, entropy, hidden = forward_logprobs(engine.policy, mb)
-        assert hidden.shape == (mb.num_loss_tokens, engine.model_cfg.dim)
-        full_hidden = engine.policy(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids)
-        full_lp, full_ent = engine.policy.token_logprobs(full_hidden, mb.targets)
+    params = list(state.policy.parameters())
+    for mb in plan_rank_micro_batches(state, samples, range(len(samples))):
+        logprobs, entropy, hidden = forward_logprobs(state.policy, mb)
+        assert hidden.shape == (mb.num_loss_tokens, state.model_cfg.dim)
+        full_hidden = state.policy(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids)
+        full_lp, full_ent = state.policy.token_logprobs(full_hidden, mb.targets)
         torch.testing.assert_close(logprobs, mb.unpack(full_lp), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(entropy, mb.unpack(full_ent), rtol=1e-6, atol=1e-6)
         grads = [torch.autograd.grad((lp * mb.loss_mask).sum() + ent.sum(), params)
@@ -126,9 +126,9 @@ def test_micro_batching_does_not_change_the_update() -> None:
     samples = _samples(seed=1)
     results = []
     for budget in (10_000, 24):  # one packed row vs many small micro-batches (gradient accumulation)
-        engine = _engine(algo, micro_batch_tokens=budget)
-        metrics = [rl_step(engine, RolloutBatch(samples)) for _ in range(2)]
-        results.append((metrics, _weights(engine.policy)))
+        state = _engine(algo, micro_batch_tokens=budget)
+        metrics = [rl_step(state, RolloutBatch(samples)) for _ in range(2)]
+        results.append((metrics, _weights(state.policy)))
     (m_one, w_one), (m_many, w_many) = results
     for a, b in zip(m_one, m_many):
         for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm"):
@@ -140,14 +140,14 @@ def test_micro_batching_does_not_change_the_update() -> None:
 def test_ppo_step_trains_the_critic() -> None:
     from trainer.step import rl_step
 
-    engine = _engine(PPOConfig(kl=KLConfig(coef=0.05, where="reward")), critic_lr=1e-2)
+    state = _engine(PPOConfig(kl=KLConfig(coef=0.05, where="reward")), critic_lr=1e-2)
     samples = _samples(seed=2)
-    _set_rollout_logprobs_to_trainer(engine, samples)
-    first = rl_step(engine, RolloutBatch(samples))
+    _set_rollout_logprobs_to_trainer(state, samples)
+    first = rl_step(state, RolloutBatch(samples))
     assert first["loss"] == pytest.approx(0.0, abs=1e-6)  # whitened advantages, ratio 1: zero surrogate
     assert first["critic/value_mean"] == 0.0  # zero-initialised value head
     errors = [first["critic/value_error"]]
-    errors += [rl_step(engine, RolloutBatch(samples))["critic/value_error"] for _ in range(4)]
+    errors += [rl_step(state, RolloutBatch(samples))["critic/value_error"] for _ in range(4)]
     assert errors[-1] < errors[0]
     assert all(np.isfinite(v) for v in first.values())
 
@@ -160,8 +160,8 @@ def test_ppo_step_with_a_micro_batch_without_completion_tokens() -> None:
     samples = _samples(seed=8)
     samples[5] = replace(samples[5], completion_ids=samples[5].completion_ids[:0],
                          rollout_logprobs=samples[5].rollout_logprobs[:0])  # fmt: skip
-    engine = _engine(PPOConfig(kl=KLConfig(coef=0.05, where="reward")), micro_batch_tokens=1)  # one sample each
-    metrics = rl_step(engine, RolloutBatch(samples))
+    state = _engine(PPOConfig(kl=KLConfig(coef=0.05, where="reward")), micro_batch_tokens=1)  # one sample each
+    metrics = rl_step(state, RolloutBatch(samples))
     assert metrics["num_tokens"] == sum(len(s.completion_ids) for s in samples)
     assert all(np.isfinite(v) for v in metrics.values())
 
@@ -169,11 +169,11 @@ def test_ppo_step_with_a_micro_batch_without_completion_tokens() -> None:
 def test_sft_step_lowers_nll() -> None:
     from trainer.step import sft_step
 
-    engine = _engine(GRPOConfig(group_size=4), optimizer={"lr": 1e-2})
+    state = _engine(GRPOConfig(group_size=4), optimizer={"lr": 1e-2})
     samples = _samples(seed=3)
-    losses = [sft_step(engine, samples)["sft_loss"] for _ in range(5)]
+    losses = [sft_step(state, samples)["sft_loss"] for _ in range(5)]
     assert losses[-1] < losses[0] - 0.1
-    assert engine.policy_version == 5
+    assert state.policy_version == 5
 
 
 def test_hf_export_round_trips(tmp_path) -> None:
@@ -181,11 +181,11 @@ def test_hf_export_round_trips(tmp_path) -> None:
     from trainer.models.transformer import build_model
     from trainer.step import rl_step
 
-    engine = _engine(GRPOConfig(group_size=4))
-    rl_step(engine, RolloutBatch(_samples(seed=4)))
-    save_hf_checkpoint(engine.policy, str(tmp_path / "hf"))
+    state = _engine(GRPOConfig(group_size=4))
+    rl_step(state, RolloutBatch(_samples(seed=4)))
+    save_hf_checkpoint(state.policy, str(tmp_path / "hf"))
     plain = build_model(MODEL, device="cpu", dtype=torch.float32)
     load_hf_checkpoint(plain, str(tmp_path / "hf"))
-    trained = _weights(engine.policy)
+    trained = _weights(state.policy)
     for name, p in plain.named_parameters():
         assert torch.equal(p, trained[name]), name

@@ -17,11 +17,21 @@ Values off the mask are multiplied by 0, so they must be finite (pad log-probs w
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 
 from trainer.rl.config import LossAggregation
 
-__all__ = ["aggregate", "masked_mean"]
+__all__ = ["AggregateKwargs", "aggregate", "masked_mean"]
+
+
+class AggregateKwargs(TypedDict, total=False):
+    """The normalisers of :func:`aggregate`, as the loss functions pass them through (``**kwargs``)."""
+
+    norm_length: int | None
+    num_tokens: float | None
+    num_seqs: float | None
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -57,15 +67,14 @@ def aggregate(
     mask = mask.to(x.dtype)
     masked = x * mask
     if mode == "token_mean":
-        denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-        return masked.sum() / denom
+        token_denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+        return masked.sum() / token_denom
     seq_tokens = mask.sum(dim=-1)  # [B]
-    if num_seqs is None:
-        num_seqs = (seq_tokens > 0).sum().clamp(min=1)
+    seq_denom = (seq_tokens > 0).sum().clamp(min=1) if num_seqs is None else num_seqs
     if mode == "seq_mean_token_mean":
-        return (masked.sum(dim=-1) / seq_tokens.clamp(min=1)).sum() / num_seqs
+        return (masked.sum(dim=-1) / seq_tokens.clamp(min=1)).sum() / seq_denom
     if mode == "token_sum_norm":
         if norm_length is None:
             raise ValueError("aggregation 'token_sum_norm' needs norm_length (the constant per-sequence divisor)")
-        return masked.sum() / (num_seqs * norm_length)
+        return masked.sum() / (seq_denom * norm_length)
     raise ValueError(f"unknown loss aggregation {mode!r}; use 'token_mean', 'seq_mean_token_mean' or 'token_sum_norm'")

@@ -8,7 +8,7 @@ No torch import here, so recipes validate instantly.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, Union
+from typing import Annotated, ClassVar, Literal
 
 import pydantic
 
@@ -186,5 +186,5 @@ class PPOConfig(PolicyConfig):
     """Weight of the critic's value loss (the critic's learning rate is ``trainer.critic_lr``)."""
 
 
-AlgorithmConfig = Annotated[Union[GRPOConfig, PPOConfig], pydantic.Field(discriminator="type")]
+AlgorithmConfig = Annotated[GRPOConfig | PPOConfig, pydantic.Field(discriminator="type")]
 """The RL algorithm of a recipe, chosen by ``type``: 'grpo' or 'ppo'."""

@@ -6,9 +6,11 @@ distribution, so they are computed from logits (in chunks by the output head for
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
 
-from trainer.rl.aggregation import aggregate
+from trainer.rl.aggregation import AggregateKwargs, aggregate
 from trainer.rl.config import LossAggregation
 
 __all__ = ["entropy_bonus", "entropy_from_logits"]
@@ -25,7 +27,7 @@ def entropy_bonus(
     mask: torch.Tensor,
     coef: float,
     aggregation: LossAggregation = "token_mean",
-    **aggregate_kwargs: float | int | None,
+    **aggregate_kwargs: Unpack[AggregateKwargs],
 ) -> torch.Tensor:
     """``coef * aggregate(entropies)``, the amount to subtract from the loss. entropies, mask: [B, T]; 0-dim out."""
     return coef * aggregate(entropies, mask, aggregation, **aggregate_kwargs)

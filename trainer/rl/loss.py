@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.rl.aggregation import aggregate, masked_mean
+from trainer.rl.aggregation import AggregateKwargs, aggregate, masked_mean
 from trainer.rl.config import PolicyConfig
 from trainer.rl.entropy import entropy_bonus
 from trainer.rl.importance import truncated_importance_weights
@@ -64,7 +64,7 @@ def compute_policy_loss(
         Importance weights multiply the policy term only, not the KL or entropy terms.
     """
     old = logprobs.detach() if old_logprobs is None else old_logprobs
-    agg = dict(norm_length=config.loss_norm_length, num_tokens=num_tokens, num_seqs=num_seqs)
+    agg: AggregateKwargs = {"norm_length": config.loss_norm_length, "num_tokens": num_tokens, "num_seqs": num_seqs}
     metrics: dict[str, float] = {"num_tokens": float(mask.sum())}
 
     weights = None

@@ -11,9 +11,11 @@ an optional detached importance weight (see ``trainer.rl.importance``), then agg
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
 
-from trainer.rl.aggregation import aggregate, masked_mean
+from trainer.rl.aggregation import AggregateKwargs, aggregate, masked_mean
 from trainer.rl.config import LossAggregation, RatioLevel
 
 __all__ = ["policy_ratio", "clipped_policy_loss"]
@@ -46,7 +48,7 @@ def clipped_policy_loss(
     ratio_level: RatioLevel = "token",
     aggregation: LossAggregation = "token_mean",
     weights: torch.Tensor | None = None,
-    **aggregate_kwargs: float | int | None,
+    **aggregate_kwargs: Unpack[AggregateKwargs],
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate loss (to minimise).
 

@@ -6,7 +6,7 @@ pile onto the same experts). Gradient accumulation: each micro-batch enters with
 batch's tokens`` (all ranks), so the accumulated gradient is that of the token-weighted mean over micro-batches, the
 same on 1 or N ranks. Use inside a step, after ``compute_policy_loss``::
 
-    coef = moe_aux_coef(engine.algorithm.config, engine.model_cfg)  # None: dense model, nothing to add
+    coef = moe_aux_coef(state.algorithm.config, state.model_cfg)  # None: dense model, nothing to add
     num_tokens = count_router_tokens(samples, minibatch_indices)  # once per optimizer batch
     loss, metrics = add_router_aux_loss(loss, metrics, model, mb, coef, num_tokens)
 
@@ -16,7 +16,8 @@ perfectly balanced routing); ``metrics['loss']`` then includes ``coef x`` that s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn

@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
 
-from trainer.rl.aggregation import aggregate, masked_mean
+from trainer.rl.aggregation import AggregateKwargs, aggregate, masked_mean
 from trainer.rl.config import LossAggregation
 
 __all__ = ["clipped_value_loss"]
@@ -21,7 +23,7 @@ def clipped_value_loss(
     mask: torch.Tensor,
     clip: float,
     aggregation: LossAggregation = "token_mean",
-    **aggregate_kwargs: float | int | None,
+    **aggregate_kwargs: Unpack[AggregateKwargs],
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss (to minimise).
 

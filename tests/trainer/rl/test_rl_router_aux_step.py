@@ -3,13 +3,12 @@ added with the configured weight, off at 0, absent for dense models, a mean per 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
+from trainer_batches import random_samples
 
 from rollout.types import RolloutBatch, Sample
-from trainer_batches import random_samples
 from trainer.config import TrainerConfig
 from trainer.models.config import ModelConfig
 from trainer.rl.config import GRPOConfig
@@ -30,17 +29,17 @@ def _samples(seed: int = 0) -> list[Sample]:
 
 
 def _step(model_cfg: ModelConfig, algo: GRPOConfig, **overrides) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    from trainer.engine import build_engine
     from trainer.parallelize import build_mesh
+    from trainer.state import build_train_state
     from trainer.step import rl_step
 
     cfg = TrainerConfig(**{"optimizer": {"lr": 1e-2}, "micro_batch_tokens": 48, **overrides})
-    engine = build_engine(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
-    metrics = rl_step(engine, RolloutBatch(_samples()))
+    state = build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+    metrics = rl_step(state, RolloutBatch(_samples()))
     # One float32 rank runs the plain module (no FSDP DTensors); full_tensor() covers the sharded layout.
     weights = {
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-        for n, p in engine.policy.named_parameters()
+        for n, p in state.policy.named_parameters()
     }
     return metrics, weights
 
@@ -71,11 +70,11 @@ def test_metric_is_a_mean_per_optimizer_step() -> None:
 
 
 def _engine(model_cfg: ModelConfig, algo):
-    from trainer.engine import build_engine
     from trainer.parallelize import build_mesh
+    from trainer.state import build_train_state
 
     cfg = TrainerConfig(optimizer={"lr": 1e-2}, micro_batch_tokens=48)
-    return build_engine(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+    return build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
 
 
 def test_sft_warm_start_minimises_the_term_too() -> None:
@@ -83,8 +82,8 @@ def test_sft_warm_start_minimises_the_term_too() -> None:
 
     runs = {}
     for coef in (0.0, 0.3):
-        engine = _engine(MOE, GRPOConfig(group_size=4, moe_aux_loss_coef=coef))
-        runs[coef] = (sft_step(engine, _samples()), engine.policy.get_parameter("layers.0.moe.router.weight"))
+        state = _engine(MOE, GRPOConfig(group_size=4, moe_aux_loss_coef=coef))
+        runs[coef] = (sft_step(state, _samples()), state.policy.get_parameter("layers.0.moe.router.weight"))
     (off, router_off), (on, router_on) = runs[0.0], runs[0.3]
     assert off["loss"] == off["sft_loss"] == on["sft_loss"]
     assert on["loss/moe_aux"] == off["loss/moe_aux"] > 1.0
@@ -100,9 +99,9 @@ def test_ppo_critic_routers_get_the_term() -> None:
 
     runs = {}
     for coef in (0.0, 0.3):
-        engine = _engine(MOE, PPOConfig(moe_aux_loss_coef=coef))
-        metrics = rl_step(engine, RolloutBatch(_samples()))
-        runs[coef] = (metrics, engine.critic.get_parameter("body.layers.0.moe.router.weight").detach().clone())
+        state = _engine(MOE, PPOConfig(moe_aux_loss_coef=coef))
+        metrics = rl_step(state, RolloutBatch(_samples()))
+        runs[coef] = (metrics, state.critic.get_parameter("body.layers.0.moe.router.weight").detach().clone())
     (off, router_off), (on, router_on) = runs[0.0], runs[0.3]
     assert off["critic/loss"] == off["critic/value_loss"] == on["critic/value_loss"]
     assert on["critic/loss/moe_aux"] == off["critic/loss/moe_aux"] > 1.0

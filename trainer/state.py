@@ -1,6 +1,6 @@
 """The per-rank training state: the algorithm, sharded policy, frozen reference, critic, optimizers and LR schedules.
 
-:func:`build_engine` builds every model the algorithm needs (``Algorithm.needs_reference`` / ``needs_critic``) from
+:func:`build_train_state` builds every model the algorithm needs (``Algorithm.needs_reference`` / ``needs_critic``) from
 one :class:`ModelConfig` with the same seed on every rank (so the unsharded init is identical everywhere), loads the
 initial HF weights when given, then shards each model the same way (``trainer.parallelize``). The update itself lives
 in ``trainer.step``.
@@ -21,17 +21,17 @@ from trainer.checkpoint import Checkpointable
 from trainer.config import TrainerConfig
 from trainer.critic import Critic
 from trainer.models.config import ModelConfig
-from trainer.models.transformer import build_model
+from trainer.models.transformer import Transformer, build_model
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.parallelize import parallelize_model
+from trainer.parallelize import ModelT, parallelize_model
 from trainer.rl.algorithms import Algorithm, build_algorithm
 from trainer.rl.config import AlgorithmConfig
 
-__all__ = ["TrainEngine", "build_engine"]
+__all__ = ["TrainState", "build_train_state"]
 
 
 @dataclass
-class TrainEngine:
+class TrainState:
     """Everything one trainer rank updates. ``step`` counts train steps (rollout batches), not optimizer steps."""
 
     cfg: TrainerConfig
@@ -40,11 +40,12 @@ class TrainEngine:
     """The RL algorithm (``algorithm.config`` is its recipe section)."""
     device: torch.device
     mesh: DeviceMesh
-    policy: nn.Module
+    policy: Transformer
+    """The (sharded) policy: still a :class:`Transformer` after ``fully_shard``, which only swaps its class."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    reference: nn.Module | None = None
-    critic: nn.Module | None = None
+    reference: Transformer | None = None
+    critic: Critic | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
     critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     step: int = 0
@@ -80,7 +81,7 @@ class TrainEngine:
         return parts
 
 
-def _shard(model: nn.Module, mesh: DeviceMesh, cfg: TrainerConfig) -> nn.Module:
+def _shard(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> ModelT:
     model = parallelize_model(model, mesh, cfg)
     if isinstance(model, FSDPModule) and hasattr(model, "token_logprobs"):
         # token_logprobs uses root-unit parameters (the output head) outside forward: let FSDP unshard for it too.
@@ -88,14 +89,14 @@ def _shard(model: nn.Module, mesh: DeviceMesh, cfg: TrainerConfig) -> nn.Module:
     return model
 
 
-def build_engine(
+def build_train_state(
     cfg: TrainerConfig,
     model_cfg: ModelConfig,
     algorithm: AlgorithmConfig,
     device: torch.device,
     mesh: DeviceMesh,
     init_path: str | None = None,
-) -> TrainEngine:
+) -> TrainState:
     """Build, load and shard the policy (and the reference / critic when the algorithm needs them) on this rank.
 
     ``init_path``: a local HF checkpoint directory with the initial weights; None keeps the seeded random init (tests).
@@ -119,14 +120,14 @@ def build_engine(
 
     policy = _shard(policy.to(device), mesh, cfg)
     optimizer = build_optimizer(policy, cfg.optimizer)
-    engine = TrainEngine(
+    state = TrainState(
         cfg=cfg, model_cfg=model_cfg, algorithm=algo, device=device, mesh=mesh, policy=policy,
         optimizer=optimizer, scheduler=build_scheduler(optimizer, cfg.schedule),
     )  # fmt: skip
     if reference is not None:
-        engine.reference = _shard(reference.to(device), mesh, cfg)
+        state.reference = _shard(reference.to(device), mesh, cfg)
     if critic is not None:
-        engine.critic = _shard(critic.to(device), mesh, cfg)
-        engine.critic_optimizer = build_optimizer(engine.critic, cfg.optimizer, lr=cfg.critic_lr)
-        engine.critic_scheduler = build_scheduler(engine.critic_optimizer, cfg.schedule)
-    return engine
+        state.critic = _shard(critic.to(device), mesh, cfg)
+        state.critic_optimizer = build_optimizer(state.critic, cfg.optimizer, lr=cfg.critic_lr)
+        state.critic_scheduler = build_scheduler(state.critic_optimizer, cfg.schedule)
+    return state
