@@ -21,8 +21,8 @@ the longest rank's count with empty ones, so FSDP collectives line up on every r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch

@@ -10,6 +10,7 @@ Importing this module registers :func:`fused_head_block` as the model's ``output
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 import torch
 
@@ -52,8 +53,8 @@ def _head_op(
     check_supported(hidden.device)
     blocks = _cpu_blocks(hidden.shape[0], weight.shape[0])
     args = (torch_to_jax(hidden), torch_to_jax(weight), torch_to_jax(targets))
-    outs = fused_head_forward_jax(*args, blocks=blocks, interpret=True)
-    return tuple(jax_to_torch(o) for o in outs)
+    logprobs, entropy, lse = fused_head_forward_jax(*args, blocks=blocks, interpret=True)
+    return jax_to_torch(logprobs), jax_to_torch(entropy), jax_to_torch(lse)
 
 
 @_head_op.register_fake
@@ -83,14 +84,23 @@ def _head_backward_fake(
     return torch.empty_like(hidden), torch.empty_like(weight)
 
 
-def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+class _HeadCtx(Protocol):
+    """The autograd context of ``rl_align::fused_head_logprobs``: what :func:`_setup_context` stores for
+    :func:`_backward`."""
+
+    saved_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None: ...
+
+
+def _setup_context(ctx: _HeadCtx, inputs: tuple, output: tuple) -> None:
     hidden, weight, targets = inputs
     _, entropy, lse = output
     ctx.save_for_backward(hidden, weight, targets, lse, entropy)
 
 
 def _backward(
-    ctx: torch.autograd.function.FunctionCtx,
+    ctx: _HeadCtx,
     grad_logprobs: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
     grad_lse: torch.Tensor | None,

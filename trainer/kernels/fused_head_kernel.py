@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ __all__ = ["HeadBlockSizes", "fused_head_backward_jax", "fused_head_forward_jax"
 _LANES = 128
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
+_Semantics = Literal["parallel", "arbitrary"]  # Mosaic grid dimension semantics (pltpu.CompilerParams)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +43,7 @@ class HeadBlockSizes:
     block_vocab: int = 512
 
 
-def _logits(h_ref: pl.Ref, w_ref: pl.Ref, vocab_block: jax.Array, vocab_size: int, block_vocab: int) -> tuple:
+def _logits(h_ref: jax.Ref, w_ref: jax.Ref, vocab_block: jax.Array, vocab_size: int, block_vocab: int) -> tuple:
     """This tile's float32 logits and the mask of its real vocabulary columns (``None`` when all are real)."""
     z = lax.dot_general(h_ref[...], w_ref[...], _NT, preferred_element_type=jnp.float32)
     cols = vocab_block * block_vocab + lax.broadcasted_iota(jnp.int32, z.shape, 1)
@@ -92,7 +94,7 @@ def _dlogits(z, cols, valid, tgt, lse, mean_z, g_lp, g_p, g_ent):
     return dz if valid is None else jnp.where(valid, dz, 0.0)
 
 
-def _row_stats(*refs: pl.Ref) -> tuple:
+def _row_stats(*refs: jax.Ref) -> tuple:
     return tuple(ref[:, :1] for ref in refs)
 
 
@@ -144,7 +146,7 @@ def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
     return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
 
 
-def _params(interpret: bool, semantics: tuple[str, str]) -> dict:
+def _params(interpret: bool, semantics: tuple[_Semantics, _Semantics]) -> dict:
     return {"interpret": interpret, "compiler_params": pltpu.CompilerParams(dimension_semantics=semantics)}
 
 

@@ -8,6 +8,7 @@ Importing this module registers :func:`gmm_experts` as the model's ``moe_experts
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 import torch
 
@@ -68,13 +69,22 @@ def _gmm_backward_fake(
     return torch.empty_like(x), torch.empty_like(w)
 
 
-def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+class _GmmCtx(Protocol):
+    """The autograd context of ``rl_align::gmm``: what :func:`_setup_context` stores for :func:`_backward`."""
+
+    saved_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    transpose_rhs: bool
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None: ...
+
+
+def _setup_context(ctx: _GmmCtx, inputs: tuple, output: torch.Tensor) -> None:
     x, w, group_sizes, transpose_rhs = inputs
     ctx.save_for_backward(x, w, group_sizes)
     ctx.transpose_rhs = transpose_rhs
 
 
-def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple:
+def _backward(ctx: _GmmCtx, grad_out: torch.Tensor) -> tuple:
     x, w, group_sizes = ctx.saved_tensors
     dx, dw = _gmm_backward_op(x, w, group_sizes, grad_out.to(x.dtype).contiguous(), ctx.transpose_rhs)
     return dx, dw, None, None

@@ -15,7 +15,7 @@ Importing this module registers :func:`splash_attention_block` as the model's ``
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -120,8 +120,8 @@ def _splash_backward_op(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     check_supported(q.device)
-    grads = _splash_attention_vjp(*_to_jax(q, k, v, segment_ids, grad_out), scale=scale, interpret=True)
-    return tuple(jax_to_torch(g) for g in grads)
+    dq, dk, dv = _splash_attention_vjp(*_to_jax(q, k, v, segment_ids, grad_out), scale=scale, interpret=True)
+    return jax_to_torch(dq), jax_to_torch(dk), jax_to_torch(dv)
 
 
 @_splash_backward_op.register_fake
@@ -132,13 +132,23 @@ def _splash_backward_fake(
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+class _SplashCtx(Protocol):
+    """The autograd context of ``rl_align::splash_attention``: what :func:`_setup_context` stores for
+    :func:`_backward` (a saved ``None`` comes back as ``None``)."""
+
+    saved_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+    scale: float
+
+    def save_for_backward(self, *tensors: torch.Tensor | None) -> None: ...
+
+
+def _setup_context(ctx: _SplashCtx, inputs: tuple, output: torch.Tensor) -> None:
     q, k, v, segment_ids, scale = inputs
     ctx.save_for_backward(q, k, v, segment_ids)
     ctx.scale = scale
 
 
-def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple:
+def _backward(ctx: _SplashCtx, grad_out: torch.Tensor) -> tuple:
     q, k, v, segment_ids = ctx.saved_tensors
     dq, dk, dv = _splash_backward_op(q, k, v, segment_ids, grad_out.contiguous(), ctx.scale)
     return dq, dk, dv, None, None

@@ -134,11 +134,11 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.use_compiled = False  # RoPE through its torch.compile-d copy (Transformer.compile_elementwise)
         self.kernel = ATTENTION_BLOCKS.get(cfg.attention)
-        kw = {"bias": False, "device": device, "dtype": dtype}
-        self.wq = nn.Linear(cfg.dim, cfg.num_heads * cfg.head_dim, **kw)
-        self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, **kw)
-        self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, **kw)
-        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, **kw)
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, q_dim, bias=False, device=device, dtype=dtype)
+        self.wk = nn.Linear(cfg.dim, kv_dim, bias=False, device=device, dtype=dtype)
+        self.wv = nn.Linear(cfg.dim, kv_dim, bias=False, device=device, dtype=dtype)
+        self.wo = nn.Linear(q_dim, cfg.dim, bias=False, device=device, dtype=dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device, dtype) if cfg.qk_norm else None
 
@@ -156,7 +156,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         rotate = compiled(apply_rope) if self.use_compiled else apply_rope

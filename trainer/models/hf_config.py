@@ -9,8 +9,9 @@ than silently ignoring them. :func:`hf_config_dict` writes the inverse, which tr
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from common.config import validate_config
 from trainer.models.config import Family, ModelConfig

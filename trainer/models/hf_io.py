@@ -12,12 +12,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from trainer.models.config import ModelConfig
 from trainer.models.hf_config import hf_config_dict
@@ -83,31 +84,46 @@ def hf_manifest(model_cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> l
     return out
 
 
-def hf_state_dict(model: Transformer, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def _model_config(model: nn.Module) -> ModelConfig:
+    """The :class:`ModelConfig` of a :class:`Transformer`, also through the wrappers that keep its ``cfg`` attribute
+    (FSDP2 ``fully_shard``, ``torch.compile``)."""
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(
+            f"expected a Transformer (or a sharded / compiled one) with a ModelConfig `cfg`; got {type(model).__name__}"
+        )
+    return cfg
+
+
+def hf_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for the whole model, cast to ``dtype`` if given.
 
-    DTensor parameters are gathered with ``full_tensor()`` (a collective: every rank must iterate).
+    ``model``: a :class:`Transformer`, possibly FSDP2-sharded, tensor-parallel or compiled (parameter names are
+    canonicalised). DTensor parameters are gathered with ``full_tensor()`` (a collective: every rank must iterate).
     """
+    cfg = _model_config(model)
     for name, p in model.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         full = full.detach()
-        for hf_name, piece, _, _ in hf_shards(model.cfg, name, full, tuple(full.shape), (0,) * full.ndim):
+        for hf_name, piece, _, _ in hf_shards(cfg, name, full, tuple(full.shape), (0,) * full.ndim):
             yield hf_name, piece if dtype is None else piece.to(dtype)
 
 
 def save_hf_checkpoint(
-    model: Transformer, path: str, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None
+    model: nn.Module, path: str, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None
 ) -> list[str]:
     """Write ``model`` as an HF checkpoint directory: safetensors (sharded above ``max_shard_bytes``) + config.json.
 
-    ``dtype`` casts the saved tensors (default: parameter dtype). With sharded (DTensor) parameters every rank must
-    call this; only rank 0 writes. Returns the written file names.
+    ``model`` as in :func:`hf_state_dict`. ``dtype`` casts the saved tensors (default: parameter dtype). With sharded
+    (DTensor) parameters every rank must call this; only rank 0 writes. Returns the written file names. Raises
+    ``TypeError`` if ``model`` is not a (wrapped) :class:`Transformer`.
     """
+    cfg = _model_config(model)
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     shards: list[dict[str, torch.Tensor]] = [{}]
-    size, total, saved_dtype = 0, 0, None
+    size, total, saved_dtype = 0, 0, torch.float32  # float32: what config.json says when nothing was saved
     for hf_name, tensor in hf_state_dict(model, dtype):
         if not writer:
             continue
@@ -123,7 +139,7 @@ def save_hf_checkpoint(
     out_dir = Path(path)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = _write_shards(out_dir, shards, total)
-    config = hf_config_dict(model.cfg, dtype=_DTYPE_NAMES.get(saved_dtype, "float32"))
+    config = hf_config_dict(cfg, dtype=_DTYPE_NAMES.get(saved_dtype, "float32"))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return [*files, "config.json"]
 

@@ -83,7 +83,7 @@ class NameMap:
 
         Raises ``KeyError`` for a name the table does not know.
         """
-        for _, hf, ours, ours_re in self._rules:
+        for _, hf, _ours, ours_re in self._rules:
             m = ours_re.match(our_name) if ours_re else None
             if m is None:
                 continue

@@ -85,10 +85,11 @@ def router_aux_loss(model: nn.Module, token_mask: torch.Tensor | None = None) ->
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         return None
-    missing = [i for i, m in enumerate(layers) if m.routing is None]
-    if missing:
+    routings = [m.routing for m in layers if m.routing is not None]
+    if len(routings) != len(layers):
+        missing = [i for i, m in enumerate(layers) if m.routing is None]
         raise RuntimeError(f"router_aux_loss: MoE layers {missing} have no routing yet; run a forward first")
-    return torch.stack([load_balancing_loss(*m.routing, token_mask) for m in layers]).mean()
+    return torch.stack([load_balancing_loss(r.probs, r.expert_idx, token_mask) for r in routings]).mean()
 
 
 def _swiglu(h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -195,6 +196,18 @@ class Routing(NamedTuple):
     """``[N, K]`` experts chosen for each token."""
 
 
+class _Experts(nn.Module):
+    """The stacked SwiGLU expert weights of one MoE layer (a parameter holder; its parameters are ``experts.w*``)."""
+
+    def __init__(
+        self, num_experts: int, dim: int, hidden: int, device: torch.device | None, dtype: torch.dtype | None
+    ) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim, device=device, dtype=dtype))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden, device=device, dtype=dtype))
+
+
 class MoE(nn.Module):
     """Router (``router.weight [E, D]``) + stacked experts (``experts.w1/w3 [E, I, D]``, ``experts.w2 [E, D, I]``)."""
 
@@ -205,11 +218,7 @@ class MoE(nn.Module):
         self.kernel = MOE_EXPERTS.get(cfg.moe_experts)
         num_experts, hidden = cfg.moe.num_experts, cfg.moe.expert_ffn_hidden_dim
         self.router = nn.Linear(cfg.dim, num_experts, bias=False, device=device, dtype=dtype)
-        self.experts = nn.Module()
-        kw = {"device": device, "dtype": dtype}
-        self.experts.w1 = nn.Parameter(torch.empty(num_experts, hidden, cfg.dim, **kw))
-        self.experts.w3 = nn.Parameter(torch.empty(num_experts, hidden, cfg.dim, **kw))
-        self.experts.w2 = nn.Parameter(torch.empty(num_experts, cfg.dim, hidden, **kw))
+        self.experts = _Experts(num_experts, cfg.dim, hidden, device, dtype)
         # The last forward's routing. Autograd saves these tensors anyway, so keeping them costs no memory in
         # training; after a no-grad forward they stay alive until the next one.
         self.routing: Routing | None = None

@@ -19,6 +19,8 @@ parameters are gathered for them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,9 +33,20 @@ from trainer.models.output_head import chunked_token_logprobs  # noqa: F401 (reg
 from trainer.models.registry import OUTPUT_HEADS, check_blocks_supported
 from trainer.models.rope import rope_cos_sin
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
 __all__ = ["Transformer", "TransformerBlock", "build_model", "positions_from_segments"]
 
 _INIT_STD = 0.02
+
+
+@runtime_checkable
+class _CompiledSwitch(Protocol):
+    """A module whose elementwise ops can run through their ``torch.compile``-d copies (RMSNorm, FeedForward,
+    Attention): the switch :meth:`Transformer.compile_elementwise` flips."""
+
+    use_compiled: bool
 
 
 class TransformerBlock(nn.Module):
@@ -83,14 +96,15 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(TransformerBlock(cfg, device, dtype) for _ in range(cfg.num_layers))
+        blocks = [TransformerBlock(cfg, device, dtype) for _ in range(cfg.num_layers)]
+        self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
         self.output = (
             None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device, dtype=dtype)
         )
         self._head = OUTPUT_HEADS.get(cfg.output_head)
         # A plain list (not registered): the MoE modules stay reachable through FSDP/checkpoint wrappers.
-        self._moe_layers: list[MoE] = [block.moe for block in self.layers if hasattr(block, "moe")]
+        self._moe_layers: list[MoE] = [block.moe for block in blocks if hasattr(block, "moe")]
 
     def forward(
         self,
@@ -149,19 +163,19 @@ class Transformer(nn.Module):
         through their ``torch.compile``-d copies (see :mod:`trainer.models.layers`); same math within float32
         rounding. Call before sharding or copying the model; parameters and state-dict names are untouched."""
         for module in self.modules():
-            if hasattr(module, "use_compiled"):
+            if isinstance(module, _CompiledSwitch):
                 module.use_compiled = True
 
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Mean over MoE layers of the router load-balancing loss of the last forward; ``None`` for dense models."""
         if not self._moe_layers:
             return None
-        losses = [m.aux_loss for m in self._moe_layers]
-        if any(loss is None for loss in losses):
+        losses = [loss for loss in (m.aux_loss for m in self._moe_layers) if loss is not None]
+        if len(losses) != len(self._moe_layers):
             raise RuntimeError("moe_aux_loss() called before any forward")
         return torch.stack(losses).mean()
 
-    def tensor_parallel_plan(self, degree: int) -> dict[str, object]:
+    def tensor_parallel_plan(self, degree: int) -> dict[str, ParallelStyle]:
         """Per-block plan for ``parallelize_module(block, tp_mesh, plan)`` over ``degree`` ranks: Megatron-style
         column/row splits, so each block needs one all-reduce after attention and one after the feed-forward.
 
@@ -195,6 +209,7 @@ class Transformer(nn.Module):
         """Fresh initialisation: normal(0, std) matrices, unit norms (call after ``to_empty`` on a meta-built model)."""
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         for block in self.layers:
+            assert isinstance(block, TransformerBlock), f"init_weights runs on unwrapped blocks, got {type(block)}"
             block.init_weights(std)
         self.norm.reset_parameters()
         if self.output is not None:

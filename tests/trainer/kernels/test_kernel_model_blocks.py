@@ -149,4 +149,6 @@ def test_qwen3_moe_with_all_kernels_matches_torch_blocks() -> None:
     assert ref_grads.keys() == grads.keys()
     for name, ref_grad in ref_grads.items():
         assert ref_grad.abs().max() > 0, f"{name}: no gradient reached it (the test would prove nothing)"
-        torch.testing.assert_close(grads[name], ref_grad, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            grads[name], ref_grad, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda m, name=name: f"{name}: {m}"
+        )
