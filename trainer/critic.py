@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from trainer.models.transformer import Transformer
 
@@ -34,7 +35,7 @@ class Critic(nn.Module):
         """The transformer blocks (what ``parallelize_model`` wraps in FSDP units)."""
         return self.body.layers
 
-    def tensor_parallel_plan(self, degree: int) -> dict[str, object]:
+    def tensor_parallel_plan(self, degree: int) -> dict[str, ParallelStyle]:
         """The body's per-block plan (``Transformer.tensor_parallel_plan``); the value head stays replicated."""
         return self.body.tensor_parallel_plan(degree)
 

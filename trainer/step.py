@@ -29,8 +29,8 @@ from torch import nn
 
 from rollout.types import RolloutBatch, Sample
 from trainer.metrics import MetricsAccumulator
-from trainer.models.transformer import Transformer
 from trainer.models.registry import ATTENTION_BLOCKS
+from trainer.models.transformer import Transformer
 from trainer.packing import MicroBatch, plan_micro_batches, split_minibatches
 from trainer.parallelize import sync_tensor_parallel_partial_grads
 from trainer.rl.algorithms import AdvantageInputs
@@ -245,9 +245,9 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     elapsed = time.perf_counter() - start
     metrics.update(
         grad_norm=float(np.mean(grad_norms)), grad_norm_max=float(np.max(grad_norms)),
-        lr=float(state.scheduler.get_last_lr()[0]), step_s=elapsed, tokens_per_s=batch.num_tokens * cfg.num_epochs / elapsed,
-        num_samples=float(len(samples)), step=float(state.step),
-        policy_version=float(state.policy_version),
+        lr=float(state.scheduler.get_last_lr()[0]), step_s=elapsed,
+        tokens_per_s=batch.num_tokens * cfg.num_epochs / elapsed, num_samples=float(len(samples)),
+        step=float(state.step), policy_version=float(state.policy_version),
     )  # fmt: skip
     return metrics
 

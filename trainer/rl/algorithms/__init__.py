@@ -9,7 +9,7 @@ How to add one, say ``reinforce``:
    ``needs_critic`` / overrides ``value_loss`` or ``policy_loss`` if it differs);
 3. one line in :data:`ALGORITHMS`.
 
-The engine, the step and the checkpoint code then need no change.
+The train state, the step and the checkpoint code then need no change.
 """
 
 from __future__ import annotations

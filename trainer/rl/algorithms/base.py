@@ -62,14 +62,14 @@ class Algorithm(ABC, Generic[ConfigT]):
     """
 
     needs_critic: ClassVar[bool] = False
-    """Whether the engine builds a critic and the step trains it with :meth:`value_loss`."""
+    """Whether the train state (``trainer.state``) builds a critic and the step trains it with :meth:`value_loss`."""
 
     def __init__(self, config: ConfigT) -> None:
         self.config = config
 
     @property
     def needs_reference(self) -> bool:
-        """Whether the engine loads a frozen reference model (the KL penalty is on)."""
+        """Whether the train state loads a frozen reference model (the KL penalty is on)."""
         return self.config.kl.needs_reference
 
     @abstractmethod
