@@ -8,7 +8,8 @@ No torch import here, so recipes validate instantly.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+import logging
+from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic
 
@@ -17,6 +18,8 @@ from common.config import Config
 __all__ = [
     "AlgorithmConfig",
     "GRPOConfig",
+    "ImportanceLevel",
+    "ImportanceMode",
     "ImportanceSamplingConfig",
     "KLConfig",
     "KLEstimator",
@@ -31,7 +34,19 @@ LossAggregation = Literal["token_mean", "seq_mean_token_mean", "token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 """Per-token estimator of KL(policy || reference) from sampled tokens (see ``trainer.rl.kl``)."""
 RatioLevel = Literal["token", "sequence"]
-"""Per-token ratios, or one per sequence (GSPO for the policy ratio; sequence-level truncated IS)."""
+"""Per-token policy ratios, or GSPO's length-normalised one per sequence."""
+ImportanceLevel = Literal["token", "sequence", "geometric"]
+"""What one rollout importance weight covers: a token, or a completion (product or geometric mean of its token ratios;
+see ``ImportanceSamplingConfig.level``)."""
+ImportanceMode = Literal["truncate", "mask"]
+"""What happens to an importance weight beyond its bounds: clamped to the bound, or set to 0."""
+
+log = logging.getLogger(__name__)
+
+
+def _default_kl_estimator(data: dict[str, Any]) -> KLEstimator:
+    """k1 when the KL is a detached reward (its score-function gradient is then exact), k3 as a loss term."""
+    return "k1" if data.get("where") == "reward" else "k3"
 
 
 class KLConfig(Config):
@@ -39,12 +54,26 @@ class KLConfig(Config):
 
     coef: float = pydantic.Field(default=0.0, ge=0)
     """Weight of the KL term; 0 turns it off and then no reference model is loaded."""
-    estimator: KLEstimator = "k3"
-    """'k1' (log-ratio, unbiased, high variance), 'k2' (half squared log-ratio) or 'k3' (exp(r) - 1 - r, unbiased and
-    non-negative; the usual choice as a loss term)."""
     where: Literal["loss", "reward"] = "loss"
     """'loss': add ``coef * KL`` to the loss (GRPO style); 'reward': subtract it from the reward before advantages
     (PPO/RLHF style; per token for GAE, summed over the completion for group advantages)."""
+    estimator: KLEstimator = pydantic.Field(default_factory=_default_kl_estimator)
+    """Per-token estimate of KL(policy || reference) on sampled tokens; unset, it follows ``where``: 'k1' for 'reward',
+    'k3' for 'loss' (the resolved recipe shows the choice). 'k1' (log-ratio: unbiased value, high variance; as a
+    detached reward its policy gradient is exactly the KL's, as a loss term its expected gradient is 0), 'k2' (half
+    squared log-ratio; as a loss its gradient is that of KL(policy || reference)), 'k3' (``exp(r) - 1 - r``: unbiased,
+    non-negative, low variance; the usual loss term, whose expected gradient is that of KL(reference || policy); as a
+    detached reward its gradient is not the KL's)."""
+
+    @pydantic.model_validator(mode="after")
+    def _warn_k1_in_loss(self) -> KLConfig:
+        if self.in_loss and self.estimator == "k1":
+            log.warning(
+                "algorithm.kl.estimator = 'k1' with where = 'loss': the expected gradient of k1 as a loss term is 0, "
+                "so the penalty does not pull the policy towards the reference; use 'k3' or 'k2' for the loss, or "
+                "where = 'reward' for k1"
+            )
+        return self
 
     @property
     def needs_reference(self) -> bool:
@@ -63,18 +92,46 @@ class KLConfig(Config):
 
 
 class ImportanceSamplingConfig(Config):
-    """Truncated importance sampling for the gap between the rollout engine's log-probs and the trainer's.
+    """Importance weights for the gap between the rollout engine's log-probs and the trainer's.
 
-    Weights are ``min(pi_trainer_old / pi_rollout, cap)`` (detached), per token or per sequence, multiplying the
-    per-token policy loss; see Yao et al., "Your efficient RL framework secretly brings you off-policy RL training".
+    The raw weight of a unit (a token or a completion) is ``pi_trainer_old / pi_rollout`` of its tokens (detached); it
+    multiplies the per-token policy loss after its bounds are applied: truncated (TIS, Yao et al., "Your efficient RL
+    framework secretly brings you off-policy RL training") or masked (MIS / IcePop: beyond a bound the unit carries no
+    policy loss). The modes are those of TRL's ``vllm_importance_sampling_mode`` and verl's rollout correction
+    (``token`` / ``sequence`` / ``geometric`` x ``truncate`` / ``mask``). See ``trainer.rl.importance``.
     """
 
     enabled: bool = True
     """Apply the correction (needs the rollout log-probs, which every sample carries)."""
-    level: RatioLevel = "token"
-    """'token': one weight per token; 'sequence': one weight per completion, the product of its token ratios."""
+    level: ImportanceLevel = "token"
+    """'token': one weight per token, ``exp(old_t - rollout_t)``: biased (it ignores how earlier tokens' mismatch
+    changed the prefix distribution), low variance, independent of length. 'sequence': one weight per completion, the
+    product ``exp(sum_t(old_t - rollout_t))``: the unbiased sequence weight before bounds, but its spread grows with
+    length, so bounds bite more on long completions and the truncated weights of long completions collapse towards 0.
+    'geometric': one weight per completion, the geometric mean ``exp(mean_t(old_t - rollout_t))`` (length-normalised,
+    like GSPO's ratio): biased (it is the product's ``1/length`` power, not an importance weight of the sequence) but
+    its spread shrinks with length, so long completions keep their weight. Its bounds belong close to 1 (e.g.
+    ``cap = 1.001``): a per-token average rarely leaves ``[0.5, 2]``."""
+    mode: ImportanceMode = "truncate"
+    """'truncate' (TIS): weights are clamped into ``[lower_bound, cap]``; the bias is that of the clamp, and every unit
+    still carries loss. 'mask' (MIS): units whose weight is above ``cap`` or below ``lower_bound`` get weight 0 and
+    the others keep their unclamped weight: more bias where many units are masked (their samples carry no policy
+    loss; they still count in the loss normaliser), but the units that stay are weighted exactly."""
     cap: float = pydantic.Field(default=2.0, ge=1.0)
-    """Upper bound on a weight (C in the paper); larger reduces bias, smaller reduces variance."""
+    """Upper bound on a weight (C in the TIS paper): larger reduces bias, smaller reduces variance."""
+    lower_bound: float | None = pydantic.Field(default=None, gt=0, le=1.0)
+    """Lower bound on a weight, or None for none (the default, as in TRL). 'truncate' raises smaller weights to it
+    (TRL's ``vllm_importance_sampling_clip_min``); 'mask' drops units below it (IcePop; e.g. ``1 / cap``), which
+    removes the tokens the engine found much likelier than the trainer does."""
+
+    @pydantic.model_validator(mode="after")
+    def _check_bounds(self) -> ImportanceSamplingConfig:
+        if self.lower_bound is not None and self.lower_bound >= self.cap:
+            raise ValueError(
+                f"importance_sampling.lower_bound = {self.lower_bound} must be below cap = {self.cap}; lower it "
+                "(e.g. to 1 / cap) or remove it"
+            )
+        return self
 
 
 class PolicyConfig(Config):
@@ -91,6 +148,10 @@ class PolicyConfig(Config):
     clip_high: float = pydantic.Field(default=0.2, gt=0)
     """Ratios above ``1 + clip_high`` stop pushing a positive-advantage token up; DAPO's clip-higher raises it
     (e.g. 0.28) to keep exploration. GSPO uses much smaller ranges (about 3e-4 / 4e-4) on its sequence ratio."""
+    clip_ratio_c: float | None = pydantic.Field(default=None, gt=1.0)
+    """PPO dual-clip (Ye et al. 2020, "Mastering complex control in MOBA games with deep RL"): with a negative
+    advantage the per-token loss is at most ``-A * clip_ratio_c``, so a token whose ratio ran far above 1 is not pushed
+    down in proportion to it (reported as ``clip_frac_dual``); typically 3. None turns it off."""
     ratio_level: RatioLevel = "token"
     """'token': PPO per-token ratio; 'sequence': GSPO's length-normalised sequence ratio
     ``exp(mean_t(log pi - log pi_old))``, clipped once per completion."""
@@ -107,6 +168,9 @@ class PolicyConfig(Config):
     """Weight of the entropy bonus (subtracted from the loss); 0 turns it off."""
     importance_sampling: ImportanceSamplingConfig = ImportanceSamplingConfig()
     """Correction for the rollout/trainer log-prob mismatch."""
+    overlong_filter: bool = False
+    """DAPO overlong filtering: completions cut at the rollout's max_tokens (finish reason 'length') carry no loss;
+    their group statistics still count them."""
     moe_aux_loss_coef: float | None = pydantic.Field(default=None, ge=0)
     """Weight of the MoE router load-balancing loss added to the policy loss (mean over MoE layers, reported as
     ``loss/moe_aux``); None takes the model's own (``model.moe.aux_loss_coef``, from the checkpoint's HF

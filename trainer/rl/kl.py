@@ -6,7 +6,11 @@ With ``r = log pi_ref(y_t) - log pi(y_t)`` on a token sampled from pi (J. Schulm
 - ``k2 = r^2 / 2``: biased value, non-negative; as a loss its gradient is an unbiased estimate of the gradient of
   KL(pi || ref).
 - ``k3 = exp(r) - 1 - r``: unbiased value, non-negative, low variance; as a loss (GRPO's choice) its expected
-  gradient is that of the forward KL(ref || pi).
+  gradient is that of the forward KL(ref || pi). ``r`` is bounded at +-20 before ``exp`` (``MAX_LOG_RATIO``).
+
+As a detached reward (``where = 'reward'``) only k1 gives the KL's policy gradient: ``E[grad log pi * k1]`` is
+``grad KL(pi || ref)``, ``E[grad log pi * k3]`` is not; hence the default estimator follows ``where``
+(``trainer.rl.config.KLConfig``).
 
 All three are exactly 0 where policy and reference agree. The estimate is used either as a loss term (aggregated
 like the policy loss, ``trainer.rl.loss``) or folded into the reward before advantages, detached: per token for GAE
@@ -18,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from trainer.rl.config import KLEstimator
+from trainer.rl.policy_loss import MAX_LOG_RATIO
 
 __all__ = ["kl_estimate", "kl_penalized_token_rewards"]
 
@@ -30,7 +35,11 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: K
     if estimator == "k2":
         return 0.5 * log_ratio.square()
     if estimator == "k3":
-        return torch.exp(log_ratio) - 1 - log_ratio
+        # verl bounds r at +-20 and then k3's value at +-10; the value bound also zeroes the gradient from a
+        # probability ratio of about 14 on, on exactly the tokens the penalty is for. Bounding r alone keeps exp finite
+        # (and r once, for both terms: past the bound the gradient is 0 rather than the wrong-signed one of -r).
+        r = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        return torch.exp(r) - 1 - r
     raise ValueError(f"unknown KL estimator {estimator!r}; use 'k1', 'k2' or 'k3'")
 
 

@@ -22,7 +22,7 @@ import torch
 from trainer.rl.aggregation import AggregateKwargs, aggregate, masked_mean
 from trainer.rl.config import PolicyConfig
 from trainer.rl.entropy import entropy_bonus
-from trainer.rl.importance import truncated_importance_weights
+from trainer.rl.importance import importance_weights, rollout_fidelity_metrics
 from trainer.rl.kl import kl_estimate
 from trainer.rl.policy_loss import clipped_policy_loss
 
@@ -58,10 +58,12 @@ def compute_policy_loss(
 
     Returns:
         (loss, metrics): a 0-dim tensor and a flat dict of floats: ``loss``, ``policy_loss``, clip fractions, ratio
-        stats, and when applicable ``kl`` (token mean), ``kl_loss``, ``entropy`` (token mean), the IS stats and
-        ``logprob_gap``. With global ``num_tokens`` / ``num_seqs``, ``loss``, ``policy_loss`` and ``kl_loss`` are this
-        micro-batch's share of the batch value (sum them over micro-batches); the other metrics are micro-batch means.
-        Importance weights multiply the policy term only, not the KL or entropy terms.
+        stats, and when applicable ``kl`` (token mean), ``kl_loss``, ``entropy`` (token mean), the fidelity metrics of
+        ``trainer.rl.importance.rollout_fidelity_metrics`` (``logprob_gap``, ``logprob_gap_max``, ``rollout_kl``;
+        whenever ``rollout_logprobs`` are given) and the IS stats of ``importance_weights``. With global
+        ``num_tokens`` / ``num_seqs``, ``loss``, ``policy_loss`` and ``kl_loss`` are this micro-batch's share of the
+        batch value (sum them over micro-batches); ``*_max`` / ``*_min`` are micro-batch extremes; the other metrics
+        are micro-batch means. Importance weights multiply the policy term only, not the KL or entropy terms.
     """
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     agg: AggregateKwargs = {"norm_length": config.loss_norm_length, "num_tokens": num_tokens, "num_seqs": num_seqs}
@@ -69,19 +71,21 @@ def compute_policy_loss(
 
     weights = None
     is_cfg = config.importance_sampling
-    if is_cfg.enabled:
-        if rollout_logprobs is None:
-            raise ValueError("importance sampling is enabled but no rollout_logprobs were given; pass the engine's "
-                             "log-probs or set algorithm.importance_sampling.enabled = false")
-        weights, is_metrics = truncated_importance_weights(old, rollout_logprobs, mask, is_cfg.level, is_cfg.cap)
-        metrics.update(is_metrics)
-    elif rollout_logprobs is not None:
-        metrics["logprob_gap"] = masked_mean((old.detach() - rollout_logprobs).abs(), mask).item()
+    if is_cfg.enabled and rollout_logprobs is None:
+        raise ValueError("importance sampling is enabled but no rollout_logprobs were given; pass the engine's "
+                         "log-probs or set algorithm.importance_sampling.enabled = false")
+    if rollout_logprobs is not None:
+        metrics.update(rollout_fidelity_metrics(old, rollout_logprobs, mask))
+        if is_cfg.enabled:
+            weights, is_metrics = importance_weights(
+                old, rollout_logprobs, mask, is_cfg.level, is_cfg.cap, mode=is_cfg.mode, lower_bound=is_cfg.lower_bound
+            )
+            metrics.update(is_metrics)
 
     loss, pg_metrics = clipped_policy_loss(
         logprobs, old, advantages, mask,
-        clip_low=config.clip_low, clip_high=config.clip_high, ratio_level=config.ratio_level,
-        aggregation=config.loss_aggregation, weights=weights, **agg,
+        clip_low=config.clip_low, clip_high=config.clip_high, clip_ratio_c=config.clip_ratio_c,
+        ratio_level=config.ratio_level, aggregation=config.loss_aggregation, weights=weights, **agg,
     )  # fmt: skip
     metrics["policy_loss"] = loss.item()
     metrics.update(pg_metrics)

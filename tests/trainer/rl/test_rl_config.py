@@ -1,5 +1,6 @@
 """AlgorithmConfig: the tagged union, defaults, cross-field checks and their messages, documented fields, no torch."""
 
+import logging
 import subprocess
 import sys
 import tomllib
@@ -83,6 +84,10 @@ def test_sequence_ratio_needs_sequence_mean_aggregation():
         {"kl": {"where": "advantage"}},
         {"importance_sampling": {"cap": 0.5}},
         {"importance_sampling": {"level": "chunk"}},
+        {"importance_sampling": {"mode": "clip"}},
+        {"importance_sampling": {"lower_bound": 0.0}},
+        {"clip_ratio_c": 1.0},
+        {"overlong_filter": 1},
         {"entropy_coef": "0.01"},  # strict: no strings for numbers
         {"gamma": 1.5},
         {"lam": -0.1},
@@ -114,3 +119,53 @@ def test_config_module_does_not_import_torch():
 def test_toml_round_trip():
     recipe = _Recipe(algorithm=GRPOConfig(clip_high=0.28, kl=KLConfig(coef=0.01, estimator="k2")))
     assert validate_config(_Recipe, tomllib.loads(to_toml(recipe))) == recipe
+
+
+def test_kl_estimator_default_follows_where_and_shows_in_the_resolved_recipe():
+    assert KLConfig().estimator == "k3" and KLConfig(where="reward").estimator == "k1"
+    assert _load({"type": "ppo", "kl": {"coef": 0.1, "where": "reward"}}).kl.estimator == "k1"
+    assert _load({"type": "grpo", "kl": {"coef": 0.1}}).kl.estimator == "k3"
+    assert KLConfig(where="reward", estimator="k3").estimator == "k3"  # an explicit choice stays
+    recipe = _Recipe(algorithm=PPOConfig(kl=KLConfig(coef=0.1, where="reward")))
+    text = to_toml(recipe)
+    assert 'estimator = "k1"' in text and validate_config(_Recipe, tomllib.loads(text)) == recipe
+
+
+def test_check_prints_the_resolved_kl_estimator():
+    root = Path(__file__).parents[3]
+    out = subprocess.run(
+        [sys.executable, "rl_align.py", "--recipe", "recipes/grpo_tiny.toml", "--check", "--algorithm.kl.coef", "0.01",
+         "--algorithm.kl.where", "reward"],
+        cwd=root, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    kl = tomllib.loads(out)["algorithm"]["kl"]
+    assert kl == {"coef": 0.01, "where": "reward", "estimator": "k1"}
+
+
+def test_k1_as_a_loss_term_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="trainer.rl.config"):
+        KLConfig(coef=0.1, estimator="k1")
+    assert "expected gradient of k1 as a loss term is 0" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer.rl.config"):
+        KLConfig(coef=0.1, estimator="k1", where="reward")
+        KLConfig(coef=0.0, estimator="k1")  # off
+        KLConfig(coef=0.1)  # k3
+    assert caplog.text == ""
+
+
+def test_importance_sampling_modes_and_bounds():
+    cfg = _load({"type": "grpo", "importance_sampling": {"level": "geometric", "mode": "mask", "cap": 1.001,
+                                                         "lower_bound": 0.999}})  # fmt: skip
+    assert cfg.importance_sampling.level == "geometric" and cfg.importance_sampling.mode == "mask"
+    default = ImportanceSamplingConfig()
+    assert (default.level, default.mode, default.cap, default.lower_bound) == ("token", "truncate", 2.0, None)
+    msg = _error({"type": "grpo", "importance_sampling": {"cap": 1.0, "lower_bound": 1.0}})
+    assert "algorithm.importance_sampling" in msg and "must be below cap" in msg
+
+
+def test_dual_clip_and_overlong_filter_default_off():
+    cfg = _load({"type": "ppo"})
+    assert cfg.clip_ratio_c is None and cfg.overlong_filter is False
+    assert _load({"type": "ppo", "clip_ratio_c": 3.0}).clip_ratio_c == 3.0
+    assert _load({"type": "grpo", "overlong_filter": True}).overlong_filter

@@ -72,3 +72,31 @@ def test_kl_penalized_token_rewards_of_a_micro_batch_without_completion_tokens_a
     """Regression: the empty filler micro-batches of a multi-rank PPO step ([S, 0]) crashed the argmax."""
     out = kl_penalized_token_rewards(torch.tensor([1.0]), torch.zeros(1, 0), torch.zeros(1, 0), coef=0.5)
     assert out.shape == (1, 0)
+
+
+def test_k3_bounds_the_log_ratio_before_exp():
+    """r = 100 would give exp(r) = inf and a NaN gradient; bounded at 20 the value is e^20 - 21 and its gradient 0.
+    Within the bound nothing changes."""
+    logp = torch.tensor([[-101.0, 99.0, -3.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0, -1.0]])
+    kl = kl_estimate(logp, ref, "k3")
+    torch.testing.assert_close(kl, torch.tensor([[math.exp(20) - 21, math.exp(-20) - 1 + 20, math.exp(2) - 3]]))
+    kl.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, 1 - math.exp(2)]]))
+
+
+def test_only_k1_as_a_detached_reward_has_the_kl_policy_gradient():
+    """E_pi[grad log pi * k(y)] (the score-function gradient of a detached per-token reward) equals grad KL(pi || ref)
+    for k1; for k3 it does not, which is why kl.where = 'reward' defaults to k1."""
+    logits = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    p = torch.softmax(logits, dim=-1)
+    (true,) = torch.autograd.grad(_kl(p, Q), logits)
+
+    def reward_grad(estimator):
+        logp = torch.log_softmax(logits, dim=-1)
+        k = kl_estimate(logp.detach()[None], Q.log()[None], estimator)[0]  # detached, as in the reward
+        (g,) = torch.autograd.grad((logp.exp().detach() * logp * k).sum(), logits)
+        return g
+
+    torch.testing.assert_close(reward_grad("k1"), true)
+    assert not torch.allclose(reward_grad("k3"), true, atol=1e-3)

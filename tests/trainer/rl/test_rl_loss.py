@@ -32,6 +32,11 @@ CONFIGS = {
     "grpo_k2_sequence_is": GRPOConfig(
         kl=KLConfig(coef=0.05, estimator="k2"), importance_sampling=ImportanceSamplingConfig(level="sequence", cap=1.0)
     ),
+    "dual_clip_geometric_is": GRPOConfig(
+        clip_ratio_c=3.0,
+        kl=KLConfig(coef=0.1),
+        importance_sampling=ImportanceSamplingConfig(level="geometric", cap=1.001, lower_bound=0.999),
+    ),
     "dr_grpo": GRPOConfig(loss_aggregation="token_sum_norm", loss_norm_length=8, scale_advantages_by_std=False),
     "gspo": GRPOConfig(ratio_level="sequence", loss_aggregation="seq_mean_token_mean", clip_low=3e-4, clip_high=4e-4),
     "ppo": PPOConfig(kl=KLConfig(coef=0.1, where="reward")),
@@ -50,6 +55,7 @@ def test_policy_equal_to_old_reference_and_rollout_gives_ratio_one_kl_zero_and_t
     assert m["kl"] == 0.0 and m.get("kl_loss", 0.0) == 0.0
     assert m["clip_frac_low"] == m["clip_frac_high"] == 0.0
     assert m["is_ratio_mean"] == m["is_ratio_max"] == 1.0 and m["is_frac_capped"] == 0.0 and m["logprob_gap"] == 0.0
+    assert m["is_ratio_min"] == m["is_weight_mean"] == 1.0 and m["logprob_gap_max"] == m["rollout_kl"] == 0.0
     (grad,) = torch.autograd.grad(loss, logits)
 
     reference = -aggregate(advantages * _logprobs(logits, tokens), mask, config.loss_aggregation,
@@ -65,7 +71,7 @@ def test_old_logprobs_default_to_the_detached_policy():
     logits, tokens, mask, advantages = _batch(seed=1)
     config = GRPOConfig(importance_sampling=ImportanceSamplingConfig(enabled=False))
     loss, m = compute_policy_loss(_logprobs(logits, tokens), advantages, mask, config)
-    assert m["ratio_max"] == 1.0 and "kl" not in m and "is_ratio_mean" not in m
+    assert m["ratio_max"] == 1.0 and "kl" not in m and "is_ratio_mean" not in m and "logprob_gap" not in m
     (grad,) = torch.autograd.grad(loss, logits)
     (expected,) = torch.autograd.grad(-aggregate(advantages * _logprobs(logits, tokens), mask, "token_mean"), logits)
     torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-9)
@@ -142,3 +148,46 @@ def test_micro_batches_with_global_counts_accumulate_the_full_batch_gradient(agg
     counts = dict(num_tokens=float(mask.sum()), num_seqs=4.0)
     (accumulated,) = torch.autograd.grad(loss_of(slice(0, 2), **counts) + loss_of(slice(2, 4), **counts), logits)
     torch.testing.assert_close(accumulated, full)
+
+
+def test_fidelity_metrics_are_reported_with_importance_sampling_off():
+    logp = torch.full((1, 3), LN(0.5))
+    rollout = logp + torch.tensor([[-LN(3), -LN(0.5), 0.0]])  # trainer / rollout ratios 3, 0.5, 1
+    config = GRPOConfig(importance_sampling=ImportanceSamplingConfig(enabled=False))
+    loss, m = compute_policy_loss(logp, torch.ones(1, 3), torch.ones(1, 3), config, rollout_logprobs=rollout)
+    assert loss.item() == pytest.approx(-1.0) and "is_weight_mean" not in m  # no weights applied
+    assert m["logprob_gap"] == pytest.approx((LN(3) + LN(2)) / 3) and m["logprob_gap_max"] == pytest.approx(LN(3))
+    assert m["rollout_kl"] == pytest.approx(((3 - 1 - LN(3)) + (0.5 - 1 - LN(0.5))) / 3)
+
+
+def test_masked_importance_weights_reach_the_loss():
+    # Policy == old, A = 1: each token's loss is -w; trainer / rollout ratios 3 (masked: above cap 2), 0.4 (masked:
+    # below 0.5) and 1.5 (kept, exactly) -> (0 + 0 - 1.5) / 3.
+    logp = torch.full((1, 3), LN(0.5))
+    rollout = logp - torch.tensor([[LN(3), LN(0.4), LN(1.5)]])
+    config = GRPOConfig(importance_sampling=ImportanceSamplingConfig(mode="mask", cap=2.0, lower_bound=0.5))
+    loss, m = compute_policy_loss(logp, torch.ones(1, 3), torch.ones(1, 3), config, rollout_logprobs=rollout)
+    assert loss.item() == pytest.approx(-1.5 / 3)
+    assert m["is_frac_masked"] == pytest.approx(2 / 3) and m["is_weight_mean"] == pytest.approx(1.5 / 3)
+
+
+def test_dual_clip_reaches_the_loss_through_the_config():
+    logp = torch.tensor([[LN(4), 0.0]], requires_grad=True)
+    old = torch.zeros(1, 2)
+    config = GRPOConfig(clip_ratio_c=3.0, importance_sampling=ImportanceSamplingConfig(enabled=False))
+    loss, m = compute_policy_loss(logp, -torch.ones(1, 2), torch.ones(1, 2), config, old_logprobs=old)
+    assert loss.item() == pytest.approx((3 + 1) / 2) and m["clip_frac_dual"] == pytest.approx(0.5)
+
+
+def test_new_metric_names_reduce_as_what_they_are():
+    """Maxima stay maxima and minima minima across micro-batches and ranks (``trainer.metrics.reduction_of``)."""
+    from trainer.metrics import MetricsAccumulator, reduction_of
+
+    assert reduction_of("logprob_gap_max") == reduction_of("is_ratio_max") == "max"
+    assert reduction_of("is_ratio_min") == "min"
+    for name in ("logprob_gap", "rollout_kl", "is_weight_mean", "is_frac_capped", "is_frac_masked", "clip_frac_dual"):
+        assert reduction_of(name) == "mean"
+    acc = MetricsAccumulator()
+    acc.add({"logprob_gap_max": 0.5, "is_ratio_min": 0.9, "rollout_kl": 0.25}, weight=3)
+    acc.add({"logprob_gap_max": 0.2, "is_ratio_min": 0.7, "rollout_kl": 1.0}, weight=1)
+    assert acc.reduce() == {"logprob_gap_max": 0.5, "is_ratio_min": 0.7, "rollout_kl": pytest.approx(0.4375)}

@@ -111,3 +111,49 @@ def test_gspo_clips_whole_sequences():
 def test_unknown_ratio_level():
     with pytest.raises(ValueError, match="ratio level"):
         policy_ratio(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), "chunk")
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages_with_huge_ratios():
+    # ratio 4 with A = -1: loss max(4, 1.2) = 4, bounded at c = 3 (no gradient); ratio 2 with A = -1 stays 2; ratio 4
+    # with A = +1 is clipped at 1.2 as usual; ratio 0.5 with A = -1 is clipped at 0.8 as usual.
+    logp, old = _logprobs([[LN(4), LN(2), LN(4), LN(0.5)]])
+    adv, mask = torch.tensor([[-1.0, -1.0, 1.0, -1.0]]), torch.ones(1, 4)
+    plain, m_plain = clipped_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    assert plain.item() == pytest.approx((4 + 2 - 1.2 + 0.8) / 4) and "clip_frac_dual" not in m_plain
+    loss, m = clipped_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx((3 + 2 - 1.2 + 0.8) / 4)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 2 / 4, 0.0, 0.0]]))
+    assert m["clip_frac_dual"] == pytest.approx(0.25)
+
+
+def test_dual_clip_changes_nothing_below_its_bound():
+    logp, old = _logprobs([[LN(1.5), LN(0.7), LN(2.9)]])
+    adv, mask = torch.tensor([[-1.0, 2.0, -0.5]]), torch.ones(1, 3)
+    plain, _ = clipped_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    (g_plain,) = torch.autograd.grad(plain, logp)
+    dual, m = clipped_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0)
+    (g_dual,) = torch.autograd.grad(dual, logp)
+    assert torch.equal(plain, dual) and torch.equal(g_plain, g_dual) and m["clip_frac_dual"] == 0.0
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        clipped_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, clip_ratio_c=1.0)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_huge_log_ratios_are_bounded_before_exp(level):
+    """A token moved by 100 nats would overflow exp (e^100 = inf in float32) and make the loss inf and its gradient
+    NaN; bounded at 20 nats, the ratio is e^20 and the gradient past the bound is 0."""
+    logp, old = _logprobs([[100.0, -100.0]])
+    ratio = policy_ratio(logp, old, torch.ones(1, 2), level)
+    if level == "token":
+        torch.testing.assert_close(ratio, torch.tensor([[math.exp(20), math.exp(-20)]]))
+    else:
+        torch.testing.assert_close(ratio, torch.ones(1, 2))  # mean log-ratio 0
+    logp, old = _logprobs([[100.0, 100.0]])
+    loss, m = clipped_policy_loss(logp, old, -torch.ones(1, 2), torch.ones(1, 2), clip_low=0.2, clip_high=0.2,
+                                  ratio_level=level, aggregation="seq_mean_token_mean")  # fmt: skip
+    assert math.isfinite(loss.item()) and m["ratio_max"] == pytest.approx(math.exp(20))
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()
+    if level == "token":
+        assert torch.equal(logp.grad, torch.zeros(1, 2))
