@@ -82,6 +82,11 @@ class DynamicSamplingConfig(Config):
     """Turn dynamic sampling on."""
     max_num_rounds: int = pydantic.Field(3, ge=1)
     """Generation rounds per step at most; the step trains on what it has after that."""
+    filter_term: str | None = None
+    """What must differ within a group for it to count as informative: None, the total reward; or the name of one
+    reward term (e.g. ``"math"``), so that a small bonus of another term (a format reward) does not keep a group
+    whose answers are all wrong. (Std-normalised GRPO advantages would blow such a bonus up to the same size as a
+    correctness difference.)"""
 
 
 class EvalConfig(Config):
@@ -189,6 +194,22 @@ class Recipe(Config):
         if blocked:
             field, problem = next(iter(blocked.items()))
             raise FieldError(f"model.{field}", f"{problem} (trainer.device = {self.trainer.device!r})")
+        _check_trainable_sampling(self.rollout)
+        term = self.run.dynamic_sampling.filter_term
+        names = [t.term_name for t in self.reward.terms] + (["overlong"] if self.reward.overlong else [])
+        if term is not None and term not in names:
+            raise FieldError(
+                "run.dynamic_sampling.filter_term",
+                f"{term!r} is not a reward term of this recipe; use one of {names} (or leave it unset: total reward)",
+            )
+        overlong = self.reward.overlong
+        if overlong is not None and overlong.cache_tokens > self.rollout.sampling.max_tokens:
+            raise FieldError(
+                "reward.overlong.cache_tokens",
+                f"cache_tokens = {overlong.cache_tokens} exceeds rollout.sampling.max_tokens = "
+                f"{self.rollout.sampling.max_tokens}: the punishment interval is the last cache_tokens tokens before "
+                "max_tokens; lower it (DAPO uses about a fifth of max_tokens)",
+            )
         return self
 
     @pydantic.model_validator(mode="after")
@@ -218,6 +239,37 @@ class Recipe(Config):
         sampling = self.rollout.sampling
         seed = self.run.seed if sampling.seed is None else sampling.seed
         return sampling.model_copy(update={"temperature": self.run.eval.temperature, "seed": seed})
+
+
+def _check_trainable_sampling(rollout: RolloutConfig) -> None:
+    """Refuse sampling settings under which the trainer's log-probs would not be those of the sampled distribution.
+
+    The trainer computes ``log_softmax(logits / temperature)`` over the whole vocabulary, which is what vLLM samples
+    from (and reports with ``processed_logprobs``) only without truncation or token bans.
+    """
+    sampling, why = rollout.sampling, "the trainer computes log-probs of the tempered, untruncated distribution"
+    if sampling.temperature == 0:
+        raise FieldError(
+            "rollout.sampling.temperature",
+            "temperature = 0 is greedy decoding: there is no sampling distribution to train on (and every sample of a "
+            "group is the same); use a temperature > 0 (e.g. 1.0; run.eval.temperature may be 0)",
+        )
+    truncation = {"top_p": sampling.top_p != 1.0, "top_k": sampling.top_k != 0, "min_tokens": sampling.min_tokens != 0}
+    for name, changed in truncation.items():
+        if changed:
+            default = {"top_p": "1.0", "top_k": "0", "min_tokens": "0"}[name]
+            raise FieldError(
+                f"rollout.sampling.{name}",
+                f"{name} = {getattr(sampling, name)!r} would train on another distribution than the one sampled "
+                f"({why}; {name} truncates or bans tokens); set {name} = {default} and sharpen sampling with "
+                "rollout.sampling.temperature instead",
+            )
+    if rollout.engine.logprobs_mode == "raw_logprobs" and sampling.temperature != 1.0:
+        raise FieldError(
+            "rollout.engine.logprobs_mode",
+            f"'raw_logprobs' reports log-probs at temperature 1 while sampling runs at {sampling.temperature}: the "
+            "importance weights would compare different distributions; use 'processed_logprobs'",
+        )
 
 
 def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None, check_paths: bool = True) -> Recipe:

@@ -72,13 +72,14 @@ class RLLoop:
         if not run.dynamic_sampling.enabled:
             return batch, item.cursor, metrics
         sampled = list(batch.samples)
-        kept = _informative_groups(batch)
+        term = run.dynamic_sampling.filter_term
+        kept = _informative_groups(batch, term)
         num_rounds = 1
         while len(kept) < run.num_prompts_per_step and num_rounds < run.dynamic_sampling.max_num_rounds:
             problems = self.dataset.next_batch(run.num_prompts_per_step - len(kept))
             extra = self.pool.collect(self.pool.submit(problems, self.recipe.algorithm.group_size))
             sampled += extra.samples
-            kept += _informative_groups(extra)
+            kept += _informative_groups(extra, term)
             num_rounds += 1
         # A cursor taken now also covers the extra prompts; the prompts of batches still in flight are redrawn on
         # resume, which is harmless (they were never trained on).
@@ -138,6 +139,10 @@ def _checkpoint_due(recipe: Any, step: int) -> bool:
     return every > 0 and (step + 1) % every == 0
 
 
-def _informative_groups(batch: RolloutBatch) -> list[list[Any]]:
-    """Groups whose rewards are not all equal (the others give zero GRPO advantage)."""
-    return [g for g in batch.groups().values() if len({s.reward for s in g}) > 1]
+def _informative_groups(batch: RolloutBatch, term: str | None) -> list[list[Any]]:
+    """Groups whose rewards (or whose reward ``term``, when named) are not all equal: the others give zero (or only
+    bonus-driven) GRPO advantage."""
+    def score(s: Any) -> float:
+        return s.reward if term is None else s.reward_terms[term]
+
+    return [g for g in batch.groups().values() if len({score(s) for s in g}) > 1]

@@ -32,12 +32,20 @@ class Sample:
     """Version of the weights the engine generated this sample with (0 = the initial checkpoint)."""
     finish_reason: str = "stop"
     """'stop' (stop token/string) or 'length' (hit max_tokens)."""
+    temperature: float = 1.0
+    """Softmax temperature of the distribution the completion was sampled from, which ``rollout_logprobs`` describe;
+    the trainer computes its log-probs at the same temperature (``log_softmax(logits / temperature)``)."""
     reward_terms: dict[str, float] = field(default_factory=dict)
     """Each configured reward term by name, before summing (for metrics)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Task data carried along (e.g. the reference answer, the prompt text) for logging."""
 
     def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(
+                f"sample of group {self.group_id}: temperature {self.temperature} must be > 0 (greedy samples have no "
+                "sampling distribution to train on)"
+            )
         if len(self.completion_ids) != len(self.rollout_logprobs):
             raise ValueError(
                 f"sample of group {self.group_id}: {len(self.completion_ids)} completion tokens but "

@@ -78,7 +78,7 @@ class RolloutWorker:
         generate_s = time.perf_counter() - start
         flat = [(i, c) for i, group in enumerate(groups) for c in group]
         rewards, terms, errors = self._score([c.token_ids for _, c in flat], [problems[i] for i, _ in flat],
-                                             [group_ids[i] for i, _ in flat])
+                                             [group_ids[i] for i, _ in flat], sampling.max_tokens)
         samples = [
             Sample(
                 prompt_ids=np.asarray(prompts[i], dtype=np.int64),
@@ -88,6 +88,8 @@ class RolloutWorker:
                 group_id=int(group_ids[i]),
                 policy_version=c.policy_version,
                 finish_reason=c.finish_reason,
+                # Greedy decoding's log-probs are vLLM's untempered ones (T = 1); recipes never train on them.
+                temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
                 reward_terms={name: scores[k] for name, scores in terms.items()},
                 metadata={"problem_id": problems[i].problem_id, "answer": problems[i].answer},
             )
@@ -98,12 +100,13 @@ class RolloutWorker:
         return RolloutBatch(samples=samples, metrics=metrics)
 
     def _score(
-        self, completions: list[np.ndarray], problems: list[Problem], group_ids: list[int]
+        self, completions: list[np.ndarray], problems: list[Problem], group_ids: list[int], max_tokens: int
     ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
         if self.scorer is None:
             return [0.0] * len(completions), {}, {}
         texts = self.tokenizer.batch_decode([ids.tolist() for ids in completions], skip_special_tokens=True)
-        return self.scorer.score(texts, problems, group_ids)
+        lengths = [len(ids) for ids in completions]
+        return self.scorer.score(texts, problems, group_ids, num_tokens=lengths, max_tokens=max_tokens)
 
     def receiver_address(self) -> str:
         """host:port of this worker's weight receiver, reachable from other nodes when it binds a wildcard address."""

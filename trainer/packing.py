@@ -65,6 +65,9 @@ class MicroBatch:
     """Index (into the full batch) of each packed sequence, in ``[S, C]`` row order; ``len == S``."""
     num_tokens: int = 0
     """Non-padding tokens in the rows."""
+    token_temperatures: torch.Tensor | None = None
+    """float32 [N] sampling temperature of each real completion token, in :attr:`loss_positions` order (the
+    sample's ``temperature``); ``None`` when every sample was drawn at temperature 1."""
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-token tensors computed later (``old_logprobs``, ``ref_logprobs``, ``values``, ``returns``), [S, C]."""
 
@@ -91,7 +94,11 @@ class MicroBatch:
         """A copy with every tensor on ``device``."""
         moved = {name: getattr(self, name).to(device) for name in _TENSOR_FIELDS}
         extra = {k: v.to(device) for k, v in self.extra.items()}
-        return MicroBatch(**moved, sample_indices=list(self.sample_indices), num_tokens=self.num_tokens, extra=extra)
+        temps = None if self.token_temperatures is None else self.token_temperatures.to(device)
+        return MicroBatch(
+            **moved, sample_indices=list(self.sample_indices), num_tokens=self.num_tokens, token_temperatures=temps,
+            extra=extra,
+        )  # fmt: skip
 
 
 def _first_fit_decreasing(lengths: Sequence[int], indices: Sequence[int], capacity: int) -> list[list[int]]:
@@ -197,10 +204,14 @@ def _build(
             adv[s_row, :c] = _advantage_row(None if advantages is None else advantages[i], c)
             start, s_row = end, s_row + 1
     t = torch.from_numpy
+    temps = None
+    if any(samples[i].temperature != 1.0 for i in seqs):
+        per_token = [np.full(len(samples[i].completion_ids), samples[i].temperature, np.float32) for i in seqs]
+        temps = t(np.concatenate(per_token))
     return MicroBatch(
         tokens=t(tokens), positions=t(positions), segment_ids=t(segment_ids), targets=t(targets),
         gather_index=t(gather_index), loss_mask=t(loss_mask), rollout_logprobs=t(rollout_lp), advantages=t(adv),
-        sample_indices=seqs, num_tokens=sum(seq_len.values()),
+        sample_indices=seqs, num_tokens=sum(seq_len.values()), token_temperatures=temps,
     )  # fmt: skip
 
 

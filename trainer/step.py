@@ -43,7 +43,8 @@ __all__ = ["forward_logprobs", "plan_rank_micro_batches", "rl_step", "sft_step"]
 
 
 def forward_logprobs(model: Transformer, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprobs [S, C], entropy [S, C], hidden states [N, D]) of the micro-batch's N completion tokens.
+    """(logprobs [S, C], entropy [S, C], hidden states [N, D]) of the micro-batch's N completion tokens, under the
+    distribution each sample was drawn from: ``log_softmax(logits / temperature)`` (``Sample.temperature``).
 
     The last block's output projection and feed-forward and the output head run only at the positions that predict a
     completion token (``Transformer.forward(output_positions=...)``): prompt positions never enter the loss, and the
@@ -51,7 +52,12 @@ def forward_logprobs(model: Transformer, mb: MicroBatch) -> tuple[torch.Tensor, 
     """
     positions = mb.loss_positions
     hidden = model(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids, output_positions=positions)
-    logprobs, entropy = model.token_logprobs(hidden, mb.targets.reshape(-1)[positions])
+    head_input = hidden
+    if mb.token_temperatures is not None:
+        # The head is linear without bias, so logits / T == head(hidden / T): every head (chunked, fused kernel)
+        # then yields the tempered log-probs and entropy, with the gradient of the tempered distribution.
+        head_input = (hidden.float() / mb.token_temperatures[:, None]).to(hidden.dtype)
+    logprobs, entropy = model.token_logprobs(head_input, mb.targets.reshape(-1)[positions])
     return mb.scatter(logprobs), mb.scatter(entropy), hidden
 
 
@@ -76,6 +82,53 @@ def _all_reduce_sum(state: TrainState, x: torch.Tensor) -> torch.Tensor:
     if state.dp_size > 1:
         dist.all_reduce(x, group=state.dp_group)
     return x
+
+
+def _trained_indices(state: TrainState, samples: Sequence[Sample]) -> list[int]:
+    """The samples that carry loss: all, or with ``overlong_filter`` those not cut at ``max_tokens``. The others
+    still count in their group's advantage statistics (``compute_advantages`` sees the whole batch)."""
+    if not state.algorithm.config.overlong_filter:
+        return list(range(len(samples)))
+    return [i for i, s in enumerate(samples) if s.finish_reason != "length"]
+
+
+def _minibatches(state: TrainState, samples: Sequence[Sample], trained: list[int], epoch: int) -> list[list[int]]:
+    """``trainer.num_minibatches`` mini-batches of ``trained`` (fewer when fewer samples are left), the same on every
+    rank: contiguous in epoch 0, then reshuffled every epoch from the trainer seed, the step and the epoch."""
+    if not trained:
+        return []
+    # Fewer mini-batches only when overlong filtering left fewer samples than asked for (otherwise the split raises).
+    num = state.cfg.num_minibatches if len(trained) == len(samples) else min(state.cfg.num_minibatches, len(trained))
+    seed = None if epoch == 0 else int(np.random.SeedSequence([state.cfg.seed, state.step, epoch]).generate_state(1)[0])
+    return [[trained[j] for j in part] for part in split_minibatches(len(trained), num, seed=seed)]
+
+
+def _reshuffled(
+    state: TrainState, samples: Sequence[Sample], trained: list[int], plans: list[list[MicroBatch]], epoch: int
+) -> tuple[list[list[int]], list[list[MicroBatch]]]:
+    """New mini-batches for ``epoch`` and their micro-batches, carrying over each sample's per-token tensors (the
+    advantages and ``extra``: old / reference log-probs, values, returns) from ``plans``."""
+    rows: dict[int, dict[str, torch.Tensor]] = {}
+    for mbs in plans:
+        for mb in mbs:
+            tensors = {"advantages": mb.advantages, **mb.extra}
+            for row, i in enumerate(mb.sample_indices):
+                n = len(samples[i].completion_ids)
+                rows[i] = {name: t[row, :n] for name, t in tensors.items()}
+    minis = _minibatches(state, samples, trained, epoch)
+    new_plans = [plan_rank_micro_batches(state, samples, idx) for idx in minis]
+    first = next(iter(rows.values()))  # every sample carries the same tensors
+    for mbs in new_plans:
+        for mb in mbs:  # filler micro-batches (no sample) get empty tensors of the same names
+            for name, like in first.items():
+                full = torch.zeros(mb.loss_mask.shape, dtype=like.dtype, device=state.device)
+                for row, i in enumerate(mb.sample_indices):
+                    full[row, : len(samples[i].completion_ids)] = rows[i][name]
+                if name == "advantages":
+                    mb.advantages = full
+                else:
+                    mb.extra[name] = full
+    return minis, new_plans
 
 
 def _mini_counts(samples: Sequence[Sample], indices: Sequence[int]) -> tuple[float, float]:
@@ -192,11 +245,14 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
 
     Metrics (identical on every rank): ``loss`` and its parts (``policy_loss``, ``kl_loss``, MoE only: ``loss/moe_aux``,
     the unweighted router load-balancing term, see ``trainer.rl.router_aux``; mean per optimizer step),
-    token-weighted means (``kl``, ``entropy``, ``clip_frac_low/high``, ``ratio_mean``, ``is_ratio_mean``,
-    ``is_frac_capped``, ``logprob_gap`` = mean |trainer - rollout| log-prob), extremes (``ratio_min/max``,
-    ``is_ratio_max``), ``grad_norm`` (mean over optimizer steps, before clipping) and ``grad_norm_max``, ``lr``,
+    token-weighted means (``kl``, ``entropy``, ``clip_frac_low/high`` and with dual-clip ``clip_frac_dual``,
+    ``ratio_mean``; the fidelity of the trainer to the rollout engine: ``logprob_gap`` = mean |trainer - rollout|
+    log-prob, ``rollout_kl`` = KL(rollout || trainer), ``is_ratio_mean``, ``is_weight_mean``, ``is_frac_capped``,
+    ``is_frac_masked``; see README "Metrics"), extremes (``ratio_min/max``, ``logprob_gap_max``,
+    ``is_ratio_min/max``), ``grad_norm`` (mean over optimizer steps, before clipping) and ``grad_norm_max``, ``lr``,
     ``step_s``, ``tokens_per_s`` (prompt + completion tokens of the batch x epochs per second, all ranks),
-    ``num_tokens`` (completion tokens), ``num_samples``, ``step``, ``policy_version``; with a critic
+    ``num_tokens`` (completion tokens), ``num_samples``, ``overlong_filtered_frac`` (samples the overlong filter took
+    out of the loss; with every sample filtered the step makes no update), ``step``, ``policy_version``; with a critic
     (PPO) also ``critic/value_loss``, ``critic/value_error``, ``critic/value_mean``, ``critic/value_clip_frac``,
     ``critic/grad_norm``, and ``critic/loss`` (the value loss plus, MoE only, the critic routers' weighted
     ``critic/loss/moe_aux``).
@@ -205,15 +261,20 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     cfg, samples = state.cfg, batch.samples
     if not samples:
         raise ValueError("empty rollout batch: nothing to train on")
-    minis = split_minibatches(len(samples), cfg.num_minibatches)
+    trained = _trained_indices(state, samples)
+    minis = _minibatches(state, samples, trained, epoch=0)
     plans = [plan_rank_micro_batches(state, samples, idx) for idx in minis]
     need_old = cfg.num_epochs * cfg.num_minibatches > 1
-    _no_grad_pass(state, plans, need_old)
-    _compute_advantages(state, samples, plans)
+    if minis:  # empty only when overlong filtering dropped every sample: no update this step
+        _no_grad_pass(state, plans, need_old)
+        _compute_advantages(state, samples, plans)
 
     acc, critic_acc = MetricsAccumulator(), MetricsAccumulator()
-    grad_norms, critic_norms = [], []
-    for _ in range(cfg.num_epochs):
+    grad_norms: list[float] = []
+    critic_norms: list[float] = []
+    for epoch in range(cfg.num_epochs):
+        if epoch > 0 and len(minis) > 1:
+            minis, plans = _reshuffled(state, samples, trained, plans, epoch)
         for idx, mbs in zip(minis, plans):
             counts = _mini_counts(samples, idx)
             num_router_tokens = count_router_tokens(samples, idx)
@@ -227,7 +288,7 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
                 critic_norms.append(_clip_and_step(
                     state, state.critic, state.critic_optimizer, state.critic_scheduler, cfg.grad_clip_norm
                 ))  # fmt: skip
-    num_updates = cfg.num_epochs * cfg.num_minibatches
+    num_updates = max(1, cfg.num_epochs * len(minis))
     # Sums over every update of the step: loss terms as the mean per optimizer step, counts per pass over the batch.
     def per_update(k: str, v: float) -> float:
         if k == "loss" or k.endswith("_loss") or k.startswith("loss/"):
@@ -243,8 +304,10 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     state.step += 1
     state.policy_version += 1
     elapsed = time.perf_counter() - start
+    metrics["overlong_filtered_frac"] = (len(samples) - len(trained)) / len(samples)
     metrics.update(
-        grad_norm=float(np.mean(grad_norms)), grad_norm_max=float(np.max(grad_norms)),
+        grad_norm=float(np.mean(grad_norms)) if grad_norms else 0.0,
+        grad_norm_max=float(np.max(grad_norms)) if grad_norms else 0.0,
         lr=float(state.scheduler.get_last_lr()[0]), step_s=elapsed,
         tokens_per_s=batch.num_tokens * cfg.num_epochs / elapsed, num_samples=float(len(samples)),
         step=float(state.step), policy_version=float(state.policy_version),

@@ -26,6 +26,7 @@ import pydantic
 from common.config import Config, DType
 
 __all__ = [
+    "OverlongPenaltyConfig",
     "ExactMatchRewardConfig",
     "FormatRewardConfig",
     "FunctionRewardConfig",
@@ -146,8 +147,23 @@ RewardTermConfig = Annotated[
 _DEFAULT_TERM: RewardTermConfig = MathRewardConfig()
 
 
+class OverlongPenaltyConfig(Config):
+    """DAPO's soft overlong punishment: a length penalty over the last ``cache_tokens`` tokens before the rollout's
+    ``max_tokens`` (L_max), added to the reward as the term ``overlong``.
+
+    ``penalty(n) = 0`` for ``n <= L_max - cache_tokens``, then falls linearly to ``-1`` at ``n = L_max``:
+    ``(L_max - cache_tokens - n) / cache_tokens``. A completion cut at ``max_tokens`` thus scores ``weight x -1`` on
+    top of its other terms instead of looking like any other wrong answer.
+    """
+
+    cache_tokens: int = pydantic.Field(ge=1)
+    """Length of the punishment interval (DAPO's L_cache), at most ``rollout.sampling.max_tokens``."""
+    weight: float = 1.0
+    """Scale of the penalty in the reward."""
+
+
 class RewardConfig(Config):
-    """The reward of a completion: ``sum(term.weight * term.score)`` over ``terms``."""
+    """The reward of a completion: ``sum(term.weight * term.score)`` over ``terms``, plus the overlong penalty."""
 
     terms: list[RewardTermConfig] = pydantic.Field(default_factory=lambda: [_DEFAULT_TERM], min_length=1)
     """The reward terms; each is reported on its own in metrics and ``Sample.reward_terms``."""
@@ -159,10 +175,12 @@ class RewardConfig(Config):
     )
     """End-of-sequence texts removed (repeatedly) from the end of a completion, then trailing whitespace, before any
     term sees it, so a stop token decoded into the text does not change a score."""
+    overlong: OverlongPenaltyConfig | None = None
+    """DAPO's soft overlong punishment by completion length (term ``overlong``); None: off."""
 
     @pydantic.model_validator(mode="after")
     def _check_names(self) -> RewardConfig:
-        names = [t.term_name for t in self.terms]
+        names = [t.term_name for t in self.terms] + (["overlong"] if self.overlong is not None else [])
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(

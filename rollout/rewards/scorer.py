@@ -19,13 +19,23 @@ from rollout.rewards.config import (
     FormatRewardConfig,
     FunctionRewardConfig,
     MathRewardConfig,
+    OverlongPenaltyConfig,
     RewardConfig,
     RewardModelConfig,
     RewardTermConfig,
 )
 from rollout.tasks.problem import Problem
 
-__all__ = ["RewardScorer", "RewardTerm", "build_term"]
+__all__ = ["RewardScorer", "RewardTerm", "build_term", "overlong_penalty"]
+
+
+def overlong_penalty(num_tokens: int, max_tokens: int, cache_tokens: int) -> float:
+    """DAPO's soft overlong punishment (``reward.overlong``): 0 up to ``max_tokens - cache_tokens`` tokens, then
+    linearly down to -1 at ``max_tokens`` (and -1 beyond)."""
+    free = max_tokens - cache_tokens
+    if num_tokens <= free:
+        return 0.0
+    return max(-1.0, (free - num_tokens) / cache_tokens)
 
 
 class RewardTerm(Protocol):
@@ -67,28 +77,40 @@ def build_term(config: RewardTermConfig, on_error: Literal["fail", "zero"]) -> R
 class RewardScorer:
     """Scores completions with the weighted sum of the configured terms, reporting each term and error counts."""
 
-    def __init__(self, terms: Sequence[RewardTerm], strip_suffixes: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        terms: Sequence[RewardTerm],
+        strip_suffixes: Sequence[str] = (),
+        overlong: OverlongPenaltyConfig | None = None,
+    ) -> None:
         if not terms:
             raise ValueError("a reward scorer needs at least one term")
         self.terms = list(terms)
         self._suffixes = tuple(s for s in strip_suffixes if s)
+        self.overlong = overlong
 
     @classmethod
     def from_config(cls, config: RewardConfig) -> RewardScorer:
         """Build every term of ``config``; a bad ``module:function`` or reward model path raises ``ValueError`` here."""
-        return cls([build_term(t, config.on_error) for t in config.terms], strip_suffixes=config.strip_suffixes)
+        terms = [build_term(t, config.on_error) for t in config.terms]
+        return cls(terms, strip_suffixes=config.strip_suffixes, overlong=config.overlong)
 
     @property
     def term_names(self) -> list[str]:
-        return [t.name for t in self.terms]
+        return [t.name for t in self.terms] + (["overlong"] if self.overlong is not None else [])
 
     def score(
         self,
         completions: Sequence[str],
         problems: Sequence[Problem],
         group_ids: Sequence[int] | None = None,
+        num_tokens: Sequence[int] | None = None,
+        max_tokens: int | None = None,
     ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
         """Score ``completions[i]`` against ``problems[i]``.
+
+        ``num_tokens`` (generated tokens per completion) and ``max_tokens`` (the sampling cap) are needed only by the
+        overlong penalty, when configured.
 
         Returns ``(rewards, terms, error_counts)``: the weighted sums, each term's unweighted scores by name, and the
         additive counters ``reward/<name>/num_errors`` and ``reward/num_errors`` (reward means are computed from the
@@ -117,6 +139,12 @@ class RewardScorer:
             rewards = [r + term.weight * s for r, s in zip(rewards, scores)]
             metrics[f"reward/{term.name}/num_errors"] = float(num_errors)
             total_errors += num_errors
+        if self.overlong is not None:
+            if num_tokens is None or max_tokens is None or len(num_tokens) != len(texts):
+                raise ValueError("reward.overlong needs each completion's token count and the sampling max_tokens")
+            penalties = [overlong_penalty(n, max_tokens, self.overlong.cache_tokens) for n in num_tokens]
+            terms["overlong"] = penalties
+            rewards = [r + self.overlong.weight * p for r, p in zip(rewards, penalties)]
         metrics["reward/num_errors"] = float(total_errors)
         return rewards, terms, metrics
 

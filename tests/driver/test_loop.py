@@ -32,8 +32,9 @@ class FakePool:
     the committed version from the loop's weight publisher before it regenerates the batch, as the real pool does.
     """
 
-    def __init__(self, events, replace_on_collect=None):
+    def __init__(self, events, replace_on_collect=None, bonus=0.0):
         self.events, self.version, self._handles, self._num_submitted = events, 0, {}, 0
+        self.bonus = bonus  # a second reward term: the first sample of every group gets it
         self.replace_on_collect, self.publish, self.committed, self.held_back = replace_on_collect, None, [], []
 
     def set_weight_publisher(self, publish):
@@ -62,9 +63,12 @@ class FakePool:
         if handle == self.replace_on_collect:
             version = self.publish(["replacement:1"])
             self.events.append(("published", version))
+        def terms(p, k):
+            return {"exact_match": float(p % 2 == 0 and k % 2 == 0), "format": self.bonus * (k == 0)}
+
         samples = [
             Sample(np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(1, np.float32),
-                   reward=float(p % 2 == 0 and k % 2 == 0), group_id=p, policy_version=version)
+                   reward=sum(terms(p, k).values()), group_id=p, policy_version=version, reward_terms=terms(p, k))
             for p in problems for k in range(group_size)
         ]  # fmt: skip
         return RolloutBatch(samples, {"rollout/seconds": 0.0, **sample_metrics(samples)})
@@ -101,11 +105,11 @@ class FakeTrainer:
         self.events.append(("checkpoint", self.version, data_cursor["position"]))
 
 
-def _run(overrides, num_steps=3, replace_on_collect=None, pool_out=None, failing=()):
+def _run(overrides, num_steps=3, replace_on_collect=None, pool_out=None, failing=(), bonus=0.0):
     recipe = load_recipe("recipes/grpo_tiny.toml", {"run.num_steps": num_steps, "run.num_prompts_per_step": 2,
                                                     "algorithm.group_size": 2, **overrides})  # fmt: skip
     events, logged = [], []
-    pool = FakePool(events, replace_on_collect)
+    pool = FakePool(events, replace_on_collect, bonus)
     trainer = FakeTrainer(events, pool, failing)
     publisher = WeightPublisher(trainer, pool, external=["external:1"])
     loop = RLLoop(recipe, pool, trainer, FakeDataset(), publisher, lambda s, m: logged.append((s, m)), dict)
@@ -182,3 +186,21 @@ def test_replacement_gets_the_committed_version_from_the_publisher():
     assert ("push_to", ("replacement:1",), 2) in events and ("published", 2) in events
     assert events.index(("published", 2)) < [i for i, e in enumerate(events) if e[0] == "train"][2]
     assert [m["rollout/staleness_max"] for _, m in logged] == [0.0, 0.0, 0.0]  # on-policy, no batch regenerated
+
+
+def test_dynamic_sampling_can_filter_on_the_correctness_term_alone():
+    # A format bonus makes every group's rewards differ; only filtering on exact_match drops the all-wrong groups.
+    events, _ = _run({"run.dynamic_sampling.enabled": True}, num_steps=1, bonus=0.1)
+    assert [e for e in events if e[0] == "train"][0][1] == [0, 1]
+    events, _ = _run({"run.dynamic_sampling.enabled": True, "run.dynamic_sampling.filter_term": "exact_match"},
+                     num_steps=1, bonus=0.1)  # fmt: skip
+    assert [e for e in events if e[0] == "train"][0][1] == [0, 2]
+
+
+def test_dynamic_sampling_filter_term_must_be_a_reward_term():
+    import pytest
+
+    from common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="run.dynamic_sampling.filter_term.*not a reward term"):
+        load_recipe("recipes/grpo_tiny.toml", {"run.dynamic_sampling.filter_term": "correct"})

@@ -273,3 +273,29 @@ def test_max_grad_norm_inf_disables_clipping_and_round_trips(tmp_path):
     flag = load_recipe(ROOT / "recipes" / "grpo_tiny.toml", parse_overrides(["--trainer.max_grad_norm", "inf"]))
     assert flag.trainer.grad_clip_norm is None
     assert "greater than 0" in _error(path, {"trainer.max_grad_norm": 0.0})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "reason"),
+    [
+        ({"rollout.sampling.temperature": 0.0}, "rollout.sampling.temperature", "greedy"),
+        ({"rollout.sampling.top_p": 0.9}, "rollout.sampling.top_p", "set top_p = 1.0"),
+        ({"rollout.sampling.top_k": 20}, "rollout.sampling.top_k", "set top_k = 0"),
+        ({"rollout.sampling.min_tokens": 2}, "rollout.sampling.min_tokens", "set min_tokens = 0"),
+        ({"rollout.engine.logprobs_mode": "raw_logprobs", "rollout.sampling.temperature": 0.7},
+         "rollout.engine.logprobs_mode", "processed_logprobs"),
+        ({"reward.overlong.cache_tokens": 9}, "reward.overlong.cache_tokens", "exceeds rollout.sampling.max_tokens"),
+    ],
+)
+def test_sampling_the_trainer_cannot_follow_fails_at_load(overrides, field, reason):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(ROOT / "recipes" / "grpo_tiny.toml", overrides)
+    message = str(err.value)
+    assert f"- {field}:" in message and reason in message, message
+
+
+def test_tempered_sampling_trains():
+    recipe = load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"rollout.sampling.temperature": 0.7})
+    assert recipe.rollout.sampling.temperature == 0.7
+    eval_only = load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"run.eval.temperature": 0.0})
+    assert eval_only.eval_sampling.temperature == 0.0  # greedy evaluation is fine: nothing trains on it

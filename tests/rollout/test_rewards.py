@@ -250,3 +250,23 @@ def test_reward_config_round_trips_through_toml():
         )
     )
     assert validate_config(_Recipe, tomllib.loads(to_toml(recipe))) == recipe
+
+
+def test_overlong_penalty_is_dapos_soft_punishment():
+    from rollout.rewards.scorer import overlong_penalty
+
+    # L_max = 20, L_cache = 5: free up to 15 tokens, then linear to -1 at 20.
+    assert [overlong_penalty(n, 20, 5) for n in (1, 15, 16, 18, 20, 25)] == [0.0, 0.0, -0.2, -0.6, -1.0, -1.0]
+
+
+def test_overlong_term_adds_to_the_reward_by_length():
+    from rollout.rewards.config import OverlongPenaltyConfig
+
+    config = RewardConfig(terms=[MathRewardConfig()], overlong=OverlongPenaltyConfig(cache_tokens=4, weight=0.5))
+    scorer = RewardScorer.from_config(config)
+    rewards, terms, _ = scorer.score(["12", "12", "13"], [_problem("12")] * 3, num_tokens=[3, 8, 10], max_tokens=10)
+    assert terms["overlong"] == [0.0, -0.5, -1.0]
+    assert rewards == pytest.approx([1.0, 1.0 - 0.25, 0.0 - 0.5])
+    assert scorer.term_names == ["math", "overlong"]
+    with pytest.raises(ValueError, match="token count"):
+        scorer.score(["12"], [_problem("12")])

@@ -189,3 +189,96 @@ def test_hf_export_round_trips(tmp_path) -> None:
     trained = _weights(state.policy)
     for name, p in plain.named_parameters():
         assert torch.equal(p, trained[name]), name
+
+
+def test_log_probs_are_those_of_each_samples_temperature() -> None:
+    from trainer.step import forward_logprobs, plan_rank_micro_batches
+
+    state = _engine(GRPOConfig(group_size=4), micro_batch_tokens=10_000)
+    samples = _samples(seed=5)
+    temperatures = [0.6, 1.0, 1.7]
+    for i, s in enumerate(samples):
+        s.temperature = temperatures[i % 3]
+    (mb,) = plan_rank_micro_batches(state, samples, range(len(samples)))
+    with torch.no_grad():
+        logprobs, entropy, _ = forward_logprobs(state.policy, mb)
+        # Reference: dense logits of every sequence alone, divided by its temperature, then log_softmax.
+        for row, i in enumerate(mb.sample_indices):
+            s = samples[i]
+            ids = torch.from_numpy(np.concatenate([s.prompt_ids, s.completion_ids]))[None]
+            hidden = state.policy(ids, positions=torch.arange(ids.shape[1])[None])
+            logits = state.policy.logits(hidden)[0, len(s.prompt_ids) - 1 : -1] / s.temperature
+            ref = torch.log_softmax(logits, dim=-1)
+            want = ref.gather(1, torch.from_numpy(s.completion_ids)[:, None])[:, 0]
+            want_entropy = -(ref.exp() * ref).sum(-1)
+            n = len(s.completion_ids)
+            torch.testing.assert_close(logprobs[row, :n], want, atol=1e-5, rtol=0)
+            torch.testing.assert_close(entropy[row, :n], want_entropy, atol=1e-5, rtol=0)
+
+
+def test_temperature_one_samples_take_the_untempered_path() -> None:
+    from trainer.step import plan_rank_micro_batches
+
+    state = _engine(GRPOConfig(group_size=4))
+    (mb,) = plan_rank_micro_batches(state, _samples(seed=6), range(12))
+    assert mb.token_temperatures is None  # bit-identical to the code before temperatures existed
+
+
+def test_a_sample_cannot_claim_temperature_zero() -> None:
+    with pytest.raises(ValueError, match="temperature 0"):
+        replace(_samples(seed=7)[0], temperature=0.0)
+
+
+def test_minibatches_are_reshuffled_each_epoch_and_carry_their_tensors() -> None:
+    from trainer.step import _minibatches, _no_grad_pass, _reshuffled, plan_rank_micro_batches
+
+    state = _engine(GRPOConfig(group_size=4), num_minibatches=3, num_epochs=3)
+    samples = _samples(seed=8)
+    trained = list(range(len(samples)))
+    first = _minibatches(state, samples, trained, epoch=0)
+    assert first == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]  # epoch 0 as before: contiguous
+    second, third = (_minibatches(state, samples, trained, epoch=e) for e in (1, 2))
+    assert second != first and third != second and sorted(sum(second, [])) == trained
+    assert _minibatches(state, samples, trained, epoch=1) == second  # seeded: every rank draws the same split
+    plans = [plan_rank_micro_batches(state, samples, idx) for idx in first]
+    _no_grad_pass(state, plans, need_old=True)
+    old = {i: mb.extra["old_logprobs"][row] for mbs in plans for mb in mbs for row, i in enumerate(mb.sample_indices)}
+    minis, new_plans = _reshuffled(state, samples, trained, plans, epoch=1)
+    assert minis == second
+    for mbs in new_plans:
+        for mb in mbs:
+            for row, i in enumerate(mb.sample_indices):
+                n = len(samples[i].completion_ids)
+                assert torch.equal(mb.extra["old_logprobs"][row, :n], old[i][:n])
+
+
+def test_overlong_filter_takes_truncated_completions_out_of_the_loss() -> None:
+    from trainer.step import rl_step
+
+    def update(filter_on: bool, scramble: bool) -> dict[str, torch.Tensor]:
+        state = _engine(GRPOConfig(group_size=4, overlong_filter=filter_on))
+        samples = _samples(seed=9)
+        for i in (1, 6):  # truncated at max_tokens; their content must not matter once filtered
+            samples[i].finish_reason = "length"
+            if scramble:
+                samples[i].completion_ids = (samples[i].completion_ids % 60) + 2
+        metrics = rl_step(state, RolloutBatch(samples))
+        assert metrics["overlong_filtered_frac"] == (2 / 12 if filter_on else 0.0)
+        return _weights(state.policy)
+
+    for name, w in update(True, False).items():
+        assert torch.equal(w, update(True, True)[name]), name
+    assert any(not torch.equal(a, b) for a, b in zip(update(False, False).values(), update(False, True).values()))
+
+
+def test_a_batch_of_only_truncated_completions_makes_no_update_under_the_overlong_filter() -> None:
+    from trainer.step import rl_step
+
+    state = _engine(GRPOConfig(group_size=4, overlong_filter=True))
+    samples = _samples(seed=10)
+    for s in samples:
+        s.finish_reason = "length"
+    before = _weights(state.policy)
+    metrics = rl_step(state, RolloutBatch(samples))
+    assert metrics["overlong_filtered_frac"] == 1.0 and metrics["grad_norm"] == 0.0 and metrics["policy_version"] == 1
+    assert all(torch.equal(w, _weights(state.policy)[n]) for n, w in before.items())
