@@ -27,10 +27,10 @@ from typing import Any, Literal
 
 import pydantic
 
-from common.config import Config, FieldError, config_error, read_toml_with_sources, to_toml, validate_config
+from common.config import Config, DType, FieldError, config_error, read_toml_with_sources, to_toml, validate_config
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.rewards.config import FunctionRewardConfig, RewardConfig
-from rollout.tasks.config import TaskConfig
+from rollout.tasks.config import JsonlTaskConfig, TaskConfig
 from trainer.config import TrainerConfig
 from trainer.models.config import BlockChoices, Family
 from trainer.rl.config import AlgorithmConfig
@@ -68,11 +68,20 @@ class WarmStartConfig(Config):
     """A supervised warm start on the task's ideal completions before RL, so that a tiny model has reward signal."""
 
     num_steps: int = pydantic.Field(0, ge=0)
-    """SFT optimizer steps; 0 skips the warm start."""
+    """SFT optimizer steps (the most, when a target below stops it earlier); 0 skips the warm start."""
     num_examples_per_step: int = pydantic.Field(64, ge=1)
     """Examples per SFT step."""
     lr: float = pydantic.Field(3e-3, gt=0)
     """Peak SFT learning rate (own AdamW, discarded before RL starts)."""
+    stop_at_loss: float | None = pydantic.Field(None, gt=0)
+    """Stop once the mean SFT loss of the last 10 steps is at most this; None: no loss target."""
+    stop_at_accuracy: float | None = pydantic.Field(None, gt=0, le=1)
+    """Stop once held-out accuracy (``run.eval``'s problems and temperature, checked every
+    ``check_every_num_steps`` SFT steps through the rollout pool) reaches this; None: no accuracy target. A new task
+    then needs no trial runs to find the warm start's length: aim for RL's sweet spot (enough reward signal, room to
+    climb), e.g. 0.3-0.5."""
+    check_every_num_steps: int = pydantic.Field(50, ge=1)
+    """SFT steps between two checks of ``stop_at_accuracy``."""
 
 
 class DynamicSamplingConfig(Config):
@@ -87,6 +96,19 @@ class DynamicSamplingConfig(Config):
     reward term (e.g. ``"math"``), so that a small bonus of another term (a format reward) does not keep a group
     whose answers are all wrong. (Std-normalised GRPO advantages would blow such a bonus up to the same size as a
     correctness difference.)"""
+
+
+class ExportConfig(Config):
+    """The trained policy as a ``from_pretrained``-ready HF directory (weights, config, tokenizer, generation config).
+
+    The final policy always goes to ``<output_dir>/final_model``; ``python -m trainer.export CHECKPOINT OUT``
+    converts any checkpoint later.
+    """
+
+    every_num_steps: int = pydantic.Field(0, ge=0)
+    """Also export after every k-th RL step, to ``<output_dir>/hf/step_<n>``; 0: the final policy only."""
+    dtype: DType | None = None
+    """Cast the exported weights (e.g. ``"bfloat16"`` to halve the files); None keeps the trainer's float32."""
 
 
 class EvalConfig(Config):
@@ -140,6 +162,8 @@ class RunConfig(Config):
     """Supervised warm start before RL."""
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation."""
+    export: ExportConfig = ExportConfig()
+    """HF exports of the trained policy."""
     logging: LoggingConfig = LoggingConfig()
     """Metric sinks."""
 
@@ -296,6 +320,16 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
             f"{str(model_dir)!r} has no config.json: point it at a local HF model directory, or add a "
             "[model.create_tiny] section to create a tiny one there",
         ))  # fmt: skip
+    task = recipe.task
+    if isinstance(task, JsonlTaskConfig):
+        for name in ("path", "eval_path"):
+            value = getattr(task, name)
+            if value is not None and not Path(value).is_file():
+                problems.append((
+                    ("task", name),
+                    f"{value!r}: no such file (relative paths in a recipe resolve against the directory rl_align.py "
+                    f"runs in, here {Path.cwd()}; with `ray job submit` the --working-dir)",
+                ))  # fmt: skip
     for i, term in enumerate(recipe.reward.terms):
         if isinstance(term, FunctionRewardConfig):
             try:

@@ -157,7 +157,10 @@ def read_toml(path: str | Path, overrides: Mapping[str, Any] | None = None) -> d
     """Parse a TOML file into plain data and apply dotted ``overrides``; raise :class:`ConfigError` naming the file.
 
     A top-level ``base = "other.toml"`` (relative to this file) starts from that file's data: tables merge key by key,
-    and everything else written here replaces the base's value. Variants of a recipe stay a few lines long.
+    and everything else written here replaces the base's value. A table that names another ``type`` than the base's
+    (a tagged union: ``[task] type = "jsonl"`` over an arithmetic task, ``[algorithm] type = "ppo"`` over GRPO)
+    replaces the base's table whole instead: the other type's keys would not belong to it. Variants of a recipe stay a
+    few lines long.
     """
     return read_toml_with_sources(path, overrides)[0]
 
@@ -208,9 +211,12 @@ def _key_sources(value: Any, source: str, prefix: tuple[str, ...]) -> Sources:
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in top.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
+        below = out.get(key)
+        if isinstance(value, dict) and isinstance(below, dict) and value.get("type", below.get("type")) == below.get(
+            "type"
+        ):
+            out[key] = _merge(below, value)
+        else:  # a value, or a table of another tagged-union type: replaces the base's
             out[key] = value
     return out
 

@@ -115,6 +115,9 @@ class RLLoop:
             train = self.trainer.train_step(batch)
             if _checkpoint_due(self.recipe, step):
                 self.trainer.save_checkpoint(data_cursor=cursor)
+            if run.export.every_num_steps and (step + 1) % run.export.every_num_steps == 0:
+                out = run.resolved_output_dir / "hf" / f"step_{step + 1}"
+                self.trainer.export_hf(str(out), self.recipe.model.path, run.export.dtype)
             t2 = time.perf_counter()
             version = int(train["policy_version"])
             metrics.update(self.publisher.publish())

@@ -170,11 +170,17 @@ class _Run:
                      state["policy_version"], num_dropped)  # fmt: skip
         elif r.run.warm_start.num_steps > 0:
             t0 = time.perf_counter()
-            warm_start(self.trainer, self.dataset, self.tokenizer, r.run.warm_start, r.rollout.use_chat_template,
-                       lambda step, m: self.logger.log(step, m, phase="sft"))  # fmt: skip
+
+            def publish_and_evaluate() -> dict[str, float]:
+                self.publisher.publish()
+                return do_eval()
+
+            num_sft = warm_start(self.trainer, self.dataset, self.tokenizer, r.run.warm_start,
+                                 r.rollout.use_chat_template, lambda step, m: self.logger.log(step, m, phase="sft"),
+                                 publish_and_evaluate)  # fmt: skip
             self.trainer.finish_warm_start()
-            self.trainer.export_hf(str(self.out_dir / "warm_start_model"))
-            log.info("warm start: %d SFT steps in %.1f s", r.run.warm_start.num_steps, time.perf_counter() - t0)
+            self.trainer.export_hf(str(self.out_dir / "warm_start_model"), r.model.path, r.run.export.dtype)
+            log.info("warm start: %d SFT steps in %.1f s", num_sft, time.perf_counter() - t0)
         if start_step > 0 or r.run.warm_start.num_steps > 0:
             self.publisher.publish()
         before = do_eval()
@@ -185,6 +191,9 @@ class _Run:
         every = r.trainer.checkpoint.every_num_steps
         if every and r.run.num_steps % every:  # the loop saved the last step when it was due
             self.trainer.save_checkpoint(data_cursor=self.dataset.state_dict())
+        final = self.out_dir / "final_model"
+        self.trainer.export_hf(str(final), r.model.path, r.run.export.dtype)
+        log.info("trained model: %s (from_pretrained-ready: weights, config, tokenizer, generation config)", final)
         _print_report(before, after, self.out_dir)
         if r.run.logging.plot:
             self.logger.close()
@@ -197,4 +206,5 @@ def _print_report(before: dict[str, float], after: dict[str, float], out_dir: Pa
     for key in rows:
         lines.append(f"{key[5:]:<22} {before[key]:>11.3f} {after[key]:>12.3f} {after[key] - before[key]:>+9.3f}")
     lines.append(f"\nmetrics: {out_dir / 'metrics.jsonl'}   curves: {out_dir / 'curves.png'}")
+    lines.append(f"trained model (AutoModelForCausalLM.from_pretrained): {out_dir / 'final_model'}")
     print("\n".join(lines), flush=True)

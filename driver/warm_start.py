@@ -1,7 +1,13 @@
-"""The supervised warm start: a few SFT steps on the task's ideal completions before RL, so a tiny model has signal."""
+"""The supervised warm start: SFT steps on the task's ideal completions before RL, so a tiny model has signal.
+
+It runs ``num_steps`` steps at most and stops earlier when a target of the recipe is met: the mean loss of the last
+steps (``stop_at_loss``) or the held-out accuracy of the policy's own samples (``stop_at_accuracy``, checked every
+``check_every_num_steps`` steps through the rollout pool after a weight push).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -10,6 +16,8 @@ from rollout.tokenizer import render_prompt
 from rollout.types import Sample
 
 __all__ = ["sft_samples", "warm_start"]
+
+_LOSS_WINDOW = 10
 
 
 def sft_samples(tokenizer: Any, examples: list[tuple[Any, str]], use_chat_template: bool | None) -> list[Sample]:
@@ -31,11 +39,39 @@ def sft_samples(tokenizer: Any, examples: list[tuple[Any, str]], use_chat_templa
     return samples
 
 
-def warm_start(trainer: Any, dataset: Any, tokenizer: Any, cfg: Any, use_chat_template: bool | None, log: Any) -> None:
-    """Run ``cfg.num_steps`` SFT steps of ``cfg.num_examples_per_step`` examples at ``cfg.lr``; log each step."""
+def warm_start(
+    trainer: Any,
+    dataset: Any,
+    tokenizer: Any,
+    cfg: Any,
+    use_chat_template: bool | None,
+    log: Callable[[int, dict[str, float]], None],
+    evaluate: Callable[[], dict[str, float]] | None = None,
+) -> int:
+    """Run SFT steps of ``cfg.num_examples_per_step`` examples at ``cfg.lr`` until ``cfg.num_steps`` or a target of
+    ``cfg`` (a ``WarmStartConfig``) is met; log each step (and each accuracy check, as ``warm_start/*``). Returns the
+    steps run.
+
+    ``evaluate()`` must push the current weights to the pool and return ``eval/*`` metrics; it is required by
+    ``stop_at_accuracy``.
+    """
+    if cfg.stop_at_accuracy is not None and evaluate is None:
+        raise ValueError("warm_start.stop_at_accuracy needs an evaluation of the policy (pass evaluate)")
     per_step = cfg.num_examples_per_step
     examples = dataset.sft_examples(cfg.num_steps * per_step, tokenizer.eos_token)
+    losses: list[float] = []
     for step in range(cfg.num_steps):
         samples = sft_samples(tokenizer, examples[step * per_step : (step + 1) * per_step], use_chat_template)
         metrics = trainer.sft_step(samples, lr=cfg.lr)
+        losses.append(metrics["sft_loss"])
+        done = cfg.stop_at_loss is not None and len(losses) >= _LOSS_WINDOW and (
+            float(np.mean(losses[-_LOSS_WINDOW:])) <= cfg.stop_at_loss
+        )
+        if cfg.stop_at_accuracy is not None and evaluate is not None and (step + 1) % cfg.check_every_num_steps == 0:
+            accuracy = evaluate().get("eval/accuracy", 0.0)
+            metrics["warm_start/eval_accuracy"] = accuracy
+            done = done or accuracy >= cfg.stop_at_accuracy
         log(step, metrics)
+        if done:
+            return step + 1
+    return cfg.num_steps

@@ -147,6 +147,8 @@ class CheckpointManager:
         if _rank() == 0:
             (path / "COMPLETE").write_text(f"{progress.step}\n")
             for _, old in self.checkpoints()[: -self.num_keep]:
+                log.info("removing checkpoint %s: trainer.checkpoint.num_keep = %d keeps the newest (raise it to keep "
+                         "more)", old, self.num_keep)  # fmt: skip
                 shutil.rmtree(old, ignore_errors=True)
         _barrier()
         return path

@@ -186,14 +186,12 @@ class TrainerWorker:
         state.data_cursor = progress.data_cursor
         return {"step": progress.step, "policy_version": progress.policy_version, "data_cursor": progress.data_cursor}
 
-    def export_hf(self, path: str, dtype: str | None = None) -> list[str]:
-        """Write the policy as an HF safetensors checkpoint (gathered on rank 0, which writes); for serving."""
-        import torch
+    def export_hf(self, path: str, source_dir: str | None, dtype: str | None = None) -> list[str]:
+        """Write the policy as a complete HF model directory (weights, config, tokenizer files and generation config
+        of ``source_dir``, the model directory the run started from); rank 0 writes (``trainer.export``)."""
+        from trainer.export import export_policy
 
-        from trainer.models.hf_io import save_hf_checkpoint
-
-        torch_dtype = getattr(torch, dtype) if dtype is not None else None
-        return save_hf_checkpoint(self._require_state().policy, path, dtype=torch_dtype)
+        return export_policy(self._require_state().policy, path, source_dir, dtype)
 
     def policy_version(self) -> int:
         return self._require_state().policy_version

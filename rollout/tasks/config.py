@@ -115,7 +115,8 @@ class JsonlTaskConfig(Config):
     type: Literal["jsonl"] = "jsonl"
     """Selects this task in a recipe."""
     path: str
-    """The training file (``.jsonl``): one JSON object per line."""
+    """The training file (``.jsonl``): one JSON object per line. Relative paths, here and in every path of a recipe,
+    resolve against the directory ``rl_align.py`` runs in (the ``--working-dir`` of ``ray job submit``)."""
     prompt_field: str = "prompt"
     """Key of the prompt (text or a list of chat messages)."""
     answer_field: str = "answer"

@@ -205,3 +205,15 @@ def test_field_error_of_a_cross_section_validator_blames_that_field_and_its_sour
     with pytest.raises(ConfigError) as e:
         load_toml_config(RootWithFieldError, f, {"inner.lr": 0.5})
     assert str(e.value).startswith("command-line flag --inner.lr: "), str(e.value)
+
+
+def test_a_table_of_another_type_replaces_the_base_table(tmp_path):
+    from common.config import read_toml
+
+    (tmp_path / "base.toml").write_text('[task]\ntype = "arithmetic"\nmin_digits = 1\n[run]\nname = "a"\nseed = 1\n')
+    mine = 'base = "base.toml"\n[task]\ntype = "jsonl"\npath = "d.jsonl"\n[run]\nname = "b"\n'
+    (tmp_path / "mine.toml").write_text(mine)
+    (tmp_path / "same.toml").write_text('base = "base.toml"\n[task]\ntype = "arithmetic"\nmax_digits = 3\n')
+    assert read_toml(tmp_path / "mine.toml") == {"task": {"type": "jsonl", "path": "d.jsonl"},
+                                                 "run": {"name": "b", "seed": 1}}  # fmt: skip
+    assert read_toml(tmp_path / "same.toml")["task"] == {"type": "arithmetic", "min_digits": 1, "max_digits": 3}

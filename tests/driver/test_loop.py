@@ -104,6 +104,9 @@ class FakeTrainer:
     def save_checkpoint(self, data_cursor):
         self.events.append(("checkpoint", self.version, data_cursor["position"]))
 
+    def export_hf(self, path, source_dir, dtype=None):
+        self.events.append(("export", self.version, path.rsplit("/", 2)[-2:]))
+
 
 def _run(overrides, num_steps=3, replace_on_collect=None, pool_out=None, failing=(), bonus=0.0):
     recipe = load_recipe("recipes/grpo_tiny.toml", {"run.num_steps": num_steps, "run.num_prompts_per_step": 2,
@@ -204,3 +207,10 @@ def test_dynamic_sampling_filter_term_must_be_a_reward_term():
 
     with pytest.raises(ConfigError, match="run.dynamic_sampling.filter_term.*not a reward term"):
         load_recipe("recipes/grpo_tiny.toml", {"run.dynamic_sampling.filter_term": "correct"})
+
+
+def test_exports_the_policy_every_k_steps_when_asked():
+    events, _ = _run({"run.export.every_num_steps": 2}, num_steps=4)
+    assert [e for e in events if e[0] == "export"] == [("export", 2, ["hf", "step_2"]), ("export", 4, ["hf", "step_4"])]
+    events, _ = _run({}, num_steps=4)
+    assert not [e for e in events if e[0] == "export"]  # the final model is the run's, not the loop's

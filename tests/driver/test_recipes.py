@@ -299,3 +299,24 @@ def test_tempered_sampling_trains():
     assert recipe.rollout.sampling.temperature == 0.7
     eval_only = load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"run.eval.temperature": 0.0})
     assert eval_only.eval_sampling.temperature == 0.0  # greedy evaluation is fine: nothing trains on it
+
+
+def test_missing_jsonl_file_fails_at_load_saying_what_relative_paths_resolve_against(tmp_path):
+    recipe = tmp_path / "mine.toml"
+    recipe.write_text(f'base = "{ROOT / "recipes" / "grpo_tiny.toml"}"\n[task]\ntype = "jsonl"\npath = "nope.jsonl"\n')
+    with pytest.raises(ConfigError) as err:
+        load_recipe(recipe)
+    assert "task.path: 'nope.jsonl': no such file" in str(err.value) and str(Path.cwd()) in str(err.value)
+
+
+def test_the_own_task_example_loads_and_changes_only_task_reward_and_warm_start():
+    mine = load_recipe(ROOT / "examples" / "own_task" / "recipe.toml", check_paths=False)
+    base = load_recipe(ROOT / "recipes" / "grpo_tiny.toml")
+    assert mine.task.type == "jsonl" and mine.reward.terms[1].term_name == "brevity"
+    assert mine.run.warm_start.stop_at_accuracy == 0.4
+    assert (mine.algorithm, mine.trainer, mine.model) == (base.algorithm, base.trainer, base.model)
+    from examples.own_task.reward import brevity
+    from rollout.tasks.problem import Problem
+
+    problem = Problem(prompt="Take 3 away from 10. What is left?", answer="7", problem_id="x")
+    assert (brevity("7", problem), brevity("7 7", problem), brevity("7 apples", problem)) == (1.0, 0.0, 0.0)

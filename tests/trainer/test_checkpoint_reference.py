@@ -97,7 +97,7 @@ def _resume_flow(rank: int, world: int, ports: tuple[int, int], root: Path) -> d
         for step in range(3):
             first.sft_step(_batch(10 + step).samples, lr=1e-2)
         first.finish_warm_start()
-        first.export_hf(str(warm))
+        first.export_hf(str(warm), None)
         for step in range(2):
             first.train_step(_batch(step))
         first.save_checkpoint(data_cursor={"next": 2})

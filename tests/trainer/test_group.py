@@ -84,7 +84,7 @@ def test_two_rank_group_trains_checkpoints_and_pushes(ray_session, tmp_path) -> 
             assert late_receiver.policy_version == 2
         finally:
             late_receiver.stop()
-        group.export_hf(str(tmp_path / "hf"))
+        group.export_hf(str(tmp_path / "hf"), None)
         from safetensors.torch import load_file
 
         exported = load_file(str(tmp_path / "hf" / "model.safetensors"))

@@ -1,0 +1,70 @@
+"""The warm start stops at its step count or earlier at a target (loss, held-out accuracy), with hand-written fakes
+for the trainer and dataset; the real SFT step is covered by tests/trainer/test_step.py and the demo."""
+
+import pytest
+
+from driver.warm_start import warm_start
+from recipe import WarmStartConfig
+from rollout.tasks.problem import Problem
+
+
+class FakeTokenizer:
+    eos_token = "<e>"
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3] * len(text)}
+
+    def encode(self, text, add_special_tokens=True):
+        return [5] * len(text)
+
+
+class FakeDataset:
+    def sft_examples(self, n, eos):
+        return [(Problem(prompt=f"p{i}", answer="1", problem_id=str(i)), "1" + eos) for i in range(n)]
+
+
+class FakeTrainer:
+    """SFT loss 1/(step+1); accuracy rises by 0.1 per 10 steps."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def sft_step(self, samples, lr):
+        self.steps += 1
+        return {"sft_loss": 1.0 / self.steps}
+
+
+def _run(evaluate=None, **cfg):
+    trainer, logged = FakeTrainer(), []
+    steps = warm_start(trainer, FakeDataset(), FakeTokenizer(), WarmStartConfig(num_examples_per_step=2, **cfg),
+                       False, lambda s, m: logged.append((s, m)), evaluate)  # fmt: skip
+    return steps, trainer, logged
+
+
+def test_runs_its_steps_without_a_target():
+    steps, trainer, logged = _run(num_steps=30)
+    assert steps == trainer.steps == len(logged) == 30
+
+
+def test_stops_at_the_loss_target():
+    steps, _, _ = _run(num_steps=100, stop_at_loss=0.1)  # mean of 1/(k+1) over the last 10 steps <= 0.1
+    assert steps == next(n for n in range(10, 101) if sum(1 / k for k in range(n - 9, n + 1)) / 10 <= 0.1)
+
+
+def test_stops_at_the_accuracy_target_checked_every_k_steps():
+    trainer_steps = []
+
+    def evaluate():
+        trainer_steps.append(len(trainer_steps))
+        return {"eval/accuracy": 0.1 * len(trainer_steps)}
+
+    steps, _, logged = _run(evaluate, num_steps=500, stop_at_accuracy=0.3, check_every_num_steps=20)
+    assert steps == 60 and len(trainer_steps) == 3
+    checks = [m["warm_start/eval_accuracy"] for _, m in logged if "warm_start/eval_accuracy" in m]
+    assert checks == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_an_accuracy_target_needs_an_evaluation():
+    with pytest.raises(ValueError, match="stop_at_accuracy needs"):
+        _run(num_steps=10, stop_at_accuracy=0.5)

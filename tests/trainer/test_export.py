@@ -1,0 +1,91 @@
+"""The trained policy as a model to take away: the exported directory loads with HF transformers' own
+``from_pretrained`` (model and tokenizer), computes the trainer's logits, stops generating at the source's
+end-of-sequence token, and any DCP checkpoint converts to the same directory (``python -m trainer.export``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tools.make_tiny_model import make_tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("src"), family="qwen3", seed=3, hidden_size=64, num_layers=2,
+                           num_heads=2)  # fmt: skip
+
+
+def _trained(source: Path):
+    """Our model of ``source``, its weights moved (as training would)."""
+    from trainer.models.hf_config import model_config_from_hf
+    from trainer.models.hf_io import load_hf_checkpoint
+    from trainer.models.transformer import build_model
+
+    model = build_model(model_config_from_hf(str(source)), device=torch.device("cpu"), dtype=torch.float32)
+    load_hf_checkpoint(model, str(source))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return model
+
+
+def _assert_usable(out: Path, model, source: Path) -> None:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    ids = torch.tensor([tokenizer("What is 2 + 3?")["input_ids"]])
+    with torch.no_grad():
+        ours = model.logits(model(ids, positions=torch.arange(ids.shape[1])[None]))
+        torch.testing.assert_close(hf(ids).logits.float(), ours, atol=1e-5, rtol=1e-5)
+    src_config = json.loads((source / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == src_config["eos_token_id"] == tokenizer.eos_token_id
+    assert config["pad_token_id"] == src_config["pad_token_id"]
+    assert hf.generation_config.eos_token_id == tokenizer.eos_token_id
+    # End-of-sequence made the likeliest token must end generation there: HF generate knows the stop token (without
+    # it, generate would emit ten of them).
+    with torch.no_grad():
+        generated = hf.generate(ids, max_new_tokens=10, do_sample=False,
+                                sequence_bias={(tokenizer.eos_token_id,): 100.0})  # fmt: skip
+    assert generated[0, ids.shape[1]:].tolist() == [tokenizer.eos_token_id]
+
+
+def test_exported_policy_loads_and_generates_with_hf(source, tmp_path):
+    from trainer.export import export_policy
+
+    model = _trained(source)
+    files = export_policy(model, tmp_path / "out", source)
+    assert {"model.safetensors", "config.json", "tokenizer.json", "generation_config.json"} <= set(files)
+    _assert_usable(tmp_path / "out", model, source)
+
+
+def test_a_dcp_checkpoint_exports_to_the_same_model(source, tmp_path):
+    from trainer.checkpoint import Checkpointable, CheckpointManager, TrainProgress
+    from trainer.config import OptimizerConfig
+    from trainer.export import main
+    from trainer.optim import build_optimizer
+
+    model = _trained(source)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "recipe.resolved.toml").write_text(f'[model]\npath = "{source}"\n')  # what a run leaves next to it
+    manager = CheckpointManager(run / "checkpoints")
+    ckpt = manager.save({"policy": Checkpointable(model, build_optimizer(model, OptimizerConfig()))},
+                        TrainProgress(7, 7, {}))  # fmt: skip
+    assert main([str(ckpt), str(tmp_path / "out")]) == 0
+    _assert_usable(tmp_path / "out", model, source)
+    assert main([str(run / "checkpoints"), str(tmp_path / "bad")]) == 2  # not a step_<n> directory
+
+
+def test_export_refuses_a_source_without_tokenizer(tmp_path, source):
+    from trainer.export import complete_from_source
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        complete_from_source(tmp_path / "out", tmp_path)

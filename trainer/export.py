@@ -1,0 +1,131 @@
+"""A trained policy as a model the user takes away: a ``from_pretrained``-ready HF directory.
+
+    export_policy(policy, "runs/x/final_model", source_dir="artifacts/tiny-qwen3")   # from a live (sharded) policy
+    python -m trainer.export runs/x/checkpoints/step_00000300 runs/x/exported        # from any DCP checkpoint
+
+The directory holds the safetensors weights and a ``config.json`` written from the model config, plus everything
+else a user needs to load and generate that training does not change, taken from the model directory the run started
+from: the tokenizer files, ``generation_config.json`` (written from the token ids when the source has none) and the
+special-token ids of the source ``config.json`` (``eos_token_id``, ``pad_token_id``, ``bos_token_id``), so HF
+``generate`` stops where the trained policy learnt to stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from torch import nn
+
+__all__ = ["TOKENIZER_FILES", "complete_from_source", "export_checkpoint", "export_policy"]
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
+)  # fmt: skip
+"""Files of an HF model directory that make up its tokenizer (those present are copied)."""
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def complete_from_source(out_dir: str | Path, source_dir: str | Path) -> list[str]:
+    """Copy the tokenizer files and ``generation_config.json`` of ``source_dir`` into the HF directory ``out_dir``,
+    and its special-token ids into ``out_dir/config.json``; return the names written.
+
+    Raises ``ValueError`` when ``source_dir`` has no tokenizer (``tokenizer.json`` or ``tokenizer.model``): a model
+    without one cannot be used by the person it is exported for.
+    """
+    out, src = Path(out_dir), Path(source_dir)
+    copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    if not {"tokenizer.json", "tokenizer.model"} & set(copied):
+        raise ValueError(f"{src} has no tokenizer (tokenizer.json or tokenizer.model): export needs the model "
+                         "directory the run started from, with its tokenizer files")  # fmt: skip
+    for name in copied:
+        shutil.copyfile(src / name, out / name)
+    source_config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
+    ids = {k: source_config[k] for k in _TOKEN_IDS if source_config.get(k) is not None}
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(ids)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if (src / "generation_config.json").is_file():
+        shutil.copyfile(src / "generation_config.json", out / "generation_config.json")
+    else:
+        (out / "generation_config.json").write_text(json.dumps(ids, indent=2, sort_keys=True) + "\n")
+    return [*copied, "generation_config.json"]
+
+
+def export_policy(
+    policy: nn.Module, out_dir: str | Path, source_dir: str | Path | None, dtype: str | None = None
+) -> list[str]:
+    """Write ``policy`` (plain or sharded; collective when sharded: every rank calls it, rank 0 writes) as a
+    complete HF directory at ``out_dir``; ``dtype`` casts the weights (e.g. ``"bfloat16"``). Returns the file names
+    on rank 0, ``[]`` elsewhere. ``source_dir`` None writes the weights and ``config.json`` only (a model built from
+    a config in a test has no tokenizer to copy)."""
+    import torch
+
+    from trainer.models.hf_io import save_hf_checkpoint
+
+    torch_dtype = getattr(torch, dtype) if dtype is not None else None
+    files = save_hf_checkpoint(policy, str(out_dir), dtype=torch_dtype)
+    if not files or source_dir is None:
+        return files  # [] on the ranks that do not write
+    return [*files, *complete_from_source(out_dir, source_dir)]
+
+
+def export_checkpoint(
+    checkpoint: str | Path, out_dir: str | Path, model_dir: str | Path | None = None, dtype: str | None = None
+) -> list[str]:
+    """Convert the policy of a DCP checkpoint (``.../checkpoints/step_<n>``, any number of saving ranks) into a
+    complete HF directory at ``out_dir``, in this process.
+
+    ``model_dir``: the HF model directory the run started from (architecture, tokenizer); default: the
+    ``[model] path`` of the run's ``recipe.resolved.toml`` next to the checkpoints directory.
+    """
+    import torch
+
+    from trainer.checkpoint import Checkpointable, CheckpointManager
+    from trainer.models.hf_config import model_config_from_hf
+    from trainer.models.transformer import build_model
+
+    ckpt = Path(checkpoint)
+    if not (ckpt / "COMPLETE").is_file():
+        raise ValueError(f"{ckpt} is not a complete checkpoint (no COMPLETE marker): pass a .../step_<n> directory")
+    source = Path(model_dir) if model_dir is not None else _run_model_dir(ckpt)
+    model = build_model(model_config_from_hf(str(source)), device=torch.device("cpu"), dtype=torch.float32)
+    CheckpointManager(ckpt.parent).load({"policy": Checkpointable(model)}, ckpt)
+    return export_policy(model, out_dir, source, dtype)
+
+
+def _run_model_dir(ckpt: Path) -> Path:
+    """The model directory of the run that wrote ``ckpt``, from its resolved recipe."""
+    import tomllib
+
+    for resolved in (ckpt.parent.parent / "recipe.resolved.toml", ckpt.parent / "recipe.resolved.toml"):
+        if resolved.is_file():
+            return Path(tomllib.loads(resolved.read_text())["model"]["path"])
+    raise ValueError(f"no recipe.resolved.toml next to {ckpt.parent}: pass --model-dir (the HF model directory the "
+                     "run started from)")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainer.export CHECKPOINT OUT [--model-dir DIR] [--dtype bfloat16]``; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m trainer.export", description=export_checkpoint.__doc__)
+    parser.add_argument("checkpoint", help="a complete checkpoint directory, e.g. runs/grpo_tiny/checkpoints/step_300")
+    parser.add_argument("out", help="directory to write the HF model to")
+    parser.add_argument("--model-dir", help="HF model directory the run started from (default: from the run's recipe)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast the weights")
+    args = parser.parse_args(argv)
+    try:
+        files = export_checkpoint(args.checkpoint, args.out, args.model_dir, args.dtype)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {', '.join(files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
