@@ -45,7 +45,7 @@ class DescribeReply(_message.Message):
     def __init__(self, manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., policy_version: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., delta_supported: _Optional[bool] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
-    __slots__ = ("session_id", "policy_version", "rank", "num_ranks", "tensors", "base_version", "num_streams")
+    __slots__ = ("session_id", "policy_version", "rank", "num_ranks", "tensors", "base_version", "num_streams", "relay_targets", "relay_fanout")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,8 @@ class BeginRequest(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FANOUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     policy_version: int
     rank: int
@@ -60,7 +62,9 @@ class BeginRequest(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     base_version: int
     num_streams: int
-    def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., base_version: _Optional[int] = ..., num_streams: _Optional[int] = ...) -> None: ...
+    relay_targets: _containers.RepeatedCompositeFieldContainer[RelayTarget]
+    relay_fanout: int
+    def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., base_version: _Optional[int] = ..., num_streams: _Optional[int] = ..., relay_targets: _Optional[_Iterable[_Union[RelayTarget, _Mapping]]] = ..., relay_fanout: _Optional[int] = ...) -> None: ...
 
 class BeginReply(_message.Message):
     __slots__ = ("update_id", "current_version", "delta_accepted", "data_ticket")

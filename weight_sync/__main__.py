@@ -1,7 +1,8 @@
 """Command line for external servers and checkpoints.
 
     python -m weight_sync serve --dir CKPT_DIR [--host 127.0.0.1] [--port 50051] [--<config field> VALUE ...]
-        run a standalone receiver whose sink keeps the latest version as CKPT_DIR/model.safetensors
+        run a standalone receiver whose sink keeps the latest version as CKPT_DIR/model.safetensors; it starts at
+        the version the directory holds, so a restarted server never accepts older ones
     python -m weight_sync push --checkpoint DIR --to HOST:PORT [--to ...] [--version N] [--<config field> VALUE ...]
         push an HF checkpoint (*.safetensors) to receivers and commit it as policy_version N
     python -m weight_sync describe --to HOST:PORT

@@ -33,6 +33,10 @@ class WeightSyncConfig(Config):
     """Sleep before the first retry; doubles each retry."""
     update_idle_timeout_s: float = pydantic.Field(120.0, gt=0)
     """A staged update with no traffic for this long is dropped when another update begins."""
+    max_version_gap: int = pydantic.Field(1 << 20, ge=1)
+    """Receiver side: the furthest a Begin may jump past the committed policy_version (a trainer resumed at step N
+    pushes N + 1 to engines that start at 0). Larger jumps are refused (OUT_OF_RANGE) so that no client can spend the
+    version space: a version near 2^63 would leave nothing newer to accept until a restart."""
     auth_token: str | None = None
     """Bearer token; prefer `auth_token_env` so the token stays out of recipes and logs."""
     auth_token_env: str | None = DEFAULT_TOKEN_ENV

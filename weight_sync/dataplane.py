@@ -10,6 +10,7 @@ check of the gRPC path applies unchanged: both planes feed the same `StreamWrite
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import select
@@ -157,7 +158,10 @@ class DataPlaneServer:
     def _stream(self, conn: socket.socket) -> None:
         try:
             hello = _recv_message(conn, pb.DataHello)
-            writer = self.area.open_stream(hello.session_id, hello.policy_version, hello.rank, ticket=hello.ticket)
+            writer = self.area.open_stream(
+                hello.session_id, hello.policy_version, hello.rank, ticket=hello.ticket,
+                relay=[(t.address, t.data_port) for t in hello.relay], fanout=hello.fanout,
+            )
         except SyncError as e:
             return self._reply(conn, e.code, e.message)
         except (OSError, ConnectionError) as e:
@@ -166,6 +170,7 @@ class DataPlaneServer:
         start = time.perf_counter()
         scratch = bytearray(0)
         relay = SocketRelay(hello, self.push_timeout_s) if hello.relay else None
+        writer.set_cancel(functools.partial(_cut_connection, conn, relay))
         try:
             while True:
                 (head_len,) = _U32.unpack(_recv_bytes(conn, 4))
@@ -200,10 +205,13 @@ class DataPlaneServer:
             if relay is not None:
                 relay.cancel()
             return self._reply(conn, e.code, e.message)
-        except (OSError, ConnectionError) as e:  # the sender died or stalled past the idle timeout
+        except (OSError, ConnectionError) as e:  # the sender died or stalled, or the update was dropped (cut)
+            dropped = writer.update.failure
             writer.close_failed(SyncError(Code.CANCELLED, f"rank {hello.rank} data-plane stream broke: {e!r}"))
             if relay is not None:
                 relay.cancel()
+            if dropped is not None:  # cut by `_cut_connection`: the write side is still open for the answer
+                self._reply(conn, Code.ABORTED, f"update {writer.update.update_id} was dropped: {dropped.message}")
             return
         relayed = relay.finish() if relay is not None else []
         log.info("socket push %s", writer.summary(time.perf_counter() - start))
@@ -225,6 +233,17 @@ class DataPlaneServer:
                 pass
         except OSError:
             pass  # the sender is gone (or quiet): the update is already failed or complete
+
+
+def _cut_connection(conn: socket.socket, relay: SocketRelay | None) -> None:
+    """Cut a data-plane stream whose update was dropped: a read blocked in `recv_into` (a staging buffer) returns at
+    once, so the stream stops writing; the write side stays open for the ABORTED answer."""
+    try:
+        conn.shutdown(socket.SHUT_RD)
+    except OSError:
+        pass  # already closed
+    if relay is not None:
+        relay.cancel()
 
 
 class SocketStream:

@@ -7,13 +7,19 @@ FSDP dim-0 shards are a single memcpy and tensor-parallel column shards a single
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from types import EllipsisType
 
 import numpy as np
 
-__all__ = ["box_error", "boxes_overlap", "contiguous_range", "read_range", "shard_view", "write_range"]
+__all__ = [
+    "add_box_corners", "box_error", "boxes_overlap", "contiguous_range", "read_range", "shard_view", "tiles_exactly",
+    "write_range",
+]
+
+Corners = dict[tuple[int, ...], int]
 
 
 def box_error(global_shape: Sequence[int], offsets: Sequence[int], shape: Sequence[int]) -> str | None:
@@ -36,6 +42,31 @@ def boxes_overlap(a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[
     if math.prod(a_shape) == 0 or math.prod(b_shape) == 0:
         return False
     return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_off, a_shape, b_off, b_shape))
+
+
+def add_box_corners(corners: Corners, offsets: Sequence[int], shape: Sequence[int]) -> None:
+    """Add the signed corners of one box to `corners` (2^ndim entries; zero weights are removed).
+
+    A box [o, o + s) is, as a function on the integer grid, the signed sum over its 2^d corners c of the orthant
+    indicator 1[x >= c], with sign (-1)^(number of coordinates taken from o + s). Orthant indicators of distinct corners
+    are linearly independent, so boxes cover every element of a tensor exactly once if and only if the summed corner
+    weights equal those of the whole tensor's box (`tiles_exactly`): an exact tiling check in O(shards * 2^ndim),
+    whatever the order in which shards arrive and however many there are.
+    """
+    for upper in itertools.product((False, True), repeat=len(shape)):
+        corner = tuple(o + s if u else o for o, s, u in zip(offsets, shape, upper))
+        weight = corners.get(corner, 0) + (-1 if sum(upper) % 2 else 1)
+        if weight:
+            corners[corner] = weight
+        else:
+            del corners[corner]
+
+
+def tiles_exactly(corners: Corners, global_shape: Sequence[int]) -> bool:
+    """True when the boxes summed into `corners` (see `add_box_corners`) cover `global_shape` exactly once."""
+    whole: Corners = {}
+    add_box_corners(whole, (0,) * len(global_shape), global_shape)
+    return corners == whole
 
 
 def shard_view(

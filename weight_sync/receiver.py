@@ -38,8 +38,39 @@ __all__ = ["WeightReceiver"]
 log = logging.getLogger("weight_sync.receiver")
 
 
+def committed_version_of(sink: WeightSink) -> int:
+    """The version `sink` holds now (`WeightSink.committed_version`), where a (re)started receiver starts from.
+
+    A sink written before that method existed starts at 0, with a warning: after a restart such a receiver would
+    accept versions older than the ones it served.
+    """
+    report = getattr(sink, "committed_version", None)
+    if report is None:
+        log.warning(
+            "%s has no committed_version(): the receiver starts at policy_version 0 and would accept older versions "
+            "than the sink holds after a restart; implement WeightSink.committed_version", type(sink).__name__,
+        )
+        return 0
+    version = report()
+    if not isinstance(version, int) or version < 0:
+        raise ValueError(f"{type(sink).__name__}.committed_version() returned {version!r}; expected an int >= 0")
+    return version
+
+
+def _cut_rpc(context: grpc.ServicerContext, relay: Relay | None) -> None:
+    """Cut a Push stream whose update was dropped: its handler's next read raises, so it stops writing."""
+    context.cancel()
+    if relay is not None:
+        relay.cancel()
+
+
 class WeightReceiver:
-    """Serves the WeightSync protocol for one sink. Thread-safe; one update is staged at a time."""
+    """Serves the WeightSync protocol for one sink. Thread-safe; one update is staged at a time.
+
+    Starts at the sink's committed version, applies each update exactly once and only ever moves forward, cuts the
+    streams of dropped updates so staging memory stays within `area.staging_bound_bytes`, and relays only to the
+    receivers a rank's Begin announced.
+    """
 
     def __init__(self, sink: WeightSink, config: WeightSyncConfig | None = None) -> None:
         self.sink = sink
@@ -49,6 +80,8 @@ class WeightReceiver:
             keep_base=self.config.delta,
             idle_timeout_s=self.config.update_idle_timeout_s,
             max_chunk_bytes=self.config.chunk_bytes,
+            policy_version=committed_version_of(sink),
+            max_version_gap=self.config.max_version_gap,
         )
         self._token = self.config.resolve_token()
         self._server: grpc.Server | None = None
@@ -172,11 +205,12 @@ class WeightReceiver:
         except (KeyError, ValueError):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Push needs metadata x-ws-session, x-ws-version, x-ws-rank")
         try:
-            writer = self.area.open_stream(session, version, rank)
+            writer = self.area.open_stream(session, version, rank, relay=[(t, None) for t in targets], fanout=fanout)
         except SyncError as e:
             context.abort(e.code, e.message)
         start = time.perf_counter()
         relay = Relay(targets, fanout, session, version, rank, self.config) if targets else None
+        writer.set_cancel(functools.partial(_cut_rpc, context, relay))
         try:
             for raw in chunks:
                 if relay is not None:
@@ -204,7 +238,7 @@ class WeightReceiver:
     def _commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
         self._authorize(context)
         try:
-            seconds = self.area.commit(request.session_id, request.policy_version, self._apply)
+            seconds = self.area.commit(request.session_id, request.policy_version, self._apply, context.is_active)
         except SyncError as e:
             context.abort(e.code, e.message)
         log.info("committed policy_version %d (sink apply %.3f s)", request.policy_version, seconds)

@@ -41,6 +41,7 @@ from weight_sync.config import WeightSyncConfig
 from weight_sync.dataplane import SocketStream, relay_hello
 from weight_sync.relay import ChunkStream, PushStream, results_of, split_tree, stream_metadata
 from weight_sync.spec import TensorSpec
+from weight_sync.staging import MAX_RELAY_TARGETS
 
 __all__ = ["PushReport", "Shard", "WeightSender"]
 
@@ -84,6 +85,11 @@ def _encoded(chunks: Iterator[Chunk], coder: DeltaCoder, pool: futures.Executor,
 
 def _status_name(code: int) -> str:
     return next((c.name for c in grpc.StatusCode if c.value[0] == code), f"code {code}")
+
+
+# A stream that was cut because another stream of its update failed reports one of these; the other one's code is the
+# cause worth reporting (DATA_LOSS, ...).
+_CONSEQUENCES = frozenset({grpc.StatusCode.CANCELLED.value[0], grpc.StatusCode.UNAVAILABLE.value[0]})
 
 
 def _error_text(error: BaseException) -> str:
@@ -191,7 +197,8 @@ class WeightSender:
         delta: list[str] = []
         full: list[str] = []
         tickets: dict[str, bytes] = {}
-        for address, fut in self._each(lambda c: c.begin(request), list(ports)).items():
+        begins = {a: self._pool.submit(self._clients[a].begin, self._begin_request(request, a, ports)) for a in ports}
+        for address, fut in begins.items():
             try:
                 reply = fut.result()
             except grpc.RpcError as e:
@@ -206,11 +213,16 @@ class WeightSender:
         updated: set[ShardKey] = set()
         if groups:  # nobody to send to: skip the chunking work
             payload, updated = self._stream_shards(locals_, [(opened, is_delta) for _, _, opened, is_delta in groups])
+        codes: dict[str, int] = {}  # status of the stream error reported per receiver
         for head, rest, opened, _ in groups:
             for stream in opened:
                 for result in results_of(head, rest, stream.close()):
-                    if result.code != 0 and errors.get(result.address) is None:
+                    if result.code == 0:
+                        continue
+                    first = errors.get(result.address) is None
+                    if first or (codes.get(result.address) in _CONSEQUENCES and result.code not in _CONSEQUENCES):
                         errors[result.address] = f"Push: {_status_name(result.code)}: {result.message}"
+                        codes[result.address] = result.code
         if any(errors.values()):
             self._described.clear()  # re-describe next time: a receiver may have restarted on other ports
         if self.config.delta:
@@ -225,6 +237,26 @@ class WeightSender:
             payload / max(seconds, 1e-9) / 1e9, report.failed or "none",
         )
         return report
+
+    def _begin_request(self, request: pb.BeginRequest, address: str, ports: dict[str, int]) -> pb.BeginRequest:
+        """`request` for one receiver: with a relay tree, it announces the receivers that one may forward to.
+
+        Which receivers end up below which depends on the Begin replies (delta or full), so every other receiver of
+        this push is announced; a receiver refuses (PERMISSION_DENIED) a relay list naming any receiver not announced.
+        """
+        fanout = self.config.relay_fanout
+        if not fanout or len(ports) < 2:
+            return request
+        if len(ports) - 1 > MAX_RELAY_TARGETS:
+            raise ValueError(
+                f"relay_fanout={fanout} with {len(ports)} receivers: a receiver accepts at most {MAX_RELAY_TARGETS} "
+                "relay targets; split the receivers over several senders or push without relays"
+            )
+        out = pb.BeginRequest()
+        out.CopyFrom(request)
+        out.relay_targets.extend(pb.RelayTarget(address=a, data_port=p) for a, p in ports.items() if a != address)
+        out.relay_fanout = fanout
+        return out
 
     def _socket_port(self, address: str) -> int:
         """The receiver's data port when pushes to it should use the socket plane, else 0 (gRPC Push streams).

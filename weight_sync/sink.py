@@ -4,7 +4,9 @@ A sink is told nothing until an update is whole: every element covered exactly o
 then gets `apply(policy_version, tensors)`; returning accepts the update, raising rejects it (the receiver stays on its
 old version; a ValueError is reported to the sender as INVALID_ARGUMENT, anything else as INTERNAL). The tensors are
 CPU views of the receiver's staging buffers, valid only during the call: copy what you keep. `apply` may block (an
-engine waiting for its current generation batch to end); the sender's Commit deadline is `commit_timeout_s`.
+engine waiting for its current generation batch to end); the sender's Commit deadline is `commit_timeout_s`. The
+receiver calls `apply` exactly once per update, one update at a time, with versions that only increase, starting above
+`committed_version()`: what the sink holds when the receiver starts (so a restarted server refuses older versions).
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ class WeightSink(Protocol):
         """Take a complete, verified update whole, or raise to reject it."""
         ...
 
+    def committed_version(self) -> int:
+        """The policy_version the sink holds now (0 for weights loaded from a model directory); read once when the
+        receiver starts, which then accepts only newer versions. A sink that persists its weights reports the
+        version it persisted."""
+        ...
+
 
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
     """The TensorSpec of a full tensor ("torch.bfloat16" -> "bfloat16")."""
@@ -51,6 +59,10 @@ class StateDictSink:
 
     def manifest(self) -> list[TensorSpec]:
         return list(self._manifest)
+
+    def committed_version(self) -> int:
+        """The last version applied (0: the state dict as given)."""
+        return self.policy_version
 
     def apply(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         unknown = sorted(set(tensors) - set(self.state_dict))
@@ -95,6 +107,32 @@ class SafetensorsDirSink:
 
     def manifest(self) -> list[TensorSpec]:
         return list(self._manifest)
+
+    def committed_version(self) -> int:
+        """The version in the directory: `model.safetensors`' own metadata (written atomically with the tensors),
+        else `policy_version.json`, else 0 (a checkpoint this sink never wrote)."""
+        from safetensors import safe_open
+
+        path = self.directory / self.FILE
+        if path.exists():
+            with safe_open(str(path), framework="pt") as f:
+                stored = (f.metadata() or {}).get("policy_version")
+            if stored is not None:
+                return self._version(stored, path)
+        version_file = self.directory / self.VERSION_FILE
+        if version_file.exists():
+            return self._version(json.loads(version_file.read_text()).get("policy_version"), version_file)
+        return 0
+
+    @staticmethod
+    def _version(stored: object, path: Path) -> int:
+        try:
+            version = int(str(stored))
+        except ValueError:
+            version = -1
+        if version < 0:
+            raise ValueError(f"{path}: policy_version {stored!r} is not an integer >= 0; fix or remove it")
+        return version
 
     def load(self) -> dict[str, torch.Tensor]:
         """Every tensor currently in the directory."""

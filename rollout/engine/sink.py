@@ -3,7 +3,7 @@
 ``VLLMWeightSink`` implements the ``weight_sync`` sink protocol: ``manifest()`` lists the tensors of the engine's model
 directory (HF-canonical names, shapes, dtypes, read from the safetensors headers), ``apply()`` checks an update against
 it and swaps it into the engine at the next generation-batch boundary. Anything refused raises before the engine
-changes, so the receiver stays on the old version.
+changes, so the receiver stays on the old version. ``committed_version()`` is the engine's version (0 after loading).
 """
 
 from __future__ import annotations
@@ -53,6 +53,10 @@ class VLLMWeightSink:
     def manifest(self) -> list[TensorSpec]:
         """The tensors this engine accepts: its checkpoint's names, global shapes and dtypes."""
         return list(self._specs.values())
+
+    def committed_version(self) -> int:
+        """The version the engine serves: 0 for the model directory it loaded, then the last one applied."""
+        return self._engine.policy_version
 
     def apply(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Swap ``tensors`` in as ``policy_version`` once the current generation batch ends (blocks until then).

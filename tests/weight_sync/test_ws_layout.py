@@ -1,10 +1,20 @@
 """Shard geometry: chunks of any N-d box land exactly where torch slicing says, for any offsets and chunking."""
 
+import itertools
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weight_sync.layout import box_error, boxes_overlap, read_range, shard_view, write_range
+from weight_sync.layout import (
+    add_box_corners,
+    box_error,
+    boxes_overlap,
+    read_range,
+    shard_view,
+    tiles_exactly,
+    write_range,
+)
 
 
 @st.composite
@@ -51,3 +61,31 @@ def test_overlap_is_elementwise():
     assert boxes_overlap((0, 0), (2, 2), (1, 1), (2, 2))
     assert not boxes_overlap((0, 0), (2, 2), (2, 0), (2, 2))
     assert not boxes_overlap((0, 0), (2, 2), (0, 2), (2, 2))
+
+
+@st.composite
+def boxes_in_a_tensor(draw):
+    ndim = draw(st.integers(0, 3))
+    global_shape = tuple(draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim)))
+    boxes = []
+    for _ in range(draw(st.integers(0, 6))):
+        offsets = tuple(draw(st.integers(0, full - 1)) for full in global_shape)
+        shape = tuple(draw(st.integers(1, full - off)) for off, full in zip(offsets, global_shape))
+        boxes.append((offsets, shape))
+    if draw(st.booleans()):  # an exact grid tiling, the common case
+        cuts = [sorted({0, full, *draw(st.lists(st.integers(1, full), max_size=2))}) for full in global_shape]
+        boxes = [(tuple(a for a, _ in box), tuple(b - a for a, b in box))
+                 for box in itertools.product(*[list(zip(c, c[1:])) for c in cuts])]
+    return global_shape, boxes
+
+
+@settings(max_examples=400, deadline=None)
+@given(boxes_in_a_tensor())
+def test_corner_sums_say_exactly_when_boxes_tile_the_tensor(case):
+    global_shape, boxes = case
+    count = np.zeros(global_shape, dtype=np.int64)
+    corners: dict = {}
+    for offsets, shape in boxes:
+        count[tuple(slice(o, o + s) for o, s in zip(offsets, shape))] += 1
+        add_box_corners(corners, offsets, shape)
+    assert tiles_exactly(corners, global_shape) == bool((count == 1).all())
