@@ -16,6 +16,14 @@ ENCODING_RAW: Encoding
 ENCODING_XOR_ZSTD: Encoding
 ENCODING_SPARSE: Encoding
 
+class ProtocolVersion(_message.Message):
+    __slots__ = ("major", "minor")
+    MAJOR_FIELD_NUMBER: _ClassVar[int]
+    MINOR_FIELD_NUMBER: _ClassVar[int]
+    major: int
+    minor: int
+    def __init__(self, major: _Optional[int] = ..., minor: _Optional[int] = ...) -> None: ...
+
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -31,21 +39,23 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("manifest", "policy_version", "max_chunk_bytes", "delta_supported", "data_port")
+    __slots__ = ("manifest", "policy_version", "max_chunk_bytes", "delta_supported", "data_port", "protocol_version")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DELTA_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     manifest: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     policy_version: int
     max_chunk_bytes: int
     delta_supported: bool
     data_port: int
-    def __init__(self, manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., policy_version: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., delta_supported: _Optional[bool] = ..., data_port: _Optional[int] = ...) -> None: ...
+    protocol_version: ProtocolVersion
+    def __init__(self, manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., policy_version: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., delta_supported: _Optional[bool] = ..., data_port: _Optional[int] = ..., protocol_version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
-    __slots__ = ("session_id", "policy_version", "rank", "num_ranks", "tensors", "base_version", "num_streams", "relay_targets", "relay_fanout")
+    __slots__ = ("session_id", "policy_version", "rank", "num_ranks", "tensors", "base_version", "num_streams", "relay_targets", "relay_fanout", "protocol_version")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +65,7 @@ class BeginRequest(_message.Message):
     NUM_STREAMS_FIELD_NUMBER: _ClassVar[int]
     RELAY_TARGETS_FIELD_NUMBER: _ClassVar[int]
     RELAY_FANOUT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     policy_version: int
     rank: int
@@ -64,7 +75,8 @@ class BeginRequest(_message.Message):
     num_streams: int
     relay_targets: _containers.RepeatedCompositeFieldContainer[RelayTarget]
     relay_fanout: int
-    def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., base_version: _Optional[int] = ..., num_streams: _Optional[int] = ..., relay_targets: _Optional[_Iterable[_Union[RelayTarget, _Mapping]]] = ..., relay_fanout: _Optional[int] = ...) -> None: ...
+    protocol_version: ProtocolVersion
+    def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., base_version: _Optional[int] = ..., num_streams: _Optional[int] = ..., relay_targets: _Optional[_Iterable[_Union[RelayTarget, _Mapping]]] = ..., relay_fanout: _Optional[int] = ..., protocol_version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
 
 class BeginReply(_message.Message):
     __slots__ = ("update_id", "current_version", "delta_accepted", "data_ticket")

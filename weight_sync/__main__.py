@@ -7,9 +7,14 @@
         push an HF checkpoint (*.safetensors) to receivers and commit it as policy_version N
     python -m weight_sync describe --to HOST:PORT
         print a receiver's version and manifest
+    python -m weight_sync conformance --to HOST:PORT [--token TOKEN] [--case NAME ...] [--list]
+        run the protocol's conformance cases (weight_sync/PROTOCOL.md) against a receiver and print a pass/fail table;
+        it commits synthetic versions of a few small tensors, so point it at a receiver whose weights may change
 
-Extra `--field VALUE` flags set `WeightSyncConfig` fields (e.g. `--auth_token_env MY_TOKEN --tls_ca_path ca.pem`).
-The bearer token is read from $RL_ALIGN_WEIGHT_SYNC_TOKEN by default.
+Every `WeightSyncConfig` field is a flag of every command (`--chunk_bytes 65536`, `--auth_token_env MY_TOKEN`,
+`--tls_ca_path ca.pem`); `<command> --help` lists them with their docs and defaults. Values are read as TOML values
+(`true`, `[...]`, numbers), anything else as a string. The bearer token is read from $RL_ALIGN_WEIGHT_SYNC_TOKEN by
+default.
 """
 
 from __future__ import annotations
@@ -19,13 +24,62 @@ import logging
 import signal
 import sys
 import threading
+import typing
+from collections.abc import Callable
+
+from pydantic.fields import FieldInfo
 
 from common.config import ConfigError, parse_overrides, validate_config
 from weight_sync.config import WeightSyncConfig
 
+_FIELD = "config."  # argparse dest prefix of the generated WeightSyncConfig flags
 
-def _config(extra: list[str], **fields: object) -> WeightSyncConfig:
-    overrides = parse_overrides(extra)
+
+def _metavar(name: str, annotation: object) -> str:
+    """How a field's value is written on the command line."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return "{" + ",".join(str(a) for a in typing.get_args(annotation)) + "}"
+    if annotation is bool:
+        return "{true,false}"
+    if annotation is int:
+        return "INT"
+    if annotation is float:
+        return "SECONDS" if name.endswith("_s") else "FLOAT"
+    if typing.get_origin(annotation) is list:
+        return '["HOST:PORT",...]'
+    return "PATH" if name.endswith("_path") else "STR"
+
+
+def _default_text(field: FieldInfo) -> str:
+    value = field.get_default(call_default_factory=True)
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, list) else str(value)
+
+
+def add_config_flags(parser: argparse.ArgumentParser, aliases: dict[str, list[str]] | None = None) -> None:
+    """One `--<field>` flag per `WeightSyncConfig` field, its help the field's docstring and default (the one source
+    of truth: a new field is a flag of every command). `aliases`: more flag names of a field (`--host`)."""
+    group = parser.add_argument_group("WeightSyncConfig fields (weight_sync/config.py)")
+    for name, field in WeightSyncConfig.model_fields.items():
+        doc = " ".join((field.description or "").split()).replace("%", "%%")
+        flags = [f"--{name}", *(f"--{a}" for a in (aliases or {}).get(name, []))]
+        group.add_argument(
+            *flags, dest=_FIELD + name, metavar=_metavar(name, field.annotation), default=argparse.SUPPRESS,
+            help=f"{doc} (default: {_default_text(field)})",
+        )
+
+
+def config_of(args: argparse.Namespace, extra: list[str], **fields: object) -> WeightSyncConfig:
+    """The config from the generated flags, then `fields` (command options that set config fields); `extra` (flags
+    argparse did not know) is validated too, so a misspelt field fails naming the field it probably meant."""
+    flags: list[str] = []
+    for dest, raw in vars(args).items():
+        if dest.startswith(_FIELD):
+            flags += [f"--{dest.removeprefix(_FIELD)}", raw]
+    overrides = parse_overrides(flags + extra)
     overrides.update({k: v for k, v in fields.items() if v is not None})
     return validate_config(WeightSyncConfig, overrides, source="command line")
 
@@ -34,8 +88,7 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     from weight_sync.receiver import WeightReceiver
     from weight_sync.sink import SafetensorsDirSink
 
-    config = _config(extra, bind_host=args.host, port=args.port)
-    receiver = WeightReceiver(SafetensorsDirSink(args.dir), config)
+    receiver = WeightReceiver(SafetensorsDirSink(args.dir), config_of(args, extra))
     receiver.start()
     print(f"serving {args.dir} on {receiver.address}", flush=True)
     done = threading.Event()
@@ -50,7 +103,7 @@ def _push(args: argparse.Namespace, extra: list[str]) -> int:
     from weight_sync.checkpoint import checkpoint_shards
     from weight_sync.sender import WeightSender
 
-    config = _config(extra)
+    config = config_of(args, extra)
     with WeightSender(args.to, config, session_id=args.session) as sender:
         report = sender.push(args.version, checkpoint_shards(args.checkpoint))
         committed = sender.commit(args.version)
@@ -64,34 +117,82 @@ def _push(args: argparse.Namespace, extra: list[str]) -> int:
 def _describe(args: argparse.Namespace, extra: list[str]) -> int:
     from weight_sync.channel import WeightSyncClient
 
-    client = WeightSyncClient(args.to, _config(extra))
+    client = WeightSyncClient(args.to, config_of(args, extra))
     reply = client.describe()
     plane = f"socket data plane on port {reply.data_port}" if reply.data_port else "gRPC Push only"
-    print(f"{args.to}: policy_version {reply.policy_version}, {len(reply.manifest)} tensors, {plane}")
+    version = reply.protocol_version
+    print(
+        f"{args.to}: policy_version {reply.policy_version}, {len(reply.manifest)} tensors, {plane}, "
+        f"protocol {version.major or 1}.{version.minor}"
+    )
     for spec in reply.manifest:
         print(f"  {spec.name} {tuple(spec.shape)} {spec.dtype}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _conformance(args: argparse.Namespace, extra: list[str]) -> int:
+    import grpc
+
+    from weight_sync.conformance import describe_cases, format_table, run_conformance
+
+    if args.list:
+        print(describe_cases())
+        return 0
+    if not args.to:
+        raise ValueError("conformance needs --to HOST:PORT (or --list)")
+    config = config_of(args, extra, auth_token=args.token)
+    try:
+        results = run_conformance(
+            args.to, config, names=args.case or (), include_pending=args.include_pending, timeout_s=args.timeout_s,
+            tensors=[args.tensor] if args.tensor else (),
+        )
+    except grpc.RpcError as e:
+        print(f"error: {args.to} does not answer Describe: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2
+    print(format_table(results), flush=True)
+    return 1 if any(r.outcome == "FAIL" for r in results) else 0
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace, list[str]], int]]]:
     parser = argparse.ArgumentParser(prog="python -m weight_sync", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run a standalone receiver into a safetensors directory")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, allow_abbrev=False)
+
+    serve = command("serve", "run a standalone receiver into a safetensors directory")
     serve.add_argument("--dir", required=True, help="HF checkpoint directory (its *.safetensors give the manifest)")
-    serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=None, help="port (default: a free one, printed)")
-    push = sub.add_parser("push", help="push an HF checkpoint to receivers")
+    add_config_flags(serve, aliases={"bind_host": ["host"]})
+    push = command("push", "push an HF checkpoint to receivers")
     push.add_argument("--checkpoint", required=True, help="directory with *.safetensors")
     push.add_argument("--to", required=True, action="append", help="receiver HOST:PORT (repeatable)")
     push.add_argument("--version", type=int, default=1, help="policy_version to commit (must exceed the receiver's)")
     push.add_argument("--session", default="cli", help="session id of this push")
-    describe = sub.add_parser("describe", help="print a receiver's version and manifest")
+    add_config_flags(push)
+    describe = command("describe", "print a receiver's version and manifest")
     describe.add_argument("--to", required=True, help="receiver HOST:PORT")
+    add_config_flags(describe)
+    conformance = command("conformance", "run the protocol's conformance cases against a receiver")
+    conformance.add_argument("--to", help="receiver HOST:PORT")
+    conformance.add_argument("--token", default=None, help="bearer token (default: auth_token / $auth_token_env); "
+                             "given, the receiver must refuse calls without it")
+    conformance.add_argument("--case", action="append", help="run only this case (repeatable); --list names them")
+    conformance.add_argument("--tensor", default=None, help="tensor the cases push (default: smallest with 4+ rows)")
+    conformance.add_argument("--include_pending", action="store_true",
+                             help="also run cases whose expectation depends on work not landed yet")
+    conformance.add_argument("--timeout_s", type=float, default=10.0, help="deadline of each call (default: 10)")
+    conformance.add_argument("--list", action="store_true", help="list the cases and what each expects, then exit")
+    add_config_flags(conformance)
+    return parser, {"serve": _serve, "push": _push, "describe": _describe, "conformance": _conformance}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, commands = build_parser()
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        return {"serve": _serve, "push": _push, "describe": _describe}[args.command](args, extra)
+        return commands[args.command](args, extra)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ from weight_sync.relay import Relay
 from weight_sync.sink import WeightSink
 from weight_sync.spec import TensorSpec
 from weight_sync.staging import StagingArea, SyncError
+from weight_sync.version import incompatibility, protocol_version
 
 __all__ = ["WeightReceiver"]
 
@@ -179,10 +180,14 @@ class WeightReceiver:
             max_chunk_bytes=self.config.chunk_bytes,
             delta_supported=self.config.delta,
             data_port=self._data.port if self._data is not None else 0,
+            protocol_version=protocol_version(),
         )
 
     def _begin(self, request: pb.BeginRequest, context: grpc.ServicerContext) -> pb.BeginReply:
         self._authorize(context)
+        problem = incompatibility(request.protocol_version, "sender")
+        if problem:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, problem)
         try:
             update, delta = self.area.begin(request)
         except SyncError as e:

@@ -42,6 +42,7 @@ from weight_sync.dataplane import SocketStream, relay_hello
 from weight_sync.relay import ChunkStream, PushStream, results_of, split_tree, stream_metadata
 from weight_sync.spec import TensorSpec
 from weight_sync.staging import MAX_RELAY_TARGETS
+from weight_sync.version import incompatibility, protocol_version
 
 __all__ = ["PushReport", "Shard", "WeightSender"]
 
@@ -186,10 +187,16 @@ class WeightSender:
             session_id=self.session_id, policy_version=policy_version, rank=self.rank, num_ranks=self.num_ranks,
             tensors=[pb.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in specs.values()],
             base_version=self._base_version if use_base else -1, num_streams=self.config.num_streams,
+            protocol_version=protocol_version(),
         )
         errors: dict[str, str | None] = {}
         ports: dict[str, int] = {}
         for address in self.endpoints:
+            described = self._described.get(address)
+            problem = incompatibility(described.protocol_version, "receiver") if described is not None else None
+            if problem:
+                errors[address] = f"Describe: {problem}"  # refused before Begin: nothing is staged there
+                continue
             try:
                 ports[address] = self._socket_port(address)
             except ValueError as e:

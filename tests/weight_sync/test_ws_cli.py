@@ -5,11 +5,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from ws_helpers import tiny_state_dict, zeros_like_dict
 
-from weight_sync.__main__ import main
+from weight_sync.__main__ import build_parser, config_of, main
+from weight_sync.config import WeightSyncConfig
 
 
 def test_serve_and_push_a_checkpoint_with_a_token_from_the_environment(tmp_path, monkeypatch, capsys):
@@ -47,3 +49,34 @@ def test_serve_and_push_a_checkpoint_with_a_token_from_the_environment(tmp_path,
 def test_bad_config_flag_is_a_clear_error(capsys):
     assert main(["describe", "--to", "127.0.0.1:1", "--chunk_byts", "5"]) == 2
     assert "chunk_byts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "push", "describe", "conformance"])
+def test_help_lists_every_config_field_with_its_doc_and_default(command):
+    result = subprocess.run(
+        [sys.executable, "-m", "weight_sync", command, "--help"], capture_output=True, text=True, check=True,
+        env={**os.environ, "COLUMNS": "400"},
+    )
+    text = " ".join(result.stdout.split())
+    for name, field in WeightSyncConfig.model_fields.items():
+        assert f"--{name} " in text, f"{command} --help lacks --{name}"
+        doc = " ".join((field.description or "").split())
+        assert doc and doc in text, f"{command} --help lacks the doc of {name}"
+    assert "--chunk_bytes INT Raw payload bytes per streamed chunk" in text
+    assert "(default: 1048576)" in text and "(default: RL_ALIGN_WEIGHT_SYNC_TOKEN)" in text
+
+
+def test_config_flags_reach_the_config_and_aliases_work():
+    parser, _ = build_parser()
+    args, extra = parser.parse_known_args(
+        ["serve", "--dir", "d", "--host", "127.0.0.2", "--chunk_bytes", "4096", "--delta", "false", "--port=7"]
+    )
+    config = config_of(args, extra)
+    assert (config.bind_host, config.chunk_bytes, config.delta, config.port) == ("127.0.0.2", 4096, False, 7)
+    args, extra = parser.parse_known_args(["push", "--checkpoint", "c", "--to", "h:1", "--endpoints", '["a:1"]'])
+    assert config_of(args, extra).endpoints == ["a:1"]
+
+
+def test_the_describe_reply_name_of_the_chunk_limit_points_at_the_field(capsys):
+    assert main(["describe", "--to", "127.0.0.1:1", "--max_chunk_bytes", "5"]) == 2
+    assert "did you mean chunk_bytes" in capsys.readouterr().err
