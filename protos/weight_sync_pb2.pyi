@@ -169,14 +169,16 @@ class RelayTarget(_message.Message):
     def __init__(self, address: _Optional[str] = ..., data_port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class DataReply(_message.Message):
-    __slots__ = ("code", "message", "reply")
+    __slots__ = ("code", "message", "reply", "unopened")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
+    UNOPENED_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     reply: PushReply
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reply: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
+    unopened: bool
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reply: _Optional[_Union[PushReply, _Mapping]] = ..., unopened: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("session_id", "policy_version")

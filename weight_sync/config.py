@@ -12,6 +12,8 @@ from common.config import Config
 __all__ = ["WeightSyncConfig"]
 
 DEFAULT_TOKEN_ENV = "RL_ALIGN_WEIGHT_SYNC_TOKEN"
+MAX_COMMIT_WAITERS = 16  # Commits that may wait at once for the one applying their update (each holds an RPC thread)
+RESERVED_SERVER_THREADS = MAX_COMMIT_WAITERS + 4  # + short calls: Describe, Begin, Abort, the applying Commit
 
 
 class WeightSyncConfig(Config):
@@ -32,7 +34,26 @@ class WeightSyncConfig(Config):
     retry_backoff_s: float = pydantic.Field(0.5, ge=0)
     """Sleep before the first retry; doubles each retry."""
     update_idle_timeout_s: float = pydantic.Field(120.0, gt=0)
-    """A staged update with no traffic for this long is dropped when another update begins."""
+    """Receiver side: a staged update with no traffic for this long is dropped when another update begins. One that
+    still waits for data (a rank's Begin or streams) is dropped sooner: after `stream_idle_timeout_s`."""
+    stream_idle_timeout_s: float = pydantic.Field(30.0, gt=0)
+    """Receiver side: a Push stream that receives nothing for this long is cut and its update dropped (gRPC: the next
+    chunk message; socket plane: the next bytes), and an update still waiting for data (Begins or streams to come)
+    with no traffic for this long gives way to another session's Begin. Sender side: a receiver stream that accepts no
+    chunk for half of it is cut and reported, so one stalled receiver does not idle every other receiver's streams
+    past their limit (a relay node cuts a stalled child after a quarter of it)."""
+    hello_timeout_s: float = pydantic.Field(10.0, gt=0)
+    """Receiver side: a socket data-plane connection must deliver its whole DataHello within this many seconds of
+    being accepted, else it is closed (DEADLINE_EXCEEDED). Sender side: the longest wait to connect to a data port."""
+    max_pending_data_connections: int = pydantic.Field(16, ge=1, le=4096)
+    """Receiver side: data-plane connections that have not yet sent their DataHello, at most this many at once; a new
+    one beyond closes the oldest (RESOURCE_EXHAUSTED, `DataReply.unopened`). Connections past their hello belong to
+    the open update and are bounded by what its Begins announced, so silent connections never take their place."""
+    max_watch_streams: int = pydantic.Field(4, ge=1, le=1024)
+    """Receiver side: concurrent WatchVersion streams (each holds an RPC thread); more get RESOURCE_EXHAUSTED."""
+    watch_timeout_s: float = pydantic.Field(300.0, gt=0)
+    """Receiver side: a WatchVersion stream ends (OK) after this long; the watcher calls again with the last version it
+    saw as `after_version`, so an idle watcher cannot hold its slot for ever."""
     max_version_gap: int = pydantic.Field(1 << 20, ge=1)
     """Receiver side: the furthest a Begin may jump past the committed policy_version (a trainer resumed at step N
     pushes N + 1 to engines that start at 0). Larger jumps are refused (OUT_OF_RANGE) so that no client can spend the
@@ -77,8 +98,12 @@ class WeightSyncConfig(Config):
     `data_plane = "grpc"` or TLS is configured (the socket plane is not encrypted)."""
     data_port: int = pydantic.Field(0, ge=0, le=65535)
     """Receiver's socket data-plane port; 0 picks a free one (announced in Describe)."""
-    num_server_threads: int = pydantic.Field(32, ge=4)
-    """Receiver RPC threads (each open Push stream holds one)."""
+    num_server_threads: int = pydantic.Field(64, ge=4)
+    """Receiver RPC threads. Set apart: `max_watch_streams` for WatchVersion streams, 16 for Commits waiting on the
+    one applying their update and 4 for short calls (Describe, Begin, Abort, the applying Commit); the rest is the most
+    gRPC Push streams served at once (each open stream holds a thread; more get RESOURCE_EXHAUSTED, after a wait of up
+    to 1 s while streams of a dropped update are still being cut).
+    Socket data-plane streams hold no RPC thread."""
     endpoints: list[str] = []
     """External receivers (host:port) that get every version besides the rollout workers' receivers."""
 
@@ -99,6 +124,12 @@ class WeightSyncConfig(Config):
             raise ValueError("tls_require_client_cert needs tls_ca_path (to verify clients) and tls_cert_path/key")
         if self.data_plane == "tcp" and (self.tls_cert_path is not None or self.tls_ca_path is not None):
             raise ValueError("data_plane='tcp' sends plaintext: with TLS configured use 'auto' or 'grpc'")
+        if self.max_grpc_push_streams < 1:
+            raise ValueError(
+                f"num_server_threads={self.num_server_threads} leaves no thread for gRPC Push streams after "
+                f"max_watch_streams={self.max_watch_streams} and {RESERVED_SERVER_THREADS} reserved ones; raise it to "
+                f"at least {self.max_watch_streams + RESERVED_SERVER_THREADS + 1}"
+            )
         if self.chunk_bytes % 8:
             raise ValueError(f"chunk_bytes={self.chunk_bytes} must be a multiple of 8 so chunks align to elements")
         return self
@@ -110,6 +141,12 @@ class WeightSyncConfig(Config):
         if self.auth_token_env:
             return os.environ.get(self.auth_token_env) or None
         return None
+
+    @property
+    def max_grpc_push_streams(self) -> int:
+        """Receiver side: the most gRPC Push streams served at once, what `num_server_threads` leaves after the threads
+        set apart for WatchVersion streams, waiting Commits and short calls."""
+        return self.num_server_threads - self.max_watch_streams - RESERVED_SERVER_THREADS
 
     @property
     def max_message_bytes(self) -> int:

@@ -6,6 +6,11 @@ raw payloads straight into its staging buffer (`recv_into`), so a push costs the
 Control stays on gRPC (Describe announces `data_port`, Begin hands each rank a ticket, Commit/Abort as before) and every
 check of the gRPC path applies unchanged: both planes feed the same `StreamWriter`. Frames are documented in
 `protos/weight_sync.proto`. The plane carries no encryption: receivers with TLS do not offer it.
+
+No client starves the others here either: connections that have not sent their hello are bounded in number (a new one
+beyond closes the oldest) and in time (`hello_timeout_s` for the whole hello), a connection past its hello belongs to
+the open update (bounded by what its Begins announced), and a stream that receives nothing for `idle_timeout_s` is
+cut. A refusal before the stream opened says so (`DataReply.unopened`): the sender may send that stream over gRPC.
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ DRAIN_S = 2.0  # how long a receiver keeps reading a refused stream so that its 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 Code = grpc.StatusCode
+_EVICTED = (
+    Code.RESOURCE_EXHAUSTED,
+    "too many data-plane connections waiting for their hello: this one, the oldest, was closed to make room; send "
+    "the stream again (over gRPC Push, or a new connection that sends its hello at once)",
+)
 
 
 class StreamFailure(Exception):
@@ -70,12 +80,35 @@ def _recv_bytes(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_message(sock: socket.socket, message_type: type[_M], limit: int = MAX_HEADER_BYTES) -> _M:
-    (n,) = _U32.unpack(_recv_bytes(sock, 4))
+def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """`n` bytes that must all arrive before `deadline` (time.monotonic); raises TimeoutError after it, whatever pace
+    the peer sends at (a per-read timeout alone lets a byte every few seconds go on for ever)."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{n - got} of {n} bytes still missing at the deadline")
+        sock.settimeout(left)
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError(f"peer closed the connection {n - got} bytes before the end of a frame")
+        got += k
+    return bytes(buf)
+
+
+def _recv_message(
+    sock: socket.socket, message_type: type[_M], limit: int = MAX_HEADER_BYTES, deadline: float | None = None
+) -> _M:
+    """One framed message (u32 length, bytes); all of it before `deadline` when one is given."""
+    def recv(n: int) -> bytes:
+        return _recv_bytes(sock, n) if deadline is None else _recv_by(sock, n, deadline)
+
+    (n,) = _U32.unpack(recv(4))
     if n > limit:
         raise SyncError(Code.INVALID_ARGUMENT, f"{message_type.__name__} frame of {n} bytes exceeds {limit}")
     try:
-        return message_type.FromString(_recv_bytes(sock, n))
+        return message_type.FromString(recv(n))
     except Exception as e:  # protobuf's DecodeError types
         raise SyncError(Code.INVALID_ARGUMENT, f"malformed {message_type.__name__} frame: {e}") from None
 
@@ -89,7 +122,10 @@ class DataPlaneServer:
     """Accepts data-plane connections on `host` and writes each one's Push stream into the staging area.
 
     A connection opens its stream with the staging area's `open_stream(..., ticket=)`, so it needs the ticket that Begin
-    gave its rank for the open update; at most `max_connections` streams are served at once (more are refused).
+    gave its rank for the open update. Before that, at most `max_pending` connections wait for their hello (a new one
+    closes the oldest: RESOURCE_EXHAUSTED), each for at most `hello_timeout_s` (DEADLINE_EXCEEDED); a refusal before
+    the stream opened sets `DataReply.unopened`. An open stream that receives nothing for `idle_timeout_s` is cut
+    (DEADLINE_EXCEEDED) and its update dropped; a relay child that accepts nothing for `relay_stall_s` is cut.
     """
 
     def __init__(
@@ -98,14 +134,20 @@ class DataPlaneServer:
         host: str,
         port: int,
         *,
-        max_connections: int,
+        max_pending: int,
+        hello_timeout_s: float,
         idle_timeout_s: float,
         push_timeout_s: float,
+        relay_stall_s: float,
     ) -> None:
         self.area = area
+        self.max_pending = max_pending
+        self.hello_timeout_s = hello_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.push_timeout_s = push_timeout_s
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self.relay_stall_s = relay_stall_s
+        self._pending: dict[socket.socket, float] = {}  # connections waiting for their hello, oldest first
+        self._evicted: set[socket.socket] = set()  # closed to make room for newer ones; their thread answers
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host.strip("[]"), port), family=family)
         self.port: int = self._listener.getsockname()[1]
@@ -137,39 +179,72 @@ class DataPlaneServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # listener closed by stop()
+            with self._lock:
+                self._connections.add(conn)
+                if len(self._pending) >= self.max_pending:  # the oldest silent one makes room: the newest is live
+                    oldest = next(iter(self._pending))
+                    del self._pending[oldest]
+                    self._evicted.add(oldest)
+                    try:
+                        oldest.shutdown(socket.SHUT_RD)  # its thread's read returns; it answers and closes
+                    except OSError:
+                        pass
+                self._pending[conn] = time.monotonic()
             threading.Thread(target=self._serve, args=(conn,), name="ws-dataplane-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
-            if not self._slots.acquire(blocking=False):
-                self._reply(conn, Code.RESOURCE_EXHAUSTED, "too many data-plane connections; retry later")
-                return
-            with self._lock:
-                self._connections.add(conn)
             try:
-                conn.settimeout(self.idle_timeout_s)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._stream(conn)
+            except OSError:
+                pass  # the peer went away before its hello was read
             finally:
                 with self._lock:
                     self._connections.discard(conn)
-                self._slots.release()
+                    self._pending.pop(conn, None)
+                    self._evicted.discard(conn)
+
+    def _hello(self, conn: socket.socket) -> pb.DataHello | None:
+        """Read the connection's hello within `hello_timeout_s` of its accept and leave the pending set; None when
+        refused (answered here, `unopened`) or gone."""
+        with self._lock:
+            accepted = self._pending.get(conn, time.monotonic())
+        hello: pb.DataHello | None = None
+        refusal: tuple[grpc.StatusCode, str] | None = None
+        try:
+            hello = _recv_message(conn, pb.DataHello, deadline=accepted + self.hello_timeout_s)
+        except SyncError as e:
+            refusal = (e.code, e.message)
+        except TimeoutError:
+            late = f"no complete DataHello within {self.hello_timeout_s:g} s of connecting (hello_timeout_s)"
+            refusal = (Code.DEADLINE_EXCEEDED, late)
+        except OSError as e:
+            log.debug("data-plane connection dropped before its hello: %r", e)
+        with self._lock:
+            self._pending.pop(conn, None)
+            evicted = conn in self._evicted
+        if evicted:  # closed to make room for a newer connection (perhaps just as its hello arrived): not opened
+            refusal, hello = _EVICTED, None
+        if refusal is not None:
+            self._reply(conn, *refusal, unopened=True)
+        return hello
 
     def _stream(self, conn: socket.socket) -> None:
+        hello = self._hello(conn)
+        if hello is None:
+            return
         try:
-            hello = _recv_message(conn, pb.DataHello)
             writer = self.area.open_stream(
                 hello.session_id, hello.policy_version, hello.rank, ticket=hello.ticket,
                 relay=[(t.address, t.data_port) for t in hello.relay], fanout=hello.fanout,
             )
         except SyncError as e:
-            return self._reply(conn, e.code, e.message)
-        except (OSError, ConnectionError) as e:
-            log.warning("data-plane connection dropped before its hello: %r", e)
-            return
+            return self._reply(conn, e.code, e.message, unopened=True)
+        conn.settimeout(self.idle_timeout_s)
         start = time.perf_counter()
         scratch = bytearray(0)
-        relay = SocketRelay(hello, self.push_timeout_s) if hello.relay else None
+        relay = SocketRelay(hello, self.push_timeout_s, self.relay_stall_s) if hello.relay else None
         writer.set_cancel(functools.partial(_cut_connection, conn, relay))
         try:
             while True:
@@ -205,7 +280,18 @@ class DataPlaneServer:
             if relay is not None:
                 relay.cancel()
             return self._reply(conn, e.code, e.message)
-        except (OSError, ConnectionError) as e:  # the sender died or stalled, or the update was dropped (cut)
+        except TimeoutError:  # the sender stalled: nothing for idle_timeout_s
+            idle = SyncError(
+                Code.DEADLINE_EXCEEDED,
+                f"rank {hello.rank}'s data-plane stream of {writer.update.update_id} received nothing for "
+                f"{self.idle_timeout_s:g} s (stream_idle_timeout_s); the update is dropped",
+            )
+            writer.close_failed(idle)
+            if relay is not None:
+                relay.cancel()
+            log.warning("%s", idle.message)
+            return self._reply(conn, idle.code, idle.message)
+        except (OSError, ConnectionError) as e:  # the sender died, or the update was dropped (cut)
             dropped = writer.update.failure
             writer.close_failed(SyncError(Code.CANCELLED, f"rank {hello.rank} data-plane stream broke: {e!r}"))
             if relay is not None:
@@ -219,13 +305,18 @@ class DataPlaneServer:
         self._reply(conn, Code.OK, "", reply)
 
     @staticmethod
-    def _reply(conn: socket.socket, code: grpc.StatusCode, message: str, reply: pb.PushReply | None = None) -> None:
-        """Answer and close. A refusal may come while the sender is still writing: read and drop what it sends for a
-        moment, so that closing with unread data does not reset the connection and destroy the answer."""
+    def _reply(
+        conn: socket.socket, code: grpc.StatusCode, message: str, reply: pb.PushReply | None = None,
+        unopened: bool = False,
+    ) -> None:
+        """Answer and close (`unopened`: refused before the stream opened, nothing of it reached the update). A refusal
+        may come while the sender is still writing, and a stream may carry stray bytes after its end: read and drop
+        what the sender sends until it closes (for a moment at most), so that closing with unread data does not reset
+        the connection and destroy the answer."""
         try:
-            conn.sendall(_framed(pb.DataReply(code=code.value[0], message=message, reply=reply)))
-            if code == Code.OK:
-                return
+            conn.settimeout(DRAIN_S)
+            answer = pb.DataReply(code=code.value[0], message=message, reply=reply, unopened=unopened)
+            conn.sendall(_framed(answer))
             conn.shutdown(socket.SHUT_WR)
             conn.settimeout(0.2)
             deadline = time.monotonic() + DRAIN_S
@@ -249,16 +340,27 @@ def _cut_connection(conn: socket.socket, relay: SocketRelay | None) -> None:
 class SocketStream:
     """One Push stream over the data plane, fed chunk by chunk from the sender's loop; a thread does the writes.
 
-    Same shape as `relay.PushStream`: `send_chunk` queues (bounded, a few chunks of memory), `close` ends the stream
-    and returns the receiver's PushReply or a StreamFailure.
+    Same shape as `relay.PushStream`: `send_chunk` queues (bounded, a few chunks of memory), `end` ends the stream
+    without waiting, `close` ends it and returns the receiver's PushReply or a StreamFailure. A receiver that accepts
+    no chunk for `stall_s` is cut (DEADLINE_EXCEEDED), so one stalled receiver does not hold up the sender's others.
+    `unopened` tells whether a failure left the receiver's update untouched (the stream may be sent another way).
     """
 
-    def __init__(self, host: str, port: int, hello: pb.DataHello, timeout_s: float, *, depth: int = 4) -> None:
+    def __init__(
+        self, host: str, port: int, hello: pb.DataHello, timeout_s: float, *, depth: int = 4,
+        stall_s: float | None = None, connect_timeout_s: float | None = None,
+    ) -> None:
         self.bytes_sent = 0
+        self.unopened = False
         self._deadline = time.monotonic() + timeout_s
+        self._stall_s = stall_s
+        self._connect_timeout_s = connect_timeout_s
         self._queue: queue.Queue[tuple[Chunk, bool] | None] = queue.Queue(depth)
         self._outcome: pb.PushReply | StreamFailure | None = None
         self._done = threading.Event()
+        self._ended = False
+        self._stalled = False
+        self._cancelled = False
         self._sock: socket.socket | None = None
         self._thread = threading.Thread(target=self._run, args=(host.strip("[]"), port, hello), daemon=True)
         self._thread.start()
@@ -268,30 +370,58 @@ class SocketStream:
         return self._put((chunk, delta))
 
     def _put(self, item: tuple[Chunk, bool] | None) -> bool:
+        if self._cancelled:
+            return False
+        stall: float | None = None
         while not self._done.is_set():
             try:
                 self._queue.put(item, timeout=0.05)
                 return True
             except queue.Full:
-                continue
+                if self._stall_s is None:
+                    continue
+                now = time.monotonic()
+                stall = now + self._stall_s if stall is None else stall
+                if now > stall:
+                    self._stalled = True
+                    self.cancel()
+                    return False
         return False
 
+    def end(self) -> None:
+        """End the stream (its end-of-stream frame follows the queued chunks) without waiting for the answer."""
+        if not self._ended:
+            self._ended = True
+            self._put(None)
+
     def close(self) -> pb.PushReply | StreamFailure:
-        self._put(None)
+        self.end()
         self._thread.join(max(self._deadline - time.monotonic(), 0) + 5)
         if self._outcome is None:
             self.cancel()
             self._thread.join(5)
             return StreamFailure(Code.DEADLINE_EXCEEDED, "data-plane stream did not finish before push_timeout_s")
+        if self._stalled:
+            return StreamFailure(
+                Code.DEADLINE_EXCEEDED,
+                f"the receiver accepted no chunk for {self._stall_s:g} s (half of stream_idle_timeout_s): cut so the "
+                "push to the other receivers goes on",
+            )
         return self._outcome
 
     def cancel(self) -> None:
+        """Cut the stream: its thread stops writing and the stream fails (also while it is still connecting)."""
+        self._cancelled = True
         sock = self._sock
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        try:  # wake the thread if it waits for chunks that will never come
+            self._queue.put_nowait(None)
+        except queue.Full:
+            pass  # it is not waiting for chunks: its next socket call fails
 
     def _run(self, host: str, port: int, hello: pb.DataHello) -> None:
         try:
@@ -311,7 +441,16 @@ class SocketStream:
     def _stream(self, host: str, port: int, hello: pb.DataHello) -> pb.PushReply:
         try:
             timeout = max(self._deadline - time.monotonic(), 1)
-            self._sock = sock = socket.create_connection((host, port), timeout=timeout)
+            try:
+                connect_timeout = min(timeout, self._connect_timeout_s or timeout)
+                self._sock = sock = socket.create_connection((host, port), timeout=connect_timeout)
+            except OSError as e:
+                self.unopened = True  # nothing was sent: the receiver's update has none of this stream
+                problem = f"cannot connect to the data plane at {host}:{port}: {e!r}"
+                raise StreamFailure(Code.UNAVAILABLE, problem) from e
+            if self._cancelled:
+                raise StreamFailure(Code.CANCELLED, "data-plane stream cut while it connected")
+            sock.settimeout(timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(_framed(hello))
             while (item := self._queue.get()) is not None:
@@ -322,6 +461,8 @@ class SocketStream:
                 body = payload.data.cast("B") if isinstance(payload, np.ndarray) else memoryview(payload)
                 self._send(sock, b"".join((_U32.pack(len(head)), head, _U64.pack(len(body)))), body)
             else:
+                if self._cancelled:  # cut, not ended: never send the end-of-stream frame
+                    raise StreamFailure(Code.CANCELLED, "data-plane stream cut before its end")
                 sock.sendall(_U32.pack(0))
         except OSError as e:
             # The receiver may have refused the stream and closed: its reply says why.
@@ -350,6 +491,7 @@ class SocketStream:
             raise fail or StreamFailure(Code.UNAVAILABLE, f"no reply from the receiver's data plane: {e!r}") from None
         if reply.code != 0:
             code = next((c for c in Code if c.value[0] == reply.code), Code.UNKNOWN)
+            self.unopened = reply.unopened
             raise StreamFailure(code, reply.message)
         return reply.reply
 
@@ -366,12 +508,13 @@ class SocketRelay:
     """A receiver's forwarding of one data-plane stream to its share of the downstream receivers (`hello.relay`),
     split into at most `hello.fanout` subtrees; chunks are forwarded as received, after this receiver checked them."""
 
-    def __init__(self, hello: pb.DataHello, timeout_s: float) -> None:
+    def __init__(self, hello: pb.DataHello, timeout_s: float, stall_s: float) -> None:
         targets = {t.address: t for t in hello.relay}
         self._streams: list[tuple[str, list[str], SocketStream]] = []
         for head, rest in split_tree(list(targets), max(hello.fanout, 1)):
             first = relay_hello(hello, targets[head], [targets[a] for a in rest], hello.fanout)
-            stream = SocketStream(head.rpartition(":")[0], targets[head].data_port, first, timeout_s)
+            host, port = head.rpartition(":")[0], targets[head].data_port
+            stream = SocketStream(host, port, first, timeout_s, stall_s=stall_s, connect_timeout_s=stall_s)
             self._streams.append((head, rest, stream))
 
     def forward(self, header: pb.ChunkHeader, payload: np.ndarray) -> None:

@@ -16,12 +16,14 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError, Message
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.channel import SERVICE, check_token, grpc_options, is_loopback, server_credentials
@@ -31,12 +33,14 @@ from weight_sync.dataplane import DataPlaneServer
 from weight_sync.relay import Relay
 from weight_sync.sink import WeightSink
 from weight_sync.spec import TensorSpec
-from weight_sync.staging import StagingArea, SyncError
+from weight_sync.staging import StagingArea, StreamWriter, SyncError
 from weight_sync.version import incompatibility, protocol_version
 
 __all__ = ["WeightReceiver"]
 
 log = logging.getLogger("weight_sync.receiver")
+PUSH_SLOT_WAIT_S = 1.0  # how long a gRPC Push stream waits for the thread of a cut stream of a dropped update
+_Request = TypeVar("_Request", bound=Message)
 
 
 def committed_version_of(sink: WeightSink) -> int:
@@ -71,6 +75,12 @@ class WeightReceiver:
     Starts at the sink's committed version, applies each update exactly once and only ever moves forward, cuts the
     streams of dropped updates so staging memory stays within `area.staging_bound_bytes`, and relays only to the
     receivers a rank's Begin announced.
+
+    No client starves the others: WatchVersion streams (`max_watch_streams`, each ending after `watch_timeout_s`),
+    gRPC Push streams (`config.max_grpc_push_streams`) and waiting Commits each have their own share of the RPC
+    threads, so Describe, Begin and Commit always find one; a Push stream idle for `stream_idle_timeout_s` is cut; the
+    socket plane bounds connections before their hello separately (`dataplane.DataPlaneServer`); malformed request
+    bytes get INVALID_ARGUMENT.
     """
 
     def __init__(self, sink: WeightSink, config: WeightSyncConfig | None = None) -> None:
@@ -83,8 +93,14 @@ class WeightReceiver:
             max_chunk_bytes=self.config.chunk_bytes,
             policy_version=committed_version_of(sink),
             max_version_gap=self.config.max_version_gap,
+            stream_idle_s=self.config.stream_idle_timeout_s,
         )
         self._token = self.config.resolve_token()
+        self._watch_slots = threading.BoundedSemaphore(self.config.max_watch_streams)
+        self._push_slots = threading.BoundedSemaphore(self.config.max_grpc_push_streams)
+        self._grpc_writers: set[StreamWriter] = set()  # open gRPC Push streams, watched for idleness
+        self._writers_lock = threading.Lock()
+        self._reaper: threading.Thread | None = None
         self._server: grpc.Server | None = None
         self._data: DataPlaneServer | None = None
         self._port: int | None = None
@@ -101,22 +117,23 @@ class WeightReceiver:
                     "token, or set allow_insecure_remote=true on a trusted network"
                 )
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.num_server_threads), options=grpc_options(cfg))
+        # Requests arrive as bytes and are parsed in `_parsed`: gRPC's own deserializers answer INTERNAL for bad bytes.
         handlers = {
             "Describe": grpc.unary_unary_rpc_method_handler(
-                self._describe, pb.DescribeRequest.FromString, pb.DescribeReply.SerializeToString
+                self._parsed(pb.DescribeRequest, self._describe), None, pb.DescribeReply.SerializeToString
             ),
             "Begin": grpc.unary_unary_rpc_method_handler(
-                self._begin, pb.BeginRequest.FromString, pb.BeginReply.SerializeToString
+                self._parsed(pb.BeginRequest, self._begin), None, pb.BeginReply.SerializeToString
             ),
             "Push": grpc.stream_unary_rpc_method_handler(self._push, None, pb.PushReply.SerializeToString),
             "Commit": grpc.unary_unary_rpc_method_handler(
-                self._commit, pb.CommitRequest.FromString, pb.CommitReply.SerializeToString
+                self._parsed(pb.CommitRequest, self._commit), None, pb.CommitReply.SerializeToString
             ),
             "Abort": grpc.unary_unary_rpc_method_handler(
-                self._abort, pb.AbortRequest.FromString, pb.AbortReply.SerializeToString
+                self._parsed(pb.AbortRequest, self._abort), None, pb.AbortReply.SerializeToString
             ),
             "WatchVersion": grpc.unary_stream_rpc_method_handler(
-                self._watch, pb.WatchVersionRequest.FromString, pb.VersionEvent.SerializeToString
+                self._parsed(pb.WatchVersionRequest, self._watch), None, pb.VersionEvent.SerializeToString
             ),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
@@ -129,11 +146,14 @@ class WeightReceiver:
         if cfg.data_plane != "grpc" and creds is None:
             self._data = DataPlaneServer(
                 self.area, cfg.bind_host, cfg.data_port,
-                max_connections=cfg.num_server_threads, idle_timeout_s=cfg.update_idle_timeout_s,
-                push_timeout_s=cfg.push_timeout_s,
+                max_pending=cfg.max_pending_data_connections, hello_timeout_s=cfg.hello_timeout_s,
+                idle_timeout_s=cfg.stream_idle_timeout_s, push_timeout_s=cfg.push_timeout_s,
+                relay_stall_s=cfg.stream_idle_timeout_s / 4,
             )
         server.start()
         self._server, self._port = server, port
+        self._reaper = threading.Thread(target=self._cut_idle_streams, name="ws-idle-streams", daemon=True)
+        self._reaper.start()
         log.info(
             "weight receiver on %s (tls=%s, token=%s, socket data plane port %s)", self.address, creds is not None,
             self._token is not None, self._data.port if self._data is not None else "off",
@@ -150,6 +170,9 @@ class WeightReceiver:
         if self._server is not None:
             self._server.stop(grace_s).wait()
             self._server = None
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+            self._reaper = None
 
     @property
     def address(self) -> str:
@@ -171,8 +194,25 @@ class WeightReceiver:
         if problem:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
 
+    def _parsed(
+        self, message_type: type[_Request], handler: Callable[[_Request, grpc.ServicerContext], Any]
+    ) -> Callable[[bytes, grpc.ServicerContext], Any]:
+        """`handler` behind the token check and a parse of the request bytes that answers INVALID_ARGUMENT when they
+        are not a `message_type` (gRPC's own deserializers answer INTERNAL)."""
+
+        def run(data: bytes, context: grpc.ServicerContext) -> Any:
+            self._authorize(context)
+            try:
+                request = message_type.FromString(data)
+            except DecodeError as e:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {message_type.__name__}: {e}"
+                )
+            return handler(request, context)
+
+        return run
+
     def _describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.DescribeReply:
-        self._authorize(context)
         specs = [pb.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in self.area.manifest.values()]
         return pb.DescribeReply(
             manifest=specs,
@@ -184,7 +224,6 @@ class WeightReceiver:
         )
 
     def _begin(self, request: pb.BeginRequest, context: grpc.ServicerContext) -> pb.BeginReply:
-        self._authorize(context)
         problem = incompatibility(request.protocol_version, "sender")
         if problem:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, problem)
@@ -209,6 +248,25 @@ class WeightReceiver:
             fanout = int(md.get("x-ws-fanout", "2"))
         except (KeyError, ValueError):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Push needs metadata x-ws-session, x-ws-version, x-ws-rank")
+        if not self._push_slots.acquire(blocking=False) and not (
+            self._cut_streams_running() and self._push_slots.acquire(timeout=PUSH_SLOT_WAIT_S)
+        ):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this receiver serves at most {self.config.max_grpc_push_streams} gRPC Push streams at once "
+                f"(num_server_threads={self.config.num_server_threads} less the threads set apart for other calls); "
+                "raise the receiver's num_server_threads, push with fewer num_streams, or use the socket data plane",
+            )
+        try:
+            return self._push_stream(chunks, context, session, version, rank, targets, fanout)
+        finally:
+            self._push_slots.release()
+
+    def _push_stream(
+        self, chunks: Iterator[bytes], context: grpc.ServicerContext, session: str, version: int, rank: int,
+        targets: list[str], fanout: int,
+    ) -> pb.PushReply:
+        """One admitted gRPC Push stream: open it, write every chunk, answer; watched for idleness meanwhile."""
         try:
             writer = self.area.open_stream(session, version, rank, relay=[(t, None) for t in targets], fanout=fanout)
         except SyncError as e:
@@ -216,6 +274,18 @@ class WeightReceiver:
         start = time.perf_counter()
         relay = Relay(targets, fanout, session, version, rank, self.config) if targets else None
         writer.set_cancel(functools.partial(_cut_rpc, context, relay))
+        with self._writers_lock:
+            self._grpc_writers.add(writer)
+        try:
+            return self._write_stream(chunks, context, writer, relay, rank, start)
+        finally:
+            with self._writers_lock:
+                self._grpc_writers.discard(writer)
+
+    def _write_stream(
+        self, chunks: Iterator[bytes], context: grpc.ServicerContext, writer: StreamWriter, relay: Relay | None,
+        rank: int, start: float,
+    ) -> pb.PushReply:
         try:
             for raw in chunks:
                 if relay is not None:
@@ -240,8 +310,30 @@ class WeightReceiver:
         log.info("push %s", writer.summary(time.perf_counter() - start))
         return pb.PushReply(bytes_received=writer.bytes_received, num_shards=writer.num_shards, relayed=relayed)
 
+    def _cut_streams_running(self) -> bool:
+        """Some gRPC Push stream of a dropped update still runs: its thread is about to be free (worth a wait)."""
+        with self._writers_lock:
+            return any(w.update.failure is not None for w in self._grpc_writers)
+
+    def _cut_idle_streams(self) -> None:
+        """Cut every gRPC Push stream that received nothing for `stream_idle_timeout_s` (its update is dropped): the
+        request iterator has no timeout of its own, and an idle stream would hold its RPC thread for ever. Socket
+        data-plane streams time out on their sockets."""
+        limit = self.config.stream_idle_timeout_s
+        while not self._stopping.wait(min(1.0, limit / 4)):
+            now = time.monotonic()
+            with self._writers_lock:
+                idle = [w for w in self._grpc_writers if now - w.last_activity > limit]
+            for writer in idle:
+                error = SyncError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"rank {writer.rank}'s Push stream of {writer.update.update_id} received nothing for {limit:.0f} s "
+                    "(stream_idle_timeout_s); the update is dropped",
+                )
+                if self.area.cut_stream(writer, error):
+                    log.warning("%s", error.message)
+
     def _commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
-        self._authorize(context)
         try:
             seconds = self.area.commit(request.session_id, request.policy_version, self._apply, context.is_active)
         except SyncError as e:
@@ -257,7 +349,6 @@ class WeightReceiver:
         self.sink.apply(version, tensors)
 
     def _abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortReply:
-        self._authorize(context)
         return pb.AbortReply(aborted=self.area.abort(request.session_id, request.policy_version, request.reason))
 
     def _changed_since(self, policy_version: int) -> bool:
@@ -265,13 +356,26 @@ class WeightReceiver:
         return self.area.policy_version > policy_version or self._stopping.is_set()
 
     def _watch(self, request: pb.WatchVersionRequest, context: grpc.ServicerContext) -> Iterator[pb.VersionEvent]:
-        self._authorize(context)
+        """At most `max_watch_streams` at once (RESOURCE_EXHAUSTED beyond); each ends after `watch_timeout_s`.
+
+        The slot is taken once the stream is iterated and given back when it ends (a generator that never started
+        has nothing to give back)."""
+        if not self._watch_slots.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this receiver serves at most {self.config.max_watch_streams} WatchVersion streams at once "
+                "(max_watch_streams); retry later, or poll Describe for policy_version",
+            )
         last = request.after_version
-        cond = self.area.version_changed
-        while context.is_active() and not self._stopping.is_set():
-            with cond:
-                cond.wait_for(functools.partial(self._changed_since, last), timeout=1.0)
-            current = self.area.policy_version
-            if current > last:
-                last = current
-                yield pb.VersionEvent(policy_version=current)
+        try:
+            cond = self.area.version_changed
+            end = time.monotonic() + self.config.watch_timeout_s
+            while context.is_active() and not self._stopping.is_set() and (left := end - time.monotonic()) > 0:
+                with cond:
+                    cond.wait_for(functools.partial(self._changed_since, last), timeout=min(1.0, left))
+                current = self.area.policy_version
+                if current > last:
+                    last = current
+                    yield pb.VersionEvent(policy_version=current)
+        finally:
+            self._watch_slots.release()

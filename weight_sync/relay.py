@@ -9,6 +9,7 @@ bytes per version however large the fleet, and every receiver still checks every
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -20,7 +21,22 @@ from weight_sync.channel import WeightSyncClient
 if TYPE_CHECKING:
     from weight_sync.chunking import Chunk
 
-__all__ = ["ChunkStream", "PushStream", "Relay", "split_tree", "stream_metadata"]
+__all__ = ["ChunkStream", "PushStream", "Relay", "CutFailure", "split_tree", "stream_metadata"]
+
+
+class CutFailure(Exception):
+    """A gRPC Push stream this side cut (its receiver stalled, or it was cancelled); `code()`/`details()` mirror
+    `grpc.RpcError`."""
+
+    def __init__(self, details: str, code: grpc.StatusCode = grpc.StatusCode.DEADLINE_EXCEEDED) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
 
 
 def split_tree(targets: Sequence[str], fanout: int) -> list[tuple[str, list[str]]]:
@@ -59,19 +75,36 @@ class ChunkStream(Protocol):
         """Queue one chunk (its delta form when `delta` and it has one); False when the stream already failed."""
         ...
 
+    def end(self) -> None:
+        """End the stream after the queued chunks, without waiting for the answer (a stream with nothing more to send
+        must not sit idle on the receiver, which cuts idle streams). Idempotent."""
+        ...
+
     def close(self) -> pb.PushReply | Exception:
         """End the stream and wait for the receiver's answer: its reply, or the error the stream failed with."""
         ...
 
+    def cancel(self) -> None:
+        """Cut the stream (the receiver drops the update); `close` then returns the failure."""
+        ...
+
 
 class PushStream:
-    """One Push stream to one receiver, fed message by message; a bounded queue keeps memory at a few chunks."""
+    """One Push stream to one receiver, fed message by message; a bounded queue keeps memory at a few chunks.
+
+    A receiver that accepts no message for `stall_s` is cut (the stream fails with DEADLINE_EXCEEDED), so one stalled
+    receiver does not hold up the others fed from the same loop.
+    """
 
     def __init__(
-        self, client: WeightSyncClient, metadata: tuple[tuple[str, str], ...], timeout_s: float, depth: int = 4
+        self, client: WeightSyncClient, metadata: tuple[tuple[str, str], ...], timeout_s: float, depth: int = 4,
+        stall_s: float | None = None,
     ):
         self.client = client
         self.bytes_sent = 0
+        self._stall_s = stall_s
+        self._stalled = False
+        self._ended = False
         self._queue: queue.Queue[bytes | None] = queue.Queue(depth)
         self.future = client.push.future(self._messages(), timeout=timeout_s, metadata=client.metadata + metadata)
 
@@ -83,11 +116,20 @@ class PushStream:
             yield item
 
     def send(self, message: bytes | None) -> bool:
-        """Queue one serialized chunk (None ends the stream); False when the stream already failed."""
+        """Queue one serialized chunk (None ends the stream); False when the stream already failed or stalled."""
+        stall: float | None = None
         while not self.future.done():
             try:
                 self._queue.put(message, timeout=0.05)
             except queue.Full:
+                if self._stall_s is None:
+                    continue
+                now = time.monotonic()
+                stall = now + self._stall_s if stall is None else stall
+                if now > stall:
+                    self._stalled = True
+                    self.future.cancel()
+                    return False
                 continue
             if message is not None:
                 self.bytes_sent += len(message)
@@ -98,13 +140,26 @@ class PushStream:
         """Queue one chunk of the sender (its delta form when `delta` and it has one)."""
         return self.send(chunk.message(delta))
 
-    def close(self) -> pb.PushReply | grpc.RpcError:
-        """End the stream and wait for the receiver's answer (a reply, or the RpcError it failed with)."""
-        self.send(None)
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self.send(None)
+
+    def close(self) -> pb.PushReply | Exception:
+        """End the stream and wait for the receiver's answer (a reply, or the error it failed with)."""
+        self.end()
         try:
             return self.future.result()
         except grpc.RpcError as e:
-            return e
+            if not self._stalled:
+                return e
+        except grpc.FutureCancelledError:
+            if not self._stalled:
+                return CutFailure("the Push stream was cancelled", grpc.StatusCode.CANCELLED)
+        return CutFailure(
+            f"the receiver accepted no chunk for {self._stall_s:g} s (part of stream_idle_timeout_s): cut so the "
+            "push to the other receivers goes on"
+        )
 
     def cancel(self) -> None:
         self.future.cancel()
@@ -128,14 +183,17 @@ def results_of(address: str, subtree: Sequence[str], outcome: pb.PushReply | Exc
 
 
 class Relay:
-    """A receiver's forwarding of one incoming Push stream to its share of the downstream receivers."""
+    """A receiver's forwarding of one incoming Push stream to its share of the downstream receivers; a child that
+    accepts nothing for a quarter of `stream_idle_timeout_s` is cut (the sender's own limit is half of it)."""
 
     def __init__(self, targets: Sequence[str], fanout: int, session_id: str, policy_version: int, rank: int, config):
         self._streams: list[tuple[str, list[str], PushStream, WeightSyncClient]] = []
+        stall_s = config.stream_idle_timeout_s / 4
         for head, rest in split_tree(targets, max(fanout, 1)):
             client = WeightSyncClient(head, config)
             md = stream_metadata(session_id, policy_version, rank, rest, fanout)
-            self._streams.append((head, rest, PushStream(client, md, config.push_timeout_s), client))
+            stream = PushStream(client, md, config.push_timeout_s, stall_s=stall_s)
+            self._streams.append((head, rest, stream, client))
 
     def forward(self, message: bytes) -> None:
         for _, _, stream, _ in self._streams:

@@ -19,6 +19,12 @@ runs the barrier)::
 `local_shards` for FSDP2/TP parameters yields `Shard(name, p.to_local(), tuple(p.shape), global_offset)`, with the
 offset from `torch.distributed.tensor._utils.compute_local_shape_and_global_offset`. `push` never raises for one bad
 receiver: the report lists per-receiver outcomes, and a receiver that missed a version gets a full push next time.
+
+With `data_plane = "auto"`, a receiver whose socket plane refuses a stream before opening it (cannot connect, too many
+connections waiting for their hello: `DataReply.unopened`) gets that stream again over gRPC Push, raw, after the
+others; the report lists it in `grpc_fallback`. Each stream ends as soon as it has sent its share (receivers cut idle
+streams), and a receiver that accepts no chunk for half of `stream_idle_timeout_s` is cut and reported, so it does not
+stall the other receivers' streams.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from protos import weight_sync_pb2 as pb
 from weight_sync.channel import WeightSyncClient
 from weight_sync.chunking import Chunk, DeltaCoder, LocalShard, Shard, as_local, piece_chunks, plan_streams
 from weight_sync.config import WeightSyncConfig
-from weight_sync.dataplane import SocketStream, relay_hello
+from weight_sync.dataplane import SocketStream, StreamFailure, relay_hello
 from weight_sync.relay import ChunkStream, PushStream, results_of, split_tree, stream_metadata
 from weight_sync.spec import TensorSpec
 from weight_sync.staging import MAX_RELAY_TARGETS
@@ -62,6 +68,9 @@ class PushReport:
     bytes_sent: int
     payload_bytes: int
     seconds: float
+    grpc_fallback: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Receivers whose socket plane refused some of this rank's streams before opening them (address -> why): those
+    streams went again over gRPC Push (`data_plane = "auto"` only). They are not in `socket_endpoints`."""
 
     @property
     def ok(self) -> list[str]:
@@ -91,6 +100,11 @@ def _status_name(code: int) -> str:
 # A stream that was cut because another stream of its update failed reports one of these; the other one's code is the
 # cause worth reporting (DATA_LOSS, ...).
 _CONSEQUENCES = frozenset({grpc.StatusCode.CANCELLED.value[0], grpc.StatusCode.UNAVAILABLE.value[0]})
+# Refusals of a socket stream before the receiver opened it after which the same stream may go over gRPC Push instead.
+_FALLBACK_CODES = frozenset(
+    {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
+StreamGroup = tuple[str, list[str], list[ChunkStream], bool]  # (head receiver, receivers it relays to, streams, delta?)
 
 
 def _error_text(error: BaseException) -> str:
@@ -221,29 +235,94 @@ class WeightSender:
         if groups:  # nobody to send to: skip the chunking work
             payload, updated = self._stream_shards(locals_, [(opened, is_delta) for _, _, opened, is_delta in groups])
         codes: dict[str, int] = {}  # status of the stream error reported per receiver
+        refused: list[tuple[str, list[str], int]] = []  # (head, rest, stream index) to send again over gRPC
+        fallback: dict[str, str] = {}
         for head, rest, opened, _ in groups:
-            for stream in opened:
-                for result in results_of(head, rest, stream.close()):
-                    if result.code == 0:
-                        continue
-                    first = errors.get(result.address) is None
-                    if first or (codes.get(result.address) in _CONSEQUENCES and result.code not in _CONSEQUENCES):
-                        errors[result.address] = f"Push: {_status_name(result.code)}: {result.message}"
-                        codes[result.address] = result.code
+            for index, stream in enumerate(opened):
+                outcome = stream.close()
+                why = self._fallback_reason(stream, outcome)
+                if why is not None:
+                    refused.append((head, rest, index))
+                    fallback[head] = why
+                    continue
+                self._record(errors, codes, results_of(head, rest, outcome))
+        resent = self._resend_over_grpc(policy_version, locals_, refused) if refused else []
+        for head, rest, stream in resent:
+            self._record(errors, codes, results_of(head, rest, stream.close()))
+        if fallback:
+            log.warning(
+                "rank %d v%d: socket data plane refused streams before opening them, sent again over gRPC Push: %s",
+                self.rank, policy_version, fallback,
+            )
         if any(errors.values()):
             self._described.clear()  # re-describe next time: a receiver may have restarted on other ports
         if self.config.delta:
             self._remember(locals_, policy_version, updated)
         seconds = time.perf_counter() - start
-        sent = sum(s.bytes_sent for _, _, opened, _ in groups for s in opened)
-        sockets = [head for head, _, opened, _ in groups if opened and isinstance(opened[0], SocketStream)]
-        report = PushReport(policy_version, errors, delta, sockets, sent, payload, seconds)
+        sent = sum(s.bytes_sent for _, _, opened, _ in groups for s in opened) + sum(s.bytes_sent for *_, s in resent)
+        sockets = [
+            head for head, _, opened, _ in groups
+            if opened and isinstance(opened[0], SocketStream) and head not in fallback
+        ]
+        report = PushReport(policy_version, errors, delta, sockets, sent, payload, seconds, fallback)
         log.info(
             "rank %d pushed v%d: %.1f MB of shards, %.1f MB sent to %d streams in %.3f s (%.2f GB/s per receiver); "
             "failed: %s", self.rank, policy_version, payload / 1e6, sent / 1e6, sum(len(g[2]) for g in groups), seconds,
             payload / max(seconds, 1e-9) / 1e9, report.failed or "none",
         )
         return report
+
+    @staticmethod
+    def _record(errors: dict[str, str | None], codes: dict[str, int], results: list[pb.RelayResult]) -> None:
+        """Report each receiver's first failure, unless a later one names the cause of a mere consequence."""
+        for result in results:
+            if result.code == 0:
+                continue
+            first = errors.get(result.address) is None
+            if first or (codes.get(result.address) in _CONSEQUENCES and result.code not in _CONSEQUENCES):
+                errors[result.address] = f"Push: {_status_name(result.code)}: {result.message}"
+                codes[result.address] = result.code
+
+    def _fallback_reason(self, stream: ChunkStream, outcome: pb.PushReply | Exception) -> str | None:
+        """Why `stream` should go again over gRPC Push (its socket plane refused it before opening it), or None."""
+        if self.config.data_plane != "auto" or not isinstance(stream, SocketStream) or not stream.unopened:
+            return None
+        if not isinstance(outcome, StreamFailure) or outcome.code() not in _FALLBACK_CODES:
+            return None
+        return f"{outcome.code().name}: {outcome.details()}"
+
+    def _resend_over_grpc(
+        self, policy_version: int, locals_: list[LocalShard], refused: list[tuple[str, list[str], int]]
+    ) -> list[tuple[str, list[str], ChunkStream]]:
+        """Send the streams the socket plane refused again over gRPC Push, raw (valid whatever the base); returns
+        (head, rest, stream) to close. The receiver never opened them, so they count as the rank's announced ones."""
+        cfg = self.config
+        streams: list[ChunkStream | None] = [None] * cfg.num_streams
+        trees: list[tuple[list[ChunkStream | None], bool]] = []
+        out: list[tuple[str, list[str], ChunkStream]] = []
+        for head, rest in dict.fromkeys((h, tuple(r)) for h, r, _ in refused):
+            tree = list(streams)
+            md = stream_metadata(self.session_id, policy_version, self.rank, list(rest), cfg.relay_fanout)
+            for h, _, index in refused:
+                if h == head:
+                    stream = PushStream(self._clients[head], md, cfg.push_timeout_s, stall_s=self._stall_s)
+                    tree[index] = stream
+                    out.append((head, list(rest), stream))
+            trees.append((tree, False))
+        groups = plan_streams(locals_, cfg.num_streams)  # the same split as the first pass: stream i's pieces again
+        chunk_bytes = self._chunk_bytes()
+        generators: list[Iterator[Chunk] | None] = [
+            chain.from_iterable(piece_chunks(p, None, chunk_bytes) for p in group)
+            if any(tree[i] is not None for tree, _ in trees) else None
+            for i, group in enumerate(groups)
+        ]
+        self._feed(generators, trees)
+        return out
+
+    @property
+    def _stall_s(self) -> float:
+        """How long a receiver stream may accept no chunk before it is cut (half of the receivers' idle limit)."""
+        return self.config.stream_idle_timeout_s / 2
 
     def _begin_request(self, request: pb.BeginRequest, address: str, ports: dict[str, int]) -> pb.BeginRequest:
         """`request` for one receiver: with a relay tree, it announces the receivers that one may forward to.
@@ -281,9 +360,9 @@ class WeightSender:
 
     def _open_streams(
         self, policy_version: int, delta: list[str], full: list[str], ports: dict[str, int], tickets: dict[str, bytes]
-    ) -> list[tuple[str, list[str], list[ChunkStream], bool]]:
+    ) -> list[StreamGroup]:
         """Open this rank's streams: (head receiver, receivers it relays to, streams, delta?) per stream group."""
-        groups: list[tuple[str, list[str], list[ChunkStream], bool]] = []
+        groups: list[StreamGroup] = []
         streams = [(tree, True) for tree in split_tree(delta, self.config.relay_fanout)]
         streams += [(tree, False) for tree in split_tree(full, self.config.relay_fanout)]
         cfg = self.config
@@ -294,10 +373,19 @@ class WeightSender:
                 base = pb.DataHello(session_id=self.session_id, policy_version=policy_version, rank=self.rank)
                 hello = relay_hello(base, targets[0], targets[1:], cfg.relay_fanout)
                 host = head.rpartition(":")[0]
-                opened = [SocketStream(host, ports[head], hello, cfg.push_timeout_s) for _ in range(cfg.num_streams)]
+                opened = [
+                    SocketStream(
+                        host, ports[head], hello, cfg.push_timeout_s, stall_s=self._stall_s,
+                        connect_timeout_s=cfg.hello_timeout_s,
+                    )
+                    for _ in range(cfg.num_streams)
+                ]
             else:
                 md = stream_metadata(self.session_id, policy_version, self.rank, rest, cfg.relay_fanout)
-                opened = [PushStream(self._clients[head], md, cfg.push_timeout_s) for _ in range(cfg.num_streams)]
+                opened = [
+                    PushStream(self._clients[head], md, cfg.push_timeout_s, stall_s=self._stall_s)
+                    for _ in range(cfg.num_streams)
+                ]
             groups.append((head, rest, opened, is_delta))
         return groups
 
@@ -329,18 +417,45 @@ class WeightSender:
                 self._encoders = futures.ThreadPoolExecutor(self.config.delta_threads, thread_name_prefix="ws-delta")
             depth = 2 * self.config.delta_threads
             generators = [_encoded(g, coder, self._encoders, depth) for g in generators]
+        return self._feed(list(generators), list(trees)), updated
+
+    @staticmethod
+    def _feed(
+        generators: Sequence[Iterator[Chunk] | None], trees: Sequence[tuple[Sequence[ChunkStream | None], bool]]
+    ) -> int:
+        """Round-robin the chunks of `generators[i]` into stream i of every tree (raw or delta per tree; None: not
+        fed); each stream is ended as soon as its generator is done. Returns the payload bytes.
+
+        A stream that fails (stalled, broken, refused) fails its receiver's whole update, so the tree's other streams
+        are cut at once and fed no more (one stalled receiver costs the others one stall, not one per stream); a socket
+        stream refused before it opened (`unopened`) is left to the gRPC fallback and its siblings go on.
+        """
         payload = 0
-        active = list(range(len(generators)))
+        dead: set[int] = set()  # trees whose receiver failed the update
+        active = [i for i, g in enumerate(generators) if g is not None]
         while active:
             for index in list(active):
-                item = next(generators[index], None)
+                generator = generators[index]
+                assert generator is not None, "only fed indices are active"
+                item = next(generator, None)
                 if item is None:
                     active.remove(index)
+                    for t, (streams, _) in enumerate(trees):
+                        stream = streams[index]
+                        if stream is not None and t not in dead:
+                            stream.end()  # nothing more: receivers cut streams that stay idle
                     continue
                 payload += item.nbytes
-                for streams, is_delta in trees:
-                    streams[index].send_chunk(item, is_delta)
-        return payload, updated
+                for t, (streams, is_delta) in enumerate(trees):
+                    stream = streams[index]
+                    if stream is None or t in dead or stream.send_chunk(item, is_delta):
+                        continue
+                    if not getattr(stream, "unopened", False):
+                        dead.add(t)
+                        for other in streams:
+                            if other is not None and other is not stream:
+                                other.cancel()
+        return payload
 
     def _chunk_bytes(self) -> int:
         limits = [r.max_chunk_bytes for r in self._described.values() if r.max_chunk_bytes]

@@ -15,7 +15,11 @@ Promises kept against any client:
   (`StreamWriter.set_cancel`) and its buffers return to the pool when the last of them has stopped writing; a new
   update waits for that (up to `RELEASE_WAIT_S`) instead of allocating more;
 - checks in time linear in shards (exact tiling by signed box corners, `layout.add_box_corners`);
-- relays only where the rank's Begin said (`BeginRequest.relay_targets`, at most `MAX_RELAY_TARGETS`).
+- relays only where the rank's Begin said (`BeginRequest.relay_targets`, at most `MAX_RELAY_TARGETS`);
+- no client starves the others: an update that waits for data and got none for `stream_idle_s` gives way to another
+  session's Begin, the trainer's session (the one of the last commit) preempts any other session's update that is not
+  being applied, a newer version of a session supersedes its older open update, and at most `MAX_COMMIT_WAITERS`
+  Commits wait at once for an apply (each holds an RPC thread).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import grpc
 import numpy as np
 
 from protos import weight_sync_pb2 as pb
+from weight_sync.config import MAX_COMMIT_WAITERS
 from weight_sync.layout import tiles_exactly
 from weight_sync.spec import TensorSpec
 from weight_sync.update import StagedUpdate, StreamWriter, SyncError
@@ -90,6 +95,7 @@ class StagingArea:
         max_chunk_bytes: int,
         policy_version: int = 0,
         max_version_gap: int = 1 << 20,
+        stream_idle_s: float | None = None,
     ) -> None:
         self.manifest = {spec.name: spec for spec in manifest}
         if len(self.manifest) != len(manifest):
@@ -98,6 +104,8 @@ class StagingArea:
             raise ValueError(f"committed policy_version {policy_version} is outside [0, {MAX_POLICY_VERSION}]")
         self.keep_base = keep_base
         self.idle_timeout_s = idle_timeout_s
+        self.stream_idle_s = min(idle_timeout_s, stream_idle_s if stream_idle_s is not None else idle_timeout_s)
+        self.trainer_session: str | None = None  # the session of the last commit, preferred over any other
         self.max_chunk_bytes = max_chunk_bytes
         self.max_version_gap = max_version_gap
         self.policy_version = policy_version
@@ -164,6 +172,7 @@ class StagingArea:
                     update.relay_targets[req.rank] = relay_targets
                     update.relay_fanout[req.rank] = relay_fanout
                     update.tickets[req.rank] = secrets.token_bytes(32)
+                    update.last_activity = time.monotonic()  # a repeated Begin is no progress: it keeps nothing alive
                 delta = (
                     self.keep_base
                     and req.base_version >= 0
@@ -172,7 +181,6 @@ class StagingArea:
                 )
                 if delta:
                     update.delta_ranks.add(req.rank)
-                update.last_activity = time.monotonic()
             return update, delta
 
     def _check_spec(self, msg: pb.TensorSpec) -> TensorSpec:
@@ -214,13 +222,7 @@ class StagingArea:
             if current is not None and current.key == (req.session_id, req.policy_version):
                 return current
             if current is not None:
-                stale = time.monotonic() - current.last_activity > self.idle_timeout_s
-                if current.committing or (current.failure is None and not stale):
-                    raise SyncError(
-                        Code.ABORTED,
-                        f"update {current.update_id} is in progress; retry after it commits or aborts",
-                    )
-                self._drop(current, SyncError(Code.ABORTED, "replaced by a newer update"))
+                self._drop(current, SyncError(Code.ABORTED, self._give_way(current, req)))
             if not self._zombies:
                 self._update = StagedUpdate(req.session_id, req.policy_version, req.num_ranks)
                 return self._update
@@ -233,6 +235,38 @@ class StagingArea:
                     f"{RELEASE_WAIT_S:.0f} s after they were dropped; retry the Begin",
                 )
             self._released.wait(left)
+
+    def _give_way(self, current: StagedUpdate, req: pb.BeginRequest) -> str:
+        """Why the open update `current` gives way to `req`'s new one, or raise ABORTED when it keeps its place.
+
+        In this order: an update being applied keeps it; a failed one gives way; a newer version of the same session
+        supersedes it; the trainer's session (of the last commit) preempts another session's; an update idle for
+        `stream_idle_s` while it waits for data, or for `idle_timeout_s` when complete, gives way to anyone.
+        """
+        if current.committing:
+            raise SyncError(Code.ABORTED, f"update {current.update_id} is being applied; retry after its Commit")
+        if current.failure is not None:
+            return f"replaced by {req.session_id}@{req.policy_version} after it failed: {current.failure.message}"
+        if current.session_id == req.session_id:
+            if req.policy_version > current.policy_version:
+                return f"superseded by its session's newer update {req.session_id}@{req.policy_version}"
+            raise SyncError(
+                Code.ABORTED,
+                f"session {req.session_id} already began the newer update {current.update_id}; commit or abort it "
+                "first",
+            )
+        if req.session_id == self.trainer_session:
+            return f"preempted by the trainer's session {req.session_id} (the session of the last commit)"
+        idle = time.monotonic() - current.last_activity
+        with current.lock:
+            limit = self.stream_idle_s if current.waits_for_data() else self.idle_timeout_s
+        if idle > limit:
+            return f"replaced by {req.session_id}@{req.policy_version} after {idle:.1f} s without traffic"
+        raise SyncError(
+            Code.ABORTED,
+            f"update {current.update_id} is in progress (last traffic {idle:.1f} s ago; another session may replace it "
+            f"after {limit:.0f} s without traffic); retry after it commits or aborts",
+        )
 
     def _add_specs(self, update: StagedUpdate, specs: tuple[TensorSpec, ...]) -> None:
         for spec in specs:
@@ -309,6 +343,7 @@ class StagingArea:
                 update.opened_streams[rank] = opened + 1
                 writer = StreamWriter(self, update, rank)
                 update.writers.add(writer)
+                update.last_activity = writer.last_activity
         return writer
 
     @staticmethod
@@ -339,6 +374,7 @@ class StagingArea:
                 update.writers.discard(writer)
                 if done:
                     update.done_streams[writer.rank] = update.done_streams.get(writer.rank, 0) + 1
+                    update.last_activity = time.monotonic()
                 last = not update.writers
             if last and update in self._zombies:
                 self._release(update)
@@ -346,6 +382,17 @@ class StagingArea:
     def fail(self, update: StagedUpdate, error: SyncError) -> None:
         with self._lock:
             self._drop(update, error)
+
+    def cut_stream(self, writer: StreamWriter, error: SyncError) -> bool:
+        """Drop the update of a stream that is still writing (an idle one), cutting all its streams; False when the
+        stream already stopped, or its update is being applied or was dropped already."""
+        update = writer.update
+        with self._lock:
+            with update.lock:
+                writing = writer in update.writers and not update.committing and update.failure is None
+            if writing:
+                self._drop(update, error)
+            return writing
 
     def base_of(self, name: str) -> np.ndarray | None:
         return self._base.get(name)
@@ -363,6 +410,7 @@ class StagingArea:
 
         Idempotent: a Commit of an update whose apply is running waits for it (while `is_active()`), and a Commit of
         one of the last `NUM_REMEMBERED_COMMITS` finished updates gets the same answer again; neither applies twice.
+        At most `MAX_COMMIT_WAITERS` wait at once (each holds an RPC thread); more are refused RESOURCE_EXHAUSTED.
         """
         key = (session_id, policy_version)
         with self._lock:
@@ -383,11 +431,25 @@ class StagingArea:
                     self._drop(update, e)
                     self._finish(update, refused)
                     raise refused from None
+            elif update.num_waiters >= MAX_COMMIT_WAITERS:
+                raise SyncError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"{update.num_waiters} Commits already wait for the apply of {update.update_id}; retry the Commit "
+                    "after it (a repeated Commit gets the same answer)",
+                )
+            else:
+                update.num_waiters += 1
         if first:
             return self._apply(update, apply)
-        while not update.committed.wait(0.5):  # another Commit of this update is applying it
-            if not is_active():
-                raise SyncError(Code.CANCELLED, f"Commit of {update.update_id} cancelled while another one applies it")
+        try:
+            while not update.committed.wait(0.5):  # another Commit of this update is applying it
+                if not is_active():
+                    raise SyncError(
+                        Code.CANCELLED, f"Commit of {update.update_id} cancelled while another one applies it"
+                    )
+        finally:
+            with self._lock:
+                update.num_waiters -= 1
         return _answer(update.outcome)
 
     def _apply(
@@ -421,6 +483,7 @@ class StagingArea:
             update.buffers = {}
             assert update.policy_version > self.policy_version, "versions only move forward: one update at a time"
             self.policy_version = update.policy_version
+            self.trainer_session = update.session_id
             if self._update is update:
                 self._update = None
             self._finish(update, seconds)

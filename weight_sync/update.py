@@ -84,6 +84,7 @@ class StagedUpdate:
     covered: dict[str, int] = dataclasses.field(default_factory=dict)
     failure: SyncError | None = None
     committing: bool = False
+    num_waiters: int = 0  # Commits waiting for the one applying this update (StagingArea's lock)
     committed: threading.Event = dataclasses.field(default_factory=threading.Event)  # set when Commit has an answer
     outcome: float | SyncError | None = None  # that answer: the sink's apply seconds, or the refusal
     last_activity: float = dataclasses.field(default_factory=time.monotonic)
@@ -100,6 +101,12 @@ class StagedUpdate:
     def fail(self, error: SyncError) -> None:
         if self.failure is None:
             self.failure = error
+
+    def waits_for_data(self) -> bool:
+        """Some rank has not called Begin or has streams still to open or finish (caller holds `lock`)."""
+        if len(self.rank_specs) < self.num_ranks:
+            return True
+        return any(self.done_streams.get(rank, 0) < streams for rank, streams in self.rank_streams.items())
 
     def check_alive(self) -> None:
         if self.failure is not None:
@@ -118,6 +125,7 @@ class StreamWriter:
         self._pending: pb.ChunkHeader | None = None
         self._decompressor = zstandard.ZstdDecompressor()
         self._cancel: Callable[[], None] | None = None
+        self.last_activity = time.monotonic()  # when the stream opened or its latest chunk began
 
     def set_cancel(self, cancel: Callable[[], None]) -> None:
         """How to cut this stream when its update is dropped (shut its socket, cancel its RPC and its relay): after
@@ -144,7 +152,7 @@ class StreamWriter:
         directly (contiguous destination), else None. Every call is followed by `end_chunk`."""
         update = self.update
         update.check_alive()
-        update.last_activity = time.monotonic()
+        update.last_activity = self.last_activity = time.monotonic()
         self.bytes_received += payload_bytes
         if header.HasField("shard"):
             if self.shard is not None and self.shard.pos != self.shard.numel:

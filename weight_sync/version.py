@@ -14,7 +14,7 @@ from protos import weight_sync_pb2 as pb
 __all__ = ["PROTOCOL_MAJOR", "PROTOCOL_MINOR", "incompatibility", "major_of", "protocol_version"]
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1  # 1.1: DataReply.unopened (a socket refusal before the stream opened; the sender may use gRPC)
 
 
 def protocol_version() -> pb.ProtocolVersion:
