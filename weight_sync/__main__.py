@@ -144,7 +144,7 @@ def _conformance(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         results = run_conformance(
             args.to, config, names=args.case or (), include_pending=args.include_pending, timeout_s=args.timeout_s,
-            tensors=[args.tensor] if args.tensor else (),
+            probe=args.tensor, max_wait_s=args.max_wait_s,
         )
     except grpc.RpcError as e:
         print(f"error: {args.to} does not answer Describe: {e.code().name}: {e.details()}", file=sys.stderr)
@@ -182,6 +182,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     conformance.add_argument("--include_pending", action="store_true",
                              help="also run cases whose expectation depends on work not landed yet")
     conformance.add_argument("--timeout_s", type=float, default=10.0, help="deadline of each call (default: 10)")
+    conformance.add_argument("--max_wait_s", type=float, default=60.0,
+                             help="longest wait for a receiver timeout (hello, idle stream; default 60)")
     conformance.add_argument("--list", action="store_true", help="list the cases and what each expects, then exit")
     add_config_flags(conformance)
     return parser, {"serve": _serve, "push": _push, "describe": _describe, "conformance": _conformance}

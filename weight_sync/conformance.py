@@ -10,11 +10,13 @@ here from the written rules, not with the sender's code.
 What it needs and what it changes: a receiver nobody else pushes to while the kit runs, whose manifest it reads with
 Describe. Positive cases push synthetic values into a few of the smallest tensors (`probe`: the smallest tensor with
 at least 4 rows; `big`: the smallest one larger than a chunk) and commit them as the next versions, so run it only
-against a receiver whose weights may be overwritten. Everything else it opens (updates, streams, connections) it
-aborts or closes before the next case, so the receiver ends idle at a newer version.
+against a receiver whose weights may be overwritten (the kit's session is then the receiver's trainer session until
+the real trainer commits again). Everything else it opens (updates, streams, connections) it aborts or closes before
+the next case, so the receiver ends idle at a newer version. Cases that wait for one of the receiver's own timeouts
+(hello, idle streams) wait at most `max_wait_s`.
 
-A case whose expected status depends on work that has not landed in this repository is `pending`: it is skipped
-with the reason unless `include_pending` is set.
+A case whose expected status depends on work that has not landed in this repository is `pending` (none today): it is
+skipped with the reason unless `include_pending` is set.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from protos import weight_sync_pb2_grpc as pb_grpc
 from weight_sync.channel import client_channel
 from weight_sync.config import WeightSyncConfig
 from weight_sync.spec import TensorSpec, element_dtype, itemsize
+from weight_sync.version import protocol_version
 
 __all__ = ["CASES", "Case", "Result", "format_table", "run_conformance"]
 
@@ -173,10 +176,12 @@ def status_name(code: int) -> str:
 class Stream:
     """One gRPC Push stream of `Kit`, fed message by message and kept open until `close`."""
 
-    def __init__(self, kit: Kit, metadata: tuple[tuple[str, str], ...]) -> None:
+    def __init__(self, kit: Kit, metadata: tuple[tuple[str, str], ...], timeout_s: float | None = None) -> None:
         self._queue: queue.Queue[bytes | None] = queue.Queue()
-        self.future = kit.push_method.future(self._messages(), metadata=kit.metadata + metadata, timeout=kit.timeout_s)
-        self._timeout_s = kit.timeout_s
+        self._timeout_s = timeout_s or kit.timeout_s
+        self.future = kit.push_method.future(
+            self._messages(), metadata=kit.metadata + metadata, timeout=self._timeout_s
+        )
         kit.streams.append(self)
 
     def _messages(self) -> Iterator[bytes]:
@@ -214,6 +219,7 @@ class Connection:
     def __init__(self, kit: Kit, hello: pb.DataHello | bytes) -> None:
         require(kit.data_port > 0, "no data port")
         self.sock = socket.create_connection((kit.host, kit.data_port), timeout=kit.timeout_s)
+        self.unopened: bool | None = None  # DataReply.unopened, once answered
         kit.connections.append(self)
         data = hello if isinstance(hello, bytes) else _U32.pack(hello.ByteSize()) + hello.SerializeToString()
         self.send(data)
@@ -232,15 +238,19 @@ class Connection:
             return self.send(_U32.pack(len(head)) + head + _U64.pack(payload_len))
         return self.send(_U32.pack(len(head)) + head + _U64.pack(len(chunk.payload)) + chunk.payload)
 
-    def reply(self, end: bool = True) -> str:
-        """Send the end-of-stream frame (when `end`) and read the DataReply: its status name."""
+    def reply(self, end: bool = True, wait_s: float | None = None) -> str:
+        """Send the end-of-stream frame (when `end`) and read the DataReply (within `wait_s`, default the kit's call
+        timeout): its status name; `unopened` keeps its flag."""
         if end:
             self.send(_U32.pack(0))
         try:
+            if wait_s is not None:
+                self.sock.settimeout(wait_s)
             (n,) = _U32.unpack(_recv(self.sock, 4))
             reply = pb.DataReply.FromString(_recv(self.sock, n))
         except (OSError, ConnectionError) as e:
             return f"NO REPLY ({e!r})"
+        self.unopened = reply.unopened
         return status_name(reply.code)
 
     def close(self) -> None:
@@ -260,8 +270,11 @@ def _recv(sock: socket.socket, n: int) -> bytes:
 class Kit:
     """The receiver under test: its stubs, manifest and limits, and what the current case opened (undone after it)."""
 
-    def __init__(self, address: str, config: WeightSyncConfig, timeout_s: float, tensors: Sequence[str] = ()) -> None:
-        self.address, self.config, self.timeout_s = address, config, timeout_s
+    def __init__(
+        self, address: str, config: WeightSyncConfig, timeout_s: float, probe: str | None = None,
+        max_wait_s: float = 60.0,
+    ) -> None:
+        self.address, self.config, self.timeout_s, self.max_wait_s = address, config, timeout_s, max_wait_s
         self.host = address.rpartition(":")[0].strip("[]")
         self.channel = client_channel(address, config)
         self.stub = pb_grpc.WeightSyncStub(self.channel)
@@ -279,8 +292,11 @@ class Kit:
         self.max_chunk_bytes = described.max_chunk_bytes
         self.delta_supported = described.delta_supported
         self.data_port = described.data_port
-        self.probe = self._pick(lambda s: len(s.shape) >= 1 and s.shape[0] >= 4, tensors)
-        self.big = self._pick(lambda s: s.nbytes > self.max_chunk_bytes, ())
+        self.minor = described.protocol_version.minor if described.protocol_version.major else 0
+        if probe is not None and probe not in self.manifest:
+            raise ValueError(f"tensor {probe!r} is not in {address}'s manifest")
+        self.probe = self.manifest[probe] if probe else self._pick(lambda s: len(s.shape) >= 1 and s.shape[0] >= 4)
+        self.big = self._pick(lambda s: s.nbytes > self.max_chunk_bytes)
         self.prefix = f"conformance-{secrets.token_hex(3)}"
         self.committed: dict[str, np.ndarray] = {}  # what this kit committed last, per tensor (the receiver's base)
         self.committed_version = -1
@@ -289,9 +305,8 @@ class Kit:
         self.opened: set[tuple[str, int]] = set()
         self._seed = 0
 
-    def _pick(self, fits: Callable[[TensorSpec], bool], names: Sequence[str]) -> TensorSpec | None:
-        if names:
-            return self.manifest[names[0]]
+    def _pick(self, fits: Callable[[TensorSpec], bool]) -> TensorSpec | None:
+        """The smallest non-empty tensor that `fits`, members of commonly fused groups last."""
         candidates = [s for s in self.manifest.values() if fits(s) and s.numel]
         candidates.sort(key=lambda s: (any(f".{m}." in s.name for m in FUSED_MEMBERS), s.nbytes, s.name))
         return candidates[0] if candidates else None
@@ -315,7 +330,7 @@ class Kit:
             session_id=session or self.session(), policy_version=version, rank=rank, num_ranks=num_ranks,
             tensors=[pb.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in tensors],
             base_version=base_version, num_streams=num_streams,
-            protocol_version=pb.ProtocolVersion(major=1, minor=0),
+            protocol_version=protocol_version(),
         )
 
     def begin(self, request: pb.BeginRequest) -> pb.BeginReply:
@@ -330,10 +345,10 @@ class Kit:
         request = pb.AbortRequest(session_id=session or self.session(), policy_version=version, reason="conformance")
         return self.stub.Abort(request, metadata=self.metadata, timeout=self.timeout_s).aborted
 
-    def stream(self, version: int, *, session: str | None = None, rank: int = 0, extra: Sequence[tuple[str, str]] = ()
-               ) -> Stream:
+    def stream(self, version: int, *, session: str | None = None, rank: int = 0, extra: Sequence[tuple[str, str]] = (),
+               timeout_s: float | None = None) -> Stream:
         md = (("x-ws-session", session or self.session()), ("x-ws-version", str(version)), ("x-ws-rank", str(rank)))
-        return Stream(self, md + tuple(extra))
+        return Stream(self, md + tuple(extra), timeout_s)
 
     def values(self, spec: TensorSpec) -> np.ndarray:
         self._seed += 1
@@ -507,7 +522,7 @@ def _probe_msg(kit: Kit, shape: Sequence[int] | None = None, name: str | None = 
 
 
 _begin_refusal("UNIMPLEMENTED", lambda k, r: r.protocol_version.CopyFrom(pb.ProtocolVersion(major=2)),
-               "begin_protocol_major_mismatch: a Begin of protocol major 2")
+               "begin_protocol_major_mismatch: protocol major 2")
 _begin_refusal("FAILED_PRECONDITION", _version(0), "begin_version_not_newer: policy_version = the current one")
 _begin_refusal("OUT_OF_RANGE", _set("policy_version", 2**53), "begin_version_past_2_53: policy_version 2^53")
 _begin_refusal("OUT_OF_RANGE", _set("policy_version", 2**63 - 1), "begin_version_int64_max: policy_version 2^63 - 1")
@@ -572,6 +587,42 @@ def begin_other_update_in_progress(kit: Kit) -> str:
     version = kit.version + 1
     kit.begin(kit.begin_request(version, [probe]))
     return code_of(lambda: kit.begin(kit.begin_request(version, [probe], session=kit.session("other"))))
+
+
+@case("OK")
+def begin_newer_version_supersedes(kit: Kit) -> str:
+    """A session's Begin of a newer version replaces its own open older update, whose Commit then finds nothing."""
+    probe = need(kit.probe, "tensor of 4+ rows")
+    version = kit.version + 1
+    kit.begin(kit.begin_request(version, [probe]))
+    got = code_of(lambda: kit.begin(kit.begin_request(version + 1, [probe])))
+    if got == "OK":
+        after = code_of(lambda: kit.commit(version))
+        require(after == "NOT_FOUND", f"Commit of the superseded update answered {after}")
+    return got
+
+
+@case("ABORTED")
+def begin_older_version_of_session(kit: Kit) -> str:
+    """A session's Begin of an older version than its own open update is refused."""
+    probe = need(kit.probe, "tensor of 4+ rows")
+    version = kit.version + 1
+    kit.begin(kit.begin_request(version + 1, [probe]))
+    return code_of(lambda: kit.begin(kit.begin_request(version, [probe])))
+
+
+@case("OK")
+def begin_trainer_session_preempts(kit: Kit) -> str:
+    """The session of the last commit (the trainer's) preempts another session's open update, which is dropped."""
+    probe = need(kit.probe, "tensor of 4+ rows")
+    kit.push_and_commit(kit.version + 1, [probe])  # the kit's session is now the trainer's
+    version, intruder = kit.version + 1, kit.session("intruder")
+    kit.begin(kit.begin_request(version, [probe], session=intruder))
+    got = code_of(lambda: kit.begin(kit.begin_request(version, [probe])))
+    if got == "OK":
+        after = code_of(lambda: kit.commit(version, intruder))
+        require(after == "NOT_FOUND", f"Commit of the preempted update answered {after}")
+    return got
 
 
 # -- Push: opening a stream ---------------------------------------------------------------------------------------
@@ -1103,6 +1154,24 @@ def socket_abort_cuts_connection(kit: Kit) -> str:
     return connection.reply(end=False)
 
 
+@case("UNAUTHENTICATED")
+def socket_refusal_before_open_is_unopened(kit: Kit) -> str:
+    """A hello refused before its stream opened says so (DataReply.unopened, 1.1); a refusal after that does not."""
+    if kit.minor < 1:
+        raise CaseSkipped(f"DataReply.unopened is protocol 1.1; the receiver speaks 1.{kit.minor}")
+    _, _, hello = _socket_update(kit)
+    wrong = pb.DataHello()
+    wrong.CopyFrom(hello)
+    wrong.ticket = bytes(32) if hello.ticket != bytes(32) else b"\x01" * 32
+    refused = Connection(kit, wrong)
+    got = refused.reply(end=False)
+    require(refused.unopened is True, f"a refused hello answered unopened = {refused.unopened}")
+    opened = Connection(kit, hello).send(_U32.pack(MAX_HEADER_BYTES + 1))
+    late = opened.reply(end=False)
+    require(late == "INVALID_ARGUMENT" and opened.unopened is False, f"after the hello: {late}, {opened.unopened}")
+    return got
+
+
 # -- resources (bounded) ------------------------------------------------------------------------------------------
 @case("OK")
 def abandoned_updates_release_buffers(kit: Kit) -> str:
@@ -1122,9 +1191,9 @@ def abandoned_updates_release_buffers(kit: Kit) -> str:
     return "OK"
 
 
-@case("OK", pending="issue 15 item 2a (bounded idle streams) is being changed: 40 idle streams starve 32 threads")
+@case("OK")
 def idle_watch_streams_do_not_starve(kit: Kit) -> str:
-    """40 idle WatchVersion streams do not keep Describe and a push from being answered."""
+    """40 idle WatchVersion streams (more than receivers serve) keep neither Describe nor a push from going on."""
     request = pb.WatchVersionRequest(after_version=2**62)
     watches = [kit.stub.WatchVersion(request, metadata=kit.metadata, timeout=30) for _ in range(40)]
     try:
@@ -1136,7 +1205,22 @@ def idle_watch_streams_do_not_starve(kit: Kit) -> str:
     return "OK"
 
 
-@case("OK", pending="issue 15 item 2b (idle data connections, time to hello) is being changed")
+@case("OK")
+def idle_push_streams_do_not_starve(kit: Kit) -> str:
+    """48 idle Push streams of another session's update do not keep Describe, nor the trainer's push, from going on."""
+    probe = need(kit.probe, "tensor of 4+ rows")
+    kit.push_and_commit(kit.version + 1, [probe])  # the kit's session is now the trainer's
+    hog, version = kit.session("hog"), kit.version + 1
+    kit.begin(kit.begin_request(version, [probe], session=hog, num_streams=48))
+    for _ in range(48):
+        kit.stream(version, session=hog)
+    time.sleep(0.5)
+    kit.describe()
+    kit.push_and_commit(version, [probe])
+    return "OK"
+
+
+@case("OK")
 def idle_connections_do_not_starve(kit: Kit) -> str:
     """40 silent TCP connections to the data port do not keep a socket-plane push from being served."""
     need_socket(kit)
@@ -1149,10 +1233,57 @@ def idle_connections_do_not_starve(kit: Kit) -> str:
             s.close()
 
 
-@case("INVALID_ARGUMENT", pending="issue 15 item 6 (undecodable messages -> INVALID_ARGUMENT) is being changed")
+@case("INVALID_ARGUMENT")
 def begin_undecodable_message(kit: Kit) -> str:
     """Bytes that are no BeginRequest are refused as INVALID_ARGUMENT (not INTERNAL)."""
     return code_of(lambda: kit.begin_raw(b"\xff" * 16, metadata=kit.metadata, timeout=kit.timeout_s))
+
+
+@case("DEADLINE_EXCEEDED")
+def socket_silent_connection_closed(kit: Kit) -> str:
+    """A connection that sends no hello is answered DEADLINE_EXCEEDED after the receiver's hello timeout."""
+    need_socket(kit)
+    connection = Connection(kit, b"")
+    got = connection.reply(end=False, wait_s=kit.max_wait_s)
+    require(kit.minor < 1 or connection.unopened is True, "the refused connection's reply is not unopened")
+    return got
+
+
+@case("CANCELLED")
+def push_idle_stream_cut(kit: Kit) -> str:
+    """A gRPC Push stream that goes silent is cut after the receiver's stream idle timeout, its update dropped."""
+    probe = need(kit.probe, "tensor of 4+ rows")
+    version = kit.version + 1
+    kit.begin(kit.begin_request(version, [probe]))
+    stream = kit.stream(version, timeout_s=kit.max_wait_s + kit.timeout_s)
+    got = stream.send(kit.chunks(probe, kit.values(probe))[0]).wait()
+    after = code_of(lambda: kit.commit(version))
+    require(after == "NOT_FOUND", f"Commit of the cut stream's update answered {after}")
+    return got
+
+
+@case("DEADLINE_EXCEEDED")
+def socket_idle_stream_cut(kit: Kit) -> str:
+    """A socket stream that goes silent is answered DEADLINE_EXCEEDED after the stream idle timeout, update dropped."""
+    version, probe, hello = _socket_update(kit)
+    connection = Connection(kit, hello).chunk(kit.chunks(probe, kit.values(probe))[0])
+    got = connection.reply(end=False, wait_s=kit.max_wait_s)
+    after = code_of(lambda: kit.commit(version))
+    require(after == "NOT_FOUND", f"Commit of the cut stream's update answered {after}")
+    return got
+
+
+@case("OK")
+def begin_replaces_silent_update(kit: Kit) -> str:
+    """An update waiting for data that gets none gives way to another session's Begin after the stream idle timeout."""
+    probe = need(kit.probe, "tensor of 4+ rows")
+    version = kit.version + 1
+    kit.begin(kit.begin_request(version, [probe], session=kit.session("silent")))
+    late = kit.begin_request(version, [probe], session=kit.session("late"))
+    deadline = time.monotonic() + kit.max_wait_s
+    while (got := code_of(lambda: kit.begin(late))) == "ABORTED" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return got
 
 
 @case("OK")
@@ -1173,21 +1304,20 @@ def run_conformance(
     names: Sequence[str] = (),
     include_pending: bool = False,
     timeout_s: float = 10.0,
-    tensors: Sequence[str] = (),
+    probe: str | None = None,
+    max_wait_s: float = 60.0,
     on_result: Callable[[Result], None] | None = None,
 ) -> list[Result]:
     """Run the cases (all, or those in `names`) against the receiver at `address`, one after another.
 
     Raises grpc.RpcError when the receiver cannot be described at all, ValueError for an unknown case or tensor name.
-    `tensors`: the tensor the cases push (default: the smallest with 4+ rows). Each call waits at most `timeout_s`.
+    `probe`: the tensor the cases push (default: the smallest with 4+ rows). Each call waits at most `timeout_s`; a
+    case waiting for one of the receiver's own timeouts (hello, idle stream) at most `max_wait_s`.
     """
     unknown = sorted(set(names) - {c.name for c in CASES})
     if unknown:
         raise ValueError(f"unknown case(s) {unknown}; `conformance --list` names them")
-    kit = Kit(address, config or WeightSyncConfig(), timeout_s, tensors)
-    missing = [t for t in tensors if t not in kit.manifest]
-    if missing:
-        raise ValueError(f"tensor(s) {missing} are not in {address}'s manifest")
+    kit = Kit(address, config or WeightSyncConfig(), timeout_s, probe, max_wait_s)
     results = []
     for c in CASES:
         if names and c.name not in names:
