@@ -156,6 +156,12 @@ class RunConfig(Config):
     """'sync': on-policy, generate then train. 'async': generation of step t+1 overlaps training of step t."""
     max_staleness: int = pydantic.Field(1, ge=0)
     """Async only: how many policy versions a sample may lag behind the trainer."""
+    placement: Literal["auto", "colocated", "separate"] = "auto"
+    """How the trainer ranks and rollout workers share the machine (``driver.placement``). 'colocated': one host, and
+    they take turns (sync mode), so each phase gets every core: trainer ranks and engines each run as many threads
+    as the host has cores over the actors of their role. 'separate': every actor runs on the CPUs Ray reserves for it
+    (``rollout.num_cpus_per_worker``, one per trainer rank), for async mode and pools spread over hosts. 'auto':
+    'colocated' for sync runs on ``trainer.device = 'cpu'``, else 'separate'; the resolved recipe names the choice."""
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     """DAPO dynamic sampling."""
     warm_start: WarmStartConfig = WarmStartConfig()
@@ -219,6 +225,7 @@ class Recipe(Config):
             field, problem = next(iter(blocked.items()))
             raise FieldError(f"model.{field}", f"{problem} (trainer.device = {self.trainer.device!r})")
         _check_trainable_sampling(self.rollout)
+        _check_placement(self)
         term = self.run.dynamic_sampling.filter_term
         names = [t.term_name for t in self.reward.terms] + (["overlong"] if self.reward.overlong else [])
         if term is not None and term not in names:
@@ -251,6 +258,9 @@ class Recipe(Config):
             section = getattr(self, name)
             explicit = "seed" in section.model_fields_set
             resolved[name] = section if explicit else section.model_copy(update={"seed": seed})
+        if self.run.placement == "auto":
+            colocate = self.run.mode == "sync" and self.trainer.device == "cpu"
+            resolved["run"] = self.run.model_copy(update={"placement": "colocated" if colocate else "separate"})
         for name, section in resolved.items():
             # The one place a recipe is completed: sections are frozen, and validation is not over yet.
             object.__setattr__(self, name, section)
@@ -263,6 +273,25 @@ class Recipe(Config):
         sampling = self.rollout.sampling
         seed = self.run.seed if sampling.seed is None else sampling.seed
         return sampling.model_copy(update={"temperature": self.run.eval.temperature, "seed": seed})
+
+
+def _check_placement(recipe: Recipe) -> None:
+    """Colocation is built for what it needs: phases that take turns (sync mode) on CPU cores."""
+    if recipe.run.placement != "colocated":
+        return
+    if recipe.run.mode != "sync":
+        raise FieldError(
+            "run.placement",
+            "'colocated' gives every phase all the cores because generation and training take turns; in "
+            "run.mode = 'async' they run at once: use run.placement = 'separate' (each actor on its own CPUs)",
+        )
+    if recipe.trainer.device != "cpu":
+        raise FieldError(
+            "run.placement",
+            f"'colocated' shares CPU cores; on trainer.device = {recipe.trainer.device!r} the trainer and the engines "
+            "would need to share accelerator memory (engine sleep/wake), which is not built yet: use "
+            "run.placement = 'separate' with accelerators per role",
+        )
 
 
 def _check_trainable_sampling(rollout: RolloutConfig) -> None:

@@ -1,1 +1,1 @@
-"""Small pieces every package shares: the strict config base and recipe-file loading. Imports no torch."""
+"""Small pieces every package shares: the strict config base, recipe-file loading, a CPU clock. Imports no torch."""

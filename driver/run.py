@@ -85,6 +85,11 @@ def _resolve_resume(ckpt_dir: Path, resume: str | None) -> bool:
     return False
 
 
+def _with_env(env_vars: dict[str, str]) -> dict[str, Any] | None:
+    """A Ray runtime environment that sets ``env_vars`` on top of the job's (Ray merges the two)."""
+    return {"env_vars": env_vars} if env_vars else None
+
+
 def _ensure_model(recipe: Recipe) -> None:
     path = Path(recipe.model.path)
     spec = recipe.model.create_tiny
@@ -108,6 +113,7 @@ class _Run:
 
     def __enter__(self) -> _Run:
         from driver.metrics import MetricsLogger
+        from driver.placement import host_cores, plan_placement
         from driver.publisher import WeightPublisher
         from rollout.pool import RolloutPool
         from rollout.tasks import build_dataset
@@ -123,8 +129,13 @@ class _Run:
         self.dataset = build_dataset(r.task)
         self.tokenizer = load_tokenizer(r.rollout.tokenizer_path or r.model.path)
         model_cfg = model_config_from_hf(r.model.path, **r.model.block_overrides())
+        self.placement = plan_placement(r, host_cores())
+        log.info("placement: %s on %d core(s); trainer ranks run %s thread(s), engines %s", r.run.placement,
+                 self.placement.num_cores, self.placement.trainer_env["OMP_NUM_THREADS"],
+                 self.placement.rollout_env.get("OMP_NUM_THREADS", r.rollout.engine.cpu_threads_bind))  # fmt: skip
         t0 = time.perf_counter()
-        self.pool = RolloutPool(r.rollout, r.reward, r.weight_sync)
+        self.pool = RolloutPool(self.placement.rollout, r.reward, r.weight_sync,
+                                runtime_env=_with_env(self.placement.rollout_env))  # fmt: skip
         log.info("rollout pool: %d worker(s) ready in %.1f s", r.rollout.num_workers, time.perf_counter() - t0)
         # The publisher hands the trainer's ranks their receivers before every push.
         sync_cfg = r.weight_sync.model_copy(update={"endpoints": []})
@@ -133,7 +144,9 @@ class _Run:
         warm = self.out_dir / "warm_start_model"
         init_path = str(warm) if self.resume and (warm / "config.json").is_file() else r.model.path
         self.trainer = TrainerGroup(r.trainer, model_cfg, r.algorithm, init_path=init_path, weight_sync=sync_cfg,
-                                    session_id=f"{r.run.name}-{int(time.time())}")  # fmt: skip
+                                    session_id=f"{r.run.name}-{int(time.time())}",
+                                    num_cpus_per_rank=self.placement.trainer_cpus,
+                                    runtime_env=_with_env(self.placement.trainer_env))  # fmt: skip
         log.info("trainer: %d rank(s) ready in %.1f s", r.trainer.num_ranks, time.perf_counter() - t0)
         self.publisher = WeightPublisher(self.trainer, self.pool, external=r.weight_sync.endpoints)
         return self
@@ -185,7 +198,8 @@ class _Run:
             self.publisher.publish()
         before = do_eval()
         self.logger.log(start_step - 1, before, phase="eval")
-        RLLoop(r, self.pool, self.trainer, self.dataset, self.publisher, self.logger.log, do_eval).run(start_step)
+        RLLoop(r, self.pool, self.trainer, self.dataset, self.publisher, self.logger.log, do_eval,
+               num_cores=self.placement.num_cores).run(start_step)
         after = do_eval()
         self.logger.log(r.run.num_steps - 1, after, phase="eval")
         every = r.trainer.checkpoint.every_num_steps

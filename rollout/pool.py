@@ -84,16 +84,21 @@ class RolloutPool:
         reward: RewardConfig | None = None,
         weight_sync: WeightSyncConfig | None = None,
         startup_timeout_s: float = 600.0,
+        runtime_env: dict[str, Any] | None = None,
     ) -> None:
+        """``runtime_env``: the Ray runtime environment of every worker (e.g. its ``env_vars``), beside the job's."""
         import ray
 
         from rollout.worker import RolloutWorker
 
         self.config = config
         # Threaded actors: health/version calls answer while a generation batch runs; the engine lock orders the rest.
-        actor_cls = ray.remote(RolloutWorker).options(
-            num_cpus=config.num_cpus_per_worker, num_gpus=config.num_gpus_per_worker, max_concurrency=4
-        )
+        options: dict[str, Any] = {
+            "num_cpus": config.num_cpus_per_worker, "num_gpus": config.num_gpus_per_worker, "max_concurrency": 4,
+        }  # fmt: skip
+        if runtime_env is not None:
+            options["runtime_env"] = runtime_env
+        actor_cls = ray.remote(RolloutWorker).options(**options)
         self.fleet = WorkerFleet(
             actor_cls, (config, reward, weight_sync), config.num_workers, config.num_worker_restarts,
             on_replaced=self._hand_on, startup_timeout_s=startup_timeout_s,

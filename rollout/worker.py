@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from common.cpu import CpuClock
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.sampling import group_seed
 from rollout.types import RolloutBatch, Sample
@@ -53,6 +54,7 @@ class RolloutWorker:
         self.sink = VLLMWeightSink(self.engine)
         self.receiver = WeightReceiver(self.sink, self._sync_config)
         self.receiver.start()
+        self._cpu = CpuClock()
 
     def generate_groups(
         self,
@@ -65,7 +67,8 @@ class RolloutWorker:
         them.
 
         Returns the samples grouped by problem, in input order, and additive metrics: ``rollout/generate_s``,
-        ``rollout/num_completion_tokens``, ``reward/num_errors`` and ``reward/<term>/num_errors``.
+        ``rollout/num_completion_tokens``, ``rollout/process_cpu_s`` (this worker's CPU seconds since its previous
+        batch, weight loads included), ``reward/num_errors`` and ``reward/<term>/num_errors``.
         """
         from rollout.tokenizer import render_prompt
 
@@ -96,7 +99,8 @@ class RolloutWorker:
             for k, (i, c) in enumerate(flat)
         ]
         metrics = {"rollout/generate_s": generate_s,
-                   "rollout/num_completion_tokens": float(sum(len(c.token_ids) for _, c in flat)), **errors}
+                   "rollout/num_completion_tokens": float(sum(len(c.token_ids) for _, c in flat)),
+                   "rollout/process_cpu_s": self._cpu.lap(), **errors}
         return RolloutBatch(samples=samples, metrics=metrics)
 
     def _score(
@@ -129,7 +133,10 @@ class RolloutWorker:
         return self.engine.policy_version
 
     def health(self) -> dict[str, Any]:
-        """Liveness facts for the pool and for monitoring; ``ok`` is false once the engine must be replaced."""
+        """Liveness facts for the pool and for monitoring; ``ok`` is false once the engine must be replaced;
+        ``num_threads``: the engine's torch threads."""
+        import torch
+
         return {
             "ok": self.engine.broken is None,
             "error": self.engine.broken,
@@ -137,6 +144,7 @@ class RolloutWorker:
             "last_update_s": self.engine.last_update_s,
             "receiver_address": self.receiver_address(),
             "pid": os.getpid(),
+            "num_threads": torch.get_num_threads(),
         }
 
     def shutdown(self) -> None:

@@ -63,8 +63,10 @@ class TrainerGroup:
         return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One RL update on ``batch``; returns the step's metrics (see ``trainer.step.rl_step``)."""
-        return self._all("train_step", ray.put(batch))[0]
+        """One RL update on ``batch``; returns the step's metrics (see ``trainer.step.rl_step``), rank 0's except
+        ``process_cpu_s``, the CPU seconds of all ranks."""
+        per_rank = self._all("train_step", ray.put(batch))
+        return {**per_rank[0], "process_cpu_s": sum(m["process_cpu_s"] for m in per_rank)}
 
     def sft_step(self, samples: Sequence[Sample], lr: float | None = None) -> dict[str, float]:
         """One supervised warm-start step on the completions of ``samples``."""

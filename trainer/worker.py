@@ -19,6 +19,7 @@ import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from common.cpu import CpuClock
 from rollout.types import RolloutBatch, Sample
 from trainer.config import TrainerConfig
 from trainer.models.config import ModelConfig
@@ -63,6 +64,7 @@ class TrainerWorker:
         self.state: TrainState | None = None
         self._sender: WeightSender | None = None
         self._checkpoints: CheckpointManager | None = None
+        self._cpu = CpuClock()
 
     # -- setup -----------------------------------------------------------------------------------------------------
     def node_id(self) -> str:
@@ -131,10 +133,16 @@ class TrainerWorker:
     # -- training --------------------------------------------------------------------------------------------------
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """One RL update on ``batch`` (the same on every rank); returns the step's metrics. Nothing else: the driver
-        decides when to checkpoint (:meth:`save_checkpoint`)."""
+        decides when to checkpoint (:meth:`save_checkpoint`). ``process_cpu_s`` is this rank's CPU seconds since its
+        previous ``train_step`` returned (its last push included); ``num_threads`` its torch intra-op threads."""
         from trainer.step import rl_step
 
-        return rl_step(self._require_state(), batch)
+        import torch
+
+        metrics = rl_step(self._require_state(), batch)
+        metrics["process_cpu_s"] = self._cpu.lap()
+        metrics["num_threads"] = float(torch.get_num_threads())
+        return metrics
 
     def sft_step(self, samples: Sequence[Sample], lr: float | None = None) -> dict[str, float]:
         """One supervised warm-start step on the completions of ``samples``."""

@@ -99,7 +99,7 @@ class FakeTrainer:
     def train_step(self, batch):
         self.events.append(("train", sorted(batch.groups())))
         self.version += 1
-        return {"policy_version": float(self.version)}
+        return {"policy_version": float(self.version), "step_s": 0.0, "process_cpu_s": 0.0}
 
     def save_checkpoint(self, data_cursor):
         self.events.append(("checkpoint", self.version, data_cursor["position"]))

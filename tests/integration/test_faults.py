@@ -3,6 +3,7 @@ the whole job is killed after a checkpoint (``--resume`` must continue the same 
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 from pathlib import Path
@@ -68,6 +69,11 @@ def test_killed_rollout_worker_is_replaced_and_run_finishes(tmp_path: Path, reci
         assert current - max_staleness <= r["rollout/min_policy_version"], (r["step"], r)
         assert r["rollout/max_policy_version"] <= current, (r["step"], r)
         assert r["rollout/staleness_max"] <= max_staleness, (r["step"], r)
+    # Sync runs colocate (generation and training take turns, each with every core); async runs keep each actor on
+    # its own reservation: one trainer thread.
+    threads = len(os.sched_getaffinity(0)) if "async" not in recipe else 1
+    assert {r["train/num_threads"] for r in rl} == {threads}, f"trainer threads, expected {threads}"
+    assert all(0 < r["perf/cores_busy"] <= 1.5 for r in rl), [r["perf/cores_busy"] for r in rl]
     pids = set(re.findall(r"\(RolloutWorker pid=(\d+)", log.read_text()))
     assert str(victim.pid) in pids and len(pids) >= 2, pids
     assert "held-out problems" in log.read_text()

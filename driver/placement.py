@@ -1,0 +1,71 @@
+"""Where the run's actors go and how many threads each runs: the one place CPU cores are handed out.
+
+    plan = plan_placement(recipe, num_cores=host_cores())
+    TrainerGroup(..., num_cpus_per_rank=plan.trainer_cpus, runtime_env={"env_vars": plan.trainer_env})
+    RolloutPool(plan.rollout, ..., runtime_env={"env_vars": plan.rollout_env})
+
+'colocated' (sync runs on CPU): generation and training take turns, so each phase gets every core of the host. The
+trainer ranks split the cores among themselves (they run at once), and so do the rollout workers; Ray's CPU
+reservations are fractions that add up to the host, so every actor fits on it. One engine binds one thread per
+physical core (vLLM's ``auto``), several run unpinned threads that split the cores.
+
+'separate': each actor runs on the CPUs Ray reserves for it: a trainer rank on one, an engine on
+``rollout.num_cpus_per_worker`` (and its own ``cpu_threads_bind``); actors may land on any node of the cluster.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from rollout.config import RolloutConfig
+
+__all__ = ["Placement", "host_cores", "plan_placement"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What each role asks of Ray and the environment its processes start with."""
+
+    num_cores: int
+    """CPU cores the run's actors share (colocated) or reserve in all (separate): the denominator of
+    ``perf/cores_busy``."""
+    trainer_cpus: float
+    """Ray CPUs each trainer rank reserves."""
+    trainer_env: dict[str, str]
+    """Environment of every trainer rank (``OMP_NUM_THREADS``: its torch intra-op threads)."""
+    rollout: RolloutConfig
+    """The pool's config with the reservation and the engine's threads of this placement."""
+    rollout_env: dict[str, str]
+    """Environment of every rollout worker (``OMP_NUM_THREADS``: the engine's threads when unpinned)."""
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which containers and ``taskset`` narrow)."""
+    return len(os.sched_getaffinity(0))
+
+
+def plan_placement(recipe: Any, num_cores: int) -> Placement:
+    """The placement ``recipe.run.placement`` asks for on a host of ``num_cores`` cores (a resolved recipe:
+    'colocated' or 'separate')."""
+    rollout, ranks, workers = recipe.rollout, recipe.trainer.num_ranks, recipe.rollout.num_workers
+    if recipe.run.placement == "separate":
+        return Placement(
+            num_cores=max(1, ranks + int(round(workers * rollout.num_cpus_per_worker))),
+            trainer_cpus=1.0, trainer_env={"OMP_NUM_THREADS": "1"}, rollout=rollout, rollout_env={},
+        )  # fmt: skip
+    if recipe.run.placement != "colocated":
+        raise ValueError(f"run.placement {recipe.run.placement!r} is not resolved: validate the recipe first")
+    share = num_cores / (ranks + workers)  # reservations only; the threads below are what each phase runs
+    engine_threads = max(1, num_cores // workers)
+    engine = rollout.engine
+    if workers > 1 and "cpu_threads_bind" not in engine.model_fields_set:
+        engine = engine.model_copy(update={"cpu_threads_bind": "nobind"})  # 'auto' would pin every engine alike
+    return Placement(
+        num_cores=num_cores,
+        trainer_cpus=share,
+        trainer_env={"OMP_NUM_THREADS": str(max(1, num_cores // ranks))},
+        rollout=rollout.model_copy(update={"num_cpus_per_worker": share, "engine": engine}),
+        rollout_env={"OMP_NUM_THREADS": str(engine_threads)},
+    )

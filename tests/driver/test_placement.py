@@ -1,0 +1,49 @@
+"""How the run hands out cores: the recipe resolves the placement, and each placement gives each role its threads
+and Ray reservation (the threads reaching the actors is checked end to end in tests/integration/test_faults.py)."""
+
+import pytest
+
+from common.config import ConfigError
+from driver.placement import plan_placement
+from recipe import load_recipe
+
+
+def _recipe(**overrides):
+    return load_recipe("recipes/grpo_tiny.toml", overrides, check_paths=False)
+
+
+def test_auto_colocates_sync_cpu_runs_and_separates_async_ones():
+    assert _recipe().run.placement == "colocated"
+    assert _recipe(**{"run.mode": "async"}).run.placement == "separate"
+    assert _recipe(**{"run.placement": "separate"}).run.placement == "separate"
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    ({"run.mode": "async", "run.placement": "colocated"}, "run.placement.*async"),
+    ({"trainer.device": "cuda", "run.placement": "colocated"}, "run.placement.*cuda.*separate"),
+])  # fmt: skip
+def test_colocation_where_phases_do_not_take_turns_on_cpu_is_refused(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        _recipe(**overrides)
+
+
+def test_colocated_phases_get_every_core():
+    plan = plan_placement(_recipe(), num_cores=8)
+    assert plan.trainer_env == {"OMP_NUM_THREADS": "8"} and plan.rollout_env == {"OMP_NUM_THREADS": "8"}
+    assert plan.trainer_cpus + plan.rollout.num_cpus_per_worker == 8 and plan.num_cores == 8
+    assert plan.rollout.engine.cpu_threads_bind == "auto"  # one engine: vLLM pins a thread to every core
+
+
+def test_colocated_actors_of_one_role_split_the_cores():
+    plan = plan_placement(_recipe(**{"trainer.num_ranks": 2, "rollout.num_workers": 4}), num_cores=8)
+    assert plan.trainer_env == {"OMP_NUM_THREADS": "4"} and plan.rollout_env == {"OMP_NUM_THREADS": "2"}
+    assert plan.rollout.engine.cpu_threads_bind == "nobind"  # 'auto' would pin all four engines to the same cores
+    assert 2 * plan.trainer_cpus + 4 * plan.rollout.num_cpus_per_worker == pytest.approx(8)
+    pinned = plan_placement(_recipe(**{"rollout.num_workers": 2, "rollout.engine.cpu_threads_bind": "0-1"}), 4)
+    assert pinned.rollout.engine.cpu_threads_bind == "0-1"  # what the recipe says explicitly stays
+
+
+def test_separate_actors_run_on_their_reservation():
+    plan = plan_placement(_recipe(**{"run.placement": "separate", "rollout.num_workers": 2}), num_cores=8)
+    assert plan.trainer_env == {"OMP_NUM_THREADS": "1"} and plan.trainer_cpus == 1.0
+    assert plan.rollout.num_cpus_per_worker == 1.0 and plan.num_cores == 3
