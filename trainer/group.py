@@ -58,6 +58,7 @@ class TrainerGroup:
         node_ids = ray.get([w.node_id.remote() for w in self.workers])
         host, port = ray.get(self.workers[0].master_endpoint.remote(len(set(node_ids)) == 1))
         ray.get([w.setup.remote(host, port) for w in self.workers])
+        self._endpoints: list[str] | None = None  # what the ranks were last told to push to
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
@@ -77,8 +78,11 @@ class TrainerGroup:
         self._all("finish_warm_start")
 
     def set_weight_endpoints(self, endpoints: Sequence[str]) -> None:
-        """Push to exactly these receivers from now on (e.g. after the rollout pool replaced a worker)."""
-        self._all("set_weight_endpoints", list(endpoints))
+        """Push to exactly these receivers from now on (e.g. after the rollout pool replaced a worker); the ranks are
+        only called when the list changed."""
+        if list(endpoints) != self._endpoints:
+            self._all("set_weight_endpoints", list(endpoints))
+            self._endpoints = list(endpoints)
 
     def save_checkpoint(self, data_cursor: dict | None = None) -> str:
         """Full-state checkpoint under ``trainer.checkpoint.dir``; returns its path."""

@@ -135,9 +135,9 @@ class TrainerWorker:
         """One RL update on ``batch`` (the same on every rank); returns the step's metrics. Nothing else: the driver
         decides when to checkpoint (:meth:`save_checkpoint`). ``process_cpu_s`` is this rank's CPU seconds since its
         previous ``train_step`` returned (its last push included); ``num_threads`` its torch intra-op threads."""
-        from trainer.step import rl_step
-
         import torch
+
+        from trainer.step import rl_step
 
         metrics = rl_step(self._require_state(), batch)
         metrics["process_cpu_s"] = self._cpu.lap()

@@ -4,9 +4,10 @@ The projection weights keep the HF layout (``wq`` = ``q_proj`` etc.), so checkpo
 permutation. The attention product itself is a registered function picked by ``ModelConfig.attention`` (see
 ``trainer.models.registry`` for the contract); built in:
 
-- ``sdpa``: ``scaled_dot_product_attention`` with ``is_causal=True`` run once per packed segment, so no ``[T, T]``
-  mask is built and the cost is the sum of the segments' squared lengths, however long the packed row (an arbitrary
-  mask would also force SDPA off its fused causal kernels). Segment-local: rows may be as long as the token budget.
+- ``sdpa``: ``scaled_dot_product_attention`` with ``is_causal=True`` per packed segment (one batched call per
+  segment length), so no ``[T, T]`` mask is built and the cost is the sum of the segments' squared lengths, however
+  long the packed row (an arbitrary mask would also force SDPA off its fused causal kernels). Segment-local: rows
+  may be as long as the token budget.
 - ``eager``: matmul-softmax-matmul over a dense mask, the plain reference.
 
 :func:`masked_sdpa_attention` (SDPA over the dense ``[B, 1, T, T]`` mask, not registered) is the parity reference of
@@ -16,6 +17,7 @@ the per-segment path.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -60,19 +62,44 @@ def segment_spans(segment_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     return spans
 
 
-_last_spans: tuple[weakref.ref, int, list[list[tuple[int, int]]]] | None = None
+@dataclass(frozen=True)
+class _LengthGroups:
+    """The packed segments of one ``segment_ids`` tensor, grouped by length. ``order`` lists the flat token positions
+    (into ``B * T``) group by group, segment by segment; group ``i`` holds ``shapes[i] = (segments, length)``, and
+    ``inverse`` puts tokens in group order back into packed order."""
+
+    shapes: list[tuple[int, int]]
+    order: torch.Tensor
+    inverse: torch.Tensor
+    spans: list[list[tuple[int, int]]]
+    """:func:`segment_spans` of the tensor."""
 
 
-def _spans_of(segment_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """:func:`segment_spans`, computed once per ``segment_ids`` tensor: every layer of a forward gets the same tensor,
-    and reading it back to the host per layer would cost a device sync each time."""
-    global _last_spans
-    cached = _last_spans
+_last_groups: tuple[weakref.ref, int, _LengthGroups] | None = None
+
+
+def _length_groups(segment_ids: torch.Tensor) -> _LengthGroups:
+    """:func:`segment_spans` grouped by length, computed once per ``segment_ids`` tensor: every layer of a forward gets
+    the same tensor, and reading it back to the host per layer would cost a device sync each time."""
+    global _last_groups
+    cached = _last_groups
     if cached is not None and cached[0]() is segment_ids and cached[1] == segment_ids._version:
         return cached[2]
+    t = segment_ids.shape[1]
+    starts_by_length: dict[int, list[int]] = {}
     spans = segment_spans(segment_ids)
-    _last_spans = (weakref.ref(segment_ids), segment_ids._version, spans)
-    return spans
+    for r, row in enumerate(spans):
+        for a, b in row:
+            starts_by_length.setdefault(b - a, []).append(r * t + a)
+    lengths = sorted(starts_by_length)
+    order = torch.cat([(torch.tensor(starts_by_length[n])[:, None] + torch.arange(n)).flatten() for n in lengths])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    device = segment_ids.device
+    shapes = [(len(starts_by_length[n]), n) for n in lengths]
+    result = _LengthGroups(shapes, order.to(device), inverse.to(device), spans)
+    _last_groups = (weakref.ref(segment_ids), segment_ids._version, result)
+    return result
 
 
 @ATTENTION_BLOCKS.register("sdpa", segment_local=True)
@@ -82,20 +109,43 @@ def sdpa_attention(
     """Causal SDPA (fused CPU/GPU kernels, native GQA) applied to each packed segment separately.
 
     Equal to :func:`masked_sdpa_attention` (a token attends to earlier tokens of its own run of equal segment ids)
-    without materialising any mask; segments must be contiguous runs (see :func:`segment_spans`).
+    without materialising any mask; segments must be contiguous runs (see :func:`segment_spans`). Segments of equal
+    length go through one batched call (GRPO packs many short completions of a few lengths), so the number of kernel
+    calls per layer is the number of distinct lengths, not of segments.
     """
     gqa = q.shape[1] != k.shape[1]
     if segment_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    b, h, t, d = q.shape
+    layout = _length_groups(segment_ids)
+    if 2 * len(layout.shapes) > sum(n for n, _ in layout.shapes):
+        return _per_segment(q, k, v, segment_ids, scale, gqa)  # lengths mostly distinct: batching would only copy
+    sizes = [n * length for n, length in layout.shapes]
+    # Token-major [B * T, heads, Dh] in group order: one gather per input (its backward one index_add), then every
+    # group is a view.
+    grouped = [x.transpose(1, 2).reshape(b * t, x.shape[1], d).index_select(0, layout.order).split(sizes)
+               for x in (q, k, v)]  # fmt: skip
+    outs = []
+    for (n, length), qs, ks, vs in zip(layout.shapes, *grouped, strict=True):
+        qs, ks, vs = (x.view(n, length, x.shape[1], d).transpose(1, 2) for x in (qs, ks, vs))
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        outs.append(out.transpose(1, 2).reshape(n * length, h, d))
+    # Returned as [B, T, H, Dh] transposed, so the caller's transpose back to [B, T, H * Dh] is a free view.
+    return torch.cat(outs).index_select(0, layout.inverse).view(b, t, h, d).transpose(1, 2)
+
+
+def _per_segment(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor, scale: float, gqa: bool
+) -> torch.Tensor:
+    """One SDPA call per segment on views of the inputs (no copies): the better way when few lengths repeat."""
     pieces = []
     # split (not slicing) so backward concatenates the pieces' gradients once instead of zero-filling a full-size
     # gradient per piece.
-    for spans, qr, kr, vr in zip(_spans_of(segment_ids), q.split(1), k.split(1), v.split(1), strict=True):
+    for spans, qr, kr, vr in zip(_length_groups(segment_ids).spans, q.split(1), k.split(1), v.split(1), strict=True):
         lengths = [b - a for a, b in spans]
         for qs, ks, vs in zip(qr.split(lengths, 2), kr.split(lengths, 2), vr.split(lengths, 2), strict=True):
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
             pieces.append(out.transpose(1, 2))
-    # Concatenated as [T, H, Dh] per row: the caller's transpose back to [B, T, H * Dh] is then a free view.
     b, t = segment_ids.shape
     return torch.cat(pieces, dim=1).view(b, t, q.shape[1], q.shape[3]).transpose(1, 2)
 

@@ -1,4 +1,5 @@
-"""The per-segment ``sdpa`` attention block against the dense-mask references: values and gradients, many layouts."""
+"""The per-segment ``sdpa`` attention block against the dense-mask references: values and gradients, many layouts
+(mostly distinct segment lengths: one call per segment; repeated lengths: one batched call per length)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ LAYOUTS = {
     "many_short": [[1, 2, 1, 3, 1, 1, 5, 2, 1, 4]],
     "two_rows_with_padding_segment": [[9, 6, 2], [12, 5]],
     "mixed_rows": [[1, 16], [17], [4, 4, 4, 5]],
+    # GRPO-like: few lengths, repeated within and across rows (one batched call per length).
+    "repeated_lengths": [[5, 5, 6, 5, 6, 7], [6, 6, 5, 7, 7, 3]],
 }
 
 
