@@ -1,4 +1,4 @@
-"""The conformance kit (`weight_sync/conformance.py`) passes against a real `python -m weight_sync serve` subprocess.
+"""The conformance kit (`weight_sync/conformance/`) passes against a real `python -m weight_sync serve` subprocess.
 
 This is how CI checks that the receiver keeps what `weight_sync/PROTOCOL.md` writes down; the protocol version's
 compatibility rule is checked here too (a sender and a receiver of different majors refuse each other).

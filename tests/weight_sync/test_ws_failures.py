@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 import xxhash
-from ws_helpers import begin, commit, raw_push, shard_messages, status_of
+from ws_helpers import begin, commit, raw_push, receiver_with_client, shard_messages, status_of
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.channel import WeightSyncClient
@@ -37,10 +37,8 @@ def full_update(client, version, session="s", sd=SD):
 
 @pytest.fixture
 def one(receivers):
-    (receiver, sink), = receivers(1, sd=SD)
-    client = WeightSyncClient(receiver.address, WeightSyncConfig())
-    yield receiver, sink, client
-    client.close()
+    with receiver_with_client(receivers, SD) as started:
+        yield started
 
 
 def assert_untouched(receiver, sink, version=0):

@@ -23,7 +23,16 @@ import pytest
 import torch
 import xxhash
 from safetensors.torch import load_file, save_file
-from ws_helpers import begin, commit, raw_push, shard_messages, spec_msgs, status_of
+from ws_helpers import (
+    LoopbackListener,
+    begin,
+    commit,
+    raw_push,
+    receiver_with_client,
+    shard_messages,
+    spec_msgs,
+    status_of,
+)
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.channel import WeightSyncClient
@@ -156,10 +165,8 @@ def test_a_failed_commit_is_answered_alike_when_repeated(one_receiver):
 
 @pytest.fixture
 def one_receiver(receivers):
-    (receiver, sink), = receivers(1, sd=SD)
-    client = WeightSyncClient(receiver.address, WeightSyncConfig())
-    yield receiver, sink, client
-    client.close()
+    with receiver_with_client(receivers, SD) as started:
+        yield started
 
 
 # -- 1(b): a restarted receiver starts at its sink's committed version ----------------------------------------------
@@ -420,36 +427,10 @@ def test_overlapping_shards_are_refused_however_they_arrive(one_receiver):
 
 
 # -- 5: relays only where the update's Begin says ---------------------------------------------------------------------
-class CountingListener:
-    """A loopback TCP listener that counts the connections a receiver opens to it (and reads nothing)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self.accepted: list[socket.socket] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.accepted.append(self.sock.accept()[0])
-            except OSError:
-                continue
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        for conn in self.accepted:
-            conn.close()
-        self.sock.close()
-
-
 @pytest.fixture
 def listener():
-    counting = CountingListener()
+    """A loopback listener that counts the connections a receiver opens to it (and reads nothing)."""
+    counting = LoopbackListener()
     yield counting
     counting.close()
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 import torch
-from ws_helpers import begin, commit, raw_push, shard_messages, status_of
+from ws_helpers import LoopbackListener, begin, commit, raw_push, shard_messages, status_of
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.channel import SERVICE, WeightSyncClient
@@ -309,42 +309,27 @@ def test_a_data_stream_that_stalls_after_its_hello_is_cut_and_its_update_dropped
     client.close()
 
 
-class RefusingDataPort:
+class RefusingDataPort(LoopbackListener):
     """A loopback data port that refuses every connection the way a full receiver does (RESOURCE_EXHAUSTED,
     unopened), after reading what the sender sends for a moment."""
 
     def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
         self.num_refused = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def handle(self, conn: socket.socket) -> None:
+        with conn:
+            refusal = pb.DataReply(code=C.RESOURCE_EXHAUSTED.value[0], message="full").SerializeToString()
+            refusal += b"\x20\x01"  # unopened = true (field 4), by hand: the bytes any receiver would send
             try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            with conn:
-                refusal = pb.DataReply(code=C.RESOURCE_EXHAUSTED.value[0], message="full").SerializeToString()
-                refusal += b"\x20\x01"  # unopened = true (field 4), by hand: the bytes any receiver would send
-                try:
-                    conn.sendall(struct.pack("<I", len(refusal)) + refusal)
-                    conn.shutdown(socket.SHUT_WR)
-                    conn.settimeout(0.5)
-                    while conn.recv(1 << 16):
-                        pass
-                except OSError:
+                conn.sendall(struct.pack("<I", len(refusal)) + refusal)
+                conn.shutdown(socket.SHUT_WR)
+                conn.settimeout(0.5)
+                while conn.recv(1 << 16):
                     pass
-                self.num_refused += 1
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close()
+            except OSError:
+                pass
+            self.num_refused += 1
 
 
 def _closed_port() -> int:
@@ -376,43 +361,13 @@ def test_the_sender_falls_back_to_grpc_when_the_socket_plane_refuses(serve, refu
             refusing.close()
 
 
-class BlackHole:
-    """A loopback data port that accepts connections and never reads from them (a stalled receiver)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self.accepted: list[socket.socket] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.accepted.append(self.sock.accept()[0])
-            except OSError:
-                continue
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        for conn in self.accepted:
-            conn.close()
-        self.sock.close()
-
-
 def test_a_stalled_receiver_is_cut_before_the_others_idle_out(serve):
     big = {"w": torch.arange(8 << 20, dtype=torch.float32).reshape(8192, 1024)}  # 32 MiB: more than socket buffers
     config = WeightSyncConfig(stream_idle_timeout_s=2.0, chunk_bytes=1 << 20)
     stalled, _ = serve(config, sd=big)
     healthy, sink = serve(config, sd=big)
     assert stalled._data is not None
-    hole = BlackHole()
+    hole = LoopbackListener(receive_buffer_bytes=4096)  # accepts and never reads: a stalled receiver
     stalled._data.port = hole.port
     try:
         sender_config = WeightSyncConfig(num_retries=0, rpc_timeout_s=5, stream_idle_timeout_s=2.0, chunk_bytes=1 << 20)

@@ -1,9 +1,12 @@
-"""Helpers for weight-sync tests: tiny state dicts, shard splitting, ranks on threads, raw protocol calls."""
+"""Helpers for weight-sync tests: tiny state dicts, shard splitting, ranks on threads, raw protocol calls, a receiver
+with its client, loopback listeners."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 import torch
@@ -12,8 +15,11 @@ import xxhash
 from protos import weight_sync_pb2 as pb
 from weight_sync.channel import WeightSyncClient
 from weight_sync.codec import encode_chunk
+from weight_sync.config import WeightSyncConfig
+from weight_sync.receiver import WeightReceiver
 from weight_sync.relay import stream_metadata
 from weight_sync.sender import Shard
+from weight_sync.sink import StateDictSink
 
 
 def tiny_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -131,3 +137,58 @@ def status_of(fn: Callable[[], object]) -> grpc.StatusCode:
     except grpc.RpcError as e:
         return e.code()
     return grpc.StatusCode.OK
+
+
+@contextlib.contextmanager
+def receiver_with_client(
+    receivers: Callable[..., list[tuple[WeightReceiver, StateDictSink]]], sd: dict[str, torch.Tensor]
+) -> Iterator[tuple[WeightReceiver, StateDictSink, WeightSyncClient]]:
+    """One receiver of the `receivers` fixture, its sink zeros of `sd`, and a default client of it (closed after)."""
+    (receiver, sink), = receivers(1, sd=sd)
+    client = WeightSyncClient(receiver.address, WeightSyncConfig())
+    try:
+        yield receiver, sink, client
+    finally:
+        client.close()
+
+
+class LoopbackListener:
+    """A TCP listener on a loopback `port` that accepts on its own thread until `close()`.
+
+    Each connection goes to `handle`: by default it is kept open and never read, in `accepted` (a peer that stalls, or
+    one that counts who connects); a subclass answers it instead. `receive_buffer_bytes` sets SO_RCVBUF before
+    listening, so accepted connections inherit a small window and a sender fills it sooner. `close()` stops the
+    thread and closes the listener and every kept connection.
+    """
+
+    def __init__(self, receive_buffer_bytes: int | None = None) -> None:
+        self.sock = socket.socket()
+        if receive_buffer_bytes is not None:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer_bytes)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.handle(conn)
+
+    def handle(self, conn: socket.socket) -> None:
+        """Keep `conn` open, unread, in `accepted`."""
+        self.accepted.append(conn)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for conn in self.accepted:
+            conn.close()
+        self.sock.close()
