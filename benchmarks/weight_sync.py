@@ -4,9 +4,11 @@
     python benchmarks/weight_sync.py --size 256      # MiB; smaller for a quick look
 
 Rows: memcpy into an existing buffer (the ceiling), a raw TCP socket into a preallocated buffer, a gloo broadcast
-between two processes, our push to one receiver process (full version over the socket data plane, the default, and
-over gRPC Push streams, interleaved; then a delta where ~3% of the bf16 values changed; rates are model bytes / wall
-time of Begin + push + commit). Then the receiver's peak memory over the model's bytes,
+between two processes, our push to one receiver process (full version through the same-host shared-memory plane, over
+the socket data plane and over gRPC Push streams, interleaved with each other and with a memcpy of the model, each
+plane with one sender kept across repeats as a trainer keeps it; then a delta over the socket plane where ~3% of the
+bf16 values changed; rates are model bytes / wall time of Begin + push + commit). Then the receiver's peak memory
+over the model's bytes,
 and the bytes the trainer sends per version with 8 receivers and relay on (counted, not timed: 8 receivers on 2 cores
 cannot show it in wall time). Receivers and baselines run in their own processes so no two share a GIL.
 """
@@ -211,12 +213,12 @@ def bench_push(arrays: dict[str, np.ndarray], size_mib: int, chunk_bytes: int, r
     from weight_sync.sender import WeightSender
 
     nbytes = sum(v.nbytes for v in arrays.values())
-    # One receiver per data plane: the default (socket) one also takes the deltas and is the one whose memory counts.
+    # One receiver per data plane: the socket-plane one ("auto") also takes the deltas; its memory is the one to watch.
     procs = {
         plane: spawn(
             "--_role", "receiver", "--size", str(size_mib), "--chunk-bytes", str(chunk_bytes), "--_plane", plane
         )
-        for plane in ("auto", "grpc")
+        for plane in ("auto", "grpc", "shm")
     }
     addresses = {plane: proc.stdout.readline().strip() for plane, proc in procs.items()}
     address = addresses["auto"]
@@ -233,20 +235,35 @@ def bench_push(arrays: dict[str, np.ndarray], size_mib: int, chunk_bytes: int, r
         return seconds, report
 
     out: dict[str, float] = {}
-    times: dict[str, list[float]] = {"tcp": [], "grpc": []}
-    for _ in range(repeats + 1):
-        for plane, runs in times.items():  # interleaved, so that load from other jobs hits both planes alike
-            target = addresses["auto" if plane == "tcp" else "grpc"]
-            config = WeightSyncConfig(chunk_bytes=chunk_bytes, delta=False, data_plane=plane)
-            with WeightSender([target], config) as sender:
+    receiver_of = {"shm": "shm", "tcp": "auto", "grpc": "grpc"}
+    senders = {
+        plane: WeightSender([addresses[receiver_of[plane]]], WeightSyncConfig(
+            chunk_bytes=chunk_bytes, delta=False, data_plane=plane
+        ))
+        for plane in receiver_of
+    }
+    copies = {k: np.empty_like(v) for k, v in arrays.items()}
+    times: dict[str, list[float]] = {"memcpy": [], **{plane: [] for plane in receiver_of}}
+    try:
+        for _ in range(repeats + 1):  # interleaved, so that load from other jobs hits every path alike
+            start = time.perf_counter()
+            for k, v in arrays.items():
+                np.copyto(copies[k], v)
+            times["memcpy"].append(time.perf_counter() - start)
+            for plane, sender in senders.items():
                 seconds, report = timed(sender, arrays)
-                assert report.socket_endpoints == ([target] if plane == "tcp" else [])
-                runs.append(seconds)
-    for plane, runs in times.items():
-        out[f"full_{plane}_gbps"] = gbps(nbytes, statistics.median(runs[1:]))
+                target = [addresses[receiver_of[plane]]]
+                assert report.shm_endpoints == (target if plane == "shm" else []), report
+                assert report.socket_endpoints == (target if plane == "tcp" else []), report
+                times[plane].append(seconds)
+    finally:
+        for sender in senders.values():
+            sender.close()
+    for path, runs in times.items():
+        out[f"full_{path}_gbps"] = gbps(nbytes, statistics.median(runs[1:]))
     rng = np.random.default_rng(1)
     delta = []
-    with WeightSender([address], WeightSyncConfig(chunk_bytes=chunk_bytes, delta=True)) as sender:
+    with WeightSender([address], WeightSyncConfig(chunk_bytes=chunk_bytes, delta=True, data_plane="tcp")) as sender:
         timed(sender, arrays)  # establishes the delta base on both sides (the sender keeps its own copy)
         for _ in range(repeats + 1):  # the first delta also allocates the receiver's second buffer: warm-up
             for v in arrays.values():  # in place: flip the lowest mantissa bit of ~3% of the bf16 values
@@ -316,7 +333,8 @@ def main() -> None:
     rows["raw TCP socket (loopback)"] = bench_tcp(arrays, args.repeats)
     rows["gloo broadcast, 2 processes"] = bench_gloo(nbytes, args.repeats)
     push = bench_push(arrays, args.size, args.chunk_bytes, args.repeats)
-    rows["weight_sync push, 1 receiver, full, socket data plane (default)"] = push["full_tcp_gbps"]
+    rows["weight_sync push, 1 receiver, full, shared memory (same host)"] = push["full_shm_gbps"]
+    rows["weight_sync push, 1 receiver, full, socket data plane (other hosts)"] = push["full_tcp_gbps"]
     rows["weight_sync push, 1 receiver, full, gRPC Push streams (TLS / relay path)"] = push["full_grpc_gbps"]
     rows["weight_sync push, 1 receiver, delta 3% changed (effective)"] = push["delta_gbps"]
     rows["delta compare alone, 1 core (ceiling of any delta push)"] = bench_delta_compare(
@@ -326,11 +344,16 @@ def main() -> None:
     print("\n| path | GB/s | / raw TCP | / memcpy |\n|---|---|---|---|")
     for name, rate in rows.items():
         print(f"| {name} | {rate:.2f} | {rate / tcp:.2f} | {rate / mem:.2f} |")
-    print(f"\ndelta push / full push effective rate: {push['delta_gbps'] / push['full_tcp_gbps']:.1f}x "
+    copy = push["full_memcpy_gbps"]
+    print(f"\nshared-memory push / memcpy, interleaved in one loop: {push['full_shm_gbps'] / copy:.2f}x (memcpy "
+          f"{copy:.2f} GB/s there; socket data plane {push['full_tcp_gbps'] / copy:.2f}x, gRPC "
+          f"{push['full_grpc_gbps'] / copy:.2f}x)")
+    print(f"delta push / full push effective rate: {push['delta_gbps'] / push['full_tcp_gbps']:.1f}x "
           f"(delta bytes on the wire: {100 * push['delta_wire_fraction']:.2f}% of the model)")
     print(f"receiver peak memory above its idle RSS / model bytes: {push['receiver_peak_over_model_auto']:.2f}x "
           "(default receiver: full pushes then deltas over the socket plane: staging + delta base; the sink's own copy "
-          f"not included); {push['receiver_peak_over_model_grpc']:.2f}x for the gRPC-only receiver (full pushes only)")
+          f"not included); {push['receiver_peak_over_model_grpc']:.2f}x for the gRPC-only receiver, "
+          f"{push['receiver_peak_over_model_shm']:.2f}x for the shared-memory one (full pushes only)")
     for fanout in (1, 2):
         ratio = bench_relay_bytes(args.relay_size, 8, fanout)
         print(f"trainer bytes sent per version / model bytes, 8 receivers, relay_fanout={fanout}: {ratio:.4f}x "

@@ -39,20 +39,34 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("manifest", "policy_version", "max_chunk_bytes", "delta_supported", "data_port", "protocol_version")
+    __slots__ = ("manifest", "policy_version", "max_chunk_bytes", "delta_supported", "data_port", "protocol_version", "shm_plane")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DELTA_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHM_PLANE_FIELD_NUMBER: _ClassVar[int]
     manifest: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     policy_version: int
     max_chunk_bytes: int
     delta_supported: bool
     data_port: int
     protocol_version: ProtocolVersion
-    def __init__(self, manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., policy_version: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., delta_supported: _Optional[bool] = ..., data_port: _Optional[int] = ..., protocol_version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
+    shm_plane: ShmPlane
+    def __init__(self, manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., policy_version: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., delta_supported: _Optional[bool] = ..., data_port: _Optional[int] = ..., protocol_version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., shm_plane: _Optional[_Union[ShmPlane, _Mapping]] = ...) -> None: ...
+
+class ShmPlane(_message.Message):
+    __slots__ = ("host_id", "socket_name", "pid", "uid")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    socket_name: str
+    pid: int
+    uid: int
+    def __init__(self, host_id: _Optional[str] = ..., socket_name: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
     __slots__ = ("session_id", "policy_version", "rank", "num_ranks", "tensors", "base_version", "num_streams", "relay_targets", "relay_fanout", "protocol_version")

@@ -90,12 +90,19 @@ class WeightSyncConfig(Config):
     relay_fanout: int = pydantic.Field(0, ge=0, le=64)
     """0: the sender streams to every receiver. k >= 1: the sender streams to k receivers and each forwards to up to k
     more, so the sender's bytes per version stay about k x model bytes however many receivers there are."""
-    data_plane: Literal["auto", "tcp", "grpc"] = "auto"
-    """How shard bytes travel. 'tcp': over plain sockets to the receiver's data port (control stays on gRPC; Begin
-    hands each rank a one-time ticket); moves bytes at the socket's own rate. 'grpc': as Push chunks inside gRPC, which
-    works through TLS and proxies but copies every chunk several times. 'auto': tcp where both ends allow it (no TLS,
-    the receivers offer a data port; relay trees too), grpc otherwise. A receiver offers the socket plane unless
-    `data_plane = "grpc"` or TLS is configured (the socket plane is not encrypted)."""
+    data_plane: Literal["auto", "shm", "tcp", "grpc"] = "auto"
+    """How shard bytes travel. 'shm': through shared memory to receivers on this host that offer it (a memfd per
+    stream, its file descriptor passed over a Unix socket; control stays on gRPC, Begin hands each rank a ticket): the
+    bytes are copied once per side. 'tcp': over plain sockets to the receiver's data port, at the socket's own rate.
+    'grpc': as Push chunks inside gRPC, which works through TLS and proxies but copies every chunk several times.
+    'auto': shm where the receiver offers it on this host, else tcp where both ends allow it (no TLS, the receiver
+    offers a data port; relay trees too), else grpc; a stream a data plane refuses before opening it goes over gRPC.
+    'shm' and 'tcp' insist: a receiver without that plane is reported failed. Receiver side: the socket plane is
+    offered unless 'grpc' or TLS (it is not encrypted); the shared-memory plane with 'shm' or `offer_shm` (also with
+    TLS: its bytes never leave the host), never with 'grpc'."""
+    offer_shm: bool = False
+    """Receiver side: also offer the shared-memory data plane to senders on this host (whatever `data_plane` says,
+    unless 'grpc'), so that 'auto' senders of a shared config use it there and tcp or grpc elsewhere."""
     data_port: int = pydantic.Field(0, ge=0, le=65535)
     """Receiver's socket data-plane port; 0 picks a free one (announced in Describe)."""
     num_server_threads: int = pydantic.Field(64, ge=4)
@@ -141,6 +148,11 @@ class WeightSyncConfig(Config):
         if self.auth_token_env:
             return os.environ.get(self.auth_token_env) or None
         return None
+
+    @property
+    def offers_shm(self) -> bool:
+        """Receiver side: whether it offers the shared-memory data plane (`data_plane = "shm"` or `offer_shm`)."""
+        return self.data_plane == "shm" or (self.offer_shm and self.data_plane != "grpc")
 
     @property
     def max_grpc_push_streams(self) -> int:

@@ -11,10 +11,14 @@ No client starves the others here either: connections that have not sent their h
 beyond closes the oldest) and in time (`hello_timeout_s` for the whole hello), a connection past its hello belongs to
 the open update (bounded by what its Begins announced), and a stream that receives nothing for `idle_timeout_s` is
 cut. A refusal before the stream opened says so (`DataReply.unopened`): the sender may send that stream over gRPC.
+
+`StreamServer` is the plane-neutral part (accept, hello bounds, the frame loop, answers); `DataPlaneServer` is its TCP
+listener, `weight_sync.shm.ShmPlaneServer` its same-host shared-memory one, whose payloads lie in a memfd.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import queue
@@ -23,7 +27,7 @@ import socket
 import struct
 import threading
 import time
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -31,10 +35,14 @@ from google.protobuf.message import Message
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.chunking import Chunk
-from weight_sync.relay import results_of, split_tree
-from weight_sync.staging import StagingArea, SyncError
+from weight_sync.config import WeightSyncConfig
+from weight_sync.relay import StreamFailure, offer, results_of, split_tree
+from weight_sync.staging import StagingArea, StreamWriter, SyncError
 
-__all__ = ["DataPlaneServer", "SocketRelay", "SocketStream", "StreamFailure", "relay_hello"]
+__all__ = [
+    "DataPlaneServer", "FrameSource", "SocketRelay", "SocketStream", "StreamFailure", "StreamLimits", "StreamServer",
+    "chunk_prefix", "framed", "read_reply", "recv_message", "relay_hello", "reply_result",
+]
 
 log = logging.getLogger("weight_sync.dataplane")
 _M = TypeVar("_M", bound=Message)
@@ -49,20 +57,6 @@ _EVICTED = (
     "too many data-plane connections waiting for their hello: this one, the oldest, was closed to make room; send "
     "the stream again (over gRPC Push, or a new connection that sends its hello at once)",
 )
-
-
-class StreamFailure(Exception):
-    """A socket stream that failed; `code()`/`details()` mirror `grpc.RpcError` so callers report both alike."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
@@ -97,14 +91,16 @@ def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
     return bytes(buf)
 
 
-def _recv_message(
-    sock: socket.socket, message_type: type[_M], limit: int = MAX_HEADER_BYTES, deadline: float | None = None
+def recv_message(
+    sock: socket.socket, message_type: type[_M], limit: int = MAX_HEADER_BYTES, deadline: float | None = None,
+    received: bytes = b"",
 ) -> _M:
-    """One framed message (u32 length, bytes); all of it before `deadline` when one is given."""
+    """One framed message (u32 length, bytes), of which `received` (at most 4 bytes) already arrived; all of it
+    before `deadline` when one is given."""
     def recv(n: int) -> bytes:
         return _recv_bytes(sock, n) if deadline is None else _recv_by(sock, n, deadline)
 
-    (n,) = _U32.unpack(recv(4))
+    (n,) = _U32.unpack(received + recv(4 - len(received)))
     if n > limit:
         raise SyncError(Code.INVALID_ARGUMENT, f"{message_type.__name__} frame of {n} bytes exceeds {limit}")
     try:
@@ -113,44 +109,110 @@ def _recv_message(
         raise SyncError(Code.INVALID_ARGUMENT, f"malformed {message_type.__name__} frame: {e}") from None
 
 
-def _framed(message: Message) -> bytes:
+def framed(message: Message) -> bytes:
+    """`message` as a frame: u32 length, then its bytes."""
     data = message.SerializeToString()
     return _U32.pack(len(data)) + data
 
 
-class DataPlaneServer:
-    """Accepts data-plane connections on `host` and writes each one's Push stream into the staging area.
+def chunk_prefix(header: pb.ChunkHeader, payload_bytes: int) -> bytes:
+    """The frame of one chunk up to its payload: u32 header length, ChunkHeader, u64 payload length."""
+    head = header.SerializeToString()
+    return b"".join((_U32.pack(len(head)), head, _U64.pack(payload_bytes)))
+
+
+def read_reply(sock: socket.socket, timeout_s: float) -> pb.DataReply:
+    """The receiver's answer on a data-plane connection; raises OSError, ConnectionError or SyncError when none came."""
+    sock.settimeout(max(timeout_s, 1))
+    return recv_message(sock, pb.DataReply)
+
+
+def reply_result(reply: pb.DataReply) -> pb.PushReply:
+    """The stream's PushReply when the receiver answered OK; raises its refusal as a StreamFailure otherwise."""
+    if reply.code != 0:
+        code = next((c for c in Code if c.value[0] == reply.code), Code.UNKNOWN)
+        raise StreamFailure(code, reply.message)
+    return reply.reply
+
+
+class FrameSource(Protocol):
+    """Where a data-plane stream's frames come from once its hello was read: frame bytes from the connection, payloads
+    from the connection (socket plane) or from shared memory (the shm plane)."""
+
+    memory_bytes: int
+    """Bytes of shared memory the stream brought (0 on the socket plane): at most what the rank's Begin announced."""
+
+    def recv_bytes(self, n: int) -> bytes:
+        """The next `n` bytes of the connection's frames; raises ConnectionError when it closes first."""
+        ...
+
+    def read_into(self, view: memoryview) -> None:
+        """The next payload, `len(view)` bytes, into `view`; raises SyncError when it cannot be where the frame says."""
+        ...
+
+    def close(self) -> None:
+        """Release what the stream held (file descriptors, mappings); idempotent."""
+        ...
+
+
+class SocketFrames:
+    """The socket plane's frames: payloads follow their headers on the connection."""
+
+    memory_bytes = 0
+
+    def __init__(self, conn: socket.socket) -> None:
+        self._conn = conn
+
+    def recv_bytes(self, n: int) -> bytes:
+        return _recv_bytes(self._conn, n)
+
+    def read_into(self, view: memoryview) -> None:
+        _recv_into(self._conn, view)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamLimits:
+    """A data-plane server's bounds: see `StreamServer`. `of(config)` reads them from a receiver's config."""
+
+    max_pending: int
+    hello_timeout_s: float
+    idle_timeout_s: float
+    push_timeout_s: float
+    relay_stall_s: float
+
+    @classmethod
+    def of(cls, config: WeightSyncConfig) -> StreamLimits:
+        return cls(
+            max_pending=config.max_pending_data_connections, hello_timeout_s=config.hello_timeout_s,
+            idle_timeout_s=config.stream_idle_timeout_s, push_timeout_s=config.push_timeout_s,
+            relay_stall_s=config.stream_idle_timeout_s / 4,
+        )
+
+
+class StreamServer:
+    """Accepts data-plane connections on `listener` and writes each one's Push stream into the staging area.
 
     A connection opens its stream with the staging area's `open_stream(..., ticket=)`, so it needs the ticket that Begin
-    gave its rank for the open update. Before that, at most `max_pending` connections wait for their hello (a new one
-    closes the oldest: RESOURCE_EXHAUSTED), each for at most `hello_timeout_s` (DEADLINE_EXCEEDED); a refusal before
-    the stream opened sets `DataReply.unopened`. An open stream that receives nothing for `idle_timeout_s` is cut
-    (DEADLINE_EXCEEDED) and its update dropped; a relay child that accepts nothing for `relay_stall_s` is cut.
+    gave its rank for the open update. Before that, at most `limits.max_pending` connections wait for their hello (a
+    new one closes the oldest: RESOURCE_EXHAUSTED), each for at most `hello_timeout_s` (DEADLINE_EXCEEDED); a refusal
+    before the stream opened sets `DataReply.unopened`. An open stream that receives nothing for `idle_timeout_s` is
+    cut (DEADLINE_EXCEEDED) and its update dropped; a relay child that accepts nothing for `relay_stall_s` is cut.
+    A plane's own way of reading the hello and the payloads is `_read_hello`.
     """
 
-    def __init__(
-        self,
-        area: StagingArea,
-        host: str,
-        port: int,
-        *,
-        max_pending: int,
-        hello_timeout_s: float,
-        idle_timeout_s: float,
-        push_timeout_s: float,
-        relay_stall_s: float,
-    ) -> None:
+    def __init__(self, area: StagingArea, listener: socket.socket, limits: StreamLimits) -> None:
         self.area = area
-        self.max_pending = max_pending
-        self.hello_timeout_s = hello_timeout_s
-        self.idle_timeout_s = idle_timeout_s
-        self.push_timeout_s = push_timeout_s
-        self.relay_stall_s = relay_stall_s
+        self.max_pending = limits.max_pending
+        self.hello_timeout_s = limits.hello_timeout_s
+        self.idle_timeout_s = limits.idle_timeout_s
+        self.push_timeout_s = limits.push_timeout_s
+        self.relay_stall_s = limits.relay_stall_s
         self._pending: dict[socket.socket, float] = {}  # connections waiting for their hello, oldest first
         self._evicted: set[socket.socket] = set()  # closed to make room for newer ones; their thread answers
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host.strip("[]"), port), family=family)
-        self.port: int = self._listener.getsockname()[1]
+        self._listener = listener
         self._stopping = threading.Event()
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -172,6 +234,14 @@ class DataPlaneServer:
                 except OSError:
                     pass
         self._thread.join(timeout=5)
+
+    def _accepted(self, conn: socket.socket) -> None:
+        """Set up a new connection (socket options)."""
+
+    def _read_hello(self, conn: socket.socket, deadline: float) -> tuple[pb.DataHello, FrameSource]:
+        """The connection's hello, all of it before `deadline`, and where its frames come from. Raises SyncError for a
+        hello to refuse, TimeoutError at the deadline, OSError when the peer went away."""
+        return recv_message(conn, pb.DataHello, deadline=deadline), SocketFrames(conn)
 
     def _accept_loop(self) -> None:
         while not self._stopping.is_set():
@@ -195,8 +265,14 @@ class DataPlaneServer:
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self._stream(conn)
+                self._accepted(conn)
+                opened = self._hello(conn)
+                if opened is not None:
+                    hello, frames = opened
+                    try:
+                        self._stream(conn, hello, frames)
+                    finally:
+                        frames.close()
             except OSError:
                 pass  # the peer went away before its hello was read
             finally:
@@ -205,15 +281,15 @@ class DataPlaneServer:
                     self._pending.pop(conn, None)
                     self._evicted.discard(conn)
 
-    def _hello(self, conn: socket.socket) -> pb.DataHello | None:
+    def _hello(self, conn: socket.socket) -> tuple[pb.DataHello, FrameSource] | None:
         """Read the connection's hello within `hello_timeout_s` of its accept and leave the pending set; None when
         refused (answered here, `unopened`) or gone."""
         with self._lock:
             accepted = self._pending.get(conn, time.monotonic())
-        hello: pb.DataHello | None = None
+        opened: tuple[pb.DataHello, FrameSource] | None = None
         refusal: tuple[grpc.StatusCode, str] | None = None
         try:
-            hello = _recv_message(conn, pb.DataHello, deadline=accepted + self.hello_timeout_s)
+            opened = self._read_hello(conn, accepted + self.hello_timeout_s)
         except SyncError as e:
             refusal = (e.code, e.message)
         except TimeoutError:
@@ -224,57 +300,30 @@ class DataPlaneServer:
         with self._lock:
             self._pending.pop(conn, None)
             evicted = conn in self._evicted
-        if evicted:  # closed to make room for a newer connection (perhaps just as its hello arrived): not opened
-            refusal, hello = _EVICTED, None
+        if evicted and opened is not None:  # closed to make room for a newer one (perhaps as its hello arrived)
+            opened[1].close()
+            opened = None
+        if evicted:
+            refusal = _EVICTED
         if refusal is not None:
             self._reply(conn, *refusal, unopened=True)
-        return hello
+        return opened
 
-    def _stream(self, conn: socket.socket) -> None:
-        hello = self._hello(conn)
-        if hello is None:
-            return
+    def _stream(self, conn: socket.socket, hello: pb.DataHello, frames: FrameSource) -> None:
         try:
             writer = self.area.open_stream(
                 hello.session_id, hello.policy_version, hello.rank, ticket=hello.ticket,
                 relay=[(t.address, t.data_port) for t in hello.relay], fanout=hello.fanout,
+                memory_bytes=frames.memory_bytes,
             )
         except SyncError as e:
             return self._reply(conn, e.code, e.message, unopened=True)
         conn.settimeout(self.idle_timeout_s)
         start = time.perf_counter()
-        scratch = bytearray(0)
         relay = SocketRelay(hello, self.push_timeout_s, self.relay_stall_s) if hello.relay else None
         writer.set_cancel(functools.partial(_cut_connection, conn, relay))
         try:
-            while True:
-                (head_len,) = _U32.unpack(_recv_bytes(conn, 4))
-                if head_len == 0:
-                    break
-                if head_len > MAX_HEADER_BYTES:
-                    raise SyncError(
-                        Code.INVALID_ARGUMENT, f"chunk header of {head_len} bytes exceeds {MAX_HEADER_BYTES}"
-                    )
-                try:
-                    header = pb.ChunkHeader.FromString(_recv_bytes(conn, head_len))
-                except Exception as e:  # protobuf's DecodeError types
-                    raise SyncError(Code.INVALID_ARGUMENT, f"malformed chunk header: {e}") from None
-                (payload_len,) = _U64.unpack(_recv_bytes(conn, 8))
-                dest = writer.begin_chunk(header, payload_len)  # checks payload_len against the manifest first
-                if dest is not None:
-                    _recv_into(conn, dest)
-                    writer.end_chunk(None)
-                    if relay is not None:  # staging memory stays put until this stream (and its relay) finished
-                        relay.forward(header, np.frombuffer(dest, dtype=np.uint8))
-                    continue
-                if len(scratch) < payload_len:
-                    scratch = bytearray(payload_len)
-                view = memoryview(scratch)[:payload_len]
-                _recv_into(conn, view)
-                writer.end_chunk(view)
-                if relay is not None:  # the scratch buffer is reused by the next chunk: forward a copy
-                    relay.forward(header, np.frombuffer(bytes(view), dtype=np.uint8))
-            writer.finish()
+            self._write_frames(writer, frames, relay)
         except SyncError as e:
             writer.close_failed(e)
             if relay is not None:
@@ -300,9 +349,41 @@ class DataPlaneServer:
                 self._reply(conn, Code.ABORTED, f"update {writer.update.update_id} was dropped: {dropped.message}")
             return
         relayed = relay.finish() if relay is not None else []
-        log.info("socket push %s", writer.summary(time.perf_counter() - start))
+        log.info("data-plane push %s", writer.summary(time.perf_counter() - start))
         reply = pb.PushReply(bytes_received=writer.bytes_received, num_shards=writer.num_shards, relayed=relayed)
         self._reply(conn, Code.OK, "", reply)
+
+    @staticmethod
+    def _write_frames(writer: StreamWriter, frames: FrameSource, relay: SocketRelay | None) -> None:
+        """Check and stage every chunk frame up to the end-of-stream frame; raises SyncError for a refused chunk."""
+        scratch = bytearray(0)
+        while True:
+            (head_len,) = _U32.unpack(frames.recv_bytes(4))
+            if head_len == 0:
+                break
+            if head_len > MAX_HEADER_BYTES:
+                raise SyncError(Code.INVALID_ARGUMENT, f"chunk header of {head_len} bytes exceeds {MAX_HEADER_BYTES}")
+            try:
+                header = pb.ChunkHeader.FromString(frames.recv_bytes(head_len))
+            except Exception as e:  # protobuf's DecodeError types
+                raise SyncError(Code.INVALID_ARGUMENT, f"malformed chunk header: {e}") from None
+            (payload_len,) = _U64.unpack(frames.recv_bytes(8))
+            dest = writer.begin_chunk(header, payload_len)  # checks payload_len against the manifest first
+            if dest is not None:
+                frames.read_into(dest)
+                writer.end_chunk(None)
+                if relay is not None:  # staging memory stays put until this stream (and its relay) finished
+                    relay.forward(header, np.frombuffer(dest, dtype=np.uint8))
+                continue
+            if len(scratch) < payload_len:
+                scratch = bytearray(payload_len)
+            # A private copy whatever the plane: the writer checks the bytes it stages, never shared ones.
+            view = memoryview(scratch)[:payload_len]
+            frames.read_into(view)
+            writer.end_chunk(view)
+            if relay is not None:  # the scratch buffer is reused by the next chunk: forward a copy
+                relay.forward(header, np.frombuffer(bytes(view), dtype=np.uint8))
+        writer.finish()
 
     @staticmethod
     def _reply(
@@ -316,7 +397,7 @@ class DataPlaneServer:
         try:
             conn.settimeout(DRAIN_S)
             answer = pb.DataReply(code=code.value[0], message=message, reply=reply, unopened=unopened)
-            conn.sendall(_framed(answer))
+            conn.sendall(framed(answer))
             conn.shutdown(socket.SHUT_WR)
             conn.settimeout(0.2)
             deadline = time.monotonic() + DRAIN_S
@@ -324,6 +405,19 @@ class DataPlaneServer:
                 pass
         except OSError:
             pass  # the sender is gone (or quiet): the update is already failed or complete
+
+
+class DataPlaneServer(StreamServer):
+    """The socket data plane: a TCP listener on `host`:`port` (0 picks one; `port` says which)."""
+
+    def __init__(self, area: StagingArea, host: str, port: int, limits: StreamLimits) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.create_server((host.strip("[]"), port), family=family)
+        self.port: int = listener.getsockname()[1]
+        super().__init__(area, listener, limits)
+
+    def _accepted(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _cut_connection(conn: socket.socket, relay: SocketRelay | None) -> None:
@@ -372,21 +466,11 @@ class SocketStream:
     def _put(self, item: tuple[Chunk, bool] | None) -> bool:
         if self._cancelled:
             return False
-        stall: float | None = None
-        while not self._done.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                if self._stall_s is None:
-                    continue
-                now = time.monotonic()
-                stall = now + self._stall_s if stall is None else stall
-                if now > stall:
-                    self._stalled = True
-                    self.cancel()
-                    return False
-        return False
+        outcome = offer(self._queue, item, self._done.is_set, self._stall_s)
+        if outcome == "stalled":
+            self._stalled = True
+            self.cancel()
+        return outcome == "put"
 
     def end(self) -> None:
         """End the stream (its end-of-stream frame follows the queued chunks) without waiting for the answer."""
@@ -452,14 +536,13 @@ class SocketStream:
                 raise StreamFailure(Code.CANCELLED, "data-plane stream cut while it connected")
             sock.settimeout(timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(_framed(hello))
+            sock.sendall(framed(hello))
             while (item := self._queue.get()) is not None:
                 if select.select([sock], [], [], 0)[0]:
                     break  # the receiver answered early: it refused the stream (its reply says why)
                 header, payload = item[0].parts(item[1])
-                head = header.SerializeToString()
                 body = payload.data.cast("B") if isinstance(payload, np.ndarray) else memoryview(payload)
-                self._send(sock, b"".join((_U32.pack(len(head)), head, _U64.pack(len(body)))), body)
+                self._send(sock, chunk_prefix(header, len(body)), body)
             else:
                 if self._cancelled:  # cut, not ended: never send the end-of-stream frame
                     raise StreamFailure(Code.CANCELLED, "data-plane stream cut before its end")
@@ -485,15 +568,11 @@ class SocketStream:
         try:
             if sock is None:
                 raise OSError("not connected")
-            sock.settimeout(max(self._deadline - time.monotonic(), 1))
-            reply = _recv_message(sock, pb.DataReply)
+            reply = read_reply(sock, self._deadline - time.monotonic())
         except (OSError, ConnectionError, SyncError) as e:
             raise fail or StreamFailure(Code.UNAVAILABLE, f"no reply from the receiver's data plane: {e!r}") from None
-        if reply.code != 0:
-            code = next((c for c in Code if c.value[0] == reply.code), Code.UNKNOWN)
-            self.unopened = reply.unopened
-            raise StreamFailure(code, reply.message)
-        return reply.reply
+        self.unopened = reply.unopened and reply.code != 0
+        return reply_result(reply)
 
 
 def relay_hello(hello: pb.DataHello, head: pb.RelayTarget, rest: list[pb.RelayTarget], fanout: int) -> pb.DataHello:

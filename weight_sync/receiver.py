@@ -29,8 +29,9 @@ from protos import weight_sync_pb2 as pb
 from weight_sync.channel import SERVICE, check_token, grpc_options, is_loopback, server_credentials
 from weight_sync.codec import decode_chunk
 from weight_sync.config import WeightSyncConfig
-from weight_sync.dataplane import DataPlaneServer
+from weight_sync.dataplane import DataPlaneServer, StreamLimits
 from weight_sync.relay import Relay
+from weight_sync.shm import ShmPlaneServer
 from weight_sync.sink import WeightSink
 from weight_sync.spec import TensorSpec
 from weight_sync.staging import StagingArea, StreamWriter, SyncError
@@ -103,6 +104,7 @@ class WeightReceiver:
         self._reaper: threading.Thread | None = None
         self._server: grpc.Server | None = None
         self._data: DataPlaneServer | None = None
+        self._shm: ShmPlaneServer | None = None
         self._port: int | None = None
         self._stopping = threading.Event()
 
@@ -144,29 +146,40 @@ class WeightReceiver:
         if port == 0:
             raise OSError(f"could not bind {bind}")
         if cfg.data_plane != "grpc" and creds is None:
-            self._data = DataPlaneServer(
-                self.area, cfg.bind_host, cfg.data_port,
-                max_pending=cfg.max_pending_data_connections, hello_timeout_s=cfg.hello_timeout_s,
-                idle_timeout_s=cfg.stream_idle_timeout_s, push_timeout_s=cfg.push_timeout_s,
-                relay_stall_s=cfg.stream_idle_timeout_s / 4,
-            )
+            self._data = DataPlaneServer(self.area, cfg.bind_host, cfg.data_port, StreamLimits.of(cfg))
+        if cfg.offers_shm:
+            self._shm = self._shm_plane()
         server.start()
         self._server, self._port = server, port
         self._reaper = threading.Thread(target=self._cut_idle_streams, name="ws-idle-streams", daemon=True)
         self._reaper.start()
         log.info(
-            "weight receiver on %s (tls=%s, token=%s, socket data plane port %s)", self.address, creds is not None,
-            self._token is not None, self._data.port if self._data is not None else "off",
+            "weight receiver on %s (tls=%s, token=%s, socket data plane port %s, shared-memory plane %s)", self.address,
+            creds is not None, self._token is not None, self._data.port if self._data is not None else "off",
+            self._shm.offer.socket_name if self._shm is not None else "off",
         )
         return port
+
+    def _shm_plane(self) -> ShmPlaneServer | None:
+        """The shared-memory plane, or None (with a warning) where this host cannot offer it and only `offer_shm` asked;
+        `data_plane = "shm"` insists: then it raises."""
+        cfg = self.config
+        try:
+            return ShmPlaneServer(self.area, StreamLimits.of(cfg), max_mapped_bytes=self.area.staging_bound_bytes)
+        except (OSError, AttributeError) as e:  # AttributeError: no memfd or SCM_RIGHTS support in this Python/OS
+            if cfg.data_plane == "shm":
+                raise OSError(f"data_plane='shm' but this host cannot offer a shared-memory plane: {e}") from e
+            log.warning("offer_shm is set but this host cannot offer a shared-memory plane (%s): not offered", e)
+            return None
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._stopping.set()
         with self.area.version_changed:
             self.area.version_changed.notify_all()
-        if self._data is not None:
-            self._data.stop()
-            self._data = None
+        for plane in (self._data, self._shm):
+            if plane is not None:
+                plane.stop()
+        self._data = self._shm = None
         if self._server is not None:
             self._server.stop(grace_s).wait()
             self._server = None
@@ -221,6 +234,7 @@ class WeightReceiver:
             delta_supported=self.config.delta,
             data_port=self._data.port if self._data is not None else 0,
             protocol_version=protocol_version(),
+            shm_plane=self._shm.offer if self._shm is not None else None,
         )
 
     def _begin(self, request: pb.BeginRequest, context: grpc.ServicerContext) -> pb.BeginReply:
@@ -231,7 +245,7 @@ class WeightReceiver:
             update, delta = self.area.begin(request)
         except SyncError as e:
             context.abort(e.code, e.message)
-        ticket = update.tickets[request.rank] if self._data is not None else b""
+        ticket = update.tickets[request.rank] if self._data is not None or self._shm is not None else b""
         return pb.BeginReply(
             update_id=update.update_id,
             current_version=self.area.policy_version,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
@@ -21,14 +21,14 @@ from weight_sync.channel import WeightSyncClient
 if TYPE_CHECKING:
     from weight_sync.chunking import Chunk
 
-__all__ = ["ChunkStream", "PushStream", "Relay", "CutFailure", "split_tree", "stream_metadata"]
+__all__ = ["ChunkStream", "PushStream", "Relay", "StreamFailure", "offer", "split_tree", "stream_metadata"]
 
 
-class CutFailure(Exception):
-    """A gRPC Push stream this side cut (its receiver stalled, or it was cancelled); `code()`/`details()` mirror
-    `grpc.RpcError`."""
+class StreamFailure(Exception):
+    """A Push stream that failed on this side of the wire (cut because its receiver stalled, cancelled, or refused
+    over a data plane); `code()`/`details()` mirror `grpc.RpcError`, so callers report every plane alike."""
 
-    def __init__(self, details: str, code: grpc.StatusCode = grpc.StatusCode.DEADLINE_EXCEEDED) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{code.name}: {details}")
         self._code, self._details = code, details
 
@@ -37,6 +37,27 @@ class CutFailure(Exception):
 
     def details(self) -> str:
         return self._details
+
+
+def offer(items: queue.Queue, item: object, done: Callable[[], bool], stall_s: float | None) -> str:
+    """Put `item` on the bounded queue of a stream's writer thread, waiting while it is full.
+
+    Returns "put"; "done" when `done()` turned true first (the stream ended or failed); "stalled" when the queue
+    stayed full for `stall_s` (None: wait as long as it takes), i.e. the receiver accepted nothing for that long.
+    """
+    stall: float | None = None
+    while not done():
+        try:
+            items.put(item, timeout=0.05)
+            return "put"
+        except queue.Full:
+            if stall_s is None:
+                continue
+            now = time.monotonic()
+            stall = now + stall_s if stall is None else stall
+            if now > stall:
+                return "stalled"
+    return "done"
 
 
 def split_tree(targets: Sequence[str], fanout: int) -> list[tuple[str, list[str]]]:
@@ -117,24 +138,15 @@ class PushStream:
 
     def send(self, message: bytes | None) -> bool:
         """Queue one serialized chunk (None ends the stream); False when the stream already failed or stalled."""
-        stall: float | None = None
-        while not self.future.done():
-            try:
-                self._queue.put(message, timeout=0.05)
-            except queue.Full:
-                if self._stall_s is None:
-                    continue
-                now = time.monotonic()
-                stall = now + self._stall_s if stall is None else stall
-                if now > stall:
-                    self._stalled = True
-                    self.future.cancel()
-                    return False
-                continue
-            if message is not None:
-                self.bytes_sent += len(message)
-            return True
-        return False
+        outcome = offer(self._queue, message, self.future.done, self._stall_s)
+        if outcome == "stalled":
+            self._stalled = True
+            self.future.cancel()
+        if outcome != "put":
+            return False
+        if message is not None:
+            self.bytes_sent += len(message)
+        return True
 
     def send_chunk(self, chunk: Chunk, delta: bool) -> bool:
         """Queue one chunk of the sender (its delta form when `delta` and it has one)."""
@@ -155,8 +167,9 @@ class PushStream:
                 return e
         except grpc.FutureCancelledError:
             if not self._stalled:
-                return CutFailure("the Push stream was cancelled", grpc.StatusCode.CANCELLED)
-        return CutFailure(
+                return StreamFailure(grpc.StatusCode.CANCELLED, "the Push stream was cancelled")
+        return StreamFailure(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
             f"the receiver accepted no chunk for {self._stall_s:g} s (part of stream_idle_timeout_s): cut so the "
             "push to the other receivers goes on"
         )

@@ -20,9 +20,12 @@ runs the barrier)::
 offset from `torch.distributed.tensor._utils.compute_local_shape_and_global_offset`. `push` never raises for one bad
 receiver: the report lists per-receiver outcomes, and a receiver that missed a version gets a full push next time.
 
-With `data_plane = "auto"`, a receiver whose socket plane refuses a stream before opening it (cannot connect, too many
-connections waiting for their hello: `DataReply.unopened`) gets that stream again over gRPC Push, raw, after the
-others; the report lists it in `grpc_fallback`. Each stream ends as soon as it has sent its share (receivers cut idle
+Receivers on this host that offer the shared-memory plane (Describe's `shm_plane` with this host's identity) get every
+stream through memfds (`weight_sync.shm_push`), outside relay trees, fed from their own threads while this loop feeds
+the others; the rest take the socket plane where offered, else gRPC Push. With `data_plane = "auto"`, a receiver whose
+socket or shared-memory plane refuses a stream before opening it (cannot connect, too many connections waiting for
+their hello: `DataReply.unopened`) gets that stream again over gRPC Push, raw, after the others; the report lists it
+in `grpc_fallback`. Each stream ends as soon as it has sent its share (receivers cut idle
 streams), and a receiver that accepts no chunk for half of `stream_idle_timeout_s` is cut and reported, so it does not
 stall the other receivers' streams.
 """
@@ -42,18 +45,21 @@ import numpy as np
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.channel import WeightSyncClient
-from weight_sync.chunking import Chunk, DeltaCoder, LocalShard, Shard, as_local, piece_chunks, plan_streams
+from weight_sync.chunking import Chunk, DeltaCoder, LocalShard, Piece, Shard, as_local, piece_chunks, plan_streams
 from weight_sync.config import WeightSyncConfig
-from weight_sync.dataplane import SocketStream, StreamFailure, relay_hello
-from weight_sync.relay import ChunkStream, PushStream, results_of, split_tree, stream_metadata
+from weight_sync.dataplane import SocketStream, relay_hello
+from weight_sync.relay import ChunkStream, PushStream, StreamFailure, results_of, split_tree, stream_metadata
+from weight_sync.shm import host_identity
+from weight_sync.shm_push import SegmentPool, ShmPush, ShmStream
 from weight_sync.spec import TensorSpec
 from weight_sync.staging import MAX_RELAY_TARGETS
-from weight_sync.version import incompatibility, protocol_version
+from weight_sync.version import incompatibility, protocol_version, speaks
 
 __all__ = ["PushReport", "Shard", "WeightSender"]
 
 log = logging.getLogger("weight_sync.sender")
 ShardKey = tuple[str, tuple[int, ...]]  # LocalShard.key: (tensor name, shard offsets)
+SHM_MINOR = 2  # the protocol minor that added the shared-memory plane (DescribeReply.shm_plane)
 
 
 @dataclasses.dataclass
@@ -69,8 +75,11 @@ class PushReport:
     payload_bytes: int
     seconds: float
     grpc_fallback: dict[str, str] = dataclasses.field(default_factory=dict)
-    """Receivers whose socket plane refused some of this rank's streams before opening them (address -> why): those
-    streams went again over gRPC Push (`data_plane = "auto"` only). They are not in `socket_endpoints`."""
+    """Receivers whose socket or shared-memory plane refused some of this rank's streams before opening them (address
+    -> why): those streams went again over gRPC Push (`data_plane = "auto"` only). They are not in `socket_endpoints`
+    nor `shm_endpoints`."""
+    shm_endpoints: list[str] = dataclasses.field(default_factory=list)
+    """Receivers on this host this rank streamed to over the shared-memory plane (never delta: raw is as cheap)."""
 
     @property
     def ok(self) -> list[str]:
@@ -138,6 +147,7 @@ class WeightSender:
         self._base: dict[ShardKey, np.ndarray] = {}
         self._base_version = -1
         self._described: dict[str, pb.DescribeReply] = {}
+        self._segments = SegmentPool()
 
     def add_endpoint(self, address: str) -> None:
         """Start pushing to one more receiver (a late joiner gets a full push; later versions may be deltas)."""
@@ -204,7 +214,68 @@ class WeightSender:
             protocol_version=protocol_version(),
         )
         errors: dict[str, str | None] = {}
+        ports, offers = self._routes(errors)
+        tickets, delta, full, shm = self._begin_all(request, ports, offers, errors)
+        stream_ports = {a: ports[a] if tickets[a] else 0 for a in (*delta, *full)}
+        groups = self._open_streams(policy_version, delta, full, stream_ports, tickets)
+        targets = {a: (offers[a], tickets[a]) for a in shm}
+        shm_push = self._start_shm(policy_version, locals_, specs, targets) if shm else None
+        payload = sum(local.values.nbytes for local in locals_)
+        updated: set[ShardKey] = set()
+        if groups:  # nobody to send to: skip the chunking work
+            payload, updated = self._stream_shards(locals_, [(opened, is_delta) for _, _, opened, is_delta in groups])
+        streams: list[tuple[str, list[str], int, ChunkStream | ShmStream]] = [
+            (head, rest, i, s) for head, rest, opened, _ in groups for i, s in enumerate(opened)
+        ]
+        if shm_push is not None:
+            streams += [(address, [], i, s) for address, i, s in shm_push.close()]
+        codes: dict[str, int] = {}  # status of the stream error reported per receiver
+        refused: list[tuple[str, list[str], int]] = []  # (head, rest, stream index) to send again over gRPC
+        fallback: dict[str, str] = {}
+        for head, rest, index, stream in streams:
+            outcome = stream.close()
+            why = self._fallback_reason(stream, outcome)
+            if why is not None:
+                refused.append((head, rest, index))
+                fallback[head] = why
+                continue
+            self._record(errors, codes, results_of(head, rest, outcome))
+        resent = self._resend_over_grpc(policy_version, locals_, refused) if refused else []
+        for head, rest, stream in resent:
+            self._record(errors, codes, results_of(head, rest, stream.close()))
+        if fallback:
+            log.warning(
+                "rank %d v%d: a data plane refused streams before opening them, sent again over gRPC Push: %s",
+                self.rank, policy_version, fallback,
+            )
+        if any(errors.values()):
+            self._described.clear()  # re-describe next time: a receiver may have restarted on other ports
+        if self.config.delta and set(self.endpoints) - set(shm):
+            self._remember(locals_, policy_version, updated)
+        else:  # same-host receivers take raw streams: no delta base to keep for them
+            self._base, self._base_version = {}, -1
+        seconds = time.perf_counter() - start
+        sent = sum(s.bytes_sent for *_, s in streams) + sum(s.bytes_sent for *_, s in resent)
+        sockets = [
+            head for head, _, opened, _ in groups
+            if opened and isinstance(opened[0], SocketStream) and head not in fallback
+        ]
+        report = PushReport(
+            policy_version, errors, delta, sockets, sent, payload, seconds, fallback,
+            [a for a in shm if a not in fallback],
+        )
+        log.info(
+            "rank %d pushed v%d: %.1f MB of shards, %.1f MB sent to %d streams in %.3f s (%.2f GB/s per receiver); "
+            "failed: %s", self.rank, policy_version, payload / 1e6, sent / 1e6, len(streams), seconds,
+            payload / max(seconds, 1e-9) / 1e9, report.failed or "none",
+        )
+        return report
+
+    def _routes(self, errors: dict[str, str | None]) -> tuple[dict[str, int], dict[str, pb.ShmPlane]]:
+        """The receivers to Begin and how their streams travel: ({address: data port, 0 for gRPC Push}, {address: its
+        shared-memory plane, for those reached through one}); receivers refused before Begin go to `errors`."""
         ports: dict[str, int] = {}
+        offers: dict[str, pb.ShmPlane] = {}
         for address in self.endpoints:
             described = self._described.get(address)
             problem = incompatibility(described.protocol_version, "receiver") if described is not None else None
@@ -212,65 +283,63 @@ class WeightSender:
                 errors[address] = f"Describe: {problem}"  # refused before Begin: nothing is staged there
                 continue
             try:
-                ports[address] = self._socket_port(address)
+                offer = self._shm_offer(address)
+                ports[address] = 0 if offer is not None else self._socket_port(address)
             except ValueError as e:
                 errors[address] = f"Push: {e}"  # refused before Begin: nothing is left staged there
+                continue
+            if offer is not None:
+                offers[address] = offer
+        return ports, offers
+
+    def _begin_all(
+        self, request: pb.BeginRequest, ports: dict[str, int], offers: dict[str, pb.ShmPlane],
+        errors: dict[str, str | None],
+    ) -> tuple[dict[str, bytes], list[str], list[str], list[str]]:
+        """Begin at every receiver of `ports` at once: (tickets, receivers that take deltas, those that take full
+        pushes, those reached through their shared-memory plane), failures in `errors`."""
+        relay_ports = {a: p for a, p in ports.items() if a not in offers}  # same-host receivers stay out of relay trees
+        begins = {
+            a: self._pool.submit(
+                self._clients[a].begin, self._begin_request(request, a, relay_ports) if a in relay_ports else request
+            )
+            for a in ports
+        }
+        tickets: dict[str, bytes] = {}
         delta: list[str] = []
         full: list[str] = []
-        tickets: dict[str, bytes] = {}
-        begins = {a: self._pool.submit(self._clients[a].begin, self._begin_request(request, a, ports)) for a in ports}
+        shm: list[str] = []
         for address, fut in begins.items():
             try:
                 reply = fut.result()
             except grpc.RpcError as e:
                 errors[address] = f"Begin: {_error_text(e)}"
                 continue
-            (delta if reply.delta_accepted else full).append(address)
             tickets[address] = reply.data_ticket
             errors[address] = None
-        stream_ports = {a: ports[a] if tickets[a] else 0 for a in tickets}
-        groups = self._open_streams(policy_version, delta, full, stream_ports, tickets)
-        payload = 0
-        updated: set[ShardKey] = set()
-        if groups:  # nobody to send to: skip the chunking work
-            payload, updated = self._stream_shards(locals_, [(opened, is_delta) for _, _, opened, is_delta in groups])
-        codes: dict[str, int] = {}  # status of the stream error reported per receiver
-        refused: list[tuple[str, list[str], int]] = []  # (head, rest, stream index) to send again over gRPC
-        fallback: dict[str, str] = {}
-        for head, rest, opened, _ in groups:
-            for index, stream in enumerate(opened):
-                outcome = stream.close()
-                why = self._fallback_reason(stream, outcome)
-                if why is not None:
-                    refused.append((head, rest, index))
-                    fallback[head] = why
-                    continue
-                self._record(errors, codes, results_of(head, rest, outcome))
-        resent = self._resend_over_grpc(policy_version, locals_, refused) if refused else []
-        for head, rest, stream in resent:
-            self._record(errors, codes, results_of(head, rest, stream.close()))
-        if fallback:
-            log.warning(
-                "rank %d v%d: socket data plane refused streams before opening them, sent again over gRPC Push: %s",
-                self.rank, policy_version, fallback,
-            )
-        if any(errors.values()):
-            self._described.clear()  # re-describe next time: a receiver may have restarted on other ports
-        if self.config.delta:
-            self._remember(locals_, policy_version, updated)
-        seconds = time.perf_counter() - start
-        sent = sum(s.bytes_sent for _, _, opened, _ in groups for s in opened) + sum(s.bytes_sent for *_, s in resent)
-        sockets = [
-            head for head, _, opened, _ in groups
-            if opened and isinstance(opened[0], SocketStream) and head not in fallback
-        ]
-        report = PushReport(policy_version, errors, delta, sockets, sent, payload, seconds, fallback)
-        log.info(
-            "rank %d pushed v%d: %.1f MB of shards, %.1f MB sent to %d streams in %.3f s (%.2f GB/s per receiver); "
-            "failed: %s", self.rank, policy_version, payload / 1e6, sent / 1e6, sum(len(g[2]) for g in groups), seconds,
-            payload / max(seconds, 1e-9) / 1e9, report.failed or "none",
+            if address not in offers:
+                (delta if reply.delta_accepted else full).append(address)
+            elif reply.data_ticket:
+                shm.append(address)
+            else:
+                errors[address] = "Begin: the receiver offers a shared-memory plane but handed out no data ticket"
+        return tickets, delta, full, shm
+
+    def _start_shm(
+        self, policy_version: int, locals_: list[LocalShard], specs: dict[str, TensorSpec],
+        targets: dict[str, tuple[pb.ShmPlane, bytes]],
+    ) -> ShmPush:
+        """Open this rank's streams to its same-host receivers and start feeding them (their own threads; `close` the
+        result after the other planes): the same split over streams as every other plane."""
+        cfg = self.config
+        plan: list[list[Piece]] = plan_streams(locals_, cfg.num_streams)
+        announced = sum(spec.nbytes for spec in specs.values())
+        segments = self._segments.segments([sum(p.nbytes for p in group) for group in plan], announced)
+        hello = pb.DataHello(session_id=self.session_id, policy_version=policy_version, rank=self.rank)
+        return ShmPush(
+            plan, segments, targets, hello, self._chunk_bytes(), timeout_s=cfg.push_timeout_s, stall_s=self._stall_s,
+            connect_timeout_s=cfg.hello_timeout_s,
         )
-        return report
 
     @staticmethod
     def _record(errors: dict[str, str | None], codes: dict[str, int], results: list[pb.RelayResult]) -> None:
@@ -283,9 +352,9 @@ class WeightSender:
                 errors[result.address] = f"Push: {_status_name(result.code)}: {result.message}"
                 codes[result.address] = result.code
 
-    def _fallback_reason(self, stream: ChunkStream, outcome: pb.PushReply | Exception) -> str | None:
-        """Why `stream` should go again over gRPC Push (its socket plane refused it before opening it), or None."""
-        if self.config.data_plane != "auto" or not isinstance(stream, SocketStream) or not stream.unopened:
+    def _fallback_reason(self, stream: ChunkStream | ShmStream, outcome: pb.PushReply | Exception) -> str | None:
+        """Why `stream` should go again over gRPC Push (its data plane refused it before opening it), or None."""
+        if self.config.data_plane != "auto" or not getattr(stream, "unopened", False):
             return None
         if not isinstance(outcome, StreamFailure) or outcome.code() not in _FALLBACK_CODES:
             return None
@@ -343,6 +412,25 @@ class WeightSender:
         out.relay_targets.extend(pb.RelayTarget(address=a, data_port=p) for a, p in ports.items() if a != address)
         out.relay_fanout = fanout
         return out
+
+    def _shm_offer(self, address: str) -> pb.ShmPlane | None:
+        """The receiver's shared-memory plane when this rank's streams to it should take it (it offers one on this
+        host: the same `host_identity`), else None. Raises ValueError when `data_plane = "shm"` demands a plane the
+        receiver does not offer here."""
+        cfg = self.config
+        if cfg.data_plane not in ("auto", "shm"):
+            return None
+        described = self._described.get(address)
+        offer: pb.ShmPlane | None = None
+        if described is not None and described.HasField("shm_plane") and speaks(described.protocol_version, SHM_MINOR):
+            offer = described.shm_plane
+        here = host_identity()
+        if offer is not None and offer.socket_name and here is not None and offer.host_id == here:
+            return offer
+        if cfg.data_plane == "shm":
+            where = "offers no shared-memory data plane" if offer is None else "is not on this host"
+            raise ValueError(f"data_plane='shm' but receiver {address} {where}")
+        return None
 
     def _socket_port(self, address: str) -> int:
         """The receiver's data port when pushes to it should use the socket plane, else 0 (gRPC Push streams).
@@ -509,6 +597,7 @@ class WeightSender:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._segments.close()
         if self._encoders is not None:
             self._encoders.shutdown(wait=True)
         for client in self._clients.values():

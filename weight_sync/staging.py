@@ -318,12 +318,15 @@ class StagingArea:
         ticket: bytes | None = None,
         relay: Sequence[tuple[str, int | None]] = (),
         fanout: int = 0,
+        memory_bytes: int = 0,
     ) -> StreamWriter:
         """A writer for one of `rank`'s Push streams.
 
-        `ticket`: the one Begin gave the rank (socket data plane). `relay`: the (address, data port or None for a gRPC
-        relay) this stream asks to be forwarded to, `fanout` children at most; each must have been announced in the
-        rank's Begin, else PERMISSION_DENIED (nothing is opened, the update stays).
+        `ticket`: the one Begin gave the rank (socket and shared-memory data planes). `memory_bytes`: the size of the
+        shared memory a shm-plane stream brings, at most the bytes of the tensors the rank's Begin announced, else
+        RESOURCE_EXHAUSTED. `relay`: the (address, data port or None for a gRPC relay) this stream asks to be forwarded
+        to, `fanout` children at most; each must have been announced in the rank's Begin, else PERMISSION_DENIED. A
+        refusal opens nothing: the update stays as it was.
         """
         with self._lock:
             update = self._update
@@ -335,6 +338,13 @@ class StagingArea:
                     raise SyncError(Code.FAILED_PRECONDITION, f"rank {rank} pushed before calling Begin")
                 if ticket is not None and not hmac.compare_digest(ticket, update.tickets[rank]):
                     raise SyncError(Code.UNAUTHENTICATED, f"data-plane ticket of rank {rank} does not match its Begin")
+                announced = sum(spec.nbytes for spec in update.rank_specs[rank])
+                if memory_bytes > announced:
+                    raise SyncError(
+                        Code.RESOURCE_EXHAUSTED,
+                        f"a shared-memory stream of {memory_bytes} bytes from rank {rank}, whose Begin announced "
+                        f"tensors of {announced} bytes: size the memfd to the stream's share",
+                    )
                 if relay:
                     self._check_relay(update, rank, relay, fanout)
                 opened = update.opened_streams.get(rank, 0)

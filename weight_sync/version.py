@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from protos import weight_sync_pb2 as pb
 
-__all__ = ["PROTOCOL_MAJOR", "PROTOCOL_MINOR", "incompatibility", "major_of", "protocol_version"]
+__all__ = ["PROTOCOL_MAJOR", "PROTOCOL_MINOR", "incompatibility", "major_of", "protocol_version", "speaks"]
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1  # 1.1: DataReply.unopened (a socket refusal before the stream opened; the sender may use gRPC)
+PROTOCOL_MINOR = 2
+# 1.1: DataReply.unopened (a socket refusal before the stream opened; the sender may use gRPC)
+# 1.2: DescribeReply.shm_plane (the same-host shared-memory data plane)
 
 
 def protocol_version() -> pb.ProtocolVersion:
@@ -25,6 +27,11 @@ def protocol_version() -> pb.ProtocolVersion:
 def major_of(version: pb.ProtocolVersion) -> int:
     """The major of a peer's version; unset (major 0) is a peer from before versions: 1."""
     return version.major or 1
+
+
+def speaks(version: pb.ProtocolVersion, minor: int) -> bool:
+    """Whether a peer speaking `version` has this major's additions up to `minor` (use an addition only then)."""
+    return major_of(version) == PROTOCOL_MAJOR and version.minor >= minor
 
 
 def incompatibility(version: pb.ProtocolVersion, peer: str) -> str | None:
