@@ -10,6 +10,7 @@ external weight receiver that fails a push is reported and retried at the next s
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import sys
 import time
@@ -133,21 +134,37 @@ class _Run:
         log.info("placement: %s on %d core(s); trainer ranks run %s thread(s), engines %s", r.run.placement,
                  self.placement.num_cores, self.placement.trainer_env["OMP_NUM_THREADS"],
                  self.placement.rollout_env.get("OMP_NUM_THREADS", r.rollout.engine.cpu_threads_bind))  # fmt: skip
-        t0 = time.perf_counter()
-        self.pool = RolloutPool(self.placement.rollout, r.reward, r.weight_sync,
-                                runtime_env=_with_env(self.placement.rollout_env))  # fmt: skip
-        log.info("rollout pool: %d worker(s) ready in %.1f s", r.rollout.num_workers, time.perf_counter() - t0)
         # The publisher hands the trainer's ranks their receivers before every push.
         sync_cfg = r.weight_sync.model_copy(update={"endpoints": []})
-        t0 = time.perf_counter()
         # A resumed run starts from the warm-started weights (its checkpoint then restores policy and reference).
         warm = self.out_dir / "warm_start_model"
         init_path = str(warm) if self.resume and (warm / "config.json").is_file() else r.model.path
-        self.trainer = TrainerGroup(r.trainer, model_cfg, r.algorithm, init_path=init_path, weight_sync=sync_cfg,
-                                    session_id=f"{r.run.name}-{int(time.time())}",
-                                    num_cpus_per_rank=self.placement.trainer_cpus,
-                                    runtime_env=_with_env(self.placement.trainer_env))  # fmt: skip
-        log.info("trainer: %d rank(s) ready in %.1f s", r.trainer.num_ranks, time.perf_counter() - t0)
+
+        def start_pool() -> Any:
+            return RolloutPool(self.placement.rollout, r.reward, r.weight_sync,
+                               runtime_env=_with_env(self.placement.rollout_env))  # fmt: skip
+
+        def start_trainer() -> Any:
+            return TrainerGroup(r.trainer, model_cfg, r.algorithm, init_path=init_path, weight_sync=sync_cfg,
+                                session_id=f"{r.run.name}-{int(time.time())}",
+                                num_cpus_per_rank=self.placement.trainer_cpus,
+                                runtime_env=_with_env(self.placement.trainer_env))  # fmt: skip
+
+        # Engines and trainer ranks start at once: each start is mostly its own process waiting on imports and loads.
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(2) as starting:
+            pool, trainer = starting.submit(start_pool), starting.submit(start_trainer)
+            failures = []
+            for name, future in (("pool", pool), ("trainer", trainer)):
+                try:
+                    setattr(self, name, future.result())
+                except Exception as e:  # noqa: BLE001 (the other part still starts and must be stopped)
+                    failures.append(e)
+        if failures:
+            self.__exit__(None, None, None)
+            raise failures[0]
+        log.info("rollout pool (%d worker(s)) and trainer (%d rank(s)) ready in %.1f s", r.rollout.num_workers,
+                 r.trainer.num_ranks, time.perf_counter() - t0)  # fmt: skip
         self.publisher = WeightPublisher(self.trainer, self.pool, external=r.weight_sync.endpoints)
         return self
 
