@@ -1,0 +1,625 @@
+"""End to end on this machine: rl-align's GRPO (``rl_align.py``) against TRL's ``GRPOTrainer``, same model and task.
+
+Run (once: ``benchmarks/trl_venv.sh`` creates ``.venv-trl``, TRL's own venv)::
+
+    .venv/bin/python benchmarks/e2e_vs_trl.py                       # short and long completions, 300 steps, 2 reps
+    .venv/bin/python benchmarks/e2e_vs_trl.py --completion short --steps 300 --reps 2 --threshold 0.6
+    .venv/bin/python benchmarks/e2e_vs_trl.py --steps 4 --save-every 2 --reps 1 --long-steps 2   # a smoke
+    [--warm-start-model DIR]  skip step 1 and start both sides from DIR (an earlier run's warm_start_model)
+    [--work-dir DIR | --keep]  keep checkpoints, logs and metrics (default: a temp dir, removed)   [--threads N]
+
+What happens, in order:
+
+1. Our warm start, once: ``rl_align.py --recipe recipes/grpo_tiny.toml`` creates the tiny Qwen 3 and its tokenizer in
+   a temp dir, runs the recipe's SFT warm start and one RL step (the least the recipe allows; in-run evaluation off),
+   and writes ``<output_dir>/warm_start_model``, from which both frameworks start RL.
+2. The task: ``rollout.tasks.build_dataset`` of the recipe's ``[task]`` (1-2 digit addition) gives the training
+   problems in the exact order our run draws them (``next_batch(32)`` per step) and the held-out problems; the
+   training ones go to TRL as conversational JSONL in that order (``shuffle_dataset=False``), so step k of both sides
+   trains on the same 32 prompts. Before any timed run, TRL's own prompt path (``--check-prompts``) must render every
+   training and held-out prompt to the same token ids as our ``rollout.tokenizer.render_prompt``; every TRL run's
+   step-1 prompt ids are checked again (the same prompts, in order, each ``group_size`` times).
+3. Timed runs, interleaved per setting: ours, TRL, ours, TRL (``--reps`` pairs), so machine noise hits both. Each
+   side is a fresh process; wall clock runs from just before the driver starts it.
+4. One evaluator for every checkpoint of both sides (ours ``<output_dir>/hf/step_<n>`` from
+   ``run.export.every_num_steps``, TRL ``checkpoint-<n>`` from ``save_steps``) and the warm start (step 0): HF
+   ``generate`` in this venv, one completion per held-out problem, sampled at T=1 (``torch.manual_seed(--seed)``
+   before each checkpoint) and greedy, exact match after stripping, collapsing whitespace and lower-casing (our
+   ``exact_match`` rule), at most the run's completion tokens.
+
+Printed, in one report: the CPU model, ``uptime`` load before and after (and around every run), per run the start-up
+and RL seconds; wall clock from process start to the first checkpoint whose sampled held-out accuracy reaches
+``--threshold`` (the checkpoint's weights-file mtime), median and range over reps, and the ratio TRL / ours (target:
+ours >= 1.5x faster); s/step and CPU-s/step by phase (median over a run's steps after the first; median and range over
+reps); accuracy at equal steps and at equal seconds. ``--completion long`` runs the same task with 128-token
+completions (ours ``rollout.sampling.max_tokens = 128``, ``ignore_eos = true``; TRL ``max_completion_length = 128``,
+``generation_kwargs = {"min_new_tokens": 128}``); accuracy is meaningless there, so it reports s/step by phase and
+tokens/s (prompt + completion tokens per step second; completion tokens per second of the generation phase).
+
+Phases. Ours (``metrics.jsonl``): generate ``time/generate_s`` (the driver's view: submit to collect, scoring
+included; of it the engine's own ``rollout/generate_s``), train ``time/train_s`` (of it the trainer's own
+``train/step_s``), export ``time/checkpoint_s`` (the HF export every k steps), push ``time/push_s``, step
+``time/step_s``. TRL (``trl_e2e_side.py`` timers): generate = ``_generate_and_score_completions`` (prompt tokens,
+``generate``, decoding, rewards, advantages; of it ``generate`` itself), train = the rest of the optimizer step
+(forward/backward per micro-batch, clipping, AdamW), save/log = from a step's end to the next step's begin
+(checkpointing, logging, the data loader), step = begin to next begin.
+
+Matched: the warm-started weights and tokenizer, the prompts and their token ids, the training order, 32 prompts x 8
+samples per step, peak lr 5e-4 with a cosine decay over ``--steps`` to 0.1 of it and no warmup (ours
+``trainer.schedule``; TRL ``cosine_with_min_lr``, ``min_lr_rate = 0.1``: the same formula), clip 0.2 / 0.28 (TRL
+``epsilon`` / ``epsilon_high``), no KL (ours ``kl.coef = 0``, TRL ``beta = 0``: no reference model), one optimizer step
+per batch, temperature 1 without top-p/top-k, the same max completion tokens, grad-norm clipping at 1.0, fused AdamW
+(0.9, 0.999, eps 1e-8, weight decay 0), float32, no activation checkpointing; advantages ``(r - mean) / (std + 1e-4)``
+over each group with the unbiased std (TRL ``scale_rewards = "group"``; ours ``algorithm.advantage_eps = 1e-4``, set
+here); the loss a token mean over every completion token of the step's batch (ours ``loss_aggregation =
+"token_mean"``, TRL ``loss_type = "dapo"``, normalised by the generation batch's token count); the same exact-match
+reward. Threads: both sides get the cores of this process's affinity mask (``--threads N`` narrows both to the first N
+with ``sched_setaffinity``): TRL ``torch.set_num_threads(N)`` and ``OMP_NUM_THREADS=N`` in one process that generates
+and trains; ours through ``run.placement = "colocated"`` (``driver.placement``), which gives the trainer rank N torch
+threads and the vLLM engine one thread per core, the two taking turns.
+
+Not matched: the generation backend (ours vLLM, float32, its own CPU kernels; TRL transformers ``generate``, its
+default: TRL's vLLM modes need vLLM in its venv and are built for GPUs) and so the sampling random streams; the
+micro-batch layout (ours packs sequences into 4096-token rows; TRL pads rows, as many as fit 4096 tokens, rounded to
+a divisor of the batch); our truncated importance sampling (rollout vs trainer log-probs: weights within ~1e-5 of 1
+with the float32 engine; TRL without vLLM generates with the trained model itself and has none); TRL computes the
+entropy of every completion token in its loss pass (for logging) and shuffles the batch before its micro-batches;
+the long setting bans EOS on TRL's side (``min_new_tokens``) but only ignores it on ours (``ignore_eos``: an EOS
+token may be sampled and generation goes on), same token counts. What remains of our in-run work in the timed path:
+the weight push after every step (part of our design), the HF export every k steps (TRL saves too) and the start-up
+(Ray, the vLLM engine, the trainer actor). In-run evaluation is off (``run.eval.num_problems = 0``); the final
+export and shutdown come after the last checkpoint and only count in the run's total seconds.
+
+Measured: not yet; so far only smokes (``--steps 6 --reps 1``) on a shared 2-core machine, too short and too noisy to
+quote. The full comparison (the first command above) takes about 35-40 minutes on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Run as a script, this folder would shadow the `trainer` package (see benchmarks/trainer.py).
+_REPO = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0]).resolve() == _REPO / "benchmarks":
+    sys.path[0] = str(_REPO)
+
+from common.config import parse_overrides  # noqa: E402
+from recipe import Recipe, load_recipe  # noqa: E402
+from rollout.tasks import Problem, build_dataset  # noqa: E402
+
+TARGET = 1.5
+RECIPE = _REPO / "recipes" / "grpo_tiny.toml"
+OUR_PYTHON = _REPO / ".venv" / "bin" / "python"
+TRL_PYTHON = _REPO / ".venv-trl" / "bin" / "python"
+TRL_SIDE = _REPO / "benchmarks" / "trl_e2e_side.py"
+MARK = "TRL_E2E "
+LONG_TOKENS = 128
+WEIGHTS = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One completion-length setting: how many steps, how long the completions, how often to checkpoint."""
+
+    name: str
+    num_steps: int
+    max_tokens: int
+    save_every: int
+    long: bool
+
+
+@dataclass
+class RunResult:
+    """One timed run of one side: its per-step phases, checkpoints and the load around it."""
+
+    side: str
+    rep: int
+    setting: Setting
+    start: float
+    """``time.time()`` just before the process was started."""
+    end: float
+    load_before: str
+    load_after: str
+    first_step_begin: float
+    last_step_end: float
+    steps: list[dict[str, float]]
+    """Per step: phase seconds (``step_s`` the whole step), ``cpu_s``, ``tokens``, ``completion_tokens``."""
+    checkpoints: dict[int, tuple[Path, float]] = field(default_factory=dict)
+    """step -> (HF directory, seconds from process start to its weights file)."""
+    accuracy: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """step -> (sampled, greedy) held-out accuracy; step 0 is the warm start."""
+    versions: str = ""
+    """TRL's side: the library versions it ran."""
+    layout: str = ""
+    """TRL's side: its micro-batch layout."""
+
+
+def load_avg() -> str:
+    """The 1, 5 and 15 minute load averages, as ``uptime`` prints them."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def run_logged(cmd: list[str], log_path: Path, env: dict[str, str], cpus: set[int]) -> None:
+    """Run ``cmd`` (cwd: the repo) on ``cpus`` with stdout+stderr to ``log_path``; raise with the log's tail on failure.
+    Interrupted, the child gets SIGTERM (our run then stops its Ray actors) and is waited for."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=_REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # fmt: skip
+        try:
+            rc = proc.wait()
+        except BaseException:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    if rc != 0:
+        raise RuntimeError(f"{' '.join(cmd[:3])} ... failed (rc {rc}); log {log_path}:\n{log_path.read_text()[-3000:]}")
+
+
+def child_env(threads: int) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
+
+
+# -- our side -------------------------------------------------------------------------------------------------------
+def our_overrides(setting: Setting, model_dir: Path, out_dir: Path, max_model_len: int) -> list[str]:
+    """Command-line overrides of ``recipes/grpo_tiny.toml`` for one of our timed runs."""
+    args = {
+        "model.path": str(model_dir), "run.output_dir": str(out_dir), "run.warm_start.num_steps": "0",
+        "run.num_steps": str(setting.num_steps), "trainer.schedule.num_total_steps": str(setting.num_steps),
+        "run.eval.num_problems": "0", "run.eval.every_num_steps": "0",
+        "run.export.every_num_steps": str(setting.save_every), "trainer.checkpoint.every_num_steps": "0",
+        "run.logging.plot": "false", "run.logging.tensorboard": "false", "run.logging.progress": "false",
+        "algorithm.advantage_eps": "1e-4", "rollout.sampling.max_tokens": str(setting.max_tokens),
+    }  # fmt: skip
+    if setting.long:
+        args.update({"rollout.sampling.ignore_eos": "true", "rollout.engine.max_model_len": str(max_model_len)})
+    return [x for k, v in args.items() for x in (f"--{k}", v)]
+
+
+def run_warm_start(work: Path, threads: int, cpus: set[int]) -> Path:
+    """Our warm start as the recipe runs it (RL cut to one step, in-run evaluation off); returns the model dir."""
+    out = work / "warm"
+    cmd = [str(OUR_PYTHON), "rl_align.py", "--recipe", str(RECIPE), "--model.path", str(work / "tiny-qwen3"),
+           "--run.output_dir", str(out), "--run.num_steps", "1", "--trainer.schedule.num_total_steps", "1",
+           "--run.eval.num_problems", "0", "--trainer.checkpoint.every_num_steps", "0", "--run.logging.plot", "false",
+           "--run.logging.tensorboard", "false", "--run.logging.progress", "false"]  # fmt: skip
+    run_logged(cmd, work / "warm_start.log", child_env(threads), cpus)
+    model = out / "warm_start_model"
+    if not (model / WEIGHTS).is_file() or not (model / "tokenizer_config.json").is_file():
+        raise RuntimeError(f"the warm start wrote no from_pretrained-ready model with a tokenizer at {model}")
+    return model
+
+
+def run_ours(setting: Setting, rep: int, model_dir: Path, work: Path, threads: int, cpus: set[int],
+             max_model_len: int) -> RunResult:  # fmt: skip
+    out = work / f"ours_{setting.name}_{rep}"
+    cmd = [str(OUR_PYTHON), "rl_align.py", "--recipe", str(RECIPE),
+           *our_overrides(setting, model_dir, out, max_model_len)]  # fmt: skip
+    before, start = load_avg(), time.time()
+    run_logged(cmd, work / f"ours_{setting.name}_{rep}.log", child_env(threads), cpus)
+    end, after = time.time(), load_avg()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = sorted((r for r in records if r["phase"] == "rl"), key=lambda r: r["step"])
+    if len(rl) != setting.num_steps:
+        raise RuntimeError(f"{out}/metrics.jsonl: {len(rl)} RL steps, expected {setting.num_steps}")
+    steps = [{
+        "generate": r["time/generate_s"], "  engine generate": r["rollout/generate_s"], "train": r["time/train_s"],
+        "  trainer step": r["train/step_s"], "export": r["time/checkpoint_s"], "push": r["time/push_s"],
+        "step_s": r["time/step_s"], "cpu_s": r["perf/cores_busy"] * r["time/step_s"] * threads,
+        "tokens": r["perf/tokens_per_s"] * r["time/step_s"], "completion_tokens": r["rollout/num_completion_tokens"],
+        "reward": r["reward/mean"],
+    } for r in rl]  # fmt: skip
+    result = RunResult("ours", rep, setting, start, end, before, after, rl[0]["time"] - rl[0]["time/step_s"],
+                       rl[-1]["time"], steps)  # fmt: skip
+    for d in sorted((out / "hf").glob("step_*")) if (out / "hf").is_dir() else []:
+        result.checkpoints[int(d.name.removeprefix("step_"))] = (d, (d / WEIGHTS).stat().st_mtime - start)
+    return result
+
+
+# -- TRL's side -----------------------------------------------------------------------------------------------------
+def trl_command(setting: Setting, model_dir: Path, train: Path, out: Path, recipe: Recipe, threads: int,
+                max_prompt: int) -> list[str]:  # fmt: skip
+    algo, opt, sched = recipe.algorithm, recipe.trainer.optimizer, recipe.trainer.schedule
+    if opt.weight_decay != 0.0 or tuple(opt.betas) != (0.9, 0.999) or opt.eps != 1e-8 or sched.num_warmup_steps:
+        raise ValueError("the recipe's AdamW or schedule settings changed: update trl_e2e_side.py's GRPOConfig")
+    cmd = [
+        str(TRL_PYTHON), str(TRL_SIDE), "--model-dir", str(model_dir), "--train", str(train), "--output-dir", str(out),
+        "--steps", str(setting.num_steps), "--save-steps", str(setting.save_every), "--threads", str(threads),
+        "--num-prompts", str(recipe.run.num_prompts_per_step), "--group-size", str(algo.group_size),
+        "--max-completion-tokens", str(setting.max_tokens), "--temperature", str(recipe.rollout.sampling.temperature),
+        "--lr", str(opt.lr), "--min-lr-ratio", str(sched.min_lr_ratio), "--clip-low", str(algo.clip_low),
+        "--clip-high", str(algo.clip_high), "--max-grad-norm", str(recipe.trainer.max_grad_norm),
+        "--micro-batch-tokens", str(recipe.trainer.micro_batch_tokens), "--max-prompt-tokens", str(max_prompt),
+        "--seed", str(recipe.run.seed),
+    ]  # fmt: skip
+    if setting.long:
+        cmd += ["--min-completion-tokens", str(setting.max_tokens)]
+    return cmd
+
+
+def run_trl(setting: Setting, rep: int, cmd: list[str], out: Path, work: Path, threads: int, cpus: set[int],
+            expected_prompts: list[list[int]], group_size: int) -> RunResult:  # fmt: skip
+    before, start = load_avg(), time.time()
+    run_logged(cmd, work / f"trl_{setting.name}_{rep}.log", child_env(threads), cpus)
+    end, after = time.time(), load_avg()
+    t = json.loads((out / "timings.json").read_text())
+    expected = [ids for ids in expected_prompts for _ in range(group_size)]
+    if t["first_prompt_ids"] != expected:
+        raise RuntimeError(f"TRL's step-1 prompt ids differ from ours ({out}/timings.json): not the same prompts")
+    steps = []
+    for k, s in enumerate(t["steps"]):
+        nxt = t["steps"][k + 1] if k + 1 < len(t["steps"]) else {"t_begin": t["train_end"],
+                                                                  "cpu_begin": t["train_end_cpu"]}  # fmt: skip
+        generate = s.get("generate_total_s", 0.0)
+        steps.append({
+            "generate": generate, "  HF generate": s.get("generate_s", 0.0),
+            "train": s["t_end"] - s["t_begin"] - generate, "save/log/data": nxt["t_begin"] - s["t_end"],
+            "step_s": nxt["t_begin"] - s["t_begin"], "cpu_s": nxt["cpu_begin"] - s["cpu_begin"],
+            "tokens": s["num_prompt_tokens"] + s["num_completion_tokens"],
+            "completion_tokens": s["num_completion_tokens"], "reward": s["reward_sum"] / s["num_samples"],
+        })  # fmt: skip
+    result = RunResult("TRL", rep, setting, start, end, before, after, t["steps"][0]["t_begin"],
+                       t["steps"][-1]["t_end"], steps)  # fmt: skip
+    result.versions = f"trl {t['trl_version']}, transformers {t['transformers_version']}, torch {t['torch_version']}"
+    result.layout = f"{t['micro_batch_rows']} padded rows x {t['num_micro_batches']} micro-batches"
+    for d in sorted(out.glob("checkpoint-*")):
+        result.checkpoints[int(d.name.removeprefix("checkpoint-"))] = (d, (d / WEIGHTS).stat().st_mtime - start)
+    return result
+
+
+# -- the task and the evaluator -------------------------------------------------------------------------------------
+def export_problems(recipe: Recipe, num_steps: int, path: Path) -> list[list[Problem]]:
+    """The training problems our run draws, step by step (a fresh dataset of the recipe's task, as a fresh run builds
+    it), written as TRL's conversational JSONL in that order; returns them per step."""
+    dataset = build_dataset(recipe.task)
+    per_step = [dataset.next_batch(recipe.run.num_prompts_per_step) for _ in range(num_steps)]
+    with open(path, "w") as f:
+        for p in (p for batch in per_step for p in batch):
+            prompt = p.prompt if isinstance(p.prompt, list) else [{"role": "user", "content": p.prompt}]
+            f.write(json.dumps({"prompt": prompt, "answer": p.answer, "id": p.problem_id}) + "\n")
+    return per_step
+
+
+def check_prompt_ids(model_dir: Path, problems: list[Problem], ours: list[list[int]], work: Path, threads: int,
+                     cpus: set[int]) -> None:  # fmt: skip
+    """Fail unless TRL's own prompt path renders every problem to exactly our prompt ids."""
+    path = work / "check_prompts.jsonl"
+    with open(path, "w") as f:
+        for p in problems:
+            f.write(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n")
+    log = work / "check_prompts.log"
+    cmd = [str(TRL_PYTHON), str(TRL_SIDE), "--model-dir", str(model_dir), "--train", str(path), "--check-prompts",
+           "--threads", str(threads), "--max-prompt-tokens", str(max(map(len, ours))),
+           "--output-dir", str(work / "trl_check")]  # fmt: skip
+    run_logged(cmd, log, child_env(threads), cpus)
+    line = next(x for x in log.read_text().splitlines() if x.startswith(MARK))
+    theirs = json.loads(line[len(MARK) :])["prompt_ids"]
+    bad = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b]
+    if bad:
+        i = bad[0]
+        raise RuntimeError(f"{len(bad)} of {len(ours)} prompts render differently; first {problems[i].prompt!r}: "
+                           f"ours {ours[i]}, TRL {theirs[i]}")  # fmt: skip
+
+
+class Evaluator:
+    """Held-out exact-match accuracy of an HF checkpoint with transformers ``generate``: the same code for both sides.
+
+    Prompts are our rendered ids (checked equal to TRL's), batched by length so no row is padded; sampling at T=1
+    restarts from ``seed`` for every checkpoint (common random numbers across checkpoints and sides).
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[list[int]], answers: list[str], max_new_tokens: int,
+                 seed: int) -> None:  # fmt: skip
+        self.tokenizer, self.answers, self.max_new_tokens, self.seed = tokenizer, answers, max_new_tokens, seed
+        self.buckets: dict[int, list[int]] = {}
+        for i, ids in enumerate(prompt_ids):
+            self.buckets.setdefault(len(ids), []).append(i)
+        self.prompt_ids = prompt_ids
+
+    def accuracy(self, model_dir: Path) -> tuple[float, float]:
+        """(sampled, greedy) accuracy of the model in ``model_dir``."""
+        import torch
+        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        tok = self.tokenizer
+        out = []
+        for sample in (True, False):
+            knobs: dict[str, Any] = {"do_sample": False}
+            if sample:
+                knobs = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+            config = GenerationConfig(max_new_tokens=self.max_new_tokens, eos_token_id=tok.eos_token_id,
+                                      pad_token_id=tok.pad_token_id, **knobs)  # fmt: skip
+            torch.manual_seed(self.seed)
+            correct = 0
+            for length, idx in sorted(self.buckets.items()):
+                for chunk in (idx[k : k + 256] for k in range(0, len(idx), 256)):
+                    ids = torch.tensor([self.prompt_ids[i] for i in chunk])
+                    with torch.no_grad():
+                        gen = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+                    texts = tok.batch_decode(gen[:, length:], skip_special_tokens=True)
+                    answers = [self.answers[i] for i in chunk]
+                    correct += sum(normalize(t) == normalize(a) for t, a in zip(texts, answers, strict=True))
+            out.append(correct / len(self.answers))
+        return out[0], out[1]
+
+
+def normalize(text: str) -> str:
+    """Our ``exact_match`` rule (``rollout.rewards.rules.normalize_answer``, case-insensitive)."""
+    return " ".join(text.split()).lower()
+
+
+# -- the report -----------------------------------------------------------------------------------------------------
+def med_range(values: list[float], fmt: str = "{:.2f}") -> str:
+    """``median [min-max]`` (just the value for one)."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return fmt.format(values[0])
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def phase_medians(run: RunResult) -> dict[str, float]:
+    """Median seconds per phase over the run's steps after the first (its warm-up), all steps if there is one."""
+    steps = run.steps[1:] or run.steps
+    return {k: statistics.median(s[k] for s in steps) for k in steps[0] if k not in ("reward",)}
+
+
+def time_to_threshold(run: RunResult, threshold: float) -> tuple[float, int] | None:
+    for step in sorted(run.checkpoints):
+        if run.accuracy[step][0] >= threshold:
+            return run.checkpoints[step][1], step
+    return None
+
+
+def accuracy_at(run: RunResult, seconds: float) -> tuple[int, float]:
+    """(step, sampled accuracy) of the newest checkpoint written by ``seconds`` after process start (0: warm start)."""
+    written = [s for s, (_, t) in run.checkpoints.items() if t <= seconds]
+    step = max(written, default=0)
+    return step, run.accuracy[step][0]
+
+
+def print_runs(runs: list[RunResult]) -> None:
+    print(f"{'run':12s} {'load before -> after':>30s} {'start-up s':>11s} {'RL s':>8s} {'total s':>8s} "
+          f"{'mean reward':>12s}")  # fmt: skip
+    for r in runs:
+        rewards = [s["reward"] for s in r.steps]
+        print(f"{r.side + ' rep ' + str(r.rep):12s} {r.load_before + ' -> ' + r.load_after:>30s} "
+              f"{r.first_step_begin - r.start:11.1f} {r.last_step_end - r.first_step_begin:8.1f} "
+              f"{r.end - r.start:8.1f} {statistics.mean(rewards):12.3f}")  # fmt: skip
+
+
+def print_phases(runs: list[RunResult]) -> dict[str, dict[str, list[float]]]:
+    """Print s/step by phase per side (median [range] over reps); return side -> phase -> per-rep medians."""
+    by_side: dict[str, dict[str, list[float]]] = {}
+    for r in runs:
+        for k, v in phase_medians(r).items():
+            by_side.setdefault(r.side, {}).setdefault(k, []).append(v)
+    print("s/step by phase (median over steps 2.., then median [range] over reps):")
+    for side, phases in by_side.items():
+        parts = [f"{k.strip()} {med_range(v)}" if not k.startswith(" ") else f"(of it {k.strip()} {med_range(v)})"
+                 for k, v in phases.items() if k not in ("tokens", "completion_tokens", "step_s", "cpu_s")]
+        print(f"  {side:5s} " + "  ".join(parts))
+        print(f"  {'':5s} step {med_range(phases['step_s'])} s, CPU {med_range(phases['cpu_s'])} CPU-s")
+    return by_side
+
+
+def report_short(runs: list[RunResult], threshold: float, warm: tuple[float, float]) -> None:
+    setting = runs[0].setting
+    print(f"\n== short completions (at most {setting.max_tokens} tokens): {setting.num_steps} steps, checkpoints every "
+          f"{setting.save_every} ==")  # fmt: skip
+    print_runs(runs)
+    reached: dict[str, list[float]] = {}
+    for r in runs:
+        hit = time_to_threshold(r, threshold)
+        reached.setdefault(r.side, []).append(hit[0] if hit else float("inf"))
+        where = f"step {hit[1]} at {hit[0]:.1f} s" if hit else "not reached"
+        print(f"  {r.side} rep {r.rep}: sampled held-out accuracy >= {threshold}: {where}")
+    ours, trl = (statistics.median(reached.get(s, [float("inf")])) for s in ("ours", "TRL"))
+    ratio = trl / ours if ours < float("inf") else float("nan")
+    verdict = "met" if ratio >= TARGET else "NOT met"
+    print(f"time from process start to sampled held-out accuracy >= {threshold}: ours "
+          f"{med_range(reached['ours'], '{:.1f}')} s, TRL {med_range(reached['TRL'], '{:.1f}')} s; TRL / ours = "
+          f"{ratio:.2f}x (target >= {TARGET}x: {verdict})")  # fmt: skip
+    if warm[0] >= threshold:
+        print(f"  note: the warm start itself is at {warm[0]:.3f} >= {threshold} (the first RL steps dip below it); "
+              "a higher --threshold measures the climb")  # fmt: skip
+    levels = sorted({0.5, 0.6, 0.7, 0.8, threshold})
+    cells = []
+    for level in levels:
+        medians = [statistics.median(t[0] if (t := time_to_threshold(r, level)) else float("inf")
+                                     for r in runs if r.side == side) for side in ("ours", "TRL")]  # fmt: skip
+        cells.append(f"{level}: {medians[0]:.0f} / {medians[1]:.0f} s")
+    print("  other levels, ours / TRL (median s from process start; inf: not reached): " + ", ".join(cells))
+    by_side = print_phases(runs)
+    step_ratio = statistics.median(by_side["TRL"]["step_s"]) / statistics.median(by_side["ours"]["step_s"])
+    print(f"  s/step TRL / ours = {step_ratio:.2f}x")
+
+    print("held-out accuracy at equal steps, sampled / greedy (median over reps):")
+    steps = sorted({s for r in runs for s in r.checkpoints})
+    print(f"  {'step':>5s} {'ours':>13s} {'TRL':>13s}")
+    print(f"  {0:5d} {warm[0]:6.3f}/{warm[1]:.3f} {warm[0]:6.3f}/{warm[1]:.3f}   (the warm start)")
+    for step in steps:
+        cells = []
+        for side in ("ours", "TRL"):
+            accs = [r.accuracy[step] for r in runs if r.side == side and step in r.accuracy]
+            cells.append(f"{statistics.median(a[0] for a in accs):6.3f}/{statistics.median(a[1] for a in accs):.3f}"
+                         if accs else f"{'-':>13s}")  # fmt: skip
+        print(f"  {step:5d} {cells[0]:>13s} {cells[1]:>13s}")
+
+    ends = [max((t for _, t in r.checkpoints.values()), default=0.0) for r in runs]
+    horizon = min(ends)
+    print("held-out sampled accuracy at equal seconds from process start (the newest checkpoint by then; median over "
+          "reps):")
+    print(f"  {'s':>7s} {'ours (step)':>14s} {'TRL (step)':>14s}")
+    for k in range(1, 6):
+        seconds = horizon * k / 5
+        cells = []
+        for side in ("ours", "TRL"):
+            got = [accuracy_at(r, seconds) for r in runs if r.side == side]
+            cells.append(f"{statistics.median(a for _, a in got):.3f} ({int(statistics.median(s for s, _ in got))})")
+        print(f"  {seconds:7.1f} {cells[0]:>14s} {cells[1]:>14s}")
+
+
+def report_long(runs: list[RunResult]) -> None:
+    setting = runs[0].setting
+    print(f"\n== long completions ({setting.max_tokens} tokens each, EOS ignored / banned): {setting.num_steps} "
+          "steps ==")
+    print_runs(runs)
+    by_side = print_phases(runs)
+    rates: dict[str, tuple[list[float], list[float]]] = {}
+    for r in runs:
+        steps = r.steps[1:] or r.steps
+        step_s = sum(s["step_s"] for s in steps)
+        generate_s = sum(s["generate"] for s in steps)
+        rate = rates.setdefault(r.side, ([], []))
+        rate[0].append(sum(s["tokens"] for s in steps) / step_s)
+        rate[1].append(sum(s["completion_tokens"] for s in steps) / generate_s)
+    for side, (all_rates, gen_rates) in rates.items():
+        print(f"  {side:5s} tokens/s (prompt + completion per step second) {med_range(all_rates, '{:.0f}')}, "
+              f"generated tokens/s in the generation phase {med_range(gen_rates, '{:.0f}')}")
+    step_ratio = statistics.median(by_side["TRL"]["step_s"]) / statistics.median(by_side["ours"]["step_s"])
+    print(f"  s/step TRL / ours = {step_ratio:.2f}x (target >= {TARGET}x)")
+
+
+# -- main -----------------------------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--completion", choices=("short", "long", "both"), default="both")
+    parser.add_argument("--steps", type=int, default=300, help="RL steps of the short setting (cosine over these)")
+    parser.add_argument("--save-every", type=int, default=25, help="checkpoint every k steps (short setting)")
+    parser.add_argument("--long-steps", type=int, default=10, help="RL steps of the long setting (no checkpoints)")
+    parser.add_argument("--reps", type=int, default=2, help="interleaved pairs of runs (ours, TRL) per setting")
+    parser.add_argument("--threshold", type=float, default=0.6, help="sampled held-out accuracy to reach")
+    parser.add_argument("--eval-problems", type=int, default=500, help="held-out problems per checkpoint")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="cores for both sides")
+    parser.add_argument("--seed", type=int, default=0, help="torch seed of the evaluator's sampling")
+    parser.add_argument("--warm-start-model", type=Path, default=None, help="reuse this warm start instead")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep everything here (default: a temp dir)")
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (checkpoints, logs, metrics)")
+    args = parser.parse_args()
+    if not TRL_PYTHON.exists():
+        raise SystemExit(f"{TRL_PYTHON} is missing: run benchmarks/trl_venv.sh first")
+    allowed = sorted(os.sched_getaffinity(0))
+    if not 1 <= args.threads <= len(allowed):
+        raise SystemExit(f"--threads {args.threads}: this process may run on {len(allowed)} core(s)")
+    cpus = set(allowed[: args.threads])
+    os.sched_setaffinity(0, cpus)
+
+    import torch
+
+    from rollout.tokenizer import load_tokenizer, render_prompt
+
+    torch.set_num_threads(args.threads)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="e2e_vs_trl_", dir="/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    load_start, t0 = load_avg(), time.time()
+    print(f"work dir: {work}", flush=True)
+
+    settings = []
+    if args.completion in ("short", "both"):
+        settings.append(Setting("short", args.steps, 8, args.save_every, long=False))
+    if args.completion in ("long", "both"):
+        settings.append(Setting("long", args.long_steps, LONG_TOKENS, 0, long=True))
+    base = load_recipe(RECIPE, check_paths=False)
+    if base.rollout.sampling.max_tokens != 8:
+        raise SystemExit(f"{RECIPE}: max_tokens is {base.rollout.sampling.max_tokens}, the short setting expects 8")
+
+    if args.warm_start_model is None:
+        print("warm start (ours, once) ...", flush=True)
+        ws = time.time()
+        model_dir = run_warm_start(work, args.threads, cpus)
+        print(f"warm start: {time.time() - ws:.0f} s -> {model_dir}", flush=True)
+    else:
+        model_dir = args.warm_start_model.resolve()
+    tokenizer = load_tokenizer(str(model_dir))
+    held_out = build_dataset(base.task).eval_problems()[: args.eval_problems]
+    held_ids = [render_prompt(tokenizer, p.prompt, base.rollout.use_chat_template) for p in held_out]
+    evaluator = Evaluator(tokenizer, held_ids, [p.answer for p in held_out], 8, args.seed)
+    warm_acc = evaluator.accuracy(model_dir)
+    print(f"warm start held-out accuracy ({len(held_out)} problems): sampled {warm_acc[0]:.3f}, greedy "
+          f"{warm_acc[1]:.3f}", flush=True)  # fmt: skip
+
+    results: dict[str, list[RunResult]] = {}
+    for setting in settings:
+        # The recipe exactly as our timed runs resolve it (task, seeds, sampling), for the export and TRL's flags.
+        recipe = load_recipe(RECIPE, parse_overrides(our_overrides(setting, model_dir, work / "x", 256)),
+                             check_paths=False)  # fmt: skip
+        train_path = work / f"train_{setting.name}.jsonl"
+        per_step = export_problems(recipe, setting.num_steps, train_path)
+        train_ids = [render_prompt(tokenizer, p.prompt, recipe.rollout.use_chat_template) for p in per_step[0]]
+        all_ids = [render_prompt(tokenizer, p.prompt, recipe.rollout.use_chat_template)
+                   for batch in per_step for p in batch]  # fmt: skip
+        longest = max(map(len, all_ids + held_ids))
+        max_model_len = max(128, -(-(longest + setting.max_tokens) // 64) * 64)
+        if setting is settings[0]:
+            print("checking TRL's prompt ids against ours ...", flush=True)
+            check_prompt_ids(model_dir, [p for b in per_step for p in b] + held_out, all_ids + held_ids, work,
+                             args.threads, cpus)  # fmt: skip
+            print(f"prompt ids: TRL's chat-template path equals render_prompt on all {len(all_ids) + len(held_ids)} "
+                  "training and held-out prompts", flush=True)  # fmt: skip
+        runs = results.setdefault(setting.name, [])
+        for rep in range(args.reps):
+            print(f"[{setting.name} rep {rep}] ours ...", flush=True)
+            runs.append(run_ours(setting, rep, model_dir, work, args.threads, cpus, max_model_len))
+            print(f"[{setting.name} rep {rep}] TRL ...", flush=True)
+            out = work / f"trl_{setting.name}_{rep}"
+            cmd = trl_command(setting, model_dir, train_path, out, recipe, args.threads, longest)
+            runs.append(run_trl(setting, rep, cmd, out, work, args.threads, cpus, train_ids,
+                                recipe.algorithm.group_size))  # fmt: skip
+        if not setting.long:
+            print(f"evaluating {sum(len(r.checkpoints) for r in runs)} checkpoints ...", flush=True)
+            for r in runs:
+                r.accuracy[0] = warm_acc
+                for step, (path, _) in r.checkpoints.items():
+                    r.accuracy[step] = evaluator.accuracy(path)
+
+    load_end = load_avg()
+    print(f"\ne2e_vs_trl: rl-align vs TRL GRPOTrainer on {cpu_model()}, {args.threads} core(s) each "
+          f"(affinity {sorted(cpus)}); load (1/5/15 min) before {load_start}, after {load_end}; "
+          f"{(time.time() - t0) / 60:.1f} min in all")  # fmt: skip
+    trl_run = next((r for rs in results.values() for r in rs if r.side == "TRL"), None)
+    import transformers
+    import vllm
+
+    print(f"versions: ours torch {torch.__version__}, vllm {vllm.__version__}, transformers "
+          f"{transformers.__version__}; TRL side {trl_run.versions if trl_run else '?'}; TRL micro-batches "
+          f"{trl_run.layout if trl_run else '?'} ({trl_run.setting.name if trl_run else '-'})")  # fmt: skip
+    print(f"settings: {base.run.num_prompts_per_step} prompts x {base.algorithm.group_size} samples, lr "
+          f"{base.trainer.optimizer.lr} cosine to {base.trainer.schedule.min_lr_ratio}x, clip {base.algorithm.clip_low}"
+          f"/{base.algorithm.clip_high}, no KL, T={base.rollout.sampling.temperature}, grad clip "
+          f"{base.trainer.max_grad_norm}; {args.reps} rep(s) interleaved ours/TRL; held-out: {len(held_out)} problems")
+    if "short" in results:
+        report_short(results["short"], args.threshold, warm_acc)
+    if "long" in results:
+        report_long(results["long"])
+    if args.work_dir is None and not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
