@@ -41,7 +41,7 @@ from weight_sync.staging import StagingArea, StreamWriter, SyncError
 
 __all__ = [
     "DataPlaneServer", "FrameSource", "SocketRelay", "SocketStream", "StreamFailure", "StreamLimits", "StreamServer",
-    "chunk_prefix", "framed", "read_reply", "recv_message", "relay_hello", "reply_result",
+    "answered", "chunk_prefix", "framed", "read_reply", "recv_message", "relay_hello", "reply_result",
 ]
 
 log = logging.getLogger("weight_sync.dataplane")
@@ -119,6 +119,14 @@ def chunk_prefix(header: pb.ChunkHeader, payload_bytes: int) -> bytes:
     """The frame of one chunk up to its payload: u32 header length, ChunkHeader, u64 payload length."""
     head = header.SerializeToString()
     return b"".join((_U32.pack(len(head)), head, _U64.pack(payload_bytes)))
+
+
+def answered(sock: socket.socket) -> bool:
+    """Whether the receiver already answered (or closed) a stream the sender is still writing: it refused it. (poll,
+    not select: select fails on descriptor numbers past 1024, which busy processes reach.)"""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def read_reply(sock: socket.socket, timeout_s: float) -> pb.DataReply:
@@ -538,7 +546,7 @@ class SocketStream:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(framed(hello))
             while (item := self._queue.get()) is not None:
-                if select.select([sock], [], [], 0)[0]:
+                if answered(sock):
                     break  # the receiver answered early: it refused the stream (its reply says why)
                 header, payload = item[0].parts(item[1])
                 body = payload.data.cast("B") if isinstance(payload, np.ndarray) else memoryview(payload)

@@ -136,6 +136,7 @@ class MemfdMappings:
         self.max_bytes = max_bytes
         self._entries: collections.OrderedDict[tuple[int, int], _Mapping] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._closed = False
 
     def acquire(self, fd: int, size: int) -> _Mapping:
         """A mapping of the whole memfd `fd` of `size` bytes (its `view`); `release` it when the stream ends."""
@@ -166,13 +167,16 @@ class MemfdMappings:
     def release(self, entry: _Mapping) -> None:
         with self._lock:
             entry.users -= 1
-            if not entry.cached and entry.users == 0:
+            if entry.users == 0 and (not entry.cached or self._closed):
+                if self._entries.get(entry.key) is entry:
+                    del self._entries[entry.key]
                 entry.unmap()
             self._trim()
 
     def close(self) -> None:
-        """Unmap every mapping no stream uses (the receiver stops)."""
+        """Unmap every mapping no stream uses now, and the others as their streams end (the receiver stops)."""
         with self._lock:
+            self._closed = True
             for key, entry in list(self._entries.items()):
                 if entry.users == 0:
                     del self._entries[key]

@@ -14,7 +14,6 @@ import fcntl
 import math
 import mmap
 import os
-import select
 import socket
 import threading
 import time
@@ -26,7 +25,7 @@ import xxhash
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.chunking import Piece
-from weight_sync.dataplane import chunk_prefix, framed, read_reply, reply_result
+from weight_sync.dataplane import answered, chunk_prefix, framed, read_reply, reply_result
 from weight_sync.relay import StreamFailure
 from weight_sync.shm import peer_credentials, unmap
 from weight_sync.staging import SyncError
@@ -189,7 +188,7 @@ class ShmStream:
         """Send the frames of payloads already written to the memfd; False when the stream cannot take them."""
         if not self.live:
             return False
-        if select.select([self._sock], [], [], 0)[0]:
+        if answered(self._sock):
             self._answered = True  # the receiver answered early: it refused the stream; its reply says why
             self._read_answer(self._stall_s)
             return False

@@ -128,6 +128,26 @@ def test_shards_larger_than_a_block_travel_as_row_blocks_and_arrive_exact(receiv
     assert all(torch.equal(sink.state_dict[k], v) for k, v in sd.items())
 
 
+def test_same_host_receivers_leave_relay_trees_and_the_tree_still_commits(receivers):
+    remote_like = receivers(3, config=WeightSyncConfig(chunk_bytes=4096), sd=SD)  # socket plane only
+    local = receivers(2, config=SHM, sd=SD)
+    addresses = [r.address for r, _ in remote_like + local]
+    config = WeightSyncConfig(chunk_bytes=4096, relay_fanout=1)
+    senders = [WeightSender(addresses, config, rank=k, num_ranks=2) for k in range(2)]
+    try:
+        reports = run_ranks(lambda k: senders[k].push(1, rank_shards(SD, k, 2)), 2)
+        for report in reports:
+            assert not report.failed, report.failed  # no PERMISSION_DENIED: the tree's Begins announce its members
+            assert sorted(report.shm_endpoints) == sorted(r.address for r, _ in local)
+            assert report.socket_endpoints == [remote_like[0][0].address]  # fanout 1: one head for the other three
+        assert senders[0].commit(1) == {a: None for a in addresses}
+    finally:
+        for s in senders:
+            s.close()
+    for receiver, sink in remote_like + local:
+        assert receiver.policy_version == 1 and all(torch.equal(sink.state_dict[k], v) for k, v in SD.items())
+
+
 def test_auto_falls_back_to_the_socket_plane_when_the_receiver_offers_no_shared_memory(receivers):
     (receiver, sink), = receivers(1, sd=SD)  # a default receiver: socket plane only
     assert not WeightSyncClient(receiver.address, QUICK).describe().HasField("shm_plane")
