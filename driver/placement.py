@@ -7,7 +7,8 @@
 'colocated' (sync runs on CPU): generation and training take turns, so each phase gets every core of the host. The
 trainer ranks split the cores among themselves (they run at once), and so do the rollout workers; Ray's CPU
 reservations are fractions that add up to the host, so every actor fits on it. One engine binds one thread per
-physical core (vLLM's ``auto``), several run unpinned threads that split the cores.
+physical core (vLLM's ``auto``), several run unpinned threads that split the cores. The pool's receivers offer the
+shared-memory data plane, so weights reach the engines without a socket.
 
 'separate': each actor runs on the CPUs Ray reserves for it: a trainer rank on one, an engine on
 ``rollout.num_cpus_per_worker`` (and its own ``cpu_threads_bind``); actors may land on any node of the cluster.
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.config import RolloutConfig
+from weight_sync.config import WeightSyncConfig
 
 __all__ = ["Placement", "host_cores", "plan_placement"]
 
@@ -39,6 +41,9 @@ class Placement:
     """The pool's config with the reservation and the engine's threads of this placement."""
     rollout_env: dict[str, str]
     """Environment of every rollout worker (``OMP_NUM_THREADS``: the engine's threads when unpinned)."""
+    receiver_sync: WeightSyncConfig
+    """The weight-sync config of the pool's receivers: colocated ones also offer the shared-memory data plane, which
+    a trainer rank on the same host then pushes through (``data_plane = "auto"``)."""
 
 
 def host_cores() -> int:
@@ -54,6 +59,7 @@ def plan_placement(recipe: Any, num_cores: int) -> Placement:
         return Placement(
             num_cores=max(1, ranks + int(round(workers * rollout.num_cpus_per_worker))),
             trainer_cpus=1.0, trainer_env={"OMP_NUM_THREADS": "1"}, rollout=rollout, rollout_env={},
+            receiver_sync=recipe.weight_sync,
         )  # fmt: skip
     if recipe.run.placement != "colocated":
         raise ValueError(f"run.placement {recipe.run.placement!r} is not resolved: validate the recipe first")
@@ -68,4 +74,5 @@ def plan_placement(recipe: Any, num_cores: int) -> Placement:
         trainer_env={"OMP_NUM_THREADS": str(max(1, num_cores // ranks))},
         rollout=rollout.model_copy(update={"num_cpus_per_worker": share, "engine": engine}),
         rollout_env={"OMP_NUM_THREADS": str(engine_threads)},
+        receiver_sync=recipe.weight_sync.model_copy(update={"offer_shm": True}),
     )

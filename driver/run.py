@@ -141,7 +141,7 @@ class _Run:
         init_path = str(warm) if self.resume and (warm / "config.json").is_file() else r.model.path
 
         def start_pool() -> Any:
-            return RolloutPool(self.placement.rollout, r.reward, r.weight_sync,
+            return RolloutPool(self.placement.rollout, r.reward, self.placement.receiver_sync,
                                runtime_env=_with_env(self.placement.rollout_env))  # fmt: skip
 
         def start_trainer() -> Any:
