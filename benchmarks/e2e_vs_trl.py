@@ -20,7 +20,9 @@ What happens, in order:
    training and held-out prompt to the same token ids as our ``rollout.tokenizer.render_prompt``; every TRL run's
    step-1 prompt ids are checked again (the same prompts, in order, each ``group_size`` times).
 3. Timed runs, interleaved per setting: ours, TRL, ours, TRL (``--reps`` pairs), so machine noise hits both. Each
-   side is a fresh process; wall clock runs from just before the driver starts it.
+   side is a fresh process; wall clock runs from just before the driver starts it. Rep k samples with seed k on both
+   sides (ours ``rollout.engine.seed``, TRL ``seed``) over the same prompts in the same order, so the reps are
+   independent draws of a run, not copies.
 4. One evaluator for every checkpoint of both sides (ours ``<output_dir>/hf/step_<n>`` from
    ``run.export.every_num_steps``, TRL ``checkpoint-<n>`` from ``save_steps``) and the warm start (step 0): HF
    ``generate`` in this venv, one completion per held-out problem, sampled at T=1 (``torch.manual_seed(--seed)``
@@ -215,8 +217,9 @@ def run_warm_start(work: Path, threads: int, cpus: set[int]) -> Path:
 def run_ours(setting: Setting, rep: int, model_dir: Path, work: Path, threads: int, cpus: set[int],
              max_model_len: int) -> RunResult:  # fmt: skip
     out = work / f"ours_{setting.name}_{rep}"
+    # Each rep samples its own random stream (the engine's seed), over the same prompts in the same order.
     cmd = [str(OUR_PYTHON), "rl_align.py", "--recipe", str(RECIPE),
-           *our_overrides(setting, model_dir, out, max_model_len)]  # fmt: skip
+           *our_overrides(setting, model_dir, out, max_model_len), "--rollout.engine.seed", str(rep)]  # fmt: skip
     before, start = load_avg(), time.time()
     run_logged(cmd, work / f"ours_{setting.name}_{rep}.log", child_env(threads), cpus)
     end, after = time.time(), load_avg()
@@ -240,7 +243,7 @@ def run_ours(setting: Setting, rep: int, model_dir: Path, work: Path, threads: i
 
 # -- TRL's side -----------------------------------------------------------------------------------------------------
 def trl_command(setting: Setting, model_dir: Path, train: Path, out: Path, recipe: Recipe, threads: int,
-                max_prompt: int) -> list[str]:  # fmt: skip
+                max_prompt: int, rep: int) -> list[str]:  # fmt: skip
     algo, opt, sched = recipe.algorithm, recipe.trainer.optimizer, recipe.trainer.schedule
     if opt.weight_decay != 0.0 or tuple(opt.betas) != (0.9, 0.999) or opt.eps != 1e-8 or sched.num_warmup_steps:
         raise ValueError("the recipe's AdamW or schedule settings changed: update trl_e2e_side.py's GRPOConfig")
@@ -252,7 +255,7 @@ def trl_command(setting: Setting, model_dir: Path, train: Path, out: Path, recip
         "--lr", str(opt.lr), "--min-lr-ratio", str(sched.min_lr_ratio), "--clip-low", str(algo.clip_low),
         "--clip-high", str(algo.clip_high), "--max-grad-norm", str(recipe.trainer.max_grad_norm),
         "--micro-batch-tokens", str(recipe.trainer.micro_batch_tokens), "--max-prompt-tokens", str(max_prompt),
-        "--seed", str(recipe.run.seed),
+        "--seed", str(rep),  # each rep its own random stream; the prompts' order does not depend on it
     ]  # fmt: skip
     if setting.long:
         cmd += ["--min-completion-tokens", str(setting.max_tokens)]
@@ -588,7 +591,7 @@ def main() -> None:
             runs.append(run_ours(setting, rep, model_dir, work, args.threads, cpus, max_model_len))
             print(f"[{setting.name} rep {rep}] TRL ...", flush=True)
             out = work / f"trl_{setting.name}_{rep}"
-            cmd = trl_command(setting, model_dir, train_path, out, recipe, args.threads, longest)
+            cmd = trl_command(setting, model_dir, train_path, out, recipe, args.threads, longest, rep)
             runs.append(run_trl(setting, rep, cmd, out, work, args.threads, cpus, train_ids,
                                 recipe.algorithm.group_size))  # fmt: skip
         if not setting.long:

@@ -119,7 +119,10 @@ def _describe(args: argparse.Namespace, extra: list[str]) -> int:
 
     client = WeightSyncClient(args.to, config_of(args, extra))
     reply = client.describe()
-    plane = f"socket data plane on port {reply.data_port}" if reply.data_port else "gRPC Push only"
+    planes = [f"socket data plane on port {reply.data_port}"] if reply.data_port else []
+    if reply.HasField("shm_plane"):
+        planes.append(f"shared-memory plane (same host, pid {reply.shm_plane.pid})")
+    plane = " + ".join(planes) or "gRPC Push only"
     version = reply.protocol_version
     print(
         f"{args.to}: policy_version {reply.policy_version}, {len(reply.manifest)} tensors, {plane}, "

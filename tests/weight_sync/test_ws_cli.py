@@ -23,7 +23,8 @@ def test_serve_and_push_a_checkpoint_with_a_token_from_the_environment(tmp_path,
     save_file(sd, str(source / "model.safetensors"))
     env = {**os.environ, "RL_ALIGN_WEIGHT_SYNC_TOKEN": "tok", "PYTHONPATH": os.getcwd()}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "weight_sync", "serve", "--dir", str(served), "--port", "0", "--chunk_bytes", "65536"],
+        [sys.executable, "-m", "weight_sync", "serve", "--dir", str(served), "--port", "0", "--chunk_bytes", "65536",
+         "--offer_shm", "true"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:
@@ -35,7 +36,8 @@ def test_serve_and_push_a_checkpoint_with_a_token_from_the_environment(tmp_path,
         monkeypatch.setenv("RL_ALIGN_WEIGHT_SYNC_TOKEN", "tok")
         assert main(["push", "--checkpoint", str(source), "--to", address, "--version", "3"]) == 0
         assert main(["describe", "--to", address]) == 0
-        assert "policy_version 3" in capsys.readouterr().out
+        described = capsys.readouterr().out
+        assert "policy_version 3" in described and "shared-memory plane" in described, described
     finally:
         proc.terminate()
         proc.wait(timeout=30)
