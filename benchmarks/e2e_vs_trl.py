@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -230,7 +231,8 @@ def run_ours(setting: Setting, rep: int, model_dir: Path, work: Path, threads: i
     steps = [{
         "generate": r["time/generate_s"], "  engine generate": r["rollout/generate_s"], "train": r["time/train_s"],
         "  trainer step": r["train/step_s"], "export": r["time/checkpoint_s"], "push": r["time/push_s"],
-        "step_s": r["time/step_s"], "cpu_s": r["perf/cores_busy"] * r["time/step_s"] * threads,
+        # perf/cores_busy starts at a run's second step (the phase medians skip the first)
+        "step_s": r["time/step_s"], "cpu_s": r.get("perf/cores_busy", math.nan) * r["time/step_s"] * threads,
         "tokens": r["perf/tokens_per_s"] * r["time/step_s"], "completion_tokens": r["rollout/num_completion_tokens"],
         "reward": r["reward/mean"],
     } for r in rl]  # fmt: skip

@@ -133,7 +133,8 @@ class RLLoop:
             metrics["rollout/staleness_max"] = float(max(version - 1 - s.policy_version for s in batch.samples))
             metrics.update(_phase_metrics(metrics, (t0, t1, t2, t3, t4, time.perf_counter()), batch.num_tokens))
             cpu_s = self._cpu.lap() + metrics["train/process_cpu_s"] + metrics.get("rollout/process_cpu_s", 0.0)
-            metrics["perf/cores_busy"] = cpu_s / max(metrics["time/step_s"] * self.num_cores, 1e-9)
+            if step > start_step:  # the first laps also hold the start-up, warm start and evaluation before RL
+                metrics["perf/cores_busy"] = cpu_s / max(metrics["time/step_s"] * self.num_cores, 1e-9)
             every = run.eval.every_num_steps
             if every and (step + 1) % every == 0 and step + 1 < run.num_steps:
                 metrics.update(self._evaluate())

@@ -73,7 +73,8 @@ def test_killed_rollout_worker_is_replaced_and_run_finishes(tmp_path: Path, reci
     # its own reservation: one trainer thread.
     threads = len(os.sched_getaffinity(0)) if "async" not in recipe else 1
     assert {r["train/num_threads"] for r in rl} == {threads}, f"trainer threads, expected {threads}"
-    assert all(0 < r["perf/cores_busy"] <= 1.5 for r in rl), [r["perf/cores_busy"] for r in rl]
+    busy = [r["perf/cores_busy"] for r in rl[1:]]  # from the second step: the first laps hold the start-up
+    assert "perf/cores_busy" not in rl[0] and all(0 < b <= 1.5 for b in busy), busy
     pids = set(re.findall(r"\(RolloutWorker pid=(\d+)", log.read_text()))
     assert str(victim.pid) in pids and len(pids) >= 2, pids
     assert "held-out problems" in log.read_text()
