@@ -47,8 +47,9 @@ included; of it the engine's own ``rollout/generate_s``), train ``time/train_s``
 (checkpointing, logging, the data loader), step = begin to next begin.
 
 Matched: the warm-started weights and tokenizer, the prompts and their token ids, the training order, 32 prompts x 8
-samples per step, peak lr 5e-4 with a cosine decay over ``--steps`` to 0.1 of it and no warmup (ours
-``trainer.schedule``; TRL ``cosine_with_min_lr``, ``min_lr_rate = 0.1``: the same formula), clip 0.2 / 0.28 (TRL
+samples per step, peak lr 5e-4 after the recipe's linear warmup, with a cosine decay over ``--steps`` to 0.1 of it
+(ours ``trainer.schedule``; TRL ``warmup_steps`` and ``cosine_with_min_lr``, ``min_lr_rate = 0.1``: the same cosine;
+the warmup ramps are one step apart, ours ``(k + 1) / (N + 1)``, HF's ``k / N``), clip 0.2 / 0.28 (TRL
 ``epsilon`` / ``epsilon_high``), no KL (ours ``kl.coef = 0``, TRL ``beta = 0``: no reference model), one optimizer step
 per batch, temperature 1 without top-p/top-k, the same max completion tokens, grad-norm clipping at 1.0, fused AdamW
 (0.9, 0.999, eps 1e-8, weight decay 0), float32, no activation checkpointing; advantages ``(r - mean) / (std + 1e-4)``
@@ -247,7 +248,7 @@ def run_ours(setting: Setting, rep: int, model_dir: Path, work: Path, threads: i
 def trl_command(setting: Setting, model_dir: Path, train: Path, out: Path, recipe: Recipe, threads: int,
                 max_prompt: int, rep: int) -> list[str]:  # fmt: skip
     algo, opt, sched = recipe.algorithm, recipe.trainer.optimizer, recipe.trainer.schedule
-    if opt.weight_decay != 0.0 or tuple(opt.betas) != (0.9, 0.999) or opt.eps != 1e-8 or sched.num_warmup_steps:
+    if opt.weight_decay != 0.0 or tuple(opt.betas) != (0.9, 0.999) or opt.eps != 1e-8:
         raise ValueError("the recipe's AdamW or schedule settings changed: update trl_e2e_side.py's GRPOConfig")
     cmd = [
         str(TRL_PYTHON), str(TRL_SIDE), "--model-dir", str(model_dir), "--train", str(train), "--output-dir", str(out),
@@ -255,6 +256,7 @@ def trl_command(setting: Setting, model_dir: Path, train: Path, out: Path, recip
         "--num-prompts", str(recipe.run.num_prompts_per_step), "--group-size", str(algo.group_size),
         "--max-completion-tokens", str(setting.max_tokens), "--temperature", str(recipe.rollout.sampling.temperature),
         "--lr", str(opt.lr), "--min-lr-ratio", str(sched.min_lr_ratio), "--clip-low", str(algo.clip_low),
+        "--warmup-steps", str(sched.num_warmup_steps),
         "--clip-high", str(algo.clip_high), "--max-grad-norm", str(recipe.trainer.max_grad_norm),
         "--micro-batch-tokens", str(recipe.trainer.micro_batch_tokens), "--max-prompt-tokens", str(max_prompt),
         "--seed", str(rep),  # each rep its own random stream; the prompts' order does not depend on it

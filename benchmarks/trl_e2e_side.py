@@ -158,7 +158,7 @@ def build_trainer(args: argparse.Namespace, rows: list[dict[str, Any]], recorder
         save_strategy="steps" if saving else "no", save_steps=args.save_steps if saving else 500,
         save_only_model=True,
         learning_rate=args.lr, lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": args.min_lr_ratio}, warmup_steps=0,
+        lr_scheduler_kwargs={"min_lr_rate": args.min_lr_ratio}, warmup_steps=args.warmup_steps,
         optim="adamw_torch_fused", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0,
         max_grad_norm=args.max_grad_norm,
         beta=0.0, loss_type=args.loss_type, scale_rewards="group", epsilon=args.clip_low,
@@ -194,6 +194,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
     parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of the peak")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="linear warmup steps before the cosine")
     parser.add_argument("--clip-low", type=float, default=0.2)
     parser.add_argument("--clip-high", type=float, default=0.28)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
