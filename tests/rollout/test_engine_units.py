@@ -6,7 +6,7 @@ import pytest
 
 from common.config import ConfigError, validate_config
 from rollout.config import RolloutConfig, SamplingConfig
-from rollout.engine.worker_extension import check_fused_groups, expected_parameters
+from rollout.engine.transfer import check_fused_groups, expected_parameters
 from rollout.sampling import group_seed
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

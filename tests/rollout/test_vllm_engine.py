@@ -3,7 +3,8 @@
 Covers: log-probs of vLLM's own samples equal a teacher-forced HF forward pass, and the trainer's own log-probs of them
 at temperatures other than 1 (training sees the distribution it sampled: float32 engine, processed log-probs, the
 first step's importance ratio 1; the untempered computation is checked to be far off, so the test has teeth); an
-applied update serves the new weights (HF parity) and differs from the old; an update waits for the running batch;
+applied update serves the new weights (HF parity) and differs from the old, by reference and through a file (the
+served engine's form); an update waits for the running batch;
 refused updates change nothing; an engine shut down leaves the next engine of the process working.
 """
 
@@ -182,6 +183,24 @@ def test_refused_updates_leave_outputs_unchanged(engine, sink, receiver, model_d
     assert "fused" in (outcome[receiver.address] or "") and receiver.policy_version == received
     assert engine.policy_version == version and engine.broken is None
     assert [c.token_ids.tolist() for c in _sampled(engine)] == before
+
+
+def test_an_update_through_a_file_serves_the_same_as_by_reference(engine, sink, model_dir):
+    """The file form of the rl_align backend (tensor parallel, or an engine core in another process; the form a
+    served engine takes) loads what the in-process form loads, and vLLM labels completions with the version."""
+    state = perturbed_state(model_dir, seed=11)
+    version = engine.policy_version + 1
+    engine._by_reference = False  # the form is chosen at start from the engine's layout; force the other one here
+    try:
+        sink.apply(version, state)
+    finally:
+        engine._by_reference = True
+    assert engine._llm.get_weight_version() == str(version)
+    ref = hf_model(model_dir, state)
+    for prompt, group in zip(PROMPTS, engine.generate(PROMPTS, GREEDY, n=1)):
+        assert group[0].policy_version == version
+        assert group[0].token_ids.tolist() == hf_greedy(ref, prompt, GREEDY.max_tokens)
+        assert np.abs(group[0].logprobs - hf_logprobs(ref, prompt, group[0].token_ids)).mean() <= 1e-4
 
 
 def test_a_shut_down_engine_leaves_the_next_one_working(engine, receiver, model_dir):

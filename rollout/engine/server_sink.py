@@ -1,0 +1,233 @@
+"""The weight-sync sink of a served vLLM (``vllm serve`` with the ``rl_align`` plugin): applies each verified version
+through vLLM's own update API at a safe point, so no reply mixes versions and no operator step is needed.
+
+It lives in the API-server process and drives the server's ``EngineClient`` (vLLM's public RL API) on the server's
+event loop from the receiver's Commit thread. One update, in order:
+
+1. check the update against the served checkpoint's manifest (names, shapes, dtypes, not empty): refused with the
+   engine untouched;
+2. write it as one safetensors file in ``stage_dir`` that every worker reads; generation runs on meanwhile;
+3. ``pause_generation(mode="wait")``: running requests finish on the old weights, new ones queue. A request that was
+   preempted with output already sampled would finish on the new weights: it is aborted (its client sees
+   ``finish_reason="abort"``) rather than answered with a mix. A drain longer than ``drain_timeout_s`` refuses the
+   update and resumes (``on_drain_timeout = "refuse"``) or aborts what still runs (``"abort"``);
+4. ``start_weight_update`` -> ``update_weights`` -> ``finish_weight_update(weight_version=str(v))`` ->
+   ``reset_prefix_cache`` -> ``resume_generation``. A refusal by the worker (:data:`rollout.engine.transfer.REFUSED`)
+   resumes on the old weights. Any other failure may have left the model half loaded: the server stays paused (no
+   reply leaves it from a mixed model), the sink reports itself broken, and the process is asked to exit (SIGTERM)
+   so its orchestrator restarts it on the last persisted version;
+5. with ``persist_dir``, keep the served version there (the directory a restart serves, at that version), after the
+   resume: it lengthens the Commit, not the pause. A failed write is logged and reported; the version stays served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from rollout.engine.sink import check_update, read_checkpoint_manifest
+from rollout.engine.transfer import REFUSED
+from weight_sync.sink import SafetensorsDirSink, read_policy_version
+from weight_sync.spec import TensorSpec
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ServedUpdateState", "ServerWeightSink"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServedUpdateState:
+    """What ``GET /rl_align/weight_sync`` and the metrics report about the served weights."""
+
+    policy_version: int
+    broken: str | None = None
+    num_updates: int = 0
+    num_refused: int = 0
+    num_aborted_requests: int = 0
+    last_update_s: float = 0.0
+    """Seconds of the last applied update, from the check to the resume."""
+    last_pause_s: float = 0.0
+    """Seconds the last applied update held generation paused (drain included)."""
+    last_error: str | None = None
+
+
+class ServerWeightSink:
+    """Applies verified versions to the ``EngineClient`` of a vLLM server (implements ``weight_sync``'s sink).
+
+    ``apply`` is called from a receiver thread and blocks until the update is served or refused; it must not be
+    called on ``loop``'s own thread. ``on_change`` is called (from that thread) after every outcome, for metrics.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        loop: asyncio.AbstractEventLoop,
+        model_dir: str,
+        *,
+        stage_dir: str,
+        persist_dir: str | None = None,
+        drain_timeout_s: float = 300.0,
+        update_timeout_s: float = 600.0,
+        on_drain_timeout: Literal["refuse", "abort"] = "refuse",
+        on_change: Callable[[ServedUpdateState], None] | None = None,
+        exit_process: Callable[[], None] | None = None,
+    ) -> None:
+        self._engine = engine
+        self._loop = loop
+        self._specs = {s.name: s for s in read_checkpoint_manifest(model_dir)}
+        self._stage_dir = stage_dir
+        self._persist = _persist_sink(model_dir, persist_dir, list(self._specs.values()))
+        self._drain_timeout_s = drain_timeout_s
+        self._update_timeout_s = update_timeout_s
+        self._on_drain_timeout = on_drain_timeout
+        self._on_change = on_change or (lambda state: None)
+        self._exit_process = exit_process or (lambda: os.kill(os.getpid(), signal.SIGTERM))
+        served = read_policy_version(persist_dir if persist_dir is not None else model_dir)
+        self.state = ServedUpdateState(policy_version=served)
+        self._lock = threading.Lock()
+
+    def manifest(self) -> list[TensorSpec]:
+        """The served checkpoint's tensors (HF-canonical names, global shapes and dtypes)."""
+        return list(self._specs.values())
+
+    def committed_version(self) -> int:
+        """The version served now: the served (or persisted) checkpoint's version at start, then the last applied."""
+        return self.state.policy_version
+
+    def apply(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Serve ``tensors`` as ``policy_version`` (module docstring, steps 1-4); blocks until served or refused.
+
+        Raises ``ValueError`` (engine unchanged) for a refused update, ``TimeoutError`` (unchanged) for a drain that
+        took too long under ``"refuse"``, ``RuntimeError`` when the server is broken.
+        """
+        with self._lock:
+            start = time.perf_counter()
+            if self.state.broken is not None:
+                raise RuntimeError(f"this server stopped taking updates: {self.state.broken}; restart it")
+            check_update(self._specs, tensors)
+            full = len(tensors) == len(self._specs)
+            path = self._stage(policy_version, tensors)
+            try:
+                future = asyncio.run_coroutine_threadsafe(self._serve(policy_version, path, full), self._loop)
+                try:
+                    pause_s = future.result(timeout=self._drain_timeout_s + self._update_timeout_s)
+                except (ValueError, TimeoutError) as e:
+                    self.state.num_refused += 1
+                    self.state.last_error = str(e)
+                    raise
+            finally:
+                os.unlink(path)
+                self._on_change(self.state)
+            self.state.policy_version = policy_version
+            self.state.num_updates += 1
+            self.state.last_update_s = time.perf_counter() - start
+            self.state.last_pause_s = pause_s
+            self.state.last_error = None
+            if self._persist is not None:
+                try:
+                    self._persist.apply(policy_version, tensors)
+                except Exception as e:  # the engine serves the version already: report, do not refuse
+                    self.state.last_error = f"version {policy_version} is served but was not persisted: {e}"
+                    log.error("%s", self.state.last_error)
+            self._on_change(self.state)
+
+    def _stage(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> str:
+        """Write the update where every worker can read it (atomically: the worker never sees a partial file)."""
+        from safetensors.torch import save_file
+
+        os.makedirs(self._stage_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f"rl-align-{os.getpid()}-v{policy_version}-", suffix=".tmp",
+                                   dir=self._stage_dir)
+        os.close(fd)
+        path = tmp.removesuffix(".tmp") + ".safetensors"
+        try:
+            save_file({name: t.contiguous() for name, t in tensors.items()}, tmp,
+                      metadata={"policy_version": str(policy_version)})
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path
+
+    async def _serve(self, policy_version: int, path: str, full: bool) -> float:
+        """Steps 3-4 on the server's event loop; returns the seconds generation was paused."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        engine = self._engine
+        paused_at = time.perf_counter()
+        await self._drain()
+        try:
+            await engine.start_weight_update()
+            await engine.update_weights(WeightTransferUpdateRequest(
+                update_info={"policy_version": policy_version, "full": full, "path": path}))
+        except Exception as e:
+            if REFUSED in str(e):
+                await engine.resume_generation()
+                raise ValueError(f"weight update to version {policy_version} refused by the engine: {e}") from e
+            self.state.broken = f"weight update to version {policy_version} failed midway: {e}"
+            log.error("%s; generation stays paused and the server exits so that it restarts on a known version",
+                      self.state.broken)
+            self._exit_process()
+            raise RuntimeError(self.state.broken) from e
+        try:
+            await engine.finish_weight_update(weight_version=str(policy_version))
+            await engine.reset_prefix_cache()
+        finally:
+            await engine.resume_generation()
+        return time.perf_counter() - paused_at
+
+    async def _drain(self) -> None:
+        """Pause with in-flight requests finishing on the old weights; apply the drain-timeout policy; abort the
+        requests that would otherwise resume on the new weights."""
+        engine = self._engine
+        try:
+            await asyncio.wait_for(engine.pause_generation(mode="wait", clear_cache=True), self._drain_timeout_s)
+        except TimeoutError:
+            if self._on_drain_timeout == "refuse":
+                await engine.resume_generation()
+                raise TimeoutError(
+                    f"in-flight requests did not finish within drain_timeout_s={self._drain_timeout_s}; update "
+                    "refused, the server keeps its version (raise drain_timeout_s, bound max_tokens, or set "
+                    "on_drain_timeout='abort')"
+                ) from None
+            await engine.pause_generation(mode="abort", clear_cache=True)
+        partial = _requests_with_output(engine)
+        if partial:
+            await engine.abort(partial, internal=True)
+            self.state.num_aborted_requests += len(partial)
+            log.warning("aborted %d preempted request(s) that would have resumed on new weights", len(partial))
+
+
+def _requests_with_output(engine: Any) -> list[str]:
+    """Requests that hold sampled tokens yet are not running after a drain (preempted ones). Reads the output
+    processor of vLLM's ``AsyncLLM``; another engine client reports none."""
+    states = getattr(getattr(engine, "output_processor", None), "request_states", None) or {}
+    return [rid for rid, state in list(states.items()) if getattr(state, "weight_version_starts", None)]
+
+
+def _persist_sink(model_dir: str, persist_dir: str | None, manifest: list[TensorSpec]) -> SafetensorsDirSink | None:
+    """The directory each version is kept in for a restart; on first use it starts as a copy of the served model."""
+    if persist_dir is None:
+        return None
+    import shutil
+    from pathlib import Path
+
+    target = Path(persist_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    if os.path.realpath(model_dir) != os.path.realpath(persist_dir) and not any(target.glob("*.safetensors")):
+        for item in Path(model_dir).iterdir():
+            if item.is_file():
+                shutil.copy2(item, target / item.name)
+    return SafetensorsDirSink(persist_dir, manifest)

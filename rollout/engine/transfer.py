@@ -1,0 +1,207 @@
+"""The ``rl_align`` weight-transfer backend of vLLM: the one way pushed weights enter vLLM, in process or served.
+
+vLLM builds one :class:`RLAlignWeightTransferEngine` inside every worker whose engine was started with
+``weight_transfer_config={"backend": "rl_align"}`` (``--weight-transfer-config '{"backend": "rl_align"}'`` on a
+server); :mod:`rollout.engine.vllm_plugin` registers the name. The caller drives vLLM's own update API:
+``start_weight_update`` -> ``update_weights(update_info)`` (one chunk per version) -> ``finish_weight_update``.
+
+An update info names a complete, verified version (HF-canonical tensor names), as tensors (an in-process engine with
+one worker: the dict reaches the worker by reference) or as the path of a safetensors file every worker can read (a
+served engine, or tensor parallel: update infos cross a process boundary as msgpack). The whole reload runs inside
+``update_weights``, in this order, so that a refusal comes before anything changed:
+
+1. a partial fused group (``q_proj`` without ``k_proj``) is refused with an error whose message starts with
+   :data:`REFUSED` (the error type is lost over vLLM's process boundary; the prefix is not);
+2. vLLM's layer-wise reload (``initialize_layerwise_reload`` -> ``model.load_weights`` ->
+   ``finalize_layerwise_reload``), which re-runs each layer's post-load processing (the CPU backend's GEMM repack
+   included);
+3. modules whose weight is tied to a reloaded parameter (a tied ``lm_head``) are processed again: vLLM's reload
+   documents that tied parameters only reflect one parent's processing, so the CPU head kept its old packed weight;
+4. every parameter the update covers (every parameter for a full update) must have been loaded, else ``RuntimeError``:
+   the model may then hold a mix and the caller must stop serving from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "REFUSED",
+    "RLAlignInitInfo",
+    "RLAlignRefused",
+    "RLAlignUpdateInfo",
+    "RLAlignWeightTransferEngine",
+    "check_fused_groups",
+    "expected_parameters",
+]
+
+REFUSED = "rl_align refused:"
+"""Prefix of the message of an update refused before the model changed (the engine keeps serving its version)."""
+
+
+class RLAlignRefused(ValueError):
+    """An update refused before anything was loaded; its message starts with :data:`REFUSED`."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"{REFUSED} {reason}")
+
+
+@dataclass
+class RLAlignInitInfo(WeightTransferInitInfo):
+    """No rendezvous: pushes arrive through the weight-sync receiver, so there is nothing to hand the engine."""
+
+
+@dataclass
+class RLAlignUpdateInfo(WeightTransferUpdateInfo):
+    """One complete, verified version: exactly one of ``tensors`` (same process only) or ``path``."""
+
+    policy_version: int
+    full: bool
+    """The update is a complete checkpoint: every engine parameter must be loaded."""
+    path: str | None = None
+    """A safetensors file holding the update (readable by every worker)."""
+    tensors: Mapping[str, torch.Tensor] | None = None
+    """The update's tensors, by reference (an in-process engine with one worker)."""
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.tensors is None):
+            raise ValueError("rl_align update info needs exactly one of `path` or `tensors`")
+        if isinstance(self.policy_version, bool) or not isinstance(self.policy_version, int) or self.policy_version < 0:
+            raise ValueError(f"rl_align update info: policy_version {self.policy_version!r} is not an integer >= 0")
+
+
+def check_fused_groups(names: Iterable[str], packed_modules: Mapping[str, list[str]]) -> None:
+    """Raise :class:`RLAlignRefused` when an update holds some members of a fused group but not all.
+
+    A partial fused group loads into a slice of the fused parameter and corrupts the model, so it is refused before
+    anything is loaded.
+    """
+    present = set(names)
+    for name in sorted(present):
+        for members in packed_modules.values():
+            for member in members:
+                if f".{member}." not in name:
+                    continue
+                missing = [name.replace(f".{member}.", f".{m}.") for m in members if m != member]
+                missing = [m for m in missing if m not in present]
+                if missing:
+                    raise RLAlignRefused(
+                        f"update has {name} but not {', '.join(missing)} of the same fused group; "
+                        f"send whole fused groups ({' + '.join(members)})"
+                    )
+
+
+def expected_parameters(names: Iterable[str], packed_modules: Mapping[str, list[str]], params: set[str]) -> set[str]:
+    """Engine parameter names that checkpoint ``names`` must load into (names with no engine parameter are skipped)."""
+    out = set()
+    for name in names:
+        for packed, members in packed_modules.items():
+            for member in members:
+                name = name.replace(f".{member}.", f".{packed}.")
+        if name in params:
+            out.add(name)
+    return out
+
+
+class RLAlignWeightTransferEngine(WeightTransferEngine[RLAlignInitInfo, RLAlignUpdateInfo]):
+    """vLLM worker side of the ``rl_align`` backend (see the module docstring for the order of one update)."""
+
+    init_info_cls = RLAlignInitInfo
+    update_info_cls = RLAlignUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        import os
+
+        additional: Any = self.vllm_config.additional_config or {}
+        driver = (additional.get("rl_align") or {}).get("driver", "server")
+        plugins = [p.strip() for p in os.environ.get("VLLM_PLUGINS", "").split(",")]
+        if driver != "inproc" and "rl_align" not in plugins:  # else no receiver opens and the server looks healthy
+            raise RuntimeError("--weight-transfer-config selects backend 'rl_align' but the rl_align endpoint plugin "
+                               "is not enabled: set VLLM_PLUGINS=rl_align (see deploy/OPERATIONS.md)")
+
+    def init_transfer_engine(self, init_info: RLAlignInitInfo) -> None:
+        """Nothing to set up: calling it is allowed and does nothing."""
+
+    def start_weight_update(self) -> None:
+        """Nothing yet: the reload starts in ``receive_weights``, after the update was checked."""
+
+    def finish_weight_update(self) -> None:
+        """Nothing left: ``receive_weights`` finished the reload."""
+
+    def shutdown(self) -> None:
+        """No transfer resources are held between updates."""
+
+    def receive_weights(self, update_info: RLAlignUpdateInfo) -> None:
+        """Check, then load one whole version into the model (module docstring, steps 1-4)."""
+        import torch
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model: Any = self.model
+        packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        with _weights_of(update_info) as (names, weights):
+            check_fused_groups(names, packed)
+            params = {name for name, _ in model.named_parameters()}
+            with torch.no_grad():
+                initialize_layerwise_reload(model)
+                with disable_mtp_completeness_check():
+                    loaded = set(model.load_weights(weights) or ())
+                finalize_layerwise_reload(model, self.model_config)
+                _refresh_tied_modules(model, loaded)
+        expected = params if update_info.full else expected_parameters(names, packed, params)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise RuntimeError(f"weight update to version {update_info.policy_version} did not load "
+                               f"{len(missing)} parameter(s): {missing[:8]}")
+
+
+class _weights_of:
+    """``with _weights_of(info) as (names, iterator)``: the update's tensor names and a lazy (name, tensor) iterator;
+    a file is read through safetensors' mmap, so each tensor-parallel worker's loader slices out only its shard."""
+
+    def __init__(self, info: RLAlignUpdateInfo) -> None:
+        self._info = info
+        self._file: Any = None
+
+    def __enter__(self) -> tuple[list[str], Iterator[tuple[str, torch.Tensor]]]:
+        if self._info.tensors is not None:
+            tensors = self._info.tensors
+            return sorted(tensors), iter(tensors.items())
+        from safetensors import safe_open
+
+        try:
+            self._file = safe_open(self._info.path, framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error type for a bad header or a missing file
+            raise RLAlignRefused(f"cannot read the update file {self._info.path}: {e}") from e
+        names = sorted(self._file.keys())
+        return names, ((name, self._file.get_tensor(name)) for name in names)
+
+    def __exit__(self, *exc: object) -> None:
+        self._file = None
+
+
+def _refresh_tied_modules(model: torch.nn.Module, loaded: set[str]) -> None:
+    """Re-run weight post-processing of modules whose weight is tied to a reloaded parameter (a tied ``lm_head``).
+
+    The reload skips a tied ``lm_head`` (its checkpoint has no tensor of its own), so kernels derived from its weight at
+    load time (the CPU backend's packed GEMM weight) kept the old values: logits came from the old head
+    (``tests/rollout/test_vllm_engine.py`` checks log-probs after a push against HF). A no-op where nothing is
+    derived.
+    """
+    loaded_ptrs = {p.data_ptr() for n, p in model.named_parameters(remove_duplicate=False) if n in loaded}
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        weight = getattr(module, "weight", None)
+        if method is None or weight is None or f"{prefix}.weight" in loaded:
+            continue
+        if weight.data_ptr() in loaded_ptrs:
+            method.process_weights_after_loading(module)

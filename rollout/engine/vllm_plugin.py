@@ -1,0 +1,187 @@
+"""The rl-align vLLM plugin: a stock ``vllm serve`` takes weight-sync pushes natively.
+
+Two entry points under one name, ``rl_align`` (``pyproject.toml``), so ``VLLM_PLUGINS=rl_align`` enables both:
+
+- ``vllm.general_plugins`` -> :func:`register`: in every vLLM process, registers the ``rl_align`` weight-transfer
+  backend (:mod:`rollout.engine.transfer`) that ``--weight-transfer-config '{"backend": "rl_align"}'`` selects;
+- ``vllm.endpoint_plugins`` -> :class:`RLAlignEndpointPlugin`: in the API-server process, opens a weight-sync
+  receiver whose sink (:class:`rollout.engine.server_sink.ServerWeightSink`) applies each committed version through
+  the server's ``EngineClient`` at a safe point, and serves ``GET /rl_align/weight_sync`` and Prometheus gauges on
+  vLLM's ``/metrics``.
+
+Options (:class:`ServedReceiverConfig`) come from ``--additional-config '{"rl_align": {...}}'``, then from
+``RL_ALIGN_WEIGHT_SYNC_<FIELD>`` environment variables (which win, and keep values out of vLLM's compile-cache key);
+the bearer token only from ``$RL_ALIGN_WEIGHT_SYNC_TOKEN`` (vLLM logs its whole config). ``deploy/OPERATIONS.md``
+("Serving with a stock vLLM server") is the operator's guide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from argparse import Namespace
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import pydantic
+
+from common.config import Config, parse_overrides, validate_config
+from weight_sync.config import DEFAULT_TOKEN_ENV, WeightSyncConfig
+
+__all__ = ["BACKEND", "RLAlignEndpointPlugin", "ServedReceiverConfig", "register", "served_receiver_config"]
+
+BACKEND = "rl_align"
+"""The backend name (``--weight-transfer-config``), the plugin name (``VLLM_PLUGINS``) and the ``additional_config``
+key: one name for all three."""
+ENV_PREFIX = "RL_ALIGN_WEIGHT_SYNC_"
+
+log = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """Register the ``rl_align`` weight-transfer backend with vLLM (idempotent; imports no model code)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, "rollout.engine.transfer", "RLAlignWeightTransferEngine")
+
+
+class ServedReceiverConfig(Config):
+    """The receiver a served vLLM opens, and how it applies updates."""
+
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    """The receiver: ``port`` (0 picks one, which the log names), ``bind_host``, TLS, limits. Written flat: every key
+    of ``additional_config["rl_align"]`` that is not one of the fields below is a ``WeightSyncConfig`` field."""
+    stage_dir: str = pydantic.Field(default_factory=lambda: "/dev/shm" if os.path.isdir("/dev/shm") else
+                                    tempfile.gettempdir())
+    """Where each update is written once for the engine's workers to read (needs one model's worth of space)."""
+    persist_dir: str | None = None
+    """Keep every served version here (an HF checkpoint directory with ``policy_version``); start the server on this
+    directory to resume at its version. Unset: a restart serves the directory it was started from."""
+    drain_timeout_s: float = pydantic.Field(300.0, gt=0)
+    """Longest wait for in-flight requests to finish before an update; keep it below the sender's commit timeout."""
+    on_drain_timeout: Literal["refuse", "abort"] = "refuse"
+    """A drain past ``drain_timeout_s``: ``refuse`` the update (the sender retries with its next version) or ``abort``
+    the requests still running (their clients get ``finish_reason="abort"``)."""
+    driver: Literal["server", "inproc"] = "server"
+    """Who drives updates: the endpoint plugin of a server, or rl-align's in-process ``VLLMEngine`` (set by it)."""
+
+
+_PLUGIN_FIELDS = set(ServedReceiverConfig.model_fields) - {"weight_sync"}
+
+
+def served_receiver_config(additional: Mapping[str, Any] | None, environ: Mapping[str, str]) -> ServedReceiverConfig:
+    """The plugin's config from ``additional_config["rl_align"]`` and ``RL_ALIGN_WEIGHT_SYNC_<FIELD>`` variables (read
+    as TOML values: ``50051``, ``true``, or a bare string). Raises ``ConfigError`` naming a bad or unknown key."""
+    data = dict(additional or {})
+    if "auth_token" in data:
+        raise ValueError(f"additional_config[{BACKEND!r}] must not hold auth_token: vLLM logs its config; export "
+                         f"${DEFAULT_TOKEN_ENV} instead")
+    known = _PLUGIN_FIELDS | set(WeightSyncConfig.model_fields)
+    for name, raw in environ.items():
+        field = name.removeprefix(ENV_PREFIX).lower()
+        if name.startswith(ENV_PREFIX) and field in known and field != "auth_token":
+            data.update(parse_overrides([f"--{field}", raw]))
+    plugin = {k: v for k, v in data.items() if k in _PLUGIN_FIELDS}
+    plugin["weight_sync"] = {k: v for k, v in data.items() if k not in _PLUGIN_FIELDS}
+    return validate_config(ServedReceiverConfig, plugin, source=f"additional_config[{BACKEND!r}] and ${ENV_PREFIX}*")
+
+
+class RLAlignEndpointPlugin:
+    """vLLM endpoint plugin: the weight-sync receiver of a served engine (module docstring)."""
+
+    name = BACKEND
+    required_tasks = ("generate",)
+
+    def __init__(self) -> None:
+        self.receiver: Any = None
+        self.sink: Any = None
+
+    def attach_router(self, app: Any) -> None:
+        """``GET /rl_align/weight_sync``: the served version, the receiver's address and the last update's figures."""
+        from dataclasses import asdict
+
+        from fastapi.responses import JSONResponse
+
+        async def weight_sync_status() -> JSONResponse:
+            if self.sink is None:
+                return JSONResponse({"enabled": False}, status_code=404)
+            return JSONResponse({"enabled": True, "receiver": self.receiver.address, **asdict(self.sink.state)})
+
+        app.add_api_route("/rl_align/weight_sync", weight_sync_status, methods=["GET"])
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        """Open the receiver when the engine uses the ``rl_align`` backend; refuse set-ups it cannot serve."""
+        if engine_client is None:
+            return
+        vllm_config = engine_client.vllm_config
+        transfer = vllm_config.weight_transfer_config
+        if transfer is None or transfer.backend != BACKEND:
+            log.warning("rl_align plugin loaded but --weight-transfer-config does not select backend %r: no receiver "
+                        "opened", BACKEND)
+            return
+        config = served_receiver_config((vllm_config.additional_config or {}).get(BACKEND), os.environ)
+        if getattr(args, "api_server_count", 1) not in (None, 1):
+            raise ValueError("the rl_align receiver needs --api-server-count 1 (each API process would open one)")
+        model_dir = vllm_config.model_config.model
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"--model {model_dir!r} is not a local directory: the rl_align receiver reads the served "
+                             "checkpoint's manifest from it (download the model first)")
+        from rollout.engine.server_sink import ServerWeightSink
+        from weight_sync.receiver import WeightReceiver
+
+        metrics = _Metrics.get()
+        self.sink = ServerWeightSink(
+            engine_client, asyncio.get_running_loop(), model_dir,
+            stage_dir=config.stage_dir, persist_dir=config.persist_dir, drain_timeout_s=config.drain_timeout_s,
+            update_timeout_s=config.weight_sync.commit_timeout_s, on_drain_timeout=config.on_drain_timeout,
+            on_change=metrics.update,
+        )
+        await engine_client.update_weight_version(str(self.sink.committed_version()))
+        metrics.update(self.sink.state)
+        self.receiver = WeightReceiver(self.sink, config.weight_sync)
+        self.receiver.start()
+        import atexit
+
+        atexit.register(self.receiver.stop)
+        state.rl_align_receiver = self.receiver
+        log.info("rl_align weight-sync receiver on %s serving version %d of %s", self.receiver.address,
+                 self.sink.committed_version(), model_dir)
+
+
+class _Metrics:
+    """Prometheus gauges on vLLM's ``/metrics`` (the default registry of the API-server process); one set a process."""
+
+    _instance: _Metrics | None = None
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self.version = Gauge("rl_align_policy_version", "policy_version the server generates with")
+        self.update_s = Gauge("rl_align_weight_update_seconds", "seconds of the last applied update, check to resume")
+        self.pause_s = Gauge("rl_align_weight_update_pause_seconds", "seconds the last update paused generation")
+        self.broken = Gauge("rl_align_broken", "1 when an update failed midway and the server must be restarted")
+        self.updates = Counter("rl_align_weight_updates", "updates by outcome", ["outcome"])
+        self.aborted = Gauge("rl_align_aborted_requests", "preempted requests aborted so as not to mix versions")
+        self._seen = (0, 0)
+
+    @classmethod
+    def get(cls) -> _Metrics:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def update(self, state: Any) -> None:
+        self.version.set(state.policy_version)
+        self.update_s.set(state.last_update_s)
+        self.pause_s.set(state.last_pause_s)
+        self.broken.set(1 if state.broken else 0)
+        self.aborted.set(state.num_aborted_requests)
+        applied, refused = state.num_updates - self._seen[0], state.num_refused - self._seen[1]
+        if applied > 0:
+            self.updates.labels("applied").inc(applied)
+        if refused > 0:
+            self.updates.labels("refused").inc(refused)
+        self._seen = (state.num_updates, state.num_refused)

