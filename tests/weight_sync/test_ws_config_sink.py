@@ -1,5 +1,7 @@
 """WeightSyncConfig validation, and the two plain sinks (state dict, safetensors directory)."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -46,11 +48,14 @@ def test_state_dict_sink_copies_in_place_and_rejects_unknown_names():
 def test_safetensors_sink_merges_subset_updates_atomically(tmp_path):
     save_file({"a": torch.zeros(3)}, str(tmp_path / "model-1.safetensors"))
     save_file({"b": torch.zeros(2, dtype=torch.bfloat16)}, str(tmp_path / "model-2.safetensors"))
+    index = {"metadata": {}, "weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     sink = SafetensorsDirSink(str(tmp_path))
     assert sorted(s.name for s in sink.manifest()) == ["a", "b"]
     sink.apply(1, {"b": torch.ones(2, dtype=torch.bfloat16)})
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert files == ["model.safetensors"]
+    assert not (tmp_path / "model.safetensors.index.json").exists()  # loaders would look for the folded shards
     got = load_file(str(tmp_path / "model.safetensors"))
     assert torch.equal(got["a"], torch.zeros(3)) and torch.equal(got["b"], torch.ones(2, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="manifest"):
