@@ -55,6 +55,7 @@ class RolloutWorker:
         self.receiver = WeightReceiver(self.sink, self._sync_config)
         self.receiver.start()
         self._cpu = CpuClock()
+        self._update_seen = 0.0
 
     def generate_groups(
         self,
@@ -68,7 +69,8 @@ class RolloutWorker:
 
         Returns the samples grouped by problem, in input order, and additive metrics: ``rollout/generate_s``,
         ``rollout/num_completion_tokens``, ``rollout/process_cpu_s`` (this worker's CPU seconds since its previous
-        batch, weight loads included), ``reward/num_errors`` and ``reward/<term>/num_errors``.
+        batch, weight loads included), ``rollout/weight_update_s`` (seconds weight updates held the engine since its
+        previous batch), ``reward/num_errors`` and ``reward/<term>/num_errors``.
         """
         from rollout.tokenizer import render_prompt
 
@@ -100,8 +102,13 @@ class RolloutWorker:
         ]
         metrics = {"rollout/generate_s": generate_s,
                    "rollout/num_completion_tokens": float(sum(len(c.token_ids) for _, c in flat)),
-                   "rollout/process_cpu_s": self._cpu.lap(), **errors}
+                   "rollout/process_cpu_s": self._cpu.lap(), "rollout/weight_update_s": self._update_lap(), **errors}
         return RolloutBatch(samples=samples, metrics=metrics)
+
+    def _update_lap(self) -> float:
+        total = self.engine.total_update_s
+        lap, self._update_seen = total - self._update_seen, total
+        return lap
 
     def _score(
         self, completions: list[np.ndarray], problems: list[Problem], group_ids: list[int], max_tokens: int

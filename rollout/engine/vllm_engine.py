@@ -100,6 +100,8 @@ class VLLMEngine:
         self._shut_down = False
         self.last_update_s = 0.0
         """Seconds the last weight update held the engine (generation paused), for metrics."""
+        self.total_update_s = 0.0
+        """Seconds all weight updates of this engine held it, summed (``rollout/weight_update_s`` laps it)."""
 
     @property
     def policy_version(self) -> int:
@@ -159,6 +161,7 @@ class VLLMEngine:
             self._llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
             self._policy_version = policy_version
             self.last_update_s = time.perf_counter() - start
+            self.total_update_s += self.last_update_s
 
     def shutdown(self) -> None:
         """Release the engine now (waiting for a running batch or update); later calls do nothing, and ``generate``
