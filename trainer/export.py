@@ -58,20 +58,32 @@ def complete_from_source(out_dir: str | Path, source_dir: str | Path) -> list[st
 
 
 def export_policy(
-    policy: nn.Module, out_dir: str | Path, source_dir: str | Path | None, dtype: str | None = None
+    policy: nn.Module,
+    out_dir: str | Path,
+    source_dir: str | Path | None,
+    dtype: str | None = None,
+    policy_version: int | None = None,
 ) -> list[str]:
     """Write ``policy`` (plain or sharded; collective when sharded: every rank calls it, rank 0 writes) as a
     complete HF directory at ``out_dir``; ``dtype`` casts the weights (e.g. ``"bfloat16"``). Returns the file names
     on rank 0, ``[]`` elsewhere. ``source_dir`` None writes the weights and ``config.json`` only (a model built from
-    a config in a test has no tokenizer to copy)."""
+    a config in a test has no tokenizer to copy). ``policy_version`` is recorded as ``policy_version.json``, so a
+    weight-sync receiver serving the directory (``vllm serve`` with the rl_align plugin, ``python -m weight_sync
+    serve``) starts at that version and refuses older pushes."""
     import torch
 
     from trainer.models.hf_io import save_hf_checkpoint
+    from weight_sync.sink import write_policy_version
 
     torch_dtype = getattr(torch, dtype) if dtype is not None else None
     files = save_hf_checkpoint(policy, str(out_dir), dtype=torch_dtype)
-    if not files or source_dir is None:
+    if not files:
         return files  # [] on the ranks that do not write
+    if policy_version is not None:
+        write_policy_version(str(out_dir), policy_version)
+        files = [*files, "policy_version.json"]
+    if source_dir is None:
+        return files
     return [*files, *complete_from_source(out_dir, source_dir)]
 
 

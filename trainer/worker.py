@@ -196,10 +196,12 @@ class TrainerWorker:
 
     def export_hf(self, path: str, source_dir: str | None, dtype: str | None = None) -> list[str]:
         """Write the policy as a complete HF model directory (weights, config, tokenizer files and generation config
-        of ``source_dir``, the model directory the run started from); rank 0 writes (``trainer.export``)."""
+        of ``source_dir``, the model directory the run started from, and the policy version); rank 0 writes
+        (``trainer.export``)."""
         from trainer.export import export_policy
 
-        return export_policy(self._require_state().policy, path, source_dir, dtype)
+        state = self._require_state()
+        return export_policy(state.policy, path, source_dir, dtype, policy_version=state.policy_version)
 
     def policy_version(self) -> int:
         return self._require_state().policy_version

@@ -22,7 +22,10 @@ import torch
 
 from weight_sync.spec import TensorSpec
 
-__all__ = ["SafetensorsDirSink", "StateDictSink", "TensorSpec", "WeightSink", "read_policy_version", "spec_of"]
+__all__ = [
+    "SafetensorsDirSink", "StateDictSink", "TensorSpec", "WeightSink", "read_policy_version", "spec_of",
+    "write_policy_version",
+]
 
 
 @runtime_checkable
@@ -90,6 +93,13 @@ def read_policy_version(directory: str) -> int:
     if version_file.exists():
         return _version(json.loads(version_file.read_text()).get("policy_version"), version_file)
     return 0
+
+
+def write_policy_version(directory: str, policy_version: int) -> None:
+    """Record ``policy_version`` as ``directory/policy_version.json`` (what :func:`read_policy_version` reads when
+    ``model.safetensors`` carries none), so a receiver started on the directory starts at that version."""
+    text = json.dumps({"policy_version": policy_version}) + "\n"
+    (Path(directory) / SafetensorsDirSink.VERSION_FILE).write_text(text)
 
 
 def _version(stored: object, path: Path) -> int:
@@ -175,4 +185,4 @@ class SafetensorsDirSink:
                 path.unlink(missing_ok=True)
         (self.directory / INDEX_FILE).unlink(missing_ok=True)
         self._files = [self.directory / self.FILE]
-        (self.directory / self.VERSION_FILE).write_text(json.dumps({"policy_version": policy_version}) + "\n")
+        write_policy_version(str(self.directory), policy_version)

@@ -59,9 +59,12 @@ def test_exported_policy_loads_and_generates_with_hf(source, tmp_path):
     from trainer.export import export_policy
 
     model = _trained(source)
-    files = export_policy(model, tmp_path / "out", source)
+    files = export_policy(model, tmp_path / "out", source, policy_version=12)
     assert {"model.safetensors", "config.json", "tokenizer.json", "generation_config.json"} <= set(files)
     _assert_usable(tmp_path / "out", model, source)
+    from weight_sync.sink import SafetensorsDirSink
+
+    assert SafetensorsDirSink(str(tmp_path / "out")).committed_version() == 12  # a receiver on it starts at 12
 
 
 def test_a_dcp_checkpoint_exports_to_the_same_model(source, tmp_path):
