@@ -146,18 +146,24 @@ class ServerWeightSink:
         """Write the update where every worker can read it (atomically: the worker never sees a partial file)."""
         from safetensors.torch import save_file
 
-        os.makedirs(self._stage_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f"rl-align-{os.getpid()}-v{policy_version}-", suffix=".tmp",
-                                   dir=self._stage_dir)
-        os.close(fd)
-        path = tmp.removesuffix(".tmp") + ".safetensors"
+        tmp = path = ""
         try:
+            os.makedirs(self._stage_dir, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f"rl-align-{os.getpid()}-v{policy_version}-", suffix=".tmp",
+                                       dir=self._stage_dir)
+            os.close(fd)
+            path = tmp.removesuffix(".tmp") + ".safetensors"
             save_file({name: t.contiguous() for name, t in tensors.items()}, tmp,
                       metadata={"policy_version": str(policy_version)})
             os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
+        except BaseException as e:
+            if tmp and os.path.exists(tmp):
                 os.unlink(tmp)
+            if isinstance(e, OSError):  # typically a full /dev/shm (Docker's default is 64 MiB)
+                raise RuntimeError(
+                    f"cannot stage version {policy_version} in stage_dir={self._stage_dir!r}: {e}; it needs room for "
+                    "one model (give the container --ipc=host or a larger --shm-size, or set stage_dir)"
+                ) from e
             raise
         return path
 

@@ -138,6 +138,14 @@ def test_updates_that_do_not_fit_the_manifest_are_refused_before_any_call(loop, 
     assert engine.calls == []
 
 
+def test_a_stage_dir_that_cannot_take_the_update_is_named(loop, model_dir, tmp_path):
+    (tmp_path / "stage").write_text("a file, not a directory")
+    engine = RecordingEngine()
+    with pytest.raises(RuntimeError, match="stage_dir=.*shm-size"):
+        _sink(engine, loop, model_dir, tmp_path).apply(1, STATE)
+    assert engine.calls == []
+
+
 def test_persisted_versions_are_what_a_restart_serves(loop, model_dir, tmp_path):
     persist = tmp_path / "live"
     sink = _sink(RecordingEngine(), loop, model_dir, tmp_path, persist_dir=str(persist))
