@@ -305,3 +305,18 @@ def test_a_restarted_server_resumes_its_version_and_refuses_older(server, dirs):
         assert kit.returncode == 0, kit.stdout[-3000:] + kit.stderr[-2000:]
     finally:
         restarted.stop()
+
+
+@pytest.mark.slow
+def test_a_misspelt_option_stops_the_server_at_start_naming_it(dirs, tmp_path):
+    """Bad input fails before the server serves, with the field it probably meant (slow: a whole engine start)."""
+    log = tmp_path / "bad.log"
+    env = {**os.environ, "VLLM_PLUGINS": "rl_align", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(dirs["a"]), "--host",
+           "127.0.0.1", "--port", str(_free_port()), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+           "--weight-transfer-config", '{"backend": "rl_align"}', "--additional-config", '{"rl_align": {"prot": 1}}']
+    with open(log, "w") as out:
+        done = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=STARTUP_S)
+    assert done.returncode != 0 and "did you mean weight_sync.port" in log.read_text()
