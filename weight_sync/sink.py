@@ -112,9 +112,6 @@ def _version(stored: object, path: Path) -> int:
     return version
 
 
-INDEX_FILE = "model.safetensors.index.json"
-
-
 class SafetensorsDirSink:
     """Keeps the latest version as `model.safetensors` + `policy_version.json` in a directory (an HF checkpoint dir).
 
@@ -125,6 +122,7 @@ class SafetensorsDirSink:
     """
 
     FILE = "model.safetensors"
+    INDEX_FILE = "model.safetensors.index.json"
     VERSION_FILE = "policy_version.json"
 
     def __init__(self, directory: str, manifest: list[TensorSpec] | None = None) -> None:
@@ -183,6 +181,6 @@ class SafetensorsDirSink:
         for path in self._files:
             if path.name != self.FILE:
                 path.unlink(missing_ok=True)
-        (self.directory / INDEX_FILE).unlink(missing_ok=True)
+        (self.directory / self.INDEX_FILE).unlink(missing_ok=True)
         self._files = [self.directory / self.FILE]
         write_policy_version(str(self.directory), policy_version)

@@ -26,15 +26,13 @@ import asyncio
 import logging
 import os
 import signal
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from rollout.engine.sink import check_update, read_checkpoint_manifest
-from rollout.engine.transfer import REFUSED
+from rollout.engine.transfer import REFUSED, write_update_file
 from weight_sync.sink import SafetensorsDirSink, read_policy_version
 from weight_sync.spec import TensorSpec
 
@@ -65,8 +63,9 @@ class ServedUpdateState:
 class ServerWeightSink:
     """Applies verified versions to the ``EngineClient`` of a vLLM server (implements ``weight_sync``'s sink).
 
-    ``apply`` is called from a receiver thread and blocks until the update is served or refused; it must not be
-    called on ``loop``'s own thread. ``on_change`` is called (from that thread) after every outcome, for metrics.
+    ``apply`` is called from a receiver thread (the receiver calls it one update at a time) and blocks until the
+    update is served or refused; it must not be called on ``loop``'s own thread. ``state`` is the one record of the
+    served version and of every outcome (the plugin's route and metrics read it).
     """
 
     def __init__(
@@ -80,7 +79,6 @@ class ServerWeightSink:
         drain_timeout_s: float = 300.0,
         update_timeout_s: float = 600.0,
         on_drain_timeout: Literal["refuse", "abort"] = "refuse",
-        on_change: Callable[[ServedUpdateState], None] | None = None,
         exit_process: Callable[[], None] | None = None,
     ) -> None:
         self._engine = engine
@@ -91,11 +89,9 @@ class ServerWeightSink:
         self._drain_timeout_s = drain_timeout_s
         self._update_timeout_s = update_timeout_s
         self._on_drain_timeout = on_drain_timeout
-        self._on_change = on_change or (lambda state: None)
         self._exit_process = exit_process or (lambda: os.kill(os.getpid(), signal.SIGTERM))
         served = read_policy_version(persist_dir if persist_dir is not None else model_dir)
         self.state = ServedUpdateState(policy_version=served)
-        self._lock = threading.Lock()
 
     def manifest(self) -> list[TensorSpec]:
         """The served checkpoint's tensors (HF-canonical names, global shapes and dtypes)."""
@@ -111,61 +107,42 @@ class ServerWeightSink:
         Raises ``ValueError`` (engine unchanged) for a refused update, ``TimeoutError`` (unchanged) for a drain that
         took too long under ``"refuse"``, ``RuntimeError`` when the server is broken.
         """
-        with self._lock:
-            start = time.perf_counter()
-            if self.state.broken is not None:
-                raise RuntimeError(f"this server stopped taking updates: {self.state.broken}; restart it")
-            check_update(self._specs, tensors)
-            full = len(tensors) == len(self._specs)
-            path = self._stage(policy_version, tensors)
+        start = time.perf_counter()
+        if self.state.broken is not None:
+            raise RuntimeError(f"this server stopped taking updates: {self.state.broken}; restart it")
+        check_update(self._specs, tensors)
+        full = len(tensors) == len(self._specs)
+        path = self._stage(policy_version, tensors)
+        try:
+            future = asyncio.run_coroutine_threadsafe(self._serve(policy_version, path, full), self._loop)
+            pause_s = future.result(timeout=self._drain_timeout_s + self._update_timeout_s)
+        except (ValueError, TimeoutError) as e:
+            self.state.num_refused += 1
+            self.state.last_error = str(e)
+            raise
+        finally:
+            os.unlink(path)
+        self.state.policy_version = policy_version
+        self.state.num_updates += 1
+        self.state.last_update_s = time.perf_counter() - start
+        self.state.last_pause_s = pause_s
+        self.state.last_error = None
+        if self._persist is not None:
             try:
-                future = asyncio.run_coroutine_threadsafe(self._serve(policy_version, path, full), self._loop)
-                try:
-                    pause_s = future.result(timeout=self._drain_timeout_s + self._update_timeout_s)
-                except (ValueError, TimeoutError) as e:
-                    self.state.num_refused += 1
-                    self.state.last_error = str(e)
-                    raise
-            finally:
-                os.unlink(path)
-                self._on_change(self.state)
-            self.state.policy_version = policy_version
-            self.state.num_updates += 1
-            self.state.last_update_s = time.perf_counter() - start
-            self.state.last_pause_s = pause_s
-            self.state.last_error = None
-            if self._persist is not None:
-                try:
-                    self._persist.apply(policy_version, tensors)
-                except Exception as e:  # the engine serves the version already: report, do not refuse
-                    self.state.last_error = f"version {policy_version} is served but was not persisted: {e}"
-                    log.error("%s", self.state.last_error)
-            self._on_change(self.state)
+                self._persist.apply(policy_version, tensors)
+            except Exception as e:  # the engine serves the version already: report, do not refuse
+                self.state.last_error = f"version {policy_version} is served but was not persisted: {e}"
+                log.error("%s", self.state.last_error)
 
     def _stage(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> str:
-        """Write the update where every worker can read it (atomically: the worker never sees a partial file)."""
-        from safetensors.torch import save_file
-
-        tmp = path = ""
+        """Write the update where every worker can read it; a stage directory without room is named with the fix."""
         try:
-            os.makedirs(self._stage_dir, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f"rl-align-{os.getpid()}-v{policy_version}-", suffix=".tmp",
-                                       dir=self._stage_dir)
-            os.close(fd)
-            path = tmp.removesuffix(".tmp") + ".safetensors"
-            save_file({name: t.contiguous() for name, t in tensors.items()}, tmp,
-                      metadata={"policy_version": str(policy_version)})
-            os.replace(tmp, path)
-        except BaseException as e:
-            if tmp and os.path.exists(tmp):
-                os.unlink(tmp)
-            if isinstance(e, OSError):  # typically a full /dev/shm (Docker's default is 64 MiB)
-                raise RuntimeError(
-                    f"cannot stage version {policy_version} in stage_dir={self._stage_dir!r}: {e}; it needs room for "
-                    "one model (give the container --ipc=host or a larger --shm-size, or set stage_dir)"
-                ) from e
-            raise
-        return path
+            return write_update_file(tensors, self._stage_dir, policy_version)
+        except OSError as e:  # typically a full /dev/shm (Docker's default is 64 MiB)
+            raise RuntimeError(
+                f"cannot stage version {policy_version} in stage_dir={self._stage_dir!r}: {e}; it needs room for "
+                "one model (give the container --ipc=host or a larger --shm-size, or set stage_dir)"
+            ) from e
 
     async def _serve(self, policy_version: int, path: str, full: bool) -> float:
         """Steps 3-4 on the server's event loop; returns the seconds generation was paused."""

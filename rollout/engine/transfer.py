@@ -23,11 +23,15 @@ served engine, or tensor parallel: update infos cross a process boundary as msgp
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from rollout.engine.vllm_plugin import BACKEND
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +43,9 @@ __all__ = [
     "RLAlignUpdateInfo",
     "RLAlignWeightTransferEngine",
     "check_fused_groups",
+    "default_stage_dir",
     "expected_parameters",
+    "write_update_file",
 ]
 
 REFUSED = "rl_align refused:"
@@ -75,6 +81,30 @@ class RLAlignUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError("rl_align update info needs exactly one of `path` or `tensors`")
         if isinstance(self.policy_version, bool) or not isinstance(self.policy_version, int) or self.policy_version < 0:
             raise ValueError(f"rl_align update info: policy_version {self.policy_version!r} is not an integer >= 0")
+
+
+def default_stage_dir() -> str:
+    """Where update files go by default: ``/dev/shm`` (memory, shared by every process of the host) where it exists."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def write_update_file(tensors: Mapping[str, torch.Tensor], directory: str, policy_version: int) -> str:
+    """Write one update as a safetensors file in ``directory`` (created if missing) for the file form of
+    :class:`RLAlignUpdateInfo`; return its path. Atomic: a reader never sees a partial file. The caller unlinks it."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f"rl-align-{os.getpid()}-v{policy_version}-", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        save_file({name: t.contiguous() for name, t in tensors.items()}, tmp,
+                  metadata={"policy_version": str(policy_version)})
+        path = tmp.removesuffix(".tmp") + ".safetensors"
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
 
 
 def check_fused_groups(names: Iterable[str], packed_modules: Mapping[str, list[str]]) -> None:
@@ -119,12 +149,10 @@ class RLAlignWeightTransferEngine(WeightTransferEngine[RLAlignInitInfo, RLAlignU
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        import os
-
         additional: Any = self.vllm_config.additional_config or {}
-        driver = (additional.get("rl_align") or {}).get("driver", "server")
+        driver = (additional.get(BACKEND) or {}).get("driver", "server")
         plugins = [p.strip() for p in os.environ.get("VLLM_PLUGINS", "").split(",")]
-        if driver != "inproc" and "rl_align" not in plugins:  # else no receiver opens and the server looks healthy
+        if driver != "inproc" and BACKEND not in plugins:  # else no receiver opens and the server looks healthy
             raise RuntimeError("--weight-transfer-config selects backend 'rl_align' but the rl_align endpoint plugin "
                                "is not enabled: set VLLM_PLUGINS=rl_align (see deploy/OPERATIONS.md)")
 

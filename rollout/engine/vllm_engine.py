@@ -23,7 +23,6 @@ Example::
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -34,7 +33,7 @@ import numpy as np
 
 from rollout.config import EngineConfig, SamplingConfig
 from rollout.engine.platform import configure_vllm_environment
-from rollout.engine.transfer import REFUSED
+from rollout.engine.transfer import REFUSED, default_stage_dir, write_update_file
 from rollout.engine.vllm_plugin import BACKEND, register
 from rollout.sampling import to_vllm_sampling_params
 
@@ -181,24 +180,18 @@ class VLLMEngine:
 
 class _update_info:
     """``with _update_info(...) as info``: the ``rl_align`` update info of one version; a file form (tensor parallel
-    or an engine core in another process) lives in ``/dev/shm`` for the duration of the update only."""
+    or an engine core in another process) lives for the duration of the update only."""
 
     def __init__(self, version: int, tensors: Mapping[str, torch.Tensor], full: bool, by_reference: bool) -> None:
-        self._info: dict[str, object] = {"policy_version": version, "full": full}
-        self._tensors, self._by_reference = tensors, by_reference
+        self._version, self._full, self._tensors, self._by_reference = version, full, tensors, by_reference
         self._path: str | None = None
 
     def __enter__(self) -> dict[str, object]:
+        info: dict[str, object] = {"policy_version": self._version, "full": self._full}
         if self._by_reference:
-            return {**self._info, "tensors": dict(self._tensors)}
-        from safetensors.torch import save_file
-
-        fd, path = tempfile.mkstemp(prefix="rl-align-update-", suffix=".safetensors",
-                                    dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        os.close(fd)
-        self._path = path
-        save_file({name: t.contiguous() for name, t in self._tensors.items()}, path)
-        return {**self._info, "path": path}
+            return {**info, "tensors": dict(self._tensors)}
+        self._path = write_update_file(self._tensors, default_stage_dir(), self._version)
+        return {**info, "path": self._path}
 
     def __exit__(self, *exc: object) -> None:
         if self._path is not None:

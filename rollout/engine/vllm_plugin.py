@@ -20,9 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import tempfile
 from argparse import Namespace
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import pydantic
@@ -48,14 +47,19 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(BACKEND, "rollout.engine.transfer", "RLAlignWeightTransferEngine")
 
 
+def _default_stage_dir() -> str:
+    from rollout.engine.transfer import default_stage_dir
+
+    return default_stage_dir()
+
+
 class ServedReceiverConfig(Config):
     """The receiver a served vLLM opens, and how it applies updates."""
 
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     """The receiver: ``port`` (0 picks one, which the log names), ``bind_host``, TLS, limits. Written flat: every key
     of ``additional_config["rl_align"]`` that is not one of the fields below is a ``WeightSyncConfig`` field."""
-    stage_dir: str = pydantic.Field(default_factory=lambda: "/dev/shm" if os.path.isdir("/dev/shm") else
-                                    tempfile.gettempdir())
+    stage_dir: str = pydantic.Field(default_factory=_default_stage_dir)
     """Where each update is written once for the engine's workers to read (needs one model's worth of space)."""
     persist_dir: str | None = None
     """Keep every served version here (an HF checkpoint directory with ``policy_version``); start the server on this
@@ -132,15 +136,15 @@ class RLAlignEndpointPlugin:
         from rollout.engine.server_sink import ServerWeightSink
         from weight_sync.receiver import WeightReceiver
 
-        metrics = _Metrics.get()
         self.sink = ServerWeightSink(
             engine_client, asyncio.get_running_loop(), model_dir,
             stage_dir=config.stage_dir, persist_dir=config.persist_dir, drain_timeout_s=config.drain_timeout_s,
             update_timeout_s=config.weight_sync.commit_timeout_s, on_drain_timeout=config.on_drain_timeout,
-            on_change=metrics.update,
         )
         await engine_client.update_weight_version(str(self.sink.committed_version()))
-        metrics.update(self.sink.state)
+        from prometheus_client import REGISTRY
+
+        REGISTRY.register(_StateCollector(self.sink))
         self.receiver = WeightReceiver(self.sink, config.weight_sync)
         self.receiver.start()
         import atexit
@@ -151,37 +155,29 @@ class RLAlignEndpointPlugin:
                  self.sink.committed_version(), model_dir)
 
 
-class _Metrics:
-    """Prometheus gauges on vLLM's ``/metrics`` (the default registry of the API-server process); one set a process."""
+class _StateCollector:
+    """Prometheus metrics on vLLM's ``/metrics`` (the default registry of the API-server process), read from the
+    sink's state at each scrape."""
 
-    _instance: _Metrics | None = None
+    def __init__(self, sink: Any) -> None:
+        self._sink = sink
 
-    def __init__(self) -> None:
-        from prometheus_client import Counter, Gauge
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        self.version = Gauge("rl_align_policy_version", "policy_version the server generates with")
-        self.update_s = Gauge("rl_align_weight_update_seconds", "seconds of the last applied update, check to resume")
-        self.pause_s = Gauge("rl_align_weight_update_pause_seconds", "seconds the last update paused generation")
-        self.broken = Gauge("rl_align_broken", "1 when an update failed midway and the server must be restarted")
-        self.updates = Counter("rl_align_weight_updates", "updates by outcome", ["outcome"])
-        self.aborted = Gauge("rl_align_aborted_requests", "preempted requests aborted so as not to mix versions")
-        self._seen = (0, 0)
-
-    @classmethod
-    def get(cls) -> _Metrics:
-        if cls._instance is None:
-            cls._instance = cls()
-        return cls._instance
-
-    def update(self, state: Any) -> None:
-        self.version.set(state.policy_version)
-        self.update_s.set(state.last_update_s)
-        self.pause_s.set(state.last_pause_s)
-        self.broken.set(1 if state.broken else 0)
-        self.aborted.set(state.num_aborted_requests)
-        applied, refused = state.num_updates - self._seen[0], state.num_refused - self._seen[1]
-        if applied > 0:
-            self.updates.labels("applied").inc(applied)
-        if refused > 0:
-            self.updates.labels("refused").inc(refused)
-        self._seen = (state.num_updates, state.num_refused)
+        state = self._sink.state
+        for name, doc, value in [
+            ("rl_align_policy_version", "policy_version the server generates with", state.policy_version),
+            ("rl_align_weight_update_seconds", "seconds of the last applied update, check to resume",
+             state.last_update_s),
+            ("rl_align_weight_update_pause_seconds", "seconds the last update paused generation", state.last_pause_s),
+            ("rl_align_broken", "1 when an update failed midway and the server must be restarted",
+             1 if state.broken else 0),
+            ("rl_align_aborted_requests", "preempted requests aborted so as not to mix versions",
+             state.num_aborted_requests),
+        ]:
+            yield GaugeMetricFamily(name, doc, value=value)
+        updates = CounterMetricFamily("rl_align_weight_updates", "updates by outcome", labels=["outcome"])
+        updates.add_metric(["applied"], state.num_updates)
+        updates.add_metric(["refused"], state.num_refused)
+        yield updates

@@ -186,36 +186,48 @@ def test_a_cli_push_is_served_and_labelled_with_its_version(server, dirs):
     assert "rl_align_policy_version 1.0" in server.get("/metrics", raw=True)
 
 
+class Clients:
+    """``with Clients(server, prompts, max_tokens) as clients``: one thread per prompt keeps a sampled request in
+    flight until the block ends; ``clients.replies`` and ``clients.failures`` hold what came back."""
+
+    def __init__(self, server: Server, prompts: list[list[int]], max_tokens: int) -> None:
+        self.replies: list[dict] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(server, i, p, max_tokens))
+                         for i, p in enumerate(prompts)]
+
+    def _run(self, server: Server, index: int, prompt: list[int], max_tokens: int) -> None:
+        seed = 1000 * index
+        while not self._stop.is_set():
+            seed += 1
+            try:
+                self.replies.append(server.generate(prompt, max_tokens=max_tokens, seed=seed))
+            except (urllib.error.URLError, OSError, KeyError) as e:
+                self.failures.append(repr(e))
+
+    def __enter__(self) -> Clients:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=300)
+
+
 def test_pushes_under_load_fail_no_request_and_mix_no_versions(server, dirs):
     """Clients keep long requests in flight while five versions land: every reply is whole and of one version."""
     first = _describe_version(server.endpoint) + 1
-    replies: list[dict] = []
-    failures: list[str] = []
-    stop = threading.Event()
-
-    def client(index: int) -> None:
-        seed = 1000 * index
-        while not stop.is_set():
-            seed += 1
-            try:
-                replies.append(server.generate(PROMPTS[index % len(PROMPTS)], max_tokens=48, seed=seed))
-            except (urllib.error.URLError, OSError, KeyError) as e:
-                failures.append(repr(e))
-
-    clients = [threading.Thread(target=client, args=(i,)) for i in range(4)]
-    for t in clients:
-        t.start()
     pauses = []
-    try:
+    with Clients(server, [PROMPTS[i % len(PROMPTS)] for i in range(4)], max_tokens=48) as clients:
         time.sleep(1.0)
         for k in range(5):
             assert _push(server.endpoint, first + k, perturbed_state(str(dirs["a"]), seed=100 + k)) is None
             pauses.append(server.get("/rl_align/weight_sync")["last_pause_s"])
             time.sleep(0.5)
-    finally:
-        stop.set()
-        for t in clients:
-            t.join(timeout=120)
+    failures, replies = clients.failures, clients.replies
     assert not failures, failures[:3]
     assert all(r["finish_reason"] == "length" for r in replies), [r["finish_reason"] for r in replies][:10]
     spans = [r["weight_versions"] for r in replies]
@@ -328,32 +340,15 @@ def test_pushes_under_kv_cache_pressure_mix_no_versions(dirs, tmp_path):
     finish on the next version (the sink aborts it instead): every reply is one version or aborted, none fails."""
     server = Server(str(dirs["a"]), tmp_path / "pressure.log", str(tmp_path / "persist"),
                     ("--kv-cache-memory-bytes", "200000", "--max-num-seqs", "8"))
-    replies: list[dict] = []
-    failures: list[str] = []
-    stop = threading.Event()
-
-    def client(index: int) -> None:
-        seed = 1000 * index
-        while not stop.is_set():
-            seed += 1
-            try:
-                replies.append(server.generate([5 + index, 6, 7, 8], max_tokens=120, seed=seed))
-            except (urllib.error.URLError, OSError, KeyError) as e:
-                failures.append(repr(e))
-
-    clients = [threading.Thread(target=client, args=(i,)) for i in range(6)]
     try:
-        for t in clients:
-            t.start()
-        time.sleep(3.0)
-        for version in (1, 2, 3):
-            assert _push(server.endpoint, version, perturbed_state(str(dirs["a"]), seed=50 + version)) is None
-            time.sleep(2.0)
+        with Clients(server, [[5 + i, 6, 7, 8] for i in range(6)], max_tokens=120) as clients:
+            time.sleep(3.0)
+            for version in (1, 2, 3):
+                assert _push(server.endpoint, version, perturbed_state(str(dirs["a"]), seed=50 + version)) is None
+                time.sleep(2.0)
     finally:
-        stop.set()
-        for t in clients:
-            t.join(timeout=300)
         server.stop()
+    failures, replies = clients.failures, clients.replies
     assert not failures, failures[:3]
     whole = [r for r in replies if r["finish_reason"] == "length"]
     assert len(whole) + sum(r["finish_reason"] == "abort" for r in replies) == len(replies)
