@@ -9,12 +9,13 @@ A recipe is the whole description of a run. Each section belongs to the componen
     [rollout]      rollout.config.RolloutConfig (``model_path`` defaults to ``[model] path``)
     [task]         rollout.tasks.config.TaskConfig
     [reward]       rollout.rewards.config.RewardConfig
+    [environment]  rollout.envs.config.EnvironmentConfig (default: single turn)
     [weight_sync]  weight_sync.config.WeightSyncConfig
 
 Validating a :class:`Recipe` checks the sections together (the chosen blocks against ``trainer.device``, the loop mode
 against the algorithm) and resolves the defaults one section takes from another: ``rollout.model_path`` from
 ``[model] path``, and every component seed left unset from ``run.seed``. :func:`load_recipe` adds the checks that need
-this machine (the model directory, the reward functions' modules). Every problem fails with a
+this machine (the model directory, the reward functions' and environment's modules). Every problem fails with a
 :class:`common.config.ConfigError` naming the file or command-line flag that set the value, the dotted field and the
 reason, before anything starts. No torch is imported here.
 """
@@ -29,6 +30,7 @@ import pydantic
 
 from common.config import Config, DType, FieldError, config_error, read_toml_with_sources, to_toml, validate_config
 from rollout.config import RolloutConfig, SamplingConfig
+from rollout.envs.config import CustomEnvConfig, EnvironmentConfig, SingleTurnEnvConfig
 from rollout.rewards.config import FunctionRewardConfig, RewardConfig
 from rollout.tasks.config import JsonlTaskConfig, TaskConfig
 from trainer.config import TrainerConfig
@@ -201,6 +203,8 @@ class Recipe(Config):
     """Where prompts come from."""
     reward: RewardConfig = RewardConfig()
     """How samples are scored."""
+    environment: EnvironmentConfig = SingleTurnEnvConfig()
+    """What an episode runs in: one turn (the default), tool use, feedback, or a user class."""
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     """The gRPC channel from trainer ranks to engines (and external servers)."""
 
@@ -226,6 +230,7 @@ class Recipe(Config):
             raise FieldError(f"model.{field}", f"{problem} (trainer.device = {self.trainer.device!r})")
         _check_trainable_sampling(self.rollout)
         _check_placement(self)
+        _check_environment(self)
         term = self.run.dynamic_sampling.filter_term
         names = [t.term_name for t in self.reward.terms] + (["overlong"] if self.reward.overlong else [])
         if term is not None and term not in names:
@@ -291,6 +296,26 @@ def _check_placement(recipe: Recipe) -> None:
             f"'colocated' shares CPU cores; on trainer.device = {recipe.trainer.device!r} the trainer and the engines "
             "would need to share accelerator memory (engine sleep/wake), which is not built yet: use "
             "run.placement = 'separate' with accelerators per role",
+        )
+
+
+def _check_environment(recipe: Recipe) -> None:
+    """A multi-turn environment renders observations with the chat template and fits the engine's context."""
+    env = recipe.environment
+    if isinstance(env, SingleTurnEnvConfig):
+        return
+    if recipe.rollout.use_chat_template is False:
+        raise FieldError(
+            "rollout.use_chat_template",
+            f"environment.type = {env.type!r} renders observations as chat turns with the tokenizer's chat template: "
+            "leave use_chat_template unset or true (and use a tokenizer that has one)",
+        )
+    max_model_len = recipe.rollout.engine.max_model_len
+    if env.max_total_tokens is not None and env.max_total_tokens >= max_model_len:
+        raise FieldError(
+            "environment.max_total_tokens",
+            f"{env.max_total_tokens} tokens after the prompt do not fit rollout.engine.max_model_len = {max_model_len}"
+            " with any prompt: lower it or raise max_model_len",
         )
 
 
@@ -365,6 +390,13 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
                 term.check_importable()
             except ValueError as e:
                 problems.append((("reward", "terms", i, "function"), str(e)))
+    if isinstance(recipe.environment, CustomEnvConfig):
+        from rollout.envs import build_environment
+
+        try:
+            build_environment(recipe.environment)
+        except ValueError as e:
+            problems.append((("environment", "class_path"), str(e)))
     return problems
 
 

@@ -13,6 +13,10 @@ flag says otherwise):
   sequences of exactly ``--max-tokens`` new tokens (``ignore_eos``), after a warm-up batch (compilation), against the
   bound of its own dtype; and tokens per CPU-second the engine's process used, against one core's bound (what it
   makes of the CPU it got, whatever other processes take).
+- bare vLLM: tokens/s of a bare ``vllm.LLM.generate`` in a process of its own, built from the pool's engine settings
+  (``rollout.engine.vllm_engine.vllm_engine_args``) with the pool engine's torch threads, on the same rendered prompts
+  with the same sampling, after the same warm-up: what the pool's asynchronous engine (requests stepped by its own
+  loop, episodes, scoring, the Ray actor) costs against vLLM's own batch entry point (target >= 0.95x).
 - hf: tokens/s of transformers ``generate`` on the same prompts with the same sampling, one batch.
 - update pause (this model): one full push of the model through the real gRPC receiver into the engine (vLLM reload +
   prefix-cache reset): push + commit seconds, and the part of it the engine lock was held.
@@ -109,7 +113,9 @@ def run_pool(args, model_dir: str, problems, sampling, ray_dir: str) -> dict[str
         out.update(pool_tokens_per_s=tokens / batch.metrics["rollout/seconds"],
                    pool_tokens_per_cpu_s=tokens / engine_cpu_s, pool_seconds=batch.metrics["rollout/seconds"])
         out.update(measure_update_pause(pool, model_dir))
+        out["pool_num_threads"] = float(pool.health()[0]["num_threads"])
         pool.shutdown()
+        out.update(run_bare_llm(config, model_dir, problems, sampling, args.group_size, int(out["pool_num_threads"])))
         return out
     finally:
         ray.shutdown()
@@ -135,6 +141,50 @@ def measure_update_pause(pool, model_dir: str) -> dict[str, float]:
         raise RuntimeError(f"benchmark push failed: {report.failed} {commit}")
     return {"push_commit_s": seconds, "engine_locked_s": max(h["last_update_s"] for h in pool.health()),
             "push_bytes": float(report.payload_bytes)}  # fmt: skip
+
+
+def _bare_llm_child(engine: dict, model_dir: str, prompts: list[list[int]], sampling: dict, n: int, out) -> None:
+    """In a spawned process: time ``LLM.generate`` of ``prompts`` (n samples each) after a warm-up batch."""
+    from rollout.config import EngineConfig, SamplingConfig
+    from rollout.engine.platform import configure_vllm_environment
+    from rollout.engine.vllm_engine import vllm_engine_args
+    from rollout.sampling import to_vllm_sampling_params
+
+    config = EngineConfig(**engine)
+    configure_vllm_environment(config)
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**vllm_engine_args(config, model_dir))
+    params = to_vllm_sampling_params(SamplingConfig(**sampling), n)
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    llm.generate(requests[:2], params, use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    out.put({"bare_tokens_per_s": tokens / seconds, "bare_seconds": seconds})
+
+
+def run_bare_llm(config, model_dir: str, problems, sampling, group_size: int, num_threads: int) -> dict[str, float]:
+    """A bare ``vllm.LLM`` with the pool's engine settings and threads on the same prompts (see the docstring)."""
+    import multiprocessing
+
+    from rollout.tokenizer import load_tokenizer, render_prompt
+
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [render_prompt(tokenizer, p.prompt, config.use_chat_template) for p in problems]
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)  # inherited by the child, read before torch starts there
+    child = context.Process(target=_bare_llm_child, args=(
+        config.engine.model_dump(), model_dir, prompts, sampling.model_dump(), group_size, queue,
+    ))  # fmt: skip
+    child.start()
+    try:
+        return queue.get(timeout=900)
+    finally:
+        child.join(timeout=60)
 
 
 def run_hf(args, model_dir: str, problems, num_threads: int) -> dict[str, float]:
@@ -203,6 +253,11 @@ def report(args, results: dict[str, float], bound: dict[str, dict[str, float]], 
         f"pool per CPU-s: {results['pool_tokens_per_cpu_s']:7.0f} tok per engine CPU-second = "
         f"{results['pool_tokens_per_cpu_s'] / own:.0%} of one core's {args.dtype} bound ({own:.0f})",
     ]
+    lines.append(
+        f"bare vLLM     : {results['bare_tokens_per_s']:7.0f} tok/s (LLM.generate, same settings and prompts, "
+        f"{results['pool_num_threads']:.0f} threads): pool / bare = "
+        f"{results['pool_tokens_per_s'] / results['bare_tokens_per_s']:.2f}x"
+    )
     if "hf_tokens_per_s" in results:
         lines.append(f"HF generate   : {results['hf_tokens_per_s']:7.0f} tok/s ({args.hf_dtype}, 1 thread)")
     pause = results["push_commit_s"]

@@ -142,7 +142,8 @@ class _Run:
 
         def start_pool() -> Any:
             return RolloutPool(self.placement.rollout, r.reward, self.placement.receiver_sync,
-                               runtime_env=_with_env(self.placement.rollout_env))  # fmt: skip
+                               runtime_env=_with_env(self.placement.rollout_env),
+                               environment=r.environment)  # fmt: skip
 
         def start_trainer() -> Any:
             return TrainerGroup(r.trainer, model_cfg, r.algorithm, init_path=init_path, weight_sync=sync_cfg,
@@ -207,7 +208,7 @@ class _Run:
 
             num_sft = warm_start(self.trainer, self.dataset, self.tokenizer, r.run.warm_start,
                                  r.rollout.use_chat_template, lambda step, m: self.logger.log(step, m, phase="sft"),
-                                 publish_and_evaluate)  # fmt: skip
+                                 publish_and_evaluate, r.environment)  # fmt: skip
             self.trainer.finish_warm_start()
             self.trainer.export_hf(str(self.out_dir / "warm_start_model"), r.model.path, r.run.export.dtype)
             log.info("warm start: %d SFT steps in %.1f s", num_sft, time.perf_counter() - t0)

@@ -7,33 +7,56 @@ steps (``stop_at_loss``) or the held-out accuracy of the policy's own samples (`
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from rollout.tokenizer import render_prompt
 from rollout.types import Sample
 
+if TYPE_CHECKING:
+    from rollout.envs.config import EnvironmentConfig
+
 __all__ = ["sft_samples", "warm_start"]
 
 _LOSS_WINDOW = 10
 
 
-def sft_samples(tokenizer: Any, examples: list[tuple[Any, str]], use_chat_template: bool | None) -> list[Sample]:
-    """Turn ``(problem, ideal completion text)`` pairs into trainer samples (the completion carries the loss)."""
+def sft_samples(
+    tokenizer: Any,
+    examples: list[tuple[Any, str | list[dict[str, str]]]],
+    use_chat_template: bool | None,
+    environment: EnvironmentConfig | None = None,
+) -> list[Sample]:
+    """Turn ``(problem, ideal completion)`` pairs into trainer samples: a completion text carries the loss whole; a
+    transcript (a list of messages, :func:`rollout.envs.episode.render_transcript`) on its assistant turns only. The
+    prompt is the one an episode of ``environment`` starts from (its system prompt and tools included)."""
+    from rollout.envs import build_environment
+    from rollout.envs.config import SingleTurnEnvConfig
+    from rollout.envs.episode import render_transcript
+
+    new_env = build_environment(environment or SingleTurnEnvConfig())
     samples = []
     for i, (problem, completion) in enumerate(examples):
-        prompt_ids = render_prompt(tokenizer, problem.prompt, use_chat_template)
-        completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        env = new_env()
+        messages = asyncio.run(env.reset(problem))
+        prompt_ids = render_prompt(tokenizer, messages, use_chat_template, tools=env.tools)
+        if isinstance(completion, str):
+            completion_ids = np.asarray(tokenizer(completion, add_special_tokens=False)["input_ids"], np.int64)
+            mask = None
+        else:
+            completion_ids, mask = render_transcript(tokenizer, completion, env.tools)
         samples.append(
             Sample(
                 prompt_ids=np.asarray(prompt_ids, dtype=np.int64),
-                completion_ids=np.asarray(completion_ids, dtype=np.int64),
+                completion_ids=completion_ids,
                 rollout_logprobs=np.zeros(len(completion_ids), dtype=np.float32),
                 reward=0.0,
                 group_id=i,
                 policy_version=0,
+                loss_mask=mask,
             )
         )
     return samples
@@ -47,13 +70,14 @@ def warm_start(
     use_chat_template: bool | None,
     log: Callable[[int, dict[str, float]], None],
     evaluate: Callable[[], dict[str, float]] | None = None,
+    environment: EnvironmentConfig | None = None,
 ) -> int:
     """Run SFT steps of ``cfg.num_examples_per_step`` examples at ``cfg.lr`` until ``cfg.num_steps`` or a target of
     ``cfg`` (a ``WarmStartConfig``) is met; log each step (and each accuracy check, as ``warm_start/*``). Returns the
     steps run.
 
     ``evaluate()`` must push the current weights to the pool and return ``eval/*`` metrics; it is required by
-    ``stop_at_accuracy``.
+    ``stop_at_accuracy``. ``environment``: what the RL episodes run in (their first prompt is the SFT prompt).
     """
     if cfg.stop_at_accuracy is not None and evaluate is None:
         raise ValueError("warm_start.stop_at_accuracy needs an evaluation of the policy (pass evaluate)")
@@ -61,7 +85,9 @@ def warm_start(
     examples = dataset.sft_examples(cfg.num_steps * per_step, tokenizer.eos_token)
     losses: list[float] = []
     for step in range(cfg.num_steps):
-        samples = sft_samples(tokenizer, examples[step * per_step : (step + 1) * per_step], use_chat_template)
+        samples = sft_samples(
+            tokenizer, examples[step * per_step : (step + 1) * per_step], use_chat_template, environment
+        )
         metrics = trainer.sft_step(samples, lr=cfg.lr)
         losses.append(metrics["sft_loss"])
         done = cfg.stop_at_loss is not None and len(losses) >= _LOSS_WINDOW and (

@@ -38,6 +38,7 @@ from rollout.metrics import sample_metrics
 from rollout.types import RolloutBatch, Sample
 
 if TYPE_CHECKING:
+    from rollout.envs.config import EnvironmentConfig
     from rollout.rewards.config import RewardConfig
     from rollout.tasks.problem import Problem
     from weight_sync.config import WeightSyncConfig
@@ -85,14 +86,16 @@ class RolloutPool:
         weight_sync: WeightSyncConfig | None = None,
         startup_timeout_s: float = 600.0,
         runtime_env: dict[str, Any] | None = None,
+        environment: EnvironmentConfig | None = None,
     ) -> None:
-        """``runtime_env``: the Ray runtime environment of every worker (e.g. its ``env_vars``), beside the job's."""
+        """``runtime_env``: the Ray runtime environment of every worker (e.g. its ``env_vars``), beside the job's;
+        ``environment``: what every episode runs in (default: single turn)."""
         import ray
 
         from rollout.worker import RolloutWorker
 
         self.config = config
-        # Threaded actors: health/version calls answer while a generation batch runs; the engine lock orders the rest.
+        # Threaded actors: health/version calls answer while a generation batch runs; the engine loop orders the rest.
         options: dict[str, Any] = {
             "num_cpus": config.num_cpus_per_worker, "num_gpus": config.num_gpus_per_worker, "max_concurrency": 4,
         }  # fmt: skip
@@ -100,7 +103,7 @@ class RolloutPool:
             options["runtime_env"] = runtime_env
         actor_cls = ray.remote(RolloutWorker).options(**options)
         self.fleet = WorkerFleet(
-            actor_cls, (config, reward, weight_sync), config.num_workers, config.num_worker_restarts,
+            actor_cls, (config, reward, weight_sync, environment), config.num_workers, config.num_worker_restarts,
             on_replaced=self._hand_on, startup_timeout_s=startup_timeout_s,
         )  # fmt: skip
         self._ids = itertools.count()

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from rollout.config import SamplingConfig
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
-__all__ = ["group_seed", "to_vllm_sampling_params"]
+__all__ = ["turn_seed", "to_vllm_sampling_params"]
 
 
-def group_seed(sampling: SamplingConfig, group_id: int) -> int | None:
-    """Seed of the group ``group_id``: ``sampling.seed + group_id``, or ``None`` when sampling is unseeded."""
-    return None if sampling.seed is None else sampling.seed + group_id
+def turn_seed(sampling: SamplingConfig, group_id: int, sample_index: int, turn: int) -> int | None:
+    """Seed of model turn ``turn`` of sample ``sample_index`` of group ``group_id`` (a function of these and
+    ``sampling.seed`` only, so a batch is reproducible however its episodes interleave), or ``None`` when sampling is
+    unseeded."""
+    if sampling.seed is None:
+        return None
+    return int(np.random.SeedSequence([sampling.seed, group_id, sample_index, turn]).generate_state(1)[0] >> 1)
 
 
 def to_vllm_sampling_params(

@@ -7,17 +7,25 @@ its own BOS and turn markers. Nothing is ever downloaded: the directory must hol
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["Messages", "PromptLike", "has_chat_template", "load_tokenizer", "messages_to_text", "render_prompt"]
+__all__ = [
+    "Messages", "PromptLike", "end_of_turn_id", "has_chat_template", "load_tokenizer", "messages_to_text",
+    "render_continuation", "render_prompt",
+]  # fmt: skip
 
 Messages = Sequence[Mapping[str, str]]
-"""Chat messages: ``[{"role": "system" | "user" | "assistant", "content": "..."}, ...]``."""
+"""Chat messages: ``[{"role": "system" | "user" | "assistant" | "tool", "content": "..."}, ...]``."""
+Tools = Sequence[Mapping[str, object]]
+"""Tool descriptions in the JSON-schema form chat templates take (``{"type": "function", "function": {...}}``)."""
+
+_SENTINEL = "\u2063rl-align turn\u2063"  # an assistant turn's text that no template rewrites or meets elsewhere
 PromptLike = str | Messages
 """A prompt is plain text or a list of chat messages."""
 
@@ -56,14 +64,18 @@ def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 
 def render_prompt(
-    tokenizer: PreTrainedTokenizerBase, prompt: PromptLike, use_chat_template: bool | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: PromptLike,
+    use_chat_template: bool | None = None,
+    tools: Tools | None = None,
 ) -> list[int]:
     """Token ids of ``prompt`` as the engine should see it.
 
     ``use_chat_template``: ``None`` applies the tokenizer's chat template when it has one; ``True`` requires one (a
     ``ValueError`` otherwise); ``False`` never applies it. With the template, plain text becomes one user message and a
     generation prompt is appended. Without it, text is encoded as is (with the tokenizer's usual special tokens, such
-    as a BOS) and messages are joined by :func:`messages_to_text`.
+    as a BOS) and messages are joined by :func:`messages_to_text`. ``tools`` go to the template (which describes them,
+    usually in the system message); they need one.
     """
     _check_prompt(prompt)
     template = has_chat_template(tokenizer)
@@ -74,11 +86,76 @@ def render_prompt(
         )
     if template and use_chat_template is not False:
         chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-        rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        assert isinstance(rendered, str)
-        return list(tokenizer.encode(rendered, add_special_tokens=False))
+        return _encode_rendered(tokenizer, chat, tools, add_generation_prompt=True)
+    if tools:
+        raise ValueError("tools need a chat template to describe them; this prompt is rendered without one")
     text = prompt if isinstance(prompt, str) else messages_to_text(prompt)
     return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+@functools.lru_cache(maxsize=8)
+def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The token the chat template writes right after an assistant turn (``<|im_end|>`` in ChatML, ``<|eot_id|>`` in
+    Llama 3): a model turn that ends with it can be continued by :func:`render_continuation`. ``ValueError`` when the
+    template writes none (or no special token there)."""
+    after = _after_sentinel(tokenizer, [], None)
+    ids = tokenizer.encode(after, add_special_tokens=False)
+    if not ids or ids[0] not in set(tokenizer.all_special_ids):
+        raise ValueError(
+            f"the chat template of {getattr(tokenizer, 'name_or_path', '?')} ends an assistant turn with "
+            f"{after[:20]!r}, not a special token: multi-turn episodes need a template with an end-of-turn token"
+        )
+    return int(ids[0])
+
+
+def render_continuation(
+    tokenizer: PreTrainedTokenizerBase, messages: Messages, tools: Tools | None = None
+) -> list[int]:
+    """Token ids that follow a model turn ended by :func:`end_of_turn_id`: ``messages`` (tool results, user replies)
+    rendered by the chat template as the next turns of the conversation, then the generation prompt of the next
+    assistant turn.
+
+    Only the new messages are rendered: the episode's ids so far (prompt and generated tokens) are never re-encoded,
+    so the next turn's prompt is exactly what came before plus these ids.
+    """
+    _check_prompt(messages)
+    eot = str(tokenizer.decode([end_of_turn_id(tokenizer)]))
+    after = _after_sentinel(tokenizer, messages, tools)
+    assert after.startswith(eot)
+    return list(tokenizer.encode(after[len(eot):], add_special_tokens=False))
+
+
+def _after_sentinel(tokenizer: PreTrainedTokenizerBase, messages: Messages, tools: Tools | None) -> str:
+    """The template's text after a sentinel assistant turn followed by ``messages`` (and, with messages, the
+    generation prompt)."""
+    if not has_chat_template(tokenizer):
+        raise ValueError(
+            f"the tokenizer {getattr(tokenizer, 'name_or_path', '?')} has no chat template: multi-turn episodes render "
+            "observations with one"
+        )
+    chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}, *map(dict, messages)]
+    text = tokenizer.apply_chat_template(
+        chat, tools=_tool_list(tools), tokenize=False, add_generation_prompt=bool(messages)
+    )
+    assert isinstance(text, str)
+    at = text.find(_SENTINEL)
+    if at < 0:
+        raise ValueError("the chat template drops assistant turns from the history: episodes cannot be continued")
+    return text[at + len(_SENTINEL):]
+
+
+def _encode_rendered(
+    tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, str]], tools: Tools | None, add_generation_prompt: bool
+) -> list[int]:
+    rendered = tokenizer.apply_chat_template(
+        chat, tools=_tool_list(tools), tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert isinstance(rendered, str)
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def _tool_list(tools: Tools | None) -> list[dict[Any, Any] | Callable[..., Any]] | None:
+    return None if not tools else [dict(t) for t in tools]
 
 
 def messages_to_text(messages: Messages) -> str:

@@ -21,9 +21,12 @@ class Sample:
     prompt_ids: np.ndarray
     """int64 [prompt_len]: the prompt exactly as the engine saw it (chat template applied)."""
     completion_ids: np.ndarray
-    """int64 [completion_len]: generated tokens, stop token included when generation stopped on it."""
+    """int64 [completion_len]: generated tokens, stop token included when generation stopped on it. For a multi-turn
+    episode: everything after the first prompt (model turns, and the observations between them), ending with the last
+    model token."""
     rollout_logprobs: np.ndarray
-    """float32 [completion_len]: log-prob of each completion token under the engine's weights at sampling time."""
+    """float32 [completion_len]: log-prob of each completion token under the engine's weights at sampling time (0 on
+    tokens the model did not generate)."""
     reward: float
     """Scalar reward of the whole completion (sum of the configured reward terms)."""
     group_id: int
@@ -39,6 +42,15 @@ class Sample:
     """Each configured reward term by name, before summing (for metrics)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Task data carried along (e.g. the reference answer, the prompt text) for logging."""
+    loss_mask: np.ndarray | None = None
+    """uint8 [completion_len]: 1 on tokens the model generated (trained on), 0 on tokens it was given (observations,
+    tool output, chat-template markup between turns); ``None``: every completion token is the model's. The last token
+    is always the model's."""
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Completion tokens the model generated (those the loss sees)."""
+        return len(self.completion_ids) if self.loss_mask is None else int(self.loss_mask.sum())
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -51,6 +63,17 @@ class Sample:
                 f"sample of group {self.group_id}: {len(self.completion_ids)} completion tokens but "
                 f"{len(self.rollout_logprobs)} log-probs"
             )
+        if self.loss_mask is not None:
+            if self.loss_mask.shape != self.completion_ids.shape:
+                raise ValueError(
+                    f"sample of group {self.group_id}: loss mask of shape {self.loss_mask.shape} for "
+                    f"{len(self.completion_ids)} completion tokens"
+                )
+            if len(self.loss_mask) and not self.loss_mask[-1]:
+                raise ValueError(
+                    f"sample of group {self.group_id}: the last completion token is masked out; end a trajectory "
+                    "with the model's last token (drop observations after it)"
+                )
 
 
 @dataclass

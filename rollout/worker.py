@@ -1,8 +1,11 @@
-"""A rollout worker: one vLLM engine, the weight-sync receiver that feeds it, and the reward scorer next to it.
+"""A rollout worker: one vLLM engine, the weight-sync receiver that feeds it, the environment episodes run in, and the
+reward scorer next to it.
 
 Run as a Ray actor by :class:`rollout.pool.RolloutPool` (``ray.remote(RolloutWorker)``); it is a plain class so that a
-test or a single-process script can also use it directly. Every sample it returns records the ``policy_version`` of
-the weights it was generated with; pushes arriving over gRPC are applied between generation batches (the engine lock).
+test or a single-process script can also use it directly. Every sample is one episode (:mod:`rollout.envs`; a
+single-turn task is the one-turn case), all episodes of a batch in flight at once on the engine's loop. Every sample
+records the ``policy_version`` of the weights it was generated with; pushes arriving over gRPC are applied at the
+engine's safe point (requests in flight finish on the old version).
 
 Weights only ever arrive through the receiver, pushed by the trainer: a replacement worker starts on the model
 directory (version 0) and is caught up by the trainer before it takes work (:mod:`rollout.fleet`).
@@ -19,10 +22,12 @@ import numpy as np
 
 from common.cpu import CpuClock
 from rollout.config import RolloutConfig, SamplingConfig
-from rollout.sampling import group_seed
+from rollout.sampling import turn_seed
 from rollout.types import RolloutBatch, Sample
 
 if TYPE_CHECKING:
+    from rollout.envs import Episode
+    from rollout.envs.config import EnvironmentConfig
     from rollout.rewards.config import RewardConfig
     from rollout.tasks.problem import Problem
     from weight_sync.config import WeightSyncConfig
@@ -31,16 +36,20 @@ __all__ = ["RolloutWorker"]
 
 
 class RolloutWorker:
-    """One engine + one weight receiver (sink = the engine) + the reward scorer; see the module docstring."""
+    """One engine + one weight receiver (sink = the engine) + the environment + the reward scorer; see the module
+    docstring."""
 
     def __init__(
         self,
         config: RolloutConfig,
         reward: RewardConfig | None = None,
         weight_sync: WeightSyncConfig | None = None,
+        environment: EnvironmentConfig | None = None,
     ) -> None:
         from rollout.engine.sink import VLLMWeightSink
         from rollout.engine.vllm_engine import VLLMEngine
+        from rollout.envs import build_environment, episode_limits
+        from rollout.envs.config import SingleTurnEnvConfig
         from rollout.rewards.scorer import RewardScorer
         from rollout.tokenizer import load_tokenizer
         from weight_sync.config import WeightSyncConfig
@@ -50,6 +59,9 @@ class RolloutWorker:
         self._sync_config = weight_sync or WeightSyncConfig()
         self.tokenizer = load_tokenizer(config.tokenizer_path or config.served_model_path)
         self.scorer = RewardScorer.from_config(reward) if reward is not None else None
+        self._env_config = environment or SingleTurnEnvConfig()
+        self._new_env = build_environment(self._env_config)
+        self._limits = episode_limits(self._env_config)
         self.engine = VLLMEngine(config.served_model_path, config.engine, config.tokenizer_path)
         self.sink = VLLMWeightSink(self.engine)
         self.receiver = WeightReceiver(self.sink, self._sync_config)
@@ -64,45 +76,65 @@ class RolloutWorker:
         group_size: int,
         sampling: SamplingConfig | None = None,
     ) -> RolloutBatch:
-        """Sample ``group_size`` completions of each problem (group ``group_ids[i]`` for ``problems[i]``) and score
-        them.
+        """Run ``group_size`` episodes of each problem (group ``group_ids[i]`` for ``problems[i]``), all at once on the
+        engine, and score them.
 
         Returns the samples grouped by problem, in input order, and additive metrics: ``rollout/generate_s``,
-        ``rollout/num_completion_tokens``, ``rollout/process_cpu_s`` (this worker's CPU seconds since its previous
-        batch, weight loads included), ``rollout/weight_update_s`` (seconds weight updates held the engine since its
-        previous batch), ``reward/num_errors`` and ``reward/<term>/num_errors``.
+        ``rollout/num_completion_tokens`` (model tokens), ``rollout/process_cpu_s`` (this worker's CPU seconds since
+        its previous batch, weight loads included), ``rollout/weight_update_s`` (seconds weight updates held the
+        engine since its previous batch), ``reward/num_errors`` and ``reward/<term>/num_errors``; for multi-turn
+        environments also ``env/num_episodes``, ``env/num_turns``, ``env/num_observation_tokens``,
+        ``env/num_timeouts`` and the environment's own ``env/<name>`` sums (``env/tool_calls``, ``env/tool_s``, ...).
         """
-        from rollout.tokenizer import render_prompt
+        import asyncio
+        import functools
+
+        from rollout.envs import run_episode
 
         if len(problems) != len(group_ids):
             raise ValueError(f"{len(problems)} problems but {len(group_ids)} group ids; pass one id per problem")
         sampling = sampling or self.config.sampling
-        prompts = [render_prompt(self.tokenizer, p.prompt, self.config.use_chat_template) for p in problems]
+        jobs = [(i, k) for i in range(len(problems)) for k in range(group_size)]
+
+        async def batch() -> list[Episode]:
+            return list(await asyncio.gather(*(
+                run_episode(self.engine, self.tokenizer, self._new_env(), problems[i], sampling, self._limits,
+                            functools.partial(turn_seed, sampling, group_ids[i], k), self.config.use_chat_template)
+                for i, k in jobs
+            )))  # fmt: skip
+
         start = time.perf_counter()
-        groups = self.engine.generate(prompts, sampling, group_size, [group_seed(sampling, g) for g in group_ids])
+        episodes = self.engine.run(batch())
         generate_s = time.perf_counter() - start
-        flat = [(i, c) for i, group in enumerate(groups) for c in group]
-        rewards, terms, errors = self._score([c.token_ids for _, c in flat], [problems[i] for i, _ in flat],
-                                             [group_ids[i] for i, _ in flat], sampling.max_tokens)
+        rewards, terms, errors = self._score(
+            [e.final_text for e in episodes], [e.final_turn_tokens for e in episodes], [problems[i] for i, _ in jobs],
+            [group_ids[i] for i, _ in jobs], sampling.max_tokens,
+        )  # fmt: skip
+        multi_turn = self._env_config.type != "single_turn"
         samples = [
             Sample(
-                prompt_ids=np.asarray(prompts[i], dtype=np.int64),
-                completion_ids=c.token_ids,
-                rollout_logprobs=c.logprobs,
-                reward=rewards[k],
+                prompt_ids=np.asarray(e.prompt_ids, dtype=np.int64),
+                completion_ids=e.completion_ids,
+                rollout_logprobs=e.logprobs,
+                reward=rewards[j] + e.env_reward,
                 group_id=int(group_ids[i]),
-                policy_version=c.policy_version,
-                finish_reason=c.finish_reason,
+                policy_version=min(e.policy_versions, default=self.engine.policy_version),
+                finish_reason=e.finish_reason,
                 # Greedy decoding's log-probs are vLLM's untempered ones (T = 1); recipes never train on them.
                 temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
-                reward_terms={name: scores[k] for name, scores in terms.items()},
-                metadata={"problem_id": problems[i].problem_id, "answer": problems[i].answer},
+                reward_terms={name: scores[j] for name, scores in terms.items()}
+                | ({"environment": e.env_reward} if multi_turn else {}),
+                metadata={"problem_id": problems[i].problem_id, "answer": problems[i].answer}
+                | ({"num_turns": e.num_turns, "final_text": e.final_text} if multi_turn else {}),
+                loss_mask=e.loss_mask if multi_turn and not e.loss_mask.all() else None,
             )
-            for k, (i, c) in enumerate(flat)
+            for j, ((i, _), e) in enumerate(zip(jobs, episodes, strict=True))
         ]
         metrics = {"rollout/generate_s": generate_s,
-                   "rollout/num_completion_tokens": float(sum(len(c.token_ids) for _, c in flat)),
+                   "rollout/num_completion_tokens": float(sum(int(e.loss_mask.sum()) for e in episodes)),
                    "rollout/process_cpu_s": self._cpu.lap(), "rollout/weight_update_s": self._update_lap(), **errors}
+        if multi_turn:
+            metrics |= _episode_metrics(episodes)
         return RolloutBatch(samples=samples, metrics=metrics)
 
     def _update_lap(self) -> float:
@@ -111,12 +143,10 @@ class RolloutWorker:
         return lap
 
     def _score(
-        self, completions: list[np.ndarray], problems: list[Problem], group_ids: list[int], max_tokens: int
+        self, texts: list[str], lengths: list[int], problems: list[Problem], group_ids: list[int], max_tokens: int
     ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
         if self.scorer is None:
-            return [0.0] * len(completions), {}, {}
-        texts = self.tokenizer.batch_decode([ids.tolist() for ids in completions], skip_special_tokens=True)
-        lengths = [len(ids) for ids in completions]
+            return [0.0] * len(texts), {}, {}
         return self.scorer.score(texts, problems, group_ids, num_tokens=lengths, max_tokens=max_tokens)
 
     def receiver_address(self) -> str:
@@ -158,3 +188,17 @@ class RolloutWorker:
         """Stop the receiver, then release the engine."""
         self.receiver.stop()
         self.engine.shutdown()
+
+
+def _episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Additive figures of a batch of episodes (the pool sums them over pieces)."""
+    out = {
+        "env/num_episodes": float(len(episodes)),
+        "env/num_turns": float(sum(e.num_turns for e in episodes)),
+        "env/num_observation_tokens": float(sum(int((e.loss_mask == 0).sum()) for e in episodes)),
+        "env/num_timeouts": float(sum(e.timed_out for e in episodes)),
+    }
+    for e in episodes:
+        for name, value in e.info.items():
+            out[f"env/{name}"] = out.get(f"env/{name}", 0.0) + value
+    return out

@@ -1,4 +1,4 @@
-"""A small byte-level BPE tokenizer trained locally, with a ChatML chat template.
+"""A small byte-level BPE tokenizer trained locally, with a ChatML chat template (tool calls included).
 
 Digits are always split one per token (so arithmetic is learnable by a tiny model), every byte is encodable, and the
 result saves as a standard HF ``tokenizer.json`` directory that transformers and vLLM load without a hub.
@@ -18,9 +18,19 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 """Pad/end-of-text, and the ChatML turn delimiters; ``<|im_end|>`` is the end-of-sequence token."""
 
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    # With tools, one system message lists them by signature (the caller's system text first) and says how to call
+    # one; a tool's result comes back as a "tool" turn. Without tools the rendering is plain ChatML.
+    "{% set merge_system = tools and messages and messages[0]['role'] == 'system' %}"
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if merge_system %}{{ messages[0]['content'] + '\\n' }}{% endif %}"
+    "{{ 'Tools:' }}{% for tool in tools %}"
+    "{{ ' ' + tool['function']['name'] + '(' }}"
+    "{{ (tool['function']['parameters']['properties'] | list | join(', ')) + ')' }}"
     "{% endfor %}"
+    "{{ '. Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}{% if not (merge_system and loop.first) %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 

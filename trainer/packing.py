@@ -13,7 +13,8 @@ longest sequence of the batch) and many rows per micro-batch keep the matmuls la
 Alignment: position ``t`` of a row predicts ``tokens[t + 1]`` (``targets[t]``). The loss side is per sequence:
 ``gather_index[s, j]`` is the flat position (``row * L + t``) predicting completion token ``j`` of sequence ``s``, and
 ``loss_mask``, ``rollout_logprobs`` and ``advantages`` are ``[S, C]`` in that layout, which is what ``trainer.rl``
-expects.
+expects. A multi-turn trajectory's observation tokens sit in the completion but are masked out (``Sample.loss_mask``):
+they condition the model tokens after them and carry no loss.
 
 Every rank computes the same plan from the same full batch (no communication) and pads its list of micro-batches to
 the longest rank's count with empty ones, so FSDP collectives line up on every rank.
@@ -56,7 +57,8 @@ class MicroBatch:
     gather_index: torch.Tensor
     """int64 [S, C] flat position (``row * L + t``) that predicts each completion token (0 off-mask)."""
     loss_mask: torch.Tensor
-    """float32 [S, C] 1 for real completion tokens, 0 for the padding of shorter completions."""
+    """float32 [S, C] 1 for completion tokens the model generated, 0 for the tokens it was given inside a multi-turn
+    trajectory (``Sample.loss_mask``) and for the padding of shorter completions."""
     rollout_logprobs: torch.Tensor
     """float32 [S, C] engine log-prob of each completion token (0 off-mask)."""
     advantages: torch.Tensor
@@ -199,14 +201,15 @@ def _build(
             targets[r, start : end - 1] = tokens[r, start + 1 : end]
             # Position t predicts token t+1: completion token j is predicted at row position start + p - 1 + j.
             gather_index[s_row, :c] = r * width_t + np.arange(start + p - 1, end - 1)
-            loss_mask[s_row, :c] = 1.0
-            rollout_lp[s_row, :c] = s.rollout_logprobs
-            adv[s_row, :c] = _advantage_row(None if advantages is None else advantages[i], c)
+            mask = 1.0 if s.loss_mask is None else s.loss_mask.astype(np.float32)
+            loss_mask[s_row, :c] = mask
+            rollout_lp[s_row, :c] = s.rollout_logprobs * mask
+            adv[s_row, :c] = _advantage_row(None if advantages is None else advantages[i], c) * mask
             start, s_row = end, s_row + 1
     t = torch.from_numpy
     temps = None
     if any(samples[i].temperature != 1.0 for i in seqs):
-        per_token = [np.full(len(samples[i].completion_ids), samples[i].temperature, np.float32) for i in seqs]
+        per_token = [np.full(samples[i].num_model_tokens, samples[i].temperature, np.float32) for i in seqs]
         temps = t(np.concatenate(per_token))
     return MicroBatch(
         tokens=t(tokens), positions=t(positions), segment_ids=t(segment_ids), targets=t(targets),

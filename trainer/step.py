@@ -132,8 +132,8 @@ def _reshuffled(
 
 
 def _mini_counts(samples: Sequence[Sample], indices: Sequence[int]) -> tuple[float, float]:
-    """Global (completion tokens, non-empty completions) of a mini-batch: the loss normalisers."""
-    lengths = [len(samples[i].completion_ids) for i in indices]
+    """Global (model-generated completion tokens, non-empty completions) of a mini-batch: the loss normalisers."""
+    lengths = [samples[i].num_model_tokens for i in indices]
     return float(sum(lengths)), float(sum(1 for n in lengths if n > 0))
 
 

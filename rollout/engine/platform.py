@@ -24,7 +24,7 @@ def configure_vllm_environment(engine: EngineConfig) -> None:
     """Set the environment vLLM reads at engine creation for ``engine`` on the current platform.
 
     - All platforms: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Weight updates then
-      reach the model through a direct call, and our engine lock alone decides when they happen; it also starts
+      reach the model through a direct call, and our engine loop alone decides when they happen; it also starts
       several times faster on CPU.
     - CPU: reserve no core for a separate frontend process (there is none in-process) and bind the model's OpenMP
       threads as configured. The KV cache is sized by ``kv_cache_memory_bytes`` (not ``VLLM_CPU_KVCACHE_SPACE``, which

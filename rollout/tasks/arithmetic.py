@@ -60,10 +60,25 @@ def _problem(config: ArithmeticTaskConfig, key: tuple[int, str, int], problem_id
     messages = [{"role": "user", "content": text}]
     if config.system_prompt is not None:
         messages.insert(0, {"role": "system", "content": config.system_prompt})
+    solution: str | list[dict[str, str]] = str(result)
+    if config.solution_format == "calculator":
+        solution = calculator_transcript(f"{a} {op} {b}")
     return Problem(
         prompt=messages,
         answer=str(result),
         problem_id=problem_id,
-        solution=str(result),
+        solution=solution,
         metadata={"a": a, "op": op, "b": b},
     )
+
+
+def calculator_transcript(expression: str) -> list[dict[str, str]]:
+    """An ideal tool-use transcript: call the calculator on ``expression``, then answer with what it returned."""
+    import json
+
+    from rollout.envs.tools import calculate
+
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    result = calculate(expression)
+    return [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"}, {"role": "tool", "content": result},
+            {"role": "assistant", "content": result}]  # fmt: skip

@@ -49,6 +49,9 @@ class ArithmeticTaskConfig(Config):
     """Text of the user message; ``{a}``, ``{op}`` and ``{b}`` are replaced."""
     system_prompt: str | None = None
     """Optional system message placed before the user message."""
+    solution_format: Literal["answer", "calculator"] = "answer"
+    """The ideal solution a warm start trains on: the bare result, or a transcript that calls the ``calculator`` tool
+    on the problem and answers with its result (for ``[environment] type = "tools"``)."""
     seed: int = pydantic.Field(default=0, ge=0)
     """Seed of problem generation and of the per-epoch shuffle."""
 

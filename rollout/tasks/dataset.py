@@ -68,11 +68,12 @@ class PromptDataset:
         """The held-out problems, in their fixed order (never shuffled, never in the training stream)."""
         return list(self._eval)
 
-    def sft_examples(self, num_examples: int, eos_text: str) -> list[tuple[Problem, str]]:
+    def sft_examples(self, num_examples: int, eos_text: str) -> list[tuple[Problem, str | list[dict[str, str]]]]:
         """``(problem, ideal completion)`` pairs for a supervised warm start, from training problems only.
 
         The completion is the problem's ``solution`` (or its answer when it has none) followed by ``eos_text`` (the
-        tokenizer's end-of-sequence token text, e.g. ``"<|im_end|>"``). Problems come in the epoch-0 shuffle order of
+        tokenizer's end-of-sequence token text, e.g. ``"<|im_end|>"``); a transcript solution (a list of messages)
+        comes as it is. Problems come in the epoch-0 shuffle order of
         a separate stream, cycling if ``num_examples`` exceeds the training set; the cursor is not moved.
         """
         if num_examples < 0:
@@ -81,8 +82,8 @@ class PromptDataset:
         out = []
         for k in range(num_examples):
             problem = self._train[order[k % len(order)]]
-            completion = problem.solution if problem.solution is not None else problem.answer
-            out.append((problem, completion + eos_text))
+            solution = problem.solution if problem.solution is not None else problem.answer
+            out.append((problem, solution + eos_text if isinstance(solution, str) else solution))
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -19,7 +19,9 @@ class Problem:
     """Reference answer the rewards compare against (``"579"``, ``"1/2"``, ...)."""
     problem_id: str
     """Stable id, unique within its task and split (used in logs and in reward error messages)."""
-    solution: str | None = None
-    """Ideal completion text (without the end-of-sequence token) for a supervised warm start, if the task has one."""
+    solution: str | list[dict[str, str]] | None = None
+    """For a supervised warm start, if the task has one: the ideal completion text (without the end-of-sequence
+    token), or an ideal multi-turn transcript of the turns after the prompt (``assistant`` messages and the ``tool`` /
+    ``user`` messages between them, ending with an ``assistant`` one), trained on its assistant turns only."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Task-specific data carried to rewards and logs (e.g. the operands of an arithmetic problem)."""

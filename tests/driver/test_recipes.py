@@ -189,7 +189,7 @@ def test_override_of_an_unknown_section_says_so_and_lists_the_sections():
     rc, err = _check(["--recipe", "recipes/grpo_tiny.toml", "--no.such.field", "1"])
     assert rc == 2 and err.startswith("error: command-line flag --no.such.field: "), err
     assert "- no: unknown section 'no': there is no [no]" in err, err
-    assert "run, model, algorithm, trainer, rollout, task, reward, weight_sync" in err, err
+    assert "run, model, algorithm, trainer, rollout, task, reward, environment, weight_sync" in err, err
 
 
 def test_block_fields_are_declared_once_and_checked_against_the_registry():

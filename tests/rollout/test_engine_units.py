@@ -7,7 +7,7 @@ import pytest
 from common.config import ConfigError, validate_config
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.engine.transfer import check_fused_groups, expected_parameters
-from rollout.sampling import group_seed
+from rollout.sampling import turn_seed
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -24,9 +24,13 @@ def test_rollout_config_is_strict_and_documented():
     assert all(f.description for f in RolloutConfig.model_fields.values())
 
 
-def test_group_seed_depends_on_the_group_only():
-    assert group_seed(SamplingConfig(seed=100), 7) == 107
-    assert group_seed(SamplingConfig(), 7) is None
+def test_turn_seeds_are_distinct_and_reproducible():
+    seeded = SamplingConfig(seed=100)
+    seeds = {turn_seed(seeded, g, i, t) for g in range(4) for i in range(8) for t in range(3)}
+    assert len(seeds) == 4 * 8 * 3 and all(0 <= s < 2**31 for s in seeds)
+    assert turn_seed(seeded, 3, 2, 1) == turn_seed(SamplingConfig(seed=100), 3, 2, 1)
+    assert turn_seed(SamplingConfig(seed=101), 3, 2, 1) != turn_seed(seeded, 3, 2, 1)
+    assert turn_seed(SamplingConfig(), 7, 0, 0) is None
 
 
 def test_sampling_params_carry_every_setting():

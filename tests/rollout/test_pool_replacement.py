@@ -29,7 +29,7 @@ PROBLEMS = [Problem(prompt=f"p{i}", answer=str(i), problem_id=f"p{i}") for i in 
 class FakeWorker:
     """RolloutWorker's pool-facing methods over a version number: a 'push' sets it, samples record it."""
 
-    def __init__(self, config, reward=None, weight_sync=None):
+    def __init__(self, config, reward=None, weight_sync=None, environment=None):
         self.version = 0
         self.changed = threading.Condition()
 

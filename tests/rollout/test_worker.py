@@ -71,4 +71,6 @@ def test_pushed_weights_reach_generation_through_the_receiver(worker):
     assert all(s.policy_version == 3 for s in after.samples)
     assert after.metrics["rollout/weight_update_s"] == pytest.approx(worker.health()["last_update_s"])
     assert worker.generate_groups(problem, group_ids=[0], group_size=2).metrics["rollout/weight_update_s"] == 0.0
-    assert [s.completion_ids.tolist() for s in after.samples] != [s.completion_ids.tolist() for s in before.samples]
+    # A near-uniform tiny model may sample the same seeded tokens under both versions; their log-probs differ.
+    assert not np.allclose(np.concatenate([s.rollout_logprobs for s in after.samples]),
+                           np.concatenate([s.rollout_logprobs for s in before.samples]), atol=1e-3)

@@ -53,14 +53,18 @@ def count_router_tokens(samples: Sequence[Sample], indices: Sequence[int]) -> fl
 def router_token_mask(mb: MicroBatch) -> torch.Tensor:
     """``[R, L]`` bool: the row positions holding a token of a sequence with a non-empty completion.
 
-    Derived from the loss layout alone: the last completion token of sequence ``s`` sits one past the position that
-    predicts it (``gather_index``), and its position inside the sequence says where the sequence starts. Sequences
-    without completion tokens carry no loss and are left out along with the padding.
+    Derived from the loss layout alone: the last completion token of sequence ``s`` (a model token) sits one past the
+    position that predicts it (``gather_index``), and its position inside the sequence says where the sequence
+    starts. Sequences without completion tokens carry no loss and are left out along with the padding.
     """
     rows, width = mb.tokens.shape
-    lengths = mb.loss_mask.sum(dim=1).long()
-    seqs = torch.nonzero(lengths > 0)[:, 0]
-    last = mb.gather_index[seqs, lengths[seqs] - 1] + 1
+    model_tokens = mb.loss_mask > 0
+    if not model_tokens.any():
+        return torch.zeros(rows, width, dtype=torch.bool, device=mb.tokens.device)
+    seqs = torch.nonzero(model_tokens.any(dim=1))[:, 0]
+    columns = torch.arange(model_tokens.shape[1], device=mb.tokens.device)
+    last_column = torch.where(model_tokens, columns, 0).amax(dim=1)  # a trajectory ends with a model token
+    last = mb.gather_index[seqs, last_column[seqs]] + 1
     first = last - mb.positions.reshape(-1)[last]
     edges = torch.zeros(rows * width + 1, dtype=torch.long, device=mb.tokens.device)
     edges.index_add_(0, first, torch.ones_like(first))

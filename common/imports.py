@@ -1,0 +1,39 @@
+"""Objects a recipe names by import path (``"package.module:name"``): user reward functions, user environments."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["resolve_object"]
+
+
+def resolve_object(spec: str, what: str) -> Any:
+    """Import ``"package.module:name"`` and return the object; ``ValueError`` names ``what`` (e.g. "reward function")
+    and which part is missing.
+
+    An ``ImportError`` raised *inside* the user's module (a missing dependency of it) is reported as such, not as a
+    missing module.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what} {spec!r}: expected 'module:name', e.g. 'my_module:my_name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise ValueError(
+                f"{what} {spec!r}: module {module_name!r} not found (no module named {e.name!r}); install it "
+                "or put its directory on PYTHONPATH for the driver and the rollout workers"
+            ) from None
+        raise ValueError(f"{what} {spec!r}: importing module {module_name!r} failed: {e}") from e
+    except ImportError as e:
+        raise ValueError(f"{what} {spec!r}: importing module {module_name!r} failed: {e}") from e
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
+        raise ValueError(
+            f"{what} {spec!r}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no attribute "
+            f"{attr!r}; callables there: {public[:20]}"
+        ) from None

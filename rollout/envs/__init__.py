@@ -1,0 +1,50 @@
+"""Environments: multi-turn episodes (tool use, feedback, a user's own class) and the single-turn case, all run
+token-in-token-out by :func:`rollout.envs.episode.run_episode` on the rollout worker's engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from common.imports import resolve_object
+from rollout.envs.base import Environment, Message, StepResult
+from rollout.envs.episode import Episode, EpisodeLimits, run_episode
+
+if TYPE_CHECKING:
+    from rollout.envs.config import EnvironmentConfig
+
+__all__ = [
+    "Environment", "Episode", "EpisodeLimits", "Message", "StepResult", "build_environment", "episode_limits",
+    "run_episode",
+]  # fmt: skip
+
+
+def build_environment(config: EnvironmentConfig) -> Callable[[], Environment]:
+    """A factory of fresh per-episode environments for ``config``; a custom class is imported here, so a missing
+    module or class fails before any episode runs (``ValueError`` naming it)."""
+    from rollout.envs.builtin import FeedbackEnvironment, SingleTurnEnvironment, ToolEnvironment
+    from rollout.envs.config import CustomEnvConfig, FeedbackEnvConfig, SingleTurnEnvConfig, ToolEnvConfig
+
+    if isinstance(config, SingleTurnEnvConfig):
+        return SingleTurnEnvironment
+    if isinstance(config, ToolEnvConfig):
+        return lambda: ToolEnvironment(config)
+    if isinstance(config, FeedbackEnvConfig):
+        return lambda: FeedbackEnvironment(config)
+    assert isinstance(config, CustomEnvConfig)
+    cls = resolve_object(config.class_path, "environment class")
+    if not isinstance(cls, type):
+        raise ValueError(f"environment class {config.class_path!r} is a {type(cls).__name__}, not a class")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ValueError(f"environment class {config.class_path!r} has no {' or '.join(missing)} method")
+    options = dict(config.options)
+    return lambda: cls(**options)
+
+
+def episode_limits(config: EnvironmentConfig) -> EpisodeLimits:
+    """The episode limits ``config`` sets (one turn, no other limit, for the single-turn environment)."""
+    return EpisodeLimits(
+        max_turns=config.max_turns, max_total_tokens=getattr(config, "max_total_tokens", None),
+        timeout_s=getattr(config, "timeout_s", None),
+    )  # fmt: skip

@@ -1,0 +1,59 @@
+"""The environment interface: what turns a problem into an episode of model turns and observations.
+
+An environment instance lives for one episode. The episode runner (:mod:`rollout.envs.episode`) calls :meth:`reset`
+once, then, after every model turn, :meth:`step` with that turn's text, until ``done`` or a limit; :meth:`close` always
+runs at the end. Environments see and return text (chat messages); the runner owns the token ids, so what the model
+generated is never re-tokenised.
+
+A user environment is a class with these methods, named in the recipe as ``[environment] type = "custom"``,
+``class_path = "my_pkg.envs:MyEnv"``; it is constructed with the recipe's ``options`` table as keyword arguments, once
+per episode, on the rollout worker.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.tasks.problem import Problem
+
+__all__ = ["Environment", "Message", "StepResult"]
+
+Message = dict[str, str]
+"""A chat message: ``{"role": "system" | "user" | "assistant" | "tool", "content": ...}``."""
+
+
+@dataclass
+class StepResult:
+    """What an environment answers to one model turn."""
+
+    observation: list[Message] = field(default_factory=list)
+    """Messages the model sees before its next turn (tool results as role ``"tool"``, feedback as ``"user"``); empty
+    when ``done``."""
+    reward: float = 0.0
+    """This turn's reward; an episode's reward is the sum over its turns plus the recipe's reward terms, which score
+    the final model turn."""
+    done: bool = False
+    """The episode ends here (no further model turn)."""
+    info: dict[str, float] = field(default_factory=dict)
+    """Numbers summed over the episodes of a batch into ``env/<name>`` metrics (e.g. ``tool_calls``)."""
+
+
+class Environment(ABC):
+    """One episode's environment; see the module docstring."""
+
+    tools: Sequence[Mapping[str, Any]] | None = None
+    """Tools the chat template describes to the model (JSON schema form), or ``None``."""
+
+    @abstractmethod
+    async def reset(self, problem: Problem) -> list[Message]:
+        """The episode's first messages (system and user) for ``problem``."""
+
+    @abstractmethod
+    async def step(self, text: str) -> StepResult:
+        """React to the model's turn ``text`` (its decoded tokens, special tokens dropped)."""
+
+    async def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release what the episode held (processes, files); called once, also after errors and timeouts."""

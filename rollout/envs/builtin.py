@@ -1,0 +1,131 @@
+"""The built-in environments: a single turn (the default), tool use, and "fix your answer" feedback."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rollout.envs.base import Environment, Message, StepResult
+from rollout.envs.config import FeedbackEnvConfig, ToolEnvConfig
+from rollout.envs.tools import Tool, build_tool, parse_tool_calls
+from rollout.tasks.problem import Problem
+
+__all__ = ["FeedbackEnvironment", "SingleTurnEnvironment", "ToolEnvironment", "problem_messages"]
+
+
+def problem_messages(problem: Problem, system_prompt: str | None = None) -> list[Message]:
+    """The problem's prompt as chat messages (text: one user message), after ``system_prompt`` unless the prompt
+    already has a system message."""
+    messages = [{"role": "user", "content": problem.prompt}] if isinstance(problem.prompt, str) else [
+        dict(m) for m in problem.prompt
+    ]
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+class SingleTurnEnvironment(Environment):
+    """The task's prompt, one model turn, done: what a single-turn recipe runs (the reward terms score the turn)."""
+
+    async def reset(self, problem: Problem) -> list[Message]:
+        return problem_messages(problem)
+
+    async def step(self, text: str) -> StepResult:
+        return StepResult(done=True)
+
+
+class ToolEnvironment(Environment):
+    """Tool use (see :class:`rollout.envs.config.ToolEnvConfig`): each ``<tool_call>`` of a turn runs, its result is
+    a ``tool`` message; a turn without calls ends the episode. Malformed or unknown calls, and tool failures, come
+    back as error observations; the episode goes on.
+
+    ``info``: ``tool_calls``, ``tool_errors`` (malformed, unknown, or failed), ``tool_calls/<name>``, ``tool_s``
+    (seconds the tools ran).
+    """
+
+    def __init__(self, config: ToolEnvConfig, tools: Sequence[Tool] | None = None) -> None:
+        self._config = config
+        built = list(tools) if tools is not None else [build_tool(n, config.python) for n in config.tools]
+        self._tools = {t.name: t for t in built}
+        self.tools = [t.schema() for t in built]
+
+    async def reset(self, problem: Problem) -> list[Message]:
+        return problem_messages(problem, self._config.system_prompt)
+
+    async def step(self, text: str) -> StepResult:
+        calls = parse_tool_calls(text)
+        if not calls:
+            return StepResult(done=True)
+        info: dict[str, float] = {"tool_calls": float(len(calls)), "tool_errors": 0.0}
+        observation = []
+        for i, call in enumerate(calls):
+            if i >= self._config.max_calls_per_turn:
+                content, error = f"not run: at most {self._config.max_calls_per_turn} tool calls per turn", True
+            elif call.error is not None:
+                content, error = f"error: {call.error}", True
+            elif call.name not in self._tools:
+                content, error = f"error: no tool named {call.name!r}; tools: {', '.join(self._tools)}", True
+            else:
+                start = time.perf_counter()
+                output = await self._tools[call.name].run(call.arguments)
+                info["tool_s"] = info.get("tool_s", 0.0) + time.perf_counter() - start
+                content, error = output.text, output.error
+                info[f"tool_calls/{call.name}"] = info.get(f"tool_calls/{call.name}", 0.0) + 1.0
+            info["tool_errors"] += float(error)
+            observation.append({"role": "tool", "content": _cut(content, self._config.max_observation_chars)})
+        return StepResult(observation=observation, info=info)
+
+
+class FeedbackEnvironment(Environment):
+    """"Fix your answer" (see :class:`rollout.envs.config.FeedbackEnvConfig`): a wrong answer gets feedback that
+    depends on it (for numbers: higher or lower), and another try.
+
+    ``info``: ``wrong_answers``.
+    """
+
+    def __init__(self, config: FeedbackEnvConfig) -> None:
+        self._config = config
+        self._pattern = re.compile(config.extract_pattern) if config.extract_pattern else None
+        self._answer = ""
+        self._turn = 0
+
+    async def reset(self, problem: Problem) -> list[Message]:
+        self._answer = problem.answer.strip()
+        return problem_messages(problem)
+
+    async def step(self, text: str) -> StepResult:
+        from rollout.rewards.rules import normalize_answer
+
+        self._turn += 1
+        guess = self._extract(text)
+        if normalize_answer(guess) == normalize_answer(self._answer) or self._turn >= self._config.max_turns:
+            return StepResult(done=True)
+        return StepResult(
+            observation=[{"role": "user", "content": _feedback(guess, self._answer)}],
+            reward=self._config.turn_penalty, info={"wrong_answers": 1.0},
+        )  # fmt: skip
+
+    def _extract(self, text: str) -> str:
+        if self._pattern is None:
+            return text.strip()
+        found = self._pattern.findall(text)
+        if not found:
+            return ""
+        last: Any = found[-1]
+        return (last if isinstance(last, str) else last[0]).strip()
+
+
+def _feedback(guess: str, answer: str) -> str:
+    try:
+        g, a = float(guess), float(answer)
+    except ValueError:
+        return "That is not right. Try again."
+    return f"{guess} is not right: the answer is {'higher' if a > g else 'lower'}. Try again."
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n[cut: {len(text) - limit} more characters]"

@@ -1,0 +1,134 @@
+"""Configuration of the environment episodes run in: a tagged union on ``type``, like tasks and rewards.
+
+In a recipe::
+
+    [environment]
+    type = "tools"                 # "single_turn" (the default), "tools", "feedback" or "custom"
+    tools = ["calculator"]
+    max_turns = 3
+
+No torch import here, so recipes validate instantly; :func:`rollout.envs.build_environment` turns a config into a
+factory of per-episode environments.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import pydantic
+
+from common.config import Config
+
+__all__ = [
+    "CustomEnvConfig", "EnvironmentConfig", "FeedbackEnvConfig", "PythonToolConfig", "SingleTurnEnvConfig",
+    "ToolEnvConfig", "ToolName",
+]  # fmt: skip
+
+ToolName = Literal["calculator", "python"]
+"""Built-in tools: ``calculator`` (arithmetic on numbers, evaluated in process without ``eval``: pure and bounded) and
+``python`` (a program run in the out-of-process sandbox, :mod:`rollout.envs.sandbox`)."""
+
+
+class SingleTurnEnvConfig(Config):
+    """One model turn per episode: the task's prompt, one completion, scored by the reward terms (the default)."""
+
+    type: Literal["single_turn"] = "single_turn"
+    """Selects this environment."""
+
+    @property
+    def max_turns(self) -> int:
+        return 1
+
+
+class _MultiTurnConfig(Config):
+    max_turns: int = pydantic.Field(default=4, ge=1)
+    """Most model turns of an episode; the episode ends after the last (finish reason ``length`` if the environment
+    wanted more)."""
+    max_total_tokens: int | None = pydantic.Field(default=None, ge=1)
+    """Most tokens after the first prompt (model turns and observations); a turn is cut to what is left and the
+    episode ends with finish reason ``length``. ``None``: the engine's ``max_model_len`` minus the prompt."""
+    timeout_s: float | None = pydantic.Field(default=None, gt=0)
+    """Wall-clock limit of one episode: when it passes, the turn in flight is aborted, the episode keeps what was
+    complete before it and ends with finish reason ``length``. ``None``: no limit."""
+
+
+class PythonToolConfig(Config):
+    """Limits of one call of the ``python`` tool (the sandbox's)."""
+
+    wall_s: float = pydantic.Field(default=5.0, gt=0)
+    """Wall-clock seconds before the program (and all it started) is killed."""
+    cpu_s: float = pydantic.Field(default=5.0, gt=0)
+    """CPU seconds (``RLIMIT_CPU``)."""
+    memory_mib: int = pydantic.Field(default=512, ge=16)
+    """Address space of each process (``RLIMIT_AS``), MiB."""
+    max_output_bytes: int = pydantic.Field(default=16 << 10, ge=64)
+    """stdout + stderr kept for the observation; beyond it the output is cut."""
+    max_processes: int = pydantic.Field(default=16, ge=1)
+    """Processes the program may have at once (``RLIMIT_NPROC``)."""
+
+
+class ToolEnvConfig(_MultiTurnConfig):
+    """Tool use in the Qwen / Hermes format: the model writes ``<tool_call>{"name": ..., "arguments": {...}}
+    </tool_call>``, each call's result comes back as a ``tool`` message, and a turn without a call is the final answer
+    (which the reward terms score). The tools are described to the model by the tokenizer's chat template."""
+
+    type: Literal["tools"] = "tools"
+    """Selects this environment."""
+    tools: list[ToolName] = pydantic.Field(default_factory=lambda: ["calculator"], min_length=1)  # type: ignore[arg-type]
+    """Tools the model may call."""
+    system_prompt: str | None = None
+    """System message before the task's prompt (the template adds the tool descriptions)."""
+    max_calls_per_turn: int = pydantic.Field(default=4, ge=1)
+    """Calls one turn may make; more are answered with an error observation and not run."""
+    max_observation_chars: int = pydantic.Field(default=2000, ge=16)
+    """A tool result longer than this is cut (the observation says so)."""
+    python: PythonToolConfig = PythonToolConfig()
+    """Limits of the ``python`` tool."""
+
+    @pydantic.field_validator("tools")
+    @classmethod
+    def _unique(cls, tools: list[ToolName]) -> list[ToolName]:
+        if len(set(tools)) != len(tools):
+            raise ValueError(f"tools {tools} has duplicates; list each tool once")
+        return tools
+
+
+class FeedbackEnvConfig(_MultiTurnConfig):
+    """"Fix your answer": after a wrong answer the model is told so (for numbers: whether the answer is higher or lower
+    than its guess) and tries again, until it is right or ``max_turns`` is spent. The feedback depends on the previous
+    answer, so a policy can learn to use it."""
+
+    type: Literal["feedback"] = "feedback"
+    """Selects this environment."""
+    max_turns: int = pydantic.Field(default=3, ge=1)
+    """Most answers the model may give."""
+    turn_penalty: float = pydantic.Field(default=0.0, le=0.0)
+    """Reward added for every wrong answer before the last turn (<= 0), so fewer tries score higher."""
+    extract_pattern: str | None = None
+    """Optional regex picking the answer out of a turn (group 1 if it has one); by default the whole turn."""
+
+
+class CustomEnvConfig(_MultiTurnConfig):
+    """A user environment: a subclass of ``rollout.envs.Environment`` (or any class with its methods)."""
+
+    type: Literal["custom"] = "custom"
+    """Selects this environment."""
+    class_path: str
+    """``"package.module:Class"``, importable on the rollout workers (put its directory on ``PYTHONPATH`` or ship it
+    with ``ray job submit --working-dir``)."""
+    options: dict[str, Any] = {}
+    """Keyword arguments of the class, given to every episode's instance."""
+
+    @pydantic.field_validator("class_path")
+    @classmethod
+    def _check_path(cls, path: str) -> str:
+        module, sep, name = path.partition(":")
+        if not sep or not module or not name:
+            raise ValueError(f"class_path {path!r}: expected 'package.module:Class', e.g. 'my_envs:GuessNumber'")
+        return path
+
+
+EnvironmentConfig = Annotated[
+    SingleTurnEnvConfig | ToolEnvConfig | FeedbackEnvConfig | CustomEnvConfig, pydantic.Field(discriminator="type")
+]
+"""The environment of a recipe, chosen by ``type``: 'single_turn', 'tools', 'feedback' or 'custom'."""

@@ -1,0 +1,207 @@
+"""One episode, token in and token out: model turns generated on the engine, observations rendered as chat-template
+continuations, and the trajectory the trainer learns from.
+
+A turn's prompt is the exact token ids of everything before it: the first prompt, then every earlier model turn as
+the engine generated it (ids, never re-tokenised text) and every observation as
+:func:`rollout.tokenizer.render_continuation` renders it (after the template's end-of-turn token when the turn stopped
+on another stop token or string, e.g. ``</tool_call>``: the model did not write it, so it is an observation token).
+The trajectory is the first prompt plus one completion: model tokens (loss mask 1, the engine's log-probs) and
+observation tokens (mask 0) in order, ending with the last model token.
+
+Limits: ``max_turns`` model turns; per turn ``sampling.max_tokens`` tokens; ``max_total_tokens`` after the first
+prompt (by default what the engine's context leaves); ``timeout_s`` of wall clock for the whole episode. Hitting one
+ends the episode with finish reason ``length``; a timeout aborts the turn in flight (or the tool call) and keeps the
+turns complete before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rollout.config import SamplingConfig
+from rollout.envs.base import Environment, Message
+from rollout.tasks.problem import Problem
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rollout.engine.vllm_engine import VLLMEngine
+    from rollout.tokenizer import Tools
+
+__all__ = ["Episode", "EpisodeLimits", "render_transcript", "run_episode"]
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """How far an episode may run (see the module docstring)."""
+
+    max_turns: int = 1
+    max_total_tokens: int | None = None
+    timeout_s: float | None = None
+
+
+@dataclass
+class Episode:
+    """A finished episode: its trajectory and what happened in it."""
+
+    prompt_ids: list[int]
+    """The first prompt, chat template applied (tools described)."""
+    completion_ids: np.ndarray
+    """int64: every token after the first prompt, ending with the last model token (empty if no turn completed)."""
+    loss_mask: np.ndarray
+    """uint8, like ``completion_ids``: 1 on model tokens, 0 on observation tokens."""
+    logprobs: np.ndarray
+    """float32, like ``completion_ids``: the engine's log-prob of each model token, 0 on observation tokens."""
+    final_text: str
+    """The last model turn's text (special tokens dropped), which the reward terms score."""
+    final_turn_tokens: int
+    """Tokens of the last model turn."""
+    env_reward: float
+    """Sum of the environment's per-turn rewards."""
+    finish_reason: str
+    """'stop': the environment ended the episode; 'length': a limit ended it."""
+    num_turns: int
+    """Model turns in the trajectory."""
+    policy_versions: list[int]
+    """The weights version of each model turn (a turn is of one version; turns may differ in an async run)."""
+    timed_out: bool = False
+    info: dict[str, float] = field(default_factory=dict)
+    """The environment's per-turn ``info`` numbers, summed."""
+
+
+async def run_episode(
+    engine: VLLMEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    env: Environment,
+    problem: Problem,
+    sampling: SamplingConfig,
+    limits: EpisodeLimits,
+    seed_of_turn: Callable[[int], int | None],
+    use_chat_template: bool | None = None,
+) -> Episode:
+    """Run ``env`` on ``problem`` to the end on ``engine`` (awaited on the engine loop) and return the episode;
+    ``seed_of_turn(t)`` seeds model turn ``t``. The environment is closed whatever happens; its errors propagate."""
+    from rollout.tokenizer import render_prompt
+
+    try:
+        messages = await env.reset(problem)
+        prompt = render_prompt(tokenizer, messages, use_chat_template, tools=env.tools)
+        budget = limits.max_total_tokens or (engine.config.max_model_len - len(prompt))
+        trajectory = _Trajectory(prompt)
+        try:
+            async with asyncio.timeout(limits.timeout_s):
+                await _turns(engine, tokenizer, env, sampling, limits, seed_of_turn, budget, trajectory)
+        except TimeoutError:
+            trajectory.timed_out, trajectory.finish_reason = True, "length"
+        return trajectory.episode()
+    finally:
+        await env.close()
+
+
+class _Trajectory:
+    """The episode being built: committed model turns (each with the observation that led to it)."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.prompt = prompt
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.final_text, self.final_turn_tokens, self.env_reward = "", 0, 0.0
+        self.finish_reason, self.timed_out = "stop", False
+        self.info: dict[str, float] = {}
+
+    def add_turn(self, observation: list[int], ids: np.ndarray, logprobs: np.ndarray, version: int) -> None:
+        self.ids += observation + ids.tolist()
+        self.mask += [0] * len(observation) + [1] * len(ids)
+        self.logprobs += [0.0] * len(observation) + logprobs.tolist()
+        self.versions.append(version)
+        self.final_turn_tokens = len(ids)
+
+    def episode(self) -> Episode:
+        return Episode(
+            prompt_ids=self.prompt, completion_ids=np.asarray(self.ids, np.int64),
+            loss_mask=np.asarray(self.mask, np.uint8), logprobs=np.asarray(self.logprobs, np.float32),
+            final_text=self.final_text, final_turn_tokens=self.final_turn_tokens, env_reward=self.env_reward,
+            finish_reason=self.finish_reason, num_turns=len(self.versions), policy_versions=self.versions,
+            timed_out=self.timed_out, info=self.info,
+        )  # fmt: skip
+
+
+async def _turns(
+    engine: VLLMEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    env: Environment,
+    sampling: SamplingConfig,
+    limits: EpisodeLimits,
+    seed_of_turn: Callable[[int], int | None],
+    budget: int,
+    trajectory: _Trajectory,
+) -> None:
+    from rollout.tokenizer import end_of_turn_id, render_continuation
+
+    observation: list[int] = []  # ids of the observation before the next turn, committed with it
+    for turn in range(limits.max_turns):
+        left = budget - len(trajectory.ids) - len(observation)
+        if left <= 0:
+            trajectory.finish_reason = "length"
+            return
+        turn_sampling = sampling if sampling.max_tokens <= left else sampling.model_copy(update={"max_tokens": left})
+        [completion] = await engine.generate_async(
+            trajectory.prompt + trajectory.ids + observation, turn_sampling, 1, seed_of_turn(turn)
+        )
+        trajectory.add_turn(observation, completion.token_ids, completion.logprobs, completion.policy_version)
+        trajectory.final_text = str(tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True))
+        if completion.finish_reason == "length":
+            trajectory.finish_reason = "length"
+            return
+        result = await env.step(trajectory.final_text)
+        trajectory.env_reward += result.reward
+        for name, value in result.info.items():
+            trajectory.info[name] = trajectory.info.get(name, 0.0) + value
+        if result.done:
+            return
+        if turn == limits.max_turns - 1:
+            trajectory.finish_reason = "length"  # the environment wanted another turn
+            return
+        observation = render_continuation(tokenizer, result.observation, env.tools)
+        eot = end_of_turn_id(tokenizer)
+        if len(completion.token_ids) == 0 or int(completion.token_ids[-1]) != eot:
+            observation = [eot, *observation]  # stopped on another stop token: the template closes the turn
+
+
+
+
+def render_transcript(
+    tokenizer: PreTrainedTokenizerBase, turns: list[Message], tools: Tools | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(completion ids, loss mask) of an ideal transcript after an episode's first prompt (a supervised warm start),
+    laid out exactly as :func:`run_episode` lays out an episode: each ``assistant`` turn is its encoded text plus the
+    end-of-turn token (mask 1), the messages between turns are their chat-template continuation (mask 0).
+    ``ValueError`` unless the transcript starts and ends with an assistant turn."""
+    from rollout.tokenizer import end_of_turn_id, render_continuation
+
+    if not turns or turns[0].get("role") != "assistant" or turns[-1].get("role") != "assistant":
+        raise ValueError("a transcript solution must start and end with an assistant message")
+    eot = end_of_turn_id(tokenizer)
+    ids: list[int] = []
+    mask: list[int] = []
+    pending: list[Message] = []
+    for message in turns:
+        if message.get("role") != "assistant":
+            pending.append(message)
+            continue
+        if pending:
+            observation = render_continuation(tokenizer, pending, tools)
+            ids += observation
+            mask += [0] * len(observation)
+            pending = []
+        turn = list(tokenizer.encode(message["content"], add_special_tokens=False)) + [eot]
+        ids += turn
+        mask += [1] * len(turn)
+    return np.asarray(ids, np.int64), np.asarray(mask, np.uint8)

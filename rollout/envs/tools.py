@@ -1,0 +1,188 @@
+"""Built-in tools and the Qwen / Hermes tool-call format.
+
+A model turn calls tools by writing ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (one block per call);
+:func:`parse_tool_calls` reads them, reporting a malformed block as an error for the model instead of raising. A tool
+is an async callable ``arguments -> ToolOutput`` with a JSON-schema description for the chat template.
+
+- ``calculator``: arithmetic on numbers (``+ - * / // % **``, parentheses), evaluated from the syntax tree without
+  ``eval``; bounded (exponents, magnitudes and expression length), so it is a pure function and runs in process.
+- ``python``: a program run by :func:`rollout.envs.sandbox.run_python` out of process, with CPU, memory, output,
+  process and wall-clock limits, no network and none of the host's files; its stdout is the result.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from rollout.envs.config import PythonToolConfig, ToolName
+
+__all__ = ["Tool", "ToolCall", "ToolOutput", "build_tool", "calculate", "parse_tool_calls"]
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_MAX_EXPRESSION_CHARS = 200
+_MAX_EXPONENT = 64
+_MAX_DIGITS = 60
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One ``<tool_call>`` block of a model turn: a name and arguments, or why it could not be read."""
+
+    name: str
+    arguments: dict[str, Any]
+    error: str | None = None
+    """Why the block is malformed (bad JSON, no name, arguments not an object); the call is then not run."""
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """A tool's answer: the text the model sees, and whether it is an error."""
+
+    text: str
+    error: bool = False
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A callable tool and its description (the JSON-schema form chat templates take)."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    run: Callable[[Mapping[str, Any]], Awaitable[ToolOutput]]
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "function", "function": {
+            "name": self.name, "description": self.description, "parameters": self.parameters,
+        }}  # fmt: skip
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Every ``<tool_call>`` block of ``text``, in order; an unclosed ``<tool_call>`` is one malformed call."""
+    calls = [_parse_one(body) for body in _CALL.findall(text)]
+    if text.count("<tool_call>") > len(calls):
+        calls.append(ToolCall("", {}, "a <tool_call> is not closed by </tool_call>"))
+    return calls
+
+
+def _parse_one(body: str) -> ToolCall:
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError as e:
+        return ToolCall("", {}, f"the tool call is not valid JSON ({e.msg} at character {e.pos})")
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return ToolCall("", {}, 'a tool call must be a JSON object with a string "name"')
+    arguments = value.get("arguments", {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        return ToolCall(value["name"], {}, '"arguments" must be a JSON object')
+    return ToolCall(value["name"], arguments)
+
+
+# -- calculator ------------------------------------------------------------------------------------------------------
+_BINARY: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+}  # fmt: skip
+
+
+def calculate(expression: str) -> str:
+    """The value of an arithmetic ``expression`` as text (integers exactly, fractions as decimals); ``ValueError``
+    with a reason the model can read when it is not one or is out of bounds."""
+    if len(expression) > _MAX_EXPRESSION_CHARS:
+        raise ValueError(f"the expression is longer than {_MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"cannot read {expression!r} as arithmetic") from None
+    value = _evaluate(tree.body)
+    if isinstance(value, Fraction) and value.denominator == 1:
+        value = value.numerator
+    if isinstance(value, Fraction):
+        return f"{float(value):.10g}"
+    return str(value)
+
+
+def _evaluate(node: ast.AST) -> int | Fraction:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
+        value = Fraction(node.value) if isinstance(node.value, float) else node.value
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd | ast.USub):
+        inner = _evaluate(node.operand)
+        value = -inner if isinstance(node.op, ast.USub) else inner
+    elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and (not isinstance(right, int) or abs(right) > _MAX_EXPONENT):
+            raise ValueError(f"exponents must be whole numbers of at most {_MAX_EXPONENT}")
+        if isinstance(node.op, ast.Div | ast.FloorDiv | ast.Mod) and right == 0:
+            raise ValueError("division by zero")
+        if isinstance(node.op, ast.Div):
+            left = Fraction(left)
+        value = _BINARY[type(node.op)](left, right)
+        if isinstance(value, float):  # a negative exponent of an int
+            value = Fraction(left) ** int(right)
+    else:
+        raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
+    magnitude = abs(value.numerator if isinstance(value, Fraction) else value)
+    if magnitude.bit_length() > _MAX_DIGITS * 3.33:
+        raise ValueError(f"a value has more than {_MAX_DIGITS} digits")
+    return value
+
+
+async def _run_calculator(arguments: Mapping[str, Any]) -> ToolOutput:
+    expression = arguments.get("expression")
+    if not isinstance(expression, str | int | float) or isinstance(expression, bool):
+        return ToolOutput('calculator needs "expression": a string such as "123 * 456"', error=True)
+    try:
+        return ToolOutput(calculate(str(expression)))
+    except ValueError as e:
+        return ToolOutput(f"calculator error: {e}", error=True)
+
+
+# -- python ----------------------------------------------------------------------------------------------------------
+def _python_tool(config: PythonToolConfig) -> Callable[[Mapping[str, Any]], Awaitable[ToolOutput]]:
+    from rollout.envs.sandbox import SandboxLimits, run_python
+
+    limits = SandboxLimits(
+        wall_s=config.wall_s, cpu_s=config.cpu_s, memory_bytes=config.memory_mib << 20,
+        max_output_bytes=config.max_output_bytes, max_processes=config.max_processes,
+    )  # fmt: skip
+
+    async def run(arguments: Mapping[str, Any]) -> ToolOutput:
+        code = arguments.get("code")
+        if not isinstance(code, str):
+            return ToolOutput('python needs "code": the program to run (print what you want to see)', error=True)
+        result = await run_python(code, limits)
+        if result.outcome == "ok":
+            return ToolOutput(result.stdout)
+        # How it ended comes first: a long output may be cut to fit the observation.
+        return ToolOutput(f"[the program {result.describe()}]\n{result.stdout}{result.stderr[-500:]}", error=True)
+
+    return run
+
+
+def build_tool(name: ToolName, python: PythonToolConfig | None = None) -> Tool:
+    """The built-in tool ``name`` (``python`` with ``python``'s limits)."""
+    if name == "calculator":
+        return Tool(
+            "calculator", "Evaluate an arithmetic expression exactly.",
+            {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+            _run_calculator,
+        )  # fmt: skip
+    if name == "python":
+        return Tool(
+            "python", "Run a Python program (standard library only, no network, no files) and return what it prints.",
+            {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+            _python_tool(python or PythonToolConfig()),
+        )  # fmt: skip
+    raise ValueError(f"unknown tool {name!r}; built-in tools: calculator, python")

@@ -1,0 +1,43 @@
+"""Environments for tests: their observations do not depend on what a random tiny model writes."""
+
+from __future__ import annotations
+
+from rollout.envs import Environment, Message, StepResult
+from rollout.envs.builtin import ToolEnvironment, problem_messages
+from rollout.envs.config import ToolEnvConfig
+from rollout.tasks.problem import Problem
+
+
+class EchoObservations(Environment):
+    """Answers every model turn with a tool message naming the turn, until ``turns`` model turns are done; the
+    last turn's reward is ``reward``."""
+
+    def __init__(self, turns: int = 3, reward: float = 0.0) -> None:
+        self._turns, self._reward, self._turn = turns, reward, 0
+        self.closed = False
+
+    async def reset(self, problem: Problem) -> list[Message]:
+        return problem_messages(problem)
+
+    async def step(self, text: str) -> StepResult:
+        self._turn += 1
+        if self._turn >= self._turns:
+            return StepResult(done=True, reward=self._reward)
+        return StepResult(observation=[{"role": "tool", "content": f"result {self._turn}: 12 * 34 = 408"}],
+                          info={"echoes": 1.0})
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class ScriptedToolCalls(ToolEnvironment):
+    """The tool environment, but each turn makes the scripted call instead of reading the model's text (turn ``i``
+    uses ``script[i]``; past the script, the turn is the final answer)."""
+
+    def __init__(self, config: ToolEnvConfig, script: list[str]) -> None:
+        super().__init__(config)
+        self._script, self._turn = script, 0
+
+    async def step(self, text: str) -> StepResult:
+        turn, self._turn = self._turn, self._turn + 1
+        return await super().step(self._script[turn] if turn < len(self._script) else text)

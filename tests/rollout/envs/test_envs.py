@@ -1,0 +1,144 @@
+"""Environments without an engine: tool calls, the calculator, the tool and feedback environments, observation
+rendering, and the recipe's [environment] section."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from recipe import load_recipe
+from rollout.envs import build_environment
+from rollout.envs.builtin import FeedbackEnvironment, ToolEnvironment
+from rollout.envs.config import CustomEnvConfig, FeedbackEnvConfig, ToolEnvConfig
+from rollout.envs.tools import calculate, parse_tool_calls
+from rollout.tasks.problem import Problem
+from rollout.tokenizer import end_of_turn_id, render_continuation, render_prompt
+from tools.tiny_tokenizer import build_tokenizer
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("123 * 456", "56088"), ("7 / 2", "3.5"), ("2 ** -2", "0.25"), ("-(3 + 4) * 2", "-14"), ("10 // 3", "3"),
+    ("10 % 4", "2"), ("1.5 * 4", "6"), ("999999 * 999999", "999998000001"),
+])  # fmt: skip
+def test_calculator_is_exact(expression, value):
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize("expression, reason", [
+    ("__import__('os').system('ls')", "only numbers"), ("2 ** 100", "at most 64"), ("1 / 0", "division by zero"),
+    ("9 ** 64 * 9 ** 64", "more than 60 digits"), ("1 +", "cannot read"), ("x * 2", "only numbers"),
+    ("1" * 300, "longer than 200"),
+])  # fmt: skip
+def test_calculator_refuses_what_is_not_bounded_arithmetic(expression, reason):
+    with pytest.raises(ValueError, match=reason):
+        calculate(expression)
+
+
+def test_tool_calls_are_parsed_and_malformed_ones_named():
+    text = ('I will compute. <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
+            '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"3\\"}"}</tool_call>'
+            "<tool_call>[1]</tool_call><tool_call>{nope</tool_call><tool_call>")  # fmt: skip
+    calls = parse_tool_calls(text)
+    assert [(c.name, c.arguments, c.error is None) for c in calls[:2]] == [
+        ("calculator", {"expression": "1+2"}, True), ("calculator", {"expression": "3"}, True)]
+    assert "string \"name\"" in calls[2].error and "not valid JSON" in calls[3].error
+    assert "not closed" in calls[4].error and len(calls) == 5
+    assert parse_tool_calls("The answer is 408.") == []
+
+
+def _step(env, text):
+    return asyncio.run(env.step(text))
+
+
+def test_tool_environment_answers_every_call_and_ends_on_an_answer():
+    env = ToolEnvironment(ToolEnvConfig(tools=["calculator"], max_calls_per_turn=2))
+    call = '<tool_call>{"name": "%s", "arguments": {"expression": "%s"}}</tool_call>'
+    result = _step(env, call % ("calculator", "12*34") + call % ("search", "x") + call % ("calculator", "1"))
+    assert [m["role"] for m in result.observation] == ["tool"] * 3 and not result.done
+    assert result.observation[0]["content"] == "408"
+    assert "no tool named 'search'" in result.observation[1]["content"]
+    assert "at most 2 tool calls" in result.observation[2]["content"]
+    assert result.info["tool_calls"] == 3 and result.info["tool_errors"] == 2
+    bad = _step(env, call % ("calculator", "1/0"))
+    assert bad.observation[0]["content"] == "calculator error: division by zero" and bad.info["tool_errors"] == 1
+    assert _step(env, "408").done
+    assert env.tools[0]["function"]["name"] == "calculator"
+
+
+def test_feedback_depends_on_the_previous_answer():
+    env = FeedbackEnvironment(FeedbackEnvConfig(max_turns=3, turn_penalty=-0.1))
+    asyncio.run(env.reset(Problem(prompt="Guess", answer="42", problem_id="g")))
+    low = _step(env, "17")
+    assert "higher" in low.observation[0]["content"] and low.reward == -0.1 and not low.done
+    high = _step(env, "50")
+    assert "lower" in high.observation[0]["content"]
+    assert _step(env, "44").done  # the last turn ends it, right or not
+    env2 = FeedbackEnvironment(FeedbackEnvConfig(extract_pattern=r"Answer: (\d+)"))
+    asyncio.run(env2.reset(Problem(prompt="Guess", answer="42", problem_id="g")))
+    assert _step(env2, "I think... Answer: 42").done
+
+
+def test_observations_render_as_template_continuations():
+    tok = build_tokenizer()
+    eot = end_of_turn_id(tok)
+    assert tok.convert_ids_to_tokens(eot) == "<|im_end|>"
+    history = [{"role": "user", "content": "What is 12 * 34?"}]
+    turn = '<tool_call>{"name": "calculator"}</tool_call>'
+    tool = [{"role": "tool", "content": "408"}]
+    # prompt + model turn + end-of-turn + continuation == the template's rendering of the whole conversation
+    ids = render_prompt(tok, history) + tok.encode(turn, add_special_tokens=False) + [eot]
+    ids += render_continuation(tok, tool)
+    whole = render_prompt(tok, [*history, {"role": "assistant", "content": turn}, *tool])
+    assert ids == whole
+
+
+def test_the_recipe_environment_section_is_checked(tmp_path):
+    base = ROOT / "recipes" / "grpo_tiny.toml"
+    recipe = load_recipe(base, {"environment.type": "tools", "environment.tools": ["calculator", "python"]})
+    assert isinstance(recipe.environment, ToolEnvConfig) and recipe.environment.max_turns == 4
+    with pytest.raises(Exception, match="environment.tools"):
+        load_recipe(base, {"environment.type": "tools", "environment.tools": ["browser"]})
+    with pytest.raises(Exception, match="rollout.use_chat_template"):
+        load_recipe(base, {"environment.type": "feedback", "rollout.use_chat_template": False})
+    with pytest.raises(Exception, match="environment.max_total_tokens"):
+        load_recipe(base, {"environment.type": "feedback", "environment.max_total_tokens": 4096})
+    with pytest.raises(Exception, match="environment.class_path.*no_such_env_module"):
+        load_recipe(base, {"environment.type": "custom", "environment.class_path": "no_such_env_module:Env"})
+
+
+def test_a_custom_environment_is_built_with_its_options():
+    config = CustomEnvConfig(class_path="tests.rollout.envs.scripted_env:EchoObservations", options={"turns": 2})
+    new = build_environment(config)
+    first, second = new(), new()
+    assert first is not second and first._turns == 2
+    with pytest.raises(ValueError, match="has no attribute 'Missing'"):
+        build_environment(CustomEnvConfig(class_path="tests.rollout.envs.scripted_env:Missing"))
+    with pytest.raises(ValueError, match="expected 'package.module:Class'"):
+        CustomEnvConfig(class_path="no_colon")
+
+
+def test_a_calculator_transcript_renders_as_the_template_renders_the_conversation():
+    from rollout.envs.episode import render_transcript
+    from rollout.tasks.arithmetic import calculator_transcript
+
+    tok = build_tokenizer()
+    env = ToolEnvironment(ToolEnvConfig(tools=["calculator"]))
+    problem = Problem(prompt="What is 868 * 242?", answer="210056", problem_id="t")
+    messages = asyncio.run(env.reset(problem))
+    turns = calculator_transcript("868 * 242")
+    assert turns[1] == {"role": "tool", "content": "210056"} and turns[2]["content"] == "210056"
+    prompt = render_prompt(tok, messages, tools=env.tools)
+    ids, mask = render_transcript(tok, turns, env.tools)
+    whole = tok.encode(tok.apply_chat_template(messages + turns, tools=env.tools, tokenize=False),
+                       add_special_tokens=False)  # fmt: skip
+    assert prompt + ids.tolist() == whole[: len(prompt) + len(ids)]  # the template adds a newline after the last turn
+    model = tok.decode(ids[mask == 1].tolist())
+    assert model.count("<|im_end|>") == 2 and "210056" in model and "<|im_start|>tool" not in model
+    assert "<|im_start|>tool\n210056" in tok.decode(ids[mask == 0].tolist())
+    # What the environment makes of the transcript's call is the transcript's tool turn.
+    assert asyncio.run(env.step(turns[0]["content"])).observation == [turns[1]]
+    with pytest.raises(ValueError, match="start and end with an assistant"):
+        render_transcript(tok, turns[:2], env.tools)

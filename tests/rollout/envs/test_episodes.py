@@ -1,0 +1,198 @@
+"""Multi-turn episodes on the real engine (vLLM on a tiny Qwen 3): token-exact trajectories, the trainer's log-probs
+of model tokens equal to the engine's, hostile tools cut off while the batch goes on, limits, and the worker's
+samples with loss masks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.rollout.envs.scripted_env import EchoObservations, ScriptedToolCalls
+from tests.rollout.vllm_helpers import make_model
+
+pytest.importorskip("vllm")
+
+from rollout.config import EngineConfig, RolloutConfig, SamplingConfig  # noqa: E402
+from rollout.envs import EpisodeLimits, run_episode  # noqa: E402
+from rollout.envs.config import CustomEnvConfig, PythonToolConfig, ToolEnvConfig  # noqa: E402
+from rollout.rewards.config import ExactMatchRewardConfig, RewardConfig  # noqa: E402
+from rollout.tasks.problem import Problem  # noqa: E402
+from rollout.tokenizer import end_of_turn_id, render_continuation, render_prompt  # noqa: E402
+from rollout.types import Sample  # noqa: E402
+from rollout.worker import RolloutWorker  # noqa: E402
+
+# A random tiny model rarely writes the end-of-turn token; stopping on 80 of its 512 ids ends turns after a few tokens
+# (the template's end-of-turn token then closes the turn as an observation token).
+SAMPLING = SamplingConfig(temperature=1.0, max_tokens=32, stop_token_ids=list(range(100, 180)), seed=11)
+PROBLEM = Problem(prompt="What is 12 * 34?", answer="408", problem_id="p0")
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    config = RolloutConfig(
+        model_path=make_model(tmp_path_factory.mktemp("tiny")),
+        engine=EngineConfig(max_model_len=512, max_num_seqs=16, cpu_threads_bind="nobind", kv_cache_gib=0.25,
+                            enforce_eager=True),
+        sampling=SAMPLING,
+    )  # fmt: skip
+    env = CustomEnvConfig(class_path="tests.rollout.envs.scripted_env:EchoObservations", max_turns=3,
+                          options={"turns": 3, "reward": 0.5})  # fmt: skip
+    worker = RolloutWorker(config, reward=RewardConfig(terms=[ExactMatchRewardConfig()]), environment=env)
+    yield worker
+    worker.shutdown()
+
+
+THREE_TURNS = EpisodeLimits(max_turns=3)
+
+
+def _run(worker, envs, limits=THREE_TURNS, sampling=SAMPLING):
+    async def batch():
+        return await asyncio.gather(*(
+            run_episode(worker.engine, worker.tokenizer, env, PROBLEM, sampling, limits,
+                        lambda t, k=k: None if sampling.seed is None else sampling.seed + 100 * k + t)
+            for k, env in enumerate(envs)
+        ))  # fmt: skip
+
+    return worker.engine.run(batch())
+
+
+def test_turns_are_token_exact_and_the_trainer_scores_them_as_the_engine(worker, monkeypatch):
+    calls = []
+    generate = worker.engine.generate_async
+
+    async def recording(prompt, sampling, n=1, seed=None):
+        out = await generate(prompt, sampling, n, seed)
+        calls.append((list(prompt), out[0]))
+        return out
+
+    monkeypatch.setattr(worker.engine, "generate_async", recording)
+    envs = [EchoObservations(turns=3) for _ in range(6)]
+    episodes = _run(worker, envs)
+    assert all(env.closed for env in envs)
+    assert [e.num_turns for e in episodes] == [3] * 6 and {e.finish_reason for e in episodes} == {"stop"}
+    tok, eot = worker.tokenizer, end_of_turn_id(worker.tokenizer)
+    for e in episodes:
+        prompt = render_prompt(tok, [{"role": "user", "content": PROBLEM.prompt}])
+        assert e.prompt_ids == prompt
+        full = prompt + e.completion_ids.tolist()
+        # Each turn was generated from exactly the ids before it and its tokens are in the trajectory unchanged.
+        mine = [(p, c) for p, c in calls if full[: len(p) + len(c.token_ids)] == p + c.token_ids.tolist()]
+        assert len(mine) == 3
+        starts = [len(p) - len(prompt) for p, _ in mine]
+        for (_, c), start in zip(mine, starts, strict=True):
+            end = start + len(c.token_ids)
+            assert e.completion_ids[start:end].tolist() == c.token_ids.tolist()
+            assert np.array_equal(e.logprobs[start:end], c.logprobs) and e.loss_mask[start:end].all()
+        # Between turns: the end-of-turn token if the model stopped on another, then the template's continuation.
+        for k in range(2):
+            (_, c), gap = mine[k], e.completion_ids[starts[k] + len(mine[k][1].token_ids) : starts[k + 1]].tolist()
+            obs = render_continuation(tok, [{"role": "tool", "content": f"result {k + 1}: 12 * 34 = 408"}])
+            assert gap == ([] if c.token_ids[-1] == eot else [eot]) + obs
+            assert not e.loss_mask[starts[k] + len(c.token_ids) : starts[k + 1]].any()
+        assert e.loss_mask[-1] == 1 and e.completion_ids[-1] == mine[-1][1].token_ids[-1]
+    # The trainer's teacher-forced log-probs of the model tokens equal the engine's (float32 engine).
+    samples = [Sample(np.asarray(e.prompt_ids), e.completion_ids, e.logprobs, reward=0.0, group_id=0,
+                      policy_version=0, loss_mask=e.loss_mask) for e in episodes]  # fmt: skip
+    trainer = _trainer_logprobs(worker.config.model_path, samples)
+    gap = np.concatenate([np.abs(t - s.rollout_logprobs)[s.loss_mask == 1] for t, s in zip(trainer, samples)])
+    assert gap.mean() <= 1e-5 and gap.max() <= 1e-4, (gap.mean(), gap.max())
+    assert sum(int((s.loss_mask == 0).sum()) for s in samples) > 6 * 2 * 5  # observations were really there
+
+
+def _trainer_logprobs(model_dir: str, samples: list[Sample]) -> list[np.ndarray]:
+    from trainer.models.hf_config import model_config_from_hf
+    from trainer.models.hf_io import load_hf_checkpoint
+    from trainer.models.transformer import build_model
+    from trainer.packing import pack_samples
+    from trainer.step import forward_logprobs
+
+    model = build_model(model_config_from_hf(model_dir), device=torch.device("cpu"), dtype=torch.float32)
+    load_hf_checkpoint(model, model_dir)
+    out: list[np.ndarray] = [np.zeros(0)] * len(samples)
+    with torch.no_grad():
+        for mb in pack_samples(samples, range(len(samples)), token_budget=8192):
+            logprobs = forward_logprobs(model, mb)[0]
+            for row, i in enumerate(mb.sample_indices):
+                out[i] = logprobs[row, : len(samples[i].completion_ids)].numpy()
+    return out
+
+
+def _call(code: str) -> str:
+    import json
+
+    return "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + "</tool_call>"
+
+
+HOSTILE = {
+    "sleeps forever": ("import time\nwhile True: time.sleep(1)", "timed out after 2 s"),
+    "allocates 10 GB": ("x = bytearray(10 * 1024**3)", "ran out of memory"),
+    "forks a bomb": ("import os\nwhile True: os.fork()", "processes"),
+}
+
+
+def test_hostile_tools_end_as_error_observations_while_the_batch_goes_on(worker):
+    config = ToolEnvConfig(tools=["python"], python=PythonToolConfig(wall_s=2.0, cpu_s=2.0, memory_mib=256),
+                           max_observation_chars=300)
+    hostile = [ScriptedToolCalls(config, [_call(code)]) for code, _ in HOSTILE.values()]
+    calm = [EchoObservations(turns=3) for _ in range(5)]
+    start = time.monotonic()
+    episodes = _run(worker, hostile + calm)
+    elapsed = time.monotonic() - start
+    assert elapsed < 2.0 + 15.0, elapsed  # the slowest tool's wall limit plus generation, not a hang
+    for e, (name, (_, expected)) in zip(episodes, HOSTILE.items()):
+        observed = worker.tokenizer.decode(e.completion_ids[e.loss_mask == 0].tolist())
+        assert expected in observed, (name, observed, e.finish_reason, e.num_turns, e.info, len(e.completion_ids))
+        assert e.num_turns == 2 and e.info["tool_errors"] == 1.0 and e.info["tool_calls/python"] == 1.0, name
+    assert [e.num_turns for e in episodes[3:]] == [3] * 5
+
+
+def test_calculator_results_come_back_as_tool_turns(worker):
+    config = ToolEnvConfig(tools=["calculator"])
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "123 * 456"}}</tool_call>'
+    [e] = _run(worker, [ScriptedToolCalls(config, [call, "<tool_call>{oops</tool_call>"])])
+    observed = worker.tokenizer.decode(e.completion_ids[e.loss_mask == 0].tolist())
+    assert "56088" in observed and "not valid JSON" in observed and e.num_turns == 3
+    assert e.info == {"tool_calls": 2.0, "tool_errors": 1.0, "tool_calls/calculator": 1.0,
+                      "tool_s": pytest.approx(e.info["tool_s"])}  # fmt: skip
+    # The tools are described to the model in the first prompt by the chat template.
+    assert "calculator(expression)" in worker.tokenizer.decode(e.prompt_ids)
+
+
+def test_a_timeout_keeps_the_turns_complete_before_it(worker):
+    config = ToolEnvConfig(tools=["python"], python=PythonToolConfig(wall_s=30.0))
+    env = ScriptedToolCalls(config, [_call("import time\ntime.sleep(20)")])
+    start = time.monotonic()
+    [e] = _run(worker, [env], EpisodeLimits(max_turns=3, timeout_s=1.0))
+    assert time.monotonic() - start < 5.0
+    assert e.timed_out and e.finish_reason == "length" and e.num_turns == 1 and e.loss_mask.all()
+
+
+def test_token_and_turn_limits_end_episodes_as_length(worker):
+    long_turns = SAMPLING.model_copy(update={"stop_token_ids": []})  # turns run to max_tokens
+    [cut] = _run(worker, [EchoObservations(turns=3)], EpisodeLimits(max_turns=3), long_turns)
+    assert cut.finish_reason == "length" and cut.num_turns == 1 and len(cut.completion_ids) == 32
+    [capped] = _run(worker, [EchoObservations(turns=5)], EpisodeLimits(max_turns=5, max_total_tokens=40))
+    assert capped.finish_reason == "length" and len(capped.completion_ids) <= 40 and capped.loss_mask[-1] == 1
+    [out_of_turns] = _run(worker, [EchoObservations(turns=9)], EpisodeLimits(max_turns=2))
+    assert out_of_turns.finish_reason == "length" and out_of_turns.num_turns == 2
+
+
+def test_the_worker_turns_episodes_into_masked_samples(worker):
+    problems = [PROBLEM, Problem(prompt="What is 7 - 3?", answer="4", problem_id="p1")]
+    batch = worker.generate_groups(problems, group_ids=[4, 5], group_size=3)
+    assert [s.group_id for s in batch.samples] == [4] * 3 + [5] * 3
+    for s in batch.samples:
+        assert s.loss_mask is not None and 0 < s.loss_mask.sum() < len(s.completion_ids)
+        assert np.all(s.rollout_logprobs[s.loss_mask == 0] == 0)
+        assert s.metadata["num_turns"] == 3 and s.reward_terms["environment"] == 0.5
+        assert s.reward == s.reward_terms["exact_match"] + 0.5
+    m = batch.metrics
+    assert m["env/num_episodes"] == 6 and m["env/num_turns"] == 18 and m["env/echoes"] == 12
+    assert m["rollout/num_completion_tokens"] == sum(int(s.loss_mask.sum()) for s in batch.samples)
+    assert m["env/num_observation_tokens"] == sum(int((s.loss_mask == 0).sum()) for s in batch.samples)
+    again = worker.generate_groups(problems[1:], group_ids=[5], group_size=3)  # seeds follow group and sample
+    assert [s.completion_ids.tolist() for s in again.samples] == [s.completion_ids.tolist() for s in batch.samples[3:]]
