@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
             num_layers=args.num_layers, num_heads=args.num_heads, intermediate_size=args.intermediate_size,
         ))  # fmt: skip
         tokenizer = load_tokenizer(model_dir)
-        engine = VLLMEngine(model_dir, EngineConfig(dtype=args.dtype, max_model_len=2048,
+        engine = VLLMEngine(model_dir, EngineConfig(dtype=args.dtype, max_model_len=1024,
                                                     max_num_seqs=args.num_episodes, kv_cache_gib=1.0))
         try:
             problems = [Problem(prompt=f"Compute {i} times {2 * i + 1}.", answer="0", problem_id=str(i))

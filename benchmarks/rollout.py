@@ -159,11 +159,11 @@ def _bare_llm_child(engine: dict, model_dir: str, prompts: list[list[int]], samp
     params = to_vllm_sampling_params(SamplingConfig(**sampling), n)
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     llm.generate(requests[:2], params, use_tqdm=False)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate(requests, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    out.put({"bare_tokens_per_s": tokens / seconds, "bare_seconds": seconds})
+    out.put({"bare_tokens_per_s": tokens / seconds, "bare_tokens_per_cpu_s": tokens / cpu_s, "bare_seconds": seconds})
 
 
 def run_bare_llm(config, model_dir: str, problems, sampling, group_size: int, num_threads: int) -> dict[str, float]:
@@ -256,7 +256,9 @@ def report(args, results: dict[str, float], bound: dict[str, dict[str, float]], 
     lines.append(
         f"bare vLLM     : {results['bare_tokens_per_s']:7.0f} tok/s (LLM.generate, same settings and prompts, "
         f"{results['pool_num_threads']:.0f} threads): pool / bare = "
-        f"{results['pool_tokens_per_s'] / results['bare_tokens_per_s']:.2f}x"
+        f"{results['pool_tokens_per_s'] / results['bare_tokens_per_s']:.2f}x; per CPU-second "
+        f"{results['bare_tokens_per_cpu_s']:.0f}: pool / bare = "
+        f"{results['pool_tokens_per_cpu_s'] / results['bare_tokens_per_cpu_s']:.2f}x"
     )
     if "hf_tokens_per_s" in results:
         lines.append(f"HF generate   : {results['hf_tokens_per_s']:7.0f} tok/s ({args.hf_dtype}, 1 thread)")

