@@ -29,6 +29,8 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.engine_model import add_model_args, make_model
+
 
 def cpu_model() -> str:
     try:
@@ -96,11 +98,7 @@ def run_single_turn(engine, episodes, sampling):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--num-layers", type=int, default=10)
-    parser.add_argument("--num-heads", type=int, default=8)
-    parser.add_argument("--intermediate-size", type=int, default=2048)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    add_model_args(parser)
     parser.add_argument("--num-episodes", type=int, default=64)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--tool-latency-ms", type=float, default=50.0)
@@ -115,14 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     from rollout.engine.vllm_engine import VLLMEngine
     from rollout.tasks.problem import Problem
     from rollout.tokenizer import load_tokenizer
-    from tools.make_tiny_model import make_tiny_model
-
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-agentic-") as tmp:
-        model_dir = str(make_tiny_model(
-            Path(tmp) / "model", family="qwen3", dtype=args.dtype, hidden_size=args.hidden_size,
-            num_layers=args.num_layers, num_heads=args.num_heads, intermediate_size=args.intermediate_size,
-        ))  # fmt: skip
+        model_dir = make_model(args, Path(tmp) / "model")
         tokenizer = load_tokenizer(model_dir)
         engine = VLLMEngine(model_dir, EngineConfig(dtype=args.dtype, max_model_len=1024,
                                                     max_num_seqs=args.num_episodes, kv_cache_gib=1.0))

@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.engine_model import add_model_args, make_model
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -280,11 +282,7 @@ def report(args, results: dict[str, float], bound: dict[str, dict[str, float]], 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--num-layers", type=int, default=10)
-    parser.add_argument("--num-heads", type=int, default=8)
-    parser.add_argument("--intermediate-size", type=int, default=2048)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    add_model_args(parser)
     parser.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="dtype of the HF baseline (torch's bfloat16 matmuls are slow on many CPUs)")
     parser.add_argument("--num-prompts", type=int, default=16)
@@ -310,12 +308,7 @@ def measure(args, tmp: Path, num_cores: int) -> tuple[dict[str, float], dict[str
     """Every measurement of one run (see the module docstring), its files under ``tmp``: results and bound table."""
     from rollout.config import SamplingConfig
     from rollout.tasks.problem import Problem
-    from tools.make_tiny_model import make_tiny_model
-
-    model_dir = str(make_tiny_model(
-        tmp / "model", family="qwen3", dtype=args.dtype, hidden_size=args.hidden_size,
-        num_layers=args.num_layers, num_heads=args.num_heads, intermediate_size=args.intermediate_size,
-    ))  # fmt: skip
+    model_dir = make_model(args, tmp / "model")
     num_seqs = args.num_prompts * args.group_size
     dtypes = {"float32", args.dtype}
     before = measure_bound(args.hidden_size, num_seqs, dtypes, num_cores)

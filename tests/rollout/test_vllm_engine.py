@@ -10,14 +10,20 @@ refused updates change nothing; an engine shut down leaves the next engine of th
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 
-from tests.rollout.vllm_helpers import hf_greedy, hf_logprobs, hf_model, make_model, perturbed_state
+from tests.rollout.vllm_helpers import (
+    hf_greedy,
+    hf_logprobs,
+    hf_model,
+    make_model,
+    perturbed_state,
+    trainer_logprobs,
+)  # fmt: skip
 
 pytest.importorskip("vllm")
 
@@ -93,22 +99,7 @@ def test_sampled_logprobs_match_hf_teacher_forcing(engine, model_dir):
 
 
 def _trainer_logprobs(model_dir: str, samples: list[Sample], temperatures: list[float]) -> list[np.ndarray]:
-    from trainer.models.hf_config import model_config_from_hf
-    from trainer.models.hf_io import load_hf_checkpoint
-    from trainer.models.transformer import build_model
-    from trainer.packing import pack_samples
-    from trainer.step import forward_logprobs
-
-    model = build_model(model_config_from_hf(model_dir), device=torch.device("cpu"), dtype=torch.float32)
-    load_hf_checkpoint(model, model_dir)
-    tempered = [Sample(**{**vars(s), "temperature": t}) for s, t in zip(samples, temperatures)]
-    out: list[np.ndarray] = [np.zeros(0)] * len(samples)
-    with torch.no_grad():
-        for mb in pack_samples(tempered, range(len(samples)), token_budget=4096):
-            logprobs = forward_logprobs(model, mb)[0]
-            for row, i in enumerate(mb.sample_indices):
-                out[i] = logprobs[row, : len(samples[i].completion_ids)].numpy()
-    return out
+    return trainer_logprobs(model_dir, [Sample(**{**vars(s), "temperature": t}) for s, t in zip(samples, temperatures)])
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
@@ -146,25 +137,29 @@ def test_push_through_grpc_serves_new_weights_and_matches_hf(engine, sink, recei
 
 
 def test_update_waits_for_the_running_batch(engine, sink, model_dir):
+    import asyncio
+
     long = SamplingConfig(temperature=1.0, max_tokens=200, ignore_eos=True, seed=3)
     state = perturbed_state(model_dir, seed=2)
     version = engine.policy_version
-    events: list[str] = []
-    result: list = []
+    finished: list[float] = []
 
-    def run_batch() -> None:
-        result.append(engine.generate(PROMPTS * 4, long, n=4))
-        events.append("batch done")
+    async def one(prompt):
+        out = await engine.generate_async(prompt, long, 4, 3)
+        finished.append(time.perf_counter())  # woken before an update waiting for the drain can run
+        return out
 
-    batch = threading.Thread(target=run_batch)
-    batch.start()
-    time.sleep(0.5)  # the batch holds the engine lock by now (it runs for seconds)
+    async def batch():
+        return await asyncio.gather(*(one(p) for p in PROMPTS * 4))
+
+    running = engine.submit(batch())
+    time.sleep(0.5)  # the batch's requests are in flight by now (they run for seconds)
     sink.apply(version + 1, state)
-    events.append("update applied")
-    batch.join()
-    assert events == ["batch done", "update applied"]
-    assert all(c.policy_version == version for group in result[0] for c in group)
-    assert all(len(c.token_ids) == 200 for group in result[0] for c in group)
+    applied = time.perf_counter()
+    result = running.result()
+    assert len(finished) == len(PROMPTS) * 4 and max(finished) <= applied
+    assert all(c.policy_version == version for group in result for c in group)
+    assert all(len(c.token_ids) == 200 for group in result for c in group)
     assert engine.generate(PROMPTS[:1], GREEDY, n=1)[0][0].policy_version == version + 1
 
 

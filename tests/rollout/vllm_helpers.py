@@ -60,3 +60,23 @@ def perturbed_state(model_dir: str, scale: float = 0.5, seed: int = 1) -> dict[s
         for name, t in load_file(file).items():
             state[name] = t + scale * t.std().clamp_min(0.02) * torch.randn(t.shape, generator=gen, dtype=t.dtype)
     return state
+
+
+def trainer_logprobs(model_dir: str, samples: Sequence) -> list[np.ndarray]:
+    """The trainer's own teacher-forced log-probs of each sample's completion (at its ``temperature``; 0 where its
+    loss mask is 0), by the production packing and forward pass on the checkpoint of ``model_dir`` in float32."""
+    from trainer.models.hf_config import model_config_from_hf
+    from trainer.models.hf_io import load_hf_checkpoint
+    from trainer.models.transformer import build_model
+    from trainer.packing import pack_samples
+    from trainer.step import forward_logprobs
+
+    model = build_model(model_config_from_hf(model_dir), device=torch.device("cpu"), dtype=torch.float32)
+    load_hf_checkpoint(model, model_dir)
+    out: list[np.ndarray] = [np.zeros(0)] * len(samples)
+    with torch.no_grad():
+        for mb in pack_samples(samples, range(len(samples)), token_budget=8192):
+            logprobs = forward_logprobs(model, mb)[0]
+            for row, i in enumerate(mb.sample_indices):
+                out[i] = logprobs[row, : len(samples[i].completion_ids)].numpy()
+    return out

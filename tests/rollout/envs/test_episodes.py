@@ -9,10 +9,9 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from tests.rollout.envs.scripted_env import EchoObservations, ScriptedToolCalls
-from tests.rollout.vllm_helpers import make_model
+from tests.rollout.vllm_helpers import make_model, trainer_logprobs
 
 pytest.importorskip("vllm")
 
@@ -97,28 +96,10 @@ def test_turns_are_token_exact_and_the_trainer_scores_them_as_the_engine(worker,
     # The trainer's teacher-forced log-probs of the model tokens equal the engine's (float32 engine).
     samples = [Sample(np.asarray(e.prompt_ids), e.completion_ids, e.logprobs, reward=0.0, group_id=0,
                       policy_version=0, loss_mask=e.loss_mask) for e in episodes]  # fmt: skip
-    trainer = _trainer_logprobs(worker.config.model_path, samples)
+    trainer = trainer_logprobs(worker.config.model_path, samples)
     gap = np.concatenate([np.abs(t - s.rollout_logprobs)[s.loss_mask == 1] for t, s in zip(trainer, samples)])
     assert gap.mean() <= 1e-5 and gap.max() <= 1e-4, (gap.mean(), gap.max())
     assert sum(int((s.loss_mask == 0).sum()) for s in samples) > 6 * 2 * 5  # observations were really there
-
-
-def _trainer_logprobs(model_dir: str, samples: list[Sample]) -> list[np.ndarray]:
-    from trainer.models.hf_config import model_config_from_hf
-    from trainer.models.hf_io import load_hf_checkpoint
-    from trainer.models.transformer import build_model
-    from trainer.packing import pack_samples
-    from trainer.step import forward_logprobs
-
-    model = build_model(model_config_from_hf(model_dir), device=torch.device("cpu"), dtype=torch.float32)
-    load_hf_checkpoint(model, model_dir)
-    out: list[np.ndarray] = [np.zeros(0)] * len(samples)
-    with torch.no_grad():
-        for mb in pack_samples(samples, range(len(samples)), token_budget=8192):
-            logprobs = forward_logprobs(model, mb)[0]
-            for row, i in enumerate(mb.sample_indices):
-                out[i] = logprobs[row, : len(samples[i].completion_ids)].numpy()
-    return out
 
 
 def _call(code: str) -> str:
