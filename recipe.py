@@ -30,7 +30,7 @@ import pydantic
 
 from common.config import Config, DType, FieldError, config_error, read_toml_with_sources, to_toml, validate_config
 from rollout.config import RolloutConfig, SamplingConfig
-from rollout.envs.config import CustomEnvConfig, EnvironmentConfig, SingleTurnEnvConfig
+from rollout.envs.config import AgentEnvConfig, CustomEnvConfig, EnvironmentConfig, SingleTurnEnvConfig
 from rollout.rewards.config import FunctionRewardConfig, RewardConfig
 from rollout.tasks.config import JsonlTaskConfig, TaskConfig
 from trainer.config import TrainerConfig
@@ -397,6 +397,13 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
             build_environment(recipe.environment)
         except ValueError as e:
             problems.append((("environment", "class_path"), str(e)))
+    if isinstance(recipe.environment, AgentEnvConfig):
+        from rollout.agents import load_agent_function
+
+        try:
+            load_agent_function(recipe.environment.function)
+        except ValueError as e:
+            problems.append((("environment", "function"), str(e)))
     return problems
 
 

@@ -10,10 +10,18 @@ What it measures, in one run on one in-process engine (``rollout.engine.vllm_eng
   lengths vary. Episodes/s and generated (model) tokens/s.
 - single-turn: the same first prompts, each generating exactly as many tokens as its episode's model turns did, all at
   once: the tokens/s the engine gives the same work without turns or tools. Target: episodes >= 0.8x of it.
+- agent endpoint: the same episodes written as an OpenAI-client agent (:func:`bench_agent`) run by
+  ``rollout.agents.AgentRunner`` against the worker's endpoint on the same engine (HTTP, chat template over the whole
+  conversation, recorded calls): model tokens/s against the in-process episodes, and samples per episode (a random
+  model's text need not re-tokenise to its ids, so its conversations split).
+- tokens per episode: first prompt, model and observation tokens (the last are work the episodes have and the
+  single-turn batch has not: each turn's observation, chat markup included, is prefilled), the engine's prefill rate
+  (``--num-episodes`` fresh prompts of an episode's observation length, at once), and from them the ratio's ceiling:
+  the single-turn time of the model tokens plus the prefill time of the observations, with nothing else lost.
 - pause per update with episodes in flight: a thread pushes the model's full weights into the engine every
   ``--update-every-s`` while an episode batch runs (``load_weights``: admission stops, turns in flight finish on the
-  old version, reload, resume); the median and max of the engine's ``last_update_s`` (the drain wait included) and the
-  batch's wall time against one without updates.
+  old version (``--update-mode wait``) or go on with the new weights (``keep``), reload, resume); the median and max
+  of the engine's ``last_update_s`` (a drain wait included) and the batch's wall time against one without updates.
 The CPU model and the load average before and after are printed: compare figures of one quiet run only.
 """
 
@@ -83,6 +91,62 @@ def run_episodes(engine, tokenizer, problems, sampling, args, seed: int):
     return episodes, time.perf_counter() - start
 
 
+async def bench_agent(ctx, turns: int, latency_s: float) -> None:
+    """The episodes of :class:`ToolEnv` written as an OpenAI-client agent (for the endpoint row)."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+        messages = [{"role": "user", "content": ctx.problem.prompt}]
+        for turn in range(1, turns + 1):
+            reply = (await client.chat.completions.create(model=ctx.model, messages=messages)).choices[0].message
+            if turn == turns:
+                return
+            messages.append(reply.model_dump(exclude_none=True))
+            await asyncio.sleep(latency_s)
+            messages.append({"role": "tool", "content": f"result {turn}: 12 * 34 = 408"})
+
+
+def run_agents(runner, problems, sampling, seed: int):
+    start = time.perf_counter()
+    outcomes = runner.run([(p, seed, k) for k, p in enumerate(problems)], sampling.model_copy(update={"seed": seed}))
+    seconds = time.perf_counter() - start
+    tokens = sum(int(e.loss_mask.sum()) for o in outcomes for e in o.episodes)
+    return tokens / seconds, sum(len(o.episodes) for o in outcomes) / len(outcomes)
+
+
+def call_latency(runner, engine, tokenizer, sampling, num_calls: int = 40) -> tuple[float, float]:
+    """Seconds per one-token call, one at a time, through the endpoint (openai client, HTTP, chat template) and
+    straight into the engine with the same prompt ids: what the endpoint adds to every call."""
+    import openai
+
+    from rollout.envs import EpisodeLimits
+    from rollout.tokenizer import render_prompt
+
+    messages = [{"role": "user", "content": "Compute 3 times 7."}, {"role": "assistant", "content": "21"},
+                {"role": "tool", "content": "result 1: 12 * 34 = 408"}]  # fmt: skip
+    one = sampling.model_copy(update={"max_tokens": 1, "stop_token_ids": []})
+    episode = engine.run(runner.endpoint.open(one, EpisodeLimits(max_turns=num_calls + 1), lambda t: None))
+
+    async def through_endpoint():
+        async with openai.AsyncOpenAI(base_url=episode.base_url, api_key="x", max_retries=0) as client:
+            await client.chat.completions.create(model="policy", messages=messages)
+            start = time.perf_counter()
+            for _ in range(num_calls):
+                await client.chat.completions.create(model="policy", messages=messages)
+            return (time.perf_counter() - start) / num_calls
+
+    async def direct():
+        ids = render_prompt(tokenizer, messages, True)
+        start = time.perf_counter()
+        for _ in range(num_calls):
+            await engine.generate_async(ids, one, 1, None)
+        return (time.perf_counter() - start) / num_calls
+
+    endpoint_s = asyncio.run(through_endpoint())
+    engine.run(runner.endpoint.close(episode))
+    return endpoint_s, engine.run(direct())
+
+
 def run_single_turn(engine, episodes, sampling):
     async def batch():
         return await asyncio.gather(*(
@@ -96,6 +160,25 @@ def run_single_turn(engine, episodes, sampling):
     return sum(len(o[0].token_ids) for o in outs), time.perf_counter() - start
 
 
+def run_prefill(engine, num_prompts: int, prompt_len: int, sampling):
+    """Tokens/s of prefilling ``num_prompts`` fresh prompts of ``prompt_len`` tokens at once (one token generated):
+    the rate the episodes' observation tokens are paid at."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(300, 400, prompt_len).tolist() for _ in range(num_prompts)]
+    one = sampling.model_copy(update={"max_tokens": 1, "stop_token_ids": []})
+
+    async def batch():
+        return await asyncio.gather(*(engine.generate_async(p, one, 1, k) for k, p in enumerate(prompts)))
+
+    engine.run(batch())  # the same prompts again would hit the prefix cache: time fresh ones
+    prompts = [rng.integers(300, 400, prompt_len).tolist() for _ in range(num_prompts)]
+    start = time.perf_counter()
+    engine.run(batch())
+    return num_prompts * prompt_len / (time.perf_counter() - start)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(parser)
@@ -106,26 +189,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens per turn")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--update-every-s", type=float, default=0.5)
+    parser.add_argument("--block-size", type=int, default=None, help="KV-cache block size (default: vLLM's)")
+    parser.add_argument("--update-mode", choices=("wait", "keep"), default="wait",
+                        help="how updates meet turns in flight (EngineConfig.update_mode)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    from rollout.agents import AgentRunner
     from rollout.config import EngineConfig, SamplingConfig
     from rollout.engine.vllm_engine import VLLMEngine
+    from rollout.envs.config import AgentEnvConfig
     from rollout.tasks.problem import Problem
     from rollout.tokenizer import load_tokenizer
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-agentic-") as tmp:
         model_dir = make_model(args, Path(tmp) / "model")
         tokenizer = load_tokenizer(model_dir)
-        engine = VLLMEngine(model_dir, EngineConfig(dtype=args.dtype, max_model_len=1024,
-                                                    max_num_seqs=args.num_episodes, kv_cache_gib=1.0))
+        engine = VLLMEngine(model_dir, EngineConfig(
+            dtype=args.dtype, max_model_len=1024, block_size=args.block_size, max_num_seqs=args.num_episodes,
+            kv_cache_gib=1.0, update_mode=args.update_mode,
+        ))  # fmt: skip
         try:
             problems = [Problem(prompt=f"Compute {i} times {2 * i + 1}.", answer="0", problem_id=str(i))
                         for i in range(args.num_episodes)]  # fmt: skip
             sampling = SamplingConfig(temperature=1.0, max_tokens=args.max_tokens,
                                       stop_token_ids=list(range(100, 100 + args.num_stop_ids)))
             run_episodes(engine, tokenizer, problems[:4], sampling, args, seed=99)  # warm-up (compilation)
-            multi, single, eps = [], [], []
+            runner = AgentRunner(AgentEnvConfig(function="benchmarks.agentic:bench_agent", max_turns=args.turns,
+                                                options={"turns": args.turns, "latency_s": args.tool_latency_ms / 1e3}),
+                                 engine, tokenizer)  # fmt: skip
+            multi, single, eps, agents, segments = [], [], [], [], []
             for rep in range(args.reps):
                 episodes, seconds = run_episodes(engine, tokenizer, problems, sampling, args, seed=rep)
                 tokens = sum(int(e.loss_mask.sum()) for e in episodes)
@@ -134,26 +227,47 @@ def main(argv: list[str] | None = None) -> None:
                 single_tokens, single_s = run_single_turn(engine, episodes, sampling)
                 assert single_tokens == tokens, (single_tokens, tokens)
                 single.append(single_tokens / single_s)
+                agent_rate, agent_segments = run_agents(runner, problems, sampling, seed=rep)
+                agents.append(agent_rate)
+                segments.append(agent_segments)
+            endpoint_call_s, direct_call_s = call_latency(runner, engine, tokenizer, sampling)
+            runner.shutdown()
             turns = statistics.mean(e.num_turns for e in episodes)
             per_turn = tokens / sum(e.num_turns for e in episodes)
+            first = sum(len(e.prompt_ids) for e in episodes)
+            observed = sum(int((e.loss_mask == 0).sum()) for e in episodes)
+            prefill = run_prefill(engine, args.num_episodes, max(1, observed // len(episodes)), sampling)
             pauses, with_updates_s, plain_s = measure_update_pause(
                 engine, tokenizer, problems, sampling, args, model_dir
             )
         finally:
             engine.shutdown()
     ratios = [m / s for m, s in zip(multi, single, strict=True)]
+    agent_ratios = [a / m for a, m in zip(agents, multi, strict=True)]
     load_after = os.getloadavg()
     med = statistics.median
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; load average before {load_before[0]:.2f}, "
           f"after {load_after[0]:.2f}")
     print(f"model: {args.hidden_size}x{args.num_layers} Qwen3 ({args.dtype}); {args.num_episodes} episodes x "
           f"{turns:.2f} turns (of {args.turns}) x {per_turn:.1f} tokens per turn; tool latency "
-          f"{args.tool_latency_ms:.0f} ms; {args.reps} reps, median [min-max]")
+          f"{args.tool_latency_ms:.0f} ms; KV block size {args.block_size or 'the platform default'}; "
+          f"{args.reps} reps, median [min-max]")
     print(f"{'':<34}{'median':>10}{'range':>22}")
     for name, values, fmt in (("episodes: episodes/s", eps, ".2f"), ("episodes: model tokens/s", multi, ".0f"),
-                              ("single-turn: tokens/s", single, ".0f"), ("episodes / single-turn", ratios, ".2f")):
+                              ("single-turn: tokens/s", single, ".0f"), ("episodes / single-turn", ratios, ".2f"),
+                              ("agent endpoint: model tokens/s", agents, ".0f"),
+                              ("agent endpoint / episodes", agent_ratios, ".2f"),
+                              ("agent endpoint: samples/episode", segments, ".2f")):
         print(f"{name:<34}{med(values):>10{fmt}}{f'[{min(values):{fmt}} - {max(values):{fmt}}]':>22}")
-    print(f"pause per update, episodes in flight: median {med(pauses) * 1e3:.0f} ms, max {max(pauses) * 1e3:.0f} ms "
+    print(f"one-token call, one at a time: {endpoint_call_s * 1e3:.1f} ms through the endpoint (openai client, HTTP, "
+          f"template) vs {direct_call_s * 1e3:.1f} ms straight into the engine")
+    # The episodes' least extra work: their observation tokens, prefilled once each at the engine's prefill rate.
+    ceiling = 1.0 / (1.0 + (observed / prefill) / (tokens / med(single)))
+    print(f"tokens per episode: first prompt {first / len(episodes):.0f}, model {tokens / len(episodes):.0f}, "
+          f"observations {observed / len(episodes):.0f} (prefilled by the episodes only); prefill {prefill:.0f} "
+          f"tok/s, so the ratio cannot exceed {ceiling:.2f} on this engine")
+    print(f"pause per update ({args.update_mode}), episodes in flight: median {med(pauses) * 1e3:.0f} ms, "
+          f"max {max(pauses) * 1e3:.0f} ms "
           f"({len(pauses)} updates); batch {with_updates_s:.2f} s with them vs {plain_s:.2f} s without "
           f"(target for the ratio: >= 0.8x)")
 

@@ -30,6 +30,8 @@ class WeightPublisher:
         """``trainer``: a ``TrainerGroup`` (``set_weight_endpoints``, ``push_weights``); ``pool``: a ``RolloutPool``;
         ``external``: host:port of receivers outside the pool. Registers :meth:`push_to` as the pool's catch-up push."""
         self.trainer, self.pool, self.external = trainer, pool, list(external)
+        self.published_version: int | None = None
+        """The version the last :meth:`publish` got to every receiver (``None`` before one did)."""
         pool.set_weight_publisher(self.push_to)
 
     def endpoints(self) -> list[str]:
@@ -50,6 +52,7 @@ class WeightPublisher:
         for address, error in failed.items():
             log.warning("weight push to %s failed (it keeps serving its old version): %s", address, error)
         self.pool.set_policy_version(int(outcomes[0]["policy_version"]))
+        self.published_version = None if failed else int(outcomes[0]["policy_version"])
         self.pool.hold_back(list(failed))  # external addresses are not the pool's: it ignores them
         seconds = max(o["seconds"] for o in outcomes)
         payload = sum(o["payload_bytes"] for o in outcomes)

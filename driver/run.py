@@ -212,7 +212,10 @@ class _Run:
             self.trainer.finish_warm_start()
             self.trainer.export_hf(str(self.out_dir / "warm_start_model"), r.model.path, r.run.export.dtype)
             log.info("warm start: %d SFT steps in %.1f s", num_sft, time.perf_counter() - t0)
-        if start_step > 0 or r.run.warm_start.num_steps > 0:
+        # A warm start that stopped at an accuracy check has already published its last version.
+        if (start_step > 0 or r.run.warm_start.num_steps > 0) and (
+            self.publisher.published_version != self.trainer.policy_version()
+        ):
             self.publisher.publish()
         before = do_eval()
         self.logger.log(start_step - 1, before, phase="eval")

@@ -34,10 +34,14 @@ def sft_samples(
     transcript (a list of messages, :func:`rollout.envs.episode.render_transcript`) on its assistant turns only. The
     prompt is the one an episode of ``environment`` starts from (its system prompt and tools included)."""
     from rollout.envs import build_environment
-    from rollout.envs.config import SingleTurnEnvConfig
+    from rollout.envs.config import AgentEnvConfig, SingleTurnEnvConfig, ToolEnvConfig
     from rollout.envs.episode import render_transcript
 
-    new_env = build_environment(environment or SingleTurnEnvConfig())
+    if isinstance(environment, AgentEnvConfig):  # an agent's own prompts are not known before it runs
+        tools = environment.warm_start_tools
+        environment = ToolEnvConfig(tools=tools) if tools else None
+    environment = environment or SingleTurnEnvConfig()
+    new_env = build_environment(environment)
     samples = []
     for i, (problem, completion) in enumerate(examples):
         env = new_env()

@@ -12,7 +12,10 @@ import pydantic
 
 from common.config import Config, DType
 
-__all__ = ["EngineConfig", "RolloutConfig", "SamplingConfig"]
+__all__ = ["EngineConfig", "RolloutConfig", "SamplingConfig", "UpdateMode"]
+
+UpdateMode = Literal["wait", "keep"]
+"""How a weight update meets requests in flight (``EngineConfig.update_mode``)."""
 
 
 class SamplingConfig(Config):
@@ -62,7 +65,11 @@ class EngineConfig(Config):
     """Skip torch.compile / CUDA graphs: faster start, slower decoding (``python -m benchmarks.rollout`` measures
     both). Turn it on for short runs and tests dominated by engine start."""
     enable_prefix_caching: bool = True
-    """Reuse the KV of shared prompt prefixes (the n samples of a group share their prompt); reset on every update."""
+    """Reuse the KV of shared prompt prefixes (the n samples of a group share their prompt, an episode's next turn
+    extends its last); reset on every update."""
+    block_size: int | None = pydantic.Field(default=None, ge=1)
+    """Tokens per KV-cache block; the prefix cache reuses whole blocks only. ``None``: the platform's choice
+    (:func:`rollout.engine.platform.platform_engine_args`: 32 on CPU, vLLM's default elsewhere)."""
     seed: int = 0
     """Engine-wide random seed (requests with a sampling seed use their own). In a recipe, unset means
     ``run.seed``."""
@@ -76,6 +83,12 @@ class EngineConfig(Config):
     top_p=1), 'raw_logprobs' is ``log_softmax(logits)`` ignoring temperature."""
     tensor_parallel_size: int = pydantic.Field(default=1, ge=1)
     """Accelerators per engine (vLLM tensor parallelism); 1 on CPU."""
+    update_mode: UpdateMode = "wait"
+    """How a weight update meets requests in flight: 'wait' lets them finish on the old weights first (every
+    completion is of one version; the pause includes that drain), 'keep' swaps at the next step boundary and they go
+    on with the new weights, their KV recomputed (a completion may span versions: each token's is recorded, and its
+    log-prob is that of the weights that sampled it, so the trainer's importance correction stays exact; the pause is
+    the reload alone)."""
 
 
 class RolloutConfig(Config):

@@ -20,8 +20,9 @@ __all__ = [
     "render_continuation", "render_prompt",
 ]  # fmt: skip
 
-Messages = Sequence[Mapping[str, str]]
-"""Chat messages: ``[{"role": "system" | "user" | "assistant" | "tool", "content": "..."}, ...]``."""
+Messages = Sequence[Mapping[str, Any]]
+"""Chat messages: ``[{"role": "system" | "user" | "assistant" | "tool", "content": "..."}, ...]``; an assistant
+message may carry OpenAI-form ``tool_calls`` (its content then may be ``None``), which the template renders."""
 Tools = Sequence[Mapping[str, object]]
 """Tool descriptions in the JSON-schema form chat templates take (``{"type": "function", "function": {...}}``)."""
 
@@ -145,7 +146,7 @@ def _after_sentinel(tokenizer: PreTrainedTokenizerBase, messages: Messages, tool
 
 
 def _encode_rendered(
-    tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, str]], tools: Tools | None, add_generation_prompt: bool
+    tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, Any]], tools: Tools | None, add_generation_prompt: bool
 ) -> list[int]:
     rendered = tokenizer.apply_chat_template(
         chat, tools=_tool_list(tools), tokenize=False, add_generation_prompt=add_generation_prompt
@@ -160,7 +161,7 @@ def _tool_list(tools: Tools | None) -> list[dict[Any, Any] | Callable[..., Any]]
 
 def messages_to_text(messages: Messages) -> str:
     """Plain-text rendering of chat messages for tokenizers without a template: contents joined by blank lines."""
-    return "\n\n".join(m["content"] for m in messages)
+    return "\n\n".join(m["content"] or "" for m in messages)
 
 
 def _check_prompt(prompt: PromptLike) -> None:
@@ -170,7 +171,10 @@ def _check_prompt(prompt: PromptLike) -> None:
     if not isinstance(prompt, Sequence) or not prompt:
         raise ValueError(f"a prompt must be text or a non-empty list of chat messages, got {type(prompt).__name__}")
     for i, message in enumerate(prompt):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or not isinstance(
-            message.get("content"), str
-        ):
-            raise ValueError(f"chat message {i} must be a mapping with string 'role' and 'content', got {message!r}")
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise ValueError(f"chat message {i} must be a mapping with a string 'role', got {message!r}")
+        content = message.get("content")
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise ValueError(
+                f"chat message {i} must have a string 'content' (or none, with 'tool_calls'), got {message!r}"
+            )

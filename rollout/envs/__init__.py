@@ -21,7 +21,8 @@ __all__ = [
 
 def build_environment(config: EnvironmentConfig) -> Callable[[], Environment]:
     """A factory of fresh per-episode environments for ``config``; a custom class is imported here, so a missing
-    module or class fails before any episode runs (``ValueError`` naming it)."""
+    module or class fails before any episode runs (``ValueError`` naming it). An agent (``type = "agent"``) is not an
+    environment: :mod:`rollout.agents` runs it."""
     from rollout.envs.builtin import FeedbackEnvironment, SingleTurnEnvironment, ToolEnvironment
     from rollout.envs.config import CustomEnvConfig, FeedbackEnvConfig, SingleTurnEnvConfig, ToolEnvConfig
 
@@ -31,7 +32,8 @@ def build_environment(config: EnvironmentConfig) -> Callable[[], Environment]:
         return lambda: ToolEnvironment(config)
     if isinstance(config, FeedbackEnvConfig):
         return lambda: FeedbackEnvironment(config)
-    assert isinstance(config, CustomEnvConfig)
+    if not isinstance(config, CustomEnvConfig):
+        raise ValueError(f"environment.type = {config.type!r} runs through rollout.agents, not as an Environment")
     cls = resolve_object(config.class_path, "environment class")
     if not isinstance(cls, type):
         raise ValueError(f"environment class {config.class_path!r} is a {type(cls).__name__}, not a class")
@@ -43,8 +45,6 @@ def build_environment(config: EnvironmentConfig) -> Callable[[], Environment]:
 
 
 def episode_limits(config: EnvironmentConfig) -> EpisodeLimits:
-    """The episode limits ``config`` sets (one turn, no other limit, for the single-turn environment)."""
-    return EpisodeLimits(
-        max_turns=config.max_turns, max_total_tokens=getattr(config, "max_total_tokens", None),
-        timeout_s=getattr(config, "timeout_s", None),
-    )  # fmt: skip
+    """The episode limits ``config`` sets (one turn, no other limit, for the single-turn environment; chat completions
+    of an agent)."""
+    return EpisodeLimits(config.max_turns, config.max_total_tokens, config.timeout_s)

@@ -3,7 +3,7 @@
 In a recipe::
 
     [environment]
-    type = "tools"                 # "single_turn" (the default), "tools", "feedback" or "custom"
+    type = "tools"                 # "single_turn" (the default), "tools", "feedback", "custom" or "agent"
     tools = ["calculator"]
     max_turns = 3
 
@@ -20,8 +20,8 @@ import pydantic
 from common.config import Config
 
 __all__ = [
-    "CustomEnvConfig", "EnvironmentConfig", "FeedbackEnvConfig", "PythonToolConfig", "SingleTurnEnvConfig",
-    "ToolEnvConfig", "ToolName",
+    "AgentEnvConfig", "CustomEnvConfig", "EnvironmentConfig", "FeedbackEnvConfig", "PythonToolConfig",
+    "SingleTurnEnvConfig", "ToolEnvConfig", "ToolName",
 ]  # fmt: skip
 
 ToolName = Literal["calculator", "python"]
@@ -38,6 +38,14 @@ class SingleTurnEnvConfig(Config):
     @property
     def max_turns(self) -> int:
         return 1
+
+    @property
+    def max_total_tokens(self) -> int | None:
+        return None
+
+    @property
+    def timeout_s(self) -> float | None:
+        return None
 
 
 class _MultiTurnConfig(Config):
@@ -128,7 +136,42 @@ class CustomEnvConfig(_MultiTurnConfig):
         return path
 
 
+class AgentEnvConfig(_MultiTurnConfig):
+    """A user's agent (any program that talks to an OpenAI-compatible server) trained as it runs: an async function
+    ``module:function`` gets an :class:`rollout.agents.AgentContext` (a ``base_url`` served by the rollout worker on
+    its engine, the problem) and the ``options`` table as keyword arguments, makes chat-completion calls (tool calls
+    included), and returns a number added to the reward terms (or ``None``). The worker records the exact ids and
+    log-probs of every call and builds the trajectory from them (:mod:`rollout.agents`).
+
+    ``max_turns`` bounds the chat completions of one episode; ``max_total_tokens`` how far the conversation may grow
+    after the first call's prompt; ``timeout_s`` the whole agent call (the episode keeps the calls finished by then)."""
+
+    type: Literal["agent"] = "agent"
+    """Selects this environment."""
+    function: str
+    """``"package.module:function"``: an ``async def f(context, **options) -> float | None``, importable on the
+    rollout workers."""
+    options: dict[str, Any] = {}
+    """Keyword arguments of the function, the same for every episode."""
+    model_name: str = "policy"
+    """The model name the endpoint lists and answers as (requests may name any model: there is one)."""
+    warm_start_tools: list[ToolName] = []
+    """The agent's own prompts are not known before it runs, so a supervised warm start renders the task's prompts
+    as the ``tools`` environment does with these built-in tools described (``[]``: as the single-turn environment
+    does). An agent that sends the task's messages with the same tool schemas
+    (``rollout.envs.tools.build_tool(name).schema()``) then starts from the prompts it was warm-started on."""
+
+    @pydantic.field_validator("function")
+    @classmethod
+    def _check_path(cls, path: str) -> str:
+        module, sep, name = path.partition(":")
+        if not sep or not module or not name:
+            raise ValueError(f"function {path!r}: expected 'package.module:function', e.g. 'my_agents:solve'")
+        return path
+
+
 EnvironmentConfig = Annotated[
-    SingleTurnEnvConfig | ToolEnvConfig | FeedbackEnvConfig | CustomEnvConfig, pydantic.Field(discriminator="type")
+    SingleTurnEnvConfig | ToolEnvConfig | FeedbackEnvConfig | CustomEnvConfig | AgentEnvConfig,
+    pydantic.Field(discriminator="type"),
 ]
-"""The environment of a recipe, chosen by ``type``: 'single_turn', 'tools', 'feedback' or 'custom'."""
+"""The environment of a recipe, chosen by ``type``: 'single_turn', 'tools', 'feedback', 'custom' or 'agent'."""

@@ -214,3 +214,18 @@ def test_exports_the_policy_every_k_steps_when_asked():
     assert [e for e in events if e[0] == "export"] == [("export", 2, ["hf", "step_2"]), ("export", 4, ["hf", "step_4"])]
     events, _ = _run({}, num_steps=4)
     assert not [e for e in events if e[0] == "export"]  # the final model is the run's, not the loop's
+
+
+def test_the_publisher_remembers_the_version_every_receiver_took():
+    events = []
+    pool = FakePool(events, None, 0.0)
+    trainer = FakeTrainer(events, pool)
+    publisher = WeightPublisher(trainer, pool, external=["external:1"])
+    assert publisher.published_version is None
+    trainer.version = 4
+    publisher.publish()
+    assert publisher.published_version == 4
+    trainer.failing = {"external:1"}
+    trainer.version = 5
+    publisher.publish()
+    assert publisher.published_version is None  # a receiver missed it: the next publish must go out

@@ -320,3 +320,13 @@ def test_the_own_task_example_loads_and_changes_only_task_reward_and_warm_start(
 
     problem = Problem(prompt="Take 3 away from 10. What is left?", answer="7", problem_id="x")
     assert (brevity("7", problem), brevity("7 7", problem), brevity("7 apples", problem)) == (1.0, 0.0, 0.0)
+
+
+def test_an_agent_function_that_is_missing_or_not_async_fails_at_load(tmp_path):
+    base = ROOT / "recipes" / "grpo_tiny.toml"
+    agent = lambda spec: {"environment.type": "agent", "environment.function": spec}  # noqa: E731
+    err = _error(base, agent("no_such_agents:solve"))
+    assert "environment.function: agent function 'no_such_agents:solve': module 'no_such_agents' not found" in err
+    assert "not an async function" in _error(base, agent("tests.rollout.agents.scripted_agents:not_async"))
+    recipe = load_recipe(base, agent("examples.agents.calculator:solve"))
+    assert recipe.environment.type == "agent" and recipe.environment.max_turns == 4

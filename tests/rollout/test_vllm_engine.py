@@ -4,7 +4,7 @@ Covers: log-probs of vLLM's own samples equal a teacher-forced HF forward pass, 
 at temperatures other than 1 (training sees the distribution it sampled: float32 engine, processed log-probs, the
 first step's importance ratio 1; the untempered computation is checked to be far off, so the test has teeth); an
 applied update serves the new weights (HF parity) and differs from the old, by reference and through a file (the
-served engine's form); an update waits for the running batch;
+served engine's form); an update waits for the running batch, or in mode "keep" moves it onto the new weights;
 refused updates change nothing; an engine shut down leaves the next engine of the process working.
 """
 
@@ -161,6 +161,39 @@ def test_update_waits_for_the_running_batch(engine, sink, model_dir):
     assert all(c.policy_version == version for group in result for c in group)
     assert all(len(c.token_ids) == 200 for group in result for c in group)
     assert engine.generate(PROMPTS[:1], GREEDY, n=1)[0][0].policy_version == version + 1
+
+
+def test_an_update_in_keep_mode_moves_requests_in_flight_onto_the_new_weights(engine, model_dir, monkeypatch):
+    """Mode "keep": the swap does not wait for the request in flight; its tokens after the swap are sampled by the
+    new weights with its KV recomputed on them (teacher forcing of the new weights over the whole sequence matches),
+    the tokens before keep the old weights' log-probs, and each token's version is recorded."""
+    version = engine.policy_version
+    engine.load_weights(version + 1, perturbed_state(model_dir, scale=0.0), full=True)  # the checkpoint itself
+    new_state = perturbed_state(model_dir, seed=4)
+    step = engine._engine.step
+
+    def slow_step():  # 160 tokens take >= 1.6 s, so the request is in flight when the update comes
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(engine._engine, "step", slow_step)
+    sampling = SamplingConfig(temperature=1.0, max_tokens=160, ignore_eos=True, seed=3)
+    running = engine.submit(engine.generate_async(PROMPTS[0], sampling, 1, 3))
+    time.sleep(0.4)
+    engine.load_weights(version + 2, new_state, full=True, mode="keep")
+    assert not running.done()  # the update did not wait for it
+    [c] = running.result()
+    monkeypatch.undo()
+    assert c.policy_version == version + 1 and c.token_versions is not None
+    split = int(np.argmax(c.token_versions == version + 2))
+    assert 0 < split < 160, split
+    assert set(c.token_versions[:split].tolist()) == {version + 1}
+    assert set(c.token_versions[split:].tolist()) == {version + 2}
+    old = hf_logprobs(hf_model(model_dir), PROMPTS[0], c.token_ids)
+    new = hf_logprobs(hf_model(model_dir, new_state), PROMPTS[0], c.token_ids)
+    assert float(np.abs(c.logprobs[:split] - old[:split]).mean()) <= 1e-4
+    assert float(np.abs(c.logprobs[split:] - new[split:]).mean()) <= 1e-4
+    assert float(np.abs(c.logprobs[split:] - old[split:]).mean()) > 1e-2  # the two versions are told apart
 
 
 def test_refused_updates_leave_outputs_unchanged(engine, sink, receiver, model_dir):

@@ -1,0 +1,238 @@
+"""The OpenAI chat-completions wire form the agent endpoint speaks: requests read and checked, replies built.
+
+Only what a training endpoint can honour exactly is accepted. Messages (text content, assistant ``tool_calls``,
+``tool`` results), ``tools`` with ``tool_choice`` "auto" or "none", ``max_tokens`` / ``max_completion_tokens``
+(capped by the recipe) and ``stop`` are honoured. The sampling distribution is the recipe's, so the trainer computes the
+log-probs of the distribution the tokens came from: ``temperature``, ``top_p``, ``seed`` and the penalties a client
+sends are not applied (each request that sends one counts in ``agent/ignored_sampling_params``). What cannot be
+served as asked is refused with status 400 and an OpenAI error body naming the parameter: ``n`` > 1, ``stream``,
+forced tool choices, structured output, non-text content parts.
+
+Tool calls in the reply are read from the model's text in the Qwen / Hermes form (``<tool_call>{...}</tool_call>``,
+:func:`rollout.envs.tools.parse_tool_calls`) when the request offers tools; the reply's ``content`` is the text
+outside the calls. A turn whose calls do not all parse is returned as plain text, so the agent sees what the model
+wrote. Arguments are returned as ``json.dumps`` writes them (the spacing of a template's ``tojson``), so a template
+renders a call back as the model wrote it when the model wrote standard JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ChatRequest", "ProtocolError", "assistant_reply", "chat_completion", "error_body", "parse_chat_request"]
+
+_ROLES = ("system", "user", "assistant", "tool")
+_SAMPLING_PARAMS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias",
+)  # fmt: skip
+_REFUSED = {
+    "stream": "streamed replies are not served by the training endpoint; request whole completions (stream=false)",
+    "response_format": "structured output constrains sampling, so the trainer could not reproduce its log-probs",
+    "guided_json": "guided decoding constrains sampling, so the trainer could not reproduce its log-probs",
+    "guided_regex": "guided decoding constrains sampling, so the trainer could not reproduce its log-probs",
+    "functions": "the legacy 'functions' parameter is not served; pass 'tools' instead",
+}
+_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
+
+
+class ProtocolError(ValueError):
+    """A request the endpoint refuses; :func:`error_body` is its OpenAI-form answer."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request", status: int = 400):
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A checked chat-completions request."""
+
+    messages: list[dict[str, Any]]
+    """The conversation, content parts joined into text; passed to the chat template as is."""
+    tools: list[dict[str, Any]] | None
+    """Tool descriptions (``{"type": "function", "function": {...}}``) for the template, or ``None``."""
+    parse_tool_calls: bool
+    """Read tool calls out of the reply (tools offered, ``tool_choice`` not "none")."""
+    max_tokens: int | None
+    """The client's cap on generated tokens (the recipe's applies too)."""
+    stop: list[str]
+    """The client's stop strings (added to the recipe's)."""
+    ignored_sampling_params: list[str]
+    """Sampling parameters the client sent that the recipe's settings override."""
+
+
+def parse_chat_request(body: object) -> ChatRequest:
+    """Check a decoded JSON request body; ``ProtocolError`` names the first thing wrong."""
+    if not isinstance(body, Mapping):
+        raise ProtocolError(f"the request body must be a JSON object, got {type(body).__name__}")
+    for name, why in _REFUSED.items():
+        if body.get(name):
+            raise ProtocolError(f"{name}: {why}", param=name, code="unsupported_parameter")
+    n = body.get("n")
+    if n not in (None, 1):
+        raise ProtocolError(
+            f"n = {n!r}: one completion per call (each call is one step of the episode); make n calls instead",
+            param="n", code="unsupported_parameter",
+        )  # fmt: skip
+    messages = _messages(body.get("messages"))
+    tools = _tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise ProtocolError(
+            f"tool_choice = {choice!r}: the engine cannot force a call without changing the sampled distribution; "
+            "use 'auto' (the model decides) or 'none'",
+            param="tool_choice", code="unsupported_parameter",
+        )  # fmt: skip
+    return ChatRequest(
+        messages=messages,
+        tools=tools,
+        parse_tool_calls=bool(tools) and choice != "none",
+        max_tokens=_max_tokens(body),
+        stop=_stop(body.get("stop")),
+        ignored_sampling_params=[p for p in _SAMPLING_PARAMS if body.get(p) is not None],
+    )
+
+
+def _messages(value: object) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise ProtocolError("messages must be a non-empty list of chat messages", param="messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise ProtocolError(f"{where} must be an object, got {type(message).__name__}", param=where)
+        role = message.get("role")
+        if role not in _ROLES:
+            raise ProtocolError(f"{where}.role = {role!r}: expected one of {', '.join(_ROLES)}", param=f"{where}.role")
+        checked: dict[str, Any] = {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+        if role == "assistant" and message.get("tool_calls"):
+            checked["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        elif checked["content"] is None:
+            raise ProtocolError(f"{where} has no content", param=f"{where}.content")
+        for key in ("name", "tool_call_id"):
+            if isinstance(message.get(key), str):
+                checked[key] = message[key]
+        out.append(checked)
+    return out
+
+
+def _content(value: object, where: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for j, part in enumerate(value):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ProtocolError(
+                    f"{where}[{j}]: only text content parts ({{'type': 'text', 'text': ...}}) are served",
+                    param=f"{where}[{j}]", code="unsupported_parameter",
+                )  # fmt: skip
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ProtocolError(f"{where} must be text or a list of text parts, got {type(value).__name__}", param=where)
+
+
+def _tool_calls(value: object, where: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise ProtocolError(f"{where} must be a list", param=where)
+    calls = []
+    for j, call in enumerate(value):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not isinstance(
+            function.get("arguments"), str | Mapping
+        ):
+            raise ProtocolError(
+                f"{where}[{j}] must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}",
+                param=f"{where}[{j}]",
+            )  # fmt: skip
+        calls.append({"id": call.get("id"), "type": "function",
+                      "function": {"name": function["name"], "arguments": function["arguments"]}})  # fmt: skip
+    return calls
+
+
+def _tools(value: object) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ProtocolError("tools must be a list of {'type': 'function', 'function': {...}}", param="tools")
+    for j, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(function, Mapping) or (
+            not isinstance(function.get("name"), str)
+        ):
+            raise ProtocolError(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}",
+                                param=f"tools[{j}]")  # fmt: skip
+    return [dict(t) for t in value] or None
+
+
+def _max_tokens(body: Mapping[str, Any]) -> int | None:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ProtocolError(f"{name} = {value!r} must be a positive integer", param=name)
+        return value
+    return None
+
+
+def _stop(value: object) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ProtocolError("stop must be a non-empty string or a list of them", param="stop")
+    return list(stops)
+
+
+def assistant_reply(text: str, parse_tool_calls: bool, call_id: str) -> tuple[dict[str, Any], bool]:
+    """The reply message for the model's ``text`` and whether it calls tools; calls get ids ``{call_id}_{k}``."""
+    from rollout.envs.tools import parse_tool_calls as parse
+
+    calls = parse(text) if parse_tool_calls else []
+    if not calls or any(c.error is not None for c in calls):
+        return {"role": "assistant", "content": text}, False
+    content = _CALL_BLOCK.sub("", text)
+    return {
+        "role": "assistant",
+        "content": content if content.strip() else None,
+        "tool_calls": [
+            {"id": f"{call_id}_{k}", "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+            for k, c in enumerate(calls)
+        ],  # fmt: skip
+    }, True
+
+
+def chat_completion(
+    completion_id: str,
+    model: str,
+    message: dict[str, Any],
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    policy_version: int,
+) -> dict[str, Any]:
+    """The ``chat.completion`` object of one reply; ``finish_reason``: "stop", "length" or "tool_calls". The weights
+    version that sampled it rides along as ``policy_version`` (OpenAI clients keep unknown fields)."""
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},  # fmt: skip
+        "policy_version": policy_version,
+    }
+
+
+def error_body(message: str, param: str | None = None, code: str = "invalid_request") -> dict[str, Any]:
+    """OpenAI's error object (what its clients raise from)."""
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}

@@ -1,0 +1,176 @@
+"""Running a user's agent function once per episode against the worker's endpoint, and what each run leaves.
+
+The agent functions run on an event loop of their own (the "agents" thread), not the engine's: an agent that blocks
+(a slow tool, synchronous code) stalls other agents, never generation. Each episode gets a fresh base URL
+(:class:`~rollout.agents.server.AgentEndpoint`); when the function returns, times out or fails, the URL is closed and
+the recorded calls become the episode's samples (:func:`rollout.agents.trajectory.assemble`).
+
+An agent's returned number is the episode's environment reward (added to the recipe's reward terms, which score the
+last call's text, as for any environment); ``None`` adds nothing. A timeout (``environment.timeout_s``) keeps the calls
+finished by then, adds nothing, and ends the episode with finish reason ``length``, as does an agent that raised after
+the endpoint refused it for an episode limit. Any other error of the agent fails the batch, naming the function and
+the problem: it is a bug to fix, not a sample to learn from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import math
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from common.imports import resolve_object
+from rollout.agents.server import AgentEndpoint, EpisodeCalls
+from rollout.agents.trajectory import assemble
+from rollout.envs import Episode, episode_limits
+from rollout.sampling import turn_seed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rollout.config import SamplingConfig
+    from rollout.engine.vllm_engine import VLLMEngine
+    from rollout.envs.config import AgentEnvConfig
+    from rollout.tasks.problem import Problem
+
+__all__ = ["AgentContext", "AgentOutcome", "AgentRunner", "agent_metrics", "load_agent_function"]
+
+AgentFunction = Callable[..., Awaitable[float | None]]
+
+
+@dataclass(frozen=True)
+class AgentContext:
+    """What an agent function gets for one episode."""
+
+    base_url: str
+    """OpenAI-compatible base URL of this episode, e.g. ``openai.AsyncOpenAI(base_url=ctx.base_url,
+    api_key=ctx.api_key)``; it answers while the episode runs."""
+    api_key: str
+    """Any key works (the server is on loopback and the URL is the episode's secret); clients insist on one."""
+    model: str
+    """The model name to ask for."""
+    problem: Problem
+    """The task's problem: ``prompt`` (text or messages), ``answer``, ``metadata``."""
+    sample_index: int
+    """Which sample of its group this episode is (0 .. group_size - 1)."""
+
+
+@dataclass
+class AgentOutcome:
+    """One finished agent episode."""
+
+    episodes: list[Episode]
+    """Its segments (one per training sample), in order; the last one's text is the episode's final answer."""
+    reward: float
+    """The agent's returned number (0 when it returned ``None``, timed out or stopped at a limit)."""
+    timed_out: bool
+    stopped_at_limit: bool
+    """The endpoint refused a call for an episode limit."""
+    num_calls: int
+    num_ignored_sampling: int
+
+
+def load_agent_function(spec: str) -> AgentFunction:
+    """Import the agent function ``spec`` (``module:function``); ``ValueError`` unless it is an ``async def``."""
+    function = resolve_object(spec, "agent function")
+    target = function.func if isinstance(function, functools.partial) else function
+    if not inspect.iscoroutinefunction(target):
+        raise ValueError(
+            f"agent function {spec!r} is not an async function (`async def f(context, **options)`); the worker runs "
+            "many episodes at once on one event loop"
+        )
+    return function
+
+
+class AgentRunner:
+    """Runs episodes of the agent ``config`` names on ``engine``; see the module docstring."""
+
+    def __init__(self, config: AgentEnvConfig, engine: VLLMEngine, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._spec = config.function
+        self._function = load_agent_function(config.function)
+        self._options = dict(config.options)
+        self._limits = episode_limits(config)
+        self.engine = engine
+        self.endpoint = AgentEndpoint(engine, tokenizer, config.model_name)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="agents", daemon=True)
+        self._thread.start()
+
+    def run(
+        self, jobs: Sequence[tuple[Problem, int, int]], sampling: SamplingConfig
+    ) -> list[AgentOutcome]:
+        """One episode per ``(problem, group_id, sample_index)``, all at once; outcomes in job order."""
+
+        async def batch() -> list[AgentOutcome]:
+            return list(await asyncio.gather(*(self._episode(p, g, k, sampling) for p, g, k in jobs)))
+
+        return asyncio.run_coroutine_threadsafe(batch(), self._loop).result()
+
+    async def _episode(
+        self, problem: Problem, group_id: int, sample_index: int, sampling: SamplingConfig
+    ) -> AgentOutcome:
+        seed_of_call = functools.partial(turn_seed, sampling, group_id, sample_index)
+        episode = await self._on_engine(self.endpoint.open(sampling, self._limits, seed_of_call))
+        context = AgentContext(episode.base_url, "rl-align", self.endpoint.model_name, problem, sample_index)
+        value: object = None
+        timed_out = False
+        try:
+            async with asyncio.timeout(self._limits.timeout_s) as deadline:
+                value = await self._function(context, **self._options)
+        except TimeoutError:
+            if not deadline.expired():
+                raise self._failed(problem, "raised TimeoutError") from None
+            timed_out = True
+        except Exception as e:
+            if not episode.num_limit_refusals:
+                raise self._failed(problem, f"raised {e!r}") from e
+        finally:
+            await self._on_engine(self.endpoint.close(episode))
+        return self._outcome(problem, episode, value, timed_out)
+
+    def _outcome(self, problem: Problem, episode: EpisodeCalls, value: object, timed_out: bool) -> AgentOutcome:
+        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if value is not None and not number:
+            raise self._failed(problem, f"returned {value!r}; return a finite number (the reward) or None")
+        if not episode.calls:
+            raise self._failed(problem, "made no chat completion" + (
+                f" before its timeout of {self._limits.timeout_s} s (raise environment.timeout_s)" if timed_out else ""
+            ) + "; every episode must call the model at least once")  # fmt: skip
+        segments = assemble(episode.calls)
+        stopped = bool(episode.num_limit_refusals)
+        if timed_out or stopped:
+            segments[-1].finish_reason = "length"
+        reward = float(value) if isinstance(value, int | float) else 0.0
+        return AgentOutcome(segments, reward, timed_out, stopped, len(episode.calls),
+                            episode.num_ignored_sampling)  # fmt: skip
+
+    def _failed(self, problem: Problem, what: str) -> RuntimeError:
+        return RuntimeError(f"agent function {self._spec!r} {what} on problem {problem.problem_id!r}")
+
+    async def _on_engine(self, coroutine: Any) -> Any:
+        return await asyncio.wrap_future(self.engine.submit(coroutine))
+
+    def shutdown(self) -> None:
+        """Stop the endpoint and the agents' loop (no episode may be running)."""
+        self.endpoint.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
+def agent_metrics(outcomes: Sequence[AgentOutcome]) -> dict[str, float]:
+    """Additive figures of a batch of agent episodes (the pool sums them over pieces)."""
+    return {
+        "env/num_episodes": float(len(outcomes)),
+        "env/num_turns": float(sum(o.num_calls for o in outcomes)),
+        "env/num_observation_tokens": float(sum(int((e.loss_mask == 0).sum()) for o in outcomes for e in o.episodes)),
+        "env/num_timeouts": float(sum(o.timed_out for o in outcomes)),
+        "agent/num_samples": float(sum(len(o.episodes) for o in outcomes)),
+        "agent/num_split_episodes": float(sum(len(o.episodes) > 1 for o in outcomes)),
+        "agent/num_limit_stops": float(sum(o.stopped_at_limit for o in outcomes)),
+        "agent/ignored_sampling_params": float(sum(o.num_ignored_sampling for o in outcomes)),
+    }

@@ -1,0 +1,217 @@
+"""The agent endpoint: OpenAI-compatible chat completions served by a rollout worker on its own engine, one base URL
+per running episode, every call recorded for training.
+
+It is an aiohttp server on the engine's event loop (loopback only; an episode's URL holds a random id, so another
+local process cannot write into it), so a request goes from the socket to ``generate_async`` without a thread hop and
+shares continuous batching with every other episode. Routes, under ``/episodes/<id>/v1`` (an episode's base URL):
+``POST /chat/completions`` and ``GET /models``. A call renders the messages with the tokenizer's chat template (tools
+described), samples one completion with the recipe's sampling (seeded per call, like an environment's turns) and
+records an :class:`~rollout.agents.trajectory.AgentCall`. The reply's text is the decoded generated ids, so the
+recorded ids reproduce it exactly (a stop string that ended a completion stays in its text).
+
+Limits of the episode (``environment.max_turns`` calls, ``max_total_tokens`` of growth after the first call's prompt,
+the engine's context) are answered with status 400 (codes ``episode_limit``, ``context_length_exceeded``); a call in
+flight when its episode ends (a timeout) with 409 ``episode_closed``; an engine that cannot serve with 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rollout.agents import protocol
+from rollout.agents.trajectory import AgentCall
+from rollout.config import SamplingConfig
+from rollout.envs.episode import EpisodeLimits
+
+if TYPE_CHECKING:
+    from aiohttp import web
+    from transformers import PreTrainedTokenizerBase
+
+    from rollout.engine.vllm_engine import VLLMEngine
+
+__all__ = ["AgentEndpoint", "EpisodeCalls"]
+
+_MAX_BODY_BYTES = 16 << 20
+
+
+@dataclass
+class EpisodeCalls:
+    """One running episode's registration: how its calls are sampled and bounded, and what they recorded."""
+
+    episode_id: str
+    base_url: str
+    sampling: SamplingConfig
+    limits: EpisodeLimits
+    seed_of_call: Callable[[int], int | None]
+    calls: list[AgentCall] = field(default_factory=list)
+    """Recorded calls, in completion order (``AgentCall.index`` gives arrival order)."""
+    num_accepted: int = 0
+    first_prompt_len: int | None = None
+    num_limit_refusals: int = 0
+    """Calls refused by an episode limit (``episode_limit``, ``context_length_exceeded``)."""
+    num_ignored_sampling: int = 0
+    """Calls that sent sampling parameters the recipe's override."""
+    closed: bool = False
+    in_flight: set[asyncio.Future[Any]] = field(default_factory=set)
+
+
+class AgentEndpoint:
+    """The agent endpoint of one engine; see the module docstring. Episodes are opened and closed on the engine loop
+    (:meth:`open`, :meth:`close` are coroutines for it); :meth:`shutdown` from any other thread."""
+
+    def __init__(
+        self, engine: VLLMEngine, tokenizer: PreTrainedTokenizerBase, model_name: str, host: str = "127.0.0.1"
+    ) -> None:
+        self.engine, self.tokenizer, self.model_name, self.host = engine, tokenizer, model_name, host
+        self._episodes: dict[str, EpisodeCalls] = {}
+        self._runner, self.port = engine.run(self._start())
+
+    @property
+    def address(self) -> str:
+        """``http://host:port`` of the server."""
+        return f"http://{self.host}:{self.port}"
+
+    async def _start(self) -> tuple[web.AppRunner, int]:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=_MAX_BODY_BYTES)
+        app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
+        app.router.add_get("/episodes/{episode}/v1/models", self._models)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, 0)
+        await site.start()
+        server = site._server  # aiohttp keeps the bound sockets there; port 0 is resolved only after binding
+        assert server is not None
+        return runner, int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
+
+    async def open(
+        self, sampling: SamplingConfig, limits: EpisodeLimits, seed_of_call: Callable[[int], int | None]
+    ) -> EpisodeCalls:
+        """Register an episode (on the engine loop) and return it, with its ``base_url``."""
+        episode_id = secrets.token_urlsafe(12)
+        episode = EpisodeCalls(episode_id, f"{self.address}/episodes/{episode_id}/v1", sampling, limits, seed_of_call)
+        self._episodes[episode_id] = episode
+        return episode
+
+    async def close(self, episode: EpisodeCalls) -> None:
+        """End an episode (on the engine loop): its URL stops answering and calls in flight are aborted."""
+        episode.closed = True
+        self._episodes.pop(episode.episode_id, None)
+        for task in list(episode.in_flight):
+            task.cancel()
+
+    def shutdown(self) -> None:
+        """Stop the server (from any thread but the engine's)."""
+        self.engine.run(self._runner.cleanup())
+
+    # -- routes ----------------------------------------------------------------------------------------------------
+    async def _models(self, request: web.Request) -> web.Response:
+        from aiohttp import web
+
+        if request.match_info["episode"] not in self._episodes:
+            return _not_found()
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rl-align"}
+        ]})  # fmt: skip
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        from aiohttp import web
+
+        from rollout.engine.vllm_engine import EngineBrokenError
+
+        episode = self._episodes.get(request.match_info["episode"])
+        if episode is None:
+            return _not_found()
+        try:
+            body = json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return _error(400, f"the request body is not JSON: {e}")
+        try:
+            chat = protocol.parse_chat_request(body)
+            prompt = self._render(chat)
+            sampling = self._call_sampling(episode, chat, len(prompt))
+        except protocol.ProtocolError as e:
+            return _error(e.status, str(e), e.param, e.code)
+        index = episode.num_accepted
+        episode.num_accepted += 1
+        episode.num_ignored_sampling += bool(chat.ignored_sampling_params)
+        generation = asyncio.ensure_future(
+            self.engine.generate_async(prompt, sampling, 1, episode.seed_of_call(index))
+        )
+        episode.in_flight.add(generation)
+        try:
+            [completion] = await generation
+        except asyncio.CancelledError:
+            if not generation.cancelled():
+                raise  # this handler itself is being cancelled (server shutdown)
+            return _error(409, "the episode ended (its timeout passed) while this call was in flight",
+                          code="episode_closed")  # fmt: skip
+        except (EngineBrokenError, RuntimeError) as e:
+            return _error(503, f"the rollout engine cannot serve: {e}", code="engine_unavailable")
+        finally:
+            episode.in_flight.discard(generation)
+        if episode.closed:
+            return _error(409, "the episode ended while this call was in flight", code="episode_closed")
+        text = str(self.tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True))
+        episode.calls.append(AgentCall(index, prompt, completion.token_ids, completion.logprobs,
+                                       completion.policy_version, completion.finish_reason, text))  # fmt: skip
+        call_id = f"call_{episode.episode_id[:8]}_{index}"
+        message, calls_tools = protocol.assistant_reply(text, chat.parse_tool_calls, call_id)
+        finish = "length" if completion.finish_reason == "length" else ("tool_calls" if calls_tools else "stop")
+        return web.json_response(protocol.chat_completion(
+            f"chatcmpl-{episode.episode_id}-{index}", self.model_name, message, finish, len(prompt),
+            len(completion.token_ids), completion.policy_version,
+        ))  # fmt: skip
+
+    def _render(self, chat: protocol.ChatRequest) -> list[int]:
+        from rollout.tokenizer import render_prompt
+
+        try:
+            return render_prompt(self.tokenizer, chat.messages, True, tools=chat.tools)
+        except Exception as e:  # the template is the model's (jinja): any of its errors is the request's fault here
+            why = f"the chat template cannot render these messages: {e}"
+            raise protocol.ProtocolError(why, param="messages") from e
+
+    def _call_sampling(self, episode: EpisodeCalls, chat: protocol.ChatRequest, prompt_len: int) -> SamplingConfig:
+        limits, max_model_len = episode.limits, self.engine.config.max_model_len
+        if episode.num_accepted >= limits.max_turns:
+            episode.num_limit_refusals += 1
+            raise protocol.ProtocolError(
+                f"episode limit: at most {limits.max_turns} chat completions per episode (environment.max_turns)",
+                code="episode_limit",
+            )
+        room = max_model_len - prompt_len
+        if limits.max_total_tokens is not None:
+            first = prompt_len if episode.first_prompt_len is None else episode.first_prompt_len
+            room = min(room, limits.max_total_tokens - (prompt_len - first))
+        if room <= 0:
+            episode.num_limit_refusals += 1
+            raise protocol.ProtocolError(
+                f"the prompt has {prompt_len} tokens: no room left to generate (rollout.engine.max_model_len = "
+                f"{max_model_len}, environment.max_total_tokens = {limits.max_total_tokens})",
+                param="messages", code="context_length_exceeded",
+            )  # fmt: skip
+        if episode.first_prompt_len is None:
+            episode.first_prompt_len = prompt_len
+        base = episode.sampling
+        max_tokens = min(base.max_tokens, room, chat.max_tokens or base.max_tokens)
+        return base.model_copy(update={
+            "max_tokens": max_tokens, "min_tokens": min(base.min_tokens, max_tokens), "stop": [*base.stop, *chat.stop],
+        })  # fmt: skip
+
+
+def _error(status: int, message: str, param: str | None = None, code: str = "invalid_request") -> web.Response:
+    from aiohttp import web
+
+    return web.json_response(protocol.error_body(message, param, code), status=status)
+
+
+def _not_found() -> web.Response:
+    return _error(404, "no episode at this base URL: each base URL serves one episode while it runs",
+                  code="episode_not_found")  # fmt: skip

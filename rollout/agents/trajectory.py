@@ -1,0 +1,89 @@
+"""Trajectories from an agent's recorded chat completions: calls whose prompts extend each other become one sample.
+
+Every call the endpoint served is recorded as the exact prompt ids the engine saw and the ids and log-probs it
+generated. Calls are taken in the order they arrived. A call whose prompt starts with everything of an earlier
+segment (its first prompt, then its model and observation tokens) extends that segment: the prompt's remaining ids are
+observation tokens (loss mask 0), the completion model tokens (mask 1). Otherwise (a chat template that rewrites
+history, a re-tokenisation that differs from what was generated, an agent that edits or branches its conversation)
+the call starts a new segment, and each segment is one training sample. Nothing is ever re-tokenised to make calls
+fit: the trainer sees exactly the ids the engine was conditioned on and sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rollout.envs.episode import Episode
+
+__all__ = ["AgentCall", "assemble"]
+
+
+@dataclass(frozen=True)
+class AgentCall:
+    """One chat completion the endpoint served for an episode."""
+
+    index: int
+    """Arrival order within the episode (0, 1, ...)."""
+    prompt_ids: list[int]
+    """The prompt as the engine saw it (chat template applied)."""
+    completion_ids: np.ndarray
+    """int64: the generated ids (stop token included when generation stopped on one)."""
+    logprobs: np.ndarray
+    """float32, like ``completion_ids``: the engine's log-prob of each generated token."""
+    policy_version: int
+    """Weights version that sampled the completion."""
+    finish_reason: str
+    """'stop' or 'length' (the engine's)."""
+    text: str
+    """The completion decoded as the reply's text was (special tokens dropped)."""
+
+
+@dataclass
+class _Segment:
+    prompt: list[int]
+    ids: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    calls: list[AgentCall]
+
+    def full(self) -> list[int]:
+        return self.prompt + self.ids
+
+    def add(self, observation: list[int], call: AgentCall) -> None:
+        self.ids += observation + call.completion_ids.tolist()
+        self.mask += [0] * len(observation) + [1] * len(call.completion_ids)
+        self.logprobs += [0.0] * len(observation) + call.logprobs.tolist()
+        self.calls.append(call)
+
+
+def assemble(calls: Sequence[AgentCall]) -> list[Episode]:
+    """The episode's segments, each as an :class:`~rollout.envs.episode.Episode` (``env_reward`` 0, finish reason of
+    its last call); empty without calls. A call extends the longest open segment its prompt starts with."""
+    segments: list[_Segment] = []
+    for call in sorted(calls, key=lambda c: c.index):
+        best: _Segment | None = None
+        for segment in segments:
+            full = segment.full()
+            if len(full) <= len(call.prompt_ids) and call.prompt_ids[: len(full)] == full and (
+                best is None or len(full) > len(best.full())
+            ):
+                best = segment
+        if best is None:
+            best = _Segment(list(call.prompt_ids), [], [], [], [])
+            segments.append(best)
+        best.add(call.prompt_ids[len(best.full()):], call)
+    return [_episode(s) for s in segments]
+
+
+def _episode(segment: _Segment) -> Episode:
+    last = segment.calls[-1]
+    return Episode(
+        prompt_ids=segment.prompt, completion_ids=np.asarray(segment.ids, np.int64),
+        loss_mask=np.asarray(segment.mask, np.uint8), logprobs=np.asarray(segment.logprobs, np.float32),
+        final_text=last.text, final_turn_tokens=len(last.completion_ids), env_reward=0.0,
+        finish_reason=last.finish_reason, num_turns=len(segment.calls),
+        policy_versions=[c.policy_version for c in segment.calls],
+    )  # fmt: skip

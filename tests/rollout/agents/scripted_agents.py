@@ -1,0 +1,110 @@
+"""Agent functions for tests: real `openai` clients against the worker's endpoint, written as a user would, whose
+conversations do not depend on what a random tiny model writes. Each records what it sent and got (keyed by problem id
+and sample index) so a test can check the recorded ids against the served text."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import openai
+
+from rollout.agents import AgentContext
+
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+}}  # fmt: skip
+
+RECORDS: dict[tuple[str, int], list[dict[str, Any]]] = {}
+"""(problem id, sample index) -> one entry per call: the messages sent and the reply."""
+
+
+def _client(ctx: AgentContext) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+
+
+def _first_messages(ctx: AgentContext) -> list[dict[str, Any]]:
+    prompt = ctx.problem.prompt
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+
+
+async def tool_loop(ctx: AgentContext, turns: int = 3, max_tokens: int | None = None) -> float:
+    """A tool-using agent loop: each reply's tool calls are answered by a local calculator, a reply without calls gets
+    "check your answer" from the user; after ``turns`` calls, 1.0 if the last reply is the answer."""
+    client = _client(ctx)
+    messages = _first_messages(ctx)
+    records = RECORDS.setdefault((ctx.problem.problem_id, ctx.sample_index), [])
+    reply = None
+    for turn in range(turns):
+        sent = [dict(m) for m in messages]
+        response = await client.chat.completions.create(
+            model=ctx.model, messages=messages, tools=[CALCULATOR], temperature=0.7, max_tokens=max_tokens,
+        )  # fmt: skip
+        reply = response.choices[0].message
+        records.append({"messages": sent, "tools": [CALCULATOR], "reply": reply,
+                        "finish_reason": response.choices[0].finish_reason,
+                        "policy_version": getattr(response, "policy_version", None)})  # fmt: skip
+        messages.append(reply.model_dump(exclude_none=True))
+        if turn == turns - 1:
+            break
+        if reply.tool_calls:
+            for call in reply.tool_calls:
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": f"= {turn} (from {call.id})"})
+        else:
+            messages.append({"role": "user", "content": f"Check your answer ({turn})."})
+    await client.close()
+    return 1.0 if reply is not None and (reply.content or "").strip() == ctx.problem.answer else 0.0
+
+
+async def rewriting(ctx: AgentContext) -> None:
+    """Two calls whose second conversation drops the first reply (history rewritten): two samples."""
+    client = _client(ctx)
+    first = _first_messages(ctx)
+    await client.chat.completions.create(model=ctx.model, messages=first)
+    await client.chat.completions.create(model=ctx.model, messages=[*first, {"role": "user", "content": "Again."}])
+    await client.close()
+    return None
+
+
+async def over_the_limit(ctx: AgentContext) -> float:
+    """Calls until the endpoint refuses (openai.BadRequestError there, unhandled, as a careless agent would)."""
+    client = _client(ctx)
+    messages = _first_messages(ctx)
+    while True:
+        reply = (await client.chat.completions.create(model=ctx.model, messages=messages)).choices[0].message
+        messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+
+
+async def one_call_then_hang(ctx: AgentContext) -> float:
+    """One call, then an endless wait: the episode's timeout ends it."""
+    client = _client(ctx)
+    await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx))
+    await asyncio.sleep(3600)
+    return 1.0
+
+
+async def hang_in_call(ctx: AgentContext) -> float:
+    """A call that cannot finish before the timeout (the first is quick, the second asks for a long completion)."""
+    client = _client(ctx)
+    await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
+    await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx))
+    return 1.0
+
+
+async def no_call(ctx: AgentContext) -> float:
+    return 1.0
+
+
+async def broken(ctx: AgentContext) -> float:
+    raise KeyError("the agent's own bug")
+
+
+async def bad_return(ctx: AgentContext) -> Any:
+    client = _client(ctx)
+    await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx))
+    return "1.0"
+
+
+def not_async(ctx: AgentContext) -> float:
+    return 0.0

@@ -1,0 +1,280 @@
+"""The agent endpoint on the real engine (vLLM on a tiny Qwen 3), driven by the real `openai` client: recorded ids
+reproduce the served text, prompts are exactly the template's, trajectories split where a prompt does not extend the
+earlier ids, the trainer's log-probs of the model tokens equal the engine's, and limits, timeouts and bad agents end
+as the contract says."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.rollout.agents import scripted_agents
+from tests.rollout.vllm_helpers import make_model, trainer_logprobs
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+from rollout.agents import AgentRunner, load_agent_function  # noqa: E402
+from rollout.config import EngineConfig, RolloutConfig, SamplingConfig  # noqa: E402
+from rollout.engine.vllm_engine import Completion  # noqa: E402
+from rollout.envs import EpisodeLimits  # noqa: E402
+from rollout.envs.config import AgentEnvConfig  # noqa: E402
+from rollout.rewards.config import ExactMatchRewardConfig, RewardConfig  # noqa: E402
+from rollout.tasks.problem import Problem  # noqa: E402
+from rollout.tokenizer import end_of_turn_id, render_prompt  # noqa: E402
+from rollout.worker import RolloutWorker  # noqa: E402
+
+# A random tiny model rarely writes the end-of-turn token; stopping on 80 of its 512 ids ends turns after a few tokens.
+SAMPLING = SamplingConfig(temperature=1.0, max_tokens=24, stop_token_ids=list(range(100, 180)), seed=5)
+PROBLEM = Problem(prompt="What is 12 * 34?", answer="408", problem_id="p0")
+AGENTS = "tests.rollout.agents.scripted_agents"
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    config = RolloutConfig(
+        model_path=make_model(tmp_path_factory.mktemp("tiny")),
+        engine=EngineConfig(max_model_len=512, max_num_seqs=16, cpu_threads_bind="nobind", kv_cache_gib=0.25,
+                            enforce_eager=True),
+        sampling=SAMPLING,
+    )  # fmt: skip
+    env = AgentEnvConfig(function=f"{AGENTS}:tool_loop", max_turns=4, options={"turns": 3})
+    worker = RolloutWorker(config, reward=RewardConfig(terms=[ExactMatchRewardConfig()]), environment=env)
+    yield worker
+    worker.shutdown()
+
+
+def _runner(worker, function: str, **limits) -> AgentRunner:
+    return AgentRunner(AgentEnvConfig(function=f"{AGENTS}:{function}", **limits), worker.engine, worker.tokenizer)
+
+
+def _episodes(samples):
+    """Samples of one batch grouped into episodes (by sample index), segments in order."""
+    out: dict[int, list] = {}
+    for s in samples:
+        out.setdefault(s.metadata["sample_index"], []).append(s)
+    for segments in out.values():
+        assert [s.metadata["segment"] for s in segments] == list(range(len(segments)))
+        assert {s.metadata["num_segments"] for s in segments} == {len(segments)}
+    return out
+
+
+def _model_runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) of each run of 1s."""
+    runs, start = [], None
+    for i, m in enumerate([*mask.tolist(), 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def test_openai_client_episodes_are_recorded_token_exact(worker):
+    scripted_agents.RECORDS.clear()
+    batch = worker.generate_groups([PROBLEM], [7], 4)
+    tok = worker.tokenizer
+    episodes = _episodes(batch.samples)
+    assert sorted(episodes) == [0, 1, 2, 3]
+    for k, segments in episodes.items():
+        records = scripted_agents.RECORDS[(PROBLEM.problem_id, k)]
+        assert len(records) == 3
+        calls = iter(records)
+        expected_segments = 0
+        previous_full: list[int] | None = None
+        for sample in segments:
+            full = sample.prompt_ids.tolist() + sample.completion_ids.tolist()
+            mask = np.ones(len(sample.completion_ids), np.uint8) if sample.loss_mask is None else sample.loss_mask
+            for start, end in _model_runs(mask):
+                record = next(calls)
+                prompt = render_prompt(tok, record["messages"], True, tools=record["tools"])
+                # The prompt the engine saw is exactly the template's rendering of what the agent sent ...
+                assert full[: len(sample.prompt_ids) + start] == prompt
+                # ... and the served text is exactly the recorded ids, decoded.
+                served = record["reply"].content or ""
+                assert tok.decode(full[len(sample.prompt_ids) + start : len(sample.prompt_ids) + end],
+                                  skip_special_tokens=True) == served  # fmt: skip
+                assert record["policy_version"] == 0
+                extends = previous_full is not None and prompt[: len(previous_full)] == previous_full
+                expected_segments += not extends
+                previous_full = full[: len(sample.prompt_ids) + end]
+        assert next(calls, None) is None
+        assert len(segments) == expected_segments  # split exactly where a prompt does not extend the earlier ids
+    assert batch.metrics["env/num_turns"] == 12 and batch.metrics["agent/num_samples"] == len(batch.samples)
+    assert batch.metrics["agent/ignored_sampling_params"] == 12  # the agent sent temperature=0.7 on every call
+    assert all("environment" in s.reward_terms and "exact_match" in s.reward_terms for s in batch.samples)
+    deltas = [np.abs(t - s.rollout_logprobs)[s.loss_mask.astype(bool) if s.loss_mask is not None else slice(None)]
+              for t, s in zip(trainer_logprobs(worker.config.served_model_path, batch.samples), batch.samples)]
+    assert float(np.mean(np.concatenate(deltas))) <= 1e-5
+
+
+def test_a_tool_call_round_trips_through_the_client_into_one_sample(worker, monkeypatch):
+    """The model's first turn is a well-formed call (scripted: a random model never writes one); the client gets it
+    as `tool_calls`, echoes it back, and the template renders it as the model wrote it, so the episode is one sample
+    with the tool result masked out."""
+    tok = worker.tokenizer
+    eot = end_of_turn_id(tok)
+    call_text = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'
+    scripted = np.asarray([*tok.encode(call_text, add_special_tokens=False), eot], np.int64)
+    generate = worker.engine.generate_async
+    seen = []
+
+    async def first_call_scripted(prompt, sampling, n=1, seed=None):
+        seen.append(list(prompt))
+        if len(seen) == 1:
+            return [Completion(scripted, np.full(len(scripted), -0.5, np.float32), "stop", 0)]
+        return await generate(prompt, sampling, n, seed)
+
+    monkeypatch.setattr(worker.engine, "generate_async", first_call_scripted)
+    scripted_agents.RECORDS.clear()
+    runner = _runner(worker, "tool_loop", max_turns=2, options={"turns": 2})
+    try:
+        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
+    finally:
+        runner.shutdown()
+    [first, second] = scripted_agents.RECORDS[(PROBLEM.problem_id, 0)]
+    [call] = first["reply"].tool_calls
+    assert first["finish_reason"] == "tool_calls" and first["reply"].content is None
+    assert call.function.name == "calculator" and call.function.arguments == '{"expression": "12 * 34"}'
+    [segment] = outcome.episodes
+    assert seen[1][: len(seen[0]) + len(scripted)] == seen[0] + scripted.tolist()
+    assert segment.prompt_ids == seen[0] and segment.num_turns == 2
+    observation = seen[1][len(seen[0]) + len(scripted):]
+    assert tok.decode(observation).startswith("\n<|im_start|>tool\n= 0 (from call_")  # after the end of turn
+    assert segment.loss_mask.tolist() == [1] * len(scripted) + [0] * len(observation) + [1] * (
+        len(segment.completion_ids) - len(scripted) - len(observation)
+    )
+
+
+def test_a_rewritten_history_splits_the_episode(worker):
+    runner = _runner(worker, "rewriting", max_turns=4)
+    try:
+        outcomes = runner.run([(PROBLEM, 0, k) for k in range(3)], SAMPLING)
+    finally:
+        runner.shutdown()
+    first = render_prompt(worker.tokenizer, [{"role": "user", "content": PROBLEM.prompt}], True)
+    for outcome in outcomes:
+        [a, b] = outcome.episodes
+        assert a.prompt_ids == first and a.num_turns == 1 and not a.loss_mask.size - a.loss_mask.sum()
+        assert b.prompt_ids == render_prompt(worker.tokenizer, [{"role": "user", "content": PROBLEM.prompt},
+                                                               {"role": "user", "content": "Again."}], True)
+        assert outcome.reward == 0.0 and not outcome.timed_out
+
+
+def test_limits_refuse_calls_and_end_the_episode_as_length(worker):
+    runner = _runner(worker, "over_the_limit", max_turns=2)
+    try:
+        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
+    finally:
+        runner.shutdown()
+    assert outcome.num_calls == 2 and outcome.stopped_at_limit and outcome.episodes[-1].finish_reason == "length"
+    runner = _runner(worker, "over_the_limit", max_turns=50, max_total_tokens=40)
+    try:
+        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
+    finally:
+        runner.shutdown()
+    grown = [len(e.completion_ids) for e in outcome.episodes]
+    assert outcome.stopped_at_limit and outcome.num_calls < 50 and sum(grown) <= 40 * len(grown)
+    assert outcome.episodes[-1].finish_reason == "length"
+
+
+def test_a_timeout_keeps_the_calls_finished_before_it(worker):
+    runner = _runner(worker, "one_call_then_hang", max_turns=4, timeout_s=1.0)
+    try:
+        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
+    finally:
+        runner.shutdown()
+    assert outcome.timed_out and outcome.num_calls == 1 and outcome.reward == 0.0
+    assert outcome.episodes[-1].finish_reason == "length"
+
+
+def test_a_call_in_flight_at_the_timeout_is_aborted(worker, monkeypatch):
+    import time
+
+    engine = worker.engine._engine
+    step = engine.step
+
+    def slow_step():  # 450 tokens then take >= 22 s, the first call's 2 tokens 0.15 s
+        time.sleep(0.05)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    long = SAMPLING.model_copy(update={"max_tokens": 450, "ignore_eos": True, "stop_token_ids": []})
+    runner = _runner(worker, "hang_in_call", max_turns=4, timeout_s=1.5)
+    try:
+        [outcome] = runner.run([(PROBLEM, 0, 0)], long)
+        assert outcome.timed_out and outcome.num_calls == 1
+        assert worker.engine.run(_unfinished(worker.engine)) == 0  # the second call's request was aborted
+    finally:
+        runner.shutdown()
+
+
+async def _unfinished(engine) -> int:
+    return engine._engine.get_num_unfinished_requests()
+
+
+@pytest.mark.parametrize(("function", "match"), [
+    ("broken", r"agent function '.*:broken' raised KeyError.*on problem 'p0'"),
+    ("bad_return", r"returned '1.0'; return a finite number"),
+    ("no_call", r"made no chat completion"),
+])  # fmt: skip
+def test_a_failing_agent_fails_the_batch_naming_it(worker, function, match):
+    runner = _runner(worker, function)
+    try:
+        with pytest.raises(RuntimeError, match=match):
+            runner.run([(PROBLEM, 0, 0)], SAMPLING)
+    finally:
+        runner.shutdown()
+
+
+def test_agent_functions_are_checked_when_loaded():
+    with pytest.raises(ValueError, match="not an async function"):
+        load_agent_function(f"{AGENTS}:not_async")
+    with pytest.raises(ValueError, match="has no attribute 'missing'"):
+        load_agent_function(f"{AGENTS}:missing")
+
+
+def test_requests_the_endpoint_cannot_serve_exactly_are_refused_by_name(worker):
+    runner = _runner(worker, "no_call")
+    endpoint = runner.endpoint
+    episode = worker.engine.run(endpoint.open(SAMPLING, EpisodeLimits(max_turns=4), lambda t: None))
+    client = openai.OpenAI(base_url=episode.base_url, api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        assert [m.id for m in client.models.list()] == ["policy"]
+        for kwargs, name in [({"n": 2}, "n"), ({"tool_choice": "required", "tools": [scripted_agents.CALCULATOR]},
+                                                "tool_choice"), ({"response_format": {"type": "json_object"}},
+                                                                 "response_format")]:  # fmt: skip
+            with pytest.raises(openai.BadRequestError, match=name):
+                client.chat.completions.create(model="policy", messages=messages, **kwargs)
+        with pytest.raises(openai.BadRequestError, match="stream"):
+            client.chat.completions.create(model="policy", messages=messages, stream=True)
+        with pytest.raises(openai.BadRequestError, match=r"messages\[0\].role"):
+            client.chat.completions.create(model="policy", messages=[{"role": "robot", "content": "hi"}])
+        reply = client.chat.completions.create(model="any", messages=messages, max_tokens=3)
+        assert reply.usage.completion_tokens <= 3 and reply.model == "policy"
+        assert len(episode.calls) == 1  # refusals record nothing
+        gone = openai.OpenAI(base_url=episode.base_url.replace(episode.episode_id, "nope"), api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            gone.chat.completions.create(model="policy", messages=messages)
+    finally:
+        worker.engine.run(endpoint.close(episode))
+        runner.shutdown()
+    with pytest.raises(openai.APIConnectionError):
+        client.chat.completions.create(model="policy", messages=messages)
+
+
+def test_the_example_agent_starts_from_the_prompt_its_warm_start_trains_on(worker):
+    from driver.warm_start import sft_samples
+    from rollout.tasks.arithmetic import calculator_transcript
+
+    config = AgentEnvConfig(function="examples.agents.calculator:solve", warm_start_tools=["calculator"])
+    runner = AgentRunner(config, worker.engine, worker.tokenizer)
+    try:
+        outcomes = runner.run([(PROBLEM, 0, k) for k in range(2)], SAMPLING)
+    finally:
+        runner.shutdown()
+    [warm] = sft_samples(worker.tokenizer, [(PROBLEM, calculator_transcript("12 * 34"))], None, config)
+    for outcome in outcomes:
+        assert outcome.episodes[0].prompt_ids == warm.prompt_ids.tolist() and outcome.num_calls >= 1

@@ -1,0 +1,100 @@
+"""The chat-completions wire form and trajectory assembly, without an engine: what is accepted, what is refused by
+name, tool calls in replies, and how recorded calls become samples."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from rollout.agents.protocol import ProtocolError, assistant_reply, parse_chat_request
+from rollout.agents.trajectory import AgentCall, assemble
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_a_plain_request_is_read_with_the_clients_limits():
+    chat = parse_chat_request({"model": "m", "messages": USER, "max_tokens": 5, "stop": "END", "temperature": 0.3,
+                               "user": "someone"})  # fmt: skip
+    assert chat.messages == USER and chat.tools is None and not chat.parse_tool_calls
+    assert chat.max_tokens == 5 and chat.stop == ["END"] and chat.ignored_sampling_params == ["temperature"]
+    assert parse_chat_request({"messages": USER, "max_completion_tokens": 7, "max_tokens": 9}).max_tokens == 7
+
+
+def test_content_parts_tool_calls_and_tool_results_are_normalised_for_the_template():
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+    ]  # fmt: skip
+    chat = parse_chat_request({"messages": messages, "tools": [{"type": "function", "function": {"name": "calc"}}]})
+    assert chat.messages[0] == {"role": "user", "content": "ab"}
+    assert chat.messages[1]["tool_calls"][0]["function"] == {"name": "calc", "arguments": '{"x": 1}'}
+    assert chat.messages[2] == {"role": "tool", "content": "1", "tool_call_id": "c1"} and chat.parse_tool_calls
+    assert not parse_chat_request({"messages": USER, "tools": chat.tools, "tool_choice": "none"}).parse_tool_calls
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ([], None),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}]},
+     "messages[0].tool_calls[0]"),
+    ({"messages": USER, "n": 3}, "n"),
+    ({"messages": USER, "stream": True}, "stream"),
+    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "tool_choice"),
+    ({"messages": USER, "tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ({"messages": USER, "max_tokens": 0}, "max_tokens"),
+    ({"messages": USER, "stop": ["", "x"]}, "stop"),
+])  # fmt: skip
+def test_requests_that_cannot_be_served_exactly_are_refused_naming_the_parameter(body, param):
+    with pytest.raises(ProtocolError) as error:
+        parse_chat_request(body)
+    assert error.value.param == param and error.value.status == 400
+
+
+def test_replies_carry_well_formed_tool_calls_and_the_text_outside_them():
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 * 3"}}</tool_call>'
+    message, calls = assistant_reply(f"Let me compute.{call}", True, "call_x")
+    assert calls and message["content"] == "Let me compute."
+    assert message["tool_calls"] == [{"id": "call_x_0", "type": "function", "function": {
+        "name": "calculator", "arguments": json.dumps({"expression": "2 * 3"})}}]  # fmt: skip
+    assert assistant_reply(call, True, "c")[0]["content"] is None
+    # Without tools offered, or with a malformed call, the model's text comes back untouched.
+    assert assistant_reply(call, False, "c") == ({"role": "assistant", "content": call}, False)
+    broken = call + "<tool_call>{not json</tool_call>"
+    assert assistant_reply(broken, True, "c") == ({"role": "assistant", "content": broken}, False)
+
+
+def _call(index, prompt, completion, version=0):
+    return AgentCall(index, list(prompt), np.asarray(completion, np.int64), np.full(len(completion), -1.0, np.float32),
+                     version, "stop", "")  # fmt: skip
+
+
+def test_calls_whose_prompts_extend_the_trajectory_make_one_sample_with_observations_masked():
+    calls = [_call(0, [1, 2], [3, 4]), _call(1, [1, 2, 3, 4, 9, 9], [5], version=1),
+             _call(2, [1, 2, 3, 4, 9, 9, 5, 8], [6])]
+    [episode] = assemble(list(reversed(calls)))  # arrival order, not completion order, decides
+    assert episode.prompt_ids == [1, 2] and episode.completion_ids.tolist() == [3, 4, 9, 9, 5, 8, 6]
+    assert episode.loss_mask.tolist() == [1, 1, 0, 0, 1, 0, 1]
+    assert episode.logprobs.tolist() == [-1, -1, 0, 0, -1, 0, -1]
+    assert episode.num_turns == 3 and episode.policy_versions == [0, 1, 0]
+
+
+def test_a_prompt_that_does_not_extend_starts_a_new_sample_and_branches_extend_their_own():
+    calls = [
+        _call(0, [1, 2], [3]),
+        _call(1, [1, 2, 7], [4]),            # rewrote the reply: new segment
+        _call(2, [1, 2, 3, 5], [6]),         # extends the first
+        _call(3, [1, 2, 7, 4, 0], [8]),      # extends the second
+    ]  # fmt: skip
+    a, b = assemble(calls)
+    assert a.prompt_ids == [1, 2] and a.completion_ids.tolist() == [3, 5, 6] and a.loss_mask.tolist() == [1, 0, 1]
+    assert b.prompt_ids == [1, 2, 7] and b.completion_ids.tolist() == [4, 0, 8] and b.loss_mask.tolist() == [1, 0, 1]
+    assert assemble([]) == []
