@@ -130,10 +130,7 @@ class CustomEnvConfig(_MultiTurnConfig):
     @pydantic.field_validator("class_path")
     @classmethod
     def _check_path(cls, path: str) -> str:
-        module, sep, name = path.partition(":")
-        if not sep or not module or not name:
-            raise ValueError(f"class_path {path!r}: expected 'package.module:Class', e.g. 'my_envs:GuessNumber'")
-        return path
+        return _import_path("class_path", path, "package.module:Class", "my_envs:GuessNumber")
 
 
 class AgentEnvConfig(_MultiTurnConfig):
@@ -164,10 +161,15 @@ class AgentEnvConfig(_MultiTurnConfig):
     @pydantic.field_validator("function")
     @classmethod
     def _check_path(cls, path: str) -> str:
-        module, sep, name = path.partition(":")
-        if not sep or not module or not name:
-            raise ValueError(f"function {path!r}: expected 'package.module:function', e.g. 'my_agents:solve'")
-        return path
+        return _import_path("function", path, "package.module:function", "my_agents:solve")
+
+
+def _import_path(field: str, path: str, form: str, example: str) -> str:
+    """``path`` if it has the ``module:name`` form (importing it is checked at recipe load), else ``ValueError``."""
+    module, sep, name = path.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"{field} {path!r}: expected {form!r}, e.g. {example!r}")
+    return path
 
 
 EnvironmentConfig = Annotated[

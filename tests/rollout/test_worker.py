@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.rollout.vllm_helpers import make_model
+from tests.rollout.vllm_helpers import tiny_rollout_config
 
 pytest.importorskip("vllm")
 
-from rollout.config import EngineConfig, RolloutConfig, SamplingConfig  # noqa: E402
+from rollout.config import SamplingConfig  # noqa: E402
 from rollout.rewards.config import ExactMatchRewardConfig, RewardConfig  # noqa: E402
 from rollout.tasks.problem import Problem  # noqa: E402
 from rollout.tokenizer import render_prompt  # noqa: E402
@@ -18,12 +18,7 @@ from rollout.worker import RolloutWorker  # noqa: E402
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    config = RolloutConfig(
-        model_path=make_model(tmp_path_factory.mktemp("tiny")),
-        engine=EngineConfig(max_model_len=256, max_num_seqs=16, cpu_threads_bind="nobind", kv_cache_gib=0.25,
-                            enforce_eager=True),
-        sampling=SamplingConfig(max_tokens=8, seed=5),
-    )
+    config = tiny_rollout_config(tmp_path_factory, SamplingConfig(max_tokens=8, seed=5), max_model_len=256)
     worker = RolloutWorker(config, reward=RewardConfig(terms=[ExactMatchRewardConfig()]))
     yield worker
     worker.shutdown()

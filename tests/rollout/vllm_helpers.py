@@ -23,6 +23,18 @@ def make_model(out: Path, seed: int = 0) -> str:
     return str(make_tiny_model(out, family="qwen3", seed=seed, **TINY_ARCH))
 
 
+def tiny_rollout_config(tmp_path_factory, sampling, max_model_len: int = 512):
+    """A rollout config serving a fresh tiny model: small KV cache, eager, unpinned threads (tests share cores)."""
+    from rollout.config import EngineConfig, RolloutConfig
+
+    return RolloutConfig(
+        model_path=make_model(tmp_path_factory.mktemp("tiny")),
+        engine=EngineConfig(max_model_len=max_model_len, max_num_seqs=16, cpu_threads_bind="nobind",
+                            kv_cache_gib=0.25, enforce_eager=True),
+        sampling=sampling,
+    )  # fmt: skip
+
+
 def hf_model(model_dir: str, state: Mapping[str, torch.Tensor] | None = None):
     """The HF transformers model of ``model_dir`` in fp32, optionally with ``state`` loaded on top."""
     from transformers import AutoModelForCausalLM

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from tests.rollout.agents import scripted_agents
-from tests.rollout.vllm_helpers import make_model, trainer_logprobs
+from tests.rollout.vllm_helpers import tiny_rollout_config, trainer_logprobs
 
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from rollout.agents import AgentRunner, load_agent_function  # noqa: E402
-from rollout.config import EngineConfig, RolloutConfig, SamplingConfig  # noqa: E402
+from rollout.config import SamplingConfig  # noqa: E402
 from rollout.engine.vllm_engine import Completion  # noqa: E402
 from rollout.envs import EpisodeLimits  # noqa: E402
 from rollout.envs.config import AgentEnvConfig  # noqa: E402
@@ -32,12 +32,7 @@ AGENTS = "tests.rollout.agents.scripted_agents"
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    config = RolloutConfig(
-        model_path=make_model(tmp_path_factory.mktemp("tiny")),
-        engine=EngineConfig(max_model_len=512, max_num_seqs=16, cpu_threads_bind="nobind", kv_cache_gib=0.25,
-                            enforce_eager=True),
-        sampling=SAMPLING,
-    )  # fmt: skip
+    config = tiny_rollout_config(tmp_path_factory, SAMPLING, max_model_len=512)
     env = AgentEnvConfig(function=f"{AGENTS}:tool_loop", max_turns=4, options={"turns": 3})
     worker = RolloutWorker(config, reward=RewardConfig(terms=[ExactMatchRewardConfig()]), environment=env)
     yield worker

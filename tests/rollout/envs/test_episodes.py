@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from tests.rollout.envs.scripted_env import EchoObservations, ScriptedToolCalls
-from tests.rollout.vllm_helpers import make_model, trainer_logprobs
+from tests.rollout.vllm_helpers import tiny_rollout_config, trainer_logprobs
 
 pytest.importorskip("vllm")
 
-from rollout.config import EngineConfig, RolloutConfig, SamplingConfig  # noqa: E402
+from rollout.config import SamplingConfig  # noqa: E402
 from rollout.envs import EpisodeLimits, run_episode  # noqa: E402
 from rollout.envs.config import CustomEnvConfig, PythonToolConfig, ToolEnvConfig  # noqa: E402
 from rollout.rewards.config import ExactMatchRewardConfig, RewardConfig  # noqa: E402
@@ -32,12 +32,7 @@ PROBLEM = Problem(prompt="What is 12 * 34?", answer="408", problem_id="p0")
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    config = RolloutConfig(
-        model_path=make_model(tmp_path_factory.mktemp("tiny")),
-        engine=EngineConfig(max_model_len=512, max_num_seqs=16, cpu_threads_bind="nobind", kv_cache_gib=0.25,
-                            enforce_eager=True),
-        sampling=SAMPLING,
-    )  # fmt: skip
+    config = tiny_rollout_config(tmp_path_factory, SAMPLING, max_model_len=512)
     env = CustomEnvConfig(class_path="tests.rollout.envs.scripted_env:EchoObservations", max_turns=3,
                           options={"turns": 3, "reward": 0.5})  # fmt: skip
     worker = RolloutWorker(config, reward=RewardConfig(terms=[ExactMatchRewardConfig()]), environment=env)
