@@ -16,7 +16,9 @@ flag says otherwise):
 - bare vLLM: tokens/s of a bare ``vllm.LLM.generate`` in a process of its own, built from the pool's engine settings
   (``rollout.engine.vllm_engine.vllm_engine_args``) with the pool engine's torch threads, on the same rendered prompts
   with the same sampling, after the same warm-up: what the pool's asynchronous engine (requests stepped by its own
-  loop, episodes, scoring, the Ray actor) costs against vLLM's own batch entry point (target >= 0.95x).
+  loop, episodes, scoring, the Ray actor) costs against vLLM's own batch entry point (target >= 0.95x). Both stay up
+  and their batches alternate (``--reps`` of each), so a drift of the machine hits both sides alike; the ratio is
+  printed per repetition (median and range).
 - hf: tokens/s of transformers ``generate`` on the same prompts with the same sampling, one batch.
 - update pause (this model): one full push of the model through the real gRPC receiver into the engine (vLLM reload +
   prefix-cache reset): push + commit seconds, and the part of it the engine lock was held.
@@ -107,17 +109,27 @@ def run_pool(args, model_dir: str, problems, sampling, ray_dir: str) -> dict[str
         pool = RolloutPool(config)
         pool.collect(pool.submit(problems[:2], args.group_size, sampling))  # warm-up: the first batch compiles
         out = {"pool_start_s": time.perf_counter() - start, "enforce_eager": float(config.engine.enforce_eager)}
-        pid = pool.health()[0]["pid"]
-        cpu_before = _process_cpu_s(pid)
-        batch = pool.collect(pool.submit(problems, args.group_size, sampling))
-        engine_cpu_s = _process_cpu_s(pid) - cpu_before
-        tokens = batch.metrics["rollout/num_completion_tokens"]
-        out.update(pool_tokens_per_s=tokens / batch.metrics["rollout/seconds"],
-                   pool_tokens_per_cpu_s=tokens / engine_cpu_s, pool_seconds=batch.metrics["rollout/seconds"])
+        pid, threads = pool.health()[0]["pid"], int(pool.health()[0]["num_threads"])
+        bare = BareLLM(config, model_dir, problems, sampling, args.group_size, threads)
+        reps: list[dict[str, float]] = []
+        try:
+            for _ in range(args.reps):  # interleaved: pool, bare, pool, bare, ...
+                cpu_before = _process_cpu_s(pid)
+                batch = pool.collect(pool.submit(problems, args.group_size, sampling))
+                engine_cpu_s = _process_cpu_s(pid) - cpu_before
+                tokens = batch.metrics["rollout/num_completion_tokens"]
+                reps.append({"pool_tokens_per_s": tokens / batch.metrics["rollout/seconds"],
+                             "pool_tokens_per_cpu_s": tokens / engine_cpu_s,
+                             "pool_seconds": batch.metrics["rollout/seconds"], **bare.batch()})  # fmt: skip
+        finally:
+            bare.close()
+        for key in reps[0]:
+            out[key] = statistics.median(r[key] for r in reps)
+        out["ratios"] = [r["pool_tokens_per_s"] / r["bare_tokens_per_s"] for r in reps]
+        out["cpu_ratios"] = [r["pool_tokens_per_cpu_s"] / r["bare_tokens_per_cpu_s"] for r in reps]
         out.update(measure_update_pause(pool, model_dir))
-        out["pool_num_threads"] = float(pool.health()[0]["num_threads"])
+        out["pool_num_threads"] = float(threads)
         pool.shutdown()
-        out.update(run_bare_llm(config, model_dir, problems, sampling, args.group_size, int(out["pool_num_threads"])))
         return out
     finally:
         ray.shutdown()
@@ -145,8 +157,9 @@ def measure_update_pause(pool, model_dir: str) -> dict[str, float]:
             "push_bytes": float(report.payload_bytes)}  # fmt: skip
 
 
-def _bare_llm_child(engine: dict, model_dir: str, prompts: list[list[int]], sampling: dict, n: int, out) -> None:
-    """In a spawned process: time ``LLM.generate`` of ``prompts`` (n samples each) after a warm-up batch."""
+def _bare_llm_child(engine: dict, model_dir: str, prompts: list[list[int]], sampling: dict, n: int, go, out) -> None:
+    """In a spawned process: after a warm-up batch, time one ``LLM.generate`` of ``prompts`` (n samples each) per item
+    put on ``go`` (``None`` ends it)."""
     from rollout.config import EngineConfig, SamplingConfig
     from rollout.engine.platform import configure_vllm_environment
     from rollout.engine.vllm_engine import vllm_engine_args
@@ -161,32 +174,43 @@ def _bare_llm_child(engine: dict, model_dir: str, prompts: list[list[int]], samp
     params = to_vllm_sampling_params(SamplingConfig(**sampling), n)
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     llm.generate(requests[:2], params, use_tqdm=False)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    outputs = llm.generate(requests, params, use_tqdm=False)
-    seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
-    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    out.put({"bare_tokens_per_s": tokens / seconds, "bare_tokens_per_cpu_s": tokens / cpu_s, "bare_seconds": seconds})
+    out.put("ready")
+    while go.get() is not None:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        out.put({"bare_tokens_per_s": tokens / seconds, "bare_tokens_per_cpu_s": tokens / cpu_s})
 
 
-def run_bare_llm(config, model_dir: str, problems, sampling, group_size: int, num_threads: int) -> dict[str, float]:
-    """A bare ``vllm.LLM`` with the pool's engine settings and threads on the same prompts (see the docstring)."""
-    import multiprocessing
+class BareLLM:
+    """A bare ``vllm.LLM`` with the pool's engine settings and threads on the same prompts (see the docstring), in a
+    process of its own that stays up so its batches interleave with the pool's."""
 
-    from rollout.tokenizer import load_tokenizer, render_prompt
+    def __init__(self, config, model_dir: str, problems, sampling, group_size: int, num_threads: int) -> None:
+        import multiprocessing
 
-    tokenizer = load_tokenizer(model_dir)
-    prompts = [render_prompt(tokenizer, p.prompt, config.use_chat_template) for p in problems]
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    os.environ["OMP_NUM_THREADS"] = str(num_threads)  # inherited by the child, read before torch starts there
-    child = context.Process(target=_bare_llm_child, args=(
-        config.engine.model_dump(), model_dir, prompts, sampling.model_dump(), group_size, queue,
-    ))  # fmt: skip
-    child.start()
-    try:
-        return queue.get(timeout=900)
-    finally:
-        child.join(timeout=60)
+        from rollout.tokenizer import load_tokenizer, render_prompt
+
+        tokenizer = load_tokenizer(model_dir)
+        prompts = [render_prompt(tokenizer, p.prompt, config.use_chat_template) for p in problems]
+        context = multiprocessing.get_context("spawn")
+        self._go, self._out = context.Queue(), context.Queue()
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)  # inherited by the child, read before torch starts there
+        self._child = context.Process(target=_bare_llm_child, args=(
+            config.engine.model_dump(), model_dir, prompts, sampling.model_dump(), group_size, self._go, self._out,
+        ))  # fmt: skip
+        self._child.start()
+        if self._out.get(timeout=900) != "ready":
+            raise RuntimeError("the bare vLLM process did not start")
+
+    def batch(self) -> dict[str, float]:
+        self._go.put(1)
+        return self._out.get(timeout=900)
+
+    def close(self) -> None:
+        self._go.put(None)
+        self._child.join(timeout=60)
 
 
 def run_hf(args, model_dir: str, problems, num_threads: int) -> dict[str, float]:
@@ -255,12 +279,15 @@ def report(args, results: dict[str, float], bound: dict[str, dict[str, float]], 
         f"pool per CPU-s: {results['pool_tokens_per_cpu_s']:7.0f} tok per engine CPU-second = "
         f"{results['pool_tokens_per_cpu_s'] / own:.0%} of one core's {args.dtype} bound ({own:.0f})",
     ]
+    ratios, cpu_ratios = results["ratios"], results["cpu_ratios"]
     lines.append(
         f"bare vLLM     : {results['bare_tokens_per_s']:7.0f} tok/s (LLM.generate, same settings and prompts, "
-        f"{results['pool_num_threads']:.0f} threads): pool / bare = "
-        f"{results['pool_tokens_per_s'] / results['bare_tokens_per_s']:.2f}x; per CPU-second "
-        f"{results['bare_tokens_per_cpu_s']:.0f}: pool / bare = "
-        f"{results['pool_tokens_per_cpu_s'] / results['bare_tokens_per_cpu_s']:.2f}x"
+        f"{results['pool_num_threads']:.0f} threads); per CPU-second {results['bare_tokens_per_cpu_s']:.0f}"
+    )
+    lines.append(
+        f"pool / bare   : {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}], per CPU-second "
+        f"{statistics.median(cpu_ratios):.2f}x [{min(cpu_ratios):.2f}-{max(cpu_ratios):.2f}] ({len(ratios)} "
+        "interleaved repetitions, median [range]; target >= 0.95x)"
     )
     if "hf_tokens_per_s" in results:
         lines.append(f"HF generate   : {results['hf_tokens_per_s']:7.0f} tok/s ({args.hf_dtype}, 1 thread)")
@@ -293,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=None,
                         help="EngineConfig.enforce_eager (default: its default)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--reps", type=int, default=3, help="interleaved pool / bare batches")
     parser.add_argument("--recipe-steps", type=int, default=8, help="default-recipe RL steps to time (0: skip)")
     args = parser.parse_args(argv)
 
