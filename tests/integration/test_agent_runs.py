@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import psutil
+import pytest
 from it_helpers import descendants, kill_tree, read_metrics, rl_steps, small_run_args, start_run, tail, wait_for
 from test_faults import _rollout_workers
 
@@ -41,3 +42,27 @@ def test_an_agent_recipe_trains_async_through_a_killed_worker(tmp_path: Path) ->
         assert r["env/num_turns"] >= r["env/num_episodes"] > 0 and r["agent/num_samples"] >= r["env/num_episodes"]
     assert (tmp_path / "out" / "final_model" / "config.json").is_file(), tail(log)
     assert "held-out problems" in log.read_text()
+
+
+@pytest.mark.slow
+def test_dapo_dynamic_sampling_trains_agent_episodes_and_checkpoints(tmp_path: Path) -> None:
+    """DAPO's dynamic sampling over agent episodes (groups drawn again until they differ), token-level loss over
+    the masked trajectories, checkpoints on the way."""
+    num_steps = 4
+    args = small_run_args(tmp_path, num_steps, "--run.logging.plot", "false",
+                          "--trainer.checkpoint.every_num_steps", "2")  # fmt: skip
+    args += ["--environment.type", "agent", "--environment.function", "examples.agents.calculator:solve",
+             "--environment.max_turns", "3"]  # fmt: skip
+    log = tmp_path / "run.log"
+    proc = start_run(args, log, "recipes/dapo_tiny.toml")
+    try:
+        assert proc.wait(timeout=600) == 0, tail(log)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    records = read_metrics(tmp_path / "out")
+    rl = [r for r in records if r["phase"] == "rl"]
+    assert rl_steps(records) == list(range(num_steps)), tail(log)
+    assert all(r["agent/num_samples"] >= r["env/num_episodes"] > 0 for r in rl)
+    assert all("train/loss" in r for r in rl) and all(r["rollout/dynamic_sampling_rounds"] >= 1 for r in rl), rl[0]
+    assert (tmp_path / "out" / "checkpoints" / "step_00000004" / "COMPLETE").exists()
