@@ -49,8 +49,12 @@ class _Segment:
     logprobs: list[float]
     calls: list[AgentCall]
 
-    def full(self) -> list[int]:
-        return self.prompt + self.ids
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.ids)
+
+    def is_prefix_of(self, ids: list[int]) -> bool:
+        head = len(self.prompt)
+        return len(self) <= len(ids) and ids[:head] == self.prompt and ids[head : len(self)] == self.ids
 
     def add(self, observation: list[int], call: AgentCall) -> None:
         self.ids += observation + call.completion_ids.tolist()
@@ -64,17 +68,12 @@ def assemble(calls: Sequence[AgentCall]) -> list[Episode]:
     its last call); empty without calls. A call extends the longest open segment its prompt starts with."""
     segments: list[_Segment] = []
     for call in sorted(calls, key=lambda c: c.index):
-        best: _Segment | None = None
-        for segment in segments:
-            full = segment.full()
-            if len(full) <= len(call.prompt_ids) and call.prompt_ids[: len(full)] == full and (
-                best is None or len(full) > len(best.full())
-            ):
-                best = segment
-        if best is None:
-            best = _Segment(list(call.prompt_ids), [], [], [], [])
-            segments.append(best)
-        best.add(call.prompt_ids[len(best.full()):], call)
+        extended = [s for s in segments if s.is_prefix_of(call.prompt_ids)]
+        segment = max(extended, key=len) if extended else None
+        if segment is None:
+            segment = _Segment(list(call.prompt_ids), [], [], [], [])
+            segments.append(segment)
+        segment.add(call.prompt_ids[len(segment):], call)
     return [_episode(s) for s in segments]
 
 
