@@ -34,7 +34,7 @@ from rollout.envs.config import AgentEnvConfig, CustomEnvConfig, EnvironmentConf
 from rollout.rewards.config import FunctionRewardConfig, RewardConfig
 from rollout.tasks.config import JsonlTaskConfig, TaskConfig
 from trainer.config import TrainerConfig
-from trainer.models.config import BlockChoices, Family
+from trainer.models.config import BlockChoices, Family, LoRAConfig
 from trainer.rl.config import AlgorithmConfig
 from weight_sync.config import WeightSyncConfig
 
@@ -64,6 +64,9 @@ class ModelSection(BlockChoices):
     """Local HF model directory (config.json, safetensors, tokenizer): the trainer loads it, every engine serves it."""
     create_tiny: TinyModelSpec | None = None
     """Create a tiny random model at ``path`` first when the directory does not exist (the embedded demo)."""
+    lora: LoRAConfig | None = None
+    """Train LoRA adapters on the frozen checkpoint instead of every weight (``trainer.models.lora``): each step pushes
+    only the adapters, and the engines serve them through vLLM's LoRA path. None: full-parameter training."""
 
 
 class WarmStartConfig(Config):
@@ -230,6 +233,7 @@ class Recipe(Config):
             raise FieldError(f"model.{field}", f"{problem} (trainer.device = {self.trainer.device!r})")
         _check_trainable_sampling(self.rollout)
         _check_placement(self)
+        _check_lora(self)
         _check_environment(self)
         term = self.run.dynamic_sampling.filter_term
         names = [t.term_name for t in self.reward.terms] + (["overlong"] if self.reward.overlong else [])
@@ -296,6 +300,25 @@ def _check_placement(recipe: Recipe) -> None:
             f"'colocated' shares CPU cores; on trainer.device = {recipe.trainer.device!r} the trainer and the engines "
             "would need to share accelerator memory (engine sleep/wake), which is not built yet: use "
             "run.placement = 'separate' with accelerators per role",
+        )
+
+
+def _check_lora(recipe: Recipe) -> None:
+    """LoRA runs what is built for it: FSDP (no tensor parallel), and a KL reference that is the base model."""
+    if recipe.model.lora is None:
+        return
+    if recipe.trainer.parallelism.tensor_parallel_degree > 1:
+        raise FieldError(
+            "model.lora",
+            "LoRA adapters are not split by tensor parallelism (not built): set "
+            "trainer.parallelism.tensor_parallel_degree = 1 (FSDP shards base and adapters alike)",
+        )
+    if recipe.algorithm.kl.needs_reference and recipe.run.warm_start.num_steps > 0:
+        raise FieldError(
+            "model.lora",
+            "with LoRA the KL reference is the base model (adapters off), but a warm start trains the adapters "
+            "first, so the reference would not be the policy RL starts from: set run.warm_start.num_steps = 0, or "
+            "algorithm.kl.coef = 0",
         )
 
 

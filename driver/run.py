@@ -129,16 +129,18 @@ class _Run:
         )  # fmt: skip
         self.dataset = build_dataset(r.task)
         self.tokenizer = load_tokenizer(r.rollout.tokenizer_path or r.model.path)
-        model_cfg = model_config_from_hf(r.model.path, **r.model.block_overrides())
+        model_cfg = model_config_from_hf(r.model.path, **r.model.block_overrides(), lora=r.model.lora)
         self.placement = plan_placement(r, host_cores())
         log.info("placement: %s on %d core(s); trainer ranks run %s thread(s), engines %s", r.run.placement,
                  self.placement.num_cores, self.placement.trainer_env["OMP_NUM_THREADS"],
                  self.placement.rollout_env.get("OMP_NUM_THREADS", r.rollout.engine.cpu_threads_bind))  # fmt: skip
         # The publisher hands the trainer's ranks their receivers before every push.
         sync_cfg = r.weight_sync.model_copy(update={"endpoints": []})
-        # A resumed run starts from the warm-started weights (its checkpoint then restores policy and reference).
+        # A resumed run starts from the warm-started weights (its checkpoint then restores policy and reference); with
+        # LoRA from the base, which never trains (the checkpoint holds the adapters).
         warm = self.out_dir / "warm_start_model"
-        init_path = str(warm) if self.resume and (warm / "config.json").is_file() else r.model.path
+        resume_warm = self.resume and r.model.lora is None and (warm / "config.json").is_file()
+        init_path = str(warm) if resume_warm else r.model.path
 
         def start_pool() -> Any:
             return RolloutPool(self.placement.rollout, r.reward, self.placement.receiver_sync,

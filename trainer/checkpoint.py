@@ -49,13 +49,20 @@ class Checkpointable:
     model: nn.Module
     optimizer: torch.optim.Optimizer | None = None
     scheduler: Any = None
+    trainable_only: bool = False
+    """Save and load only the parameters that train (LoRA adapters): the frozen rest is rebuilt from the run's
+    initial checkpoint at start and must not be needed from the checkpoint."""
+
+    @property
+    def options(self) -> StateDictOptions:
+        return StateDictOptions(ignore_frozen_params=self.trainable_only, strict=not self.trainable_only)
 
 
 def _state_dicts(name: str, part: Checkpointable) -> dict[str, Any]:
     """The DCP entries of one part: its model's (and optimizer's) state dict, sharded as the model is."""
     if part.optimizer is None:
-        return {f"{name}.model": get_model_state_dict(part.model)}
-    model_sd, optim_sd = get_state_dict(part.model, part.optimizer)
+        return {f"{name}.model": get_model_state_dict(part.model, options=part.options)}
+    model_sd, optim_sd = get_state_dict(part.model, part.optimizer, options=part.options)
     return {f"{name}.model": model_sd, f"{name}.optim": optim_sd}
 
 
@@ -180,10 +187,10 @@ class CheckpointManager:
         dcp.load(tensors, checkpoint_id=str(path))
         for name, part in parts.items():
             if part.optimizer is None:
-                set_model_state_dict(part.model, tensors[f"{name}.model"])
+                set_model_state_dict(part.model, tensors[f"{name}.model"], options=part.options)
             else:
                 set_state_dict(
-                    part.model, part.optimizer,
+                    part.model, part.optimizer, options=part.options,
                     model_state_dict=tensors[f"{name}.model"], optim_state_dict=tensors[f"{name}.optim"],
                 )  # fmt: skip
         rank_files = sorted(path.glob("trainer_state_rank*.pt"))

@@ -20,7 +20,10 @@ from pathlib import Path
 
 from torch import nn
 
-__all__ = ["TOKENIZER_FILES", "complete_from_source", "export_checkpoint", "export_policy"]
+__all__ = ["ADAPTER_DIR", "TOKENIZER_FILES", "complete_from_source", "export_checkpoint", "export_policy"]
+
+ADAPTER_DIR = "adapter"
+"""Subdirectory of an exported LoRA policy holding its PEFT adapter (the merged model is the directory itself)."""
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
@@ -67,18 +70,33 @@ def export_policy(
     """Write ``policy`` (plain or sharded; collective when sharded: every rank calls it, rank 0 writes) as a
     complete HF directory at ``out_dir``; ``dtype`` casts the weights (e.g. ``"bfloat16"``). Returns the file names
     on rank 0, ``[]`` elsewhere. ``source_dir`` None writes the weights and ``config.json`` only (a model built from
-    a config in a test has no tokenizer to copy). ``policy_version`` is recorded as ``policy_version.json``, so a
+    a config in a test has no tokenizer to copy). A LoRA policy is written merged (a plain model of its family), and
+    its adapters alone as a PEFT adapter directory in ``out_dir/adapter`` (``PeftModel.from_pretrained(base,
+    out_dir / "adapter")``, or a vLLM ``LoRARequest`` over the base).
+    ``policy_version`` is recorded as ``policy_version.json``, so a
     weight-sync receiver serving the directory (``vllm serve`` with the rl_align plugin, ``python -m weight_sync
     serve``) starts at that version and refuses older pushes."""
     import torch
 
     from trainer.models.hf_io import save_hf_checkpoint
+    from trainer.models.lora import adapter_state_dict
+    from weight_sync.peft import write_peft_adapter
     from weight_sync.sink import write_policy_version
 
     torch_dtype = getattr(torch, dtype) if dtype is not None else None
     files = save_hf_checkpoint(policy, str(out_dir), dtype=torch_dtype)
+    model_cfg = getattr(policy, "cfg")  # noqa: B009 (save_hf_checkpoint checked that it is a ModelConfig)
+    adapter = None
+    if model_cfg.lora is not None:  # gathered on every rank (a collective when sharded)
+        adapter = [(n, t if torch_dtype is None else t.to(torch_dtype)) for n, t in
+                   adapter_state_dict(policy, model_cfg.family)]  # fmt: skip
     if not files:
         return files  # [] on the ranks that do not write
+    if adapter is not None:
+        base = str(Path(source_dir).resolve()) if source_dir is not None else None
+        written = write_peft_adapter(Path(out_dir) / ADAPTER_DIR, adapter, model_cfg.lora, base,
+                                     dropout=model_cfg.lora.dropout)
+        files = [*files, *(f"{ADAPTER_DIR}/{name}" for name in written)]
     if policy_version is not None:
         write_policy_version(str(out_dir), policy_version)
         files = [*files, "policy_version.json"]
@@ -94,32 +112,40 @@ def export_checkpoint(
     complete HF directory at ``out_dir``, in this process.
 
     ``model_dir``: the HF model directory the run started from (architecture, tokenizer); default: the
-    ``[model] path`` of the run's ``recipe.resolved.toml`` next to the checkpoints directory.
+    ``[model] path`` of the run's ``recipe.resolved.toml`` next to the checkpoints directory. A LoRA run's checkpoint
+    (adapters only; ``[model.lora]`` of that recipe) is exported over the base weights of ``model_dir``.
     """
     import torch
 
     from trainer.checkpoint import Checkpointable, CheckpointManager
     from trainer.models.hf_config import model_config_from_hf
+    from trainer.models.hf_io import load_hf_checkpoint
     from trainer.models.transformer import build_model
 
     ckpt = Path(checkpoint)
     if not (ckpt / "COMPLETE").is_file():
         raise ValueError(f"{ckpt} is not a complete checkpoint (no COMPLETE marker): pass a .../step_<n> directory")
-    source = Path(model_dir) if model_dir is not None else _run_model_dir(ckpt)
-    model = build_model(model_config_from_hf(str(source)), device=torch.device("cpu"), dtype=torch.float32)
-    CheckpointManager(ckpt.parent).load({"policy": Checkpointable(model)}, ckpt)
+    recipe_model = _run_model_section(ckpt)
+    if model_dir is None and recipe_model is None:
+        raise ValueError(f"no recipe.resolved.toml next to {ckpt.parent}: pass --model-dir (the HF model directory the "
+                         "run started from)")  # fmt: skip
+    source = Path(model_dir) if model_dir is not None else Path((recipe_model or {})["path"])
+    lora = (recipe_model or {}).get("lora")
+    model = build_model(model_config_from_hf(str(source), lora=lora), device=torch.device("cpu"), dtype=torch.float32)
+    if lora is not None:  # an adapter checkpoint holds the adapters only: the base is the run's model directory
+        load_hf_checkpoint(model, str(source))
+    CheckpointManager(ckpt.parent).load({"policy": Checkpointable(model, trainable_only=lora is not None)}, ckpt)
     return export_policy(model, out_dir, source, dtype)
 
 
-def _run_model_dir(ckpt: Path) -> Path:
-    """The model directory of the run that wrote ``ckpt``, from its resolved recipe."""
+def _run_model_section(ckpt: Path) -> dict | None:
+    """The ``[model]`` section of the resolved recipe of the run that wrote ``ckpt`` (None when there is none)."""
     import tomllib
 
     for resolved in (ckpt.parent.parent / "recipe.resolved.toml", ckpt.parent / "recipe.resolved.toml"):
         if resolved.is_file():
-            return Path(tomllib.loads(resolved.read_text())["model"]["path"])
-    raise ValueError(f"no recipe.resolved.toml next to {ckpt.parent}: pass --model-dir (the HF model directory the "
-                     "run started from)")  # fmt: skip
+            return tomllib.loads(resolved.read_text())["model"]
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,6 +44,8 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     reference: Transformer | None = None
+    """The frozen KL reference model; None without KL, and with LoRA, whose reference is the policy with its adapters
+    off (``trainer.step`` runs it that way)."""
     critic: Critic | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
     critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -71,10 +73,14 @@ class TrainState:
     def checkpointables(self) -> dict[str, Checkpointable]:
         """The parts a checkpoint holds: the policy and critic with their optimizers, and the frozen KL reference (it
         may be the warm-start policy, which no file outside the checkpoint is guaranteed to hold on resume)."""
-        parts = {"policy": Checkpointable(self.policy, self.optimizer, self.scheduler)}
+        # With LoRA the frozen base is the run's initial checkpoint, rebuilt at start: only trained tensors are saved.
+        lora = self.model_cfg.lora is not None
+        parts = {"policy": Checkpointable(self.policy, self.optimizer, self.scheduler, trainable_only=lora)}
         if self.critic is not None:
             assert self.critic_optimizer is not None
-            parts["critic"] = Checkpointable(self.critic, self.critic_optimizer, self.critic_scheduler)
+            parts["critic"] = Checkpointable(
+                self.critic, self.critic_optimizer, self.critic_scheduler, trainable_only=lora
+            )
         if self.reference is not None:
             parts["reference"] = Checkpointable(self.reference)
         return parts
@@ -111,7 +117,7 @@ def build_train_state(
 
         load_hf_checkpoint(policy, init_path)
     reference = None
-    if algo.needs_reference:
+    if algo.needs_reference and model_cfg.lora is None:  # with LoRA the reference is the base: adapters off
         reference = copy.deepcopy(policy).requires_grad_(False).eval()
     critic = None
     if algo.needs_critic:

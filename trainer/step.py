@@ -29,6 +29,7 @@ from torch import nn
 
 from rollout.types import RolloutBatch, Sample
 from trainer.metrics import MetricsAccumulator
+from trainer.models.lora import adapters_disabled
 from trainer.models.registry import ATTENTION_BLOCKS
 from trainer.models.transformer import Transformer
 from trainer.packing import MicroBatch, plan_micro_batches, split_minibatches
@@ -144,6 +145,14 @@ def _critic_values(state: TrainState, mb: MicroBatch) -> torch.Tensor:
     return state.critic(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids, output_positions=positions)
 
 
+def _reference_logprobs(state: TrainState, mb: MicroBatch) -> torch.Tensor:
+    """Log-probs of the KL reference: its own model, or with LoRA the policy's base (adapters off)."""
+    if state.reference is not None:
+        return forward_logprobs(state.reference, mb)[0]
+    with adapters_disabled(state.policy):
+        return forward_logprobs(state.policy, mb)[0]
+
+
 @torch.no_grad()
 def _no_grad_pass(state: TrainState, plans: list[list[MicroBatch]], need_old: bool) -> None:
     """Fill ``extra['old_logprobs' | 'ref_logprobs' | 'values']`` of every micro-batch (no gradients)."""
@@ -151,8 +160,8 @@ def _no_grad_pass(state: TrainState, plans: list[list[MicroBatch]], need_old: bo
         for mb in mbs:
             if need_old:
                 mb.extra["old_logprobs"] = forward_logprobs(state.policy, mb)[0]
-            if state.reference is not None:
-                mb.extra["ref_logprobs"] = forward_logprobs(state.reference, mb)[0]
+            if state.algorithm.needs_reference:
+                mb.extra["ref_logprobs"] = _reference_logprobs(state, mb)
             if state.critic is not None:
                 mb.extra["values"] = mb.scatter(_critic_values(state, mb))
 

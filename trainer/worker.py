@@ -238,6 +238,7 @@ class TrainerWorker:
         self, policy_version: int | None = None, dtype: str | None = None, endpoints: Sequence[str] | None = None
     ) -> dict[str, Any]:
         """Stream this rank's own shards, under HF names, to every receiver; rank 0 commits after all ranks pushed.
+        With LoRA only the adapters are pushed, under PEFT names (the receivers serve them through their LoRA path).
 
         ``policy_version`` defaults to the state's; ``dtype`` casts the pieces (e.g. 'bfloat16' for a bf16 server).
         ``endpoints`` pushes (in full) to just those receivers instead, e.g. a replacement rollout worker catching up
@@ -248,6 +249,7 @@ class TrainerWorker:
         import torch.distributed as dist
 
         from trainer.models.hf_io import hf_shards
+        from trainer.models.lora import is_adapter
         from trainer.parallelize import local_shards
         from weight_sync.sender import Shard
 
@@ -259,9 +261,11 @@ class TrainerWorker:
             sender = self._new_sender(endpoints, one_off)
         version = state.policy_version if policy_version is None else policy_version
         cast = getattr(torch, dtype) if dtype is not None else None
+        lora = self.model_cfg.lora is not None  # the engines hold the frozen base: only the adapters change
         shards = [
             Shard(hf_name, piece if cast is None else piece.to(cast), hf_shape, hf_offsets)
             for name, local, shape, offsets in local_shards(state.policy)
+            if not lora or is_adapter(name)
             for hf_name, piece, hf_shape, hf_offsets in hf_shards(self.model_cfg, name, local, shape, offsets)
         ]
         try:

@@ -10,14 +10,15 @@ inherit. Each name is checked on validation against the torch-free block declara
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import pydantic
 
 from common.config import Config, Family
 from trainer.models.registry import BLOCK_REGISTRIES
+from weight_sync.peft import AdapterSpec
 
-__all__ = ["BlockChoices", "Family", "ModelConfig", "MoEConfig", "RopeScalingConfig"]
+__all__ = ["BlockChoices", "Family", "LoRAConfig", "ModelConfig", "MoEConfig", "RopeScalingConfig"]
 
 _PositiveInt = Annotated[int, pydantic.Field(gt=0)]
 _PositiveFloat = Annotated[float, pydantic.Field(gt=0)]
@@ -65,6 +66,27 @@ class MoEConfig(Config):
         if self.top_k > self.num_experts:
             raise ValueError(f"moe.top_k ({self.top_k}) must be <= moe.num_experts ({self.num_experts})")
         return self
+
+
+_LORA_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+class LoRAConfig(AdapterSpec):
+    """Low-rank adapters (LoRA) on the projections of every block: ``W x + (alpha / rank) * B A x`` with ``A [rank,
+    in]``, ``B [out, rank]`` (the rank, alpha and targets of :class:`weight_sync.peft.AdapterSpec`); the base weights
+    are frozen (no gradients, no optimizer state).
+
+    The adapters use PEFT's layout and names (``weight_sync.peft``), so pushes, exports and checkpoints of them load
+    into PEFT and vLLM's LoRA path as they are. On MoE models only the attention projections can be targets: the
+    experts are stacked tensors, not linear modules, and stay frozen.
+    """
+
+    dropout: float = pydantic.Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapters' input in gradient passes only (PEFT ``lora_dropout``); passes without gradients
+    (old and reference log-probs, evaluation) are deterministic, so the first importance ratio is still exactly 1."""
+    init: Literal["default", "gaussian"] = "default"
+    """``A``'s initialisation (``B`` starts at zero, so a fresh adapter leaves the model unchanged): 'default' is
+    PEFT's (Kaiming-uniform, ``a = sqrt(5)``), 'gaussian' normal with std ``1 / rank``."""
 
 
 class BlockChoices(Config):
@@ -145,6 +167,8 @@ class ModelConfig(BlockChoices):
     """Mixture-of-experts settings; required for ``qwen3_moe`` (every layer is sparse) and absent otherwise."""
     max_seq_len: _PositiveInt = 4096
     """Longest sequence (packed row) the model is used with; exported as HF ``max_position_embeddings``."""
+    lora: LoRAConfig | None = None
+    """Train low-rank adapters on a frozen base (``trainer.models.lora``); None trains every parameter."""
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -162,6 +186,13 @@ class ModelConfig(BlockChoices):
             raise ValueError(f"family {self.family!r} has qk_norm={wants_qk_norm}; set qk_norm = {wants_qk_norm}")
         if self.rope_scaling is not None and self.family != "llama3":
             raise ValueError(f"rope_scaling (Llama 3.1 style) is only supported for 'llama3', not {self.family!r}")
+        if self.lora is not None and self.moe is not None:
+            mlp = [t for t in self.lora.target_modules if t in _LORA_MLP_TARGETS]
+            if mlp:
+                raise ValueError(
+                    f"lora.target_modules {mlp}: a qwen3_moe model's feed-forward is stacked experts, which LoRA does "
+                    "not adapt here; target the attention projections only (q_proj, k_proj, v_proj, o_proj)"
+                )
         return self
 
     @property

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from common.config import validate_config
+from common.config import Config, validate_config
 from trainer.models.config import Family, ModelConfig
 
 __all__ = ["hf_config_dict", "model_config_from_hf", "model_config_from_hf_dict"]
@@ -73,7 +73,8 @@ def model_config_from_hf_dict(raw: Mapping[str, Any], source: str = "<config.jso
             "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
             "aux_loss_coef": float(raw.get("router_aux_loss_coef", _QWEN3_MOE_AUX_LOSS_COEF)),
         }
-    data.update(overrides)
+    # Config values (``lora=LoRAConfig(...)``) go in as their JSON form: validation runs in JSON mode.
+    data.update({k: v.model_dump(mode="json") if isinstance(v, Config) else v for k, v in overrides.items()})
     return validate_config(ModelConfig, data, source=source)
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from trainer.models.config import ModelConfig
 from trainer.models.hf_config import hf_config_dict
 from trainer.models.hf_names import name_map
+from trainer.models.lora import is_adapter, merged_parameters, peft_name
 from trainer.models.transformer import Transformer, build_model
 
 __all__ = [
@@ -51,14 +52,18 @@ def hf_shards(
     """Yield ``(hf_name, piece, hf_global_shape, hf_global_offsets)`` for one of our parameters or a shard of it.
 
     ``local`` is the piece this rank holds, at ``global_offsets`` inside a parameter of ``global_shape`` (pass the
-    full tensor with zero offsets for an unsharded one). Pieces are views of ``local`` (no copy). Raises ``ValueError``
-    for a name the family's table does not know.
+    full tensor with zero offsets for an unsharded one). Pieces are views of ``local`` (no copy). A LoRA adapter
+    parameter maps to its PEFT name (``trainer.models.lora.peft_name``). Raises ``ValueError`` for a name the family's
+    table does not know.
     """
     global_shape, global_offsets = tuple(global_shape), tuple(global_offsets)
     if len(global_shape) != local.ndim or len(global_offsets) != local.ndim:
         raise ValueError(
             f"{our_name}: local {tuple(local.shape)}, global {global_shape}, offsets {global_offsets} disagree in rank"
         )
+    if is_adapter(our_name):  # a LoRA adapter: its PEFT name, same layout
+        yield peft_name(model_cfg.family, our_name), local, global_shape, global_offsets
+        return
     try:
         hf_name, stacked = name_map(model_cfg.family).to_hf(canonical_name(our_name))
     except KeyError:
@@ -74,11 +79,14 @@ def hf_shards(
 def hf_manifest(model_cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> list[tuple[str, Shape, torch.dtype]]:
     """Every HF tensor of a full ``model_cfg`` model as ``(hf_name, shape, dtype)``, in parameter order.
 
-    ``dtype`` is the dtype the tensors are sent or saved in. With tied embeddings ``lm_head.weight`` is absent.
+    ``dtype`` is the dtype the tensors are sent or saved in. With tied embeddings ``lm_head.weight`` is absent; LoRA
+    adapters are not HF model tensors (``trainer.models.lora.adapter_manifest`` lists them).
     """
     meta = build_model(model_cfg, device="meta")
     out = []
     for name, p in meta.named_parameters():
+        if is_adapter(name):
+            continue
         for hf_name, piece, _, _ in hf_shards(model_cfg, name, p, tuple(p.shape), (0,) * p.ndim):
             out.append((hf_name, tuple(piece.shape), dtype))
     return out
@@ -100,11 +108,10 @@ def hf_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> Iterato
 
     ``model``: a :class:`Transformer`, possibly FSDP2-sharded, tensor-parallel or compiled (parameter names are
     canonicalised). DTensor parameters are gathered with ``full_tensor()`` (a collective: every rank must iterate).
+    With LoRA adapters the base weights come with the adapters' updates merged in (a plain model of the same family).
     """
     cfg = _model_config(model)
-    for name, p in model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        full = full.detach()
+    for name, full in merged_parameters(model):
         for hf_name, piece, _, _ in hf_shards(cfg, name, full, tuple(full.shape), (0,) * full.ndim):
             yield hf_name, piece if dtype is None else piece.to(dtype)
 
@@ -175,11 +182,13 @@ def load_hf_checkpoint(model: Transformer, path: str) -> set[str]:
     """Copy the weights of a local HF checkpoint directory into ``model`` (unsharded parameters), casting dtypes.
 
     Every parameter must be covered (each expert of stacked ones) and every checkpoint tensor must map to one, except
-    names the table drops and ``lm_head.weight`` when embeddings are tied. Returns the set of HF names loaded.
+    names the table drops and ``lm_head.weight`` when embeddings are tied (LoRA adapters are not loaded). Returns the
+    set of HF names loaded.
     Raises ``ValueError`` on unknown, missing or mis-shaped tensors. Load before sharding the model.
     """
     cfg, names = model.cfg, name_map(model.cfg.family)
-    params = dict(model.named_parameters())
+    # LoRA adapters are not in an HF checkpoint: they keep their fresh initialisation (B = 0: the model is the base).
+    params = {name: p for name, p in model.named_parameters() if not is_adapter(name)}
     if any(hasattr(p, "to_local") for p in params.values()):
         raise ValueError("load_hf_checkpoint needs unsharded parameters: load before fully_shard / tensor parallel")
     covered: dict[str, set[int | None]] = {n: set() for n in params}

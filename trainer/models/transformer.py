@@ -28,6 +28,7 @@ from torch import nn
 from trainer.models.attention import Attention
 from trainer.models.config import ModelConfig
 from trainer.models.layers import FeedForward, RMSNorm
+from trainer.models.lora import LoRALinear, apply_lora
 from trainer.models.moe import MoE
 from trainer.models.output_head import chunked_token_logprobs  # noqa: F401 (registers the built-in heads)
 from trainer.models.registry import OUTPUT_HEADS, check_blocks_supported
@@ -105,6 +106,8 @@ class Transformer(nn.Module):
         self._head = OUTPUT_HEADS.get(cfg.output_head)
         # A plain list (not registered): the MoE modules stay reachable through FSDP/checkpoint wrappers.
         self._moe_layers: list[MoE] = [block.moe for block in blocks if hasattr(block, "moe")]
+        if cfg.lora is not None:
+            apply_lora(self, cfg)  # adapters on the targeted projections, every other parameter frozen
 
     def forward(
         self,
@@ -214,6 +217,9 @@ class Transformer(nn.Module):
         self.norm.reset_parameters()
         if self.output is not None:
             nn.init.normal_(self.output.weight, std=std)
+        for module in self.modules():
+            if isinstance(module, LoRALinear):
+                module.reset_adapter()
 
 
 def positions_from_segments(segment_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,139 @@
+"""LoRA adapters on our models against PEFT on transformers' models, with the same base and adapter weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.models.config import LoRAConfig
+from trainer.models.hf_config import model_config_from_hf
+from trainer.models.hf_io import hf_manifest, load_hf_checkpoint, save_hf_checkpoint
+from trainer.models.lora import LoRALinear, adapter_state_dict, adapters_disabled, is_adapter
+from trainer.models.transformer import build_model
+from weight_sync.peft import adapter_manifest, write_peft_adapter
+from weight_sync.spec import TensorSpec
+
+peft = pytest.importorskip("peft")
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+CASES = [
+    ("llama3_scaled", LoRAConfig(rank=4, alpha=8.0)),
+    ("qwen3_tied", LoRAConfig(rank=8, alpha=4.0, target_modules=("q_proj", "v_proj", "down_proj"))),
+    ("qwen3_moe", LoRAConfig(rank=2, alpha=2.0, target_modules=ATTENTION)),
+]
+
+
+def _ours(path: Path, lora: LoRAConfig, seed: int = 3):
+    """Our model of the HF directory with ``lora`` adapters set to seeded random values (B != 0)."""
+    model = build_model(model_config_from_hf(str(path), lora=lora), dtype=torch.float32)
+    load_hf_checkpoint(model, str(path))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if is_adapter(name):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model.eval()
+
+
+def _peft(path: Path, adapter_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
+def _tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(("name", "lora"), CASES, ids=[c[0] for c in CASES])
+def test_adapter_forward_equals_peft_and_off_equals_the_base(hf_dirs, tmp_path, name, lora):
+    path, hf_base = hf_dirs[name]
+    ours = _ours(path, lora)
+    files = write_peft_adapter(tmp_path / "adapter", adapter_state_dict(ours, ours.cfg.family), lora, str(path))
+    assert sorted(files) == ["adapter_config.json", "adapter_model.safetensors"]
+    reference = _peft(path, tmp_path / "adapter")
+    tokens = _tokens(ours.cfg.vocab_size)
+    with torch.no_grad():
+        expected = reference(input_ids=tokens).logits
+        got = ours.logits(ours(tokens))
+        with adapters_disabled(ours):
+            base = ours.logits(ours(tokens))
+        base_expected = hf_base(input_ids=tokens).logits
+    assert (got - expected).abs().max().item() <= 1e-5
+    assert (base - base_expected).abs().max().item() <= 1e-5
+    assert (got - base).abs().max().item() > 1e-2  # the adapters do change the model
+    adapted = {n for n, m in ours.named_modules() if isinstance(m, LoRALinear)}
+    assert len(adapted) == ours.cfg.num_layers * len(lora.target_modules)
+
+
+@pytest.mark.parametrize(("name", "lora"), CASES[:2], ids=[c[0] for c in CASES[:2]])
+def test_merged_export_equals_the_adapter_forward(hf_dirs, tmp_path, name, lora):
+    from transformers import AutoModelForCausalLM
+
+    path, _ = hf_dirs[name]
+    ours = _ours(path, lora)
+    save_hf_checkpoint(ours, str(tmp_path / "merged"))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    tokens = _tokens(ours.cfg.vocab_size)
+    with torch.no_grad():
+        assert (merged(input_ids=tokens).logits - ours.logits(ours(tokens))).abs().max().item() <= 1e-4
+    # A merged checkpoint is a plain model: the manifest has no adapter tensors and matches the files.
+    plain = model_config_from_hf(str(tmp_path / "merged"))
+    assert [n for n, _, _ in hf_manifest(ours.cfg)] == [n for n, _, _ in hf_manifest(plain)]
+
+
+def test_only_adapters_train_and_the_base_gets_no_gradient(hf_dirs):
+    from trainer.config import OptimizerConfig
+    from trainer.optim import build_optimizer
+
+    path, _ = hf_dirs["qwen3_tied"]
+    model = _ours(path, LoRAConfig(rank=4)).train()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(is_adapter(n) for n in trainable)
+    optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2))
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(trainable)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    tokens = _tokens(model.cfg.vocab_size)
+    model.logits(model(tokens)).logsumexp(-1).mean().backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if n in base)
+    optimizer.step()
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if n in base)
+
+
+def test_a_fresh_adapter_leaves_the_model_unchanged(hf_dirs):
+    path, hf_base = hf_dirs["llama3_scaled"]
+    model = build_model(model_config_from_hf(str(path), lora=LoRAConfig(rank=4, init="gaussian")))
+    load_hf_checkpoint(model, str(path))
+    tokens = _tokens(model.cfg.vocab_size)
+    with torch.no_grad():
+        assert (model.logits(model(tokens)) - hf_base(input_ids=tokens).logits).abs().max().item() <= 1e-5
+    a = dict(model.named_parameters())["layers.0.attention.wq.lora_A"]
+    assert a.abs().sum() > 0  # A is random; B = 0 is what keeps the model unchanged
+
+
+@pytest.mark.parametrize(("name", "lora"), CASES, ids=[c[0] for c in CASES])
+def test_a_receiver_derives_from_the_base_checkpoint_exactly_the_adapters_the_trainer_trains(hf_dirs, name, lora):
+    """The receiver's manifest (from the base model's HF tensors alone) names and shapes every trained adapter."""
+    from rollout.engine.sink import read_checkpoint_manifest
+
+    path, _ = hf_dirs[name]
+    ours = _ours(path, lora)
+    trained = {n: tuple(t.shape) for n, t in adapter_state_dict(ours, ours.cfg.family)}
+    derived = adapter_manifest(read_checkpoint_manifest(str(path)), lora)
+    assert {s.name: s.shape for s in derived} == trained
+    assert {s.dtype for s in derived} == {"float32"}
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    assert trained[f"{q}.lora_A.weight"] == (lora.rank, ours.cfg.dim)
+    assert trained[f"{q}.lora_B.weight"] == (ours.cfg.num_heads * ours.cfg.head_dim, lora.rank)
+    # Another base (wider projections) derives other shapes: its receiver refuses these adapters.
+    wider = [TensorSpec(s.name, (2 * s.shape[0], *s.shape[1:]), s.dtype) for s in read_checkpoint_manifest(str(path))]
+    assert {s.name: s.shape for s in adapter_manifest(wider, lora)} != trained
+
+
+def test_lora_on_moe_experts_is_refused_with_the_alternative(hf_dirs):
+    path, _ = hf_dirs["qwen3_moe"]
+    with pytest.raises(ValueError, match=r"stacked experts.*q_proj, k_proj, v_proj, o_proj"):
+        model_config_from_hf(str(path), lora=LoRAConfig(target_modules=("q_proj", "gate_proj")))

@@ -1,0 +1,162 @@
+"""LoRA training on the trainer: only the adapters move, the KL reference is the base (adapters off), checkpoints hold
+the adapters alone and resume bit for bit, and 2 FSDP ranks compute the 1-rank update."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from trainer_batches import random_batch
+
+from rollout.types import RolloutBatch
+
+NUM_STEPS = 4  # checkpoint after step 2, then steps 3-4 twice (uninterrupted, resumed)
+
+
+def _configs(ckpt_dir: str, world: int, minibatches: int = 2):
+    from trainer.config import TrainerConfig
+    from trainer.models.config import LoRAConfig, ModelConfig
+    from trainer.rl.config import GRPOConfig, KLConfig
+
+    model_cfg = ModelConfig(
+        family="qwen3", vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+        ffn_hidden_dim=64, qk_norm=True, tie_embeddings=True, output_chunk_size=16,
+        lora=LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")),
+    )  # fmt: skip
+    cfg = TrainerConfig(
+        num_ranks=world, micro_batch_tokens=96, num_minibatches=minibatches, max_grad_norm=0.5,
+        optimizer=dict(lr=3e-2, weight_decay=0.01), checkpoint=dict(dir=ckpt_dir, num_keep=1),
+    )  # fmt: skip
+    return cfg, model_cfg, GRPOConfig(group_size=4, kl=KLConfig(coef=0.05))
+
+
+def _batch(step: int) -> RolloutBatch:
+    return random_batch(100 + step, num_groups=4, completion_len=(1, 24), logprob=(-3.8, -3.5))
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from trainer.checkpoint import CheckpointManager, TrainProgress
+    from trainer.parallelize import build_mesh
+    from trainer.state import build_train_state
+    from trainer.step import rl_step
+
+    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world)
+
+    def fresh():
+        return build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+
+    state = fresh()
+    result: dict = {"init": _full(state.policy), "has_reference_model": state.reference is not None}
+    result["optimizer_params"] = sum(len(g["params"]) for g in state.optimizer.param_groups)
+    manager = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.num_keep)
+    metrics = []
+    for step in range(NUM_STEPS):
+        if step == 2:
+            result["checkpoint"] = str(
+                manager.save(state.checkpointables(), TrainProgress(state.step, state.policy_version, {}))
+            )
+        metrics.append(rl_step(state, _batch(step)))
+    result["metrics"], result["weights"] = metrics, _full(state.policy)
+    resumed = fresh()
+    progress = manager.load(resumed.checkpointables())
+    resumed.step, resumed.policy_version = progress.step, progress.policy_version
+    result["resumed_metrics"] = [rl_step(resumed, _batch(step)) for step in range(2, NUM_STEPS)]
+    result["resumed_weights"] = _full(resumed.policy)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, list[dict]]:
+    out = {}
+    for world in (1, 2):
+        out_dir = tmp_path_factory.mktemp(f"lora{world}")
+        mp.start_processes(_worker, args=(world, _free_port(), str(out_dir)), nprocs=world, start_method="spawn")
+        out[world] = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return out
+
+
+def test_only_adapters_move_and_no_reference_copy_is_built(runs) -> None:
+    from trainer.models.lora import is_adapter
+
+    run = runs[1][0]
+    assert not run["has_reference_model"]
+    adapters = [n for n in run["init"] if is_adapter(n)]
+    assert run["optimizer_params"] == len(adapters)
+    for name, w in run["weights"].items():
+        if not is_adapter(name):
+            assert torch.equal(w, run["init"][name]), f"frozen base weight {name} changed"
+    assert any(not torch.equal(run["weights"][n], run["init"][n]) for n in adapters if n.endswith("lora_B"))
+    assert all(m["kl"] > 0 for m in run["metrics"][1:])  # the adapters moved the policy away from the base
+
+
+def test_two_fsdp_ranks_match_one_rank(runs) -> None:
+    one, two = runs[1][0], runs[2]
+    for m1, m2 in zip(one["metrics"], two[0]["metrics"]):
+        for key in ("loss", "policy_loss", "kl", "grad_norm", "ratio_mean"):
+            assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-6), key
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(two[0]["weights"][name], w, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_adapter_only_checkpoint_resumes_bit_identical(runs, world: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.models.lora import is_adapter
+
+    for rank_result in runs[world]:
+        keys = dcp.FileSystemReader(rank_result["checkpoint"]).read_metadata().state_dict_metadata
+        model_keys = [k.removeprefix("policy.model.") for k in keys if k.startswith("policy.model.")]
+        assert model_keys and all(is_adapter(k) for k in model_keys), model_keys
+        for a, b in zip(rank_result["metrics"][2:], rank_result["resumed_metrics"]):
+            assert {k: v for k, v in a.items() if not k.endswith("_s")} == {
+                k: v for k, v in b.items() if not k.endswith("_s")
+            }
+        for name, w in rank_result["weights"].items():
+            assert torch.equal(rank_result["resumed_weights"][name], w), name
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_reference_is_the_base_model_and_the_first_kl_is_zero(tmp_path: Path) -> None:
+    """The reference log-probs equal those of a separately built model without adapters on the same base weights."""
+    from trainer.models.lora import is_adapter
+    from trainer.models.transformer import build_model
+    from trainer.parallelize import build_mesh
+    from trainer.state import build_train_state
+    from trainer.step import _reference_logprobs, forward_logprobs, plan_rank_micro_batches, rl_step
+
+    cfg, model_cfg, algo = _configs(str(tmp_path), 1, minibatches=1)
+    state = build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+    first = rl_step(state, _batch(0))
+    assert first["kl"] == 0.0  # fresh adapters (B = 0): the policy is the base
+    rl_step(state, _batch(1))
+    base = build_model(model_cfg.model_copy(update={"lora": None}))
+    base.load_state_dict({n: p for n, p in state.policy.state_dict().items() if not is_adapter(n)})
+    samples = _batch(2).samples
+    mb = plan_rank_micro_batches(state, samples, range(len(samples)))[0]
+    with torch.no_grad():
+        expected = forward_logprobs(base, mb)[0]
+        got = _reference_logprobs(state, mb)
+        policy = forward_logprobs(state.policy, mb)[0]
+    assert torch.equal(got, expected)
+    assert (policy - expected).abs().max() > 1e-4
