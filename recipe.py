@@ -37,6 +37,7 @@ from trainer.config import TrainerConfig
 from trainer.models.config import BlockChoices, Family, LoRAConfig
 from trainer.rl.config import AlgorithmConfig
 from weight_sync.config import WeightSyncConfig
+from weight_sync.peft import AdapterSpec
 
 __all__ = ["Recipe", "load_recipe", "write_resolved"]
 
@@ -260,6 +261,9 @@ class Recipe(Config):
             rollout = rollout.model_copy(update={"model_path": model.path})
         if "seed" not in rollout.engine.model_fields_set:
             rollout = rollout.model_copy(update={"engine": rollout.engine.model_copy(update={"seed": seed})})
+        if model.lora is not None and rollout.engine.lora is None:
+            engine = rollout.engine.model_copy(update={"lora": _served_adapter(model.lora)})
+            rollout = rollout.model_copy(update={"engine": engine})
         if model.create_tiny is not None and "seed" not in model.create_tiny.model_fields_set:
             model = model.model_copy(update={"create_tiny": model.create_tiny.model_copy(update={"seed": seed})})
         resolved: dict[str, Config] = {"rollout": rollout, "model": model}
@@ -304,9 +308,17 @@ def _check_placement(recipe: Recipe) -> None:
 
 
 def _check_lora(recipe: Recipe) -> None:
-    """LoRA runs what is built for it: FSDP (no tensor parallel), and a KL reference that is the base model."""
+    """LoRA runs what is built for it: FSDP (no tensor parallel), and a KL reference that is the base model; the
+    engines serve the adapters the trainer trains (``rollout.engine.lora`` is filled in from ``[model.lora]``)."""
+    served = recipe.rollout.engine.lora
     if recipe.model.lora is None:
+        if served is not None:
+            raise FieldError("rollout.engine.lora", "the engines would serve adapters that nothing trains: set "
+                             "[model.lora] instead (it fills this in)")  # fmt: skip
         return
+    if served is not None and served != _served_adapter(recipe.model.lora):
+        raise FieldError("rollout.engine.lora", f"{served} differs from [model.lora] (rank, alpha, target_modules): "
+                         "leave it unset, [model.lora] fills it in")  # fmt: skip
     if recipe.trainer.parallelism.tensor_parallel_degree > 1:
         raise FieldError(
             "model.lora",
@@ -320,6 +332,11 @@ def _check_lora(recipe: Recipe) -> None:
             "first, so the reference would not be the policy RL starts from: set run.warm_start.num_steps = 0, or "
             "algorithm.kl.coef = 0",
         )
+
+
+def _served_adapter(lora: LoRAConfig) -> AdapterSpec:
+    """The adapter shape the engines serve for the trainer's ``[model.lora]``."""
+    return AdapterSpec(rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules)
 
 
 def _check_environment(recipe: Recipe) -> None:

@@ -75,7 +75,7 @@ def measure_bound(hidden: int, num_rows: int, dtypes: set[str], num_cores: int) 
 
 
 def count_parameters(model_dir: str) -> int:
-    from rollout.engine.sink import read_checkpoint_manifest
+    from weight_sync.checkpoint import read_checkpoint_manifest
 
     return sum(spec.numel for spec in read_checkpoint_manifest(model_dir))
 

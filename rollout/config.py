@@ -11,6 +11,7 @@ from typing import Literal
 import pydantic
 
 from common.config import Config, DType
+from weight_sync.peft import AdapterSpec
 
 __all__ = ["EngineConfig", "RolloutConfig", "SamplingConfig", "UpdateMode"]
 
@@ -83,6 +84,14 @@ class EngineConfig(Config):
     top_p=1), 'raw_logprobs' is ``log_softmax(logits)`` ignoring temperature."""
     tensor_parallel_size: int = pydantic.Field(default=1, ge=1)
     """Accelerators per engine (vLLM tensor parallelism); 1 on CPU."""
+    lora: AdapterSpec | None = None
+    """Serve LoRA adapters of this shape over the frozen model: every pushed version is an adapter (PEFT names, see
+    ``weight_sync.peft``), served as ``lora_serving`` says. In a recipe it is set from ``[model.lora]``."""
+    lora_serving: Literal["auto", "adapter", "merged"] = "auto"
+    """How an engine with ``lora`` serves an adapter version: 'adapter' through vLLM's LoRA path (each request keeps
+    the adapter it started on, so an update needs no drain; no reload of the base), 'merged' folded into the base
+    weights and loaded as an ordinary weight update (drain per ``update_mode``, generation at the base model's
+    speed). 'auto': 'merged' on CPU, where vLLM's LoRA ops are slow (README "Measured"), 'adapter' elsewhere."""
     update_mode: UpdateMode = "wait"
     """How a weight update meets requests in flight: 'wait' lets them finish on the old weights first (every
     completion is of one version; the pause includes that drain), 'keep' swaps at the next step boundary and they go

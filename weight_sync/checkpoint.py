@@ -1,13 +1,38 @@
-"""Read an HF checkpoint directory (`*.safetensors`) as whole-tensor shards for `WeightSender.push`."""
+"""Read an HF checkpoint directory (`*.safetensors`): its manifest from the file headers, or its tensors as
+whole-tensor shards for `WeightSender.push`."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from weight_sync.sender import Shard
+from weight_sync.chunking import Shard
+from weight_sync.spec import TensorSpec
 
-__all__ = ["checkpoint_shards"]
+__all__ = ["checkpoint_shards", "read_checkpoint_manifest"]
+
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool",
+}  # fmt: skip
+
+
+def read_checkpoint_manifest(directory: str | Path) -> list[TensorSpec]:
+    """Every tensor in the ``*.safetensors`` files of ``directory`` (headers only: nothing is loaded), sorted by name.
+    Raises ``ValueError`` when there are none."""
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{directory}: no *.safetensors files; the model directory must hold safetensors")
+    specs = []
+    for file in files:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, info in header.items():
+            if name != "__metadata__":
+                specs.append(TensorSpec(name, tuple(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]]))
+    return sorted(specs, key=lambda s: s.name)
 
 
 def checkpoint_shards(directory: str) -> Iterator[Shard]:

@@ -126,21 +126,13 @@ class SafetensorsDirSink:
     VERSION_FILE = "policy_version.json"
 
     def __init__(self, directory: str, manifest: list[TensorSpec] | None = None) -> None:
-        from safetensors import safe_open
+        from weight_sync.checkpoint import read_checkpoint_manifest
 
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._files = sorted(self.directory.glob("*.safetensors"))
         if manifest is None:
-            manifest = []
-            for path in self._files:
-                with safe_open(str(path), framework="pt") as f:
-                    for name in f.keys():
-                        sl = f.get_slice(name)
-                        dtype = {"BF16": "bfloat16", "F32": "float32", "F16": "float16", "F64": "float64",
-                                 "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-                                 "BOOL": "bool"}[sl.get_dtype()]
-                        manifest.append(TensorSpec(name, tuple(sl.get_shape()), dtype))
+            manifest = read_checkpoint_manifest(self.directory) if self._files else []
         if not manifest:
             raise ValueError(f"{directory}: no *.safetensors files to read a manifest from, and none was given")
         self._manifest = manifest

@@ -7,10 +7,11 @@ vLLM reads these environment variables when an engine is created, so :func:`conf
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from rollout.config import EngineConfig
 
-__all__ = ["configure_vllm_environment", "is_cpu_platform", "platform_engine_args"]
+__all__ = ["configure_vllm_environment", "is_cpu_platform", "lora_serving", "platform_engine_args"]
 
 
 def is_cpu_platform() -> bool:
@@ -47,3 +48,12 @@ def platform_engine_args() -> dict[str, object]:
       block its attention kernel takes.
     """
     return {"enable_chunked_prefill": False, "block_size": 32} if is_cpu_platform() else {}
+
+
+def lora_serving(engine: EngineConfig) -> Literal["adapter", "merged"]:
+    """How ``engine`` serves LoRA adapters: its ``lora_serving``, with 'auto' resolved for the platform. CPU: merged
+    into the base weights, because vLLM's CPU LoRA ops (``vllm/lora/ops/torch_ops``) gather a copy of the adapter
+    weights for every token and slow generation down several-fold; elsewhere vLLM's LoRA kernels."""
+    if engine.lora_serving != "auto":
+        return engine.lora_serving
+    return "merged" if is_cpu_platform() else "adapter"

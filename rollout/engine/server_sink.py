@@ -31,8 +31,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from rollout.engine.sink import check_update, read_checkpoint_manifest
+from rollout.engine.sink import check_update
 from rollout.engine.transfer import REFUSED, write_update_file
+from weight_sync.checkpoint import read_checkpoint_manifest
 from weight_sync.sink import SafetensorsDirSink, read_policy_version
 from weight_sync.spec import TensorSpec
 

@@ -9,40 +9,18 @@ engine's version (0 after loading).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollout.engine.vllm_engine import VLLMEngine
+from weight_sync.checkpoint import read_checkpoint_manifest
+from weight_sync.peft import adapter_manifest
 from weight_sync.spec import TensorSpec
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["VLLMWeightSink", "check_update", "read_checkpoint_manifest"]
-
-_SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-    "BOOL": "bool",
-}
-
-
-def read_checkpoint_manifest(model_path: str) -> list[TensorSpec]:
-    """Every tensor in the ``*.safetensors`` files of ``model_path`` (headers only), sorted by name."""
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_path}: no *.safetensors files; the engine's model directory must hold safetensors")
-    specs = []
-    for file in files:
-        with open(file, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for name, info in header.items():
-            if name != "__metadata__":
-                specs.append(TensorSpec(name, tuple(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]]))
-    return sorted(specs, key=lambda s: s.name)
-
+__all__ = ["VLLMWeightSink", "check_update"]
 
 def check_update(specs: Mapping[str, TensorSpec], tensors: Mapping[str, torch.Tensor]) -> None:
     """Raise ``ValueError`` naming every problem (at most 8) when ``tensors`` is not a subset of ``specs`` with the
@@ -67,10 +45,13 @@ class VLLMWeightSink:
 
     def __init__(self, engine: VLLMEngine) -> None:
         self._engine = engine
-        self._specs = {s.name: s for s in read_checkpoint_manifest(engine.model_path)}
+        base = read_checkpoint_manifest(engine.model_path)
+        lora = engine.config.lora
+        self._specs = {s.name: s for s in (base if lora is None else adapter_manifest(base, lora))}
 
     def manifest(self) -> list[TensorSpec]:
-        """The tensors this engine accepts: its checkpoint's names, global shapes and dtypes."""
+        """The tensors this engine accepts: its checkpoint's names, global shapes and dtypes; for an engine serving
+        LoRA (``EngineConfig.lora``) the adapters of that shape over its checkpoint (``weight_sync.peft``)."""
         return list(self._specs.values())
 
     def committed_version(self) -> int:
@@ -82,8 +63,12 @@ class VLLMWeightSink:
         finished (blocks until then).
 
         An update may hold a subset of the manifest made of whole fused groups. Raises ``ValueError`` (engine unchanged)
-        for unknown names, wrong shapes or dtypes, or a partial fused group.
+        for unknown names, wrong shapes or dtypes, or a partial fused group. With LoRA the update is an adapter version
+        (:meth:`VLLMEngine.load_adapter`: no drain; a subset updates the served adapter's tensors).
         """
         check_update(self._specs, tensors)
+        if self._engine.config.lora is not None:
+            self._engine.load_adapter(policy_version, tensors)
+            return
         full = len(tensors) == len(self._specs)
         self._engine.load_weights(policy_version, tensors, full=full)

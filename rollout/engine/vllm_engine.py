@@ -46,10 +46,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from rollout.config import EngineConfig, SamplingConfig, UpdateMode
-from rollout.engine.platform import configure_vllm_environment, platform_engine_args
+from rollout.engine.adapters import AdapterVersions, MergedAdapters, ServedAdapters
+from rollout.engine.platform import configure_vllm_environment, lora_serving, platform_engine_args
 from rollout.engine.transfer import REFUSED, default_stage_dir, write_update_file
 from rollout.engine.vllm_plugin import BACKEND, register
 from rollout.sampling import to_vllm_sampling_params
+from weight_sync.checkpoint import read_checkpoint_manifest
+from weight_sync.peft import adapter_manifest
 
 if TYPE_CHECKING:
     import torch
@@ -102,7 +105,22 @@ def vllm_engine_args(config: EngineConfig, model_path: str, tokenizer_path: str 
     args.update(platform_engine_args())
     if config.block_size is not None:
         args["block_size"] = config.block_size
+    if config.lora is not None and lora_serving(config) == "adapter":
+        # Two adapters at once: requests added before an update finish on theirs while new ones run the next.
+        args.update(enable_lora=True, max_lora_rank=_vllm_lora_rank(config.lora.rank), max_loras=2, max_cpu_loras=3)
     return args
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts (a fixed set of sizes) that holds adapters of ``rank``."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    fits = [r for r in get_args(MaxLoRARanks) if r >= rank]
+    if not fits:
+        raise ValueError(f"LoRA rank {rank} is above the largest vLLM serves ({max(get_args(MaxLoRARanks))})")
+    return min(fits)
 
 
 class VLLMEngine:
@@ -127,6 +145,9 @@ class VLLMEngine:
         """Seconds all weight updates of this engine held it, summed (``rollout/weight_update_s`` laps it)."""
         self._ids = itertools.count()
         self._waiting: dict[str, asyncio.Future[Any]] = {}
+        self._adapter_versions: AdapterVersions | None = None
+        self._adapters: ServedAdapters | None = None
+        self._merged: MergedAdapters | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
         self._thread.start()
@@ -136,6 +157,13 @@ class VLLMEngine:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             raise
+        if config.lora is not None:
+            base = read_checkpoint_manifest(model_path)
+            self._adapter_versions = AdapterVersions({spec.name for spec in adapter_manifest(base, config.lora)})
+            if lora_serving(config) == "adapter":
+                self._adapters = ServedAdapters(self._engine, config.lora, model_path, default_stage_dir())
+            else:
+                self._merged = MergedAdapters(model_path, base, config.lora)
 
     def _start(self, model_path: str, tokenizer_path: str | None) -> Any:
         from vllm import LLM
@@ -182,18 +210,27 @@ class VLLMEngine:
         self._check_usable()
         request_id = str(next(self._ids))
         version = self._policy_version
+        adapter = self._adapters.acquire() if self._adapters is not None else None
         future: asyncio.Future[Any] = self._loop.create_future()
-        self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(map(int, prompt_token_ids))), params)
-        self._waiting[request_id] = future
-        self._has_work.set()
         try:
+            self._engine.add_request(
+                request_id, TokensPrompt(prompt_token_ids=list(map(int, prompt_token_ids))), params,
+                lora_request=adapter,
+            )  # fmt: skip
+            self._waiting[request_id] = future
+            self._has_work.set()
             output = await future
         except asyncio.CancelledError:
             if self._waiting.pop(request_id, None) is not None:
                 self._engine.abort_request([request_id])
                 self._note_drained()
             raise
-        return [_completion(c, version) for c in sorted(output.outputs, key=lambda c: c.index)]
+        finally:
+            if self._adapters is not None:
+                self._adapters.release(adapter)
+        # With LoRA a request runs on one adapter from start to end: vLLM's version spans do not apply.
+        spans = self._adapters is None
+        return [_completion(c, version, spans) for c in sorted(output.outputs, key=lambda c: c.index)]
 
     def generate(
         self,
@@ -312,6 +349,37 @@ class VLLMEngine:
             self.last_update_s = time.perf_counter() - start
             self.total_update_s += self.last_update_s
 
+    def load_adapter(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Serve the LoRA adapter ``tensors`` (PEFT names, of ``config.lora``'s shape; a subset updates the served
+        adapter) as ``policy_version``; from any thread but the engine's. Through vLLM's LoRA path, requests added
+        from now on run on it and those in flight finish on the adapter they started with (no drain, no reload of the
+        base, no prefix-cache reset: vLLM keys cached blocks by adapter); merged, it is an ordinary weight update of
+        the adapted projections (:meth:`load_weights`). Raises ``ValueError`` (still serving the old version) for an
+        incomplete first adapter or one vLLM refuses."""
+        self._not_on_engine_thread("load_adapter")
+        if self._adapter_versions is None:
+            raise ValueError("this engine serves full weights (EngineConfig.lora is None): push model tensors, not an "
+                             "adapter")  # fmt: skip
+        adapter = self._adapter_versions.merge(policy_version, tensors)
+        if self._merged is not None:
+            self.load_weights(policy_version, self._merged.weights(adapter), full=False)
+        else:
+            assert self._adapters is not None
+            served, start = self._adapters, time.perf_counter()
+            path = served.stage(policy_version, adapter)
+
+            async def swap() -> None:
+                self._check_usable()
+                served.swap(policy_version, path)
+                self._policy_version = policy_version
+
+            try:
+                self.run(swap())
+            finally:
+                self.last_update_s = time.perf_counter() - start
+                self.total_update_s += self.last_update_s
+        self._adapter_versions.tensors = adapter
+
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Release the engine now (requests in flight fail with ``RuntimeError``, a running update finishes first);
@@ -325,6 +393,8 @@ class VLLMEngine:
             self._stepper.cancel()
             self._fail_waiting(RuntimeError("the engine was shut down while this request was in flight"))
             self._engine.engine_core.shutdown()
+            if self._adapters is not None:
+                self._adapters.close()
 
         self.run(stop())
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -368,10 +438,11 @@ class _update_info:
             os.unlink(self._path)
 
 
-def _completion(output, version: int) -> Completion:
-    """``output`` as a :class:`Completion`; ``version`` is the engine's version when the request was added."""
+def _completion(output, version: int, spans_apply: bool = True) -> Completion:
+    """``output`` as a :class:`Completion`; ``version`` is the engine's version when the request was added.
+    ``spans_apply``: vLLM's per-token weight versions label this request (not for LoRA requests)."""
     ids = np.asarray(output.token_ids, dtype=np.int64)
-    spans = output.weight_versions or []
+    spans = (output.weight_versions or []) if spans_apply else []
     token_versions = None
     if any(span.version != str(version) for span in spans):  # an update in mode "keep" happened in flight
         token_versions = np.full(len(ids), version, dtype=np.int64)

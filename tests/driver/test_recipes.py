@@ -330,3 +330,31 @@ def test_an_agent_function_that_is_missing_or_not_async_fails_at_load(tmp_path):
     assert "not an async function" in _error(base, agent("tests.rollout.agents.scripted_agents:not_async"))
     recipe = load_recipe(base, agent("examples.agents.calculator:solve"))
     assert recipe.environment.type == "agent" and recipe.environment.max_turns == 4
+
+
+def test_the_lora_recipe_resolves_the_engines_adapter_shape_from_model_lora():
+    recipe = load_recipe(ROOT / "recipes" / "grpo_tiny_lora.toml")
+    lora, served = recipe.model.lora, recipe.rollout.engine.lora
+    assert lora is not None and served is not None
+    assert (served.rank, served.alpha, served.target_modules) == (lora.rank, lora.alpha, lora.target_modules)
+    assert load_recipe(ROOT / "recipes" / "grpo_tiny.toml").rollout.engine.lora is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"trainer.num_ranks": 2, "trainer.parallelism.tensor_parallel_degree": 2}, "tensor_parallel_degree = 1"),
+        ({"algorithm.kl.coef": 0.05}, "set run.warm_start.num_steps = 0, or algorithm.kl.coef = 0"),
+        ({"rollout.engine.lora.rank": 8}, "leave it unset"),
+        ({"model.lora.target_modules": []}, "at least one projection"),
+        ({"model.lora.rank": 0}, "greater than 0"),
+    ],
+)
+def test_lora_settings_that_cannot_run_fail_at_load(overrides, reason):
+    message = _error(ROOT / "recipes" / "grpo_tiny_lora.toml", overrides)
+    assert reason in message, message
+
+
+def test_engine_adapters_without_model_lora_fail_at_load():
+    message = _error(ROOT / "recipes" / "grpo_tiny.toml", {"rollout.engine.lora.rank": 8})
+    assert "- rollout.engine.lora:" in message and "[model.lora]" in message, message

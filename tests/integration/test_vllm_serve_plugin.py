@@ -161,7 +161,7 @@ def _assert_serves(server: Server, reference) -> None:
 
 
 def test_the_receiver_opens_at_the_served_checkpoint(server, dirs):
-    from rollout.engine.sink import read_checkpoint_manifest
+    from weight_sync.checkpoint import read_checkpoint_manifest
     from weight_sync.sender import WeightSender
 
     with WeightSender([server.endpoint], _sender_config()) as sender:

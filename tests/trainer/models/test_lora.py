@@ -117,7 +117,7 @@ def test_a_fresh_adapter_leaves_the_model_unchanged(hf_dirs):
 @pytest.mark.parametrize(("name", "lora"), CASES, ids=[c[0] for c in CASES])
 def test_a_receiver_derives_from_the_base_checkpoint_exactly_the_adapters_the_trainer_trains(hf_dirs, name, lora):
     """The receiver's manifest (from the base model's HF tensors alone) names and shapes every trained adapter."""
-    from rollout.engine.sink import read_checkpoint_manifest
+    from weight_sync.checkpoint import read_checkpoint_manifest
 
     path, _ = hf_dirs[name]
     ours = _ours(path, lora)

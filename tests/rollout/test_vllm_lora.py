@@ -1,0 +1,161 @@
+"""An engine serving LoRA adapters (``EngineConfig.lora``) on a tiny Qwen3, checked against PEFT on transformers,
+through vLLM's LoRA path ("adapter") and merged into the base weights ("merged").
+
+Covers: a pushed adapter (through the real gRPC receiver) is served with log-probs equal to PEFT's teacher forcing and
+different from the base; requests in flight at an update finish on the version they started on (through vLLM's LoRA
+path the update returns while they run), new ones run the new one; refused adapters (another base's shapes, a partial
+first adapter, full model tensors) leave the engine on its adapter; a subset updates the served adapter; retired
+adapters leave vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.rollout.vllm_helpers import hf_logprobs, make_model
+
+pytest.importorskip("vllm")
+peft = pytest.importorskip("peft")
+
+from rollout.config import EngineConfig, SamplingConfig  # noqa: E402
+from rollout.engine.sink import VLLMWeightSink  # noqa: E402
+from rollout.engine.vllm_engine import VLLMEngine  # noqa: E402
+from weight_sync.config import WeightSyncConfig  # noqa: E402
+from weight_sync.peft import AdapterSpec, write_peft_adapter  # noqa: E402
+
+SPEC = AdapterSpec(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 200, 300, 301, 302], [9]]
+SAMPLING = SamplingConfig(temperature=1.0, max_tokens=12, seed=0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return make_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module", params=["adapter", "merged"])
+def engine(model_dir, request):
+    config = EngineConfig(max_model_len=256, max_num_seqs=16, cpu_threads_bind="nobind", enforce_eager=True, lora=SPEC,
+                          lora_serving=request.param)  # fmt: skip
+    engine = VLLMEngine(model_dir, config)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sink(engine) -> VLLMWeightSink:
+    return VLLMWeightSink(engine)
+
+
+def _adapter(sink: VLLMWeightSink, seed: int) -> dict[str, torch.Tensor]:
+    """Random adapter tensors of the sink's manifest (B != 0, so the adapter changes the model)."""
+    gen = torch.Generator().manual_seed(seed)
+    return {s.name: torch.randn(s.shape, generator=gen) * 0.3 for s in sink.manifest()}
+
+
+def _peft_model(model_dir: str, tensors: dict[str, torch.Tensor], tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    write_peft_adapter(tmp_path, tensors, SPEC, model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(base, str(tmp_path)).eval()
+
+
+def _sampled(engine: VLLMEngine) -> list:
+    return [group[0] for group in engine.generate(PROMPTS, SAMPLING, n=1, seeds=[0, 1, 2, 3])]
+
+
+def _gap(model, completions) -> float:
+    return float(np.concatenate([
+        np.abs(c.logprobs - hf_logprobs(model, p, c.token_ids)) for p, c in zip(PROMPTS, completions)
+    ]).mean())  # fmt: skip
+
+
+def test_a_pushed_adapter_is_served_with_pefts_logprobs(engine, sink, model_dir, tmp_path):
+    from weight_sync.receiver import WeightReceiver
+    from weight_sync.sender import Shard, WeightSender
+
+    base = _sampled(engine)
+    assert {c.policy_version for c in base} == {engine.policy_version}
+    tensors = _adapter(sink, seed=1)
+    receiver = WeightReceiver(sink, WeightSyncConfig())
+    receiver.start()
+    try:
+        version = engine.policy_version + 1
+        with WeightSender([receiver.address], WeightSyncConfig()) as sender:
+            report = sender.push(version, [Shard(n, t, tuple(t.shape), (0,) * t.dim()) for n, t in tensors.items()])
+            assert not report.failed and not any(sender.commit(version).values())
+    finally:
+        receiver.stop()
+    served = _sampled(engine)
+    assert {c.policy_version for c in served} == {version}
+    reference = _peft_model(model_dir, tensors, tmp_path)
+    assert _gap(reference, served) <= 1e-4
+    with reference.disable_adapter():
+        assert _gap(reference, served) > 1e-2  # the served adapter is not the base
+        assert _gap(reference, base) <= 1e-4  # before the first adapter the engine served the base
+
+
+def test_requests_in_flight_finish_on_their_adapter_while_new_ones_get_the_next(engine, sink, model_dir, tmp_path):
+    sink.apply(engine.policy_version + 1, _adapter(sink, seed=2))
+    old_version = engine.policy_version
+    long = SamplingConfig(temperature=1.0, max_tokens=150, ignore_eos=True, seed=3)
+
+    async def batch():
+        return await asyncio.gather(*(engine.generate_async(p, long, 1, 3) for p in PROMPTS))
+
+    running = engine.submit(batch())
+    time.sleep(0.3)
+    new = _adapter(sink, seed=3)
+    sink.apply(old_version + 1, new)
+    through_vllm_lora = engine.config.lora_serving == "adapter"
+    # vLLM's LoRA path does not wait for the requests in flight; merged is a weight update in "wait" mode, which does.
+    assert running.done() != through_vllm_lora
+    after = _sampled(engine)
+    old_outputs = [group[0] for group in running.result()]
+    assert {c.policy_version for c in old_outputs} == {old_version}
+    assert {c.policy_version for c in after} == {old_version + 1}
+    assert _gap(_peft_model(model_dir, new, tmp_path / "new"), after) <= 1e-4
+    # Every token of the long completions came from the adapter they started on (no mix of versions).
+    old_adapter = _peft_model(model_dir, _adapter(sink, seed=2), tmp_path / "old")
+    gaps = [np.abs(c.logprobs - hf_logprobs(old_adapter, p, c.token_ids)) for p, c in zip(PROMPTS, old_outputs)]
+    assert float(np.concatenate(gaps).max()) <= 1e-3
+    if through_vllm_lora:
+        assert engine._adapters.loaded() == 1, "the retired adapter should have left vLLM"
+
+
+def test_refused_adapters_leave_the_engine_on_its_adapter(engine, sink, model_dir):
+    version, before = engine.policy_version, _sampled(engine)
+    good = _adapter(sink, seed=4)
+    name = next(iter(good))
+    other_base = {**good, name: torch.zeros(good[name].shape[0] + 1, *good[name].shape[1:])}
+    with pytest.raises(ValueError, match=r"expected"):
+        sink.apply(version + 1, other_base)
+    with pytest.raises(ValueError, match="not in the model's manifest"):
+        sink.apply(version + 1, {"model.embed_tokens.weight": torch.zeros(3, 3)})
+    assert engine.policy_version == version
+    assert [c.token_ids.tolist() for c in _sampled(engine)] == [c.token_ids.tolist() for c in before]
+    # A subset of the served adapter updates just those tensors.
+    sink.apply(version + 1, {name: good[name]})
+    assert engine.policy_version == version + 1
+
+
+def test_a_first_adapter_must_be_complete(engine, model_dir):
+    engine.shutdown()  # one engine per process at a time (vLLM's model-parallel groups are process-global)
+    config = engine.config.model_copy(update={"max_model_len": 128, "max_num_seqs": 4})
+    engine = VLLMEngine(model_dir, config)
+    try:
+        sink = VLLMWeightSink(engine)
+        tensors = _adapter(sink, seed=5)
+        with pytest.raises(ValueError, match="missing and no earlier version"):
+            sink.apply(1, dict(list(tensors.items())[:2]))
+        assert engine.policy_version == 0
+        sink.apply(1, tensors)
+        assert engine.policy_version == 1
+    finally:
+        engine.shutdown()
