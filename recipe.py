@@ -88,6 +88,10 @@ class WarmStartConfig(Config):
     climb), e.g. 0.3-0.5."""
     check_every_num_steps: int = pydantic.Field(50, ge=1)
     """SFT steps between two checks of ``stop_at_accuracy``."""
+    parameters: Literal["trainable", "all"] = "trainable"
+    """What the warm start trains: 'trainable', what RL trains (with ``[model.lora]``: the adapters); 'all', every
+    weight: with LoRA the base itself is fine-tuned first and RL then trains fresh adapters on it (the engines get the
+    new base once, then adapters only; the KL reference is that base)."""
 
 
 class DynamicSamplingConfig(Config):
@@ -325,12 +329,13 @@ def _check_lora(recipe: Recipe) -> None:
             "LoRA adapters are not split by tensor parallelism (not built): set "
             "trainer.parallelism.tensor_parallel_degree = 1 (FSDP shards base and adapters alike)",
         )
-    if recipe.algorithm.kl.needs_reference and recipe.run.warm_start.num_steps > 0:
+    warm = recipe.run.warm_start
+    if recipe.algorithm.kl.needs_reference and warm.num_steps > 0 and warm.parameters == "trainable":
         raise FieldError(
             "model.lora",
-            "with LoRA the KL reference is the base model (adapters off), but a warm start trains the adapters "
-            "first, so the reference would not be the policy RL starts from: set run.warm_start.num_steps = 0, or "
-            "algorithm.kl.coef = 0",
+            "with LoRA the KL reference is the base model (adapters off), but this warm start trains the adapters "
+            "first, so the reference would not be the policy RL starts from: set run.warm_start.parameters = 'all' "
+            "(the warm start trains the base), run.warm_start.num_steps = 0, or algorithm.kl.coef = 0",
         )
 
 

@@ -136,14 +136,19 @@ class _Run:
                  self.placement.rollout_env.get("OMP_NUM_THREADS", r.rollout.engine.cpu_threads_bind))  # fmt: skip
         # The publisher hands the trainer's ranks their receivers before every push.
         sync_cfg = r.weight_sync.model_copy(update={"endpoints": []})
-        # A resumed run starts from the warm-started weights (its checkpoint then restores policy and reference); with
-        # LoRA from the base, which never trains (the checkpoint holds the adapters).
+        # A resumed run starts from the warm-started weights (its checkpoint then restores policy and reference). With
+        # LoRA the checkpoint holds the adapters alone: the base is the model directory, or the warm-started model
+        # when the warm start trained the base (the engines then start from it too).
         warm = self.out_dir / "warm_start_model"
-        resume_warm = self.resume and r.model.lora is None and (warm / "config.json").is_file()
+        base_trained = r.model.lora is None or r.run.warm_start.parameters == "all"
+        resume_warm = self.resume and base_trained and (warm / "config.json").is_file()
         init_path = str(warm) if resume_warm else r.model.path
+        rollout_cfg = self.placement.rollout
+        if resume_warm and r.model.lora is not None:
+            rollout_cfg = rollout_cfg.model_copy(update={"model_path": init_path})
 
         def start_pool() -> Any:
-            return RolloutPool(self.placement.rollout, r.reward, self.placement.receiver_sync,
+            return RolloutPool(rollout_cfg, r.reward, self.placement.receiver_sync,
                                runtime_env=_with_env(self.placement.rollout_env),
                                environment=r.environment)  # fmt: skip
 
@@ -208,6 +213,7 @@ class _Run:
                 self.publisher.publish()
                 return do_eval()
 
+            self.trainer.begin_warm_start(r.run.warm_start.parameters == "all")
             num_sft = warm_start(self.trainer, self.dataset, self.tokenizer, r.run.warm_start,
                                  r.rollout.use_chat_template, lambda step, m: self.logger.log(step, m, phase="sft"),
                                  publish_and_evaluate, r.environment)  # fmt: skip

@@ -73,6 +73,10 @@ class TrainerGroup:
         """One supervised warm-start step on the completions of ``samples``."""
         return self._all("sft_step", ray.put(list(samples)), lr)[0]
 
+    def begin_warm_start(self, all_parameters: bool) -> None:
+        """Before the warm start: with LoRA and ``all_parameters`` the base weights train in it (not the adapters)."""
+        self._all("begin_warm_start", all_parameters)
+
     def finish_warm_start(self) -> None:
         """The reference becomes the warm-started policy; RL starts with fresh optimizer and schedule state."""
         self._all("finish_warm_start")

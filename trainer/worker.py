@@ -65,6 +65,11 @@ class TrainerWorker:
         self._sender: WeightSender | None = None
         self._checkpoints: CheckpointManager | None = None
         self._cpu = CpuClock()
+        # LoRA runs whose base trains (a warm start of every weight): receivers that may hold an older base get it.
+        self._base_trained = False
+        """The base has changed since the engines loaded their model directory: catch-up pushes carry it."""
+        self._base_unpushed = False
+        """The base has changed since the last regular push: the next one carries it."""
 
     # -- setup -----------------------------------------------------------------------------------------------------
     def node_id(self) -> str:
@@ -146,18 +151,41 @@ class TrainerWorker:
 
     def sft_step(self, samples: Sequence[Sample], lr: float | None = None) -> dict[str, float]:
         """One supervised warm-start step on the completions of ``samples``."""
+        from trainer.models.lora import is_adapter
         from trainer.step import sft_step
 
-        return sft_step(self._require_state(), samples, lr)
+        state = self._require_state()
+        metrics = sft_step(state, samples, lr)
+        if self.model_cfg.lora is not None and any(
+            p.requires_grad for n, p in state.policy.named_parameters() if not is_adapter(n)
+        ):
+            self._base_trained = self._base_unpushed = True
+        return metrics
+
+    def begin_warm_start(self, all_parameters: bool) -> None:
+        """Before the supervised warm start: with LoRA and ``all_parameters``, the base weights train and the adapters
+        stay fresh (the optimizer is rebuilt over what now trains); otherwise nothing changes."""
+        from trainer.models.lora import train_adapters
+        from trainer.optim import build_optimizer
+
+        state = self._require_state()
+        if self.model_cfg.lora is None or not all_parameters:
+            return
+        train_adapters(state.policy, base=True)
+        state.optimizer = build_optimizer(state.policy, self.cfg.optimizer)
 
     def finish_warm_start(self) -> None:
         """End the supervised warm start: the reference (when KL needs one) becomes the current policy, and the RL
-        phase starts with fresh optimizer and schedule state (SFT's Adam moments would skew the first RL steps)."""
+        phase starts with fresh optimizer and schedule state (SFT's Adam moments would skew the first RL steps). With
+        LoRA the adapters are what trains again (the base freezes where it is)."""
         import torch
 
+        from trainer.models.lora import train_adapters
         from trainer.optim import build_optimizer, build_scheduler
 
         state = self._require_state()
+        if self.model_cfg.lora is not None:
+            train_adapters(state.policy)
         if state.reference is not None:
             with torch.no_grad():
                 for ref, pol in zip(state.reference.parameters(), state.policy.parameters(), strict=True):
@@ -238,7 +266,8 @@ class TrainerWorker:
         self, policy_version: int | None = None, dtype: str | None = None, endpoints: Sequence[str] | None = None
     ) -> dict[str, Any]:
         """Stream this rank's own shards, under HF names, to every receiver; rank 0 commits after all ranks pushed.
-        With LoRA only the adapters are pushed, under PEFT names (the receivers serve them through their LoRA path).
+        With LoRA only the adapters are pushed, under PEFT names, and the base too when it trained since the last push
+        (a one-off push: since the engines loaded their model directory).
 
         ``policy_version`` defaults to the state's; ``dtype`` casts the pieces (e.g. 'bfloat16' for a bf16 server).
         ``endpoints`` pushes (in full) to just those receivers instead, e.g. a replacement rollout worker catching up
@@ -261,11 +290,14 @@ class TrainerWorker:
             sender = self._new_sender(endpoints, one_off)
         version = state.policy_version if policy_version is None else policy_version
         cast = getattr(torch, dtype) if dtype is not None else None
-        lora = self.model_cfg.lora is not None  # the engines hold the frozen base: only the adapters change
+        # With LoRA the engines hold the frozen base: only the adapters change, unless the base trained since.
+        adapters_only = self.model_cfg.lora is not None and not (
+            self._base_trained if endpoints is not None else self._base_unpushed
+        )
         shards = [
             Shard(hf_name, piece if cast is None else piece.to(cast), hf_shape, hf_offsets)
             for name, local, shape, offsets in local_shards(state.policy)
-            if not lora or is_adapter(name)
+            if not adapters_only or is_adapter(name)
             for hf_name, piece, hf_shape, hf_offsets in hf_shards(self.model_cfg, name, local, shape, offsets)
         ]
         try:
@@ -279,6 +311,8 @@ class TrainerWorker:
                 # A receiver that missed a shard from any rank fails its own coverage check and keeps its old version.
                 out["commit_errors"] = {a: e for a, e in sender.commit(version).items() if e}
             dist.barrier()
+            if endpoints is None:
+                self._base_unpushed = False  # receivers that missed it are caught up by one-off pushes (with the base)
         finally:
             if endpoints is not None:
                 sender.close()

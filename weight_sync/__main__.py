@@ -3,6 +3,9 @@
     python -m weight_sync serve --dir CKPT_DIR [--host 127.0.0.1] [--port 50051] [--<config field> VALUE ...]
         run a standalone receiver whose sink keeps the latest version as CKPT_DIR/model.safetensors; it starts at
         the version the directory holds, so a restarted server never accepts older ones
+    python -m weight_sync serve --dir ADAPTER_DIR --adapter_of BASE_DIR [--rank 16] [--alpha 32] [--target_modules ...]
+        the same for LoRA adapters: ADAPTER_DIR is kept as a PEFT adapter directory of the latest version (for servers
+        that hot-load adapters, e.g. vLLM's /v1/load_lora_adapter); the manifest is the adapters over BASE_DIR
     python -m weight_sync push --checkpoint DIR --to HOST:PORT [--to ...] [--version N] [--<config field> VALUE ...]
         push an HF checkpoint (*.safetensors) to receivers and commit it as policy_version N
     python -m weight_sync describe --to HOST:PORT
@@ -85,10 +88,18 @@ def config_of(args: argparse.Namespace, extra: list[str], **fields: object) -> W
 
 
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
+    from weight_sync.peft import AdapterSpec
     from weight_sync.receiver import WeightReceiver
-    from weight_sync.sink import SafetensorsDirSink
+    from weight_sync.sink import PeftAdapterDirSink, SafetensorsDirSink, WeightSink
 
-    receiver = WeightReceiver(SafetensorsDirSink(args.dir), config_of(args, extra))
+    sink: WeightSink
+    if args.adapter_of is None:
+        sink = SafetensorsDirSink(args.dir)
+    else:
+        fields = {"rank": args.rank, "alpha": args.alpha, "target_modules": args.target_modules}
+        spec = validate_config(AdapterSpec, {k: v for k, v in fields.items() if v is not None}, source="flags")
+        sink = PeftAdapterDirSink(args.dir, args.adapter_of, spec)
+    receiver = WeightReceiver(sink, config_of(args, extra))
     receiver.start()
     print(f"serving {args.dir} on {receiver.address}", flush=True)
     done = threading.Event()
@@ -165,7 +176,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
         return sub.add_parser(name, help=help, description=help, allow_abbrev=False)
 
     serve = command("serve", "run a standalone receiver into a safetensors directory")
-    serve.add_argument("--dir", required=True, help="HF checkpoint directory (its *.safetensors give the manifest)")
+    serve.add_argument("--dir", required=True, help="HF checkpoint directory (its *.safetensors give the manifest), or "
+                       "with --adapter_of the PEFT adapter directory to keep")  # fmt: skip
+    serve.add_argument("--adapter_of", default=None, help="serve LoRA adapters over this base HF model directory")
+    serve.add_argument("--rank", type=int, default=None, help="LoRA rank of the adapters (default: 16)")
+    serve.add_argument("--alpha", type=float, default=None, help="LoRA alpha of the adapters (default: 32)")
+    serve.add_argument("--target_modules", nargs="+", default=None,
+                       help="projections with adapters (default: all of q/k/v/o/gate/up/down_proj)")  # fmt: skip
     add_config_flags(serve, aliases={"bind_host": ["host"]})
     push = command("push", "push an HF checkpoint to receivers")
     push.add_argument("--checkpoint", required=True, help="directory with *.safetensors")

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "LORA_TARGETS", "AdapterSpec", "LoRATarget", "adapter_config",
-    "adapter_manifest", "peft_name", "write_peft_adapter",
+    "adapter_manifest", "peft_name", "read_adapter_version", "write_peft_adapter",
 ]  # fmt: skip
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -99,10 +99,11 @@ def adapter_config(spec: AdapterSpec, base_model: str | None, dropout: float = 0
 
 def write_peft_adapter(
     out_dir: str | Path, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-    spec: AdapterSpec, base_model: str | None = None, dropout: float = 0.0,
+    spec: AdapterSpec, base_model: str | None = None, dropout: float = 0.0, policy_version: int | None = None,
 ) -> list[str]:  # fmt: skip
     """Write a PEFT adapter directory at ``out_dir`` (created if needed). Each file is written under a temporary name
     and renamed, so a reader never sees half a file; the weights go first, so a directory with a config is complete.
+    ``policy_version`` is recorded in the weights file's metadata (atomically with them; :func:`read_adapter_version`).
     Returns the file names."""
     from safetensors.torch import save_file
 
@@ -110,9 +111,10 @@ def write_peft_adapter(
     out.mkdir(parents=True, exist_ok=True)
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     state = {name: t.detach().contiguous().cpu() for name, t in items}
+    metadata = {"format": "pt"} if policy_version is None else {"format": "pt", "policy_version": str(policy_version)}
     config = json.dumps(adapter_config(spec, base_model, dropout), indent=2, sort_keys=True) + "\n"
     for file, write in (
-        (ADAPTER_WEIGHTS_FILE, lambda path: save_file(state, path, metadata={"format": "pt"})),
+        (ADAPTER_WEIGHTS_FILE, lambda path: save_file(state, path, metadata=metadata)),
         (ADAPTER_CONFIG_FILE, lambda path: Path(path).write_text(config)),
     ):
         fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{file}.")
@@ -124,3 +126,17 @@ def write_peft_adapter(
             Path(tmp).unlink(missing_ok=True)
             raise
     return [ADAPTER_WEIGHTS_FILE, ADAPTER_CONFIG_FILE]
+
+
+def read_adapter_version(directory: str | Path) -> int:
+    """The policy_version recorded in ``directory``'s adapter weights (0 when there are none or none is recorded)."""
+    from safetensors import safe_open
+
+    path = Path(directory) / ADAPTER_WEIGHTS_FILE
+    if not path.is_file():
+        return 0
+    with safe_open(str(path), framework="pt") as f:
+        stored = (f.metadata() or {}).get("policy_version", "0")
+    if not stored.isdigit():
+        raise ValueError(f"{path}: policy_version {stored!r} is not an integer >= 0; fix or remove the file")
+    return int(stored)

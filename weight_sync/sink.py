@@ -1,4 +1,5 @@
-"""Where a receiver puts a complete, verified update: the small interface engines implement, and two plain sinks.
+"""Where a receiver puts a complete, verified update: the small interface engines implement, and three plain sinks
+(a state dict, an HF checkpoint directory, a PEFT adapter directory).
 
 A sink is told nothing until an update is whole: every element covered exactly once, every shard checksum good. It
 then gets `apply(policy_version, tensors)`; returning accepts the update, raising rejects it (the receiver stays on its
@@ -20,11 +21,19 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from weight_sync.peft import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    AdapterSpec,
+    adapter_manifest,
+    read_adapter_version,
+    write_peft_adapter,
+)  # fmt: skip
 from weight_sync.spec import TensorSpec
 
 __all__ = [
-    "SafetensorsDirSink", "StateDictSink", "TensorSpec", "WeightSink", "read_policy_version", "spec_of",
-    "write_policy_version",
+    "PeftAdapterDirSink", "SafetensorsDirSink", "StateDictSink", "TensorSpec", "WeightSink", "read_policy_version",
+    "spec_of", "write_policy_version",
 ]
 
 
@@ -176,3 +185,53 @@ class SafetensorsDirSink:
         (self.directory / self.INDEX_FILE).unlink(missing_ok=True)
         self._files = [self.directory / self.FILE]
         write_policy_version(str(self.directory), policy_version)
+
+
+class PeftAdapterDirSink:
+    """Keeps the latest LoRA adapter version as a PEFT adapter directory (``adapter_config.json`` +
+    ``adapter_model.safetensors``, the version in the weights' metadata) that a server hot-loads: vLLM's
+    ``/v1/load_lora_adapter``, ``peft.PeftModel.from_pretrained(base, directory)``.
+
+    The manifest is the adapters ``spec`` puts on the base model in ``base_dir`` (``weight_sync.peft.adapter_manifest``
+    of its safetensors headers), so pushes for another base are refused by name or shape. An update may carry a subset
+    once the directory holds a complete adapter; each version replaces the files atomically (weights first).
+    """
+
+    def __init__(self, directory: str, base_dir: str, spec: AdapterSpec) -> None:
+        from weight_sync.checkpoint import read_checkpoint_manifest
+
+        self.directory, self.base_dir, self.spec = Path(directory), str(Path(base_dir).resolve()), spec
+        self._manifest = adapter_manifest(read_checkpoint_manifest(base_dir), spec)
+        if not self._manifest:
+            raise ValueError(f"{base_dir}: no projection named by target_modules {list(spec.target_modules)}")
+        config = self.directory / ADAPTER_CONFIG_FILE
+        if config.is_file():
+            stored = json.loads(config.read_text())
+            held = (stored.get("r"), stored.get("lora_alpha"), sorted(stored.get("target_modules") or []))
+            if held != (spec.rank, spec.alpha, sorted(spec.target_modules)):
+                raise ValueError(f"{config} holds an adapter of rank/alpha/targets {held}, not the "
+                                 f"{(spec.rank, spec.alpha, sorted(spec.target_modules))} asked for: serve another "
+                                 "directory or pass the matching --rank/--alpha/--target_modules")  # fmt: skip
+
+    def manifest(self) -> list[TensorSpec]:
+        return list(self._manifest)
+
+    def committed_version(self) -> int:
+        """The version of the adapter in the directory (0 when it holds none)."""
+        return read_adapter_version(self.directory)
+
+    def apply(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        from safetensors.torch import load_file
+
+        known = {s.name for s in self._manifest}
+        unknown = sorted(set(tensors) - known)
+        if unknown:
+            raise ValueError(f"tensors not in this adapter's manifest: {unknown[:5]}")
+        weights = self.directory / ADAPTER_WEIGHTS_FILE
+        merged = load_file(str(weights)) if set(tensors) != known and weights.is_file() else {}
+        merged.update({name: t.clone() for name, t in tensors.items()})
+        missing = sorted(known - set(merged))
+        if missing:
+            raise ValueError(f"adapter incomplete: {len(missing)} tensor(s) missing (e.g. {missing[:3]}) and the "
+                             "directory holds no earlier version to take them from; push a complete adapter first")
+        write_peft_adapter(self.directory, merged, self.spec, self.base_dir, policy_version=policy_version)

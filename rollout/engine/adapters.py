@@ -142,11 +142,15 @@ class MergedAdapters:
                 for name in wanted & set(f.keys()):
                     self._base[name] = f.get_tensor(name)
 
-    def weights(self, adapter: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The model tensors (HF names) of ``adapter`` merged into the base: ``W + scaling * B @ A`` for each adapted
-        projection (in float32, cast to the base's dtype), the base weight for each fused sibling without one."""
-        out = {}
-        for name, w in self._base.items():
+    def weights(
+        self, adapter: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The model tensors (HF names) of ``adapter`` merged into the base updated by ``base``: ``W + scaling * B @ A``
+        for each adapted projection (in float32, cast to the base's dtype), the base weight for each fused sibling
+        without one, and every other tensor of ``base`` as it is. Nothing is kept: :meth:`commit_base` does."""
+        weights = {**self._base, **{n: t for n, t in (base or {}).items() if n in self._base}}
+        out = dict(base or {})
+        for name, w in weights.items():
             module = name.removesuffix(".weight")
             a, b = adapter.get(peft_name(module, "lora_A")), adapter.get(peft_name(module, "lora_B"))
             if a is None or b is None:
@@ -154,3 +158,9 @@ class MergedAdapters:
             else:
                 out[name] = (w.float() + self._spec.scaling * (b.float() @ a.float())).to(w.dtype)
         return out
+
+    def commit_base(self, base: Mapping[str, torch.Tensor] | None) -> None:
+        """Keep (copies of) the base tensors of ``base`` that adapters are merged into, once served."""
+        for name, t in (base or {}).items():
+            if name in self._base:
+                self._base[name] = t.detach().to("cpu", copy=True)

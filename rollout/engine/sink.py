@@ -47,11 +47,13 @@ class VLLMWeightSink:
         self._engine = engine
         base = read_checkpoint_manifest(engine.model_path)
         lora = engine.config.lora
-        self._specs = {s.name: s for s in (base if lora is None else adapter_manifest(base, lora))}
+        self._adapter_specs = {} if lora is None else {s.name: s for s in adapter_manifest(base, lora)}
+        self._specs = {**{s.name: s for s in base}, **self._adapter_specs}
 
     def manifest(self) -> list[TensorSpec]:
         """The tensors this engine accepts: its checkpoint's names, global shapes and dtypes; for an engine serving
-        LoRA (``EngineConfig.lora``) the adapters of that shape over its checkpoint (``weight_sync.peft``)."""
+        LoRA (``EngineConfig.lora``) also the adapters of that shape over its checkpoint (``weight_sync.peft``): a
+        version is an adapter, with base tensors only where the base itself trained."""
         return list(self._specs.values())
 
     def committed_version(self) -> int:
@@ -67,8 +69,10 @@ class VLLMWeightSink:
         (:meth:`VLLMEngine.load_adapter`: no drain; a subset updates the served adapter's tensors).
         """
         check_update(self._specs, tensors)
-        if self._engine.config.lora is not None:
-            self._engine.load_adapter(policy_version, tensors)
+        if self._adapter_specs:
+            adapter = {name: t for name, t in tensors.items() if name in self._adapter_specs}
+            base = {name: t for name, t in tensors.items() if name not in self._adapter_specs}
+            self._engine.load_adapter(policy_version, adapter, base=base or None)
             return
         full = len(tensors) == len(self._specs)
         self._engine.load_weights(policy_version, tensors, full=full)

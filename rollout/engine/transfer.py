@@ -225,11 +225,16 @@ def _refresh_tied_modules(model: torch.nn.Module, loaded: set[str]) -> None:
     (``tests/rollout/test_vllm_engine.py`` checks log-probs after a push against HF). A no-op where nothing is
     derived.
     """
-    loaded_ptrs = {p.data_ptr() for n, p in model.named_parameters(remove_duplicate=False) if n in loaded}
+    # With LoRA enabled vLLM wraps layers (``embed_tokens.base_layer.weight``) while load_weights reports the plain
+    # names: compare without the wrapper part, or a tied head under LoRA would keep its old weight.
+    def plain(name: str) -> str:
+        return name.replace(".base_layer.", ".")
+
+    loaded_ptrs = {p.data_ptr() for n, p in model.named_parameters(remove_duplicate=False) if plain(n) in loaded}
     for prefix, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         weight = getattr(module, "weight", None)
-        if method is None or weight is None or f"{prefix}.weight" in loaded:
+        if method is None or weight is None or plain(f"{prefix}.weight") in loaded:
             continue
         if weight.data_ptr() in loaded_ptrs:
             method.process_weights_after_loading(module)

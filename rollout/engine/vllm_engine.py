@@ -349,12 +349,17 @@ class VLLMEngine:
             self.last_update_s = time.perf_counter() - start
             self.total_update_s += self.last_update_s
 
-    def load_adapter(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    def load_adapter(
+        self, policy_version: int, tensors: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
         """Serve the LoRA adapter ``tensors`` (PEFT names, of ``config.lora``'s shape; a subset updates the served
-        adapter) as ``policy_version``; from any thread but the engine's. Through vLLM's LoRA path, requests added
-        from now on run on it and those in flight finish on the adapter they started with (no drain, no reload of the
-        base, no prefix-cache reset: vLLM keys cached blocks by adapter); merged, it is an ordinary weight update of
-        the adapted projections (:meth:`load_weights`). Raises ``ValueError`` (still serving the old version) for an
+        adapter) as ``policy_version``, over the base model updated by ``base`` (HF names; where the base itself
+        trained, e.g. a warm start of every weight); from any thread but the engine's.
+
+        Through vLLM's LoRA path, requests added from now on run on the new adapter and those in flight finish on the
+        one they started with (no drain, no reload of the base, no prefix-cache reset: vLLM keys cached blocks by
+        adapter); a ``base`` is an ordinary weight update first (:meth:`load_weights`). Merged, the whole version is
+        one weight update of the adapted projections. Raises ``ValueError`` (still serving the old version) for an
         incomplete first adapter or one vLLM refuses."""
         self._not_on_engine_thread("load_adapter")
         if self._adapter_versions is None:
@@ -362,9 +367,12 @@ class VLLMEngine:
                              "adapter")  # fmt: skip
         adapter = self._adapter_versions.merge(policy_version, tensors)
         if self._merged is not None:
-            self.load_weights(policy_version, self._merged.weights(adapter), full=False)
+            self.load_weights(policy_version, self._merged.weights(adapter, base), full=False)
+            self._merged.commit_base(base)
         else:
             assert self._adapters is not None
+            if base:
+                self.load_weights(policy_version, base, full=False)
             served, start = self._adapters, time.perf_counter()
             path = served.stage(policy_version, adapter)
 

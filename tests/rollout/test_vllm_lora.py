@@ -4,7 +4,8 @@ through vLLM's LoRA path ("adapter") and merged into the base weights ("merged")
 Covers: a pushed adapter (through the real gRPC receiver) is served with log-probs equal to PEFT's teacher forcing and
 different from the base; requests in flight at an update finish on the version they started on (through vLLM's LoRA
 path the update returns while they run), new ones run the new one; refused adapters (another base's shapes, a partial
-first adapter, full model tensors) leave the engine on its adapter; a subset updates the served adapter; retired
+first adapter, unknown or mis-shaped tensors) leave the engine on its adapter; a version that carries base tensors
+(the base trained) serves its adapter over the new base, and later adapter-only versions keep that base; a subset updates the served adapter; retired
 adapters leave vLLM.
 """
 
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.rollout.vllm_helpers import hf_logprobs, make_model
+from tests.rollout.vllm_helpers import hf_logprobs, hf_model, make_model, perturbed_state
 
 pytest.importorskip("vllm")
 peft = pytest.importorskip("peft")
@@ -26,7 +27,8 @@ from rollout.config import EngineConfig, SamplingConfig  # noqa: E402
 from rollout.engine.sink import VLLMWeightSink  # noqa: E402
 from rollout.engine.vllm_engine import VLLMEngine  # noqa: E402
 from weight_sync.config import WeightSyncConfig  # noqa: E402
-from weight_sync.peft import AdapterSpec, write_peft_adapter  # noqa: E402
+from weight_sync.checkpoint import read_checkpoint_manifest  # noqa: E402
+from weight_sync.peft import AdapterSpec, adapter_manifest, write_peft_adapter  # noqa: E402
 
 SPEC = AdapterSpec(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 200, 300, 301, 302], [9]]
@@ -55,15 +57,15 @@ def sink(engine) -> VLLMWeightSink:
 def _adapter(sink: VLLMWeightSink, seed: int) -> dict[str, torch.Tensor]:
     """Random adapter tensors of the sink's manifest (B != 0, so the adapter changes the model)."""
     gen = torch.Generator().manual_seed(seed)
-    return {s.name: torch.randn(s.shape, generator=gen) * 0.3 for s in sink.manifest()}
+    specs = [s for s in sink.manifest() if s.name.startswith("base_model.model.")]
+    assert specs and len(specs) == len(adapter_manifest(read_checkpoint_manifest(sink._engine.model_path), SPEC))
+    return {s.name: torch.randn(s.shape, generator=gen) * 0.3 for s in specs}
 
 
-def _peft_model(model_dir: str, tensors: dict[str, torch.Tensor], tmp_path):
-    from transformers import AutoModelForCausalLM
-
+def _peft_model(model_dir: str, tensors: dict[str, torch.Tensor], tmp_path, base_state=None):
+    """PEFT with ``tensors`` on the HF model of ``model_dir`` (with ``base_state`` loaded over it, if given)."""
     write_peft_adapter(tmp_path, tensors, SPEC, model_dir)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return peft.PeftModel.from_pretrained(base, str(tmp_path)).eval()
+    return peft.PeftModel.from_pretrained(hf_model(model_dir, base_state), str(tmp_path)).eval()
 
 
 def _sampled(engine: VLLMEngine) -> list:
@@ -137,12 +139,28 @@ def test_refused_adapters_leave_the_engine_on_its_adapter(engine, sink, model_di
     with pytest.raises(ValueError, match=r"expected"):
         sink.apply(version + 1, other_base)
     with pytest.raises(ValueError, match="not in the model's manifest"):
-        sink.apply(version + 1, {"model.embed_tokens.weight": torch.zeros(3, 3)})
+        sink.apply(version + 1, {"base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(8, 64)})
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight: got \(3, 3\)"):
+        sink.apply(version + 1, {**good, "model.embed_tokens.weight": torch.zeros(3, 3)})
     assert engine.policy_version == version
     assert [c.token_ids.tolist() for c in _sampled(engine)] == [c.token_ids.tolist() for c in before]
     # A subset of the served adapter updates just those tensors.
     sink.apply(version + 1, {name: good[name]})
     assert engine.policy_version == version + 1
+
+
+def test_a_version_with_base_tensors_serves_its_adapter_over_the_new_base(engine, sink, model_dir, tmp_path):
+    """A base that trained (a warm start of every weight) comes with the adapter once; later versions keep it."""
+    base = perturbed_state(model_dir, scale=0.3, seed=5)
+    first, second = _adapter(sink, seed=6), _adapter(sink, seed=7)
+    version = engine.policy_version + 1
+    sink.apply(version, {**base, **first})
+    assert _gap(_peft_model(model_dir, first, tmp_path / "first", base), _sampled(engine)) <= 1e-4
+    sink.apply(version + 1, second)
+    served = _sampled(engine)
+    assert {c.policy_version for c in served} == {version + 1}
+    assert _gap(_peft_model(model_dir, second, tmp_path / "second", base), served) <= 1e-4
+    assert _gap(_peft_model(model_dir, second, tmp_path / "old_base"), served) > 1e-2
 
 
 def test_a_first_adapter_must_be_complete(engine, model_dir):

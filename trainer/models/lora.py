@@ -31,7 +31,7 @@ from weight_sync import peft
 
 __all__ = [
     "LoRALinear", "adapter_state_dict", "adapters_disabled", "apply_lora", "is_adapter", "merged_parameters",
-    "peft_name",
+    "peft_name", "train_adapters",
 ]  # fmt: skip
 
 _ADAPTER_PARAMS = ("lora_A", "lora_B")
@@ -114,9 +114,14 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> list[str]:
         adapted.append(name)
     if not adapted:
         raise ValueError(f"lora.target_modules {list(cfg.target_modules)} matched no projection of this model")
-    for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter(name))
+    train_adapters(model)
     return adapted
+
+
+def train_adapters(model: nn.Module, base: bool = False) -> None:
+    """Make the adapters (default) or, with ``base``, every other parameter the trainable ones; the rest frozen."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name) != base)
 
 
 def is_adapter(param_name: str) -> bool:

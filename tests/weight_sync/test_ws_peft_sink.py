@@ -1,0 +1,95 @@
+"""`python -m weight_sync serve --adapter_of BASE` as a real subprocess keeps pushed LoRA adapters as a PEFT adapter
+directory that PEFT loads; adapters for another base are refused with the directory untouched; a restart resumes
+the version; a subset of a served adapter updates just those tensors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.trainer.models.tiny_hf import save_hf_model
+from weight_sync.__main__ import main
+from weight_sync.checkpoint import read_checkpoint_manifest
+from weight_sync.peft import AdapterSpec, adapter_manifest, read_adapter_version, write_peft_adapter
+from weight_sync.sink import PeftAdapterDirSink
+
+peft = pytest.importorskip("peft")
+
+SPEC = AdapterSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+FLAGS = ["--rank", "4", "--alpha", "8", "--target_modules", "q_proj", "v_proj", "down_proj"]
+
+
+def _adapter(base_dir, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    specs = adapter_manifest(read_checkpoint_manifest(base_dir), SPEC)
+    return {s.name: torch.randn(s.shape, generator=gen) * 0.2 for s in specs}
+
+
+def _serve(served, base):
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weight_sync", "serve", "--dir", str(served), "--adapter_of", str(base), "--port", "0",
+         *FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    line = proc.stdout.readline()
+    assert line.startswith("serving"), proc.stderr.read() if proc.poll() is not None else line
+    return proc, line.split()[-1]
+
+
+def test_served_adapters_load_in_peft_and_other_bases_are_refused(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    base, other = tmp_path / "base", tmp_path / "other"
+    save_hf_model("qwen3_tied", base)
+    save_hf_model("llama3_scaled", other)
+    source, wrong, served = tmp_path / "source", tmp_path / "wrong", tmp_path / "served"
+    tensors = _adapter(str(base), seed=1)
+    write_peft_adapter(source, tensors, SPEC, str(base))
+    write_peft_adapter(wrong, _adapter(str(other), seed=2), SPEC, str(other))
+    proc, address = _serve(served, base)
+    try:
+        assert main(["push", "--checkpoint", str(source), "--to", address, "--version", "3"]) == 0
+        before = (served / "adapter_model.safetensors").read_bytes()
+        assert main(["push", "--checkpoint", str(wrong), "--to", address, "--version", "4", "--num_retries", "0"]) == 2
+        assert "is it serving the same model?" in capsys.readouterr().err
+        assert (served / "adapter_model.safetensors").read_bytes() == before
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert read_adapter_version(served) == 3
+    got = load_file(str(served / "adapter_model.safetensors"))
+    assert sorted(got) == sorted(tensors) and all(torch.equal(got[k], v) for k, v in tensors.items())
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(served)).eval()
+    expected = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(source)).eval()
+    vocab = model.config.vocab_size
+    tokens = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=tokens).logits, expected(input_ids=tokens).logits)
+        with model.disable_adapter():
+            assert (model(input_ids=tokens).logits - expected(input_ids=tokens).logits).abs().max() > 1e-3
+
+
+def test_a_restarted_sink_resumes_its_version_and_merges_subsets(tmp_path):
+    base = tmp_path / "base"
+    save_hf_model("qwen3_tied", base)
+    sink = PeftAdapterDirSink(str(tmp_path / "served"), str(base), SPEC)
+    tensors = _adapter(str(base), seed=3)
+    name = next(iter(tensors))
+    with pytest.raises(ValueError, match="push a complete adapter first"):
+        sink.apply(1, {name: tensors[name]})
+    assert sink.committed_version() == 0
+    sink.apply(1, tensors)
+    restarted = PeftAdapterDirSink(str(tmp_path / "served"), str(base), SPEC)
+    assert restarted.committed_version() == 1
+    restarted.apply(2, {name: torch.zeros_like(tensors[name])})
+    got = load_file(str(tmp_path / "served" / "adapter_model.safetensors"))
+    assert torch.equal(got[name], torch.zeros_like(tensors[name]))
+    assert all(torch.equal(got[k], v) for k, v in tensors.items() if k != name)
+    with pytest.raises(ValueError, match="rank/alpha/targets"):
+        PeftAdapterDirSink(str(tmp_path / "served"), str(base), AdapterSpec(rank=8))
