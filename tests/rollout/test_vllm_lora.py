@@ -26,8 +26,8 @@ peft = pytest.importorskip("peft")
 from rollout.config import EngineConfig, SamplingConfig  # noqa: E402
 from rollout.engine.sink import VLLMWeightSink  # noqa: E402
 from rollout.engine.vllm_engine import VLLMEngine  # noqa: E402
-from weight_sync.config import WeightSyncConfig  # noqa: E402
 from weight_sync.checkpoint import read_checkpoint_manifest  # noqa: E402
+from weight_sync.config import WeightSyncConfig  # noqa: E402
 from weight_sync.peft import AdapterSpec, adapter_manifest, write_peft_adapter  # noqa: E402
 
 SPEC = AdapterSpec(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))
