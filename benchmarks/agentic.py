@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import statistics
 import tempfile
 import threading
@@ -38,16 +37,7 @@ import time
 from pathlib import Path
 
 from benchmarks.engine_model import add_model_args, make_model
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from benchmarks.machine import cpu_model
 
 
 class ToolEnv:

@@ -100,6 +100,7 @@ _REPO = Path(__file__).resolve().parents[1]
 if sys.path and Path(sys.path[0]).resolve() == _REPO / "benchmarks":
     sys.path[0] = str(_REPO)
 
+from benchmarks.machine import cpu_model, load_avg  # noqa: E402
 from common.config import parse_overrides  # noqa: E402
 from recipe import Recipe, load_recipe  # noqa: E402
 from rollout.tasks import Problem, build_dataset  # noqa: E402
@@ -149,18 +150,6 @@ class RunResult:
     """TRL's side: the library versions it ran."""
     layout: str = ""
     """TRL's side: its micro-batch layout."""
-
-
-def load_avg() -> str:
-    """The 1, 5 and 15 minute load averages, as ``uptime`` prints them."""
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def run_logged(cmd: list[str], log_path: Path, env: dict[str, str], cpus: set[int]) -> None:

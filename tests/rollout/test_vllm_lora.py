@@ -4,9 +4,9 @@ through vLLM's LoRA path ("adapter") and merged into the base weights ("merged")
 Covers: a pushed adapter (through the real gRPC receiver) is served with log-probs equal to PEFT's teacher forcing and
 different from the base; requests in flight at an update finish on the version they started on (through vLLM's LoRA
 path the update returns while they run), new ones run the new one; refused adapters (another base's shapes, a partial
-first adapter, unknown or mis-shaped tensors) leave the engine on its adapter; a version that carries base tensors
-(the base trained) serves its adapter over the new base, and later adapter-only versions keep that base; a subset updates the served adapter; retired
-adapters leave vLLM.
+first adapter, unknown or mis-shaped tensors) leave the engine on its adapter; a subset updates the served adapter; a
+version that carries base tensors (the base trained) serves its adapter over the new base, and later adapter-only
+versions keep that base; retired adapters leave vLLM.
 """
 
 from __future__ import annotations

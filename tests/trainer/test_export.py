@@ -92,3 +92,63 @@ def test_export_refuses_a_source_without_tokenizer(tmp_path, source):
     (tmp_path / "out" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="has no tokenizer"):
         complete_from_source(tmp_path / "out", tmp_path)
+
+
+def _trained_lora(source: Path):
+    """Our model of ``source`` with LoRA adapters that moved (B != 0), the base untouched."""
+    from trainer.models.config import LoRAConfig
+    from trainer.models.hf_config import model_config_from_hf
+    from trainer.models.hf_io import load_hf_checkpoint
+    from trainer.models.lora import is_adapter
+    from trainer.models.transformer import build_model
+
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
+    model = build_model(model_config_from_hf(str(source), lora=lora), device=torch.device("cpu"), dtype=torch.float32)
+    load_hf_checkpoint(model, str(source))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if is_adapter(name):
+                p.copy_(0.2 * torch.randn_like(p))
+    return model, lora
+
+
+def _assert_adapter_loads_in_peft(out: Path, model, source: Path) -> None:
+    peft = pytest.importorskip("peft")
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, str(out / "adapter")).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, model.logits(model(ids)), atol=1e-5, rtol=1e-5)
+
+
+def test_a_lora_policy_exports_merged_and_as_a_peft_adapter(source, tmp_path):
+    from trainer.export import export_policy
+
+    model, _ = _trained_lora(source)
+    files = export_policy(model, tmp_path / "out", source, policy_version=3)
+    assert {"model.safetensors", "adapter/adapter_model.safetensors", "adapter/adapter_config.json"} <= set(files)
+    _assert_usable(tmp_path / "out", model, source)  # the merged model is a plain HF model
+    _assert_adapter_loads_in_peft(tmp_path / "out", model, source)
+
+
+def test_an_adapter_only_checkpoint_exports_over_the_runs_base(source, tmp_path):
+    from trainer.checkpoint import Checkpointable, CheckpointManager, TrainProgress
+    from trainer.config import OptimizerConfig
+    from trainer.export import main
+    from trainer.optim import build_optimizer
+
+    model, lora = _trained_lora(source)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    targets = ", ".join(f'"{t}"' for t in lora.target_modules)
+    (run / "recipe.resolved.toml").write_text(
+        f'[model]\npath = "{source}"\n\n[model.lora]\nrank = {lora.rank}\nalpha = {lora.alpha}\n'
+        f"target_modules = [{targets}]\n"
+    )
+    part = Checkpointable(model, build_optimizer(model, OptimizerConfig()), trainable_only=True)
+    ckpt = CheckpointManager(run / "checkpoints").save({"policy": part}, TrainProgress(2, 2, {}))
+    # adapters and their AdamW state only: well below the base model alone
+    assert sum(f.stat().st_size for f in ckpt.glob("*.distcp")) < 0.5 * (source / "model.safetensors").stat().st_size
+    assert main([str(ckpt), str(tmp_path / "out")]) == 0
+    _assert_usable(tmp_path / "out", model, source)
+    _assert_adapter_loads_in_peft(tmp_path / "out", model, source)

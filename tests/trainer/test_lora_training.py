@@ -79,6 +79,29 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def _warm_start_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """A ``TrainerWorker`` rank: a warm start of every weight (adapters frozen and off), then an RL step on the
+    adapters (base frozen again)."""
+    torch.set_num_threads(1)
+    from trainer.worker import TrainerWorker
+
+    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world)
+    worker = TrainerWorker(rank, cfg, model_cfg, algo)
+    worker.setup("127.0.0.1", port)
+    assert worker.state is not None
+    result: dict = {"init": _full(worker.state.policy)}
+    worker.begin_warm_start(all_parameters=True)
+    for step in range(2):
+        worker.sft_step(_batch(step).samples, lr=1e-2)
+    result["after_sft"] = _full(worker.state.policy)
+    result["base_trained"] = worker._base_trained
+    worker.finish_warm_start()
+    result["rl"] = worker.train_step(_batch(2))
+    result["after_rl"] = _full(worker.state.policy)
+    torch.save(result, os.path.join(out_dir, f"warm{rank}.pt"))
+    worker.shutdown()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -91,7 +114,13 @@ def runs(tmp_path_factory) -> dict[int, list[dict]]:
     for world in (1, 2):
         out_dir = tmp_path_factory.mktemp(f"lora{world}")
         mp.start_processes(_worker, args=(world, _free_port(), str(out_dir)), nprocs=world, start_method="spawn")
-        out[world] = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+        mp.start_processes(_warm_start_worker, args=(world, _free_port(), str(out_dir)), nprocs=world,
+                           start_method="spawn")  # fmt: skip
+        out[world] = [
+            {**torch.load(out_dir / f"rank{r}.pt", weights_only=False),
+             "warm": torch.load(out_dir / f"warm{r}.pt", weights_only=False)}
+            for r in range(world)
+        ]  # fmt: skip
     return out
 
 
@@ -160,3 +189,47 @@ def test_reference_is_the_base_model_and_the_first_kl_is_zero(tmp_path: Path) ->
         policy = forward_logprobs(state.policy, mb)[0]
     assert torch.equal(got, expected)
     assert (policy - expected).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_warm_start_of_every_weight_trains_the_base_then_rl_trains_only_the_adapters(runs, world: int) -> None:
+    from trainer.models.lora import is_adapter
+
+    warm = runs[world][0]["warm"]
+    assert warm["base_trained"]  # so catch-up pushes carry the base
+    for name, w in warm["after_sft"].items():
+        changed = not torch.equal(w, warm["init"][name])
+        assert changed != is_adapter(name), f"{name}: changed={changed} in the warm start"
+    for name, w in warm["after_rl"].items():
+        if not is_adapter(name):
+            assert torch.equal(w, warm["after_sft"][name]), f"frozen base weight {name} changed in RL"
+    assert any(not torch.equal(warm["after_rl"][n], warm["after_sft"][n]) for n in warm["init"] if is_adapter(n))
+    if world == 2:  # sharded, the same as one rank
+        one = runs[1][0]["warm"]
+        for name, w in one["after_rl"].items():
+            torch.testing.assert_close(warm["after_rl"][name], w, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_a_ppo_critic_trains_its_own_adapters_and_value_head(tmp_path: Path) -> None:
+    from trainer.models.lora import is_adapter
+    from trainer.parallelize import build_mesh
+    from trainer.rl.config import PPOConfig
+    from trainer.state import build_train_state
+    from trainer.step import rl_step
+
+    cfg, model_cfg, _ = _configs(str(tmp_path), 1, minibatches=1)
+    state = build_train_state(cfg, model_cfg, PPOConfig(), torch.device("cpu"), build_mesh(cfg, "cpu"))
+    assert state.critic is not None and state.critic_optimizer is not None
+    trainable = {n for n, p in state.critic.named_parameters() if p.requires_grad}
+    assert trainable == {n for n in trainable if is_adapter(n) or n.startswith("value_head.")}
+    assert {"value_head.weight", "value_head.bias"} <= trainable and any(is_adapter(n) for n in trainable)
+    before = {n: p.detach().clone() for n, p in state.critic.named_parameters()}
+    metrics = rl_step(state, _batch(0))
+    assert metrics["critic/grad_norm"] > 0
+    rl_step(state, _batch(1))  # the zero value head passes no gradient to the body on the first step
+    after = dict(state.critic.named_parameters())
+    assert all(torch.equal(after[n], before[n]) for n in before if n not in trainable), "a frozen critic weight moved"
+    assert not torch.equal(after["value_head.weight"], before["value_head.weight"])
+    # B starts at 0, so B is what moves first (A's gradient goes through B)
+    assert any(not torch.equal(after[n], before[n]) for n in trainable if n.endswith("lora_B"))

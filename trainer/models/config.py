@@ -82,8 +82,9 @@ class LoRAConfig(AdapterSpec):
     """
 
     dropout: float = pydantic.Field(default=0.0, ge=0, lt=1)
-    """Dropout on the adapters' input in gradient passes only (PEFT ``lora_dropout``); passes without gradients
-    (old and reference log-probs, evaluation) are deterministic, so the first importance ratio is still exactly 1."""
+    """Dropout on the adapters' input in gradient passes only (PEFT ``lora_dropout``); passes without gradients (old
+    and reference log-probs) are deterministic. In RL the gradient pass then scores another policy than the one that
+    sampled (ratios differ from 1 by the dropout noise), so 0, the default, is the choice there; it is for SFT."""
     init: Literal["default", "gaussian"] = "default"
     """``A``'s initialisation (``B`` starts at zero, so a fresh adapter leaves the model unchanged): 'default' is
     PEFT's (Kaiming-uniform, ``a = sqrt(5)``), 'gaussian' normal with std ``1 / rank``."""

@@ -31,7 +31,7 @@ from weight_sync import peft
 
 __all__ = [
     "LoRALinear", "adapter_state_dict", "adapters_disabled", "apply_lora", "is_adapter", "merged_parameters",
-    "peft_name", "train_adapters",
+    "peft_name", "set_adapters_enabled", "train_adapters",
 ]  # fmt: skip
 
 _ADAPTER_PARAMS = ("lora_A", "lora_B")
@@ -141,17 +141,21 @@ def peft_name(family: Family, param_name: str) -> str:
     return peft.peft_name(hf, leaf)  # type: ignore[arg-type]  # leaf is one of _ADAPTER_PARAMS
 
 
+def set_adapters_enabled(model: nn.Module, enabled: bool) -> None:
+    """Switch every :class:`LoRALinear` of ``model`` on or off (off: the base model, and no adapter compute)."""
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            m.adapter_enabled = enabled
+
+
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Inside the block ``model`` computes with its base weights only (every :class:`LoRALinear` off)."""
-    modules = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    for m in modules:
-        m.adapter_enabled = False
+    set_adapters_enabled(model, False)
     try:
         yield
     finally:
-        for m in modules:
-            m.adapter_enabled = True
+        set_adapters_enabled(model, True)
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:

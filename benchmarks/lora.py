@@ -1,0 +1,212 @@
+"""LoRA against full-parameter training on a ~100M-parameter Qwen 3 shape, side by side in one run: trainer memory and
+policy-update speed, bytes per weight push, the engine's pause per update, and generation speed per serving mode.
+
+    python -m benchmarks.lora [--rank 16] [--pushes 5] [--threads 2]
+
+What it measures (every configuration in a fresh process of its own, so peak memory is that configuration's alone):
+- trainer: the production GRPO policy update (``trainer.state.build_train_state`` + ``trainer.step.rl_step``, one
+  rank) on a batch of 16 samples (prompts 64-192 tokens, completions 8-256), full-parameter vs LoRA (``rank`` on all
+  seven projections): peak RSS of the process (``ru_maxrss``; model, gradients, AdamW state, activations, and the
+  ~0.5 GB that torch itself takes), the bytes of trainable parameters, gradients and optimizer state, and tokens per
+  second of the update (median over the timed steps after one warm-up).
+- push: the real path a run takes, trainer-side ``WeightSender`` -> gRPC receiver -> ``VLLMWeightSink`` -> the
+  engine: the full model into an engine serving full weights, and a LoRA adapter (PEFT names) into an engine serving
+  LoRA merged into its base (``lora_serving = "merged"``, the CPU default) and through vLLM's LoRA path
+  (``"adapter"``). Per push: payload bytes, push + commit seconds, and the engine's pause (``last_update_s``: the time
+  admission was stopped, or the adapter swap); median and range over ``--pushes``.
+- generate: tokens/s of each engine sampling 32 x 64 tokens (``ignore_eos``) after its first push, i.e. what serving
+  LoRA costs generation.
+
+The CPU model and the load before and after are printed; measure on a quiet machine and repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.machine import cpu_model, load_avg
+
+SHAPE = dict(hidden_size=768, num_layers=16, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2048)
+"""~101M parameters (vocab: the project's tiny tokenizer, 512 rows)."""
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _trainer_child(model_dir: str, rank: int | None, steps: int, threads: int, out: str) -> None:
+    """One configuration's policy updates in this (fresh) process; writes its figures to ``out`` as JSON."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.trainer import grpo_batch
+    from trainer.config import TrainerConfig
+    from trainer.models.config import LoRAConfig
+    from trainer.models.hf_config import model_config_from_hf
+    from trainer.parallelize import build_mesh
+    from trainer.rl.config import GRPOConfig
+    from trainer.state import build_train_state
+    from trainer.step import rl_step
+
+    torch.set_num_threads(threads)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    lora = None if rank is None else LoRAConfig(rank=rank, alpha=2.0 * rank, target_modules=ALL_PROJECTIONS)
+    model_cfg = model_config_from_hf(model_dir, lora=lora, output_head="cached")
+    cfg = TrainerConfig(micro_batch_tokens=4096, optimizer={"lr": 1e-5})
+    state = build_train_state(cfg, model_cfg, GRPOConfig(group_size=4), torch.device("cpu"), build_mesh(cfg, "cpu"),
+                              init_path=model_dir)  # fmt: skip
+    batch = grpo_batch(model_cfg.vocab_size)
+    seconds = []
+    for step in range(steps + 1):
+        start = time.perf_counter()
+        rl_step(state, batch)
+        if step:  # the first step warms allocator and thread pools
+            seconds.append(time.perf_counter() - start)
+    trainable = [p for p in state.policy.parameters() if p.requires_grad]
+    optim_bytes = sum(
+        t.numel() * t.element_size()
+        for group in state.optimizer.state.values() for t in group.values() if isinstance(t, torch.Tensor)
+    )  # fmt: skip
+    result = {
+        "params": sum(p.numel() for p in state.policy.parameters()), "trainable": sum(p.numel() for p in trainable),
+        "optimizer_bytes": optim_bytes, "grad_bytes": 4 * sum(p.numel() for p in trainable),
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "step_s": statistics.median(seconds), "tokens_per_s": batch.num_tokens / statistics.median(seconds),
+    }  # fmt: skip
+    dist.destroy_process_group()
+    Path(out).write_text(json.dumps(result))
+
+
+def _engine_child(model_dir: str, mode: str, rank: int, pushes: int, out: str) -> None:
+    """One serving mode: an engine with its sink and receiver, ``pushes`` pushes, then a timed batch."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
+
+    from rollout.config import EngineConfig, SamplingConfig
+    from rollout.engine.sink import VLLMWeightSink
+    from rollout.engine.vllm_engine import VLLMEngine
+    from weight_sync.checkpoint import checkpoint_shards
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.peft import AdapterSpec
+    from weight_sync.receiver import WeightReceiver
+    from weight_sync.sender import Shard, WeightSender
+
+    spec = AdapterSpec(rank=rank, alpha=2.0 * rank, target_modules=ALL_PROJECTIONS)
+    lora = None if mode == "full" else spec
+    config = EngineConfig(max_model_len=512, max_num_seqs=32, kv_cache_gib=0.5, enforce_eager=True,
+                          cpu_threads_bind="nobind", lora=lora, lora_serving="auto" if lora is None else mode)
+    engine = VLLMEngine(model_dir, config)
+    sink = VLLMWeightSink(engine)
+    receiver = WeightReceiver(sink, WeightSyncConfig())
+    receiver.start()
+    base = {s.name: s.tensor for s in checkpoint_shards(model_dir)}
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    try:
+        with WeightSender([receiver.address], WeightSyncConfig()) as sender:
+            for version in range(1, pushes + 1):
+                if lora is None:  # a new full version: every tensor changed a little
+                    tensors = {n: t + 1e-3 * torch.randn(t.shape, generator=gen) for n, t in base.items()}
+                else:
+                    tensors = {s.name: 0.01 * torch.randn(s.shape, generator=gen)
+                               for s in sink.manifest() if s.name.startswith("base_model.")}  # fmt: skip
+                shards = [Shard(n, t, tuple(t.shape), (0,) * t.dim()) for n, t in tensors.items()]
+                start = time.perf_counter()
+                report = sender.push(version, shards)
+                failed = {a: e for a, e in sender.commit(version).items() if e}
+                if report.failed or failed:
+                    raise RuntimeError(f"push {version} failed: {report.failed or failed}")
+                rows.append({"bytes": report.payload_bytes, "push_s": time.perf_counter() - start,
+                             "pause_s": engine.last_update_s})  # fmt: skip
+        sampling = SamplingConfig(temperature=1.0, max_tokens=64, ignore_eos=True, seed=0)
+        prompts = [[5 + i, 6, 7, 8, 9, 10, 11, 12] for i in range(32)]
+        engine.generate(prompts[:4], sampling, n=1)  # warm-up
+        start = time.perf_counter()
+        engine.generate(prompts, sampling, n=1, seeds=list(range(32)))
+        tokens_per_s = 32 * 64 / (time.perf_counter() - start)
+    finally:
+        receiver.stop()
+        engine.shutdown()
+    Path(out).write_text(json.dumps({"pushes": rows, "generate_tokens_per_s": tokens_per_s}))
+
+
+def _child(target: Any, *args: Any) -> dict[str, Any]:
+    """Run ``target(*args, out)`` in a fresh spawned process; return what it wrote."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    proc = mp.get_context("spawn").Process(target=target, args=(*args, out))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"{target.__name__}{args} failed with exit code {proc.exitcode}")
+    result = json.loads(Path(out).read_text())
+    os.unlink(out)
+    return result
+
+
+def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank), on all seven projections")
+    parser.add_argument("--steps", type=int, default=3, help="timed policy updates per trainer configuration")
+    parser.add_argument("--pushes", type=int, default=5, help="pushes per serving mode")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the trainer processes")
+    args = parser.parse_args()
+    from tools.make_tiny_model import make_tiny_model
+
+    print(f"cpu: {cpu_model()} ({os.cpu_count()} cores); load before: {load_avg()}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(make_tiny_model(Path(tmp) / "model", family="qwen3", **SHAPE))
+        trainer = {name: _child(_trainer_child, model_dir, rank, args.steps, args.threads)
+                   for name, rank in (("full", None), ("lora", args.rank))}  # fmt: skip
+        engines = {mode: _child(_engine_child, model_dir, mode, args.rank, args.pushes)
+                   for mode in ("full", "merged", "adapter")}  # fmt: skip
+    full, lora = trainer["full"], trainer["lora"]
+    gib = 2**30
+    print(f"\nmodel: Qwen 3 shape {SHAPE}, {full['params'] / 1e6:.1f}M parameters, float32; LoRA rank {args.rank}, "
+          f"alpha {2 * args.rank}, all projections ({lora['trainable'] / 1e6:.2f}M trainable); trainer threads "
+          f"{args.threads}\n")  # fmt: skip
+    rows = [
+        ("trainer peak RSS (GiB)", full["peak_rss"] / gib, lora["peak_rss"] / gib, "<= 0.5x"),
+        ("trainable params + grads + AdamW (GiB)", (4 * full["trainable"] + full["grad_bytes"] +
+         full["optimizer_bytes"]) / gib, (4 * lora["trainable"] + lora["grad_bytes"] + lora["optimizer_bytes"]) / gib,
+         ""),
+        ("policy update tokens/s", full["tokens_per_s"], lora["tokens_per_s"], ""),
+    ]  # fmt: skip
+    width = 44
+    print(f"{'':{width}} {'full':>12} {'LoRA':>12} {'LoRA/full':>10}  target")
+    for name, a, b, target in rows:
+        print(f"{name:{width}} {a:>12.3f} {b:>12.3f} {b / a:>9.3f}x  {target}")
+    print()
+    print(f"{'push into the engine':{width}} {'bytes/push':>12} {'push+commit s':>20} {'engine pause s':>20}")
+    full_bytes = statistics.median(r["bytes"] for r in engines["full"]["pushes"])
+    for mode, label in (("full", "full weights"), ("merged", "LoRA merged (CPU default)"),
+                        ("adapter", "LoRA through vLLM's LoRA path")):  # fmt: skip
+        pushes = engines[mode]["pushes"]
+        size = statistics.median(r["bytes"] for r in pushes)
+        print(f"{label:{width}} {size / 2**20:>9.1f}MiB {_spread([r['push_s'] for r in pushes]):>20} "
+              f"{_spread([r['pause_s'] for r in pushes]):>20}   ({size / full_bytes:.2%} of full; target <= 2%)")
+    print()
+    for mode, label in (("full", "generate tokens/s, full-weight engine"), ("merged", "... LoRA merged"),
+                        ("adapter", "... LoRA through vLLM's LoRA path")):  # fmt: skip
+        rate = engines[mode]["generate_tokens_per_s"]
+        print(f"{label:{width}} {rate:>12.0f} {rate / engines['full']['generate_tokens_per_s']:>9.3f}x")
+    print(f"\nload after: {load_avg()}")
+
+
+if __name__ == "__main__":
+    main()
