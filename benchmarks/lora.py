@@ -7,8 +7,9 @@ What it measures (every configuration in a fresh process of its own, so peak mem
 - trainer: the production GRPO policy update (``trainer.state.build_train_state`` + ``trainer.step.rl_step``, one
   rank) on a batch of 16 samples (prompts 64-192 tokens, completions 8-256), full-parameter vs LoRA (``rank`` on all
   seven projections): peak RSS of the process (``ru_maxrss``; model, gradients, AdamW state, activations, and the
-  ~0.5 GB that torch itself takes), the bytes of trainable parameters, gradients and optimizer state, and tokens per
-  second of the update (median over the timed steps after one warm-up).
+  ~0.5 GB that torch itself takes; large blocks are mmap-ed, ``MALLOC_MMAP_THRESHOLD_``, so freed memory leaves the
+  count), at each ``--micro-batch-tokens`` setting (activations grow with it), the bytes of trainable parameters,
+  gradients and optimizer state, and tokens per second of the update (median over the timed steps after one warm-up).
 - push: the real path a run takes, trainer-side ``WeightSender`` -> gRPC receiver -> ``VLLMWeightSink`` -> the
   engine: the full model into an engine serving full weights, and a LoRA adapter (PEFT names) into an engine serving
   LoRA merged into its base (``lora_serving = "merged"``, the CPU default) and through vLLM's LoRA path
@@ -40,7 +41,9 @@ SHAPE = dict(hidden_size=768, num_layers=16, num_heads=12, num_kv_heads=4, head_
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _trainer_child(model_dir: str, rank: int | None, steps: int, threads: int, out: str) -> None:
+def _trainer_child(
+    model_dir: str, rank: int | None, steps: int, threads: int, micro_batch_tokens: int, out: str
+) -> None:
     """One configuration's policy updates in this (fresh) process; writes its figures to ``out`` as JSON."""
     import socket
 
@@ -63,10 +66,11 @@ def _trainer_child(model_dir: str, rank: int | None, steps: int, threads: int, o
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     lora = None if rank is None else LoRAConfig(rank=rank, alpha=2.0 * rank, target_modules=ALL_PROJECTIONS)
     model_cfg = model_config_from_hf(model_dir, lora=lora, output_head="cached")
-    cfg = TrainerConfig(micro_batch_tokens=4096, optimizer={"lr": 1e-5})
+    cfg = TrainerConfig(micro_batch_tokens=micro_batch_tokens, optimizer={"lr": 1e-5})
     state = build_train_state(cfg, model_cfg, GRPOConfig(group_size=4), torch.device("cpu"), build_mesh(cfg, "cpu"),
                               init_path=model_dir)  # fmt: skip
     batch = grpo_batch(model_cfg.vocab_size)
+    setup_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     seconds = []
     for step in range(steps + 1):
         start = time.perf_counter()
@@ -81,7 +85,7 @@ def _trainer_child(model_dir: str, rank: int | None, steps: int, threads: int, o
     result = {
         "params": sum(p.numel() for p in state.policy.parameters()), "trainable": sum(p.numel() for p in trainable),
         "optimizer_bytes": optim_bytes, "grad_bytes": 4 * sum(p.numel() for p in trainable),
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "setup_peak_rss": setup_peak,
         "step_s": statistics.median(seconds), "tokens_per_s": batch.num_tokens / statistics.median(seconds),
     }  # fmt: skip
     dist.destroy_process_group()
@@ -155,6 +159,11 @@ def _child(target: Any, *args: Any) -> dict[str, Any]:
     return result
 
 
+def _state_bytes(result: dict[str, Any]) -> float:
+    """Bytes of the trainable parameters (float32), their gradients and their AdamW state."""
+    return 4 * result["trainable"] + result["grad_bytes"] + result["optimizer_bytes"]
+
+
 def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
 
@@ -165,33 +174,47 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed policy updates per trainer configuration")
     parser.add_argument("--pushes", type=int, default=5, help="pushes per serving mode")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the trainer processes")
+    parser.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[4096, 1024],
+                        help="trainer.micro_batch_tokens settings to compare at (activations scale with it)")
+    parser.add_argument("--skip-engines", action="store_true", help="trainer rows only")
     args = parser.parse_args()
     from tools.make_tiny_model import make_tiny_model
 
+    # glibc serves large blocks through mmap, returned when freed, so peak RSS counts live memory rather than heap
+    # fragmentation (which put LoRA's peak above full training's: 4.8 vs 4.5 GiB without it). Read at each spawned
+    # child's start.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     print(f"cpu: {cpu_model()} ({os.cpu_count()} cores); load before: {load_avg()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_tiny_model(Path(tmp) / "model", family="qwen3", **SHAPE))
-        trainer = {name: _child(_trainer_child, model_dir, rank, args.steps, args.threads)
+        trainer = {(name, tokens): _child(_trainer_child, model_dir, rank, args.steps, args.threads, tokens)
+                   for tokens in args.micro_batch_tokens
                    for name, rank in (("full", None), ("lora", args.rank))}  # fmt: skip
-        engines = {mode: _child(_engine_child, model_dir, mode, args.rank, args.pushes)
-                   for mode in ("full", "merged", "adapter")}  # fmt: skip
-    full, lora = trainer["full"], trainer["lora"]
-    gib = 2**30
-    print(f"\nmodel: Qwen 3 shape {SHAPE}, {full['params'] / 1e6:.1f}M parameters, float32; LoRA rank {args.rank}, "
-          f"alpha {2 * args.rank}, all projections ({lora['trainable'] / 1e6:.2f}M trainable); trainer threads "
+        engines = {} if args.skip_engines else {
+            mode: _child(_engine_child, model_dir, mode, args.rank, args.pushes)
+            for mode in ("full", "merged", "adapter")
+        }  # fmt: skip
+    gib, width = 2**30, 44
+    some = next(iter(trainer.values()))
+    lora_params = trainer[("lora", args.micro_batch_tokens[0])]["trainable"]
+    print(f"\nmodel: Qwen 3 shape {SHAPE}, {some['params'] / 1e6:.1f}M parameters, float32; LoRA rank {args.rank}, "
+          f"alpha {2 * args.rank}, all projections ({lora_params / 1e6:.2f}M trainable); trainer threads "
           f"{args.threads}\n")  # fmt: skip
-    rows = [
-        ("trainer peak RSS (GiB)", full["peak_rss"] / gib, lora["peak_rss"] / gib, "<= 0.5x"),
-        ("trainable params + grads + AdamW (GiB)", (4 * full["trainable"] + full["grad_bytes"] +
-         full["optimizer_bytes"]) / gib, (4 * lora["trainable"] + lora["grad_bytes"] + lora["optimizer_bytes"]) / gib,
-         ""),
-        ("policy update tokens/s", full["tokens_per_s"], lora["tokens_per_s"], ""),
-    ]  # fmt: skip
-    width = 44
     print(f"{'':{width}} {'full':>12} {'LoRA':>12} {'LoRA/full':>10}  target")
-    for name, a, b, target in rows:
-        print(f"{name:{width}} {a:>12.3f} {b:>12.3f} {b / a:>9.3f}x  {target}")
+    for tokens in args.micro_batch_tokens:
+        full, lora = trainer[("full", tokens)], trainer[("lora", tokens)]
+        rows = [
+            (f"trainer peak RSS (GiB), {tokens}-token micro-batches", full["peak_rss"] / gib, lora["peak_rss"] / gib,
+             "<= 0.5x"),
+            ("  trainable params + grads + AdamW (GiB)", _state_bytes(full) / gib, _state_bytes(lora) / gib, ""),
+            ("  policy update tokens/s", full["tokens_per_s"], lora["tokens_per_s"], ""),
+        ]  # fmt: skip
+        for name, a, b, target in rows:
+            print(f"{name:{width}} {a:>12.3f} {b:>12.3f} {b / a:>9.3f}x  {target}")
     print()
+    if not engines:
+        print(f"load after: {load_avg()}")
+        return
     print(f"{'push into the engine':{width}} {'bytes/push':>12} {'push+commit s':>20} {'engine pause s':>20}")
     full_bytes = statistics.median(r["bytes"] for r in engines["full"]["pushes"])
     for mode, label in (("full", "full weights"), ("merged", "LoRA merged (CPU default)"),
