@@ -70,6 +70,8 @@ class TrainerWorker:
         """The base has changed since the engines loaded their model directory: catch-up pushes carry it."""
         self._base_unpushed = False
         """The base has changed since the last regular push: the next one carries it."""
+        self._base_trains = False
+        """A LoRA policy's base weights are what the warm start trains (``begin_warm_start(all_parameters=True)``)."""
 
     # -- setup -----------------------------------------------------------------------------------------------------
     def node_id(self) -> str:
@@ -151,14 +153,10 @@ class TrainerWorker:
 
     def sft_step(self, samples: Sequence[Sample], lr: float | None = None) -> dict[str, float]:
         """One supervised warm-start step on the completions of ``samples``."""
-        from trainer.models.lora import is_adapter
         from trainer.step import sft_step
 
-        state = self._require_state()
-        metrics = sft_step(state, samples, lr)
-        if self.model_cfg.lora is not None and any(
-            p.requires_grad for n, p in state.policy.named_parameters() if not is_adapter(n)
-        ):
+        metrics = sft_step(self._require_state(), samples, lr)
+        if self._base_trains:
             self._base_trained = self._base_unpushed = True
         return metrics
 
@@ -175,6 +173,7 @@ class TrainerWorker:
         train_adapters(state.policy, base=True)
         set_adapters_enabled(state.policy, False)
         state.optimizer = build_optimizer(state.policy, self.cfg.optimizer)
+        self._base_trains = True
 
     def finish_warm_start(self) -> None:
         """End the supervised warm start: the reference (when KL needs one) becomes the current policy, and the RL
@@ -189,6 +188,7 @@ class TrainerWorker:
         if self.model_cfg.lora is not None:
             train_adapters(state.policy)
             set_adapters_enabled(state.policy, True)
+            self._base_trains = False
         if state.reference is not None:
             with torch.no_grad():
                 for ref, pol in zip(state.reference.parameters(), state.policy.parameters(), strict=True):
