@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from benchmarks.engine_model import add_model_args, make_model
-from benchmarks.machine import cpu_model
+from benchmarks.machine import cpu_isa, cpu_model
 
 
 class ToolEnv:
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     agent_ratios = [a / m for a, m in zip(agents, multi, strict=True)]
     load_after = os.getloadavg()
     med = statistics.median
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; load average before {load_before[0]:.2f}, "
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores ({cpu_isa()}); load average before {load_before[0]:.2f}, "
           f"after {load_after[0]:.2f}")
     print(f"model: {args.hidden_size}x{args.num_layers} Qwen3 ({args.dtype}); {args.num_episodes} episodes x "
           f"{turns:.2f} turns (of {args.turns}) x {per_turn:.1f} tokens per turn; tool latency "

@@ -100,7 +100,7 @@ _REPO = Path(__file__).resolve().parents[1]
 if sys.path and Path(sys.path[0]).resolve() == _REPO / "benchmarks":
     sys.path[0] = str(_REPO)
 
-from benchmarks.machine import cpu_model, load_avg  # noqa: E402
+from benchmarks.machine import cpu_isa, cpu_model, load_avg, med_range  # noqa: E402
 from common.config import parse_overrides  # noqa: E402
 from recipe import Recipe, load_recipe  # noqa: E402
 from rollout.tasks import Problem, build_dataset  # noqa: E402
@@ -372,15 +372,6 @@ def normalize(text: str) -> str:
 
 
 # -- the report -----------------------------------------------------------------------------------------------------
-def med_range(values: list[float], fmt: str = "{:.2f}") -> str:
-    """``median [min-max]`` (just the value for one)."""
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return fmt.format(values[0])
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
-
-
 def phase_medians(run: RunResult) -> dict[str, float]:
     """Median seconds per phase over the run's steps after the first (its warm-up), all steps if there is one."""
     steps = run.steps[1:] or run.steps
@@ -597,7 +588,7 @@ def main() -> None:
                     r.accuracy[step] = evaluator.accuracy(path)
 
     load_end = load_avg()
-    print(f"\ne2e_vs_trl: rl-align vs TRL GRPOTrainer on {cpu_model()}, {args.threads} core(s) each "
+    print(f"\ne2e_vs_trl: rl-align vs TRL GRPOTrainer on {cpu_model()} ({cpu_isa()}), {args.threads} core(s) each "
           f"(affinity {sorted(cpus)}); load (1/5/15 min) before {load_start}, after {load_end}; "
           f"{(time.time() - t0) / 60:.1f} min in all")  # fmt: skip
     trl_run = next((r for rs in results.values() for r in rs if r.side == "TRL"), None)

@@ -32,25 +32,20 @@ _REPO = Path(__file__).resolve().parents[1]
 if sys.path and Path(sys.path[0]).resolve() == _REPO / "benchmarks":
     sys.path[0] = str(_REPO)
 
+from benchmarks.machine import machine_line, reset_peak_rss, rss_bytes  # noqa: E402
+
 CASES = ("head-32k", "head-152k", "attention", "gmm")
 _VOCAB = {"head-32k": 32_000, "head-152k": 151_936}
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith(field + ":"))
-    return int(line.split()[1])
 
 
 def _measure(step: Callable[[], None], reps: int) -> dict[str, float]:
     """Peak extra resident MiB of one ``step()`` after a warm-up call, and its median time over ``reps`` calls."""
     step()  # compiles (JAX) and fills caches; not measured
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # resets VmHWM to the current resident size
-    before = _status_kib("VmRSS")
+    reset_peak_rss()
+    before = rss_bytes()
     step()
-    peak_mib = (_status_kib("VmHWM") - before) / 1024
+    peak_mib = (rss_bytes("VmHWM") - before) / 2**20
     times = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -139,6 +134,7 @@ def main() -> None:
     if args.case:
         print(json.dumps(run_case(args.case, args.tokens, args.dim, args.reps)))
         return
+    print(machine_line(), flush=True)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     env.setdefault("OMP_NUM_THREADS", "1")
     rows = []

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import resource
 import statistics
@@ -34,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import cpu_model, load_avg
+from benchmarks.machine import load_avg, machine_line, med_range, run_in_child
 
 SHAPE = dict(hidden_size=768, num_layers=16, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2048)
 """~101M parameters (vocab: the project's tiny tokenizer, 512 rows)."""
@@ -145,27 +144,9 @@ def _engine_child(model_dir: str, mode: str, rank: int, pushes: int, out: str) -
     Path(out).write_text(json.dumps({"pushes": rows, "generate_tokens_per_s": tokens_per_s}))
 
 
-def _child(target: Any, *args: Any) -> dict[str, Any]:
-    """Run ``target(*args, out)`` in a fresh spawned process; return what it wrote."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    proc = mp.get_context("spawn").Process(target=target, args=(*args, out))
-    proc.start()
-    proc.join()
-    if proc.exitcode != 0:
-        raise RuntimeError(f"{target.__name__}{args} failed with exit code {proc.exitcode}")
-    result = json.loads(Path(out).read_text())
-    os.unlink(out)
-    return result
-
-
 def _state_bytes(result: dict[str, Any]) -> float:
     """Bytes of the trainable parameters (float32), their gradients and their AdamW state."""
     return 4 * result["trainable"] + result["grad_bytes"] + result["optimizer_bytes"]
-
-
-def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
 
 
 def main() -> None:
@@ -184,14 +165,14 @@ def main() -> None:
     # fragmentation (which put LoRA's peak above full training's: 4.8 vs 4.5 GiB without it). Read at each spawned
     # child's start.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    print(f"cpu: {cpu_model()} ({os.cpu_count()} cores); load before: {load_avg()}", flush=True)
+    print(machine_line(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_tiny_model(Path(tmp) / "model", family="qwen3", **SHAPE))
-        trainer = {(name, tokens): _child(_trainer_child, model_dir, rank, args.steps, args.threads, tokens)
+        trainer = {(name, tokens): run_in_child(_trainer_child, model_dir, rank, args.steps, args.threads, tokens)
                    for tokens in args.micro_batch_tokens
                    for name, rank in (("full", None), ("lora", args.rank))}  # fmt: skip
         engines = {} if args.skip_engines else {
-            mode: _child(_engine_child, model_dir, mode, args.rank, args.pushes)
+            mode: run_in_child(_engine_child, model_dir, mode, args.rank, args.pushes)
             for mode in ("full", "merged", "adapter")
         }  # fmt: skip
     gib, width = 2**30, 44
@@ -221,8 +202,9 @@ def main() -> None:
                         ("adapter", "LoRA through vLLM's LoRA path")):  # fmt: skip
         pushes = engines[mode]["pushes"]
         size = statistics.median(r["bytes"] for r in pushes)
-        print(f"{label:{width}} {size / 2**20:>9.1f}MiB {_spread([r['push_s'] for r in pushes]):>20} "
-              f"{_spread([r['pause_s'] for r in pushes]):>20}   ({size / full_bytes:.2%} of full; target <= 2%)")
+        push_s, pause_s = (med_range([r[key] for r in pushes], "{:.3f}") for key in ("push_s", "pause_s"))
+        print(f"{label:{width}} {size / 2**20:>9.1f}MiB {push_s:>20} {pause_s:>20}   "
+              f"({size / full_bytes:.2%} of full; target <= 2%)")
     print()
     for mode, label in (("full", "generate tokens/s, full-weight engine"), ("merged", "... LoRA merged"),
                         ("adapter", "... LoRA through vLLM's LoRA path")):  # fmt: skip

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from benchmarks.engine_model import add_model_args, make_model
+from benchmarks.machine import machine_line
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -327,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a stray ~/.ray/auth_token must not turn token auth on
     num_cores = os.cpu_count() or 1
+    print(machine_line(), flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
         results, bound = measure(args, Path(tmp), num_cores)
     print(report(args, results, bound, num_cores))

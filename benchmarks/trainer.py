@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.machine import machine_line  # noqa: E402
 from rollout.types import RolloutBatch, Sample  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
 from trainer.models.config import ModelConfig  # noqa: E402
@@ -104,6 +105,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
     parser.add_argument("--compile", action="store_true", help="trainer.compile = true (fused elementwise ops)")
     args = parser.parse_args()
+    print(machine_line(), flush=True)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
 

@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.machine import machine_line  # noqa: E402
 from benchmarks.trainer import MODEL_40M, grpo_batch  # noqa: E402
 from rollout.types import RolloutBatch  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
@@ -166,6 +167,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt")
     parser.add_argument("--micro-batch-tokens", type=int, default=4096, help="micro-batch token budget, both sides")
     args = parser.parse_args()
+    print(machine_line(), flush=True)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
 

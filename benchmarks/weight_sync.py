@@ -31,6 +31,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.machine import machine_line  # noqa: E402
+
 NUM_TENSORS = 16
 
 
@@ -325,6 +328,7 @@ def main() -> None:
     if args._role == "receiver":
         return weight_receiver(args.size, args.chunk_bytes, args._plane)
 
+    print(machine_line(), flush=True)
     arrays = model_arrays(args.size)
     nbytes = sum(v.nbytes for v in arrays.values())
     print(f"model: {NUM_TENSORS} bf16 tensors, {nbytes / 2**20:.0f} MiB; chunk {args.chunk_bytes / 2**20:g} MiB; "

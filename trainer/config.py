@@ -14,6 +14,7 @@ import pydantic
 from common.config import Config, DType
 
 __all__ = [
+    "ActivationCheckpointConfig",
     "CheckpointConfig",
     "DType",
     "Device",
@@ -47,6 +48,25 @@ class ParallelismConfig(Config):
     """Free the gathered parameters of a block after its forward (less memory, one more all-gather in backward)."""
     tensor_parallel_degree: int = pydantic.Field(default=1, ge=1)
     """Ranks per tensor-parallel group (DTensor Colwise/Rowwise); 1 turns tensor parallelism off."""
+
+
+class ActivationCheckpointConfig(Config):
+    """Activation checkpointing of the transformer blocks (policy and PPO critic): a checkpointed block keeps only its
+    input from forward and recomputes everything else inside it during backward, so a micro-batch's activation memory
+    falls from every block's intermediates to one block input per block plus one block's intermediates, for about one
+    more forward of compute. Passes without gradients (old and reference log-probs) never recompute. Loss and
+    gradients are unchanged: the recomputation runs the same ops on the same inputs (and the same dropout masks)."""
+
+    mode: Literal["none", "full", "selective"] = "none"
+    """'none' keeps every activation; 'full' checkpoints every block; 'selective' every ``every``-th block (the first,
+    then each ``every`` blocks), trading memory against recompute."""
+    every: int = pydantic.Field(default=2, ge=2)
+    """With 'selective': checkpoint blocks ``0, every, 2 * every, ...`` (every block is 'full')."""
+
+    def checkpointed_blocks(self, num_blocks: int) -> list[int]:
+        """Indices of the blocks (of ``num_blocks``) this setting checkpoints."""
+        step = {"none": 0, "full": 1, "selective": self.every}[self.mode]
+        return list(range(0, num_blocks, step)) if step else []
 
 
 class MixedPrecisionConfig(Config):
@@ -126,6 +146,8 @@ class TrainerConfig(Config):
     """Sharding of the model across ranks."""
     mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
     """Compute and reduction dtypes."""
+    activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
+    """Which blocks recompute their activations in backward instead of keeping them (memory for compute)."""
     optimizer: OptimizerConfig = OptimizerConfig()
     """AdamW settings (the critic uses the same, with ``critic_lr`` if set)."""
     critic_lr: float | None = pydantic.Field(default=None, gt=0)

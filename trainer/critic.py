@@ -7,6 +7,8 @@ state in which the token at ``t + 1`` is generated, matching the alignment of lo
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -34,6 +36,10 @@ class Critic(nn.Module):
     def layers(self) -> nn.ModuleList:
         """The transformer blocks (what ``parallelize_model`` wraps in FSDP units)."""
         return self.body.layers
+
+    def checkpoint_blocks(self, indices: Iterable[int]) -> None:
+        """Activation checkpointing of the body's blocks at ``indices`` (``Transformer.checkpoint_blocks``)."""
+        self.body.checkpoint_blocks(indices)
 
     def tensor_parallel_plan(self, degree: int) -> dict[str, ParallelStyle]:
         """The body's per-block plan (``Transformer.tensor_parallel_plan``); the value head stays replicated."""

@@ -1,4 +1,5 @@
-"""Sharding of a model across the trainer ranks: FSDP2 per block and root, optional tensor parallel via DTensor.
+"""Sharding of a model across the trainer ranks: FSDP2 per block and root, optional tensor parallel via DTensor, and
+the activation checkpointing of its blocks.
 
 :func:`parallelize_model` is applied once to a freshly built model (policy, reference or critic alike, so they shard
 identically). :func:`local_shards` walks what this rank holds, each piece with its place in the full tensor; the weight
@@ -84,14 +85,16 @@ def uses_fsdp(mesh: DeviceMesh, cfg: TrainerConfig) -> bool:
 
 
 def parallelize_model(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> ModelT:
-    """Apply TP (if configured) then FSDP2 in place (when :func:`uses_fsdp`): ``fully_shard`` on every block of
-    ``model.layers``, then the root.
+    """Apply TP (if configured), activation checkpointing (``cfg.activation_checkpoint``), then FSDP2 in place (when
+    :func:`uses_fsdp`): ``fully_shard`` on every block of ``model.layers``, then the root.
 
     The root unit keeps embeddings, final norm and output head together, so tied embeddings stay tied. Returns
     ``model`` (now an ``FSDPModule`` when FSDP is on).
     """
     if cfg.parallelism.tensor_parallel_degree > 1:
         _apply_tensor_parallel(model, mesh["tp"])
+    # Inside each block's FSDP unit, as torchtitan orders them: backward's recompute runs on the gathered parameters.
+    model.checkpoint_blocks(cfg.activation_checkpoint.checkpointed_blocks(len(model.layers)))
     if not uses_fsdp(mesh, cfg):
         return model
     dp_mesh = mesh["dp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh

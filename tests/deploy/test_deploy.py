@@ -21,6 +21,7 @@ import yaml
 from recipe import Recipe, load_recipe
 from trainer.models.config import ModelConfig
 from trainer.models.hf_config import model_config_from_hf_dict
+from trainer.models.published import PUBLISHED_CONFIGS, PUBLISHED_PARAMS
 from trainer.models.registry import ATTENTION_BLOCKS, MOE_EXPERTS, OUTPUT_HEADS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -226,28 +227,10 @@ def test_dockerfiles_install_the_right_stacks():
 
 
 # -- the hardware recipes --------------------------------------------------------------------------------------------
-_QWEN3_COMMON = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False, "rms_norm_eps": 1e-6,
-                 "rope_theta": 1000000.0, "vocab_size": 151936, "max_position_embeddings": 40960, "head_dim": 128}
-# Published config.json values of the three checkpoints (architecture only).
-_QWEN3_CONFIGS: dict[str, dict[str, Any]] = {
-    "Qwen3-0.6B": {**_QWEN3_COMMON, "model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28,
-                   "num_attention_heads": 16, "num_key_value_heads": 8, "intermediate_size": 3072,
-                   "tie_word_embeddings": True},
-    "Qwen3-8B": {**_QWEN3_COMMON, "model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36,
-                 "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 12288,
-                 "tie_word_embeddings": False},
-    "Qwen3-30B-A3B": {**_QWEN3_COMMON, "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
-                      "num_attention_heads": 32, "num_key_value_heads": 4, "intermediate_size": 6144,
-                      "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                      "tie_word_embeddings": False},
-}  # fmt: skip
-_PUBLISHED_PARAMS = {"Qwen3-0.6B": 0.6e9, "Qwen3-8B": 8.2e9, "Qwen3-30B-A3B": 30.5e9}
-
 
 def _model(recipe: Recipe) -> tuple[str, ModelConfig]:
     name = Path(recipe.model.path).name
-    return name, model_config_from_hf_dict(_QWEN3_CONFIGS[name], source=name, **recipe.model.block_overrides())
+    return name, model_config_from_hf_dict(PUBLISHED_CONFIGS[name], source=name, **recipe.model.block_overrides())
 
 
 @pytest.mark.parametrize("ref", HARDWARE_RECIPES)
@@ -271,7 +254,7 @@ def test_hardware_recipe_validates(ref):
 def test_hardware_recipe_builds_the_real_architecture_with_registered_blocks(ref):
     recipe = load_recipe(ROOT / ref, check_paths=False)
     name, model = _model(recipe)
-    assert abs(model.num_params / _PUBLISHED_PARAMS[name] - 1) < 0.05, f"{name}: {model.num_params / 1e9:.2f}B"
+    assert abs(model.num_params / PUBLISHED_PARAMS[name] - 1) < 0.05, f"{name}: {model.num_params / 1e9:.2f}B"
     # Kernel names resolve without importing torch; the defaults are the built-in torch blocks.
     blocks = ((ATTENTION_BLOCKS, "attention"), (OUTPUT_HEADS, "output_head"), (MOE_EXPERTS, "moe_experts"))
     for registry, field in blocks:

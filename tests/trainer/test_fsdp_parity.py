@@ -1,4 +1,4 @@
-"""1 rank vs 2 FSDP ranks (gloo, spawned processes): same losses and updated weights; shards reassemble exactly;
+"""1 rank vs 2 FSDP ranks (gloo, spawned processes; with and without activation checkpointing): same losses and
 resume from a checkpoint reproduces the uninterrupted trajectory bit for bit (on each world size)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def _batch(step: int) -> RolloutBatch:
     return random_batch(100 + step, num_groups=4, completion_len=(1, 24), logprob=(-3.8, -3.5))
 
 
-def _configs(ckpt_dir: str, world: int, tp: int):
+def _configs(ckpt_dir: str, world: int, tp: int, ac: str):
     from trainer.config import TrainerConfig
     from trainer.models.config import ModelConfig
     from trainer.rl.config import GRPOConfig, KLConfig
@@ -36,7 +36,7 @@ def _configs(ckpt_dir: str, world: int, tp: int):
         max_grad_norm=0.5,
         optimizer=dict(lr=3e-3, weight_decay=0.01),
         schedule=dict(kind="cosine", num_warmup_steps=2, num_total_steps=12, min_lr_ratio=0.1),
-        checkpoint=dict(dir=ckpt_dir, num_keep=1),
+        checkpoint=dict(dir=ckpt_dir, num_keep=1), activation_checkpoint=dict(mode=ac),
     )  # fmt: skip
     algo = GRPOConfig(group_size=4, kl=KLConfig(coef=0.05), clip_high=0.28)
     return cfg, model_cfg, algo
@@ -48,7 +48,7 @@ def _full_weights(model) -> dict[str, torch.Tensor]:
     }
 
 
-def _worker(rank: int, world: int, tp: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, tp: int, ac: str, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from trainer.checkpoint import CheckpointManager, TrainProgress
@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, tp: int, port: int, out_dir: str) -> None:
     from trainer.state import build_train_state
     from trainer.step import rl_step
 
-    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world, tp)
+    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world, tp, ac)
 
     def fresh():
         return build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
@@ -89,17 +89,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(world: int, tp: int, out_dir: Path) -> list[dict]:
+def _run(world: int, tp: int, ac: str, out_dir: Path) -> list[dict]:
     out_dir.mkdir(parents=True)
-    mp.start_processes(_worker, args=(world, tp, _free_port(), str(out_dir)), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, tp, ac, _free_port(), str(out_dir)), nprocs=world, start_method="spawn")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    """'1': one rank; '2': two FSDP ranks; 'tp2': two tensor-parallel ranks (FSDP over a data-parallel mesh of 1)."""
+    """'1': one rank; '2': two FSDP ranks; 'tp2': two tensor-parallel ranks (FSDP over a data-parallel mesh of 1);
+    '2ac': two FSDP ranks, the first of the two blocks activation-checkpointed (recomputed inside its FSDP unit)."""
     root = tmp_path_factory.mktemp("fsdp")
-    return {name: _run(world, tp, root / name) for name, world, tp in (("1", 1, 1), ("2", 2, 1), ("tp2", 2, 2))}
+    runs = (("1", 1, 1, "none"), ("2", 2, 1, "none"), ("tp2", 2, 2, "none"), ("2ac", 2, 1, "selective"))
+    return {name: _run(world, tp, ac, root / name) for name, world, tp, ac in runs}
 
 
 def _reassemble(pieces: list[list[tuple]]) -> dict[str, torch.Tensor]:
@@ -119,7 +121,7 @@ def test_first_step_is_exactly_on_policy(runs) -> None:
     assert first["kl"] >= 0
 
 
-@pytest.mark.parametrize("name", ["2", "tp2"])
+@pytest.mark.parametrize("name", ["2", "tp2", "2ac"])
 def test_two_ranks_match_one_rank(runs, name: str) -> None:
     one, two = runs["1"][0], runs[name]
     for m1, m2a, m2b in zip(one["metrics"], two[0]["metrics"], two[1]["metrics"]):
@@ -147,7 +149,7 @@ def test_local_shards_reassemble_exactly(runs) -> None:
     assert sizes["tok_embeddings.weight"] < init_one["tok_embeddings.weight"].numel()
 
 
-@pytest.mark.parametrize("name", ["1", "2", "tp2"])
+@pytest.mark.parametrize("name", ["1", "2", "tp2", "2ac"])
 def test_resume_is_bit_identical(runs, name: str) -> None:
     for rank_result in runs[name]:
         tail = rank_result["metrics"][2:]

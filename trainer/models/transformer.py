@@ -7,6 +7,7 @@ Usage::
     hidden = model(tokens, positions, segment_ids, output_positions=idx)  # [N, D] at flat positions idx only
     logprobs, entropy = model.token_logprobs(hidden, targets)  # [B, T] each, float32, through cfg.output_head
     loss = ... + coef * model.moe_aux_loss()                 # MoE only: router load-balancing loss of that forward
+    model.checkpoint_blocks(range(0, cfg.num_layers, 2))      # activation checkpointing of every other block
 
 Packed rows: pass ``segment_ids`` (equal ids = one sequence; attention stays inside a segment) and ``positions`` that
 restart at 0 per segment (computed from ``segment_ids`` when omitted).
@@ -19,11 +20,13 @@ parameters are gathered for them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from trainer.models.attention import Attention
 from trainer.models.config import ModelConfig
@@ -62,6 +65,9 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim, device, dtype)
         else:
             self.moe = MoE(cfg, device, dtype)
+        self.checkpointed = False
+        """Activation checkpointing: in a pass with gradients keep only the inputs and recompute the rest in backward
+        (set by :meth:`Transformer.checkpoint_blocks`)."""
 
     def forward(
         self,
@@ -73,6 +79,19 @@ class TransformerBlock(nn.Module):
         """``x [B, T, D]`` -> ``[B, T, D]``; with ``keep`` (int64 flat positions ``b * T + t``) -> ``[N, D]`` at
         those positions only: attention still reads every position's keys and values, but its output projection and
         a dense feed-forward run on the kept rows alone (an MoE block runs every row and selects afterwards)."""
+        if self.checkpointed and torch.is_grad_enabled():
+            # Non-reentrant: works with inputs that need no grad (frozen embeddings under LoRA), FSDP2's hooks around
+            # this block, and keeps the RNG state so dropout draws the same masks when recomputed.
+            return checkpoint(self._forward, x, rope, segment_ids, keep, use_reentrant=False)
+        return self._forward(x, rope, segment_ids, keep)
+
+    def _forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        segment_ids: torch.Tensor | None,
+        keep: torch.Tensor | None,
+    ) -> torch.Tensor:
         dense = hasattr(self, "feed_forward")
         # MoE: route every token, so the router's load-balancing statistics match an untrimmed forward.
         trim = keep if dense else None
@@ -142,6 +161,18 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.layers):
             h = block(h, rope, segment_ids, keep=output_positions if i == last else None)
         return self.norm(h)
+
+    def checkpoint_blocks(self, indices: Iterable[int]) -> None:
+        """Turn activation checkpointing on for the blocks at ``indices`` (of ``self.layers``) and off for the rest.
+
+        Works before or after sharding (FSDP2 and TP keep the block modules); names, parameters and outputs are
+        unchanged. Raises ``IndexError`` for an index outside the blocks."""
+        chosen = set(indices)
+        if outside := sorted(i for i in chosen if not 0 <= i < len(self.layers)):
+            raise IndexError(f"blocks {outside} do not exist: the model has {len(self.layers)} blocks")
+        for i, block in enumerate(self.layers):
+            assert isinstance(block, TransformerBlock), f"a block is a TransformerBlock, got {type(block)}"
+            block.checkpointed = i in chosen
 
     @property
     def output_weight(self) -> torch.Tensor:

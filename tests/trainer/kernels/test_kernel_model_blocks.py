@@ -1,6 +1,7 @@
 """The Pallas kernels as model blocks: registered by name without importing JAX up front, refused at build time on a
 device they cannot run on, stock checkpoint layout, and a whole Qwen 3 MoE with all three kernels on vs all off
-(fp32: token log-probs and entropy within 1e-4, every parameter gradient within atol 2e-5 + rtol 1e-4)."""
+(fp32: token log-probs and entropy within 1e-4, every parameter gradient within atol 2e-5 + rtol 1e-4), and the
+kernels under activation checkpointing (the same gradients as without it)."""
 
 from __future__ import annotations
 
@@ -125,23 +126,25 @@ def test_kernel_model_loads_and_saves_the_stock_hf_checkpoint(tmp_path: Path) ->
     assert saved.keys() == stock.keys() and all(torch.equal(t, stock[k]) for k, t in saved.items())
 
 
-def test_qwen3_moe_with_all_kernels_matches_torch_blocks() -> None:
-    torch.manual_seed(0)
-    reference = build_model(_tiny_moe(**TORCH_BLOCKS), dtype=torch.float32)
-    kernels = build_model(_tiny_moe(**KERNELS), dtype=torch.float32)
-    kernels.load_state_dict(reference.state_dict())
+def _logprobs_and_grads(model) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(token log-probs, entropy, every parameter gradient) of an RL-shaped loss over two packed rows."""
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 160, (2, 24), generator=gen)
     targets = tokens.roll(-1, dims=1)
     segment_ids = torch.tensor([[0] * 10 + [1] * 14, [0] * 7 + [1] * 9 + [2] * 8])
     advantages = torch.randn(2, 24, generator=gen)
-    results = []
-    for model in (reference, kernels):
-        logprobs, entropy = model.token_logprobs(model(tokens, segment_ids=segment_ids), targets)
-        loss = -(advantages * logprobs).mean() - 0.01 * entropy.mean() + 0.01 * model.moe_aux_loss()
-        loss.backward()
-        results.append((logprobs.detach(), entropy.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (ref_lp, ref_ent, ref_grads), (lp, ent, grads) = results
+    logprobs, entropy = model.token_logprobs(model(tokens, segment_ids=segment_ids), targets)
+    loss = -(advantages * logprobs).mean() - 0.01 * entropy.mean() + 0.01 * model.moe_aux_loss()
+    loss.backward()
+    return logprobs.detach(), entropy.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_qwen3_moe_with_all_kernels_matches_torch_blocks() -> None:
+    torch.manual_seed(0)
+    reference = build_model(_tiny_moe(**TORCH_BLOCKS), dtype=torch.float32)
+    kernels = build_model(_tiny_moe(**KERNELS), dtype=torch.float32)
+    kernels.load_state_dict(reference.state_dict())
+    (ref_lp, ref_ent, ref_grads), (lp, ent, grads) = map(_logprobs_and_grads, (reference, kernels))
     assert lp.shape == ent.shape == (2, 24) and lp.dtype == ent.dtype == torch.float32
     assert not lp._is_view() and not ent._is_view()  # FSDP root methods must not return views
     torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
@@ -152,3 +155,17 @@ def test_qwen3_moe_with_all_kernels_matches_torch_blocks() -> None:
         torch.testing.assert_close(
             grads[name], ref_grad, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+def test_kernel_blocks_under_activation_checkpointing_give_the_same_gradients() -> None:
+    """The Pallas kernels run again in backward's recompute: the same log-probs and gradients as without it."""
+    torch.manual_seed(0)
+    plain = build_model(_tiny_moe(**KERNELS), dtype=torch.float32)
+    checkpointed = build_model(_tiny_moe(**KERNELS), dtype=torch.float32)
+    checkpointed.load_state_dict(plain.state_dict())
+    checkpointed.checkpoint_blocks(range(len(checkpointed.layers)))
+    (lp, ent, grads), (lp_ac, ent_ac, grads_ac) = map(_logprobs_and_grads, (plain, checkpointed))
+    torch.testing.assert_close(lp_ac, lp, rtol=1e-6, atol=0)
+    torch.testing.assert_close(ent_ac, ent, rtol=1e-6, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_ac[name], grad, rtol=1e-6, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
