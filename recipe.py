@@ -29,6 +29,7 @@ from typing import Any, Literal
 import pydantic
 
 from common.config import Config, DType, FieldError, config_error, read_toml_with_sources, to_toml, validate_config
+from common.published import PUBLISHED_CONFIGS
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.envs.config import AgentEnvConfig, CustomEnvConfig, EnvironmentConfig, SingleTurnEnvConfig
 from rollout.rewards.config import FunctionRewardConfig, RewardConfig
@@ -57,6 +58,40 @@ class TinyModelSpec(Config):
     """Seed of the random initialisation and of the tokenizer training corpus; unset means ``run.seed``."""
 
 
+class PublishedModelSpec(Config):
+    """A random-initialised model of a published architecture's real sizes (``common.published``) to create at
+    ``[model] path`` when that directory does not exist yet: for measuring memory and time at size, not accuracy (the
+    weights are random and the tokenizer is the project's tiny one, whose ids are the vocabulary's first rows)."""
+
+    architecture: str
+    """A key of ``common.published.PUBLISHED_CONFIGS`` (e.g. ``"Qwen3-0.6B"``)."""
+    num_layers: int | None = pydantic.Field(None, ge=1)
+    """Fewer blocks than published (a reduced model of the real layer shapes); None keeps the published count."""
+    num_experts: int | None = pydantic.Field(None, ge=1)
+    """Mixture-of-experts architectures: fewer experts per layer (at least its top-k); None keeps them all."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the saved weights (published checkpoints are bfloat16)."""
+    seed: int = 0
+    """Seed of the random initialisation and of the tokenizer; unset means ``run.seed``."""
+
+    @pydantic.field_validator("architecture")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        if name not in PUBLISHED_CONFIGS:
+            raise ValueError(f"unknown architecture {name!r}; choose one of {sorted(PUBLISHED_CONFIGS)}")
+        return name
+
+    @pydantic.model_validator(mode="after")
+    def _check_experts(self) -> PublishedModelSpec:
+        if self.num_experts is not None:
+            top_k = PUBLISHED_CONFIGS[self.architecture].get("num_experts_per_tok")
+            if top_k is None:
+                raise ValueError(f"{self.architecture} has no experts: remove num_experts")
+            if self.num_experts < top_k:
+                raise ValueError(f"num_experts = {self.num_experts} is below {self.architecture}'s top-k ({top_k})")
+        return self
+
+
 class ModelSection(BlockChoices):
     """Which checkpoint the policy starts from and how its blocks are implemented in the trainer (the block fields and
     their checks are :class:`trainer.models.config.BlockChoices`, shared with the trainer's ``ModelConfig``)."""
@@ -65,6 +100,14 @@ class ModelSection(BlockChoices):
     """Local HF model directory (config.json, safetensors, tokenizer): the trainer loads it, every engine serves it."""
     create_tiny: TinyModelSpec | None = None
     """Create a tiny random model at ``path`` first when the directory does not exist (the embedded demo)."""
+    create_published: PublishedModelSpec | None = None
+    """Create a random model of a published architecture at ``path`` first when the directory does not exist."""
+
+    @pydantic.model_validator(mode="after")
+    def _one_creator(self) -> ModelSection:
+        if self.create_tiny is not None and self.create_published is not None:
+            raise ValueError("[model.create_tiny] and [model.create_published] both create the model: keep one")
+        return self
     lora: LoRAConfig | None = None
     """Train LoRA adapters on the frozen checkpoint instead of every weight (``trainer.models.lora``): each step pushes
     only the adapters, and the engines serve them through vLLM's LoRA path. None: full-parameter training."""
@@ -268,8 +311,10 @@ class Recipe(Config):
         if model.lora is not None and rollout.engine.lora is None:
             engine = rollout.engine.model_copy(update={"lora": _served_adapter(model.lora)})
             rollout = rollout.model_copy(update={"engine": engine})
-        if model.create_tiny is not None and "seed" not in model.create_tiny.model_fields_set:
-            model = model.model_copy(update={"create_tiny": model.create_tiny.model_copy(update={"seed": seed})})
+        for name in ("create_tiny", "create_published"):
+            spec = getattr(model, name)
+            if spec is not None and "seed" not in spec.model_fields_set:
+                model = model.model_copy(update={name: spec.model_copy(update={"seed": seed})})
         resolved: dict[str, Config] = {"rollout": rollout, "model": model}
         for name in ("trainer", "task"):
             section = getattr(self, name)
@@ -413,11 +458,12 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
     """What this machine lacks for ``recipe``: ``(location, reason)`` pairs, as :func:`config_error` takes them."""
     problems: list[tuple[tuple[str | int, ...], str]] = []
     model_dir = Path(recipe.model.path)
-    if recipe.model.create_tiny is None and not (model_dir / "config.json").is_file():
+    creates = recipe.model.create_tiny is not None or recipe.model.create_published is not None
+    if not creates and not (model_dir / "config.json").is_file():
         problems.append((
             ("model", "path"),
             f"{str(model_dir)!r} has no config.json: point it at a local HF model directory, or add a "
-            "[model.create_tiny] section to create a tiny one there",
+            "[model.create_tiny] ([model.create_published]) section to create a tiny (real-size random) one there",
         ))  # fmt: skip
     task = recipe.task
     if isinstance(task, JsonlTaskConfig):

@@ -6,7 +6,7 @@
 
 Each mode runs in a fresh process of its own (peak memory is that mode's alone): the production update
 (``trainer.state.build_train_state`` + ``trainer.step.rl_step``, one rank, float32) of a random-initialised model of
-the published architecture ``--shape`` (``trainer.models.published``: Qwen3-0.6B is 28 blocks, vocabulary 151,936,
+the published architecture ``--shape`` (``common.published``: Qwen3-0.6B is 28 blocks, vocabulary 151,936,
 tied embeddings) on one micro-batch of ``--tokens`` tokens (8 samples, half prompt, half completion, packed into one
 row; ``sdpa`` attention, ``chunked`` head). Memory is the resident set (``/proc/self/status``; large blocks are
 mmap-ed, ``MALLOC_MMAP_THRESHOLD_``, so freed memory leaves it):
@@ -17,14 +17,16 @@ mmap-ed, ``MALLOC_MMAP_THRESHOLD_``, so freed memory leaves it):
 - ``activations``: ``fwd+bwd - rest - gradient bytes``;
 - ``peak``: the whole first step's peak (the optimizer's AdamW state, created by the first step, can set it).
 
-``step s`` is the first step, whose every allocation is fresh memory the kernel must fault in (more of it without
-checkpointing); ``--steps N`` times ``N - 1`` more steps (``later s``, median), the cost of recomputing once memory
-is warm. Full training at 4,096 tokens without checkpointing needs ~18 GiB for forward and backward, so a second step
-(AdamW state, +4.8 GiB) does not fit in 24 GiB: time later steps at fewer tokens.
+``step s`` is the first step, whose every allocation is fresh memory the kernel must fault in; ``--steps N`` times
+``N - 1`` more steps (``later s``, median), the cost of recomputing once memory is warm; ``--default-malloc`` leaves
+glibc's allocator as it is (it then reuses freed memory, as a run does; the resident set also counts what it keeps).
+Full training at 4,096 tokens without checkpointing needs ~18 GiB for forward and backward, so a second step (AdamW
+state, +4.8 GiB) does not fit in 24 GiB: time later steps at fewer tokens.
 
 ``--lora-rank R`` trains rank-R adapters on all seven projections instead of every parameter (no base gradients or
 optimizer state, so activations are most of the memory). The CPU model and the load before and after are printed;
-measure on a quiet machine and repeat.
+measure on a quiet machine and repeat. Last, 4 blocks of the shape alone (no head, no optimizer, memory warm) time
+forward + backward without and with checkpointing: what the recompute itself costs.
 """
 
 from __future__ import annotations
@@ -49,11 +51,11 @@ def _child(shape: str, mode: str, tokens: int, threads: int, lora_rank: int, ste
     import torch
     import torch.distributed as dist
 
+    from common.published import PUBLISHED_CONFIGS
     from rollout.types import RolloutBatch, Sample
     from trainer.config import TrainerConfig
     from trainer.models.config import LoRAConfig
     from trainer.models.hf_config import model_config_from_hf_dict
-    from trainer.models.published import PUBLISHED_CONFIGS
     from trainer.parallelize import build_mesh
     from trainer.rl.config import GRPOConfig
     from trainer.state import build_train_state
@@ -107,19 +109,44 @@ def _child(shape: str, mode: str, tokens: int, threads: int, lora_rank: int, ste
     dist.destroy_process_group()
 
 
+def _blocks_child(shape: str, mode: str, tokens: int, threads: int, out: str) -> None:
+    """Forward + backward of 4 blocks of ``shape`` alone (no head, no optimizer, memory warm): the recompute's own
+    cost. Median seconds of 3 passes after one warm-up, to ``out`` as JSON."""
+    import torch
+
+    from common.published import PUBLISHED_CONFIGS
+    from trainer.models.hf_config import model_config_from_hf_dict
+    from trainer.models.transformer import build_model
+
+    torch.set_num_threads(threads)
+    fields = {**PUBLISHED_CONFIGS[shape], "num_hidden_layers": 4, "vocab_size": 1024}
+    model = build_model(model_config_from_hf_dict(fields, source=shape))
+    model.checkpoint_blocks(range(4) if mode == "full" else [])
+    tokens_in = torch.randint(0, 1024, (1, tokens))
+    segment_ids = (torch.arange(tokens) >= tokens // 2).long()[None]  # two sequences
+    seconds = []
+    for _ in range(4):
+        start = time.perf_counter()
+        model(tokens_in, segment_ids=segment_ids).square().mean().backward()
+        seconds.append(time.perf_counter() - start)
+    Path(out).write_text(json.dumps({"fwd_bwd_s": statistics.median(seconds[1:])}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="Qwen3-0.6B", help="a model of trainer.models.published")
+    parser.add_argument("--shape", default="Qwen3-0.6B", help="a model of common.published")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of the one micro-batch")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each child")
     parser.add_argument("--lora-rank", type=int, default=0, help="train adapters of this rank (0: every parameter)")
     parser.add_argument("--steps", type=int, default=1, help="policy updates per child; all after the first are timed")
     parser.add_argument("--repeats", type=int, default=1, help="fresh processes per mode (median and range)")
+    parser.add_argument("--default-malloc", action="store_true", help="leave glibc's allocator as it is (timing)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     args = parser.parse_args()
     # Large blocks mmap-ed: freed activations leave the resident set, so the peak counts live memory only. Read at
     # each spawned child's start.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    if not args.default_malloc:
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     modes = args.modes.split(",")
     print(machine_line(), flush=True)
@@ -148,15 +175,19 @@ def main() -> None:
         label = f"{mode} ({reps[0]['checkpointed']}/{reps[0]['blocks']} blocks)"
         print(f"{label:<22}" + "".join(f"{med_range(figures[mode][c]):>20}" for c in columns))
     if "none" in figures:
-        base = {c: statistics.median(v) for c, v in figures["none"].items()}
+        base = {c: statistics.median(figures["none"][c]) for c in columns}
         for mode in modes:
             if mode == "none":
                 continue
-            med = {c: statistics.median(v) for c, v in figures[mode].items()}
+            med = {c: statistics.median(figures[mode][c]) for c in columns}
             less = {c: base[c] / med[c] for c in ("fwd+bwd", "activations", "peak")}
             print(f"none / {mode}: fwd+bwd {less['fwd+bwd']:.2f}x, activations {less['activations']:.2f}x, "
                   f"peak {less['peak']:.2f}x less memory; first step time {med['step s'] / base['step s']:.2f}x"
                   + (f", later steps {med['later s'] / base['later s']:.2f}x" if args.steps > 1 else ""))  # fmt: skip
+    blocks = {mode: run_in_child(_blocks_child, args.shape, mode, args.tokens, args.threads)["fwd_bwd_s"]
+              for mode in ("none", "full")}  # fmt: skip
+    print(f"4 blocks alone, forward + backward of {args.tokens} tokens: none {blocks['none']:.2f} s, full "
+          f"{blocks['full']:.2f} s ({blocks['full'] / blocks['none']:.2f}x: the recompute)")
     print(f"load after: {load_avg()}")
 
 

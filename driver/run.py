@@ -93,14 +93,20 @@ def _with_env(env_vars: dict[str, str]) -> dict[str, Any] | None:
 
 def _ensure_model(recipe: Recipe) -> None:
     path = Path(recipe.model.path)
-    spec = recipe.model.create_tiny
-    if spec is None or (path / "config.json").is_file():
+    tiny, published = recipe.model.create_tiny, recipe.model.create_published
+    if (tiny is None and published is None) or (path / "config.json").is_file():
         return
-    from tools.make_tiny_model import make_tiny_model
+    from tools.make_tiny_model import make_published_model, make_tiny_model
 
-    log.info("creating a tiny %s model at %s", spec.family, path)
-    make_tiny_model(path, spec.family, seed=spec.seed, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
-                    num_heads=spec.num_heads)  # fmt: skip
+    if published is not None:
+        log.info("creating a random %s model at %s", published.architecture, path)
+        make_published_model(path, published.architecture, seed=published.seed, dtype=published.dtype,
+                             num_layers=published.num_layers, num_experts=published.num_experts)  # fmt: skip
+        return
+    assert tiny is not None
+    log.info("creating a tiny %s model at %s", tiny.family, path)
+    make_tiny_model(path, tiny.family, seed=tiny.seed, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers,
+                    num_heads=tiny.num_heads)  # fmt: skip
 
 
 class _Run:

@@ -1,10 +1,12 @@
-"""Write a tiny, randomly initialised HF model directory (config, safetensors, tokenizer) that transformers and vLLM
-load.
+"""Write a randomly initialised HF model directory (config, safetensors, tokenizer) that transformers and vLLM load:
+a tiny one, or one of a published architecture's real sizes (``common.published``; optionally fewer blocks or
+experts) for measuring memory and time at size.
 
 Usage::
 
     python -m tools.make_tiny_model --family qwen3 --out artifacts/tiny-qwen3
     python -m tools.make_tiny_model --family qwen3_moe --out /tmp/m --hidden-size 128 --num-layers 2
+    python -m tools.make_tiny_model --published Qwen3-0.6B --out /tmp/qwen3-0.6b
 
 The weights come from transformers' own model classes (an implementation independent of ours), seeded, so the same
 arguments always give the same bytes. Nothing is downloaded.
@@ -17,9 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 from common.config import Family
+from common.published import PUBLISHED_CONFIGS
 from tools.tiny_tokenizer import build_tokenizer, save_tokenizer
 
-__all__ = ["FAMILIES", "make_tiny_model"]
+__all__ = ["FAMILIES", "make_published_model", "make_tiny_model"]
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -104,6 +107,47 @@ def make_tiny_model(
     return out
 
 
+def make_published_model(
+    out_dir: str | Path,
+    architecture: str,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    num_layers: int | None = None,
+    num_experts: int | None = None,
+) -> Path:
+    """Create ``out_dir`` with a random model of the published ``architecture`` (a key of ``PUBLISHED_CONFIGS``):
+    its real widths and vocabulary, ``num_layers`` blocks and (MoE) ``num_experts`` experts when given (fewer than
+    published, for a reduced model of the real layer shapes), and the project's tiny tokenizer (its ids are the
+    first rows of the real vocabulary). Return the directory. Raises ``ValueError`` for an unknown architecture or
+    an expert count below the architecture's ``top_k``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    if architecture not in PUBLISHED_CONFIGS:
+        raise ValueError(f"unknown architecture {architecture!r}; choose one of {sorted(PUBLISHED_CONFIGS)}")
+    fields = dict(PUBLISHED_CONFIGS[architecture])
+    if num_layers is not None:
+        fields["num_hidden_layers"] = num_layers
+    if num_experts is not None:
+        if "num_experts" not in fields:
+            raise ValueError(f"{architecture} is not a mixture-of-experts model: num_experts does not apply")
+        if num_experts < fields["num_experts_per_tok"]:
+            top_k = fields["num_experts_per_tok"]
+            raise ValueError(f"num_experts {num_experts} is below {architecture}'s top_k {top_k}")
+        fields["num_experts"] = num_experts
+    out = Path(out_dir)
+    tokenizer = build_tokenizer(seed=seed)
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    model_type = fields.pop("model_type")
+    config = AutoConfig.for_model(model_type, **fields, bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
+    model.save_pretrained(out, safe_serialization=True)
+    save_tokenizer(tokenizer, out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory to write (created)")
@@ -112,12 +156,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer vocabulary (model rounds up to 64)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-layers", type=int, default=None, help="blocks (tiny default: 2)")
     parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--published", choices=sorted(PUBLISHED_CONFIGS), help="a published architecture's real sizes "
+                        "instead (--num-layers / --num-experts, when given, reduce it; --seed and --dtype apply)")
+    parser.add_argument("--num-experts", type=int, default=None, help="with --published MoE: fewer experts")
     args = parser.parse_args(argv)
+    if args.published:
+        print(make_published_model(args.out, args.published, args.seed, args.dtype, args.num_layers, args.num_experts))
+        return
     out = make_tiny_model(
         args.out, args.family, seed=args.seed, vocab_size=args.vocab_size, dtype=args.dtype,
-        hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
+        hidden_size=args.hidden_size, num_layers=args.num_layers or 2, num_heads=args.num_heads,
     )
     print(out)
 

@@ -272,7 +272,8 @@ class TrainerWorker:
         With LoRA only the adapters are pushed, under PEFT names, and the base too when it trained since the last push
         (a one-off push: since the engines loaded their model directory).
 
-        ``policy_version`` defaults to the state's; ``dtype`` casts the pieces (e.g. 'bfloat16' for a bf16 server).
+        ``policy_version`` defaults to the state's; ``dtype`` casts the pieces (e.g. 'bfloat16'); None sends each
+        tensor in the dtype the receivers declare for it (an engine serving a bfloat16 checkpoint gets bfloat16).
         ``endpoints`` pushes (in full) to just those receivers instead, e.g. a replacement rollout worker catching up
         with the version the others already serve; the regular receivers and their delta bases are left alone.
         Returns this rank's outcome: per-receiver push errors, and on rank 0 the per-receiver commit errors.
@@ -292,13 +293,18 @@ class TrainerWorker:
             one_off = self._sync_config().model_copy(update={"endpoints": [], "delta": False})
             sender = self._new_sender(endpoints, one_off)
         version = state.policy_version if policy_version is None else policy_version
-        cast = getattr(torch, dtype) if dtype is not None else None
+        declared = {} if dtype is not None else sender.declared_dtypes()
+
+        def cast(hf_name: str, piece: torch.Tensor) -> torch.Tensor:
+            name = dtype if dtype is not None else declared.get(hf_name)
+            return piece if name is None or piece.dtype == getattr(torch, name) else piece.to(getattr(torch, name))
+
         # With LoRA the engines hold the frozen base: only the adapters change, unless the base trained since.
         adapters_only = self.model_cfg.lora is not None and not (
             self._base_trained if endpoints is not None else self._base_unpushed
         )
         shards = [
-            Shard(hf_name, piece if cast is None else piece.to(cast), hf_shape, hf_offsets)
+            Shard(hf_name, cast(hf_name, piece), hf_shape, hf_offsets)
             for name, local, shape, offsets in local_shards(state.policy)
             if not adapters_only or is_adapter(name)
             for hf_name, piece, hf_shape, hf_offsets in hf_shards(self.model_cfg, name, local, shape, offsets)

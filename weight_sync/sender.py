@@ -178,6 +178,23 @@ class WeightSender:
         chosen = self._clients if addresses is None else {a: self._clients[a] for a in addresses}
         return {a: self._pool.submit(fn, c) for a, c in chosen.items()}
 
+    def declared_dtypes(self) -> dict[str, str]:
+        """Tensor name -> the dtype the receivers' manifests declare for it (the one to send it in: a trainer keeps
+        float32 masters while engines serve bfloat16 checkpoints). Unreachable receivers are left out. Raises
+        ``ValueError`` when two receivers declare different dtypes for one tensor."""
+        replies = self._described or {a: r for a, r in self.describe().items() if not isinstance(r, str)}
+        dtypes: dict[str, str] = {}
+        owner: dict[str, str] = {}
+        for address, reply in replies.items():
+            for spec in reply.manifest:
+                if dtypes.setdefault(spec.name, spec.dtype) != spec.dtype:
+                    raise ValueError(
+                        f"receivers {owner[spec.name]} and {address} declare {spec.name} as {dtypes[spec.name]} and "
+                        f"{spec.dtype}: one push cannot serve both; serve the same checkpoint dtype on every receiver"
+                    )
+                owner.setdefault(spec.name, address)
+        return dtypes
+
     def _check_compatible(self, locals_: list[LocalShard]) -> None:
         for address, reply in self.describe().items():
             if isinstance(reply, str):

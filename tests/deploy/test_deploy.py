@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 import yaml
 
+from common.published import PUBLISHED_CONFIGS, PUBLISHED_PARAMS
 from recipe import Recipe, load_recipe
+from trainer.memory import activation_bytes, train_state_bytes
 from trainer.models.config import ModelConfig
 from trainer.models.hf_config import model_config_from_hf_dict
-from trainer.models.published import PUBLISHED_CONFIGS, PUBLISHED_PARAMS
 from trainer.models.registry import ATTENTION_BLOCKS, MOE_EXPERTS, OUTPUT_HEADS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -265,27 +266,22 @@ def test_hardware_recipe_builds_the_real_architecture_with_registered_blocks(ref
     assert recipe.rollout.engine.max_model_len <= model.max_seq_len
 
 
-def _adapter_params(model: ModelConfig, lora) -> int:
-    """Parameters of LoRA adapters on ``lora.target_modules`` of every layer: ``rank x (in + out)`` each."""
-    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    shapes = {"q_proj": (model.dim, q), "k_proj": (model.dim, kv), "v_proj": (model.dim, kv), "o_proj": (q, model.dim),
-              "gate_proj": (model.dim, model.ffn_hidden_dim), "up_proj": (model.dim, model.ffn_hidden_dim),
-              "down_proj": (model.ffn_hidden_dim, model.dim)}  # fmt: skip
-    return model.num_layers * sum(lora.rank * sum(shapes[t]) for t in lora.target_modules)
-
-
 @pytest.mark.parametrize("ref", HARDWARE_RECIPES)
 def test_hardware_recipe_fits_its_chips(ref):
-    """fp32 master weights + gradients + AdamW moments (16 B/param; with LoRA 4 B per frozen base parameter and 16 B
-    per adapter parameter), sharded over the ranks, leave at least half of a chip for activations; each engine's bf16
-    weight shard plus its KV cache fits one chip."""
+    """Per trainer rank, the training state (fp32 weights, gradients, AdamW moments, FSDP-sharded; a LoRA base frozen)
+    plus one micro-batch's activations under the recipe's activation checkpointing (``trainer.memory``) fit in 90% of
+    a chip; each engine's bf16 weight shard plus its KV cache fits one chip."""
     recipe = load_recipe(ROOT / ref, check_paths=False)
     _, model = _model(recipe)
-    hbm = GPU_HBM_GIB if recipe.trainer.device == "cuda" else TPU_ACCELERATORS["tpu-v6e-slice"]
-    train_bytes = 16 * model.num_params
-    if recipe.model.lora is not None:
-        train_bytes = 4 * model.num_params + 16 * _adapter_params(model, recipe.model.lora)
-    train_state = train_bytes / recipe.trainer.num_ranks / 2**30
-    assert train_state <= 0.5 * hbm, f"{train_state:.1f} GiB of training state per rank"
+    model = model.model_copy(update={"lora": recipe.model.lora})
+    trainer = recipe.trainer
+    hbm = GPU_HBM_GIB if trainer.device == "cuda" else TPU_ACCELERATORS["tpu-v6e-slice"]
+    state = train_state_bytes(model, trainer.num_ranks) / 2**30
+    activations = activation_bytes(
+        model, trainer.micro_batch_tokens, trainer.activation_checkpoint, trainer.mixed_precision.param_dtype
+    ) / 2**30
+    assert state + activations <= 0.9 * hbm, (
+        f"{state:.1f} GiB of training state + {activations:.1f} GiB of activations per rank on {hbm} GiB chips"
+    )
     engine = 2 * model.num_params / recipe.rollout.engine.tensor_parallel_size / 2**30
     assert engine + recipe.rollout.engine.kv_cache_gib <= 0.9 * hbm, f"{engine:.1f} GiB weights + KV cache per chip"

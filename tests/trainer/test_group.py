@@ -1,5 +1,5 @@
 """TrainerGroup on Ray: 2 ranks train, checkpoint, export, and push their own shards into a real gRPC receiver that
-assembles exactly the single-rank weights."""
+assembles exactly the single-rank weights (and into a bfloat16 receiver in the dtype it declares)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,15 @@ def test_two_rank_group_trains_checkpoints_and_pushes(ray_session, tmp_path) -> 
             assert late_receiver.policy_version == 2
         finally:
             late_receiver.stop()
+        # A receiver serving a bfloat16 checkpoint (as engines do) declares bfloat16: the float32 masters go out cast.
+        served = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape, _ in hf_manifest(MODEL)}
+        bf16_receiver = WeightReceiver(StateDictSink(served), WeightSyncConfig())
+        bf16_receiver.start()
+        try:
+            outcome = group.push_weights(policy_version=2, endpoints=[bf16_receiver.address])
+            assert [o["push_errors"] for o in outcome] == [{}, {}] and outcome[0]["commit_errors"] == {}
+        finally:
+            bf16_receiver.stop()
         group.export_hf(str(tmp_path / "hf"), None)
         from safetensors.torch import load_file
 
@@ -91,6 +100,7 @@ def test_two_rank_group_trains_checkpoints_and_pushes(ray_session, tmp_path) -> 
         for name, tensor in exported.items():
             assert torch.equal(received[name], tensor), name
             assert torch.equal(late[name], tensor), name
+            assert torch.equal(served[name], tensor.to(torch.bfloat16)), name
         assert not torch.equal(received["model.embed_tokens.weight"], single["model.embed_tokens.weight"])
 
         path = group.save_checkpoint(data_cursor={"index": 8})

@@ -1,8 +1,10 @@
 """Architecture fields of published checkpoints' ``config.json`` (no weights, no hub): the shapes real-size runs,
 benchmarks and hardware-recipe checks build random-initialised models from.
 
-``model_config_from_hf_dict(PUBLISHED_CONFIGS[name], source=name)`` gives the :class:`ModelConfig`; the published
-parameter count of each is in :data:`PUBLISHED_PARAMS` (what ``ModelConfig.num_params`` must come close to).
+``trainer.models.hf_config.model_config_from_hf_dict(PUBLISHED_CONFIGS[name], source=name)`` gives the trainer's
+``ModelConfig``, ``tools.make_tiny_model.make_published_model`` writes a random model directory (a recipe's
+``[model.create_published]``); the published parameter count of each is in :data:`PUBLISHED_PARAMS` (what
+``ModelConfig.num_params`` must come close to).
 """
 
 from __future__ import annotations

@@ -1,0 +1,76 @@
+"""What one trainer rank holds in memory, estimated from the configs alone (no torch): training state and the
+activations of one micro-batch. For sizing a recipe to its chips before anything starts (``tests/deploy`` checks the
+hardware recipes with it); ``benchmarks/activation_checkpoint.py`` measures the real figures.
+
+- training state: float32 master weights, their gradients and AdamW's two moments, 16 bytes per trained parameter,
+  4 per frozen one (a LoRA base), sharded over the ranks by FSDP;
+- activations: what autograd keeps from one micro-batch's forward for its backward. A block without checkpointing
+  keeps its normalised inputs, the query/key/value projections before and after their norms and RoPE, the attention
+  output and the feed-forward's four hidden-width tensors (dense SwiGLU, or the ``top_k`` experts' per routed token);
+  a checkpointed block keeps its input only, and during backward one block's intermediates exist again at a time.
+  The output head adds its own buffers (``chunked``: three ``[chunk, vocab]`` float32 blocks; ``cached`` and
+  ``dense``: ``[tokens, vocab]`` float32).
+"""
+
+from __future__ import annotations
+
+from trainer.config import ActivationCheckpointConfig
+from trainer.models.config import LoRAConfig, ModelConfig
+
+__all__ = ["activation_bytes", "adapter_params", "block_activation_values", "train_state_bytes"]
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def adapter_params(model: ModelConfig, lora: LoRAConfig) -> int:
+    """Parameters of LoRA adapters on ``lora.target_modules`` of every block: ``rank x (in + out)`` each."""
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    ffn = model.ffn_hidden_dim
+    shapes = {
+        "q_proj": (model.dim, q), "k_proj": (model.dim, kv), "v_proj": (model.dim, kv), "o_proj": (q, model.dim),
+        "gate_proj": (model.dim, ffn), "up_proj": (model.dim, ffn), "down_proj": (ffn, model.dim),
+    }  # fmt: skip
+    return model.num_layers * sum(lora.rank * sum(shapes[t]) for t in lora.target_modules)
+
+
+def train_state_bytes(model: ModelConfig, num_ranks: int = 1) -> float:
+    """Bytes of float32 weights + gradients + AdamW moments per rank (FSDP shards all of them evenly); with
+    ``model.lora`` the base is frozen (weights only) and the adapters train."""
+    if model.lora is None:
+        return 16 * model.num_params / num_ranks
+    return (4 * model.num_params + 16 * adapter_params(model, model.lora)) / num_ranks
+
+
+def block_activation_values(model: ModelConfig) -> int:
+    """Values one token leaves saved for backward in one block without checkpointing (see the module docstring)."""
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    attention = 2 * model.dim + 2 * (q + kv) * (2 if model.qk_norm else 1) + kv + 2 * q
+    if model.moe is None:
+        ffn = 2 * model.dim + 4 * model.ffn_hidden_dim
+    else:  # router input and probabilities, each routed copy of the token, and its expert's hidden tensors
+        moe = model.moe
+        ffn = 2 * model.dim + moe.num_experts + moe.top_k * (2 * model.dim + 4 * moe.expert_ffn_hidden_dim)
+    return attention + ffn
+
+
+def activation_bytes(
+    model: ModelConfig,
+    tokens: int,
+    checkpoint: ActivationCheckpointConfig | None = None,
+    dtype: str = "float32",
+    head_tokens: int | None = None,
+) -> float:
+    """Bytes of activations one forward + backward of ``tokens`` tokens holds at its peak, with ``checkpoint``'s blocks
+    recomputed (None: none), in compute dtype ``dtype``; ``head_tokens`` (default: all) are the positions the output
+    head runs on (an RL loss reads completion positions only)."""
+    size = _BYTES[dtype]
+    per_block = block_activation_values(model) * tokens * size
+    checkpointed = 0 if checkpoint is None else len(checkpoint.checkpointed_blocks(model.num_layers))
+    kept = (model.num_layers - checkpointed) * per_block
+    inputs = checkpointed * model.dim * tokens * size
+    recompute = per_block if checkpointed else 0
+    head_tokens = tokens if head_tokens is None else head_tokens
+    chunked = model.output_head in ("chunked", "fused_pallas")
+    rows = min(model.output_chunk_size, head_tokens) if chunked else head_tokens
+    head = 3 * rows * model.vocab_size * 4
+    return kept + inputs + recompute + head
