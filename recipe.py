@@ -29,7 +29,7 @@ from typing import Any, Literal
 import pydantic
 
 from common.config import Config, DType, FieldError, config_error, read_toml_with_sources, to_toml, validate_config
-from common.published import PUBLISHED_CONFIGS
+from common.published import published_fields
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.envs.config import AgentEnvConfig, CustomEnvConfig, EnvironmentConfig, SingleTurnEnvConfig
 from rollout.rewards.config import FunctionRewardConfig, RewardConfig
@@ -77,18 +77,12 @@ class PublishedModelSpec(Config):
     @pydantic.field_validator("architecture")
     @classmethod
     def _known(cls, name: str) -> str:
-        if name not in PUBLISHED_CONFIGS:
-            raise ValueError(f"unknown architecture {name!r}; choose one of {sorted(PUBLISHED_CONFIGS)}")
+        published_fields(name)
         return name
 
     @pydantic.model_validator(mode="after")
     def _check_experts(self) -> PublishedModelSpec:
-        if self.num_experts is not None:
-            top_k = PUBLISHED_CONFIGS[self.architecture].get("num_experts_per_tok")
-            if top_k is None:
-                raise ValueError(f"{self.architecture} has no experts: remove num_experts")
-            if self.num_experts < top_k:
-                raise ValueError(f"num_experts = {self.num_experts} is below {self.architecture}'s top-k ({top_k})")
+        published_fields(self.architecture, self.num_layers, self.num_experts)
         return self
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["PUBLISHED_CONFIGS", "PUBLISHED_PARAMS"]
+__all__ = ["PUBLISHED_CONFIGS", "PUBLISHED_PARAMS", "published_fields"]
 
 _QWEN3_COMMON: Mapping[str, Any] = {
     "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False, "rms_norm_eps": 1e-6,
@@ -39,3 +39,24 @@ PUBLISHED_CONFIGS: Mapping[str, Mapping[str, Any]] = {
 
 PUBLISHED_PARAMS: Mapping[str, float] = {"Qwen3-0.6B": 0.6e9, "Qwen3-8B": 8.2e9, "Qwen3-30B-A3B": 30.5e9}
 """Model name -> parameter count as published (rounded)."""
+
+
+def published_fields(
+    architecture: str, num_layers: int | None = None, num_experts: int | None = None
+) -> dict[str, Any]:
+    """The ``config.json`` fields of ``architecture`` with ``num_layers`` blocks and (mixture-of-experts only)
+    ``num_experts`` experts instead of the published counts, when given. Raises ``ValueError`` naming what is wrong:
+    an unknown architecture, experts for a dense one, or fewer experts than its top-k."""
+    if architecture not in PUBLISHED_CONFIGS:
+        raise ValueError(f"unknown architecture {architecture!r}; choose one of {sorted(PUBLISHED_CONFIGS)}")
+    fields = dict(PUBLISHED_CONFIGS[architecture])
+    if num_layers is not None:
+        fields["num_hidden_layers"] = num_layers
+    if num_experts is not None:
+        top_k = fields.get("num_experts_per_tok")
+        if top_k is None:
+            raise ValueError(f"{architecture} has no experts: num_experts does not apply")
+        if num_experts < top_k:
+            raise ValueError(f"num_experts = {num_experts} is below {architecture}'s top-k ({top_k})")
+        fields["num_experts"] = num_experts
+    return fields

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 from common.config import Family
-from common.published import PUBLISHED_CONFIGS
+from common.published import PUBLISHED_CONFIGS, published_fields
 from tools.tiny_tokenizer import build_tokenizer, save_tokenizer
 
 __all__ = ["FAMILIES", "make_published_model", "make_tiny_model"]
@@ -91,20 +91,10 @@ def make_tiny_model(
     ``arch`` takes hidden_size, num_layers, num_heads, num_kv_heads, head_dim, intermediate_size, rope_theta,
     tie_word_embeddings, max_position_embeddings, and for qwen3_moe num_experts, top_k, moe_intermediate_size.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    out = Path(out_dir)
     tokenizer = build_tokenizer(vocab_size=vocab_size, seed=seed)
-    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     model_vocab = -(-len(tokenizer) // 64) * 64  # round up: padded vocab rows, as real checkpoints have
-    config = _hf_config(family, model_vocab, eos_id, pad_id, **arch)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
-    model.save_pretrained(out, safe_serialization=True)
-    save_tokenizer(tokenizer, out)
-    return out
+    config = _hf_config(family, model_vocab, tokenizer.eos_token_id, tokenizer.pad_token_id, **arch)
+    return _save_random_model(Path(out_dir), config, tokenizer, seed, dtype)
 
 
 def make_published_model(
@@ -119,30 +109,25 @@ def make_published_model(
     its real widths and vocabulary, ``num_layers`` blocks and (MoE) ``num_experts`` experts when given (fewer than
     published, for a reduced model of the real layer shapes), and the project's tiny tokenizer (its ids are the
     first rows of the real vocabulary). Return the directory. Raises ``ValueError`` for an unknown architecture or
-    an expert count below the architecture's ``top_k``."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    an expert count below the architecture's top-k (``common.published.published_fields``)."""
+    from transformers import AutoConfig
 
-    if architecture not in PUBLISHED_CONFIGS:
-        raise ValueError(f"unknown architecture {architecture!r}; choose one of {sorted(PUBLISHED_CONFIGS)}")
-    fields = dict(PUBLISHED_CONFIGS[architecture])
-    if num_layers is not None:
-        fields["num_hidden_layers"] = num_layers
-    if num_experts is not None:
-        if "num_experts" not in fields:
-            raise ValueError(f"{architecture} is not a mixture-of-experts model: num_experts does not apply")
-        if num_experts < fields["num_experts_per_tok"]:
-            top_k = fields["num_experts_per_tok"]
-            raise ValueError(f"num_experts {num_experts} is below {architecture}'s top_k {top_k}")
-        fields["num_experts"] = num_experts
-    out = Path(out_dir)
+    fields = published_fields(architecture, num_layers, num_experts)
     tokenizer = build_tokenizer(seed=seed)
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     model_type = fields.pop("model_type")
     config = AutoConfig.for_model(model_type, **fields, bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
+    return _save_random_model(Path(out_dir), config, tokenizer, seed, dtype)
+
+
+def _save_random_model(out: Path, config: PreTrainedConfig, tokenizer: Any, seed: int, dtype: str) -> Path:
+    """Initialise transformers' model of ``config`` from ``seed`` and write it with ``tokenizer`` to ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(out, safe_serialization=True)
     save_tokenizer(tokenizer, out)
     return out
