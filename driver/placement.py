@@ -8,7 +8,8 @@
 trainer ranks split the cores among themselves (they run at once), and so do the rollout workers; Ray's CPU
 reservations are fractions that add up to the host, so every actor fits on it. One engine binds one thread per
 physical core (vLLM's ``auto``), several run unpinned threads that split the cores. The pool's receivers offer the
-shared-memory data plane, so weights reach the engines without a socket.
+shared-memory data plane, so weights reach the engines without a socket, and keep no delta base (raw tensors travel
+over shared memory; a base would hold one more copy of the model in every engine).
 
 'separate': each actor runs on the CPUs Ray reserves for it: a trainer rank on one, an engine on
 ``rollout.num_cpus_per_worker`` (and its own ``cpu_threads_bind``); actors may land on any node of the cluster.
@@ -74,5 +75,6 @@ def plan_placement(recipe: Any, num_cores: int) -> Placement:
         trainer_env={"OMP_NUM_THREADS": str(max(1, num_cores // ranks))},
         rollout=rollout.model_copy(update={"num_cpus_per_worker": share, "engine": engine}),
         rollout_env={"OMP_NUM_THREADS": str(engine_threads)},
-        receiver_sync=recipe.weight_sync.model_copy(update={"offer_shm": True}),
+        # Same-host pushes carry raw tensors over shared memory: a delta base would be one more model copy per engine.
+        receiver_sync=recipe.weight_sync.model_copy(update={"offer_shm": True, "delta": False}),
     )

@@ -33,6 +33,7 @@ def test_colocated_phases_get_every_core():
     assert plan.trainer_cpus + plan.rollout.num_cpus_per_worker == 8 and plan.num_cores == 8
     assert plan.rollout.engine.cpu_threads_bind == "auto"  # one engine: vLLM pins a thread to every core
     assert plan.receiver_sync.offers_shm  # the handover stays on the host
+    assert not plan.receiver_sync.delta  # raw tensors over shared memory: no base copy of the model in each engine
 
 
 def test_colocated_actors_of_one_role_split_the_cores():
@@ -48,4 +49,4 @@ def test_separate_actors_run_on_their_reservation():
     plan = plan_placement(_recipe(**{"run.placement": "separate", "rollout.num_workers": 2}), num_cores=8)
     assert plan.trainer_env == {"OMP_NUM_THREADS": "1"} and plan.trainer_cpus == 1.0
     assert plan.rollout.num_cpus_per_worker == 1.0 and plan.num_cores == 3
-    assert not plan.receiver_sync.offers_shm
+    assert not plan.receiver_sync.offers_shm and plan.receiver_sync.delta

@@ -21,7 +21,7 @@ RECIPE = "recipes/qwen3_0p6b_cpu.toml"
 NUM_STEPS = 2
 
 
-# Two ranks peak at ~22 GB on a 24 GB host (two trainer ranks of ~8 GB, the engine ~6-7 GB): Ray's memory monitor
+# Two ranks peak at ~23 GB on a 24 GB host (two trainer ranks of ~8.8 GB, the engine ~6.5 GB): Ray's memory monitor
 # (95%) has killed a rank there; until the per-rank memory drops (issue 18) that case may fail on such hosts.
 _TIGHT = psutil.virtual_memory().total < 28e9
 
