@@ -18,6 +18,9 @@ NUM_STEPS = 2
 
 def _worker(rank: int, world: int, compile: bool, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
+    # Compile in this process: inductor's pool of compile workers, still winding down when the process exits, once
+    # aborted a rank at exit ("terminate called without an active exception") after the test's work was done.
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from torch.distributed.fsdp import FSDPModule
 
