@@ -96,15 +96,15 @@ class ModelSection(BlockChoices):
     """Create a tiny random model at ``path`` first when the directory does not exist (the embedded demo)."""
     create_published: PublishedModelSpec | None = None
     """Create a random model of a published architecture at ``path`` first when the directory does not exist."""
+    lora: LoRAConfig | None = None
+    """Train LoRA adapters on the frozen checkpoint instead of every weight (``trainer.models.lora``): each step pushes
+    only the adapters, and the engines serve them through vLLM's LoRA path. None: full-parameter training."""
 
     @pydantic.model_validator(mode="after")
     def _one_creator(self) -> ModelSection:
         if self.create_tiny is not None and self.create_published is not None:
             raise ValueError("[model.create_tiny] and [model.create_published] both create the model: keep one")
         return self
-    lora: LoRAConfig | None = None
-    """Train LoRA adapters on the frozen checkpoint instead of every weight (``trainer.models.lora``): each step pushes
-    only the adapters, and the engines serve them through vLLM's LoRA path. None: full-parameter training."""
 
 
 class WarmStartConfig(Config):

@@ -296,8 +296,8 @@ class TrainerWorker:
         declared = {} if dtype is not None else sender.declared_dtypes()
 
         def cast(hf_name: str, piece: torch.Tensor) -> torch.Tensor:
-            name = dtype if dtype is not None else declared.get(hf_name)
-            return piece if name is None or piece.dtype == getattr(torch, name) else piece.to(getattr(torch, name))
+            name = dtype or declared.get(hf_name)
+            return piece if name is None else piece.to(getattr(torch, name))  # .to is a no-op for the same dtype
 
         # With LoRA the engines hold the frozen base: only the adapters change, unless the base trained since.
         adapters_only = self.model_cfg.lora is not None and not (
