@@ -32,9 +32,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.machine import machine_line  # noqa: E402
+from benchmarks.machine import load_avg, machine_line, med_range  # noqa: E402
+from weight_sync.config import WeightSyncConfig  # noqa: E402
 
 NUM_TENSORS = 16
+QUIET_LOAD = 0.5  # 1-minute load average above which the benchmark warns that its ratios may mislead
 
 
 def model_arrays(size_mib: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -65,17 +67,6 @@ def spawn(*args: str) -> subprocess.Popen:
 
 
 # -- baselines ------------------------------------------------------------------------------------------------------
-def bench_memcpy(arrays: dict[str, np.ndarray], repeats: int) -> float:
-    dst = {k: np.empty_like(v) for k, v in arrays.items()}
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        for k, v in arrays.items():
-            np.copyto(dst[k], v)
-        times.append(time.perf_counter() - start)
-    return gbps(sum(v.nbytes for v in arrays.values()), statistics.median(times[1:]))
-
-
 def bench_delta_compare(arrays: dict[str, np.ndarray], chunk_bytes: int, repeats: int) -> float:
     """Rate of the compare alone that any delta encoding needs (new vs base, ~3% changed), chunk by chunk: the ceiling
     of a delta push's effective rate on one core, whatever the link."""
@@ -115,21 +106,14 @@ def tcp_receiver(port: int, nbytes: int, repeats: int) -> None:
                 conn.sendall(b"k")
 
 
-def bench_tcp(arrays: dict[str, np.ndarray], repeats: int) -> float:
-    nbytes = sum(v.nbytes for v in arrays.values())
-    port = free_port()
-    proc = spawn("--_role", "tcp", "--_port", str(port), "--_nbytes", str(nbytes), "--_repeats", str(repeats))
-    assert proc.stdout.readline().strip() == "ready"
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        with socket.create_connection(("127.0.0.1", port)) as conn:
-            for v in arrays.values():
-                conn.sendall(memoryview(v).cast("B"))
-            assert conn.recv(1) == b"k"
-        times.append(time.perf_counter() - start)
-    proc.wait(timeout=60)
-    return gbps(nbytes, statistics.median(times[1:]))
+def send_tcp(arrays: dict[str, np.ndarray], port: int) -> float:
+    """Seconds to send every array over one fresh connection to `tcp_receiver` and get its one-byte answer."""
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        for v in arrays.values():
+            conn.sendall(memoryview(v).cast("B"))
+        assert conn.recv(1) == b"k"
+    return time.perf_counter() - start
 
 
 def gloo_rank(rank: int, port: int, nbytes: int, repeats: int) -> None:
@@ -180,17 +164,22 @@ class DiscardSink:
     def apply(self, policy_version, tensors):
         pass
 
+    def committed_version(self) -> int:
+        return 0
 
-def weight_receiver(size_mib: int, chunk_bytes: int, plane: str) -> None:
+
+def weight_receiver(size_mib: int, config_fields: dict) -> None:
+    """A receiver of `model_arrays(size_mib)`'s shapes into a DiscardSink, with `WeightSyncConfig(**config_fields)`:
+    prints its address, then (on SIGTERM) its peak memory above its idle RSS as JSON."""
+    import gc
+
     from weight_sync.config import WeightSyncConfig
     from weight_sync.receiver import WeightReceiver
     from weight_sync.spec import TensorSpec
 
     specs = [TensorSpec(k, v.shape, "bfloat16") for k, v in model_arrays(size_mib).items()]  # shapes only
-    import gc
-
     gc.collect()
-    receiver = WeightReceiver(DiscardSink(specs), WeightSyncConfig(chunk_bytes=chunk_bytes, data_plane=plane))
+    receiver = WeightReceiver(DiscardSink(specs), WeightSyncConfig(**config_fields))
     receiver.start()
     baseline = _rss_bytes("VmRSS")
     done = threading.Event()
@@ -211,7 +200,11 @@ def shards_of(arrays: dict[str, np.ndarray]):
         yield Shard(name, t, tuple(t.shape), (0, 0))
 
 
-def bench_push(arrays: dict[str, np.ndarray], size_mib: int, chunk_bytes: int, repeats: int) -> dict[str, float]:
+def bench_push(
+    arrays: dict[str, np.ndarray], size_mib: int, chunk_bytes: int, repeats: int, ratios: dict[str, list[float]]
+) -> dict[str, float]:
+    """Rates of every path (GB/s) and receiver memory figures; per-repeat ratios of the interleaved paths go to
+    `ratios`."""
     from weight_sync.config import WeightSyncConfig
     from weight_sync.sender import WeightSender
 
@@ -219,12 +212,16 @@ def bench_push(arrays: dict[str, np.ndarray], size_mib: int, chunk_bytes: int, r
     # One receiver per data plane: the socket-plane one ("auto") also takes the deltas; its memory is the one to watch.
     procs = {
         plane: spawn(
-            "--_role", "receiver", "--size", str(size_mib), "--chunk-bytes", str(chunk_bytes), "--_plane", plane
+            "--_role", "receiver", "--size", str(size_mib),
+            "--_config", json.dumps({"chunk_bytes": chunk_bytes, "data_plane": plane, "delta": True}),
         )
         for plane in ("auto", "grpc", "shm")
     }
     addresses = {plane: proc.stdout.readline().strip() for plane, proc in procs.items()}
     address = addresses["auto"]
+    tcp_port = free_port()
+    tcp = spawn("--_role", "tcp", "--_port", str(tcp_port), "--_nbytes", str(nbytes), "--_repeats", str(repeats))
+    assert tcp.stdout.readline().strip() == "ready"
     version = 0
 
     def timed(sender, data) -> tuple[float, object]:
@@ -246,13 +243,16 @@ def bench_push(arrays: dict[str, np.ndarray], size_mib: int, chunk_bytes: int, r
         for plane in receiver_of
     }
     copies = {k: np.empty_like(v) for k, v in arrays.items()}
-    times: dict[str, list[float]] = {"memcpy": [], **{plane: [] for plane in receiver_of}}
+    times: dict[str, list[float]] = {"memcpy": [], "raw_tcp": [], **{plane: [] for plane in receiver_of}}
     try:
-        for _ in range(repeats + 1):  # interleaved, so that load from other jobs hits every path alike
+        # Interleaved: each repeat times every path back to back, so a load change hits all of them alike and each
+        # repeat gives its own ratio to memcpy and to raw TCP.
+        for _ in range(repeats + 1):
             start = time.perf_counter()
             for k, v in arrays.items():
                 np.copyto(copies[k], v)
             times["memcpy"].append(time.perf_counter() - start)
+            times["raw_tcp"].append(send_tcp(arrays, tcp_port))
             for plane, sender in senders.items():
                 seconds, report = timed(sender, arrays)
                 target = [addresses[receiver_of[plane]]]
@@ -262,8 +262,11 @@ def bench_push(arrays: dict[str, np.ndarray], size_mib: int, chunk_bytes: int, r
     finally:
         for sender in senders.values():
             sender.close()
+    tcp.wait(timeout=60)
     for path, runs in times.items():
         out[f"full_{path}_gbps"] = gbps(nbytes, statistics.median(runs[1:]))
+    ratios["socket plane / raw TCP"] = [t / p for t, p in zip(times["raw_tcp"][1:], times["tcp"][1:], strict=True)]
+    ratios["shared memory / memcpy"] = [m / p for m, p in zip(times["memcpy"][1:], times["shm"][1:], strict=True)]
     rng = np.random.default_rng(1)
     delta = []
     with WeightSender([address], WeightSyncConfig(chunk_bytes=chunk_bytes, delta=True, data_plane="tcp")) as sender:
@@ -311,7 +314,10 @@ def bench_relay_bytes(size_mib: int, num_receivers: int, fanout: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=1024, help="model size in MiB of bf16 (default 1024)")
-    parser.add_argument("--chunk-bytes", type=int, default=1 << 20, help="weight-sync chunk size in bytes")
+    parser.add_argument(
+        "--chunk-bytes", type=int, default=WeightSyncConfig.model_fields["chunk_bytes"].default,
+        help="weight-sync chunk size in bytes (default: WeightSyncConfig's)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per path (median; one warm-up extra)")
     parser.add_argument("--relay-size", type=int, default=32, help="MiB pushed through the 8-receiver relay count")
     parser.add_argument("--_role", default=None, help=argparse.SUPPRESS)
@@ -319,41 +325,47 @@ def main() -> None:
     parser.add_argument("--_rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--_nbytes", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--_repeats", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--_plane", default="auto", help=argparse.SUPPRESS)
+    parser.add_argument("--_config", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._role == "tcp":
         return tcp_receiver(args._port, args._nbytes, args._repeats)
     if args._role == "gloo":
         return gloo_rank(args._rank, args._port, args._nbytes, args._repeats)
     if args._role == "receiver":
-        return weight_receiver(args.size, args.chunk_bytes, args._plane)
+        return weight_receiver(args.size, json.loads(args._config))
 
     print(machine_line(), flush=True)
+    if float(load_avg().split()[0]) > QUIET_LOAD:
+        print(f"WARNING: 1-minute load average above {QUIET_LOAD}: other jobs share the cores and ratios taken now "
+              "may mislead (see README); rerun on a quiet machine", flush=True)
     arrays = model_arrays(args.size)
     nbytes = sum(v.nbytes for v in arrays.values())
     print(f"model: {NUM_TENSORS} bf16 tensors, {nbytes / 2**20:.0f} MiB; chunk {args.chunk_bytes / 2**20:g} MiB; "
           f"{os.cpu_count()} cores; median of {args.repeats}", flush=True)
-    rows = {"memcpy into an existing buffer": bench_memcpy(arrays, args.repeats)}
-    rows["raw TCP socket (loopback)"] = bench_tcp(arrays, args.repeats)
-    rows["gloo broadcast, 2 processes"] = bench_gloo(nbytes, args.repeats)
-    push = bench_push(arrays, args.size, args.chunk_bytes, args.repeats)
-    rows["weight_sync push, 1 receiver, full, shared memory (same host)"] = push["full_shm_gbps"]
-    rows["weight_sync push, 1 receiver, full, socket data plane (other hosts)"] = push["full_tcp_gbps"]
-    rows["weight_sync push, 1 receiver, full, gRPC Push streams (TLS / relay path)"] = push["full_grpc_gbps"]
-    rows["weight_sync push, 1 receiver, delta 3% changed (effective)"] = push["delta_gbps"]
-    rows["delta compare alone, 1 core (ceiling of any delta push)"] = bench_delta_compare(
-        arrays, args.chunk_bytes, args.repeats
-    )
+    ratios: dict[str, list[float]] = {}
+    push = bench_push(arrays, args.size, args.chunk_bytes, args.repeats, ratios)
+    rows = {
+        "memcpy into an existing buffer": push["full_memcpy_gbps"],
+        "raw TCP socket (loopback)": push["full_raw_tcp_gbps"],
+        "gloo broadcast, 2 processes": bench_gloo(nbytes, args.repeats),
+        "weight_sync push, 1 receiver, full, shared memory (same host)": push["full_shm_gbps"],
+        "weight_sync push, 1 receiver, full, socket data plane (other hosts)": push["full_tcp_gbps"],
+        "weight_sync push, 1 receiver, full, gRPC Push streams (TLS / relay path)": push["full_grpc_gbps"],
+        "weight_sync push, 1 receiver, delta 3% changed (effective)": push["delta_gbps"],
+        "delta compare alone, 1 core (ceiling of any delta push)": bench_delta_compare(
+            arrays, args.chunk_bytes, args.repeats
+        ),
+    }
     tcp, mem = rows["raw TCP socket (loopback)"], rows["memcpy into an existing buffer"]
     print("\n| path | GB/s | / raw TCP | / memcpy |\n|---|---|---|---|")
     for name, rate in rows.items():
         print(f"| {name} | {rate:.2f} | {rate / tcp:.2f} | {rate / mem:.2f} |")
-    copy = push["full_memcpy_gbps"]
-    print(f"\nshared-memory push / memcpy, interleaved in one loop: {push['full_shm_gbps'] / copy:.2f}x (memcpy "
-          f"{copy:.2f} GB/s there; socket data plane {push['full_tcp_gbps'] / copy:.2f}x, gRPC "
-          f"{push['full_grpc_gbps'] / copy:.2f}x)")
+    print("\nper-repeat ratios (memcpy, raw TCP and the push planes back to back in each repeat), median [range]:")
+    for name, values in ratios.items():
+        print(f"  {name}: {med_range(values)}x")
     print(f"delta push / full push effective rate: {push['delta_gbps'] / push['full_tcp_gbps']:.1f}x "
-          f"(delta bytes on the wire: {100 * push['delta_wire_fraction']:.2f}% of the model)")
+          f"(delta bytes on the wire: {100 * push['delta_wire_fraction']:.2f}% of the model; links: "
+          "benchmarks/weight_sync_links.py)")
     print(f"receiver peak memory above its idle RSS / model bytes: {push['receiver_peak_over_model_auto']:.2f}x "
           "(default receiver: full pushes then deltas over the socket plane: staging + delta base; the sink's own copy "
           f"not included); {push['receiver_peak_over_model_grpc']:.2f}x for the gRPC-only receiver, "

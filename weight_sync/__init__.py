@@ -19,7 +19,7 @@ _EXPORTS = {
     "WeightReceiver": "weight_sync.receiver",
     "WeightSender": "weight_sync.sender",
     "Shard": "weight_sync.sender",
-    "PushReport": "weight_sync.sender",
+    "PushReport": "weight_sync.report",
     "checkpoint_shards": "weight_sync.checkpoint",
 }
 

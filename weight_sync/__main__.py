@@ -44,6 +44,10 @@ def _metavar(name: str, annotation: object) -> str:
         return "{" + ",".join(str(a) for a in typing.get_args(annotation)) + "}"
     if annotation is bool:
         return "{true,false}"
+    if bool in typing.get_args(annotation):  # bool | Literal[...]
+        literals = [a for t in typing.get_args(annotation) if typing.get_origin(t) is typing.Literal
+                    for a in typing.get_args(t)]
+        return "{" + ",".join(["true", "false", *map(str, literals)]) + "}"
     if annotation is int:
         return "INT"
     if annotation is float:

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import threading
 from collections.abc import Iterator
+from concurrent import futures
 
 import numpy as np
 import torch
@@ -22,7 +23,16 @@ from weight_sync.codec import encode_chunk, sparse_encode, sparse_payload, xor_e
 from weight_sync.layout import box_error
 from weight_sync.spec import TensorSpec, element_dtype
 
-__all__ = ["Chunk", "DeltaCoder", "LocalShard", "Piece", "Shard", "as_local", "piece_chunks", "plan_streams"]
+__all__ = [
+    "Chunk", "DeltaCoder", "LocalShard", "Piece", "Shard", "as_local", "piece_chunks", "plan_streams",
+    "stream_chunks",
+]
+
+
+# Pieces (each one shard on the wire, with its own checksum) are cut to about this size so that a piece's bytes, hashed
+# just before they stream, are still in cache when they are sent; receivers take up to 4,096 shards per tensor.
+PIECE_BYTES = 8 << 20
+MAX_PIECES_PER_SHARD = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,14 +92,28 @@ class Piece:
         a, b = self.span
         return (b - a) * self.local.values.itemsize
 
+    @property
+    def values(self) -> np.ndarray:
+        """The piece's elements: a view of `local.values`."""
+        a, b = self.span
+        return self.local.values[a:b]
+
+    def checksum(self) -> int:
+        """xxh3_64 (seed 0) of the piece's element bytes: its shard header's checksum."""
+        return xxhash.xxh3_64_intdigest(self.values.data)
+
 
 def plan_streams(locals_: list[LocalShard], num_streams: int) -> list[list[Piece]]:
-    """Spread shards over `num_streams` groups of near-equal bytes, cutting shards larger than an equal share."""
+    """Spread shards over `num_streams` groups of near-equal bytes, cutting shards larger than an equal share or than
+    `PIECE_BYTES` into row blocks (at most `MAX_PIECES_PER_SHARD` of them)."""
     share = max(sum(local.values.nbytes for local in locals_) / num_streams, 1)
+    share = min(share, PIECE_BYTES)
     pieces: list[Piece] = []
     for local in locals_:
         rows = local.shape[0] if local.shape else 1
-        parts = min(rows, math.ceil(local.values.nbytes / share)) if local.shape and rows > 1 else 1
+        parts = 1
+        if local.shape and rows > 1:
+            parts = min(rows, MAX_PIECES_PER_SHARD, math.ceil(local.values.nbytes / share))
         bounds = [rows * i // max(parts, 1) for i in range(max(parts, 1) + 1)]
         pieces += [Piece(local, a, b) for a, b in zip(bounds, bounds[1:]) if b > a or rows == 0]
     groups: list[list[Piece]] = [[] for _ in range(num_streams)]
@@ -176,19 +200,42 @@ def _with_encoding(chunk: pb.ChunkHeader, encoding: pb.Encoding) -> pb.ChunkHead
     return coded
 
 
-def piece_chunks(piece: Piece, base: np.ndarray | None, chunk_bytes: int) -> Iterator[Chunk]:
+def stream_chunks(
+    group: list[Piece], bases: dict[tuple[str, tuple[int, ...]], np.ndarray | None], chunk_bytes: int,
+    pool: futures.Executor,
+) -> Iterator[Chunk]:
+    """The chunks of one stream's pieces in order (`piece_chunks`, with each piece's base from `bases` by key).
+
+    Each piece's checksum is computed on `pool` while the piece before it streams (xxhash releases the GIL): one piece
+    ahead, so that the first chunk does not wait for it and its bytes are still in cache when they are sent.
+    """
+    ahead = pool.submit(group[0].checksum) if group else None
+    try:
+        for k, piece in enumerate(group):
+            checksum = ahead
+            ahead = pool.submit(group[k + 1].checksum) if k + 1 < len(group) else None
+            yield from piece_chunks(piece, bases.get(piece.local.key), chunk_bytes, checksum)
+    finally:  # a push that stopped early does not hash for nothing
+        if ahead is not None:
+            ahead.cancel()
+
+
+def piece_chunks(
+    piece: Piece, base: np.ndarray | None, chunk_bytes: int, checksum: futures.Future[int] | None = None
+) -> Iterator[Chunk]:
     """The chunks of a piece, each with its slice of `base` (the previous version of the whole local shard) when one is
-    given: `DeltaCoder.encode` then adds the delta form and updates that slice."""
+    given: `DeltaCoder.encode` then adds the delta form and updates that slice. `checksum`: the piece's checksum being
+    computed elsewhere (`stream_chunks`), else it is computed here before the first chunk."""
     local = piece.local
     a, b = piece.span
-    values = local.values[a:b]
+    values = piece.values
     old = base[a:b] if base is not None else None
     offsets, shape = list(local.offsets), list(local.shape)
     if shape:
         offsets[0] += piece.row0
         shape[0] = piece.row1 - piece.row0
-    checksum = xxhash.xxh3_64_intdigest(values.data)
-    header = pb.ShardHeader(name=local.name, offsets=offsets, shape=shape, xxh3_64=checksum)
+    digest = checksum.result() if checksum is not None else piece.checksum()
+    header = pb.ShardHeader(name=local.name, offsets=offsets, shape=shape, xxh3_64=digest)
     step = max(1, chunk_bytes // values.itemsize)
     for begin in range(0, max(values.shape[0], 1), step):
         new = values[begin : begin + step]

@@ -19,8 +19,10 @@ RESERVED_SERVER_THREADS = MAX_COMMIT_WAITERS + 4  # + short calls: Describe, Beg
 class WeightSyncConfig(Config):
     """How trainer ranks push weights to receivers, and how a receiver serves and checks pushes."""
 
-    chunk_bytes: int = pydantic.Field(1 << 20, ge=64, le=64 << 20)
-    """Raw payload bytes per streamed chunk, a multiple of 8 (``benchmarks/weight_sync.py`` compares sizes)."""
+    chunk_bytes: int = pydantic.Field(4 << 20, ge=64, le=64 << 20)
+    """Raw payload bytes per streamed chunk, a multiple of 8; a receiver refuses larger ones. Each chunk costs a frame
+    and its checks on both ends: 4 MiB keeps that a small share of a socket-plane push (``benchmarks/weight_sync.py
+    --chunk-bytes`` compares sizes)."""
     num_streams: int = pydantic.Field(2, ge=1, le=64)
     """Push streams per rank and receiver; a rank's shards are spread over them."""
     rpc_timeout_s: float = pydantic.Field(30.0, gt=0)
@@ -78,8 +80,12 @@ class WeightSyncConfig(Config):
     """Receiver port; 0 picks a free one (returned by `start()`)."""
     allow_insecure_remote: bool = False
     """Allow a non-loopback bind without TLS or without a token (trusted private networks only)."""
-    delta: bool = True
-    """Send XOR+zstd deltas to receivers that hold the previous version; receivers keep a base copy for it."""
+    delta: bool | Literal["auto"] = "auto"
+    """Delta pushes (only the elements that changed since the version the receiver holds). Sender side: true sends
+    deltas to every receiver that holds the previous version; false never; "auto" to each receiver whose link is
+    measured slower than this sender compares (a delta push cannot go faster than the compare: on loopback and fast
+    links full pushes win; see `weight_sync/delta_policy.py` and `benchmarks/weight_sync_links.py`). Receiver side:
+    true or "auto" keep the committed version as a base copy for deltas (twice the staging memory); false keeps none."""
     delta_encoding: Literal["sparse", "xor_zstd"] = "sparse"
     """Delta chunks as changed (index, value) pairs (fast to compute) or zstd of the XOR (fewer bytes, more CPU)."""
     delta_threads: int = pydantic.Field(4, ge=1, le=64)

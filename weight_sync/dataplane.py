@@ -31,6 +31,7 @@ from typing import Protocol, TypeVar
 
 import grpc
 import numpy as np
+import xxhash
 from google.protobuf.message import Message
 
 from protos import weight_sync_pb2 as pb
@@ -48,6 +49,9 @@ log = logging.getLogger("weight_sync.dataplane")
 _M = TypeVar("_M", bound=Message)
 
 MAX_HEADER_BYTES = 1 << 16
+# Reads of a payload that is hashed as it arrives: small enough that the hash finds the bytes in cache (xxh3 runs at
+# ~30 GB/s there and at memory speed, a third of that, on a buffer read back later).
+HASH_STEP = 256 << 10
 DRAIN_S = 2.0  # how long a receiver keeps reading a refused stream so that its answer arrives
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -59,13 +63,25 @@ _EVICTED = (
 )
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
+def _recv_into(sock: socket.socket, view: memoryview, hasher: xxhash.xxh3_64 | None = None) -> None:
+    """Fill `view` from `sock`; with `hasher`, feed it each read's bytes at once, while they are still in cache."""
+    got, size = 0, len(view)
+    step = HASH_STEP if hasher is not None else size
+    while got < size:
+        n = sock.recv_into(view[got:], min(size - got, step))
         if n == 0:
-            raise ConnectionError(f"peer closed the connection {len(view) - got} bytes before the end of a frame")
+            raise ConnectionError(f"peer closed the connection {size - got} bytes before the end of a frame")
+        if hasher is not None:
+            hasher.update(view[got : got + n])
         got += n
+
+
+def _set_recv_timeout(sock: socket.socket, seconds: float) -> None:
+    """Blocking reads that fail (BlockingIOError) after `seconds` without data: the kernel's SO_RCVTIMEO, not Python's
+    socket timeout, which polls before every read (one more system call per read of a payload)."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
 def _recv_bytes(sock: socket.socket, n: int) -> bytes:
@@ -154,8 +170,9 @@ class FrameSource(Protocol):
         """The next `n` bytes of the connection's frames; raises ConnectionError when it closes first."""
         ...
 
-    def read_into(self, view: memoryview) -> None:
-        """The next payload, `len(view)` bytes, into `view`; raises SyncError when it cannot be where the frame says."""
+    def read_into(self, view: memoryview, hasher: xxhash.xxh3_64 | None = None) -> None:
+        """The next payload, `len(view)` bytes, into `view`, fed to `hasher` (when given) in order as it lands; raises
+        SyncError when it cannot be where the frame says."""
         ...
 
     def close(self) -> None:
@@ -174,8 +191,8 @@ class SocketFrames:
     def recv_bytes(self, n: int) -> bytes:
         return _recv_bytes(self._conn, n)
 
-    def read_into(self, view: memoryview) -> None:
-        _recv_into(self._conn, view)
+    def read_into(self, view: memoryview, hasher: xxhash.xxh3_64 | None = None) -> None:
+        _recv_into(self._conn, view, hasher)
 
     def close(self) -> None:
         pass
@@ -326,7 +343,7 @@ class StreamServer:
             )
         except SyncError as e:
             return self._reply(conn, e.code, e.message, unopened=True)
-        conn.settimeout(self.idle_timeout_s)
+        _set_recv_timeout(conn, self.idle_timeout_s)
         start = time.perf_counter()
         relay = SocketRelay(hello, self.push_timeout_s, self.relay_stall_s) if hello.relay else None
         writer.set_cancel(functools.partial(_cut_connection, conn, relay))
@@ -337,7 +354,7 @@ class StreamServer:
             if relay is not None:
                 relay.cancel()
             return self._reply(conn, e.code, e.message)
-        except TimeoutError:  # the sender stalled: nothing for idle_timeout_s
+        except (TimeoutError, BlockingIOError):  # the sender stalled: nothing for idle_timeout_s (SO_RCVTIMEO)
             idle = SyncError(
                 Code.DEADLINE_EXCEEDED,
                 f"rank {hello.rank}'s data-plane stream of {writer.update.update_id} received nothing for "
@@ -371,15 +388,16 @@ class StreamServer:
                 break
             if head_len > MAX_HEADER_BYTES:
                 raise SyncError(Code.INVALID_ARGUMENT, f"chunk header of {head_len} bytes exceeds {MAX_HEADER_BYTES}")
+            head = frames.recv_bytes(head_len + 8)  # the header and the payload length in one read
             try:
-                header = pb.ChunkHeader.FromString(frames.recv_bytes(head_len))
+                header = pb.ChunkHeader.FromString(head[:head_len])
             except Exception as e:  # protobuf's DecodeError types
                 raise SyncError(Code.INVALID_ARGUMENT, f"malformed chunk header: {e}") from None
-            (payload_len,) = _U64.unpack(frames.recv_bytes(8))
+            (payload_len,) = _U64.unpack_from(head, head_len)
             dest = writer.begin_chunk(header, payload_len)  # checks payload_len against the manifest first
             if dest is not None:
-                frames.read_into(dest)
-                writer.end_chunk(None)
+                frames.read_into(dest, writer.raw_hasher)
+                writer.end_chunk(None, hashed=True)
                 if relay is not None:  # staging memory stays put until this stream (and its relay) finished
                     relay.forward(header, np.frombuffer(dest, dtype=np.uint8))
                 continue
@@ -453,6 +471,9 @@ class SocketStream:
         stall_s: float | None = None, connect_timeout_s: float | None = None,
     ) -> None:
         self.bytes_sent = 0
+        self.send_s = 0.0  # time spent handing bytes to the socket: the link's pace when it is the slower side
+        self.stream_s = 0.0  # from opening to the answer (set when the stream is done)
+        self._opened = time.perf_counter()
         self.unopened = False
         self._deadline = time.monotonic() + timeout_s
         self._stall_s = stall_s
@@ -521,6 +542,7 @@ class SocketStream:
         except StreamFailure as e:
             self._outcome = e
         finally:
+            self.stream_s = time.perf_counter() - self._opened
             self._done.set()
             if self._sock is not None:
                 self._sock.close()
@@ -563,12 +585,14 @@ class SocketStream:
 
     def _send(self, sock: socket.socket, prefix: bytes, body: memoryview) -> None:
         """Write a frame prefix and its payload without copying the payload (sendmsg gathers both)."""
+        start = time.perf_counter()
         sent = sock.sendmsg([prefix, body])
         if sent < len(prefix):
             sock.sendall(prefix[sent:])
             sock.sendall(body)
         elif sent < len(prefix) + len(body):
             sock.sendall(body[sent - len(prefix) :])
+        self.send_s += time.perf_counter() - start
         self.bytes_sent += len(prefix) + len(body)
 
     def _read_reply(self, fail: StreamFailure | None) -> pb.PushReply:

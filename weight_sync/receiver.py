@@ -89,7 +89,7 @@ class WeightReceiver:
         self.config = config or WeightSyncConfig()
         self.area = StagingArea(
             list(sink.manifest()),
-            keep_base=self.config.delta,
+            keep_base=self.config.delta is not False,
             idle_timeout_s=self.config.update_idle_timeout_s,
             max_chunk_bytes=self.config.chunk_bytes,
             policy_version=committed_version_of(sink),
@@ -231,7 +231,7 @@ class WeightReceiver:
             manifest=specs,
             policy_version=self.area.policy_version,
             max_chunk_bytes=self.config.chunk_bytes,
-            delta_supported=self.config.delta,
+            delta_supported=self.config.delta is not False,
             data_port=self._data.port if self._data is not None else 0,
             protocol_version=protocol_version(),
             shm_plane=self._shm.offer if self._shm is not None else None,

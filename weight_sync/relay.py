@@ -91,6 +91,10 @@ class ChunkStream(Protocol):
     """What the sender feeds: one Push stream to a head receiver, `PushStream` (gRPC) or `dataplane.SocketStream`."""
 
     bytes_sent: int
+    send_s: float
+    """Seconds spent handing bytes to the transport: the link's pace where the link is the slower side."""
+    stream_s: float
+    """Seconds from opening the stream to its answer (set once it is done)."""
 
     def send_chunk(self, chunk: Chunk, delta: bool) -> bool:
         """Queue one chunk (its delta form when `delta` and it has one); False when the stream already failed."""
@@ -123,6 +127,9 @@ class PushStream:
     ):
         self.client = client
         self.bytes_sent = 0
+        self.send_s = 0.0  # gRPC pulls the messages itself: from opening to the answer, as `stream_s`
+        self.stream_s = 0.0
+        self._opened = time.perf_counter()
         self._stall_s = stall_s
         self._stalled = False
         self._ended = False
@@ -168,6 +175,8 @@ class PushStream:
         except grpc.FutureCancelledError:
             if not self._stalled:
                 return StreamFailure(grpc.StatusCode.CANCELLED, "the Push stream was cancelled")
+        finally:
+            self.send_s = self.stream_s = time.perf_counter() - self._opened
         return StreamFailure(
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"the receiver accepted no chunk for {self._stall_s:g} s (part of stream_idle_timeout_s): cut so the "

@@ -32,8 +32,6 @@ stall the other receivers' streams.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -45,10 +43,23 @@ import numpy as np
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.channel import WeightSyncClient
-from weight_sync.chunking import Chunk, DeltaCoder, LocalShard, Piece, Shard, as_local, piece_chunks, plan_streams
+from weight_sync.chunking import (
+    Chunk,
+    DeltaCoder,
+    LocalShard,
+    Piece,
+    Shard,
+    as_local,
+    piece_chunks,
+    plan_streams,
+    stream_chunks,
+)
 from weight_sync.config import WeightSyncConfig
 from weight_sync.dataplane import SocketStream, relay_hello
+from weight_sync.delta_policy import DeltaPolicy, LinkSample
+from weight_sync.feed import encoded, feed
 from weight_sync.relay import ChunkStream, PushStream, StreamFailure, results_of, split_tree, stream_metadata
+from weight_sync.report import PushReport, error_text, record_results
 from weight_sync.shm import host_identity
 from weight_sync.shm_push import SegmentPool, ShmPush, ShmStream
 from weight_sync.spec import TensorSpec
@@ -62,64 +73,11 @@ ShardKey = tuple[str, tuple[int, ...]]  # LocalShard.key: (tensor name, shard of
 SHM_MINOR = 2  # the protocol minor that added the shared-memory plane (DescribeReply.shm_plane)
 
 
-@dataclasses.dataclass
-class PushReport:
-    """Outcome of one rank's push: per-receiver error (None = its stream succeeded) and traffic counters."""
-
-    policy_version: int
-    errors: dict[str, str | None]
-    delta_endpoints: list[str]
-    socket_endpoints: list[str]
-    """Receivers this rank streamed to over the socket data plane (the others took gRPC Push streams)."""
-    bytes_sent: int
-    payload_bytes: int
-    seconds: float
-    grpc_fallback: dict[str, str] = dataclasses.field(default_factory=dict)
-    """Receivers whose socket or shared-memory plane refused some of this rank's streams before opening them (address
-    -> why): those streams went again over gRPC Push (`data_plane = "auto"` only). They are not in `socket_endpoints`
-    nor `shm_endpoints`."""
-    shm_endpoints: list[str] = dataclasses.field(default_factory=list)
-    """Receivers on this host this rank streamed to over the shared-memory plane (never delta: raw is as cheap)."""
-
-    @property
-    def ok(self) -> list[str]:
-        return [a for a, err in self.errors.items() if err is None]
-
-    @property
-    def failed(self) -> dict[str, str]:
-        return {a: err for a, err in self.errors.items() if err is not None}
-
-
-def _encoded(chunks: Iterator[Chunk], coder: DeltaCoder, pool: futures.Executor, depth: int) -> Iterator[Chunk]:
-    """`chunks` in order, each with its delta form, encoded on `pool` up to `depth` chunks ahead of the consumer."""
-    pending: collections.deque[futures.Future | Chunk] = collections.deque()
-    for chunk in chunks:
-        pending.append(pool.submit(coder.encode, chunk) if chunk.base is not None else chunk)
-        if len(pending) >= depth:
-            head = pending.popleft()
-            yield head.result() if isinstance(head, futures.Future) else head
-    for head in pending:
-        yield head.result() if isinstance(head, futures.Future) else head
-
-
-def _status_name(code: int) -> str:
-    return next((c.name for c in grpc.StatusCode if c.value[0] == code), f"code {code}")
-
-
-# A stream that was cut because another stream of its update failed reports one of these; the other one's code is the
-# cause worth reporting (DATA_LOSS, ...).
-_CONSEQUENCES = frozenset({grpc.StatusCode.CANCELLED.value[0], grpc.StatusCode.UNAVAILABLE.value[0]})
 # Refusals of a socket stream before the receiver opened it after which the same stream may go over gRPC Push instead.
 _FALLBACK_CODES = frozenset(
     {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 )
 StreamGroup = tuple[str, list[str], list[ChunkStream], bool]  # (head receiver, receivers it relays to, streams, delta?)
-
-
-def _error_text(error: BaseException) -> str:
-    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
-        return f"{error.code().name}: {error.details()}"
-    return f"{type(error).__name__}: {error}"
 
 
 class WeightSender:
@@ -144,6 +102,8 @@ class WeightSender:
         self._clients = {a: WeightSyncClient(a, self.config) for a in self.endpoints}
         self._pool = futures.ThreadPoolExecutor(max_workers=32)
         self._encoders: futures.ThreadPoolExecutor | None = None
+        self._delta = DeltaPolicy(self.config.delta)
+        self._hasher = futures.ThreadPoolExecutor(self.config.num_streams, thread_name_prefix="ws-hash")
         self._base: dict[ShardKey, np.ndarray] = {}
         self._base_version = -1
         self._described: dict[str, pb.DescribeReply] = {}
@@ -170,7 +130,7 @@ class WeightSender:
             try:
                 out[address] = fut.result()
             except grpc.RpcError as e:
-                out[address] = _error_text(e)
+                out[address] = error_text(e)
         return out
 
     def _each(self, fn, addresses: list[str] | None = None) -> dict[str, futures.Future]:
@@ -223,7 +183,7 @@ class WeightSender:
                 raise ValueError(f"shards of {local.name} disagree on global shape or dtype")
         if not self._described:
             self._check_compatible(locals_)
-        use_base = self.config.delta and all(local.key in self._base for local in locals_)
+        use_base = self._delta.enabled and all(local.key in self._base for local in locals_)
         request = pb.BeginRequest(
             session_id=self.session_id, policy_version=policy_version, rank=self.rank, num_ranks=self.num_ranks,
             tensors=[pb.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in specs.values()],
@@ -256,10 +216,10 @@ class WeightSender:
                 refused.append((head, rest, index))
                 fallback[head] = why
                 continue
-            self._record(errors, codes, results_of(head, rest, outcome))
+            record_results(errors, codes, results_of(head, rest, outcome))
         resent = self._resend_over_grpc(policy_version, locals_, refused) if refused else []
         for head, rest, stream in resent:
-            self._record(errors, codes, results_of(head, rest, stream.close()))
+            record_results(errors, codes, results_of(head, rest, stream.close()))
         if fallback:
             log.warning(
                 "rank %d v%d: a data plane refused streams before opening them, sent again over gRPC Push: %s",
@@ -267,9 +227,10 @@ class WeightSender:
             )
         if any(errors.values()):
             self._described.clear()  # re-describe next time: a receiver may have restarted on other ports
-        if self.config.delta and set(self.endpoints) - set(shm):
+        self._measure(groups, payload, errors, locals_)
+        if self._delta.keeps_base([a for a in self.endpoints if a not in shm]):
             self._remember(locals_, policy_version, updated)
-        else:  # same-host receivers take raw streams: no delta base to keep for them
+        else:  # full pushes only (same-host receivers take raw streams; "auto" on fast links): no base to keep
             self._base, self._base_version = {}, -1
         seconds = time.perf_counter() - start
         sent = sum(s.bytes_sent for *_, s in streams) + sum(s.bytes_sent for *_, s in resent)
@@ -317,10 +278,7 @@ class WeightSender:
         pushes, those reached through their shared-memory plane), failures in `errors`."""
         relay_ports = {a: p for a, p in ports.items() if a not in offers}  # same-host receivers stay out of relay trees
         begins = {
-            a: self._pool.submit(
-                self._clients[a].begin, self._begin_request(request, a, relay_ports) if a in relay_ports else request
-            )
-            for a in ports
+            a: self._pool.submit(self._clients[a].begin, self._begin_request(request, a, relay_ports)) for a in ports
         }
         tickets: dict[str, bytes] = {}
         delta: list[str] = []
@@ -330,7 +288,7 @@ class WeightSender:
             try:
                 reply = fut.result()
             except grpc.RpcError as e:
-                errors[address] = f"Begin: {_error_text(e)}"
+                errors[address] = f"Begin: {error_text(e)}"
                 continue
             tickets[address] = reply.data_ticket
             errors[address] = None
@@ -357,17 +315,6 @@ class WeightSender:
             plan, segments, targets, hello, self._chunk_bytes(), timeout_s=cfg.push_timeout_s, stall_s=self._stall_s,
             connect_timeout_s=cfg.hello_timeout_s,
         )
-
-    @staticmethod
-    def _record(errors: dict[str, str | None], codes: dict[str, int], results: list[pb.RelayResult]) -> None:
-        """Report each receiver's first failure, unless a later one names the cause of a mere consequence."""
-        for result in results:
-            if result.code == 0:
-                continue
-            first = errors.get(result.address) is None
-            if first or (codes.get(result.address) in _CONSEQUENCES and result.code not in _CONSEQUENCES):
-                errors[result.address] = f"Push: {_status_name(result.code)}: {result.message}"
-                codes[result.address] = result.code
 
     def _fallback_reason(self, stream: ChunkStream | ShmStream, outcome: pb.PushReply | Exception) -> str | None:
         """Why `stream` should go again over gRPC Push (its data plane refused it before opening it), or None."""
@@ -402,7 +349,7 @@ class WeightSender:
             if any(tree[i] is not None for tree, _ in trees) else None
             for i, group in enumerate(groups)
         ]
-        self._feed(generators, trees)
+        feed(generators, trees)
         return out
 
     @property
@@ -411,13 +358,19 @@ class WeightSender:
         return self.config.stream_idle_timeout_s / 2
 
     def _begin_request(self, request: pb.BeginRequest, address: str, ports: dict[str, int]) -> pb.BeginRequest:
-        """`request` for one receiver: with a relay tree, it announces the receivers that one may forward to.
+        """`request` for one receiver: without a base version where the delta policy wants a full push; with a relay
+        tree (`ports`: the receivers in relay trees), it announces the receivers that one may forward to.
 
         Which receivers end up below which depends on the Begin replies (delta or full), so every other receiver of
         this push is announced; a receiver refuses (PERMISSION_DENIED) a relay list naming any receiver not announced.
         """
+        if request.base_version >= 0 and not self._delta.use_delta(address):
+            full = pb.BeginRequest()
+            full.CopyFrom(request)
+            full.base_version = -1  # the delta policy chose a full push for this receiver
+            request = full
         fanout = self.config.relay_fanout
-        if not fanout or len(ports) < 2:
+        if address not in ports or not fanout or len(ports) < 2:
             return request
         if len(ports) - 1 > MAX_RELAY_TARGETS:
             raise ValueError(
@@ -514,53 +467,33 @@ class WeightSender:
                 updated.add(local.key)
         groups = plan_streams(locals_, self.config.num_streams)
         chunk_bytes = self._chunk_bytes()
-        generators: list[Iterator[Chunk]] = [
-            chain.from_iterable(piece_chunks(p, bases[p.local.key], chunk_bytes) for p in group) for group in groups
-        ]
+        generators = [stream_chunks(group, bases, chunk_bytes, self._hasher) for group in groups]
         if coder is not None:
             if self._encoders is None:
                 self._encoders = futures.ThreadPoolExecutor(self.config.delta_threads, thread_name_prefix="ws-delta")
             depth = 2 * self.config.delta_threads
-            generators = [_encoded(g, coder, self._encoders, depth) for g in generators]
-        return self._feed(list(generators), list(trees)), updated
+            generators = [encoded(g, coder, self._encoders, depth) for g in generators]
+        return feed(list(generators), list(trees)), updated
 
-    @staticmethod
-    def _feed(
-        generators: Sequence[Iterator[Chunk] | None], trees: Sequence[tuple[Sequence[ChunkStream | None], bool]]
-    ) -> int:
-        """Round-robin the chunks of `generators[i]` into stream i of every tree (raw or delta per tree; None: not
-        fed); each stream is ended as soon as its generator is done. Returns the payload bytes.
-
-        A stream that fails (stalled, broken, refused) fails its receiver's whole update, so the tree's other streams
-        are cut at once and fed no more (one stalled receiver costs the others one stall, not one per stream); a socket
-        stream refused before it opened (`unopened`) is left to the gRPC fallback and its siblings go on.
-        """
-        payload = 0
-        dead: set[int] = set()  # trees whose receiver failed the update
-        active = [i for i, g in enumerate(generators) if g is not None]
-        while active:
-            for index in list(active):
-                generator = generators[index]
-                assert generator is not None, "only fed indices are active"
-                item = next(generator, None)
-                if item is None:
-                    active.remove(index)
-                    for t, (streams, _) in enumerate(trees):
-                        stream = streams[index]
-                        if stream is not None and t not in dead:
-                            stream.end()  # nothing more: receivers cut streams that stay idle
-                    continue
-                payload += item.nbytes
-                for t, (streams, is_delta) in enumerate(trees):
-                    stream = streams[index]
-                    if stream is None or t in dead or stream.send_chunk(item, is_delta):
-                        continue
-                    if not getattr(stream, "unopened", False):
-                        dead.add(t)
-                        for other in streams:
-                            if other is not None and other is not stream:
-                                other.cancel()
-        return payload
+    def _measure(
+        self, groups: list[StreamGroup], payload: int, errors: dict[str, str | None], locals_: list[LocalShard]
+    ) -> None:
+        """Tell the delta policy what this push measured of each receiver it streamed to without failing (a relay
+        tree moves at its head's pace: its members get the head's figures); the first time, let it time the compare
+        on these shards."""
+        if self._delta.mode != "auto" or not groups:
+            return
+        self._delta.calibrate([local.values for local in locals_])
+        for head, rest, opened, is_delta in groups:
+            if not opened or errors.get(head):
+                continue
+            sample = LinkSample(
+                payload_bytes=payload, wire_bytes=sum(s.bytes_sent for s in opened),
+                send_s=max(s.send_s for s in opened), stream_s=max(s.stream_s for s in opened), delta=is_delta,
+            )
+            for address in (head, *rest):
+                self._delta.record(address, sample)
+                log.debug("rank %d -> %s: %s", self.rank, address, self._delta.describe(address))
 
     def _chunk_bytes(self) -> int:
         limits = [r.max_chunk_bytes for r in self._described.values() if r.max_chunk_bytes]
@@ -595,7 +528,7 @@ class WeightSender:
                 fut.result()
                 out[address] = None
             except grpc.RpcError as e:
-                out[address] = _error_text(e)
+                out[address] = error_text(e)
         failed = {a: e for a, e in out.items() if e}
         log.info(
             "commit v%d: %d/%d receivers applied; failed: %s",
@@ -614,6 +547,7 @@ class WeightSender:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._hasher.shutdown(wait=True, cancel_futures=True)
         self._segments.close()
         if self._encoders is not None:
             self._encoders.shutdown(wait=True)

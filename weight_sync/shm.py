@@ -35,9 +35,10 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import xxhash
 
 from protos import weight_sync_pb2 as pb
-from weight_sync.dataplane import MAX_HEADER_BYTES, StreamLimits, StreamServer, recv_message
+from weight_sync.dataplane import HASH_STEP, MAX_HEADER_BYTES, StreamLimits, StreamServer, recv_message
 from weight_sync.staging import StagingArea, SyncError
 
 __all__ = ["MemfdMappings", "ShmPlaneServer", "check_memfd", "host_identity", "peer_credentials", "unmap"]
@@ -219,7 +220,7 @@ class MemfdFrames:
         self._start += n
         return out
 
-    def read_into(self, view: memoryview) -> None:
+    def read_into(self, view: memoryview, hasher: xxhash.xxh3_64 | None = None) -> None:
         n = len(view)
         if self._offset + n > self.memory_bytes:
             raise SyncError(
@@ -229,7 +230,12 @@ class MemfdFrames:
             )
         if self._mapping is None:
             self._mapping = self._mappings.acquire(self._fd, self.memory_bytes)
-        np.copyto(np.frombuffer(view, dtype=np.uint8), self._mapping.view[self._offset : self._offset + n])
+        dest, src = np.frombuffer(view, dtype=np.uint8), self._mapping.view[self._offset : self._offset + n]
+        step = HASH_STEP if hasher is not None else n
+        for i in range(0, n, step):  # each step hashed right after its copy, from cache
+            np.copyto(dest[i : i + step], src[i : i + step])
+            if hasher is not None:
+                hasher.update(dest[i : i + step].data)
         self._offset += n
 
     def close(self) -> None:

@@ -191,8 +191,15 @@ class StreamWriter:
             return None
         raise SyncError(Code.INVALID_ARGUMENT, f"{shard.name}: unknown encoding {header.encoding}")
 
-    def end_chunk(self, payload: memoryview | None) -> None:
-        """Write the chunk `begin_chunk` checked: `payload`, or None when it was read into the returned bytes."""
+    @property
+    def raw_hasher(self) -> xxhash.xxh3_64 | None:
+        """The running checksum of the shard `begin_chunk` returned staging bytes of: a reader may feed it the bytes
+        it reads there, in order (from cache, as they land), and say so with `end_chunk(None, hashed=True)`."""
+        return self.shard.hasher if self.shard is not None else None
+
+    def end_chunk(self, payload: memoryview | None, hashed: bool = False) -> None:
+        """Write the chunk `begin_chunk` checked: `payload`, or None when it was read into the returned bytes (`hashed`:
+        and fed to `raw_hasher` as it was read)."""
         header, shard = self._pending, self.shard
         assert header is not None and shard is not None, "end_chunk without begin_chunk"
         self._pending = None
@@ -201,7 +208,8 @@ class StreamWriter:
             if payload is None:  # begin_chunk returned this range and the payload was read into it
                 dest = contiguous_range(shard.view, shard.pos, n)
                 assert dest is not None, "end_chunk(None) after a chunk with no contiguous destination"
-                shard.hasher.update(dest.data)
+                if not hashed:
+                    shard.hasher.update(dest.data)
             else:
                 values = np.frombuffer(payload, dtype=shard.view.dtype)
                 shard.hasher.update(values.data)

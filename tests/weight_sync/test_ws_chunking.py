@@ -4,12 +4,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weight_sync.chunking import DeltaCoder, Piece, Shard, as_local, piece_chunks, plan_streams
+from weight_sync.chunking import (
+    PIECE_BYTES,
+    DeltaCoder,
+    Piece,
+    Shard,
+    as_local,
+    piece_chunks,
+    plan_streams,
+    stream_chunks,
+)
 from weight_sync.codec import sparse_decode
-from weight_sync.sender import _encoded
+from weight_sync.feed import encoded
 
 
 @settings(max_examples=100, deadline=None)
@@ -47,7 +57,7 @@ def test_threaded_delta_encoding_matches_sequential_and_updates_every_base():
         one_by_one = [coder.encode(c) for c in piece_chunks(Piece(local, 0, 64), old.copy(), 256)]
         base = old.copy()
         with ThreadPoolExecutor(4) as pool:
-            ahead = list(_encoded(piece_chunks(Piece(local, 0, 64), base, 256), coder, pool, depth=8))
+            ahead = list(encoded(piece_chunks(Piece(local, 0, 64), base, 256), coder, pool, depth=8))
         assert [c.header for c in ahead] == [c.header for c in one_by_one]
         assert [c.delta for c in ahead] == [c.delta for c in one_by_one]
         assert np.array_equal(base, local.values)  # every chunk's base slice brought up to date
@@ -56,3 +66,15 @@ def test_threaded_delta_encoding_matches_sequential_and_updates_every_base():
                 len(sparse_decode(memoryview(c.delta[1]), c.values.size, c.values.dtype)[0]) for c in ahead if c.delta
             )
             assert changed == np.count_nonzero(old != local.values)
+
+
+def test_pieces_stay_under_the_piece_size_and_stream_chunks_carry_their_checksums():
+    rows = (3 * PIECE_BYTES) // (256 * 4) + 5
+    local = as_local(Shard("big", torch.randn(rows, 256), (rows, 256), (0, 0)))
+    (group,) = plan_streams([local], 1)
+    assert len(group) == 4 and all(p.nbytes <= PIECE_BYTES for p in group)
+    with ThreadPoolExecutor(2) as pool:
+        chunks = list(stream_chunks(group, {}, 1 << 20, pool))
+    starts = [c for c in chunks if c.header.HasField("shard")]
+    assert [c.header.shard.xxh3_64 for c in starts] == [xxhash.xxh3_64_intdigest(p.values.data) for p in group]
+    assert sum(c.nbytes for c in chunks) == local.values.nbytes

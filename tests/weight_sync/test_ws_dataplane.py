@@ -95,7 +95,7 @@ def test_both_planes_assemble_two_ranks_into_every_receiver(receivers, plane):
 def test_auto_uses_sockets_and_deltas_travel_on_them(receivers):
     sd = {"w": torch.randn(64, 64).to(torch.bfloat16)}
     (receiver, sink), = receivers(1, sd=sd)
-    with WeightSender([receiver.address], WeightSyncConfig(chunk_bytes=1024)) as sender:
+    with WeightSender([receiver.address], WeightSyncConfig(chunk_bytes=1024, delta=True)) as sender:
         first = sender.push(1, [rank_shards(sd, 0, 1)[0]])
         assert sender.commit(1) == {receiver.address: None}
         sd2 = {"w": sd["w"].clone()}

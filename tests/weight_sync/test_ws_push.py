@@ -55,7 +55,7 @@ def test_tensor_parallel_column_shards_and_2d_blocks(receivers):
 
 @pytest.mark.parametrize("encoding", ["sparse", "xor_zstd"])
 def test_delta_after_full_sends_fewer_bytes_and_a_late_joiner_gets_a_full_push(receivers, encoding):
-    config = WeightSyncConfig(chunk_bytes=4096, delta_encoding=encoding)
+    config = WeightSyncConfig(chunk_bytes=4096, delta=True, delta_encoding=encoding)
     sd = {"w": torch.randn(64, 64).to(torch.bfloat16), "b": torch.randn(64)}
     pairs = receivers(3, sd=sd)
     first, late = pairs[:2], pairs[2]

@@ -57,7 +57,7 @@ def test_a_dead_leaf_is_reported_and_the_rest_of_the_tree_commits(receivers, pla
 
 @pytest.mark.parametrize("plane", ["auto", "grpc"])
 def test_deltas_travel_through_the_relay_with_several_streams_per_rank(receivers, plane):
-    config = WeightSyncConfig(chunk_bytes=512, relay_fanout=2, num_streams=3, data_plane=plane)
+    config = WeightSyncConfig(chunk_bytes=512, relay_fanout=2, num_streams=3, data_plane=plane, delta=True)
     pairs = receivers(5, config=config, sd=SD)
     senders = [WeightSender([r.address for r, _ in pairs], config, rank=k, num_ranks=2) for k in range(2)]
     sd = {k: v.clone() for k, v in SD.items()}
