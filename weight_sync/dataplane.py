@@ -1,4 +1,4 @@
-"""The socket data plane: a rank's Push stream as a plain TCP connection, at the socket's own rate.
+"""The receiving end of the data planes: a rank's Push stream as a plain TCP connection, at the socket's own rate.
 
 Python gRPC copies every chunk several times on both ends (see `weight_sync/README.md` for the rates); this plane writes
 each chunk's header and element memory straight to the socket (`sendmsg`, no copy) and the receiver reads contiguous
@@ -13,7 +13,8 @@ the open update (bounded by what its Begins announced), and a stream that receiv
 cut. A refusal before the stream opened says so (`DataReply.unopened`): the sender may send that stream over gRPC.
 
 `StreamServer` is the plane-neutral part (accept, hello bounds, the frame loop, answers); `DataPlaneServer` is its TCP
-listener, `weight_sync.shm.ShmPlaneServer` its same-host shared-memory one, whose payloads lie in a memfd.
+listener, `weight_sync.shm.ShmPlaneServer` its same-host shared-memory one, whose payloads lie in a memfd. The sending
+end is `weight_sync.socket_push`; the framing both ends share is `weight_sync.frames`.
 """
 
 from __future__ import annotations
@@ -21,142 +22,40 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import queue
-import select
 import socket
-import struct
 import threading
 import time
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import grpc
 import numpy as np
 import xxhash
-from google.protobuf.message import Message
 
 from protos import weight_sync_pb2 as pb
-from weight_sync.chunking import Chunk
 from weight_sync.config import WeightSyncConfig
-from weight_sync.relay import StreamFailure, offer, results_of, split_tree
+from weight_sync.frames import (
+    MAX_HEADER_BYTES,
+    U32,
+    U64,
+    framed,
+    recv_bytes,
+    recv_into,
+    recv_message,
+    set_recv_timeout,
+)
+from weight_sync.socket_push import SocketRelay
 from weight_sync.staging import StagingArea, StreamWriter, SyncError
 
-__all__ = [
-    "DataPlaneServer", "FrameSource", "SocketRelay", "SocketStream", "StreamFailure", "StreamLimits", "StreamServer",
-    "answered", "chunk_prefix", "framed", "read_reply", "recv_message", "relay_hello", "reply_result",
-]
+__all__ = ["DataPlaneServer", "FrameSource", "SocketFrames", "StreamLimits", "StreamServer"]
 
 log = logging.getLogger("weight_sync.dataplane")
-_M = TypeVar("_M", bound=Message)
-
-MAX_HEADER_BYTES = 1 << 16
-# Reads of a payload that is hashed as it arrives: small enough that the hash finds the bytes in cache (xxh3 runs at
-# ~30 GB/s there and at memory speed, a third of that, on a buffer read back later).
-HASH_STEP = 256 << 10
 DRAIN_S = 2.0  # how long a receiver keeps reading a refused stream so that its answer arrives
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
 Code = grpc.StatusCode
 _EVICTED = (
     Code.RESOURCE_EXHAUSTED,
     "too many data-plane connections waiting for their hello: this one, the oldest, was closed to make room; send "
     "the stream again (over gRPC Push, or a new connection that sends its hello at once)",
 )
-
-
-def _recv_into(sock: socket.socket, view: memoryview, hasher: xxhash.xxh3_64 | None = None) -> None:
-    """Fill `view` from `sock`; with `hasher`, feed it each read's bytes at once, while they are still in cache."""
-    got, size = 0, len(view)
-    step = HASH_STEP if hasher is not None else size
-    while got < size:
-        n = sock.recv_into(view[got:], min(size - got, step))
-        if n == 0:
-            raise ConnectionError(f"peer closed the connection {size - got} bytes before the end of a frame")
-        if hasher is not None:
-            hasher.update(view[got : got + n])
-        got += n
-
-
-def _set_recv_timeout(sock: socket.socket, seconds: float) -> None:
-    """Blocking reads that fail (BlockingIOError) after `seconds` without data: the kernel's SO_RCVTIMEO, not Python's
-    socket timeout, which polls before every read (one more system call per read of a payload)."""
-    sock.settimeout(None)
-    whole = int(seconds)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
-
-
-def _recv_bytes(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
-    """`n` bytes that must all arrive before `deadline` (time.monotonic); raises TimeoutError after it, whatever pace
-    the peer sends at (a per-read timeout alone lets a byte every few seconds go on for ever)."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"{n - got} of {n} bytes still missing at the deadline")
-        sock.settimeout(left)
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError(f"peer closed the connection {n - got} bytes before the end of a frame")
-        got += k
-    return bytes(buf)
-
-
-def recv_message(
-    sock: socket.socket, message_type: type[_M], limit: int = MAX_HEADER_BYTES, deadline: float | None = None,
-    received: bytes = b"",
-) -> _M:
-    """One framed message (u32 length, bytes), of which `received` (at most 4 bytes) already arrived; all of it
-    before `deadline` when one is given."""
-    def recv(n: int) -> bytes:
-        return _recv_bytes(sock, n) if deadline is None else _recv_by(sock, n, deadline)
-
-    (n,) = _U32.unpack(received + recv(4 - len(received)))
-    if n > limit:
-        raise SyncError(Code.INVALID_ARGUMENT, f"{message_type.__name__} frame of {n} bytes exceeds {limit}")
-    try:
-        return message_type.FromString(recv(n))
-    except Exception as e:  # protobuf's DecodeError types
-        raise SyncError(Code.INVALID_ARGUMENT, f"malformed {message_type.__name__} frame: {e}") from None
-
-
-def framed(message: Message) -> bytes:
-    """`message` as a frame: u32 length, then its bytes."""
-    data = message.SerializeToString()
-    return _U32.pack(len(data)) + data
-
-
-def chunk_prefix(header: pb.ChunkHeader, payload_bytes: int) -> bytes:
-    """The frame of one chunk up to its payload: u32 header length, ChunkHeader, u64 payload length."""
-    head = header.SerializeToString()
-    return b"".join((_U32.pack(len(head)), head, _U64.pack(payload_bytes)))
-
-
-def answered(sock: socket.socket) -> bool:
-    """Whether the receiver already answered (or closed) a stream the sender is still writing: it refused it. (poll,
-    not select: select fails on descriptor numbers past 1024, which busy processes reach.)"""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
-
-
-def read_reply(sock: socket.socket, timeout_s: float) -> pb.DataReply:
-    """The receiver's answer on a data-plane connection; raises OSError, ConnectionError or SyncError when none came."""
-    sock.settimeout(max(timeout_s, 1))
-    return recv_message(sock, pb.DataReply)
-
-
-def reply_result(reply: pb.DataReply) -> pb.PushReply:
-    """The stream's PushReply when the receiver answered OK; raises its refusal as a StreamFailure otherwise."""
-    if reply.code != 0:
-        code = next((c for c in Code if c.value[0] == reply.code), Code.UNKNOWN)
-        raise StreamFailure(code, reply.message)
-    return reply.reply
 
 
 class FrameSource(Protocol):
@@ -189,10 +88,10 @@ class SocketFrames:
         self._conn = conn
 
     def recv_bytes(self, n: int) -> bytes:
-        return _recv_bytes(self._conn, n)
+        return recv_bytes(self._conn, n)
 
     def read_into(self, view: memoryview, hasher: xxhash.xxh3_64 | None = None) -> None:
-        _recv_into(self._conn, view, hasher)
+        recv_into(self._conn, view, hasher)
 
     def close(self) -> None:
         pass
@@ -343,7 +242,7 @@ class StreamServer:
             )
         except SyncError as e:
             return self._reply(conn, e.code, e.message, unopened=True)
-        _set_recv_timeout(conn, self.idle_timeout_s)
+        set_recv_timeout(conn, self.idle_timeout_s)
         start = time.perf_counter()
         relay = SocketRelay(hello, self.push_timeout_s, self.relay_stall_s) if hello.relay else None
         writer.set_cancel(functools.partial(_cut_connection, conn, relay))
@@ -383,7 +282,7 @@ class StreamServer:
         """Check and stage every chunk frame up to the end-of-stream frame; raises SyncError for a refused chunk."""
         scratch = bytearray(0)
         while True:
-            (head_len,) = _U32.unpack(frames.recv_bytes(4))
+            (head_len,) = U32.unpack(frames.recv_bytes(4))
             if head_len == 0:
                 break
             if head_len > MAX_HEADER_BYTES:
@@ -393,7 +292,7 @@ class StreamServer:
                 header = pb.ChunkHeader.FromString(head[:head_len])
             except Exception as e:  # protobuf's DecodeError types
                 raise SyncError(Code.INVALID_ARGUMENT, f"malformed chunk header: {e}") from None
-            (payload_len,) = _U64.unpack_from(head, head_len)
+            (payload_len,) = U64.unpack_from(head, head_len)
             dest = writer.begin_chunk(header, payload_len)  # checks payload_len against the manifest first
             if dest is not None:
                 frames.read_into(dest, writer.raw_hasher)
@@ -455,190 +354,3 @@ def _cut_connection(conn: socket.socket, relay: SocketRelay | None) -> None:
         pass  # already closed
     if relay is not None:
         relay.cancel()
-
-
-class SocketStream:
-    """One Push stream over the data plane, fed chunk by chunk from the sender's loop; a thread does the writes.
-
-    Same shape as `relay.PushStream`: `send_chunk` queues (bounded, a few chunks of memory), `end` ends the stream
-    without waiting, `close` ends it and returns the receiver's PushReply or a StreamFailure. A receiver that accepts
-    no chunk for `stall_s` is cut (DEADLINE_EXCEEDED), so one stalled receiver does not hold up the sender's others.
-    `unopened` tells whether a failure left the receiver's update untouched (the stream may be sent another way).
-    """
-
-    def __init__(
-        self, host: str, port: int, hello: pb.DataHello, timeout_s: float, *, depth: int = 4,
-        stall_s: float | None = None, connect_timeout_s: float | None = None,
-    ) -> None:
-        self.bytes_sent = 0
-        self.send_s = 0.0  # time spent handing bytes to the socket: the link's pace when it is the slower side
-        self.stream_s = 0.0  # from opening to the answer (set when the stream is done)
-        self._opened = time.perf_counter()
-        self.unopened = False
-        self._deadline = time.monotonic() + timeout_s
-        self._stall_s = stall_s
-        self._connect_timeout_s = connect_timeout_s
-        self._queue: queue.Queue[tuple[Chunk, bool] | None] = queue.Queue(depth)
-        self._outcome: pb.PushReply | StreamFailure | None = None
-        self._done = threading.Event()
-        self._ended = False
-        self._stalled = False
-        self._cancelled = False
-        self._sock: socket.socket | None = None
-        self._thread = threading.Thread(target=self._run, args=(host.strip("[]"), port, hello), daemon=True)
-        self._thread.start()
-
-    def send_chunk(self, chunk: Chunk, delta: bool) -> bool:
-        """Queue one chunk (its delta form when `delta` and it has one); False when the stream already failed."""
-        return self._put((chunk, delta))
-
-    def _put(self, item: tuple[Chunk, bool] | None) -> bool:
-        if self._cancelled:
-            return False
-        outcome = offer(self._queue, item, self._done.is_set, self._stall_s)
-        if outcome == "stalled":
-            self._stalled = True
-            self.cancel()
-        return outcome == "put"
-
-    def end(self) -> None:
-        """End the stream (its end-of-stream frame follows the queued chunks) without waiting for the answer."""
-        if not self._ended:
-            self._ended = True
-            self._put(None)
-
-    def close(self) -> pb.PushReply | StreamFailure:
-        self.end()
-        self._thread.join(max(self._deadline - time.monotonic(), 0) + 5)
-        if self._outcome is None:
-            self.cancel()
-            self._thread.join(5)
-            return StreamFailure(Code.DEADLINE_EXCEEDED, "data-plane stream did not finish before push_timeout_s")
-        if self._stalled:
-            return StreamFailure(
-                Code.DEADLINE_EXCEEDED,
-                f"the receiver accepted no chunk for {self._stall_s:g} s (half of stream_idle_timeout_s): cut so the "
-                "push to the other receivers goes on",
-            )
-        return self._outcome
-
-    def cancel(self) -> None:
-        """Cut the stream: its thread stops writing and the stream fails (also while it is still connecting)."""
-        self._cancelled = True
-        sock = self._sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        try:  # wake the thread if it waits for chunks that will never come
-            self._queue.put_nowait(None)
-        except queue.Full:
-            pass  # it is not waiting for chunks: its next socket call fails
-
-    def _run(self, host: str, port: int, hello: pb.DataHello) -> None:
-        try:
-            self._outcome = self._stream(host, port, hello)
-        except StreamFailure as e:
-            self._outcome = e
-        finally:
-            self.stream_s = time.perf_counter() - self._opened
-            self._done.set()
-            if self._sock is not None:
-                self._sock.close()
-            while True:  # unblock a producer waiting on a full queue
-                try:
-                    self._queue.get_nowait()
-                except queue.Empty:
-                    break
-
-    def _stream(self, host: str, port: int, hello: pb.DataHello) -> pb.PushReply:
-        try:
-            timeout = max(self._deadline - time.monotonic(), 1)
-            try:
-                connect_timeout = min(timeout, self._connect_timeout_s or timeout)
-                self._sock = sock = socket.create_connection((host, port), timeout=connect_timeout)
-            except OSError as e:
-                self.unopened = True  # nothing was sent: the receiver's update has none of this stream
-                problem = f"cannot connect to the data plane at {host}:{port}: {e!r}"
-                raise StreamFailure(Code.UNAVAILABLE, problem) from e
-            if self._cancelled:
-                raise StreamFailure(Code.CANCELLED, "data-plane stream cut while it connected")
-            sock.settimeout(timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(framed(hello))
-            while (item := self._queue.get()) is not None:
-                if answered(sock):
-                    break  # the receiver answered early: it refused the stream (its reply says why)
-                header, payload = item[0].parts(item[1])
-                body = payload.data.cast("B") if isinstance(payload, np.ndarray) else memoryview(payload)
-                self._send(sock, chunk_prefix(header, len(body)), body)
-            else:
-                if self._cancelled:  # cut, not ended: never send the end-of-stream frame
-                    raise StreamFailure(Code.CANCELLED, "data-plane stream cut before its end")
-                sock.sendall(_U32.pack(0))
-        except OSError as e:
-            # The receiver may have refused the stream and closed: its reply says why.
-            broke = StreamFailure(Code.UNAVAILABLE, f"data-plane connection to {host}:{port} broke: {e!r}")
-            return self._read_reply(fail=broke)
-        return self._read_reply(fail=None)
-
-    def _send(self, sock: socket.socket, prefix: bytes, body: memoryview) -> None:
-        """Write a frame prefix and its payload without copying the payload (sendmsg gathers both)."""
-        start = time.perf_counter()
-        sent = sock.sendmsg([prefix, body])
-        if sent < len(prefix):
-            sock.sendall(prefix[sent:])
-            sock.sendall(body)
-        elif sent < len(prefix) + len(body):
-            sock.sendall(body[sent - len(prefix) :])
-        self.send_s += time.perf_counter() - start
-        self.bytes_sent += len(prefix) + len(body)
-
-    def _read_reply(self, fail: StreamFailure | None) -> pb.PushReply:
-        sock = self._sock
-        try:
-            if sock is None:
-                raise OSError("not connected")
-            reply = read_reply(sock, self._deadline - time.monotonic())
-        except (OSError, ConnectionError, SyncError) as e:
-            raise fail or StreamFailure(Code.UNAVAILABLE, f"no reply from the receiver's data plane: {e!r}") from None
-        self.unopened = reply.unopened and reply.code != 0
-        return reply_result(reply)
-
-
-def relay_hello(hello: pb.DataHello, head: pb.RelayTarget, rest: list[pb.RelayTarget], fanout: int) -> pb.DataHello:
-    """The hello that opens `head`'s stream of the same update and rank, asking it to forward to `rest`."""
-    return pb.DataHello(
-        session_id=hello.session_id, policy_version=hello.policy_version, rank=hello.rank, ticket=head.ticket,
-        relay=rest, fanout=fanout,
-    )
-
-
-class SocketRelay:
-    """A receiver's forwarding of one data-plane stream to its share of the downstream receivers (`hello.relay`),
-    split into at most `hello.fanout` subtrees; chunks are forwarded as received, after this receiver checked them."""
-
-    def __init__(self, hello: pb.DataHello, timeout_s: float, stall_s: float) -> None:
-        targets = {t.address: t for t in hello.relay}
-        self._streams: list[tuple[str, list[str], SocketStream]] = []
-        for head, rest in split_tree(list(targets), max(hello.fanout, 1)):
-            first = relay_hello(hello, targets[head], [targets[a] for a in rest], hello.fanout)
-            host, port = head.rpartition(":")[0], targets[head].data_port
-            stream = SocketStream(host, port, first, timeout_s, stall_s=stall_s, connect_timeout_s=stall_s)
-            self._streams.append((head, rest, stream))
-
-    def forward(self, header: pb.ChunkHeader, payload: np.ndarray) -> None:
-        chunk = Chunk(header, payload)
-        for _, _, stream in self._streams:
-            stream.send_chunk(chunk, False)
-
-    def finish(self) -> list[pb.RelayResult]:
-        results: list[pb.RelayResult] = []
-        for head, rest, stream in self._streams:
-            results += results_of(head, rest, stream.close())
-        return results
-
-    def cancel(self) -> None:
-        for _, _, stream in self._streams:
-            stream.cancel()

@@ -88,7 +88,7 @@ def stream_metadata(
 
 
 class ChunkStream(Protocol):
-    """What the sender feeds: one Push stream to a head receiver, `PushStream` (gRPC) or `dataplane.SocketStream`."""
+    """What the sender feeds: one Push stream to a head receiver, `PushStream` (gRPC) or `socket_push.SocketStream`."""
 
     bytes_sent: int
     send_s: float

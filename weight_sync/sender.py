@@ -55,13 +55,13 @@ from weight_sync.chunking import (
     stream_chunks,
 )
 from weight_sync.config import WeightSyncConfig
-from weight_sync.dataplane import SocketStream, relay_hello
 from weight_sync.delta_policy import DeltaPolicy, LinkSample
 from weight_sync.feed import encoded, feed
 from weight_sync.relay import ChunkStream, PushStream, StreamFailure, results_of, split_tree, stream_metadata
 from weight_sync.report import PushReport, error_text, record_results
 from weight_sync.shm import host_identity
 from weight_sync.shm_push import SegmentPool, ShmPush, ShmStream
+from weight_sync.socket_push import SocketStream, relay_hello
 from weight_sync.spec import TensorSpec
 from weight_sync.staging import MAX_RELAY_TARGETS
 from weight_sync.version import incompatibility, protocol_version, speaks

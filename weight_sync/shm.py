@@ -38,7 +38,8 @@ import numpy as np
 import xxhash
 
 from protos import weight_sync_pb2 as pb
-from weight_sync.dataplane import HASH_STEP, MAX_HEADER_BYTES, StreamLimits, StreamServer, recv_message
+from weight_sync.dataplane import StreamLimits, StreamServer
+from weight_sync.frames import HASH_STEP, MAX_HEADER_BYTES, recv_message
 from weight_sync.staging import StagingArea, SyncError
 
 __all__ = ["MemfdMappings", "ShmPlaneServer", "check_memfd", "host_identity", "peer_credentials", "unmap"]

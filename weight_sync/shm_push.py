@@ -25,7 +25,7 @@ import xxhash
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.chunking import Piece
-from weight_sync.dataplane import answered, chunk_prefix, framed, read_reply, reply_result
+from weight_sync.frames import answered, chunk_prefix, framed, read_reply, reply_result
 from weight_sync.relay import StreamFailure
 from weight_sync.shm import peer_credentials, unmap
 from weight_sync.staging import SyncError

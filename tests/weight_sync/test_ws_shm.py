@@ -20,7 +20,7 @@ from protos import weight_sync_pb2 as pb
 from weight_sync import sender as sender_module
 from weight_sync.channel import WeightSyncClient
 from weight_sync.config import WeightSyncConfig
-from weight_sync.dataplane import chunk_prefix, framed, read_reply
+from weight_sync.frames import chunk_prefix, framed, read_reply
 from weight_sync.receiver import WeightReceiver
 from weight_sync.sender import WeightSender
 from weight_sync.shm import MemfdMappings, host_identity
