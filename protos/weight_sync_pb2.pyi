@@ -69,7 +69,7 @@ class ShmPlane(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., socket_name: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
-    __slots__ = ("session_id", "policy_version", "rank", "num_ranks", "tensors", "base_version", "num_streams", "relay_targets", "relay_fanout", "protocol_version")
+    __slots__ = ("session_id", "policy_version", "rank", "num_ranks", "tensors", "base_version", "num_streams", "relay_targets", "relay_fanout", "protocol_version", "drop_base")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class BeginRequest(_message.Message):
     RELAY_TARGETS_FIELD_NUMBER: _ClassVar[int]
     RELAY_FANOUT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DROP_BASE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     policy_version: int
     rank: int
@@ -90,7 +91,8 @@ class BeginRequest(_message.Message):
     relay_targets: _containers.RepeatedCompositeFieldContainer[RelayTarget]
     relay_fanout: int
     protocol_version: ProtocolVersion
-    def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., base_version: _Optional[int] = ..., num_streams: _Optional[int] = ..., relay_targets: _Optional[_Iterable[_Union[RelayTarget, _Mapping]]] = ..., relay_fanout: _Optional[int] = ..., protocol_version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
+    drop_base: bool
+    def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., base_version: _Optional[int] = ..., num_streams: _Optional[int] = ..., relay_targets: _Optional[_Iterable[_Union[RelayTarget, _Mapping]]] = ..., relay_fanout: _Optional[int] = ..., protocol_version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., drop_base: _Optional[bool] = ...) -> None: ...
 
 class BeginReply(_message.Message):
     __slots__ = ("update_id", "current_version", "delta_accepted", "data_ticket")

@@ -67,6 +67,14 @@ class DeltaPolicy:
         expected = state.delta_bps if state.delta_bps is not None else self._compare_bps
         return expected is not None and expected > MARGIN * state.link_bps
 
+    def wants_base(self, address: str) -> bool:
+        """Whether `address` should keep the version being pushed as a delta base (`BeginRequest.drop_base` is its
+        negation): with "auto", when its next push may be a delta or its link is not measured yet."""
+        if self.mode != "auto":
+            return bool(self.mode)
+        state = self._receivers.get(address)
+        return state is None or state.link_bps is None or self.use_delta(address)
+
     def keeps_base(self, addresses: list[str]) -> bool:
         """Whether the sender should keep this version as a delta base for pushes to `addresses`."""
         return any(self.use_delta(a) for a in addresses)

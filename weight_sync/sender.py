@@ -358,17 +358,21 @@ class WeightSender:
         return self.config.stream_idle_timeout_s / 2
 
     def _begin_request(self, request: pb.BeginRequest, address: str, ports: dict[str, int]) -> pb.BeginRequest:
-        """`request` for one receiver: without a base version where the delta policy wants a full push; with a relay
+        """`request` for one receiver: without a base version where the delta policy wants a full push, asking it to
+        keep no base where no delta is coming (`drop_base`); with a relay
         tree (`ports`: the receivers in relay trees), it announces the receivers that one may forward to.
 
         Which receivers end up below which depends on the Begin replies (delta or full), so every other receiver of
         this push is announced; a receiver refuses (PERMISSION_DENIED) a relay list naming any receiver not announced.
         """
-        if request.base_version >= 0 and not self._delta.use_delta(address):
-            full = pb.BeginRequest()
-            full.CopyFrom(request)
-            full.base_version = -1  # the delta policy chose a full push for this receiver
-            request = full
+        use_delta, keep = self._delta.use_delta(address), self._delta.wants_base(address)
+        if (request.base_version >= 0 and not use_delta) or not keep:
+            changed = pb.BeginRequest()
+            changed.CopyFrom(request)
+            if not use_delta:
+                changed.base_version = -1  # the delta policy chose a full push for this receiver
+            changed.drop_base = not keep  # nor will the next push be a delta: the receiver keeps no base
+            request = changed
         fanout = self.config.relay_fanout
         if address not in ports or not fanout or len(ports) < 2:
             return request

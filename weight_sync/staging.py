@@ -181,6 +181,7 @@ class StagingArea:
                 )
                 if delta:
                     update.delta_ranks.add(req.rank)
+                update.drop_base = update.drop_base or req.drop_base
             return update, delta
 
     def _check_spec(self, msg: pb.TensorSpec) -> TensorSpec:
@@ -481,15 +482,18 @@ class StagingArea:
                 self._drop(update, error)
                 self._finish(update, error)
                 raise error
+            keep_base = self.keep_base and not update.drop_base
             for name in update.specs:
                 buf = update.buffers[name]
-                if self.keep_base:
-                    old = self._base.get(name)
+                old = self._base.pop(name, None)
+                if keep_base:
                     self._base[name] = buf
                     if old is not None:
                         self._pool[name] = old
                 else:
                     self._pool[name] = buf
+                    if old is not None:  # a base nobody will send deltas against: its memory goes
+                        self._allocated -= old.nbytes
             update.buffers = {}
             assert update.policy_version > self.policy_version, "versions only move forward: one update at a time"
             self.policy_version = update.policy_version

@@ -74,6 +74,7 @@ class StagedUpdate:
     relay_targets: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)  # rank -> {address: data port}
     relay_fanout: dict[int, int] = dataclasses.field(default_factory=dict)
     delta_ranks: set[int] = dataclasses.field(default_factory=set)
+    drop_base: bool = False  # some rank's Begin said it sends no delta against this version: keep no base of it
     rank_streams: dict[int, int] = dataclasses.field(default_factory=dict)  # streams each rank announced
     tickets: dict[int, bytes] = dataclasses.field(default_factory=dict)  # socket data-plane ticket per rank
     opened_streams: dict[int, int] = dataclasses.field(default_factory=dict)

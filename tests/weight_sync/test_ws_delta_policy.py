@@ -78,3 +78,17 @@ def test_delta_takes_true_false_or_auto_and_nothing_else():
     assert WeightSyncConfig(delta=False).delta is False
     with pytest.raises(ValueError, match="delta"):
         WeightSyncConfig(delta="sometimes")
+
+
+@pytest.mark.parametrize("mode, bases_after", [(True, 2), (False, 1), ("auto", 1)])
+def test_a_receiver_keeps_a_base_only_while_its_sender_may_send_deltas(receivers, mode, bases_after):
+    sd = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    (receiver, _), = receivers(1, sd=sd)
+    model_bytes = sum(t.numel() * t.element_size() for t in sd.values())
+    with WeightSender([receiver.address], WeightSyncConfig(chunk_bytes=1024, delta=mode)) as sender:
+        sender._delta = DeltaPolicy(mode, compare_bps=1.0)  # "auto": this link is faster than the compare
+        for version in (1, 2, 3):
+            sender.push(version, rank_shards(sd, 0, 1))
+            assert sender.commit(version) == {receiver.address: None}
+            if version > 1:  # staging for this version plus, where kept, the base of the one before
+                assert receiver.area.staging_bytes == bases_after * model_bytes, version

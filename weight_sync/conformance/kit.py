@@ -35,6 +35,7 @@ class BeginOptions(TypedDict, total=False):
     num_ranks: int
     num_streams: int
     base_version: int
+    drop_base: bool
 
 
 class Kit:
@@ -124,7 +125,7 @@ class Kit:
             num_ranks=options.get("num_ranks", 1),
             tensors=[pb.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in tensors],
             base_version=options.get("base_version", -1), num_streams=options.get("num_streams", 1),
-            protocol_version=protocol_version(),
+            protocol_version=protocol_version(), drop_base=options.get("drop_base", False),
         )
 
     def begin(self, request: pb.BeginRequest) -> pb.BeginReply:
@@ -207,9 +208,12 @@ class Kit:
         """The tensors positive cases push whole: the probe, and the big one when there is one."""
         return [s for s in (self.probe, self.big) if s is not None]
 
-    def push_and_commit(self, version: int, specs: Sequence[TensorSpec]) -> pb.CommitReply:
-        """A full single-rank update of `specs` over gRPC, committed (raises CaseFailed otherwise)."""
-        self.begin(self.begin_request(version, specs))
+    def push_and_commit(
+        self, version: int, specs: Sequence[TensorSpec], **options: Unpack[BeginOptions]
+    ) -> pb.CommitReply:
+        """A full single-rank update of `specs` over gRPC, committed (raises CaseFailed otherwise); `options` change
+        its Begin."""
+        self.begin(self.begin_request(version, specs, **options))
         values = {s.name: self.values(s) for s in specs}
         stream = self.stream(version)
         for spec in specs:

@@ -9,7 +9,7 @@ import numpy as np
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.conformance.case import CaseGroup
-from weight_sync.conformance.checks import need, require
+from weight_sync.conformance.checks import CaseSkipped, need, require
 from weight_sync.conformance.kit import Kit
 from weight_sync.conformance.wire import sparse_payload, xor_payload
 from weight_sync.spec import itemsize
@@ -57,6 +57,25 @@ def delta_refused_for_old_base(kit: Kit) -> str:
     current = kit.version
     reply = kit.begin(kit.begin_request(current + 1, [probe], base_version=max(current - 1, 0) if current else 7))
     require(not reply.delta_accepted, "delta accepted against a base that is not the current version")
+    return "OK"
+
+
+@GROUP.case("OK")
+def delta_base_dropped(kit: Kit) -> str:
+    """(1.3) After an update whose Begin set drop_base, a Begin against that version gets no delta (the receiver kept
+    no base of it); the next update without drop_base is a base again."""
+    kit.need_delta()
+    if kit.minor < 3:
+        raise CaseSkipped(f"BeginRequest.drop_base is protocol 1.3; the receiver speaks 1.{kit.minor}")
+    probe = kit.need_probe()
+    kit.push_and_commit(kit.version + 1, [probe], drop_base=True)
+    current = kit.version
+    reply = kit.begin(kit.begin_request(current + 1, [probe], base_version=current))
+    require(not reply.delta_accepted, "delta accepted against a version committed with drop_base")
+    kit.abort(current + 1)
+    kit.push_and_commit(current + 2, [probe])  # a base again for the cases after this one
+    _, reply = kit.begin_delta(probe)
+    require(reply.delta_accepted, "no delta against a version committed without drop_base")
     return "OK"
 
 
