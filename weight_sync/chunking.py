@@ -29,10 +29,12 @@ __all__ = [
 ]
 
 
-# Pieces (each one shard on the wire, with its own checksum) are cut to about this size so that a piece's bytes, hashed
-# just before they stream, are still in cache when they are sent; receivers take up to 4,096 shards per tensor.
+# Pieces (each one shard on the wire, with its own checksum) are cut to about this size: a stream waits for its first
+# piece's hash, and later ones are hashed one piece ahead of it, close enough that their bytes may still be in cache.
+# Receivers take up to 4,096 shards of a tensor from all ranks together: 256 pieces of each rank's shard leave room
+# for 16 ranks whose shards of one tensor each exceed 2 GiB.
 PIECE_BYTES = 8 << 20
-MAX_PIECES_PER_SHARD = 1024
+MAX_PIECES_PER_SHARD = 256
 
 
 @dataclasses.dataclass(frozen=True)

@@ -299,13 +299,18 @@ class StagingArea:
         for writer in writers:
             writer.cancel()
 
+    def _to_pool(self, name: str, buf: np.ndarray) -> None:
+        """Keep `buf` as the free buffer of `name`, or let it go when the pool has one already (caller holds
+        self._lock)."""
+        if name in self._pool:
+            self._allocated -= buf.nbytes
+        else:
+            self._pool[name] = buf
+
     def _release(self, update: StagedUpdate) -> None:
         """Return a dropped update's buffers to the pool (caller holds self._lock; no stream writes to them)."""
         for name, buf in update.buffers.items():
-            if name in self._pool:
-                self._allocated -= buf.nbytes
-            else:
-                self._pool[name] = buf
+            self._to_pool(name, buf)
         update.buffers = {}
         self._zombies.discard(update)
         self._released.notify_all()
@@ -489,9 +494,9 @@ class StagingArea:
                 if keep_base:
                     self._base[name] = buf
                     if old is not None:
-                        self._pool[name] = old
+                        self._to_pool(name, old)
                 else:
-                    self._pool[name] = buf
+                    self._to_pool(name, buf)
                     if old is not None:  # a base nobody will send deltas against: its memory goes
                         self._allocated -= old.nbytes
             update.buffers = {}
