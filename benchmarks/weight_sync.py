@@ -5,12 +5,13 @@
 
 Rows: memcpy into an existing buffer (the ceiling), a raw TCP socket into a preallocated buffer, a gloo broadcast
 between two processes, our push to one receiver process (full version through the same-host shared-memory plane, over
-the socket data plane and over gRPC Push streams, interleaved with each other and with a memcpy of the model, each
-plane with one sender kept across repeats as a trainer keeps it; then a delta over the socket plane where ~3% of the
-bf16 values changed; rates are model bytes / wall time of Begin + push + commit). Then the receiver's peak memory
-over the model's bytes,
-and the bytes the trainer sends per version with 8 receivers and relay on (counted, not timed: 8 receivers on 2 cores
-cannot show it in wall time). Receivers and baselines run in their own processes so no two share a GIL.
+the socket data plane and over gRPC Push streams, each plane with one sender kept across repeats as a trainer keeps
+it; then a delta over the socket plane where ~3% of the bf16 values changed; rates are model bytes / wall time of
+Begin + push + commit). memcpy, raw TCP and the three full pushes are timed back to back in every repeat, so each
+repeat gives its own ratio (printed as median [range]); the benchmark warns when the load average says other jobs
+share the cores. Then the receivers' peak memory over the model's bytes, and the bytes the trainer sends per version
+with 8 receivers and relay on (counted, not timed: 8 receivers on 2 cores cannot show it in wall time). Receivers and
+baselines run in their own processes so no two share a GIL. Links slower than loopback: `weight_sync_links.py`.
 """
 
 from __future__ import annotations
@@ -173,7 +174,6 @@ def weight_receiver(size_mib: int, config_fields: dict) -> None:
     prints its address, then (on SIGTERM) its peak memory above its idle RSS as JSON."""
     import gc
 
-    from weight_sync.config import WeightSyncConfig
     from weight_sync.receiver import WeightReceiver
     from weight_sync.spec import TensorSpec
 
@@ -205,7 +205,6 @@ def bench_push(
 ) -> dict[str, float]:
     """Rates of every path (GB/s) and receiver memory figures; per-repeat ratios of the interleaved paths go to
     `ratios`."""
-    from weight_sync.config import WeightSyncConfig
     from weight_sync.sender import WeightSender
 
     nbytes = sum(v.nbytes for v in arrays.values())
@@ -290,7 +289,6 @@ def bench_push(
 
 def bench_relay_bytes(size_mib: int, num_receivers: int, fanout: int) -> float:
     """Trainer bytes sent per version / model bytes, with in-process receivers (bytes are counted, not timed)."""
-    from weight_sync.config import WeightSyncConfig
     from weight_sync.receiver import WeightReceiver
     from weight_sync.sender import WeightSender
     from weight_sync.spec import TensorSpec

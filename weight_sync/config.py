@@ -84,8 +84,10 @@ class WeightSyncConfig(Config):
     """Delta pushes (only the elements that changed since the version the receiver holds). Sender side: true sends
     deltas to every receiver that holds the previous version; false never; "auto" to each receiver whose link is
     measured slower than this sender compares (a delta push cannot go faster than the compare: on loopback and fast
-    links full pushes win; see `weight_sync/delta_policy.py` and `benchmarks/weight_sync_links.py`). Receiver side:
-    true or "auto" keep the committed version as a base copy for deltas (twice the staging memory); false keeps none."""
+    links full pushes win; see `weight_sync/delta_policy.py` and `benchmarks/weight_sync_links.py`); where it sends no
+    delta it asks the receiver to keep no base (`BeginRequest.drop_base`). Receiver side: true or "auto" keep the
+    committed version as a base copy for deltas (twice the staging memory) unless the update's Begin says drop_base;
+    false keeps none."""
     delta_encoding: Literal["sparse", "xor_zstd"] = "sparse"
     """Delta chunks as changed (index, value) pairs (fast to compute) or zstd of the XOR (fewer bytes, more CPU)."""
     delta_threads: int = pydantic.Field(4, ge=1, le=64)
