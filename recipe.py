@@ -182,6 +182,24 @@ class LoggingConfig(Config):
     """Serve Prometheus metrics on this port (loopback); None: off."""
 
 
+Strategy = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]
+
+
+class PlacementGroupsConfig(Config):
+    """Where the actors of each role go on a cluster of several nodes (``run.placement = 'separate'``): each role's
+    actors are the bundles of one Ray placement group with the role's strategy (Ray's names: PACK fills as few nodes
+    as possible, STRICT_PACK needs one node for all, SPREAD spreads over as many as possible, STRICT_SPREAD needs a
+    node per actor). A 'colocated' run puts both roles in one STRICT_PACK group: one host."""
+
+    trainer: Strategy = "PACK"
+    """The trainer ranks: on as few nodes as they fit (collectives stay inside a node where they can)."""
+    rollout: Strategy = "SPREAD"
+    """The rollout workers: over as many nodes as there are (a lost node takes as few engines as possible)."""
+    timeout_s: float = pydantic.Field(300.0, gt=0)
+    """How long a joined cluster may take to make room (an autoscaler adding nodes) before the run fails; an
+    embedded Ray cannot grow, so there a group it cannot place fails at once."""
+
+
 class RunConfig(Config):
     """The RL loop itself."""
 
@@ -209,6 +227,8 @@ class RunConfig(Config):
     as the host has cores over the actors of their role. 'separate': every actor runs on the CPUs Ray reserves for it
     (``rollout.num_cpus_per_worker``, one per trainer rank), for async mode and pools spread over hosts. 'auto':
     'colocated' for sync runs on ``trainer.device = 'cpu'``, else 'separate'; the resolved recipe names the choice."""
+    placement_groups: PlacementGroupsConfig = PlacementGroupsConfig()
+    """How each role's actors spread over the nodes of a cluster (``driver.reservation``)."""
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     """DAPO dynamic sampling."""
     warm_start: WarmStartConfig = WarmStartConfig()
@@ -315,8 +335,7 @@ class Recipe(Config):
             explicit = "seed" in section.model_fields_set
             resolved[name] = section if explicit else section.model_copy(update={"seed": seed})
         if self.run.placement == "auto":
-            colocate = self.run.mode == "sync" and self.trainer.device == "cpu"
-            resolved["run"] = self.run.model_copy(update={"placement": "colocated" if colocate else "separate"})
+            resolved["run"] = self.run.model_copy(update={"placement": _placement(self)})
         for name, section in resolved.items():
             # The one place a recipe is completed: sections are frozen, and validation is not over yet.
             object.__setattr__(self, name, section)
@@ -331,10 +350,33 @@ class Recipe(Config):
         return sampling.model_copy(update={"temperature": self.run.eval.temperature, "seed": seed})
 
 
+def _placement(recipe: Recipe) -> str:
+    """``run.placement`` resolved: 'auto' is 'colocated' for sync runs on CPU, else 'separate'."""
+    if recipe.run.placement != "auto":
+        return recipe.run.placement
+    return "colocated" if recipe.run.mode == "sync" and recipe.trainer.device == "cpu" else "separate"
+
+
 def _check_placement(recipe: Recipe) -> None:
-    """Colocation is built for what it needs: phases that take turns (sync mode) on CPU cores."""
-    if recipe.run.placement != "colocated":
+    """Colocation is built for what it needs: phases that take turns (sync mode) on CPU cores; every actor of a
+    separate run is a placement-group bundle, which must reserve something."""
+    rollout = recipe.rollout
+    if _placement(recipe) != "colocated":
+        if rollout.num_cpus_per_worker == 0 and rollout.num_gpus_per_worker == 0:
+            raise FieldError(
+                "rollout.num_cpus_per_worker",
+                "each rollout worker reserves its CPUs and GPUs as a bundle of the pool's placement group, and Ray "
+                "refuses an empty bundle: reserve at least some CPU (e.g. 1.0) or a GPU",
+            )
         return
+    groups, default = recipe.run.placement_groups, PlacementGroupsConfig()
+    changed = [name for name in ("trainer", "rollout") if getattr(groups, name) != getattr(default, name)]
+    if changed:  # (a resolved recipe names every field, so the values tell, not which fields were set)
+        raise FieldError(
+            f"run.placement_groups.{changed[0]}",
+            "a 'colocated' run keeps every actor on one host (one STRICT_PACK placement group); strategies per role "
+            "are for run.placement = 'separate' (set it to spread the roles over nodes)",
+        )
     if recipe.run.mode != "sync":
         raise FieldError(
             "run.placement",

@@ -12,7 +12,9 @@ shared-memory data plane, so weights reach the engines without a socket, and kee
 over shared memory; a base would hold one more copy of the model in every engine).
 
 'separate': each actor runs on the CPUs Ray reserves for it: a trainer rank on one, an engine on
-``rollout.num_cpus_per_worker`` (and its own ``cpu_threads_bind``); actors may land on any node of the cluster.
+``rollout.num_cpus_per_worker`` (and its own ``cpu_threads_bind``); each role's actors spread over the cluster's nodes
+as ``run.placement_groups`` says (``driver.reservation`` turns the plan into Ray placement groups). A colocated run
+keeps every actor in one STRICT_PACK group: on one host whatever the cluster.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ class Placement:
     receiver_sync: WeightSyncConfig
     """The weight-sync config of the pool's receivers: colocated ones also offer the shared-memory data plane, which
     a trainer rank on the same host then pushes through (``data_plane = "auto"``)."""
+    trainer_strategy: str
+    """Ray placement-group strategy of the trainer ranks' bundles (``driver.reservation``)."""
+    rollout_strategy: str
+    """Ray placement-group strategy of the rollout workers' bundles."""
+    shared_group: bool
+    """Both roles' bundles in one group (colocated: one STRICT_PACK group, so one host)."""
 
 
 def host_cores() -> int:
@@ -60,7 +68,8 @@ def plan_placement(recipe: Any, num_cores: int) -> Placement:
         return Placement(
             num_cores=max(1, ranks + int(round(workers * rollout.num_cpus_per_worker))),
             trainer_cpus=1.0, trainer_env={"OMP_NUM_THREADS": "1"}, rollout=rollout, rollout_env={},
-            receiver_sync=recipe.weight_sync,
+            receiver_sync=recipe.weight_sync, trainer_strategy=recipe.run.placement_groups.trainer,
+            rollout_strategy=recipe.run.placement_groups.rollout, shared_group=False,
         )  # fmt: skip
     if recipe.run.placement != "colocated":
         raise ValueError(f"run.placement {recipe.run.placement!r} is not resolved: validate the recipe first")
@@ -77,4 +86,5 @@ def plan_placement(recipe: Any, num_cores: int) -> Placement:
         rollout_env={"OMP_NUM_THREADS": str(engine_threads)},
         # Same-host pushes carry raw tensors over shared memory: a delta base would be one more model copy per engine.
         receiver_sync=recipe.weight_sync.model_copy(update={"offer_shm": True, "delta": False}),
+        trainer_strategy="STRICT_PACK", rollout_strategy="STRICT_PACK", shared_group=True,
     )

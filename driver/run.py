@@ -3,9 +3,11 @@
     run(recipe)                 # embedded Ray unless RAY_ADDRESS / --address names a cluster
     run(recipe, resume="required")   # continue from the newest checkpoint under the run's output directory
 
-Everything started here is stopped here, on success, error or Ctrl-C. A trainer that dies fails the run with a clear
-message (``--resume`` continues from the last checkpoint); rollout workers that die are replaced by the pool; an
-external weight receiver that fails a push is reported and retried at the next step without stopping training.
+Everything started here is stopped here, on success, error or Ctrl-C. The actors of each role run in Ray placement
+groups (``driver.reservation``), placed before any of them starts. A trainer that dies (or whose node is lost) fails
+the run with a clear message (``--resume`` continues from the last checkpoint); rollout workers that die are replaced
+by the pool, in their slot's bundle, which Ray moves to a live node when theirs was lost; an external weight receiver
+that fails a push is reported and retried at the next step without stopping training.
 """
 
 from __future__ import annotations
@@ -44,19 +46,25 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
 
     import ray
 
+    from driver.reservation import PlacementError
     from driver.session import ray_session
 
     try:
         with ray_session(address, recipe.trainer.device) as where:
             log.info("Ray: %s; outputs in %s", where, out_dir)
-            with _Run(recipe, out_dir, resuming) as job:
+            with _Run(recipe, out_dir, resuming, can_grow=where != "embedded") as job:
                 job.execute()
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted: actors stopped; continue with --resume", file=sys.stderr)
         return 130
-    except ray.exceptions.ActorDiedError as e:
-        print(f"error: a trainer or rollout actor died and could not be replaced: {e}\n"
+    except PlacementError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ray.exceptions.RayActorError as e:
+        unreachable = isinstance(e, ray.exceptions.ActorUnavailableError)
+        what = "became unreachable (its process or node is gone)" if unreachable else "died and could not be replaced"
+        print(f"error: a trainer or rollout actor {what}: {e}\n"
               f"continue from the last checkpoint with: python rl_align.py --recipe ... --resume", file=sys.stderr)
         return 1
 
@@ -112,8 +120,10 @@ def _ensure_model(recipe: Recipe) -> None:
 class _Run:
     """The actors and sinks of one run, as a context manager that always closes them."""
 
-    def __init__(self, recipe: Recipe, out_dir: Path, resume: bool) -> None:
-        self.recipe, self.out_dir, self.resume = recipe, out_dir, resume
+    def __init__(self, recipe: Recipe, out_dir: Path, resume: bool, can_grow: bool) -> None:
+        """``can_grow``: the Ray cluster may add nodes (a joined cluster), so a placement may wait for them."""
+        self.recipe, self.out_dir, self.resume, self.can_grow = recipe, out_dir, resume, can_grow
+        self.reservations: dict[str, Any] = {}
         self.pool: Any = None
         self.trainer: Any = None
         self.logger: Any = None
@@ -122,10 +132,11 @@ class _Run:
         from driver.metrics import MetricsLogger
         from driver.placement import host_cores, plan_placement
         from driver.publisher import WeightPublisher
-        from rollout.pool import RolloutPool
+        from driver.reservation import Role, reserve
+        from rollout.pool import RolloutPool, worker_resources
         from rollout.tasks import build_dataset
         from rollout.tokenizer import load_tokenizer
-        from trainer.group import TrainerGroup
+        from trainer.group import TrainerGroup, rank_resources
         from trainer.models.hf_config import model_config_from_hf
 
         r = self.recipe
@@ -153,16 +164,31 @@ class _Run:
         if resume_warm and r.model.lora is not None:
             rollout_cfg = rollout_cfg.model_copy(update={"model_path": init_path})
 
+        plan = self.placement
+        # The engines first: on accelerator clusters a rollout bundle is a whole host (deploy/*.yaml), and trainer
+        # ranks placed before them could take a part of one.
+        roles = [
+            Role("rollout", worker_resources(rollout_cfg), r.rollout.num_workers, plan.rollout_strategy),
+            Role("trainer", rank_resources(r.trainer, plan.trainer_cpus), r.trainer.num_ranks, plan.trainer_strategy),
+        ]  # fmt: skip
+        try:  # every actor goes into a bundle of these groups; none starts before all are placed
+            self.reservations = reserve(roles, plan.shared_group, f"{r.run.name}-{int(time.time())}",
+                                        r.run.placement_groups.timeout_s, self.can_grow)  # fmt: skip
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
         def start_pool() -> Any:
             return RolloutPool(rollout_cfg, r.reward, self.placement.receiver_sync,
-                               runtime_env=_with_env(self.placement.rollout_env),
-                               environment=r.environment)  # fmt: skip
+                               runtime_env=_with_env(self.placement.rollout_env), environment=r.environment,
+                               placement=self.reservations["rollout"].actor_placement())  # fmt: skip
 
         def start_trainer() -> Any:
             return TrainerGroup(r.trainer, model_cfg, r.algorithm, init_path=init_path, weight_sync=sync_cfg,
                                 session_id=f"{r.run.name}-{int(time.time())}",
                                 num_cpus_per_rank=self.placement.trainer_cpus,
-                                runtime_env=_with_env(self.placement.trainer_env))  # fmt: skip
+                                runtime_env=_with_env(self.placement.trainer_env),
+                                placement=self.reservations["trainer"].actor_placement())  # fmt: skip
 
         # Engines and trainer ranks start at once: each start is mostly its own process waiting on imports and loads.
         t0 = time.perf_counter()
@@ -183,12 +209,16 @@ class _Run:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        from driver.reservation import release
+
         for part in (self.trainer, self.pool):
             if part is not None:
                 try:
                     part.shutdown()
                 except Exception as e:  # noqa: BLE001 (closing: report and keep closing the rest)
                     log.warning("while shutting down %s: %s", type(part).__name__, e)
+        release(self.reservations)
+        self.reservations = {}
         if self.logger is not None:
             self.logger.close()
 
@@ -234,7 +264,7 @@ class _Run:
         before = do_eval()
         self.logger.log(start_step - 1, before, phase="eval")
         RLLoop(r, self.pool, self.trainer, self.dataset, self.publisher, self.logger.log, do_eval,
-               num_cores=self.placement.num_cores).run(start_step)
+               num_cores=self.placement.num_cores).run(start_step)  # fmt: skip
         after = do_eval()
         self.logger.log(r.run.num_steps - 1, after, phase="eval")
         every = r.trainer.checkpoint.every_num_steps
@@ -248,6 +278,7 @@ class _Run:
             self.logger.close()
             self.logger = None
             plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png")
+
 
 def _print_report(before: dict[str, float], after: dict[str, float], out_dir: Path) -> None:
     rows = [k for k in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward") if k in before and k in after]

@@ -57,6 +57,8 @@ class WorkerSlot:
 
     actor: Any
     state: WorkerState
+    index: int = 0
+    """The slot's place in the fleet (and in its placement, if any)."""
     ref: Any = None
     """The in-flight lifecycle call of a slot that does not serve (see :class:`WorkerState`)."""
     address: str | None = None
@@ -75,10 +77,12 @@ class WorkerFleet:
         num_restarts: int,
         on_replaced: Callable[[WorkerSlot], None] = lambda slot: None,
         startup_timeout_s: float = 600.0,
+        options: Sequence[dict[str, Any]] | None = None,
     ) -> None:
         """Start ``num_workers`` actors of ``actor_cls`` (a ``ray.remote`` class) and wait until each answers.
 
         ``on_replaced(slot)`` runs after a slot got a new actor, so the scheduler can hand on what the old one ran.
+        ``options``: the Ray actor options of each slot's actors (resources, placement-group bundle), one per worker.
         """
         import ray
 
@@ -88,9 +92,13 @@ class WorkerFleet:
         self._on_replaced = on_replaced
         self._publisher: Publisher | None = None
         self._policy_version = 0
-        actors = [actor_cls.remote(*worker_args) for _ in range(num_workers)]
+        if options is not None and len(options) != num_workers:
+            raise ValueError(f"options has {len(options)} entries for {num_workers} worker(s)")
+        self._options = list(options) if options is not None else [{} for _ in range(num_workers)]
+        actors = [self._start(index) for index in range(num_workers)]
         addresses = ray.get([a.receiver_address.remote() for a in actors], timeout=startup_timeout_s)
-        self.slots = [WorkerSlot(a, WorkerState.SERVING, address=addr) for a, addr in zip(actors, addresses)]
+        started = enumerate(zip(actors, addresses))
+        self.slots = [WorkerSlot(actor, WorkerState.SERVING, i, address=address) for i, (actor, address) in started]
 
     # -- what the scheduler and the publisher read -----------------------------------------------------------------
     def serving(self) -> list[WorkerSlot]:
@@ -197,7 +205,7 @@ class WorkerFleet:
             )
         self._num_restarts_left -= 1
         ray.kill(slot.actor, no_restart=True)
-        slot.actor = self._actor_cls.remote(*self._worker_args)
+        slot.actor = self._start(slot.index)
         slot.address, slot.num_inflight_groups = None, 0
         self._set(slot, WorkerState.STARTING, slot.actor.receiver_address.remote())
         self._on_replaced(slot)
@@ -211,6 +219,10 @@ class WorkerFleet:
         self.slots = []
 
     # -- internals -------------------------------------------------------------------------------------------------
+    def _start(self, index: int) -> Any:
+        """A new actor for slot ``index``, with that slot's options."""
+        return self._actor_cls.options(**self._options[index]).remote(*self._worker_args)
+
     @staticmethod
     def _set(slot: WorkerSlot, state: WorkerState, ref: Any = None) -> None:
         slot.state, slot.ref = state, ref

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from common.resources import actor_options
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.fleet import Publisher, WorkerFleet, WorkerSlot
 from rollout.metrics import sample_metrics
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from rollout.tasks.problem import Problem
     from weight_sync.config import WeightSyncConfig
 
-__all__ = ["RolloutHandle", "RolloutPool"]
+__all__ = ["RolloutHandle", "RolloutPool", "worker_resources"]
 
 
 @dataclass
@@ -76,6 +77,11 @@ class _Pending:
     num_redispatched: int = 0
 
 
+def worker_resources(config: RolloutConfig) -> dict[str, float]:
+    """What one rollout worker reserves: ``num_cpus_per_worker`` CPUs and ``num_gpus_per_worker`` GPUs."""
+    return {"CPU": config.num_cpus_per_worker, "GPU": config.num_gpus_per_worker}
+
+
 class RolloutPool:
     """M :class:`rollout.worker.RolloutWorker` actors behind a submit/collect API; see the module docstring."""
 
@@ -87,24 +93,28 @@ class RolloutPool:
         startup_timeout_s: float = 600.0,
         runtime_env: dict[str, Any] | None = None,
         environment: EnvironmentConfig | None = None,
+        placement: Sequence[dict[str, Any]] | None = None,
     ) -> None:
         """``runtime_env``: the Ray runtime environment of every worker (e.g. its ``env_vars``), beside the job's;
-        ``environment``: what every episode runs in (default: single turn)."""
+        ``environment``: what every episode runs in (default: single turn); ``placement``: more Ray actor options per
+        worker slot, kept by its replacements (its placement-group bundle, see ``driver.reservation``), None: wherever
+        Ray finds room. Each worker asks Ray for :func:`worker_resources`."""
         import ray
 
         from rollout.worker import RolloutWorker
 
         self.config = config
         # Threaded actors: health/version calls answer while a generation batch runs; the engine loop orders the rest.
-        options: dict[str, Any] = {
-            "num_cpus": config.num_cpus_per_worker, "num_gpus": config.num_gpus_per_worker, "max_concurrency": 4,
-        }  # fmt: skip
+        options = {**actor_options(worker_resources(config)), "max_concurrency": 4}
         if runtime_env is not None:
             options["runtime_env"] = runtime_env
-        actor_cls = ray.remote(RolloutWorker).options(**options)
+        if placement is not None and len(placement) != config.num_workers:
+            raise ValueError(f"placement has {len(placement)} entries for {config.num_workers} worker(s)")
+        per_slot = [{**options, **(placement[i] if placement else {})} for i in range(config.num_workers)]
         self.fleet = WorkerFleet(
-            actor_cls, (config, reward, weight_sync, environment), config.num_workers, config.num_worker_restarts,
-            on_replaced=self._hand_on, startup_timeout_s=startup_timeout_s,
+            ray.remote(RolloutWorker), (config, reward, weight_sync, environment), config.num_workers,
+            config.num_worker_restarts, on_replaced=self._hand_on, startup_timeout_s=startup_timeout_s,
+            options=per_slot,
         )  # fmt: skip
         self._ids = itertools.count()
         self._next_group_id = 0

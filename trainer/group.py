@@ -17,13 +17,24 @@ from typing import Any
 
 import ray
 
+from common.resources import actor_options
 from rollout.types import RolloutBatch, Sample
 from trainer.config import TrainerConfig
 from trainer.models.config import ModelConfig
 from trainer.rl.config import GRPOConfig, PPOConfig
 from trainer.worker import TrainerWorker
 
-__all__ = ["TrainerGroup"]
+__all__ = ["TrainerGroup", "rank_resources"]
+
+
+def rank_resources(cfg: TrainerConfig, num_cpus: float) -> dict[str, float]:
+    """What one rank reserves: ``num_cpus`` CPUs, plus one GPU on 'cuda' or one 'TPU' resource on 'tpu'."""
+    resources = {"CPU": float(num_cpus)}
+    if cfg.device == "cuda":
+        resources["GPU"] = 1.0
+    elif cfg.device == "tpu":
+        resources["TPU"] = 1.0
+    return resources
 
 
 class TrainerGroup:
@@ -39,20 +50,22 @@ class TrainerGroup:
         session_id: str = "trainer",
         num_cpus_per_rank: float = 1,
         runtime_env: dict | None = None,
+        placement: Sequence[dict[str, Any]] | None = None,
     ) -> None:
-        """``weight_sync``: a ``WeightSyncConfig`` with the receiver endpoints (None: no pushes). Ranks ask Ray for
-        ``num_cpus_per_rank`` CPUs each, plus one GPU each on 'cuda' and one 'TPU' resource each on 'tpu'."""
+        """``weight_sync``: a ``WeightSyncConfig`` with the receiver endpoints (None: no pushes). Each rank asks Ray
+        for :func:`rank_resources`; ``placement``: more Ray actor options per rank (its placement-group bundle, see
+        ``driver.reservation``), None: wherever Ray finds room."""
         self.cfg = cfg
-        options: dict[str, Any] = {"num_cpus": num_cpus_per_rank}
-        if cfg.device == "cuda":
-            options["num_gpus"] = 1
-        elif cfg.device == "tpu":
-            options["resources"] = {"TPU": 1}
+        options = actor_options(rank_resources(cfg, num_cpus_per_rank))
         if runtime_env is not None:
             options["runtime_env"] = runtime_env
+        if placement is not None and len(placement) != cfg.num_ranks:
+            raise ValueError(f"placement has {len(placement)} entries for {cfg.num_ranks} rank(s)")
         actor = ray.remote(TrainerWorker)
         self.workers: list[Any] = [
-            actor.options(**options).remote(rank, cfg, model_cfg, algorithm, init_path, weight_sync, session_id)
+            actor.options(**options, **(placement[rank] if placement else {})).remote(
+                rank, cfg, model_cfg, algorithm, init_path, weight_sync, session_id
+            )
             for rank in range(cfg.num_ranks)
         ]
         node_ids = ray.get([w.node_id.remote() for w in self.workers])

@@ -19,7 +19,11 @@ import pytest
 import yaml
 
 from common.published import PUBLISHED_CONFIGS, PUBLISHED_PARAMS
+from driver.placement import plan_placement
+from driver.reservation import why_unplaceable
 from recipe import Recipe, load_recipe
+from rollout.pool import worker_resources
+from trainer.group import rank_resources
 from trainer.memory import activation_bytes, train_state_bytes
 from trainer.models.config import ModelConfig
 from trainer.models.hf_config import model_config_from_hf_dict
@@ -83,6 +87,12 @@ def _chips_per_host(group: dict[str, Any]) -> int:
 
 def _num_cpus(group: dict[str, Any]) -> float:
     return float(group["rayStartParams"]["num-cpus"])
+
+
+def _nodes(group: dict[str, Any]) -> list[dict[str, float]]:
+    """The Ray nodes a worker group starts: one per host, with its CPUs and TPU chips."""
+    node = {"CPU": _num_cpus(group), "TPU": float(_chips_per_host(group))}
+    return [node] * (group["replicas"] * group["numOfHosts"])
 
 
 def _mounts(group: dict[str, Any]) -> list[str]:
@@ -185,6 +195,14 @@ def test_cluster_matches_its_recipe(path, doc):
     assert recipe.rollout.num_cpus_per_worker == _num_cpus(rollout), "rollout hosts fit exactly one worker"
     assert recipe.rollout.num_gpus_per_worker == 0
     assert recipe.rollout.engine.tensor_parallel_size == _chips_per_host(rollout), "one engine spans its host"
+    # The run places the engines first (each takes a whole rollout host), then the ranks: they must fit the trainer
+    # hosts alone, by their strategies.
+    plan = plan_placement(recipe, num_cores=1)
+    assert plan.rollout_strategy == "SPREAD" and plan.trainer_strategy == "PACK"
+    engines = [worker_resources(plan.rollout)] * recipe.rollout.num_workers
+    ranks = [rank_resources(recipe.trainer, plan.trainer_cpus)] * recipe.trainer.num_ranks
+    assert why_unplaceable(engines, plan.rollout_strategy, _nodes(rollout)) is None
+    assert why_unplaceable(ranks, plan.trainer_strategy, _nodes(trainer)) is None
 
     head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
     head_mounts = [m["mountPath"] for m in head["volumeMounts"]]

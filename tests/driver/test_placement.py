@@ -50,3 +50,26 @@ def test_separate_actors_run_on_their_reservation():
     assert plan.trainer_env == {"OMP_NUM_THREADS": "1"} and plan.trainer_cpus == 1.0
     assert plan.rollout.num_cpus_per_worker == 1.0 and plan.num_cores == 3
     assert not plan.receiver_sync.offers_shm and plan.receiver_sync.delta
+
+
+def test_separate_roles_spread_over_nodes_as_the_recipe_says():
+    plan = plan_placement(_recipe(**{"run.placement": "separate"}), num_cores=8)
+    assert (plan.trainer_strategy, plan.rollout_strategy, plan.shared_group) == ("PACK", "SPREAD", False)
+    plan = plan_placement(_recipe(**{"run.placement": "separate", "run.placement_groups.trainer": "STRICT_PACK",
+                                     "run.placement_groups.rollout": "STRICT_SPREAD"}), num_cores=8)  # fmt: skip
+    assert (plan.trainer_strategy, plan.rollout_strategy) == ("STRICT_PACK", "STRICT_SPREAD")
+
+
+def test_colocated_roles_share_one_host():
+    plan = plan_placement(_recipe(), num_cores=8)
+    assert (plan.trainer_strategy, plan.rollout_strategy, plan.shared_group) == ("STRICT_PACK", "STRICT_PACK", True)
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    ({"run.placement_groups.rollout": "STRICT_SPREAD"}, r"run\.placement_groups\.rollout.*colocated.*'separate'"),
+    ({"run.placement": "separate", "rollout.num_cpus_per_worker": 0.0}, r"rollout\.num_cpus_per_worker.*empty bundle"),
+    ({"run.placement_groups.trainer": "SIDEWAYS"}, r"run\.placement_groups\.trainer"),
+])  # fmt: skip
+def test_placement_groups_the_run_cannot_make_are_refused_by_the_recipe(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        _recipe(**overrides)

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
 RECIPE = "recipes/grpo_tiny.toml"
+RAY = str(Path(PYTHON).parent / "ray")
 
 
 def free_port() -> int:
@@ -128,3 +132,63 @@ def read_metrics(out_dir: Path) -> list[dict]:
 
 def rl_steps(records: list[dict]) -> list[int]:
     return [r["step"] for r in records if r.get("phase") == "rl"]
+
+
+class RayNode:
+    """One node of a Ray cluster on this machine, as a ``ray start --block`` process we own: its own temp dir (so its
+    sockets are its own) and ports. The head (``address`` None) runs the GCS, and the dashboard when asked; a worker
+    node joins ``address``. :meth:`kill` is the node being lost: SIGKILL to its raylet and everything it started."""
+
+    def __init__(self, log: Path, num_cpus: int, address: str | None = None, dashboard: bool = False,
+                 system_config: dict | None = None) -> None:  # fmt: skip
+        self.temp_dir = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
+        self.log = log
+        self.tag = Path(self.temp_dir).name  # a resource only this node has: how to tell it in Ray's node list
+        cmd = [RAY, "start", "--block", "--temp-dir", self.temp_dir, "--num-cpus", str(num_cpus),
+               "--resources", json.dumps({self.tag: 1}), "--disable-usage-stats"]  # fmt: skip
+        ports = {
+            "--node-manager-port": free_port(), "--object-manager-port": free_port(),
+            "--metrics-export-port": free_port(), "--runtime-env-agent-port": free_port(),
+            "--dashboard-agent-listen-port": free_port(), "--dashboard-agent-grpc-port": free_port(),
+        }  # fmt: skip
+        self.address, self.dashboard_url = address, None
+        if address is None:
+            port, dashboard_port = free_port(), free_port()
+            self.address = f"127.0.0.1:{port}"
+            self.dashboard_url = f"http://127.0.0.1:{dashboard_port}" if dashboard else None
+            ports.update({"--port": port, "--ray-client-server-port": free_port(), "--dashboard-port": dashboard_port})
+            cmd += ["--head", "--include-dashboard", str(dashboard).lower(), "--dashboard-host", "127.0.0.1"]
+            if system_config:
+                cmd += ["--system-config", json.dumps(system_config)]
+        else:
+            cmd += ["--address", address]
+        for flag, value in ports.items():
+            cmd += [flag, str(value)]
+        self.proc = subprocess.Popen(cmd, env=clean_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # fmt: skip
+
+    def wait_dashboard(self, timeout_s: float = 120) -> None:
+        """Block until the head's dashboard answers."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, f"ray start exited ({self.proc.returncode}):\n{tail(self.log)}"
+            try:
+                with urllib.request.urlopen(f"{self.dashboard_url}/api/version", timeout=2) as r:
+                    json.load(r)
+                return
+            except OSError:
+                assert time.monotonic() < deadline, f"dashboard not up after {timeout_s} s:\n{tail(self.log)}"
+                time.sleep(0.5)
+
+    def is_node(self, resources_total: dict) -> bool:
+        """Whether the Ray node of these total resources is this one."""
+        return self.tag in resources_total
+
+    def kill(self) -> None:
+        """SIGKILL the node and everything it started (its actors' workers included), as a lost host would go."""
+        if self.proc.poll() is None or descendants(self.proc):
+            kill_tree(self.proc)
+
+    def stop(self) -> None:
+        self.kill()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)

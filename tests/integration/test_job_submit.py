@@ -4,17 +4,13 @@ the default recipe with small overrides, and check that the job succeeded and wr
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from it_helpers import PYTHON, RECIPE, REPO, clean_env, free_port, kill_tree, read_metrics, rl_steps, small_run_args
+from it_helpers import RAY, RECIPE, REPO, RayNode, clean_env, read_metrics, rl_steps, small_run_args
 
-RAY = str(Path(PYTHON).parent / "ray")
 # Never upload the venv, run outputs, caches or git objects (most are in .gitignore too, which Ray also honours).
 EXCLUDES = [".git", ".venv", "/runs", "/artifacts", ".hypothesis", ".pytest_cache", "__pycache__", "*.egg-info"]
 
@@ -22,37 +18,12 @@ EXCLUDES = [".git", ".venv", "/runs", "/artifacts", ".hypothesis", ".pytest_cach
 @pytest.fixture
 def ray_cluster(tmp_path: Path):
     """A one-node Ray cluster with the dashboard, as a `ray start --block` subprocess we own; yields the job API URL."""
-    temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
-    dashboard_port = free_port()
-    ports = {
-        "--port": free_port(), "--dashboard-port": dashboard_port, "--ray-client-server-port": free_port(),
-        "--dashboard-agent-listen-port": free_port(), "--dashboard-agent-grpc-port": free_port(),
-        "--runtime-env-agent-port": free_port(), "--metrics-export-port": free_port(),
-        "--node-manager-port": free_port(), "--object-manager-port": free_port(),
-    }  # fmt: skip
-    cmd = [RAY, "start", "--head", "--block", "--temp-dir", temp_dir, "--num-cpus", "4", "--include-dashboard", "true",
-           "--dashboard-host", "127.0.0.1", "--disable-usage-stats"]  # fmt: skip
-    for flag, port in ports.items():
-        cmd += [flag, str(port)]
-    log = tmp_path / "ray_start.log"
-    proc = subprocess.Popen(cmd, env=clean_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
-    url = f"http://127.0.0.1:{dashboard_port}"
+    head = RayNode(tmp_path / "ray_start.log", num_cpus=4, dashboard=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"ray start exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
-            try:
-                with urllib.request.urlopen(f"{url}/api/version", timeout=2) as r:
-                    json.load(r)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, f"dashboard not up after 120 s:\n{log.read_text()[-4000:]}"
-                time.sleep(0.5)
-        yield url, Path(temp_dir)
+        head.wait_dashboard()
+        yield head.dashboard_url, Path(head.temp_dir)
     finally:
-        kill_tree(proc)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        head.stop()
 
 
 def test_ray_job_submit_runs_recipe_to_success(ray_cluster: tuple[str, Path], tmp_path: Path) -> None:

@@ -36,6 +36,9 @@ class FakeWorker:
     def receiver_address(self):
         return f"fake:{os.getpid()}"
 
+    def placement_group_id(self):
+        return ray.get_runtime_context().get_placement_group_id()
+
     def policy_version(self):
         return self.version
 
@@ -69,11 +72,11 @@ def ray_session(tmp_path_factory):
     ray.shutdown()
 
 
-def _pool(monkeypatch, num_workers: int, restarts: int = 3) -> RolloutPool:
+def _pool(monkeypatch, num_workers: int, restarts: int = 3, cpus: float = 0.0, placement=None) -> RolloutPool:
     monkeypatch.setattr("rollout.worker.RolloutWorker", FakeWorker)
-    config = RolloutConfig(model_path="unused", num_workers=num_workers, num_cpus_per_worker=0.0,
+    config = RolloutConfig(model_path="unused", num_workers=num_workers, num_cpus_per_worker=cpus,
                            max_groups_per_dispatch=2, num_worker_restarts=restarts)  # fmt: skip
-    return RolloutPool(config)
+    return RolloutPool(config, placement=placement)
 
 
 def _push(pool: RolloutPool, version: int) -> None:
@@ -268,3 +271,24 @@ def test_worker_replaced_while_generating_hands_its_pieces_on_once(monkeypatch):
         assert new != old and calls == ["refused", [new]]
     finally:
         pool.shutdown()
+
+
+def test_a_replacement_takes_its_slots_bundle(monkeypatch):
+    """Workers of a reserved pool (driver.reservation) run in its placement group, and so do their replacements:
+    each slot's options (its bundle) are kept across replacements."""
+    from driver.reservation import Role, release, reserve
+
+    held = reserve([Role("rollout", {"CPU": 0.5}, 2, "SPREAD")], shared=False, name="fleet", timeout_s=30,
+                   can_grow=False)  # fmt: skip
+    pool = _pool(monkeypatch, 2, cpus=0.5, placement=held["rollout"].actor_placement())
+    try:
+        group = held["rollout"].group.id.hex()
+        assert ray.get([w.placement_group_id.remote() for w in pool.workers]) == [group, group]
+        victim = pool.workers[1]
+        batch = _collect_after_kill(pool, victim)
+        _assert_complete(batch, 0)
+        assert pool.workers[1] is not victim
+        assert ray.get([w.placement_group_id.remote() for w in pool.workers]) == [group, group]
+    finally:
+        pool.shutdown()
+        release(held)
