@@ -69,6 +69,9 @@ class PublishedModelSpec(Config):
     """Fewer blocks than published (a reduced model of the real layer shapes); None keeps the published count."""
     num_experts: int | None = pydantic.Field(None, ge=1)
     """Mixture-of-experts architectures: fewer experts per layer (at least its top-k); None keeps them all."""
+    vocab_size: int | None = pydantic.Field(None, ge=1)
+    """Fewer vocabulary rows than published (at least the project's tokenizer's), when the real embedding and output
+    head alone would not fit the host beside the blocks being measured; None keeps the published vocabulary."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of the saved weights (published checkpoints are bfloat16)."""
     seed: int = 0
@@ -82,7 +85,7 @@ class PublishedModelSpec(Config):
 
     @pydantic.model_validator(mode="after")
     def _check_experts(self) -> PublishedModelSpec:
-        published_fields(self.architecture, self.num_layers, self.num_experts)
+        published_fields(self.architecture, self.num_layers, self.num_experts, self.vocab_size)
         return self
 
 
@@ -501,6 +504,13 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
             f"{str(model_dir)!r} has no config.json: point it at a local HF model directory, or add a "
             "[model.create_tiny] ([model.create_published]) section to create a tiny (real-size random) one there",
         ))  # fmt: skip
+    elif (model_dir / "config.json").is_file() and recipe.trainer.parallelism.expert_parallel_degree > 1:
+        from trainer.models.hf_config import model_config_from_hf
+
+        try:  # a model created at run time is checked once it exists (driver.run), before any actor starts
+            recipe.trainer.check_model(model_config_from_hf(str(model_dir), **recipe.model.block_overrides()))
+        except ValueError as e:
+            problems.append((("trainer", "parallelism", "expert_parallel_degree"), str(e)))
     task = recipe.task
     if isinstance(task, JsonlTaskConfig):
         for name in ("path", "eval_path"):

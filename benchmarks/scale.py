@@ -1,18 +1,21 @@
 """The whole service at a real model size, where the time and the memory of every phase go: a recipe of a published
 architecture's shape (``recipes/qwen3_0p6b_cpu.toml``: Qwen3-0.6B, random weights created locally) on 1 and on 2
-FSDP trainer ranks, side by side in one run.
+FSDP trainer ranks, side by side in one run; for an MoE recipe (``recipes/qwen3_30b_a3b_reduced_cpu.toml``) also with
+and without expert parallelism.
 
     python -m benchmarks.scale [--recipe recipes/qwen3_0p6b_cpu.toml] [--ranks 1,2] [--steps 3]
+    python -m benchmarks.scale --recipe recipes/qwen3_30b_a3b_reduced_cpu.toml --ranks 2 --expert-parallel 1,2
 
 Each setting runs ``rl_align.py`` as a process of its own (embedded Ray, the recipe's placement), with every process
 of its tree sampled every 0.5 s (``psutil``): the peak resident set of each trainer rank, of each rollout worker (the
 vLLM engine and its receiver) and of the driver, and the machine's used memory. From the run's ``metrics.jsonl``, the
-median over the steps after the first (the first compiles, allocates and loads): generation, the policy update,
-the push (trainer side) and the engine's reload (``rollout/weight_update_s``, the pause), the whole step, and the
-push + reload share of it. The trainer's rate is ``6 x parameters x tokens`` (prompt + completion tokens of the step)
-per second of its update, against this machine's fp32 matmul FLOP/s on all cores (``benchmarks.trainer``), measured
-before and after the runs. The model is created once and shared by the settings. The CPU model and the load before
-and after are printed; measure on a quiet machine and repeat.
+median over the steps after the first (the first compiles, allocates and loads): generation and its scoring, the
+policy update and its parts (old / reference log-probs, forward + backward, optimizer), the push (trainer side) and
+the engine's reload (``rollout/weight_update_s``, the pause), the whole step, and the push + reload share of it. The
+trainer's rate is ``6 x parameters x tokens`` (prompt + completion tokens of the step; for an MoE model the parameters
+a token uses, ``ModelConfig.active_params``) per second of its update, against this machine's fp32 matmul FLOP/s on
+all cores (``benchmarks.trainer``), measured before and after the runs. The model is created once and shared by the
+settings. The CPU model and the load before and after are printed; measure on a quiet machine and repeat.
 """
 
 from __future__ import annotations
@@ -34,9 +37,12 @@ from benchmarks.machine import load_avg, machine_line
 REPO = Path(__file__).resolve().parents[1]
 ROLES = (("trainer rank", "TrainerWorker"), ("rollout worker", "RolloutWorker"))
 PHASES = (
-    ("generate s", "time/generate_s"), ("policy update s", "train/step_s"), ("push s", "push/seconds"),
-    ("reload s", "rollout/weight_update_s"), ("step s", "time/step_s"),
+    ("generate s", "time/generate_s"), ("score s", "rollout/score_s"), ("policy update s", "train/step_s"),
+    ("logprobs s", "train/logprobs_s"), ("fwd+bwd s", "train/forward_backward_s"), ("optimizer s", "train/optimizer_s"),
+    ("push s", "push/seconds"), ("reload s", "rollout/weight_update_s"), ("step s", "time/step_s"),
 )  # fmt: skip
+"""(column, metric): the policy update's parts are the trainer's ``train/logprobs_s`` (old / reference log-probs),
+``train/forward_backward_s`` and ``train/optimizer_s``; score is inside generate, reload inside push."""
 
 
 class _MemorySampler(threading.Thread):
@@ -80,12 +86,14 @@ class _MemorySampler(threading.Thread):
         return out
 
 
-def _run(recipe: str, ranks: int, steps: int, model_dir: Path, out_dir: Path) -> dict[str, Any]:
-    """One setting: the run's per-phase medians, trainer tokens per step and peak memory by role."""
+def _run(recipe: str, ranks: int, ep: int, steps: int, model_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """One setting (``ranks`` trainer ranks, expert parallel degree ``ep``): the run's per-phase medians, trainer
+    tokens per step and peak memory by role."""
     from driver.metrics import read_jsonl
 
     args = [
         sys.executable, "rl_align.py", "--recipe", recipe, "--trainer.num_ranks", str(ranks),
+        "--trainer.parallelism.expert_parallel_degree", str(ep),
         "--run.num_steps", str(steps), "--run.output_dir", str(out_dir), "--model.path", str(model_dir),
         "--run.logging.tensorboard", "false", "--run.logging.progress", "false",
     ]  # fmt: skip
@@ -112,6 +120,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", default="recipes/qwen3_0p6b_cpu.toml")
     parser.add_argument("--ranks", default="1,2", help="comma-separated trainer rank counts")
+    parser.add_argument("--expert-parallel", default="1", help="comma-separated expert parallel degrees (MoE recipes): "
+                        "each runs with every rank count it divides")
     parser.add_argument("--steps", type=int, default=3, help="RL steps per setting (the first is not counted)")
     args = parser.parse_args()
     import torch
@@ -126,12 +136,14 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         model_dir = Path(tmp) / "model"  # created by the first run, reused by the others
-        failed: dict[int, str] = {}
-        for ranks in (int(r) for r in args.ranks.split(",")):
+        failed: dict[str, str] = {}
+        settings = [(int(r), int(ep)) for ep in args.expert_parallel.split(",") for r in args.ranks.split(",")]
+        for ranks, ep in [(r, ep) for r, ep in settings if r % ep == 0]:
+            name = f"{ranks}" + (f" ep{ep}" if ep > 1 else "")
             try:
-                results[ranks] = _run(args.recipe, ranks, args.steps, model_dir, Path(tmp) / f"ranks{ranks}")
+                results[name] = _run(args.recipe, ranks, ep, args.steps, model_dir, Path(tmp) / f"ranks{ranks}ep{ep}")
             except RuntimeError as e:  # e.g. out of memory: report it beside the settings that ran
-                failed[ranks] = next((line for line in str(e).splitlines() if "memory" in line), str(e)[:300])
+                failed[name] = next((line for line in str(e).splitlines() if "memory" in line), str(e)[:300])
         model = model_config_from_hf(str(model_dir))
     peaks.append(matmul_flops()[0])
     recipe = load_recipe(REPO / args.recipe, check_paths=False)
@@ -143,18 +155,18 @@ def main() -> None:
           f"{peak / 1e9:.0f} GFLOP/s (fp32, all cores; {min(peaks) / 1e9:.0f}-{peak / 1e9:.0f} before/after)")
     columns = [label for label, _ in PHASES] + ["push+reload", "6NT/s / peak"]
     columns += ["trainer GB", "rollout GB", "driver GB", "machine GB"]
-    print(f"{'ranks':<6}" + "".join(f"{c:>16}" for c in columns))
+    print(f"{'ranks':<8}" + "".join(f"{c:>16}" for c in columns))
     for ranks, r in results.items():
         p, mem = r["phases"], r["memory"]
-        flops = 6 * model.num_params * r["tokens"] / p["policy update s"]
+        flops = 6 * model.active_params * r["tokens"] / p["policy update s"]
         cells = [f"{p[label]:.2f}" for label, _ in PHASES]
         cells += [f"{(p['push s'] + p['reload s']) / p['step s']:.1%}", f"{flops / peak:.2f}"]
         cells += [f"{mem.get(role, 0.0):.1f}" for role in ("trainer rank", "rollout worker", "driver", "machine")]
-        print(f"{ranks:<6}" + "".join(f"{c:>16}" for c in cells))
+        print(f"{ranks:<8}" + "".join(f"{c:>16}" for c in cells))
     for ranks, why in failed.items():
-        print(f"{ranks:<6}failed: {why[:400]}")
-    if 1 in results and 2 in results:
-        ratio = results[2]["memory"]["trainer rank"] / results[1]["memory"]["trainer rank"]
+        print(f"{ranks:<8}failed: {why[:400]}")
+    if "1" in results and "2" in results:
+        ratio = results["2"]["memory"]["trainer rank"] / results["1"]["memory"]["trainer rank"]
         print(f"trainer peak per rank, 2 ranks / 1 rank: {ratio:.2f}x (target <= 0.6x)")
     print(f"load after: {load_avg()}")
 

@@ -42,16 +42,21 @@ PUBLISHED_PARAMS: Mapping[str, float] = {"Qwen3-0.6B": 0.6e9, "Qwen3-8B": 8.2e9,
 
 
 def published_fields(
-    architecture: str, num_layers: int | None = None, num_experts: int | None = None
+    architecture: str, num_layers: int | None = None, num_experts: int | None = None, vocab_size: int | None = None
 ) -> dict[str, Any]:
-    """The ``config.json`` fields of ``architecture`` with ``num_layers`` blocks and (mixture-of-experts only)
-    ``num_experts`` experts instead of the published counts, when given. Raises ``ValueError`` naming what is wrong:
-    an unknown architecture, experts for a dense one, or fewer experts than its top-k."""
+    """The ``config.json`` fields of ``architecture`` with ``num_layers`` blocks, (mixture-of-experts only)
+    ``num_experts`` experts and ``vocab_size`` vocabulary rows instead of the published counts, when given; the blocks
+    keep their real shapes. Raises ``ValueError`` naming what is wrong: an unknown architecture, experts for a dense
+    one, fewer experts than its top-k, or a larger vocabulary than published."""
     if architecture not in PUBLISHED_CONFIGS:
         raise ValueError(f"unknown architecture {architecture!r}; choose one of {sorted(PUBLISHED_CONFIGS)}")
     fields = dict(PUBLISHED_CONFIGS[architecture])
     if num_layers is not None:
         fields["num_hidden_layers"] = num_layers
+    if vocab_size is not None:
+        if vocab_size > fields["vocab_size"]:
+            raise ValueError(f"vocab_size = {vocab_size} exceeds {architecture}'s {fields['vocab_size']}")
+        fields["vocab_size"] = vocab_size
     if num_experts is not None:
         top_k = fields.get("num_experts_per_tok")
         if top_k is None:

@@ -17,9 +17,12 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from recipe import Recipe, write_resolved
+
+if TYPE_CHECKING:
+    from trainer.models.config import ModelConfig
 
 __all__ = ["run"]
 
@@ -42,7 +45,15 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
         print(f"error: {e}", file=sys.stderr)
         return 2
     write_resolved(recipe, out_dir)
-    _ensure_model(recipe)
+    from trainer.models.hf_config import model_config_from_hf
+
+    try:  # a model that cannot be created, or a sharding it cannot take, fails before Ray starts
+        _ensure_model(recipe)
+        model_cfg = model_config_from_hf(recipe.model.path, **recipe.model.block_overrides(), lora=recipe.model.lora)
+        recipe.trainer.check_model(model_cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     import ray
 
@@ -52,7 +63,7 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
     try:
         with ray_session(address, recipe.trainer.device) as where:
             log.info("Ray: %s; outputs in %s", where, out_dir)
-            with _Run(recipe, out_dir, resuming, can_grow=where != "embedded") as job:
+            with _Run(recipe, model_cfg, out_dir, resuming, can_grow=where != "embedded") as job:
                 job.execute()
         return 0
     except KeyboardInterrupt:
@@ -109,7 +120,8 @@ def _ensure_model(recipe: Recipe) -> None:
     if published is not None:
         log.info("creating a random %s model at %s", published.architecture, path)
         make_published_model(path, published.architecture, seed=published.seed, dtype=published.dtype,
-                             num_layers=published.num_layers, num_experts=published.num_experts)  # fmt: skip
+                             num_layers=published.num_layers, num_experts=published.num_experts,
+                             vocab_size=published.vocab_size)  # fmt: skip
         return
     assert tiny is not None
     log.info("creating a tiny %s model at %s", tiny.family, path)
@@ -120,9 +132,11 @@ def _ensure_model(recipe: Recipe) -> None:
 class _Run:
     """The actors and sinks of one run, as a context manager that always closes them."""
 
-    def __init__(self, recipe: Recipe, out_dir: Path, resume: bool, can_grow: bool) -> None:
-        """``can_grow``: the Ray cluster may add nodes (a joined cluster), so a placement may wait for them."""
-        self.recipe, self.out_dir, self.resume, self.can_grow = recipe, out_dir, resume, can_grow
+    def __init__(self, recipe: Recipe, model_cfg: ModelConfig, out_dir: Path, resume: bool, can_grow: bool) -> None:
+        """``model_cfg``: the trainer's view of the recipe's model directory; ``can_grow``: the Ray cluster may add
+        nodes (a joined cluster), so a placement may wait for them."""
+        self.recipe, self.model_cfg, self.out_dir = recipe, model_cfg, out_dir
+        self.resume, self.can_grow = resume, can_grow
         self.reservations: dict[str, Any] = {}
         self.pool: Any = None
         self.trainer: Any = None
@@ -137,7 +151,6 @@ class _Run:
         from rollout.tasks import build_dataset
         from rollout.tokenizer import load_tokenizer
         from trainer.group import TrainerGroup, rank_resources
-        from trainer.models.hf_config import model_config_from_hf
 
         r = self.recipe
         self.logger = MetricsLogger(
@@ -146,7 +159,7 @@ class _Run:
         )  # fmt: skip
         self.dataset = build_dataset(r.task)
         self.tokenizer = load_tokenizer(r.rollout.tokenizer_path or r.model.path)
-        model_cfg = model_config_from_hf(r.model.path, **r.model.block_overrides(), lora=r.model.lora)
+        model_cfg = self.model_cfg
         self.placement = plan_placement(r, host_cores())
         log.info("placement: %s on %d core(s); trainer ranks run %s thread(s), engines %s", r.run.placement,
                  self.placement.num_cores, self.placement.trainer_env["OMP_NUM_THREADS"],

@@ -86,6 +86,7 @@ class RolloutWorker:
         engine, and score them.
 
         Returns the samples grouped by problem, in input order, and additive metrics: ``rollout/generate_s``,
+        ``rollout/score_s`` (the reward functions),
         ``rollout/num_completion_tokens`` (model tokens), ``rollout/process_cpu_s`` (this worker's CPU seconds since
         its previous batch, weight loads included), ``rollout/weight_update_s`` (seconds weight updates held the
         engine since its previous batch), ``reward/num_errors`` and ``reward/<term>/num_errors``; for multi-turn
@@ -114,6 +115,7 @@ class RolloutWorker:
             [e.final_text for e in finals], [e.final_turn_tokens for e in finals], [problems[i] for i, _ in jobs],
             [group_ids[i] for i, _ in jobs], sampling.max_tokens,
         )  # fmt: skip
+        score_s = time.perf_counter() - start - generate_s
         multi_turn = self._env_config.type != "single_turn"
         samples = [
             Sample(
@@ -136,7 +138,7 @@ class RolloutWorker:
             for j, ((i, k), (segments, env_reward)) in enumerate(zip(jobs, runs, strict=True))
             for s, e in enumerate(segments)
         ]
-        metrics = {"rollout/generate_s": generate_s,
+        metrics = {"rollout/generate_s": generate_s, "rollout/score_s": score_s,
                    "rollout/num_completion_tokens": float(sum(int(s.num_model_tokens) for s in samples)),
                    "rollout/process_cpu_s": self._cpu.lap(), "rollout/weight_update_s": self._update_lap(), **errors}
         if self._agents is not None:

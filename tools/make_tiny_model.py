@@ -104,16 +104,20 @@ def make_published_model(
     dtype: str = "bfloat16",
     num_layers: int | None = None,
     num_experts: int | None = None,
+    vocab_size: int | None = None,
 ) -> Path:
     """Create ``out_dir`` with a random model of the published ``architecture`` (a key of ``PUBLISHED_CONFIGS``):
-    its real widths and vocabulary, ``num_layers`` blocks and (MoE) ``num_experts`` experts when given (fewer than
-    published, for a reduced model of the real layer shapes), and the project's tiny tokenizer (its ids are the
-    first rows of the real vocabulary). Return the directory. Raises ``ValueError`` for an unknown architecture or
-    an expert count below the architecture's top-k (``common.published.published_fields``)."""
+    its real widths and vocabulary, ``num_layers`` blocks, (MoE) ``num_experts`` experts and ``vocab_size`` rows
+    when given (fewer than published, for a reduced model of the real layer shapes), and the project's tiny tokenizer
+    (its ids are the first rows of the vocabulary). Return the directory. Raises ``ValueError`` for an unknown
+    architecture, an expert count below the architecture's top-k (``common.published.published_fields``) or a
+    vocabulary smaller than the tokenizer's."""
     from transformers import AutoConfig
 
-    fields = published_fields(architecture, num_layers, num_experts)
+    fields = published_fields(architecture, num_layers, num_experts, vocab_size)
     tokenizer = build_tokenizer(seed=seed)
+    if fields["vocab_size"] < len(tokenizer):
+        raise ValueError(f"vocab_size = {fields['vocab_size']} is below the tokenizer's {len(tokenizer)} tokens")
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     model_type = fields.pop("model_type")
     config = AutoConfig.for_model(model_type, **fields, bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
@@ -138,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="directory to write (created)")
     parser.add_argument("--family", choices=FAMILIES, default="qwen3")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer vocabulary (model rounds up to 64)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="tiny: tokenizer vocabulary, default 512 (model "
+                        "rounds up to 64); --published: fewer vocabulary rows than published")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=None, help="blocks (tiny default: 2)")
@@ -148,10 +153,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-experts", type=int, default=None, help="with --published MoE: fewer experts")
     args = parser.parse_args(argv)
     if args.published:
-        print(make_published_model(args.out, args.published, args.seed, args.dtype, args.num_layers, args.num_experts))
+        print(make_published_model(args.out, args.published, args.seed, args.dtype, args.num_layers, args.num_experts,
+                                   args.vocab_size))
         return
     out = make_tiny_model(
-        args.out, args.family, seed=args.seed, vocab_size=args.vocab_size, dtype=args.dtype,
+        args.out, args.family, seed=args.seed, vocab_size=args.vocab_size or 512, dtype=args.dtype,
         hidden_size=args.hidden_size, num_layers=args.num_layers or 2, num_heads=args.num_heads,
     )
     print(out)

@@ -7,11 +7,14 @@ No torch import here (recipes validate in well under a second). The model and th
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import pydantic
 
 from common.config import Config, DType
+
+if TYPE_CHECKING:
+    from trainer.models.config import ModelConfig
 
 __all__ = [
     "ActivationCheckpointConfig",
@@ -48,6 +51,9 @@ class ParallelismConfig(Config):
     """Free the gathered parameters of a block after its forward (less memory, one more all-gather in backward)."""
     tensor_parallel_degree: int = pydantic.Field(default=1, ge=1)
     """Ranks per tensor-parallel group (DTensor Colwise/Rowwise); 1 turns tensor parallelism off."""
+    expert_parallel_degree: int = pydantic.Field(default=1, ge=1)
+    """Ranks that split each MoE layer's experts between them (``trainer.expert_parallel``: tokens reach their experts
+    by all-to-all); ``num_ranks`` must be a multiple of it and the model's expert count too. 1 turns it off."""
 
 
 class ActivationCheckpointConfig(Config):
@@ -204,6 +210,22 @@ class TrainerConfig(Config):
             raise ValueError(
                 f"num_ranks ({self.num_ranks}) must be a multiple of parallelism.tensor_parallel_degree ({tp})"
             )
+        ep = self.parallelism.expert_parallel_degree
+        if ep > 1:
+            if self.num_ranks % ep:
+                raise ValueError(
+                    f"num_ranks ({self.num_ranks}) must be a multiple of parallelism.expert_parallel_degree ({ep})"
+                )
+            if tp > 1:
+                raise ValueError(
+                    "expert parallelism with tensor parallelism is not built: set "
+                    "parallelism.tensor_parallel_degree = 1 or expert_parallel_degree = 1"
+                )
+            if not self.parallelism.fsdp:
+                raise ValueError(
+                    "parallelism.expert_parallel_degree > 1 needs parallelism.fsdp = true (the weights other than the "
+                    "experts are FSDP-sharded over all ranks)"
+                )
         if not self.parallelism.fsdp and self.num_ranks // tp > 1:
             raise ValueError(
                 f"{self.num_ranks // tp} data-parallel ranks need parallelism.fsdp = true (the only data-parallel "
@@ -221,3 +243,20 @@ class TrainerConfig(Config):
                 "set fsdp = true or param_dtype = 'float32'"
             )
         return self
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Raise ``ValueError`` naming the field when this sharding cannot hold ``model``: expert parallelism needs
+        an MoE model whose expert count the degree divides. Run before any rank starts (the driver does)."""
+        ep = self.parallelism.expert_parallel_degree
+        if ep == 1:
+            return
+        if model.moe is None:
+            raise ValueError(
+                f"trainer.parallelism.expert_parallel_degree = {ep} splits MoE experts over ranks, but the model "
+                f"({model.family}) has no experts: set it to 1"
+            )
+        if model.moe.num_experts % ep:
+            raise ValueError(
+                f"trainer.parallelism.expert_parallel_degree = {ep} does not divide the model's "
+                f"{model.moe.num_experts} experts per layer: use a divisor of {model.moe.num_experts}"
+            )

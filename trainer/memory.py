@@ -1,9 +1,13 @@
-"""What one trainer rank holds in memory, estimated from the configs alone (no torch): training state and the
-activations of one micro-batch. For sizing a recipe to its chips before anything starts (``tests/deploy`` checks the
-hardware recipes with it); ``benchmarks/activation_checkpoint.py`` measures the real figures.
+"""What one trainer rank holds in memory, estimated from the configs alone (no torch): training state, the blocks
+FSDP gathers, and the activations of one micro-batch. For sizing a recipe to its chips before anything starts
+(``tests/deploy`` checks the hardware recipes with it); ``benchmarks/activation_checkpoint.py`` measures the real
+figures.
 
 - training state: float32 master weights, their gradients and AdamW's two moments, 16 bytes per trained parameter,
   4 per frozen one (a LoRA base), sharded over the ranks by FSDP;
+- gathered blocks: FSDP2 unshards a block for its forward and backward while prefetching the next, and in backward
+  holds the block's unsharded gradients in the compute dtype and again in the reduction dtype for the reduce-scatter.
+  With expert parallelism a rank gathers only its own experts (``trainer.expert_parallel``);
 - activations: what autograd keeps from one micro-batch's forward for its backward. A block without checkpointing
   keeps its normalised inputs, the query/key/value projections before and after their norms and RoPE, the attention
   output and the feed-forward's four hidden-width tensors (dense SwiGLU, or the ``top_k`` experts' per routed token);
@@ -17,7 +21,7 @@ from __future__ import annotations
 from trainer.config import ActivationCheckpointConfig
 from trainer.models.config import LoRAConfig, ModelConfig
 
-__all__ = ["activation_bytes", "adapter_params", "block_activation_values", "train_state_bytes"]
+__all__ = ["activation_bytes", "adapter_params", "block_activation_values", "gathered_block_bytes", "train_state_bytes"]
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -39,6 +43,15 @@ def train_state_bytes(model: ModelConfig, num_ranks: int = 1) -> float:
     if model.lora is None:
         return 16 * model.num_params / num_ranks
     return (4 * model.num_params + 16 * adapter_params(model, model.lora)) / num_ranks
+
+
+def gathered_block_bytes(
+    model: ModelConfig, expert_parallel_degree: int = 1, param_dtype: str = "float32", reduce_dtype: str = "float32"
+) -> float:
+    """Bytes of unsharded blocks at the peak of a block's backward (see the module docstring): two blocks' parameters
+    and one block's gradients in ``param_dtype``, those gradients again in ``reduce_dtype``."""
+    params = model.block_params(expert_parallel_degree)
+    return params * (3 * _BYTES[param_dtype] + _BYTES[reduce_dtype])
 
 
 def block_activation_values(model: ModelConfig) -> int:

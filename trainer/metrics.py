@@ -8,18 +8,22 @@ is, decided by :func:`reduction_of`:
 - ``*_max`` / ``*_min`` take the max / min;
 - everything else is a per-token mean and is averaged weighted by the micro-batch's completion tokens.
 
-One ``all_reduce`` per reduction kind; every rank gets the same result.
+One ``all_reduce`` per reduction kind; every rank gets the same result. :class:`PhaseClock` times the phases of a step
+on one rank (wall seconds, not reduced: ranks wait for each other inside collectives anyway).
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["MetricsAccumulator", "reduction_of"]
+__all__ = ["MetricsAccumulator", "PhaseClock", "is_timing", "reduction_of"]
 
 Reduction = Literal["sum", "max", "min", "mean"]
 
@@ -33,6 +37,12 @@ def reduction_of(name: str) -> Reduction:
     if name.endswith("_min"):
         return "min"
     return "mean"
+
+
+def is_timing(name: str) -> bool:
+    """Whether metric ``name`` is a duration or a rate (``*_s`` seconds, ``*_per_s``): the values that differ between
+    runs of identical numerics."""
+    return name.endswith("_s")
 
 
 class MetricsAccumulator:
@@ -91,3 +101,39 @@ class MetricsAccumulator:
         out.update({n: float(v) for n, v in zip(maxes, hi.tolist())})
         out.update({n: float(v) for n, v in zip(mins, lo.tolist())})
         return out
+
+
+class PhaseClock:
+    """Wall seconds of named phases on this rank, summed over every time each runs::
+
+        clock = PhaseClock(device)
+        with clock.phase("optimizer"):
+            ...
+        clock.metrics()  # {"optimizer_s": ...}
+
+    On an accelerator, queued work is waited for at each phase boundary, so its time lands on the phase that queued it
+    (a device round trip per boundary, a few per optimizer step); on CPU ops finish when called and nothing waits.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._synchronize = device.type != "cpu"
+        self._seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the body as phase ``name`` (added to what earlier runs of it took)."""
+        self._wait()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._wait()
+            self._seconds[name] += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """``{"<phase>_s": seconds}`` for every phase that ran."""
+        return {f"{name}_s": seconds for name, seconds in self._seconds.items()}
+
+    def _wait(self) -> None:
+        if self._synchronize:
+            torch.accelerator.synchronize()

@@ -1,5 +1,5 @@
-"""Sharding of a model across the trainer ranks: FSDP2 per block and root, optional tensor parallel via DTensor, and
-the activation checkpointing of its blocks.
+"""Sharding of a model across the trainer ranks: FSDP2 per block and root, optional tensor parallel via DTensor,
+optional expert parallel for MoE layers (``trainer.expert_parallel``), and the activation checkpointing of its blocks.
 
 :func:`parallelize_model` is applied once to a freshly built model (policy, reference or critic alike, so they shard
 identically). :func:`local_shards` walks what this rank holds, each piece with its place in the full tensor; the weight
@@ -22,28 +22,47 @@ from torch.distributed.tensor import DTensor
 
 from trainer.config import TrainerConfig
 from trainer.critic import Critic
+from trainer.expert_parallel import apply_expert_parallel
+from trainer.models.moe import Experts
 from trainer.models.transformer import Transformer
 
 ModelT = TypeVar("ModelT", Transformer, Critic)
 """What the trainer shards: a policy / reference :class:`Transformer` or a PPO :class:`Critic` (same blocks)."""
 
 __all__ = [
-    "build_mesh", "local_shard_place", "local_shards", "parallelize_model", "sync_tensor_parallel_partial_grads",
-    "uses_fsdp",
+    "build_mesh", "data_parallel_mesh", "local_shard_place", "local_shards", "parallelize_model",
+    "sync_tensor_parallel_partial_grads", "uses_fsdp",
 ]  # fmt: skip
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_mesh(cfg: TrainerConfig, device_type: str) -> DeviceMesh:
-    """The device mesh over all ranks: 1-D ``("dp",)``, or 2-D ``("dp", "tp")`` when tensor parallel is on.
+    """The device mesh over all ranks: 1-D ``("dp",)``; 2-D ``("dp", "tp")`` when tensor parallel is on; 2-D
+    ``("efsdp", "ep")`` when expert parallel is on, with ``"dp"`` (all ranks) its flattening.
 
-    Needs an initialised default process group of ``cfg.num_ranks`` ranks.
+    Needs an initialised default process group of ``cfg.num_ranks`` ranks. :func:`data_parallel_mesh` is the part
+    over which samples (and the non-expert FSDP shards) are split.
     """
     tp = cfg.parallelism.tensor_parallel_degree
-    if tp == 1:
-        return init_device_mesh(device_type, (cfg.num_ranks,), mesh_dim_names=("dp",))
-    return init_device_mesh(device_type, (cfg.num_ranks // tp, tp), mesh_dim_names=("dp", "tp"))
+    ep = cfg.parallelism.expert_parallel_degree
+    if tp > 1:
+        return init_device_mesh(device_type, (cfg.num_ranks // tp, tp), mesh_dim_names=("dp", "tp"))
+    if ep > 1:
+        mesh = init_device_mesh(device_type, (cfg.num_ranks // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        mesh._flatten("dp")  # private but stable since torch 2.4; torchtitan builds its flattened dims the same way
+        return mesh
+    return init_device_mesh(device_type, (cfg.num_ranks,), mesh_dim_names=("dp",))
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks that hold different samples: the whole mesh when it is 1-D, the ``"dp"`` part of dp x tp, every rank
+    of efsdp x ep (the ``"dp"`` flattening :func:`build_mesh` made)."""
+    if mesh.ndim == 1:
+        return mesh
+    if "ep" in (mesh.mesh_dim_names or ()):
+        return mesh._flatten("dp")  # the flattening build_mesh created (torch keeps it by name on the root mesh)
+    return mesh["dp"]
 
 
 def _apply_tensor_parallel(model: Transformer | Critic, tp_mesh: DeviceMesh) -> None:
@@ -85,19 +104,23 @@ def uses_fsdp(mesh: DeviceMesh, cfg: TrainerConfig) -> bool:
 
 
 def parallelize_model(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> ModelT:
-    """Apply TP (if configured), activation checkpointing (``cfg.activation_checkpoint``), then FSDP2 in place (when
-    :func:`uses_fsdp`): ``fully_shard`` on every block of ``model.layers``, then the root.
+    """Apply TP or EP (if configured), activation checkpointing (``cfg.activation_checkpoint``), then FSDP2 in place
+    (when :func:`uses_fsdp`): ``fully_shard`` on every block of ``model.layers``, then the root.
 
-    The root unit keeps embeddings, final norm and output head together, so tied embeddings stay tied. Returns
+    The root unit keeps embeddings, final norm and output head together, so tied embeddings stay tied. With EP each
+    MoE layer's experts are their own FSDP unit over ``efsdp``, inside the block's unit over all ranks. Returns
     ``model`` (now an ``FSDPModule`` when FSDP is on).
     """
+    expert_parallel = cfg.parallelism.expert_parallel_degree > 1
     if cfg.parallelism.tensor_parallel_degree > 1:
         _apply_tensor_parallel(model, mesh["tp"])
+    if expert_parallel:
+        apply_expert_parallel(model, mesh["ep"])
     # Inside each block's FSDP unit, as torchtitan orders them: backward's recompute runs on the gathered parameters.
     model.checkpoint_blocks(cfg.activation_checkpoint.checkpointed_blocks(len(model.layers)))
     if not uses_fsdp(mesh, cfg):
         return model
-    dp_mesh = mesh["dp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh
+    dp_mesh = data_parallel_mesh(mesh)
     mp = MixedPrecisionPolicy(
         param_dtype=_DTYPES[cfg.mixed_precision.param_dtype],
         reduce_dtype=_DTYPES[cfg.mixed_precision.reduce_dtype],
@@ -105,6 +128,9 @@ def parallelize_model(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> Mo
     reshard = cfg.parallelism.reshard_after_forward
     blocks = list(model.layers)
     for block in blocks:
+        experts = [m for m in block.modules() if isinstance(m, Experts)] if expert_parallel else []
+        for unit in experts:  # its own unit over efsdp: the block's unit (over all ranks) cannot hold ep shards
+            fully_shard(unit, mesh=mesh["efsdp"], mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     # The root's parameters are needed right after the last block's forward: keep them gathered.
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)

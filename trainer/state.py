@@ -22,7 +22,7 @@ from trainer.critic import Critic
 from trainer.models.config import ModelConfig
 from trainer.models.transformer import Transformer, build_model
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.parallelize import ModelT, parallelize_model
+from trainer.parallelize import ModelT, data_parallel_mesh, parallelize_model
 from trainer.rl.algorithms import Algorithm, build_algorithm
 from trainer.rl.config import AlgorithmConfig
 
@@ -67,8 +67,7 @@ class TrainState:
         return self._dp_mesh().get_group()
 
     def _dp_mesh(self) -> DeviceMesh:
-        names = self.mesh.mesh_dim_names or ()
-        return self.mesh["dp"] if "tp" in names else self.mesh
+        return data_parallel_mesh(self.mesh)
 
     def checkpointables(self) -> dict[str, Checkpointable]:
         """The parts a checkpoint holds: the policy and critic with their optimizers, and the frozen KL reference (it

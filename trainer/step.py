@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rollout.types import RolloutBatch, Sample
-from trainer.metrics import MetricsAccumulator
+from trainer.metrics import MetricsAccumulator, PhaseClock
 from trainer.models.lora import adapters_disabled
 from trainer.models.registry import ATTENTION_BLOCKS
 from trainer.models.transformer import Transformer
@@ -259,7 +259,10 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     log-prob, ``rollout_kl`` = KL(rollout || trainer), ``is_ratio_mean``, ``is_weight_mean``, ``is_frac_capped``,
     ``is_frac_masked``; see README "Metrics"), extremes (``ratio_min/max``, ``logprob_gap_max``,
     ``is_ratio_min/max``), ``grad_norm`` (mean over optimizer steps, before clipping) and ``grad_norm_max``, ``lr``,
-    ``step_s``, ``tokens_per_s`` (prompt + completion tokens of the batch x epochs per second, all ranks),
+    ``step_s``, ``tokens_per_s`` (prompt + completion tokens of the batch x epochs per second, all ranks), this rank's
+    seconds in each phase of the step (``logprobs_s``: old / reference log-probs, values and advantages;
+    ``forward_backward_s``: the policy's forward and backward passes; ``optimizer_s``: gradient clipping and the
+    optimizer step; PPO: ``critic_s``, the critic's whole update),
     ``num_tokens`` (completion tokens), ``num_samples``, ``overlong_filtered_frac`` (samples the overlong filter took
     out of the loss; with every sample filtered the step makes no update), ``step``, ``policy_version``; with a critic
     (PPO) also ``critic/value_loss``, ``critic/value_error``, ``critic/value_mean``, ``critic/value_clip_frac``,
@@ -274,9 +277,11 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     minis = _minibatches(state, samples, trained, epoch=0)
     plans = [plan_rank_micro_batches(state, samples, idx) for idx in minis]
     need_old = cfg.num_epochs * cfg.num_minibatches > 1
+    clock = PhaseClock(state.device)
     if minis:  # empty only when overlong filtering dropped every sample: no update this step
-        _no_grad_pass(state, plans, need_old)
-        _compute_advantages(state, samples, plans)
+        with clock.phase("logprobs"):
+            _no_grad_pass(state, plans, need_old)
+            _compute_advantages(state, samples, plans)
 
     acc, critic_acc = MetricsAccumulator(), MetricsAccumulator()
     grad_norms: list[float] = []
@@ -287,16 +292,19 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
         for idx, mbs in zip(minis, plans):
             counts = _mini_counts(samples, idx)
             num_router_tokens = count_router_tokens(samples, idx)
-            _update_policy(state, mbs, counts, acc, num_router_tokens)
-            grad_norms.append(
-                _clip_and_step(state, state.policy, state.optimizer, state.scheduler, cfg.grad_clip_norm)
-            )
+            with clock.phase("forward_backward"):
+                _update_policy(state, mbs, counts, acc, num_router_tokens)
+            with clock.phase("optimizer"):
+                grad_norms.append(
+                    _clip_and_step(state, state.policy, state.optimizer, state.scheduler, cfg.grad_clip_norm)
+                )
             if state.critic is not None:
                 assert state.critic_optimizer is not None, "a critic is built with its optimizer"
-                _update_critic(state, mbs, counts, critic_acc, num_router_tokens)
-                critic_norms.append(_clip_and_step(
-                    state, state.critic, state.critic_optimizer, state.critic_scheduler, cfg.grad_clip_norm
-                ))  # fmt: skip
+                with clock.phase("critic"):
+                    _update_critic(state, mbs, counts, critic_acc, num_router_tokens)
+                    critic_norms.append(_clip_and_step(
+                        state, state.critic, state.critic_optimizer, state.critic_scheduler, cfg.grad_clip_norm
+                    ))  # fmt: skip
     num_updates = max(1, cfg.num_epochs * len(minis))
     # Sums over every update of the step: loss terms as the mean per optimizer step, counts per pass over the batch.
     def per_update(k: str, v: float) -> float:
@@ -319,7 +327,7 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
         grad_norm_max=float(np.max(grad_norms)) if grad_norms else 0.0,
         lr=float(state.scheduler.get_last_lr()[0]), step_s=elapsed,
         tokens_per_s=batch.num_tokens * cfg.num_epochs / elapsed, num_samples=float(len(samples)),
-        step=float(state.step), policy_version=float(state.policy_version),
+        step=float(state.step), policy_version=float(state.policy_version), **clock.metrics(),
     )  # fmt: skip
     return metrics
 

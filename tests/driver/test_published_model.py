@@ -44,6 +44,8 @@ def test_unknown_architecture_and_experts_of_a_dense_model_are_refused() -> None
         make_published_model("/nonexistent", "Qwen3-0.6B", num_experts=4)
     with pytest.raises(ValueError, match=r"below Qwen3-30B-A3B's top-k \(8\)"):
         make_published_model("/nonexistent", "Qwen3-30B-A3B", num_experts=4)
+    with pytest.raises(ValueError, match=r"vocab_size = 300 is below the tokenizer's \d+ tokens"):
+        make_published_model("/nonexistent", "Qwen3-0.6B", num_layers=1, vocab_size=300)
 
 
 def test_the_real_size_recipe_validates_and_resolves_its_seed() -> None:
@@ -62,6 +64,8 @@ def test_the_real_size_recipe_validates_and_resolves_its_seed() -> None:
         ({"model.create_published.architecture": "Qwen3-30B-A3B", "model.create_published.num_experts": 4},
          "model.create_published", "below Qwen3-30B-A3B's top-k (8)"),
         ({"model.create_tiny.family": "qwen3"}, "model", "both create the model"),
+        ({"model.create_published.vocab_size": 200_000}, "model.create_published",
+         "vocab_size = 200000 exceeds Qwen3-0.6B's 151936"),
     ],
 )  # fmt: skip
 def test_bad_settings_name_the_field(overrides: dict, field: str, reason: str) -> None:

@@ -358,3 +358,17 @@ def test_lora_settings_that_cannot_run_fail_at_load(overrides, reason):
 def test_engine_adapters_without_model_lora_fail_at_load():
     message = _error(ROOT / "recipes" / "grpo_tiny.toml", {"rollout.engine.lora.rank": 8})
     assert "- rollout.engine.lora:" in message and "[model.lora]" in message, message
+
+
+def test_expert_parallel_the_model_cannot_take_fails_at_load_naming_the_field(tmp_path):
+    from tools.make_tiny_model import make_tiny_model
+
+    moe = str(make_tiny_model(tmp_path / "moe", family="qwen3_moe", hidden_size=32, num_layers=1))  # 4 experts
+    dense = str(make_tiny_model(tmp_path / "dense", family="qwen3", hidden_size=32, num_layers=1))
+    recipe = ROOT / "recipes" / "grpo_tiny.toml"
+    three = {"trainer.num_ranks": 3, "trainer.parallelism.expert_parallel_degree": 3}
+    msg = _error(recipe, {"model.path": moe, **three})
+    assert "- trainer.parallelism.expert_parallel_degree: " in msg and "does not divide the model's 4 experts" in msg
+    two = {"trainer.num_ranks": 2, "trainer.parallelism.expert_parallel_degree": 2}
+    assert "has no experts: set it to 1" in _error(recipe, {"model.path": dense, **two})
+    load_recipe(recipe, {"model.path": moe, **two})

@@ -36,6 +36,9 @@ def test_defaults_and_backend() -> None:
         ({"schedule": {"kind": "cosine", "num_warmup_steps": 5, "num_total_steps": 5}}, "must exceed"),
         ({"num_ranks": 3, "parallelism": {"tensor_parallel_degree": 2}}, "multiple of"),
         ({"num_ranks": 2, "parallelism": {"fsdp": False}}, "need parallelism.fsdp = true"),
+        ({"num_ranks": 6, "parallelism": {"expert_parallel_degree": 4}}, "multiple of parallelism.expert_parallel"),
+        ({"num_ranks": 4, "parallelism": {"expert_parallel_degree": 2, "tensor_parallel_degree": 2}}, "not built"),
+        ({"num_ranks": 2, "parallelism": {"expert_parallel_degree": 2, "fsdp": False}}, "needs parallelism.fsdp"),
         ({"optimizer": {"betas": [0.9, 1.0]}}, "betas"),
         ({"optimizer": {"lr": "1e-3"}}, "optimizer.lr"),
         ({"micro_batch_tokns": 10}, "unknown key"),
@@ -44,6 +47,25 @@ def test_defaults_and_backend() -> None:
 def test_invalid_configs_name_the_problem(data: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         validate_config(TrainerConfig, data)
+
+
+def test_expert_parallel_needs_an_moe_model_whose_experts_it_divides() -> None:
+    from trainer.models.config import ModelConfig, MoEConfig
+
+    cfg = TrainerConfig(num_ranks=4, parallelism=dict(expert_parallel_degree=4))
+    shape = dict(vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, ffn_hidden_dim=64)
+    dense = ModelConfig(family="llama3", **shape)
+    with pytest.raises(ValueError, match=r"expert_parallel_degree = 4 .* has no experts: set it to 1"):
+        cfg.check_model(dense)
+    for num_experts in (6, 8):
+        moe = ModelConfig(family="qwen3_moe", qk_norm=True, **shape,
+                          moe=MoEConfig(num_experts=num_experts, top_k=2, expert_ffn_hidden_dim=16))  # fmt: skip
+        if num_experts == 6:
+            with pytest.raises(ValueError, match="does not divide the model's 6 experts per layer: use a divisor"):
+                cfg.check_model(moe)
+        else:
+            cfg.check_model(moe)
+    TrainerConfig().check_model(dense)
 
 
 def test_bf16_is_accepted_on_cpu() -> None:

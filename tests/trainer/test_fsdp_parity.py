@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from trainer_batches import random_batch
 
 from rollout.types import RolloutBatch
+from trainer.metrics import is_timing
 
 NUM_STEPS = 4  # checkpoint after step 2, then steps 3-4 twice (uninterrupted, resumed)
 
@@ -125,8 +126,7 @@ def test_first_step_is_exactly_on_policy(runs) -> None:
 def test_two_ranks_match_one_rank(runs, name: str) -> None:
     one, two = runs["1"][0], runs[name]
     for m1, m2a, m2b in zip(one["metrics"], two[0]["metrics"], two[1]["metrics"]):
-        timing = ("step_s", "tokens_per_s")
-        assert {k: v for k, v in m2a.items() if k not in timing} == {k: v for k, v in m2b.items() if k not in timing}
+        assert {k: v for k, v in m2a.items() if not is_timing(k)} == {k: v for k, v in m2b.items() if not is_timing(k)}
         for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm", "lr", "ratio_mean", "clip_frac_high"):
             assert m1[key] == pytest.approx(m2a[key], rel=1e-5, abs=1e-6), key
     for name, w in one["weights"].items():
@@ -157,7 +157,7 @@ def test_resume_is_bit_identical(runs, name: str) -> None:
         assert len(resumed) == len(tail)
         for a, b in zip(tail, resumed):
             for key in a:
-                if key not in ("step_s", "tokens_per_s"):
+                if not is_timing(key):
                     assert a[key] == b[key], key
         for name, w in rank_result["weights"].items():
             assert torch.equal(rank_result["resumed_weights"][name], w), name

@@ -111,3 +111,56 @@ def test_two_rank_group_trains_checkpoints_and_pushes(ray_session, tmp_path) -> 
     finally:
         group.shutdown()
         receiver.stop()
+
+
+def test_expert_parallel_ranks_push_their_own_experts(ray_session, tmp_path) -> None:
+    """2 ranks with EP = 2 on a Qwen3-MoE model: each pushes only its half of every layer's experts, the receiver's
+    coverage check accepts the union, and it assembles exactly the one-rank model; the HF export agrees after a step."""
+    from safetensors.torch import load_file
+
+    from trainer.group import TrainerGroup
+    from trainer.models.config import MoEConfig
+    from trainer.models.hf_io import hf_manifest, hf_state_dict
+    from trainer.models.transformer import build_model
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.receiver import WeightReceiver
+    from weight_sync.sink import StateDictSink
+
+    moe = ModelConfig(
+        family="qwen3_moe", vocab_size=96, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+        ffn_hidden_dim=48, qk_norm=True, tie_embeddings=False, output_chunk_size=32,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden_dim=16),
+    )  # fmt: skip
+    received = {name: torch.zeros(shape, dtype=dtype) for name, shape, dtype in hf_manifest(moe)}
+    receiver = WeightReceiver(StateDictSink(received), WeightSyncConfig())
+    receiver.start()
+    cfg = TrainerConfig(
+        num_ranks=2, parallelism=dict(expert_parallel_degree=2), micro_batch_tokens=64, optimizer=dict(lr=1e-3),
+        checkpoint=dict(dir=str(tmp_path / "ck")),
+    )  # fmt: skip
+    group = TrainerGroup(
+        cfg, moe, GRPOConfig(group_size=4), weight_sync=WeightSyncConfig(endpoints=[receiver.address]),
+        num_cpus_per_rank=0.5,
+    )  # fmt: skip
+    try:
+        outcome = group.push_weights(policy_version=1)
+        assert [o["push_errors"] for o in outcome] == [{}, {}] and outcome[0]["commit_errors"] == {}
+        torch.manual_seed(cfg.seed)
+        single = dict(hf_state_dict(build_model(moe, device="cpu", dtype=torch.float32)))
+        assert received.keys() == single.keys()
+        for name, tensor in single.items():
+            assert torch.equal(received[name], tensor), name
+        metrics = group.train_step(_batch())
+        assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+        outcome = group.push_weights(policy_version=2)
+        assert [o["push_errors"] for o in outcome] == [{}, {}] and receiver.policy_version == 2
+        group.export_hf(str(tmp_path / "hf"), None)
+        exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+        assert exported.keys() == received.keys()
+        for name, tensor in exported.items():
+            assert torch.equal(received[name], tensor), name
+        assert not torch.equal(received["model.layers.0.mlp.experts.3.up_proj.weight"],
+                               single["model.layers.0.mlp.experts.3.up_proj.weight"])  # fmt: skip
+    finally:
+        group.shutdown()
+        receiver.stop()

@@ -282,3 +282,15 @@ def test_a_batch_of_only_truncated_completions_makes_no_update_under_the_overlon
     metrics = rl_step(state, RolloutBatch(samples))
     assert metrics["overlong_filtered_frac"] == 1.0 and metrics["grad_norm"] == 0.0 and metrics["policy_version"] == 1
     assert all(torch.equal(w, _weights(state.policy)[n]) for n, w in before.items())
+
+
+@pytest.mark.parametrize("algo", [GRPOConfig(group_size=4, kl=KLConfig(coef=0.1)), PPOConfig()], ids=["grpo", "ppo"])
+def test_the_step_reports_the_seconds_of_each_phase(algo) -> None:
+    from trainer.step import rl_step
+
+    state = _engine(algo, micro_batch_tokens=40, num_minibatches=2)
+    metrics = rl_step(state, RolloutBatch(_samples()))
+    phases = ["logprobs_s", "forward_backward_s", "optimizer_s"] + (["critic_s"] if isinstance(algo, PPOConfig) else [])
+    assert all(metrics[p] > 0 for p in phases), {p: metrics.get(p) for p in phases}
+    assert sum(metrics[p] for p in phases) <= metrics["step_s"]
+    assert ("critic_s" in metrics) == isinstance(algo, PPOConfig)

@@ -199,12 +199,26 @@ class ModelConfig(BlockChoices):
     @property
     def num_params(self) -> int:
         """Total parameter count (tied embeddings counted once)."""
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.vocab_size * self.dim + self.num_layers * self.block_params() + self.dim + head
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: all of a dense model's; an MoE model's minus the experts its router
+        does not pick (``num_experts - top_k`` per layer). ``6 x active_params x tokens`` is a training step's FLOPs."""
+        if self.moe is None:
+            return self.num_params
+        unused = (self.moe.num_experts - self.moe.top_k) * 3 * self.dim * self.moe.expert_ffn_hidden_dim
+        return self.num_params - self.num_layers * unused
+
+    def block_params(self, expert_shards: int = 1) -> int:
+        """Parameters of one transformer block; with ``expert_shards`` > 1 the part one expert-parallel rank holds
+        (``num_experts / expert_shards`` of the experts, everything else whole)."""
         attn = self.dim * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += 2 * self.head_dim if self.qk_norm else 0
         if self.moe is None:
             ffn = 3 * self.dim * self.ffn_hidden_dim
         else:
-            ffn = 3 * self.dim * self.moe.expert_ffn_hidden_dim * self.moe.num_experts + self.dim * self.moe.num_experts
-        block = attn + ffn + 2 * self.dim
-        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.vocab_size * self.dim + self.num_layers * block + self.dim + head
+            experts = self.moe.num_experts // expert_shards
+            ffn = 3 * self.dim * self.moe.expert_ffn_hidden_dim * experts + self.dim * self.moe.num_experts
+        return attn + ffn + 2 * self.dim

@@ -22,6 +22,7 @@ taking the product, which agrees with this for one layer only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -33,6 +34,7 @@ from trainer.models.registry import MOE_EXPERTS
 
 __all__ = [
     "ExpertSort",
+    "Experts",
     "MoE",
     "Routing",
     "grouped_experts",
@@ -196,29 +198,38 @@ class Routing(NamedTuple):
     """``[N, K]`` experts chosen for each token."""
 
 
-class _Experts(nn.Module):
-    """The stacked SwiGLU expert weights of one MoE layer (a parameter holder; its parameters are ``experts.w*``)."""
+class Experts(nn.Module):
+    """The stacked SwiGLU experts of one MoE layer: parameters ``w1/w3 [E, I, D]``, ``w2 [E, D, I]`` and the kernel
+    (an ``MOE_EXPERTS`` function) that runs them. Their own module, with a forward, so a sharding wrapper (FSDP over
+    an expert-parallel mesh) gathers exactly these weights when they are used."""
 
     def __init__(
-        self, num_experts: int, dim: int, hidden: int, device: torch.device | None, dtype: torch.dtype | None
-    ) -> None:
+        self, num_experts: int, dim: int, hidden: int, kernel: Callable[..., torch.Tensor],
+        device: torch.device | None, dtype: torch.dtype | None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim, device=device, dtype=dtype))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden, device=device, dtype=dtype))
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor, expert_idx: torch.Tensor, expert_weight: torch.Tensor) -> torch.Tensor:
+        """``x [N, D]``, ``expert_idx`` / ``expert_weight [N, K]`` -> ``[N, D]``, the routing-weighted expert sum."""
+        return self.kernel(x, expert_idx, expert_weight, self.w1, self.w3, self.w2)
 
 
 class MoE(nn.Module):
-    """Router (``router.weight [E, D]``) + stacked experts (``experts.w1/w3 [E, I, D]``, ``experts.w2 [E, D, I]``)."""
+    """Router (``router.weight [E, D]``) + stacked :class:`Experts` (``experts.w1/w3 [E, I, D]``,
+    ``experts.w2 [E, D, I]``)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         assert cfg.moe is not None
         self.top_k, self.norm_topk_prob = cfg.moe.top_k, cfg.moe.norm_topk_prob
-        self.kernel = MOE_EXPERTS.get(cfg.moe_experts)
         num_experts, hidden = cfg.moe.num_experts, cfg.moe.expert_ffn_hidden_dim
         self.router = nn.Linear(cfg.dim, num_experts, bias=False, device=device, dtype=dtype)
-        self.experts = _Experts(num_experts, cfg.dim, hidden, device, dtype)
+        kernel = MOE_EXPERTS.get(cfg.moe_experts)
+        self.experts = Experts(num_experts, cfg.dim, hidden, kernel, device, dtype)
         # The last forward's routing. Autograd saves these tensors anyway, so keeping them costs no memory in
         # training; after a no-grad forward they stay alive until the next one.
         self.routing: Routing | None = None
@@ -233,7 +244,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         top_idx, top_w, probs = route_tokens(self.router(flat), self.top_k, self.norm_topk_prob)
         self.routing = Routing(probs, top_idx)
-        out = self.kernel(flat, top_idx, top_w, self.experts.w1, self.experts.w3, self.experts.w2)
+        out = self.experts(flat, top_idx, top_w)
         return out.view_as(x)
 
     def init_weights(self, std: float) -> None:

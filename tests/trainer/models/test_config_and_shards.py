@@ -46,7 +46,14 @@ def test_moe_and_rope_subconfigs_validate():
     with pytest.raises(ValueError, match="high_freq_factor"):
         ModelConfig(**{**BASE, "family": "llama3", "qk_norm": False, "rope_scaling": dict(high_freq_factor=0.5)})
     cfg = ModelConfig(**MOE)
-    assert cfg.num_params == sum(p.numel() for p in build_model(cfg, device="meta").parameters())
+    model = build_model(cfg, device="meta")
+    assert cfg.num_params == sum(p.numel() for p in model.parameters())
+    block = model.layers[0]
+    experts = sum(p.numel() for p in block.moe.experts.parameters())
+    assert cfg.block_params() == sum(p.numel() for p in block.parameters())
+    assert cfg.block_params(expert_shards=5) == cfg.block_params() - experts + experts // 5  # one EP rank's share
+    unused = cfg.moe.num_experts - cfg.moe.top_k
+    assert cfg.active_params == cfg.num_params - cfg.num_layers * experts * unused // cfg.moe.num_experts
 
 
 def test_config_module_imports_no_torch():
