@@ -72,6 +72,17 @@ def start_run(args: list[str], log_path: Path, recipe: str = RECIPE, **env: str)
     )  # fmt: skip
 
 
+def run_to_end(args: list[str], log_path: Path, recipe: str, timeout_s: float) -> int:
+    """Run ``rl_align.py --recipe <recipe> <args>`` (:func:`start_run`) to its end; its exit code. Past ``timeout_s``
+    the whole process tree is killed and ``subprocess.TimeoutExpired`` raised."""
+    proc = start_run(args, log_path, recipe=recipe)
+    try:
+        return proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+
+
 def descendants(proc: subprocess.Popen | int) -> list[psutil.Process]:
     """Every live process below ``proc`` (Ray's GCS, raylet and workers of an embedded instance included)."""
     try:

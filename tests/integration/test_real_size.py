@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from it_helpers import kill_tree, read_metrics, start_run, tail
+from it_helpers import read_metrics, run_to_end, tail
 
 from common.published import PUBLISHED_CONFIGS
 from trainer.models.hf_config import model_config_from_hf_dict
@@ -35,13 +35,7 @@ def test_qwen3_0p6b_shape_runs_through_the_service(tmp_path: Path, num_ranks: in
         "--run.num_steps", str(NUM_STEPS), "--run.output_dir", str(tmp_path / "out"), "--run.logging.tensorboard",
         "false", "--model.path", str(tmp_path / "model"), "--trainer.num_ranks", str(num_ranks),
     ]  # fmt: skip
-    proc = start_run(args, log, recipe=RECIPE)
-    try:
-        rc = proc.wait(timeout=1200)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    assert rc == 0, tail(log)
+    assert run_to_end(args, log, RECIPE, timeout_s=1200) == 0, tail(log)
     steps = [r for r in read_metrics(tmp_path / "out") if r.get("phase") == "rl" and "train/step" in r]
     assert [r["train/step"] for r in steps] == [1.0, 2.0]
     model = model_config_from_hf_dict(PUBLISHED_CONFIGS["Qwen3-0.6B"], source="Qwen3-0.6B")

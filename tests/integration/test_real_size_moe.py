@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from it_helpers import kill_tree, read_metrics, start_run, tail
+from it_helpers import read_metrics, run_to_end, tail
 
 from common.published import published_fields
 from trainer.models.hf_config import model_config_from_hf_dict
@@ -25,13 +25,7 @@ def test_reduced_qwen3_30b_a3b_runs_with_expert_parallelism(tmp_path: Path) -> N
         "--run.output_dir", str(tmp_path / "out"), "--run.logging.tensorboard", "false",
         "--model.path", str(tmp_path / "model"),
     ]  # fmt: skip
-    proc = start_run(args, log, recipe=RECIPE)
-    try:
-        rc = proc.wait(timeout=1200)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    assert rc == 0, tail(log)
+    assert run_to_end(args, log, RECIPE, timeout_s=1200) == 0, tail(log)
     steps = [r for r in read_metrics(tmp_path / "out") if r.get("phase") == "rl" and "train/step" in r]
     assert [r["train/step"] for r in steps] == [1.0, 2.0]
     model = model_config_from_hf_dict(published_fields("Qwen3-30B-A3B", 2, 8, 16384), source="reduced")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import logging
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from spawn_helpers import free_port, full_weights
 from torch import nn
 from trainer_batches import random_batch
 
@@ -63,11 +63,6 @@ def _batch(step: int) -> RolloutBatch:
     return random_batch(50 + step, prompt_len=(2, 8), completion_len=(1, 14), logprob=(-4.0, -3.0), policy_version=step)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank: int, world: int, port: int, root: Path, init_path: Path):
     from trainer.worker import TrainerWorker
@@ -80,11 +75,6 @@ def _worker(rank: int, world: int, port: int, root: Path, init_path: Path):
     worker.setup("127.0.0.1", port)
     return worker
 
-
-def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
-    }
 
 
 def _resume_flow(rank: int, world: int, ports: tuple[int, int], root: Path) -> dict:
@@ -102,9 +92,10 @@ def _resume_flow(rank: int, world: int, ports: tuple[int, int], root: Path) -> d
         for step in range(2):
             first.train_step(_batch(step))
         first.save_checkpoint(data_cursor={"next": 2})
-        out["warm_reference"] = _full(first.state.reference)
+        out["warm_reference"] = full_weights(first.state.reference)
         out["expected"] = [first.train_step(_batch(step)) for step in (2, 3)]
-        out["expected_policy"], out["expected_reference"] = _full(first.state.policy), _full(first.state.reference)
+        out["expected_policy"] = full_weights(first.state.policy)
+        out["expected_reference"] = full_weights(first.state.reference)
         torch.distributed.barrier()
         if rank == 0:
             shutil.rmtree(warm)  # resume falls back to the base checkpoint for init_path, as the driver does
@@ -113,11 +104,12 @@ def _resume_flow(rank: int, world: int, ports: tuple[int, int], root: Path) -> d
 
     resumed = _worker(rank, world, ports[1], root, root / "base")
     try:
-        out["base_reference"] = _full(resumed.state.reference)
+        out["base_reference"] = full_weights(resumed.state.reference)
         out["state"] = resumed.load_checkpoint()
-        out["loaded_reference"] = _full(resumed.state.reference)
+        out["loaded_reference"] = full_weights(resumed.state.reference)
         out["got"] = [resumed.train_step(_batch(step)) for step in (2, 3)]
-        out["got_policy"], out["got_reference"] = _full(resumed.state.policy), _full(resumed.state.reference)
+        out["got_policy"] = full_weights(resumed.state.policy)
+        out["got_reference"] = full_weights(resumed.state.reference)
     finally:
         resumed.shutdown()
     return out
@@ -134,7 +126,7 @@ def test_kl_run_resumes_bit_exactly_without_the_warm_start_export(tmp_path, worl
 
     torch.manual_seed(7)
     save_hf_checkpoint(build_model(MODEL), str(tmp_path / "base"))
-    ports = (_free_port(), _free_port())
+    ports = (free_port(), free_port())
     if world == 1:
         results = [_resume_flow(0, 1, ports, tmp_path)]
     else:  # two FSDP ranks: the reference is saved and loaded as shards

@@ -4,13 +4,13 @@ resume from a checkpoint reproduces the uninterrupted trajectory bit for bit (on
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from spawn_helpers import free_port, full_weights, reassemble
 from trainer_batches import random_batch
 
 from rollout.types import RolloutBatch
@@ -43,11 +43,6 @@ def _configs(ckpt_dir: str, world: int, tp: int, ac: str):
     return cfg, model_cfg, algo
 
 
-def _full_weights(model) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
-    }
-
 
 def _worker(rank: int, world: int, tp: int, ac: str, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
@@ -71,7 +66,7 @@ def _worker(rank: int, world: int, tp: int, ac: str, port: int, out_dir: str) ->
             manager.save(state.checkpointables(), TrainProgress(state.step, state.policy_version, {"next": step}))
         losses.append(rl_step(state, _batch(step)))
     result["metrics"] = losses
-    result["weights"] = _full_weights(state.policy)
+    result["weights"] = full_weights(state.policy)
     result["final_shards"] = [(n, t.clone(), s, o) for n, t, s, o in local_shards(state.policy)]
 
     resumed = fresh()
@@ -79,20 +74,15 @@ def _worker(rank: int, world: int, tp: int, ac: str, port: int, out_dir: str) ->
     resumed.step, resumed.policy_version = progress.step, progress.policy_version
     first = progress.data_cursor["next"]
     result["resumed_metrics"] = [rl_step(resumed, _batch(step)) for step in range(first, NUM_STEPS)]
-    result["resumed_weights"] = _full_weights(resumed.policy)
+    result["resumed_weights"] = full_weights(resumed.policy)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _run(world: int, tp: int, ac: str, out_dir: Path) -> list[dict]:
     out_dir.mkdir(parents=True)
-    mp.start_processes(_worker, args=(world, tp, ac, _free_port(), str(out_dir)), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, tp, ac, free_port(), str(out_dir)), nprocs=world, start_method="spawn")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -104,14 +94,6 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     runs = (("1", 1, 1, "none"), ("2", 2, 1, "none"), ("tp2", 2, 2, "none"), ("2ac", 2, 1, "selective"))
     return {name: _run(world, tp, ac, root / name) for name, world, tp, ac in runs}
 
-
-def _reassemble(pieces: list[list[tuple]]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for rank_pieces in pieces:
-        for name, local, shape, offsets in rank_pieces:
-            full = out.setdefault(name, torch.full(shape, float("nan")))
-            full[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))] = local
-    return out
 
 
 def test_first_step_is_exactly_on_policy(runs) -> None:
@@ -136,12 +118,12 @@ def test_two_ranks_match_one_rank(runs, name: str) -> None:
 
 def test_local_shards_reassemble_exactly(runs) -> None:
     one, two = runs["1"][0], runs["2"]
-    init_two = _reassemble([r["init_shards"] for r in two])
-    init_one = _reassemble([one["init_shards"]])
+    init_two = reassemble([r["init_shards"] for r in two])
+    init_one = reassemble([one["init_shards"]])
     assert init_two.keys() == init_one.keys()
     for name in init_one:
         assert torch.equal(init_two[name], init_one[name]), name
-    final_two = _reassemble([r["final_shards"] for r in two])
+    final_two = reassemble([r["final_shards"] for r in two])
     for name, w in two[0]["weights"].items():
         assert torch.equal(final_two[name], w), name
     # FSDP really shards: each rank holds part of every 2-D parameter.

@@ -40,34 +40,61 @@ def _batch() -> RolloutBatch:
     return random_batch(7, num_groups=2, prompt_len=(2, 8), completion_len=(1, 16), vocab_size=96, logprob=-4.5)
 
 
-def test_two_rank_group_trains_checkpoints_and_pushes(ray_session, tmp_path) -> None:
-    from trainer.group import TrainerGroup
-    from trainer.models.hf_io import hf_manifest, hf_state_dict
-    from trainer.models.transformer import build_model
+def _receiver(model: ModelConfig):
+    """A started gRPC receiver into a state dict of ``model``'s HF tensors (zeros): (that dict, the receiver)."""
+    from trainer.models.hf_io import hf_manifest
     from weight_sync.config import WeightSyncConfig
     from weight_sync.receiver import WeightReceiver
     from weight_sync.sink import StateDictSink
 
-    received = {name: torch.zeros(shape, dtype=dtype) for name, shape, dtype in hf_manifest(MODEL)}
+    received = {name: torch.zeros(shape, dtype=dtype) for name, shape, dtype in hf_manifest(model)}
     receiver = WeightReceiver(StateDictSink(received), WeightSyncConfig())
     receiver.start()
+    return received, receiver
+
+
+def _two_ranks(model: ModelConfig, tmp_path, receiver, **parallelism):
+    """A 2-rank TrainerGroup of ``model`` pushing to ``receiver``: (its config, the group)."""
+    from trainer.group import TrainerGroup
+    from weight_sync.config import WeightSyncConfig
+
     cfg = TrainerConfig(
-        num_ranks=2, micro_batch_tokens=64, optimizer=dict(lr=1e-3), checkpoint=dict(dir=str(tmp_path / "ck"))
-    )
+        num_ranks=2, parallelism=parallelism, micro_batch_tokens=64, optimizer=dict(lr=1e-3),
+        checkpoint=dict(dir=str(tmp_path / "ck")),
+    )  # fmt: skip
     group = TrainerGroup(
-        cfg, MODEL, GRPOConfig(group_size=4), weight_sync=WeightSyncConfig(endpoints=[receiver.address]),
+        cfg, model, GRPOConfig(group_size=4), weight_sync=WeightSyncConfig(endpoints=[receiver.address]),
         num_cpus_per_rank=0.5,
     )  # fmt: skip
+    return cfg, group
+
+
+def _first_push_is_the_one_rank_model(group, cfg: TrainerConfig, model: ModelConfig, received: dict) -> dict:
+    """Push the seeded initial weights as the ranks' shards and check they equal the 1-rank model exactly (receivers
+    start at version 0 and only take newer versions, so this goes out as version 1); returns that model's tensors."""
+    from trainer.models.hf_io import hf_state_dict
+    from trainer.models.transformer import build_model
+
+    outcome = group.push_weights(policy_version=1)
+    assert [o["push_errors"] for o in outcome] == [{}, {}] and outcome[0]["commit_errors"] == {}
+    torch.manual_seed(cfg.seed)
+    single = dict(hf_state_dict(build_model(model, device="cpu", dtype=torch.float32)))
+    assert received.keys() == single.keys()
+    for name, tensor in single.items():
+        assert torch.equal(received[name], tensor), name
+    return single
+
+
+def test_two_rank_group_trains_checkpoints_and_pushes(ray_session, tmp_path) -> None:
+    from trainer.models.hf_io import hf_manifest
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.receiver import WeightReceiver
+    from weight_sync.sink import StateDictSink
+
+    received, receiver = _receiver(MODEL)
+    cfg, group = _two_ranks(MODEL, tmp_path, receiver)
     try:
-        # The seeded initial weights, pushed as two ranks' shards, equal the 1-rank model exactly. (Receivers start
-        # at version 0 and only take newer versions, so this one goes out as version 1.)
-        outcome = group.push_weights(policy_version=1)
-        assert [o["push_errors"] for o in outcome] == [{}, {}] and outcome[0]["commit_errors"] == {}
-        torch.manual_seed(cfg.seed)
-        single = dict(hf_state_dict(build_model(MODEL, device="cpu", dtype=torch.float32)))
-        assert received.keys() == single.keys()
-        for name, tensor in single.items():
-            assert torch.equal(received[name], tensor), name
+        single = _first_push_is_the_one_rank_model(group, cfg, MODEL, received)
 
         metrics = group.train_step(_batch())
         assert metrics["policy_version"] == 1.0 and np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
@@ -118,38 +145,17 @@ def test_expert_parallel_ranks_push_their_own_experts(ray_session, tmp_path) -> 
     coverage check accepts the union, and it assembles exactly the one-rank model; the HF export agrees after a step."""
     from safetensors.torch import load_file
 
-    from trainer.group import TrainerGroup
     from trainer.models.config import MoEConfig
-    from trainer.models.hf_io import hf_manifest, hf_state_dict
-    from trainer.models.transformer import build_model
-    from weight_sync.config import WeightSyncConfig
-    from weight_sync.receiver import WeightReceiver
-    from weight_sync.sink import StateDictSink
 
     moe = ModelConfig(
         family="qwen3_moe", vocab_size=96, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
         ffn_hidden_dim=48, qk_norm=True, tie_embeddings=False, output_chunk_size=32,
         moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden_dim=16),
     )  # fmt: skip
-    received = {name: torch.zeros(shape, dtype=dtype) for name, shape, dtype in hf_manifest(moe)}
-    receiver = WeightReceiver(StateDictSink(received), WeightSyncConfig())
-    receiver.start()
-    cfg = TrainerConfig(
-        num_ranks=2, parallelism=dict(expert_parallel_degree=2), micro_batch_tokens=64, optimizer=dict(lr=1e-3),
-        checkpoint=dict(dir=str(tmp_path / "ck")),
-    )  # fmt: skip
-    group = TrainerGroup(
-        cfg, moe, GRPOConfig(group_size=4), weight_sync=WeightSyncConfig(endpoints=[receiver.address]),
-        num_cpus_per_rank=0.5,
-    )  # fmt: skip
+    received, receiver = _receiver(moe)
+    cfg, group = _two_ranks(moe, tmp_path, receiver, expert_parallel_degree=2)
     try:
-        outcome = group.push_weights(policy_version=1)
-        assert [o["push_errors"] for o in outcome] == [{}, {}] and outcome[0]["commit_errors"] == {}
-        torch.manual_seed(cfg.seed)
-        single = dict(hf_state_dict(build_model(moe, device="cpu", dtype=torch.float32)))
-        assert received.keys() == single.keys()
-        for name, tensor in single.items():
-            assert torch.equal(received[name], tensor), name
+        single = _first_push_is_the_one_rank_model(group, cfg, moe, received)
         metrics = group.train_step(_batch())
         assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
         outcome = group.push_weights(policy_version=2)

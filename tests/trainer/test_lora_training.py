@@ -4,13 +4,13 @@ the adapters alone and resume bit for bit, and 2 FSDP ranks compute the 1-rank u
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from spawn_helpers import free_port, full_weights
 from trainer_batches import random_batch
 
 from rollout.types import RolloutBatch
@@ -39,11 +39,6 @@ def _batch(step: int) -> RolloutBatch:
     return random_batch(100 + step, num_groups=4, completion_len=(1, 24), logprob=(-3.8, -3.5))
 
 
-def _full(model) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
-    }
-
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
@@ -59,7 +54,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         return build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
 
     state = fresh()
-    result: dict = {"init": _full(state.policy), "has_reference_model": state.reference is not None}
+    result: dict = {"init": full_weights(state.policy), "has_reference_model": state.reference is not None}
     result["optimizer_params"] = sum(len(g["params"]) for g in state.optimizer.param_groups)
     manager = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.num_keep)
     metrics = []
@@ -69,12 +64,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 manager.save(state.checkpointables(), TrainProgress(state.step, state.policy_version, {}))
             )
         metrics.append(rl_step(state, _batch(step)))
-    result["metrics"], result["weights"] = metrics, _full(state.policy)
+    result["metrics"], result["weights"] = metrics, full_weights(state.policy)
     resumed = fresh()
     progress = manager.load(resumed.checkpointables())
     resumed.step, resumed.policy_version = progress.step, progress.policy_version
     result["resumed_metrics"] = [rl_step(resumed, _batch(step)) for step in range(2, NUM_STEPS)]
-    result["resumed_weights"] = _full(resumed.policy)
+    result["resumed_weights"] = full_weights(resumed.policy)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -89,23 +84,18 @@ def _warm_start_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     worker = TrainerWorker(rank, cfg, model_cfg, algo)
     worker.setup("127.0.0.1", port)
     assert worker.state is not None
-    result: dict = {"init": _full(worker.state.policy)}
+    result: dict = {"init": full_weights(worker.state.policy)}
     worker.begin_warm_start(all_parameters=True)
     for step in range(2):
         worker.sft_step(_batch(step).samples, lr=1e-2)
-    result["after_sft"] = _full(worker.state.policy)
+    result["after_sft"] = full_weights(worker.state.policy)
     result["base_trained"] = worker._base_trained
     worker.finish_warm_start()
     result["rl"] = worker.train_step(_batch(2))
-    result["after_rl"] = _full(worker.state.policy)
+    result["after_rl"] = full_weights(worker.state.policy)
     torch.save(result, os.path.join(out_dir, f"warm{rank}.pt"))
     worker.shutdown()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +103,8 @@ def runs(tmp_path_factory) -> dict[int, list[dict]]:
     out = {}
     for world in (1, 2):
         out_dir = tmp_path_factory.mktemp(f"lora{world}")
-        mp.start_processes(_worker, args=(world, _free_port(), str(out_dir)), nprocs=world, start_method="spawn")
-        mp.start_processes(_warm_start_worker, args=(world, _free_port(), str(out_dir)), nprocs=world,
+        mp.start_processes(_worker, args=(world, free_port(), str(out_dir)), nprocs=world, start_method="spawn")
+        mp.start_processes(_warm_start_worker, args=(world, free_port(), str(out_dir)), nprocs=world,
                            start_method="spawn")  # fmt: skip
         out[world] = [
             {**torch.load(out_dir / f"rank{r}.pt", weights_only=False),

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from spawn_helpers import full_weights
 from trainer_batches import random_samples
 
 from rollout.types import RolloutBatch, Sample
@@ -45,11 +46,6 @@ def _set_rollout_logprobs_to_trainer(state, samples: list[Sample]) -> None:
             for seg, i in enumerate(mb.sample_indices):
                 samples[i].rollout_logprobs = lp[seg, : len(samples[i].completion_ids)].numpy().copy()
 
-
-def _weights(model) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
-    }
 
 
 def test_first_grpo_step_is_exactly_on_policy() -> None:
@@ -128,7 +124,7 @@ def test_micro_batching_does_not_change_the_update() -> None:
     for budget in (10_000, 24):  # one packed row vs many small micro-batches (gradient accumulation)
         state = _engine(algo, micro_batch_tokens=budget)
         metrics = [rl_step(state, RolloutBatch(samples)) for _ in range(2)]
-        results.append((metrics, _weights(state.policy)))
+        results.append((metrics, full_weights(state.policy)))
     (m_one, w_one), (m_many, w_many) = results
     for a, b in zip(m_one, m_many):
         for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm"):
@@ -186,7 +182,7 @@ def test_hf_export_round_trips(tmp_path) -> None:
     save_hf_checkpoint(state.policy, str(tmp_path / "hf"))
     plain = build_model(MODEL, device="cpu", dtype=torch.float32)
     load_hf_checkpoint(plain, str(tmp_path / "hf"))
-    trained = _weights(state.policy)
+    trained = full_weights(state.policy)
     for name, p in plain.named_parameters():
         assert torch.equal(p, trained[name]), name
 
@@ -264,7 +260,7 @@ def test_overlong_filter_takes_truncated_completions_out_of_the_loss() -> None:
                 samples[i].completion_ids = (samples[i].completion_ids % 60) + 2
         metrics = rl_step(state, RolloutBatch(samples))
         assert metrics["overlong_filtered_frac"] == (2 / 12 if filter_on else 0.0)
-        return _weights(state.policy)
+        return full_weights(state.policy)
 
     for name, w in update(True, False).items():
         assert torch.equal(w, update(True, True)[name]), name
@@ -278,10 +274,10 @@ def test_a_batch_of_only_truncated_completions_makes_no_update_under_the_overlon
     samples = _samples(seed=10)
     for s in samples:
         s.finish_reason = "length"
-    before = _weights(state.policy)
+    before = full_weights(state.policy)
     metrics = rl_step(state, RolloutBatch(samples))
     assert metrics["overlong_filtered_frac"] == 1.0 and metrics["grad_norm"] == 0.0 and metrics["policy_version"] == 1
-    assert all(torch.equal(w, _weights(state.policy)[n]) for n, w in before.items())
+    assert all(torch.equal(w, full_weights(state.policy)[n]) for n, w in before.items())
 
 
 @pytest.mark.parametrize("algo", [GRPOConfig(group_size=4, kl=KLConfig(coef=0.1)), PPOConfig()], ids=["grpo", "ppo"])

@@ -8,9 +8,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from trainer_batches import random_samples
 
-from rollout.types import RolloutBatch
+from rollout.types import RolloutBatch, Sample
 from trainer.config import TrainerConfig
-from trainer.metrics import Sample, is_timing
+from trainer.metrics import is_timing
 from trainer.models.config import ModelConfig
 from trainer.rl.config import GRPOConfig
 
