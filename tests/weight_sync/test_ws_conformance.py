@@ -30,14 +30,14 @@ TOKEN = "conformance-token"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """A `serve` subprocess on loopback and its directory: a token, 256-byte chunks (some tensors take several), and
-    short hello and stream idle timeouts so the cases that wait for them take seconds."""
+    """A `serve` subprocess on loopback and its directory: a token, 256-byte chunks (some tensors take several), short
+    hello and stream idle timeouts so the cases that wait for them take seconds, and the shared-memory plane."""
     directory = tmp_path_factory.mktemp("served")
     save_file(tiny_state_dict(3), str(directory / "model.safetensors"))
     env = {**os.environ, "RL_ALIGN_WEIGHT_SYNC_TOKEN": TOKEN, "PYTHONPATH": os.getcwd()}
     proc = subprocess.Popen(
         [sys.executable, "-m", "weight_sync", "serve", "--dir", str(directory), "--port", "0", "--chunk_bytes", "256",
-         "--hello_timeout_s", "1", "--stream_idle_timeout_s", "3"],
+         "--hello_timeout_s", "1", "--stream_idle_timeout_s", "3", "--offer_shm", "true"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:
@@ -56,7 +56,8 @@ def test_every_case_passes_against_serve(served: tuple[str, Path]) -> None:
     assert [r.name for r in results] == [c.name for c in CASES]
     assert not [r for r in results if r.outcome == "FAIL"], table
     skipped = {r.name for r in results if r.outcome == "SKIP"}
-    assert skipped == {c.name for c in CASES if c.pending}, table  # serve offers sockets, deltas, a token and 1.1
+    # serve offers sockets, shared memory, deltas, a token and 1.3
+    assert skipped == {c.name for c in CASES if c.pending}, table
     assert (directory / "policy_version.json").exists(), "the kit committed nothing"
 
 

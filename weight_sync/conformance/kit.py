@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+import struct
 import time
 from collections.abc import Callable, Sequence
 from typing import TypedDict, Unpack
@@ -18,7 +19,8 @@ from weight_sync.channel import client_channel
 from weight_sync.config import WeightSyncConfig
 from weight_sync.conformance.checks import CaseSkipped, code_of, need, require
 from weight_sync.conformance.streams import Connection, Stream
-from weight_sync.conformance.wire import Box, shard_chunks, synthetic, whole
+from weight_sync.conformance.wire import U32, Box, shard_chunks, synthetic, whole
+from weight_sync.shm import host_identity
 from weight_sync.spec import TensorSpec
 from weight_sync.version import protocol_version
 
@@ -68,6 +70,7 @@ class Kit:
         self.max_chunk_bytes = described.max_chunk_bytes
         self.delta_supported = described.delta_supported
         self.data_port = described.data_port
+        self.shm_plane = described.shm_plane if described.HasField("shm_plane") else None
         self.minor = described.protocol_version.minor if described.protocol_version.major else 0
         if probe is not None and probe not in self.manifest:
             raise ValueError(f"tensor {probe!r} is not in {address}'s manifest")
@@ -96,6 +99,15 @@ class Kit:
         """The receiver offers a socket data plane."""
         if not self.data_port:
             raise CaseSkipped("the receiver offers no socket data plane (Describe.data_port = 0)")
+
+    def need_shm(self) -> pb.ShmPlane:
+        """The receiver offers the shared-memory plane (1.2) and runs on this kit's host (its namespaces too)."""
+        plane = self.shm_plane
+        if plane is None:
+            raise CaseSkipped("the receiver offers no shared-memory plane (Describe.shm_plane unset)")
+        if plane.host_id != host_identity():
+            raise CaseSkipped("the receiver's shared-memory plane is on another host or namespace (host_id differs)")
+        return plane
 
     def need_delta(self) -> None:
         """The receiver takes delta pushes."""
@@ -188,6 +200,23 @@ class Kit:
         connection = Connection(socket.create_connection((self.host, self.data_port), timeout=self.timeout_s))
         self.connections.append(connection)
         return connection.send(hello) if isinstance(hello, bytes) else connection.hello(hello)
+
+    def shm_connect(self, hello: pb.DataHello | bytes, fds: Sequence[int]) -> Connection:
+        """A connection to the shared-memory plane's socket, its peer checked (SO_PEERCRED) against the pid and uid
+        Describe announced, that has sent `hello` (a DataHello frame, or raw bytes) with `fds` as SCM_RIGHTS on its
+        first bytes; closed after the case."""
+        plane = self.need_shm()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection = Connection(sock)
+        self.connections.append(connection)
+        sock.settimeout(self.timeout_s)
+        sock.connect("\0" + plane.socket_name)
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        require((pid, uid) == (plane.pid, plane.uid), f"the socket's peer is pid {pid} uid {uid}, not the announced "
+                f"{plane.pid}/{plane.uid}: another process holds the name")  # fmt: skip
+        frame = hello if isinstance(hello, bytes) else U32.pack(hello.ByteSize()) + hello.SerializeToString()
+        socket.send_fds(sock, [frame[:4]], list(fds))
+        return connection.send(frame[4:])
 
     # -- values and whole updates --------------------------------------------------------------------------------
     def values(self, spec: TensorSpec) -> np.ndarray:

@@ -1,9 +1,12 @@
-"""The two ways a rank's stream reaches a receiver, driven by hand: a gRPC Push stream fed message by message, and a
-socket data-plane connection written frame by frame (PROTOCOL.md's framing). `Kit` opens both and closes them after
+"""The ways a rank's stream reaches a receiver, driven by hand: a gRPC Push stream fed message by message, a socket
+data-plane connection written frame by frame (PROTOCOL.md's framing), and a shared-memory plane connection (the same
+frames without payloads, which lie in a memfd passed with the hello: `memfd`). `Kit` opens them and closes them after
 each case."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import queue
 import socket
 from collections.abc import Iterable, Iterator
@@ -88,6 +91,12 @@ class Connection:
             self.chunk(chunk)
         return self
 
+    def frames(self, chunks: Iterable[pb.PushChunk]) -> Connection:
+        """The shared-memory plane's frames of `chunks`: header and payload length, the payload left in the memfd."""
+        for chunk in chunks:
+            self.chunk(chunk, payload_len=len(chunk.payload))
+        return self
+
     def reply(self, end: bool = True, wait_s: float | None = None) -> str:
         """Send the end-of-stream frame (when `end`) and read the DataReply (within `wait_s`, default the connect
         timeout): its status name; `unopened` keeps its flag."""
@@ -115,3 +124,19 @@ def _recv(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("closed before the end of the reply")
         data += part
     return data
+
+
+def memfd(data: bytes, *, seal: bool = True, allocate: bool = True, extra_bytes: int = 0) -> int:
+    """A memfd holding `data` (then `extra_bytes` of zeros), as PROTOCOL.md 8.1 asks a sender to make one: fully
+    allocated and sealed against shrinking and growth. `seal=False` leaves it unsealed, `allocate=False` leaves the
+    pages past `data` unallocated (holes). The caller closes it."""
+    fd = os.memfd_create("rl-align-conformance", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    size = len(data) + extra_bytes
+    if allocate and size:
+        os.posix_fallocate(fd, 0, size)
+    else:
+        os.ftruncate(fd, size)
+    os.pwrite(fd, data, 0)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return fd

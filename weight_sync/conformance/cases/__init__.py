@@ -13,6 +13,7 @@ from weight_sync.conformance.cases import (
     describe,
     push_chunks,
     push_streams,
+    shm_plane,
     socket_plane,
 )
 
@@ -25,6 +26,7 @@ CASES: list[Case] = [
     *delta.GROUP.cases,
     *abort.GROUP.cases,
     *socket_plane.GROUP.cases,
+    *shm_plane.GROUP.cases,
     *bounds.GROUP.cases,
 ]
 assert len({c.name for c in CASES}) == len(CASES), "two cases share a name"
