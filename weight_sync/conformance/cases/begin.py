@@ -97,7 +97,8 @@ def begin_idempotent(kit: Kit) -> str:
     first, again = kit.begin(request), kit.begin(request)
     require(first.update_id == again.update_id, f"update_id {first.update_id} then {again.update_id}")
     require(first.data_ticket == again.data_ticket, "a repeated Begin handed out another ticket")
-    require(len(first.data_ticket) == (32 if kit.data_port else 0), f"ticket of {len(first.data_ticket)} bytes")
+    planes = kit.data_port or kit.shm_plane is not None  # a TLS receiver may offer shared memory without a port
+    require(len(first.data_ticket) == (32 if planes else 0), f"ticket of {len(first.data_ticket)} bytes")
     return "OK"
 
 
