@@ -34,9 +34,11 @@ def shm_update(kit: Kit) -> tuple[int, TensorSpec, pb.DataHello, np.ndarray]:
 
 
 @contextmanager
-def payload_memfd(chunks: list[pb.PushChunk], **options: int | bool) -> Iterator[int]:
+def payload_memfd(
+    chunks: list[pb.PushChunk], *, seal: bool = True, allocate: bool = True, extra_bytes: int = 0
+) -> Iterator[int]:
     """A memfd holding the chunks' payloads one after another (`streams.memfd` options), closed afterwards."""
-    fd = memfd(b"".join(c.payload for c in chunks), **options)  # type: ignore[arg-type]
+    fd = memfd(b"".join(c.payload for c in chunks), seal=seal, allocate=allocate, extra_bytes=extra_bytes)
     try:
         yield fd
     finally:
