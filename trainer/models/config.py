@@ -208,8 +208,7 @@ class ModelConfig(BlockChoices):
         does not pick (``num_experts - top_k`` per layer). ``6 x active_params x tokens`` is a training step's FLOPs."""
         if self.moe is None:
             return self.num_params
-        unused = (self.moe.num_experts - self.moe.top_k) * 3 * self.dim * self.moe.expert_ffn_hidden_dim
-        return self.num_params - self.num_layers * unused
+        return self.num_params - self.num_layers * (self.moe.num_experts - self.moe.top_k) * self._expert_params
 
     def block_params(self, expert_shards: int = 1) -> int:
         """Parameters of one transformer block; with ``expert_shards`` > 1 the part one expert-parallel rank holds
@@ -220,5 +219,10 @@ class ModelConfig(BlockChoices):
             ffn = 3 * self.dim * self.ffn_hidden_dim
         else:
             experts = self.moe.num_experts // expert_shards
-            ffn = 3 * self.dim * self.moe.expert_ffn_hidden_dim * experts + self.dim * self.moe.num_experts
+            ffn = self._expert_params * experts + self.dim * self.moe.num_experts  # experts + router
         return attn + ffn + 2 * self.dim
+
+    @property
+    def _expert_params(self) -> int:
+        """Parameters of one MoE expert (its SwiGLU: gate, up, down); 0 for a dense model."""
+        return 0 if self.moe is None else 3 * self.dim * self.moe.expert_ffn_hidden_dim
