@@ -405,7 +405,7 @@ def _check_lora(recipe: Recipe) -> None:
                              "[model.lora] instead (it fills this in)")  # fmt: skip
         return
     if served is not None and served != _served_adapter(recipe.model.lora):
-        raise FieldError("rollout.engine.lora", f"{served} differs from [model.lora] (rank, alpha, target_modules): "
+        raise FieldError("rollout.engine.lora", f"{served} differs from [model.lora] (rank, alpha, targets): "
                          "leave it unset, [model.lora] fills it in")  # fmt: skip
     if recipe.trainer.parallelism.tensor_parallel_degree > 1:
         raise FieldError(
@@ -424,8 +424,8 @@ def _check_lora(recipe: Recipe) -> None:
 
 
 def _served_adapter(lora: LoRAConfig) -> AdapterSpec:
-    """The adapter shape the engines serve for the trainer's ``[model.lora]``."""
-    return AdapterSpec(rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules)
+    """The adapter shape the engines serve for the trainer's ``[model.lora]``: its :class:`AdapterSpec` fields."""
+    return AdapterSpec(**{field: getattr(lora, field) for field in AdapterSpec.model_fields})
 
 
 def _check_environment(recipe: Recipe) -> None:
@@ -508,7 +508,8 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
         from trainer.models.hf_config import model_config_from_hf
 
         try:  # a model created at run time is checked once it exists (driver.run), before any actor starts
-            recipe.trainer.check_model(model_config_from_hf(str(model_dir), **recipe.model.block_overrides()))
+            model_cfg = model_config_from_hf(str(model_dir), **recipe.model.block_overrides(), lora=recipe.model.lora)
+            recipe.trainer.check_model(model_cfg)
         except ValueError as e:
             problems.append((("trainer", "parallelism", "expert_parallel_degree"), str(e)))
     task = recipe.task

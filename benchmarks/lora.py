@@ -1,15 +1,17 @@
-"""LoRA against full-parameter training on a ~100M-parameter Qwen 3 shape, side by side in one run: trainer memory and
-policy-update speed, bytes per weight push, the engine's pause per update, and generation speed per serving mode.
+"""LoRA against full-parameter training on Qwen3-0.6B's real layer shapes and vocabulary (fewer blocks: ~281M
+parameters at the default 8), side by side in one run: trainer memory and policy-update speed, bytes per weight push,
+the engine's pause per update, and generation speed per serving mode.
 
-    python -m benchmarks.lora [--rank 16] [--pushes 5] [--threads 2]
+    python -m benchmarks.lora [--rank 16] [--num-layers 8] [--activation-checkpoint full] [--pushes 5] [--threads 2]
 
 What it measures (every configuration in a fresh process of its own, so peak memory is that configuration's alone):
 - trainer: the production GRPO policy update (``trainer.state.build_train_state`` + ``trainer.step.rl_step``, one
-  rank) on a batch of 16 samples (prompts 64-192 tokens, completions 8-256), full-parameter vs LoRA (``rank`` on all
-  seven projections): peak RSS of the process (``ru_maxrss``; model, gradients, AdamW state, activations, and the
-  ~0.5 GB that torch itself takes; large blocks are mmap-ed, ``MALLOC_MMAP_THRESHOLD_``, so freed memory leaves the
-  count), at each ``--micro-batch-tokens`` setting (activations grow with it), the bytes of trainable parameters,
-  gradients and optimizer state, and tokens per second of the update (median over the timed steps after one warm-up).
+  rank, the default chunked output head, ``--activation-checkpoint`` for both) on a batch of 16 samples (prompts
+  64-192 tokens, completions 8-256), full-parameter vs LoRA (``rank`` on all seven projections): peak RSS of the
+  process (``ru_maxrss``; model, gradients, AdamW state, activations, and the ~0.5 GB that torch itself takes; large
+  blocks are mmap-ed, ``MALLOC_MMAP_THRESHOLD_``, so freed memory leaves the count), at each
+  ``--micro-batch-tokens`` setting (activations grow with it), the bytes of trainable parameters, gradients and
+  optimizer state, and tokens per second of the update (median over the timed steps after one warm-up).
 - push: the real path a run takes, trainer-side ``WeightSender`` -> gRPC receiver -> ``VLLMWeightSink`` -> the
   engine: the full model into an engine serving full weights, and a LoRA adapter (PEFT names) into an engine serving
   LoRA merged into its base (``lora_serving = "merged"``, the CPU default) and through vLLM's LoRA path
@@ -35,13 +37,13 @@ from typing import Any
 
 from benchmarks.machine import load_avg, machine_line, med_range, run_in_child
 
-SHAPE = dict(hidden_size=768, num_layers=16, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2048)
-"""~101M parameters (vocab: the project's tiny tokenizer, 512 rows)."""
+ARCHITECTURE = "Qwen3-0.6B"
+"""Real widths and a real vocabulary (151,936 rows, tied): what sets the adapters' share of the bytes pushed."""
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _trainer_child(
-    model_dir: str, rank: int | None, steps: int, threads: int, micro_batch_tokens: int, out: str
+    model_dir: str, rank: int | None, steps: int, threads: int, micro_batch_tokens: int, checkpointing: str, out: str
 ) -> None:
     """One configuration's policy updates in this (fresh) process; writes its figures to ``out`` as JSON."""
     import socket
@@ -64,8 +66,9 @@ def _trainer_child(
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     lora = None if rank is None else LoRAConfig(rank=rank, alpha=2.0 * rank, target_modules=ALL_PROJECTIONS)
-    model_cfg = model_config_from_hf(model_dir, lora=lora, output_head="cached")
-    cfg = TrainerConfig(micro_batch_tokens=micro_batch_tokens, optimizer={"lr": 1e-5})
+    model_cfg = model_config_from_hf(model_dir, lora=lora)
+    cfg = TrainerConfig(micro_batch_tokens=micro_batch_tokens, optimizer={"lr": 1e-5},
+                        activation_checkpoint={"mode": checkpointing})  # fmt: skip
     state = build_train_state(cfg, model_cfg, GRPOConfig(group_size=4), torch.device("cpu"), build_mesh(cfg, "cpu"),
                               init_path=model_dir)  # fmt: skip
     batch = grpo_batch(model_cfg.vocab_size)
@@ -155,11 +158,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed policy updates per trainer configuration")
     parser.add_argument("--pushes", type=int, default=5, help="pushes per serving mode")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the trainer processes")
+    parser.add_argument("--num-layers", type=int, default=8, help=f"blocks of {ARCHITECTURE} (it has 28)")
+    parser.add_argument("--activation-checkpoint", choices=("none", "full", "selective"), default="full",
+                        help="trainer.activation_checkpoint.mode of both trainer configurations")
     parser.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[4096, 1024],
                         help="trainer.micro_batch_tokens settings to compare at (activations scale with it)")
     parser.add_argument("--skip-engines", action="store_true", help="trainer rows only")
     args = parser.parse_args()
-    from tools.make_tiny_model import make_tiny_model
+    from tools.make_tiny_model import make_published_model
 
     # glibc serves large blocks through mmap, returned when freed, so peak RSS counts live memory rather than heap
     # fragmentation (which put LoRA's peak above full training's: 4.8 vs 4.5 GiB without it). Read at each spawned
@@ -167,8 +173,10 @@ def main() -> None:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     print(machine_line(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(make_tiny_model(Path(tmp) / "model", family="qwen3", **SHAPE))
-        trainer = {(name, tokens): run_in_child(_trainer_child, model_dir, rank, args.steps, args.threads, tokens)
+        model_dir = str(make_published_model(Path(tmp) / "model", ARCHITECTURE, dtype="float32",
+                                             num_layers=args.num_layers))  # fmt: skip
+        trainer = {(name, tokens): run_in_child(_trainer_child, model_dir, rank, args.steps, args.threads, tokens,
+                                                args.activation_checkpoint)  # fmt: skip
                    for tokens in args.micro_batch_tokens
                    for name, rank in (("full", None), ("lora", args.rank))}  # fmt: skip
         engines = {} if args.skip_engines else {
@@ -178,9 +186,9 @@ def main() -> None:
     gib, width = 2**30, 44
     some = next(iter(trainer.values()))
     lora_params = trainer[("lora", args.micro_batch_tokens[0])]["trainable"]
-    print(f"\nmodel: Qwen 3 shape {SHAPE}, {some['params'] / 1e6:.1f}M parameters, float32; LoRA rank {args.rank}, "
-          f"alpha {2 * args.rank}, all projections ({lora_params / 1e6:.2f}M trainable); trainer threads "
-          f"{args.threads}\n")  # fmt: skip
+    print(f"\nmodel: {ARCHITECTURE} shapes, {args.num_layers} blocks, {some['params'] / 1e6:.1f}M parameters, float32; "
+          f"LoRA rank {args.rank}, alpha {2 * args.rank}, all projections ({lora_params / 1e6:.2f}M trainable); "
+          f"activation checkpointing {args.activation_checkpoint}; trainer threads {args.threads}\n")  # fmt: skip
     print(f"{'':{width}} {'full':>12} {'LoRA':>12} {'LoRA/full':>10}  target")
     for tokens in args.micro_batch_tokens:
         full, lora = trainer[("full", tokens)], trainer[("lora", tokens)]

@@ -246,7 +246,8 @@ class TrainerConfig(Config):
 
     def check_model(self, model: ModelConfig) -> None:
         """Raise ``ValueError`` naming the field when this sharding cannot hold ``model``: expert parallelism needs
-        an MoE model whose expert count the degree divides. Run before any rank starts (the driver does)."""
+        an MoE model whose expert count the degree divides, and no LoRA on the experts. Run before any rank starts
+        (the driver does)."""
         ep = self.parallelism.expert_parallel_degree
         if ep == 1:
             return
@@ -259,4 +260,10 @@ class TrainerConfig(Config):
             raise ValueError(
                 f"trainer.parallelism.expert_parallel_degree = {ep} does not divide the model's "
                 f"{model.moe.num_experts} experts per layer: use a divisor of {model.moe.num_experts}"
+            )
+        if model.lora is not None and model.lora.target_parameters:
+            raise ValueError(
+                f"trainer.parallelism.expert_parallel_degree = {ep} with LoRA on the experts "
+                "(model.lora.target_parameters): expert adapters are not split by expert parallelism (not built); "
+                "set expert_parallel_degree = 1 (FSDP shards experts and adapters alike) or adapt attention only"
             )

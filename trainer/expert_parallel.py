@@ -92,12 +92,14 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
 
     Each rank keeps its slice of the weights it already holds (every rank built the same seeded model), so nothing is
     sent. Call before FSDP, which then shards each rank's experts over the rest of the mesh. Raises ``ValueError``
-    when the model has no MoE layer or the group size does not divide a layer's experts
+    when the model has no MoE layer, has expert adapters, or the group size does not divide a layer's experts
     (``TrainerConfig.check_model`` says so for a recipe before any rank starts).
     """
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise ValueError("expert parallelism splits MoE experts, but this model has no MoE layers")
+    if any(m.experts.gate_up_lora is not None or m.experts.down_lora is not None for m in layers):
+        raise ValueError("expert parallelism with LoRA on the experts is not built: adapt attention only, or use FSDP")
     group = ep_mesh.get_group()
     for moe in layers:
         num_experts = moe.experts.w1.shape[0]

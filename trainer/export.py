@@ -89,7 +89,7 @@ def export_policy(
     adapter = None
     if model_cfg.lora is not None:  # gathered on every rank (a collective when sharded)
         adapter = [(n, t if torch_dtype is None else t.to(torch_dtype)) for n, t in
-                   adapter_state_dict(policy, model_cfg.family)]  # fmt: skip
+                   adapter_state_dict(policy, model_cfg)]  # fmt: skip
     if not files:
         return files  # [] on the ranks that do not write
     if adapter is not None:

@@ -4,6 +4,7 @@
         run a standalone receiver whose sink keeps the latest version as CKPT_DIR/model.safetensors; it starts at
         the version the directory holds, so a restarted server never accepts older ones
     python -m weight_sync serve --dir ADAPTER_DIR --adapter_of BASE_DIR [--rank 16] [--alpha 32] [--target_modules ...]
+        [--target_parameters ...]
         the same for LoRA adapters: ADAPTER_DIR is kept as a PEFT adapter directory of the latest version (for servers
         that hot-load adapters, e.g. vLLM's /v1/load_lora_adapter); the manifest is the adapters over BASE_DIR
     python -m weight_sync push --checkpoint DIR --to HOST:PORT [--to ...] [--version N] [--<config field> VALUE ...]
@@ -100,7 +101,8 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     if args.adapter_of is None:
         sink = SafetensorsDirSink(args.dir)
     else:
-        fields = {"rank": args.rank, "alpha": args.alpha, "target_modules": args.target_modules}
+        fields = {"rank": args.rank, "alpha": args.alpha, "target_modules": args.target_modules,
+                  "target_parameters": args.target_parameters}  # fmt: skip
         spec = validate_config(AdapterSpec, {k: v for k, v in fields.items() if v is not None}, source="flags")
         sink = PeftAdapterDirSink(args.dir, args.adapter_of, spec)
     receiver = WeightReceiver(sink, config_of(args, extra))
@@ -187,6 +189,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     serve.add_argument("--alpha", type=float, default=None, help="LoRA alpha of the adapters (default: 32)")
     serve.add_argument("--target_modules", nargs="+", default=None,
                        help="projections with adapters (default: all of q/k/v/o/gate/up/down_proj)")  # fmt: skip
+    serve.add_argument("--target_parameters", nargs="+", default=None,
+                       help="MoE expert weights with an adapter per expert (PEFT target_parameters: "
+                            "mlp.experts.gate_up_proj, mlp.experts.down_proj; default: none)")  # fmt: skip
     add_config_flags(serve, aliases={"bind_host": ["host"]})
     push = command("push", "push an HF checkpoint to receivers")
     push.add_argument("--checkpoint", required=True, help="directory with *.safetensors")

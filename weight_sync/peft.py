@@ -6,16 +6,24 @@ An adapter of rank ``r`` on the projection whose HF weight is ``<module>.weight`
 projection computes ``W x + (alpha / r) B A x``. The trainer pushes and exports adapters under these names, and a
 receiver serving a base model derives the adapters it accepts from that model's own tensors
 (:func:`adapter_manifest`), so a push of adapters for another base is refused by name or shape.
+
+Mixture-of-experts layers are adapted per expert, as PEFT's ``target_parameters`` adapts the stacked expert weights
+of transformers' Qwen3-MoE (``mlp.experts.gate_up_proj [E, 2I, D]``, ``mlp.experts.down_proj [E, D, I]``): one
+adapter per expert and weight, ``W_e + (alpha / r) B_e A_e``, stored as two tensors per layer and weight,
+``lora_A [E r, in]`` (expert-major rows) and ``lora_B [out, r E]`` (column ``j E + e`` is expert ``e``'s ``j``-th),
+under the name of the experts module (:func:`expert_peft_name`). A gate/up adapter is one adapter of the fused
+projection: its ``A_e`` is shared by gate and up, its ``B_e`` rows ``[:I]`` are the gate's, ``[I:]`` the up's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Literal, NamedTuple, get_args
 
 import pydantic
 
@@ -26,8 +34,11 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "LORA_TARGETS", "AdapterSpec", "LoRATarget", "adapter_config",
-    "adapter_manifest", "peft_name", "read_adapter_version", "write_peft_adapter",
+    "ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "EXPERT_TARGETS", "LORA_TARGETS", "AdapterSpec", "ExpertTarget",
+    "ExpertTensor", "expert_tensor",
+    "LoRATarget", "adapter_config", "adapter_manifest", "expert_factors", "expert_peft_name", "expert_target_dims",
+    "peft_name",
+    "read_adapter_version", "write_peft_adapter",
 ]  # fmt: skip
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -35,8 +46,14 @@ ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 """A projection LoRA can adapt, named as HF modules (and PEFT's ``target_modules``) name it."""
 LORA_TARGETS: tuple[LoRATarget, ...] = get_args(LoRATarget)
+ExpertTarget = Literal["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+"""A stacked MoE expert weight LoRA can adapt per expert, named as PEFT's ``target_parameters`` names it."""
+EXPERT_TARGETS: tuple[ExpertTarget, ...] = get_args(ExpertTarget)
 AdapterPart = Literal["lora_A", "lora_B"]
 _PREFIX = "base_model.model."
+# A checkpoint's tensors of one expert (``model.layers.3.mlp.experts.7.gate_proj.weight``): HF keeps experts apart on
+# disk, and vLLM loads them so.
+_EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 
 
 class AdapterSpec(Config):
@@ -48,15 +65,22 @@ class AdapterSpec(Config):
     """Scale numerator: the update is multiplied by ``alpha / rank`` (PEFT ``lora_alpha``)."""
     target_modules: tuple[LoRATarget, ...] = LORA_TARGETS
     """Which projections get adapters (HF / PEFT module names)."""
+    target_parameters: tuple[ExpertTarget, ...] = ()
+    """Which stacked MoE expert weights get an adapter per expert (PEFT ``target_parameters``; MoE models only)."""
 
-    @pydantic.field_validator("target_modules")
+    @pydantic.field_validator("target_modules", "target_parameters")
     @classmethod
-    def _check_targets(cls, targets: tuple[LoRATarget, ...]) -> tuple[LoRATarget, ...]:
-        if not targets:
-            raise ValueError(f"name at least one projection to adapt, of {list(LORA_TARGETS)}")
+    def _check_targets(cls, targets: tuple[str, ...], info: pydantic.ValidationInfo) -> tuple[str, ...]:
         if len(set(targets)) != len(targets):
-            raise ValueError(f"target_modules lists a projection twice: {list(targets)}")
+            raise ValueError(f"{info.field_name} lists a target twice: {list(targets)}")
         return targets
+
+    @pydantic.model_validator(mode="after")
+    def _check_some_target(self) -> AdapterSpec:
+        if not self.target_modules and not self.target_parameters:
+            raise ValueError(f"name at least one projection to adapt: target_modules of {list(LORA_TARGETS)} or "
+                             f"(MoE models) target_parameters of {list(EXPERT_TARGETS)}")  # fmt: skip
+        return self
 
     @property
     def scaling(self) -> float:
@@ -69,21 +93,73 @@ def peft_name(hf_module: str, part: AdapterPart) -> str:
     return f"{_PREFIX}{hf_module}.{part}.weight"
 
 
-def adapter_manifest(base: Iterable[TensorSpec], spec: AdapterSpec) -> list[TensorSpec]:
-    """The adapter tensors ``spec`` puts on a base model whose tensors are ``base`` (its HF checkpoint manifest):
-    for every 2-D ``<module>.<target>.weight``, ``lora_A [rank, in]`` and ``lora_B [out, rank]`` in its dtype.
+def expert_peft_name(experts_module: str, target: ExpertTarget, part: AdapterPart, spec: AdapterSpec) -> str:
+    """PEFT's name of one expert adapter tensor of the HF experts module ``experts_module``
+    (``model.layers.0.mlp.experts``). PEFT wraps the module once per targeted weight, gate/up innermost, so with both
+    weights targeted the gate/up adapter is ``<experts_module>.base_layer.lora_A.weight``."""
+    inner = target == "mlp.experts.gate_up_proj" and "mlp.experts.down_proj" in spec.target_parameters
+    return f"{_PREFIX}{experts_module}{'.base_layer' if inner else ''}.{part}.weight"
 
-    Stacked MoE experts (``...mlp.experts.<e>...``) get none: adapters on experts are not built. Sorted by name.
-    """
+
+class ExpertTensor(NamedTuple):
+    """Where one expert's weight sits: ``model.layers.3.mlp.experts.7.up_proj.weight`` -> experts module
+    ``model.layers.3.mlp.experts``, expert 7, projection ``up``; ``target`` is the expert weight PEFT adapts it in."""
+
+    experts: str
+    expert: int
+    proj: Literal["gate", "up", "down"]
+
+    @property
+    def target(self) -> ExpertTarget:
+        return "mlp.experts.down_proj" if self.proj == "down" else "mlp.experts.gate_up_proj"
+
+
+def expert_tensor(name: str) -> ExpertTensor | None:
+    """The expert weight an HF checkpoint tensor name is, or None for any other tensor."""
+    match = _EXPERT_TENSOR.match(name)
+    return None if match is None else ExpertTensor(match["experts"], int(match["expert"]), match["proj"])  # type: ignore[arg-type]
+
+
+def expert_target_dims(target: ExpertTarget, dim: int, width: int) -> tuple[int, int]:
+    """``(in, out)`` of one expert's ``target`` weight in a layer of hidden size ``dim`` and expert width ``width``:
+    the fused gate/up projection maps ``dim -> 2 width``, the down projection ``width -> dim``."""
+    return (dim, 2 * width) if target == "mlp.experts.gate_up_proj" else (width, dim)
+
+
+def expert_factors(lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert views ``A_e [E, r, in]`` and ``B_e [E, out, r]`` of a stacked expert adapter in PEFT's layout
+    (``lora_A [E r, in]``, ``lora_B [out, r E]``); the update of expert ``e`` is ``scaling * B_e[e] @ A_e[e]``."""
+    a = lora_a.view(num_experts, -1, lora_a.shape[-1])
+    b = lora_b.view(lora_b.shape[0], -1, num_experts).permute(2, 0, 1)
+    return a, b
+
+
+def adapter_manifest(base: Iterable[TensorSpec], spec: AdapterSpec) -> list[TensorSpec]:
+    """The adapter tensors ``spec`` puts on a base model whose tensors are ``base`` (its HF checkpoint manifest), in
+    the base's dtype: for every 2-D ``<module>.<target>.weight`` outside the experts, ``lora_A [rank, in]`` and
+    ``lora_B [out, rank]``; for every MoE layer's ``E`` experts of width ``I`` on ``D``, with ``target_parameters``,
+    the gate/up adapter ``lora_A [E rank, D]``, ``lora_B [2I, rank E]`` and the down adapter ``lora_A [E rank, I]``,
+    ``lora_B [D, rank E]``. Sorted by name."""
     out = []
+    experts: dict[str, list[TensorSpec]] = {}
     for t in base:
+        if (where := expert_tensor(t.name)) is not None:
+            experts.setdefault(where.experts, []).append(t)
+            continue
         module, _, leaf = t.name.rpartition(".")
         target = module.rpartition(".")[2]
-        if leaf != "weight" or len(t.shape) != 2 or target not in spec.target_modules or ".experts." in module:
+        if leaf != "weight" or len(t.shape) != 2 or target not in spec.target_modules:
             continue
         rows, cols = t.shape
         out.append(TensorSpec(peft_name(module, "lora_A"), (spec.rank, cols), t.dtype))
         out.append(TensorSpec(peft_name(module, "lora_B"), (rows, spec.rank), t.dtype))
+    for module, tensors in experts.items() if spec.target_parameters else ():
+        down = [t for t in tensors if t.name.endswith(".down_proj.weight")]
+        (dim, width), n = down[0].shape, len(down) * spec.rank
+        for target in spec.target_parameters:
+            fan_in, fan_out = expert_target_dims(target, dim, width)
+            out.append(TensorSpec(expert_peft_name(module, target, "lora_A", spec), (n, fan_in), down[0].dtype))
+            out.append(TensorSpec(expert_peft_name(module, target, "lora_B", spec), (fan_out, n), down[0].dtype))
     return sorted(out, key=lambda s: s.name)
 
 
@@ -91,7 +167,8 @@ def adapter_config(spec: AdapterSpec, base_model: str | None, dropout: float = 0
     """The ``adapter_config.json`` of an adapter of shape ``spec`` over ``base_model`` (what PEFT and vLLM read)."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
-        "lora_dropout": dropout, "target_modules": sorted(spec.target_modules), "bias": "none",
+        "lora_dropout": dropout, "target_modules": sorted(spec.target_modules),
+        "target_parameters": [t for t in EXPERT_TARGETS if t in spec.target_parameters] or None, "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
         "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base_model,
     }  # fmt: skip

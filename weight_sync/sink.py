@@ -203,15 +203,18 @@ class PeftAdapterDirSink:
         self.directory, self.base_dir, self.spec = Path(directory), str(Path(base_dir).resolve()), spec
         self._manifest = adapter_manifest(read_checkpoint_manifest(base_dir), spec)
         if not self._manifest:
-            raise ValueError(f"{base_dir}: no projection named by target_modules {list(spec.target_modules)}")
+            raise ValueError(f"{base_dir}: no projection named by target_modules {list(spec.target_modules)} or "
+                             f"target_parameters {list(spec.target_parameters)}")  # fmt: skip
         config = self.directory / ADAPTER_CONFIG_FILE
         if config.is_file():
             stored = json.loads(config.read_text())
-            held = (stored.get("r"), stored.get("lora_alpha"), sorted(stored.get("target_modules") or []))
-            if held != (spec.rank, spec.alpha, sorted(spec.target_modules)):
-                raise ValueError(f"{config} holds an adapter of rank/alpha/targets {held}, not the "
-                                 f"{(spec.rank, spec.alpha, sorted(spec.target_modules))} asked for: serve another "
-                                 "directory or pass the matching --rank/--alpha/--target_modules")  # fmt: skip
+            held = (stored.get("r"), stored.get("lora_alpha"), sorted(stored.get("target_modules") or []),
+                    sorted(stored.get("target_parameters") or []))  # fmt: skip
+            wanted = (spec.rank, spec.alpha, sorted(spec.target_modules), sorted(spec.target_parameters))
+            if held != wanted:
+                raise ValueError(f"{config} holds an adapter of rank/alpha/targets {held}, not the {wanted} asked "
+                                 "for: serve another directory or pass the matching --rank/--alpha/--target_modules/"
+                                 "--target_parameters")  # fmt: skip
 
     def manifest(self) -> list[TensorSpec]:
         return list(self._manifest)

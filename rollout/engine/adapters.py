@@ -6,8 +6,9 @@
   ``add_lora`` when it becomes current; a request holds the adapter it was added with, so versions never mix within a
   completion and an update needs no drain. An adapter leaves vLLM (and its directory is deleted) once it is neither
   current nor used by a request in flight.
-- ``merged`` (:class:`MergedAdapters`): the engine keeps the base weights of the adapted projections and serves each
-  version as ``W + (alpha / rank) B A`` loaded through the engine's ordinary weight update (drain per
+- ``merged`` (:class:`MergedAdapters`): the engine keeps the base weights of the adapted projections (with expert
+  adapters, every expert weight) and serves each version as ``W + (alpha / rank) B A`` (per expert)
+  loaded through the engine's ordinary weight update (drain per
   ``update_mode``, reload, prefix-cache reset). Generation then runs at the base model's speed, which matters where
   vLLM's LoRA kernels are slow (its CPU ops gather a copy of the adapter weights per token).
 
@@ -24,7 +25,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from weight_sync.peft import AdapterSpec, peft_name, write_peft_adapter
+from weight_sync.peft import (
+    AdapterSpec,
+    expert_factors,
+    expert_peft_name,
+    expert_tensor,
+    peft_name,
+    write_peft_adapter,
+)
 from weight_sync.spec import TensorSpec
 
 if TYPE_CHECKING:
@@ -80,7 +88,8 @@ class ServedAdapters:
         current adapter then stays."""
         from vllm.lora.request import LoRARequest
 
-        request = LoRARequest(f"policy-v{version}", next(self._ids), str(path))
+        request = LoRARequest(f"policy-v{version}", next(self._ids), str(path),
+                              is_3d_lora_weight=bool(self._spec.target_parameters))  # fmt: skip
         try:
             loaded, error = self._engine.add_lora(request), None
         except Exception as e:
@@ -132,9 +141,12 @@ class MergedAdapters:
         self._spec = spec
         targets = set(spec.target_modules)
         loaded = targets | {m for group in _FUSED if targets & set(group) for m in group}
+        # Expert adapters: every expert weight of the model, since an engine reloads an MoE layer whole
+        # (``rollout.engine.transfer.check_whole_expert_layers``) and every layer has them.
         wanted = {
             t.name for t in base
-            if len(t.shape) == 2 and ".experts." not in t.name and t.name.rsplit(".", 2)[-2] in loaded
+            if (expert := expert_tensor(t.name)) is not None and spec.target_parameters
+            or expert is None and len(t.shape) == 2 and t.name.rsplit(".", 2)[-2] in loaded
         }  # fmt: skip
         self._base: dict[str, torch.Tensor] = {}
         for file in sorted(Path(model_path).glob("*.safetensors")):
@@ -151,13 +163,32 @@ class MergedAdapters:
         weights = {**self._base, **{n: t for n, t in (base or {}).items() if n in self._base}}
         out = dict(base or {})
         for name, w in weights.items():
-            module = name.removesuffix(".weight")
-            a, b = adapter.get(peft_name(module, "lora_A")), adapter.get(peft_name(module, "lora_B"))
-            if a is None or b is None:
+            factors = self._factors(name, w, adapter)
+            if factors is None:
                 out[name] = w
             else:
+                a, b = factors
                 out[name] = (w.float() + self._spec.scaling * (b.float() @ a.float())).to(w.dtype)
         return out
+
+    def _factors(
+        self, name: str, weight: torch.Tensor, adapter: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(A, B)`` of the update ``scaling * B A`` of base tensor ``name``, or None when nothing adapts it. An
+        expert's are its slices of the layer's stacked expert adapter (gate: the first rows of the gate/up ``B_e``,
+        up: the rest)."""
+        expert = expert_tensor(name)
+        if expert is None:
+            module = name.removesuffix(".weight")
+            a, b = adapter.get(peft_name(module, "lora_A")), adapter.get(peft_name(module, "lora_B"))
+            return None if a is None or b is None else (a, b)
+        a, b = (adapter.get(expert_peft_name(expert.experts, expert.target, part, self._spec))
+                for part in ("lora_A", "lora_B"))  # fmt: skip
+        if a is None or b is None:
+            return None
+        a_e, b_e = expert_factors(a, b, a.shape[0] // self._spec.rank)
+        rows = {"gate": slice(None, weight.shape[0]), "up": slice(weight.shape[0], None), "down": slice(None)}
+        return a_e[expert.expert], b_e[expert.expert][rows[expert.proj]]
 
     def commit_base(self, base: Mapping[str, torch.Tensor] | None) -> None:
         """Keep (copies of) the base tensors of ``base`` that adapters are merged into, once served."""

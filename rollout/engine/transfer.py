@@ -10,13 +10,15 @@ one worker: the dict reaches the worker by reference) or as the path of a safete
 served engine, or tensor parallel: update infos cross a process boundary as msgpack). The whole reload runs inside
 ``update_weights``, in this order, so that a refusal comes before anything changed:
 
-1. a partial fused group (``q_proj`` without ``k_proj``) is refused with an error whose message starts with
-   :data:`REFUSED` (the error type is lost over vLLM's process boundary; the prefix is not);
+1. a partial fused group (``q_proj`` without ``k_proj``), or some of a mixture-of-experts layer's expert weights but
+   not all, is refused with an error whose message starts with :data:`REFUSED` (the error type is lost over vLLM's
+   process boundary; the prefix is not);
 2. vLLM's layer-wise reload (``initialize_layerwise_reload`` -> ``model.load_weights`` ->
    ``finalize_layerwise_reload``), which re-runs each layer's post-load processing (the CPU backend's GEMM repack
    included);
 3. modules whose weight is tied to a reloaded parameter (a tied ``lm_head``) are processed again: vLLM's reload
    documents that tied parameters only reflect one parent's processing, so the CPU head kept its old packed weight;
+   and on CPU every reloaded MoE layer's experts are prepacked again (:func:`_repack_cpu_experts`);
 4. every parameter the update covers (every parameter for a full update) must have been loaded, else ``RuntimeError``:
    the model may then hold a mix and the caller must stop serving from it.
 """
@@ -31,7 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
+from rollout.engine.platform import is_cpu_platform
 from rollout.engine.vllm_plugin import BACKEND
+from weight_sync.peft import expert_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +47,7 @@ __all__ = [
     "RLAlignUpdateInfo",
     "RLAlignWeightTransferEngine",
     "check_fused_groups",
+    "check_whole_expert_layers",
     "default_stage_dir",
     "expected_parameters",
     "write_update_file",
@@ -128,6 +133,30 @@ def check_fused_groups(names: Iterable[str], packed_modules: Mapping[str, list[s
                     )
 
 
+def check_whole_expert_layers(names: Iterable[str], experts_per_layer: Mapping[str, int]) -> None:
+    """Raise :class:`RLAlignRefused` when an update holds some of an MoE layer's expert weights but not all (gate,
+    up and down of each of its experts; HF checkpoint names, e.g. ``model.layers.0.mlp.experts.7.up_proj.weight``).
+    ``experts_per_layer``: the expert count of each module holding a layer's stacked weights, that module being the
+    checkpoint's experts module or inside it.
+
+    vLLM keeps a layer's experts in two stacked parameters, and its layer-wise reload rebuilds a layer from the
+    tensors sent alone: the rest of the layer would be uninitialised memory. Layers the model does not list are left
+    to the loader.
+    """
+    sent: dict[str, int] = {}
+    for name in names:
+        if (where := expert_tensor(name)) is not None:
+            sent[where.experts] = sent.get(where.experts, 0) + 1
+    for module, count in sorted(sent.items()):
+        # vLLM may hold the stacked weights in a submodule of the checkpoint's experts module (``.routed_experts``)
+        total = next((3 * n for layer, n in experts_per_layer.items() if f"{layer}.".startswith(f"{module}.")), None)
+        if total is not None and count != total:
+            raise RLAlignRefused(
+                f"update has {count} of the {total} expert weights of {module}; send every expert's gate_proj, "
+                "up_proj and down_proj of a layer it touches"
+            )
+
+
 def expected_parameters(names: Iterable[str], packed_modules: Mapping[str, list[str]], params: set[str]) -> set[str]:
     """Engine parameter names that checkpoint ``names`` must load into (names with no engine parameter are skipped)."""
     out = set()
@@ -178,6 +207,7 @@ class RLAlignWeightTransferEngine(WeightTransferEngine[RLAlignInitInfo, RLAlignU
         packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
         with _weights_of(update_info) as (names, weights):
             check_fused_groups(names, packed)
+            check_whole_expert_layers(names, _experts_per_layer(model))
             params = {name for name, _ in model.named_parameters()}
             with torch.no_grad():
                 initialize_layerwise_reload(model)
@@ -185,6 +215,8 @@ class RLAlignWeightTransferEngine(WeightTransferEngine[RLAlignInitInfo, RLAlignU
                     loaded = set(model.load_weights(weights) or ())
                 finalize_layerwise_reload(model, self.model_config)
                 _refresh_tied_modules(model, loaded)
+                if is_cpu_platform():
+                    _repack_cpu_experts(model, loaded)
         expected = params if update_info.full else expected_parameters(names, packed, params)
         missing = sorted(expected - loaded)
         if missing:
@@ -215,6 +247,29 @@ class _weights_of:
 
     def __exit__(self, *exc: object) -> None:
         self._file = None
+
+
+def _experts_per_layer(model: torch.nn.Module) -> dict[str, int]:
+    """Every MoE layer of a vLLM model (a module holding stacked ``w13_weight``) and its global expert count."""
+    return {
+        prefix: int(module.global_num_experts) for prefix, module in model.named_modules()
+        if hasattr(module, "w13_weight") and hasattr(module, "global_num_experts")
+    }  # fmt: skip
+
+
+def _repack_cpu_experts(model: torch.nn.Module, loaded: set[str]) -> None:
+    """Prepack the reloaded experts of every MoE layer again for vLLM's CPU MoE kernel.
+
+    vLLM's unquantized MoE method runs the expert kernel's own post-load step (on CPU: prepacking both stacked weights
+    into its grouped-GEMM layout) on the first load only; on a weight update it copies the new weights into the
+    packed parameters in their plain layout, so the kernel then read scrambled experts (a reloaded MoE model's
+    log-probs were off by ~0.05-0.15 nats; ``tests/rollout/test_vllm_moe_lora.py``). The plain weights are what the
+    parameters hold after the reload, so the kernel's step applies to them as on the first load.
+    """
+    for prefix, module in model.named_modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if experts is not None and f"{prefix}.w13_weight" in loaded:
+            experts.process_weights_after_loading(module)
 
 
 def _refresh_tied_modules(model: torch.nn.Module, loaded: set[str]) -> None:

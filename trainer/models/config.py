@@ -77,8 +77,9 @@ class LoRAConfig(AdapterSpec):
     are frozen (no gradients, no optimizer state).
 
     The adapters use PEFT's layout and names (``weight_sync.peft``), so pushes, exports and checkpoints of them load
-    into PEFT and vLLM's LoRA path as they are. On MoE models only the attention projections can be targets: the
-    experts are stacked tensors, not linear modules, and stay frozen.
+    into PEFT and vLLM's LoRA path as they are. On MoE models ``target_modules`` names attention projections only (the
+    feed-forward is stacked experts, not linear modules); ``target_parameters`` adapts the experts, one adapter per
+    expert on the fused gate/up and on the down projection, as PEFT's ``target_parameters`` does.
     """
 
     dropout: float = pydantic.Field(default=0.0, ge=0, lt=1)
@@ -187,14 +188,30 @@ class ModelConfig(BlockChoices):
             raise ValueError(f"family {self.family!r} has qk_norm={wants_qk_norm}; set qk_norm = {wants_qk_norm}")
         if self.rope_scaling is not None and self.family != "llama3":
             raise ValueError(f"rope_scaling (Llama 3.1 style) is only supported for 'llama3', not {self.family!r}")
-        if self.lora is not None and self.moe is not None:
-            mlp = [t for t in self.lora.target_modules if t in _LORA_MLP_TARGETS]
-            if mlp:
-                raise ValueError(
-                    f"lora.target_modules {mlp}: a qwen3_moe model's feed-forward is stacked experts, which LoRA does "
-                    "not adapt here; target the attention projections only (q_proj, k_proj, v_proj, o_proj)"
-                )
+        if self.lora is not None:
+            self._check_lora(self.lora)
         return self
+
+    def _check_lora(self, lora: LoRAConfig) -> None:
+        mlp = [t for t in lora.target_modules if t in _LORA_MLP_TARGETS]
+        if self.moe is not None and mlp:
+            raise ValueError(
+                f"lora.target_modules {mlp}: a qwen3_moe model's feed-forward is stacked experts, not these "
+                "projections; target the experts with lora.target_parameters = "
+                '["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] and keep target_modules to attention '
+                "(q_proj, k_proj, v_proj, o_proj)"
+            )
+        if not lora.target_parameters:
+            return
+        if self.moe is None:
+            raise ValueError(f"lora.target_parameters {list(lora.target_parameters)} adapt MoE experts, and this "
+                             f"{self.family} model has none: use target_modules")  # fmt: skip
+        if lora.dropout:
+            raise ValueError("lora.dropout must be 0 with target_parameters: an expert adapter has no input of its "
+                             "own to drop (nor has PEFT's)")  # fmt: skip
+        if self.moe_experts not in ("loop", "grouped"):
+            raise ValueError(f"lora.target_parameters with moe_experts = {self.moe_experts!r}: expert adapters run "
+                             "in the 'grouped' and 'loop' kernels only (not built for the Pallas one)")  # fmt: skip
 
     @property
     def num_params(self) -> int:

@@ -62,7 +62,7 @@ def hf_shards(
             f"{our_name}: local {tuple(local.shape)}, global {global_shape}, offsets {global_offsets} disagree in rank"
         )
     if is_adapter(our_name):  # a LoRA adapter: its PEFT name, same layout
-        yield peft_name(model_cfg.family, our_name), local, global_shape, global_offsets
+        yield peft_name(model_cfg, our_name), local, global_shape, global_offsets
         return
     try:
         hf_name, stacked = name_map(model_cfg.family).to_hf(canonical_name(our_name))

@@ -2,8 +2,11 @@
 
 A model built from a :class:`ModelConfig` with ``lora`` set has each targeted ``nn.Linear`` replaced by a
 :class:`LoRALinear`: the same frozen ``weight`` (same parameter name, so HF loading, sharding and the name tables are
-unchanged) plus trainable ``lora_A [rank, in]`` and ``lora_B [out, rank]``. Every other parameter is frozen, so the
-optimizer holds state for the adapters alone.
+unchanged) plus trainable ``lora_A [rank, in]`` and ``lora_B [out, rank]``. With ``lora.target_parameters`` each MoE
+layer's stacked experts get an :class:`ExpertLoRA` per targeted weight (``experts.gate_up_lora``,
+``experts.down_lora``): one adapter per expert, held in PEFT's stacked layout (``weight_sync.peft``), the fused gate/up
+adapter feeding both ``w1`` and ``w3``. Every other parameter is frozen, so the optimizer holds state for the adapters
+alone.
 
 - :func:`adapters_disabled` runs the base model (the KL reference: no second copy of the model is built).
 - :func:`peft_name` maps an adapter parameter to PEFT's name (``base_model.model.model.layers.0.self_attn.q_proj.
@@ -12,14 +15,15 @@ optimizer holds state for the adapters alone.
 - :func:`adapter_state_dict` yields the adapters under their PEFT names, for ``weight_sync.peft.write_peft_adapter``.
 
 Sharding: FSDP2 shards the adapters like any parameter (dim 0, inside their block's unit). Tensor parallelism is not
-built for adapters (the recipe check refuses it).
+built for adapters, nor expert parallelism for expert adapters (the recipe check refuses both).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -27,14 +31,19 @@ from torch import nn
 
 from trainer.models.config import Family, LoRAConfig, ModelConfig
 from trainer.models.hf_names import name_map
+from trainer.models.moe import Experts
 from weight_sync import peft
 
 __all__ = [
-    "LoRALinear", "adapter_state_dict", "adapters_disabled", "apply_lora", "is_adapter", "merged_parameters",
-    "peft_name", "set_adapters_enabled", "train_adapters",
+    "ExpertLoRA", "LoRALinear", "adapter_state_dict", "adapters_disabled", "apply_lora", "is_adapter",
+    "merged_parameters", "peft_name", "set_adapters_enabled", "train_adapters",
 ]  # fmt: skip
 
 _ADAPTER_PARAMS = ("lora_A", "lora_B")
+_EXPERT_ADAPTERS: dict[peft.ExpertTarget, str] = {
+    "mlp.experts.gate_up_proj": "gate_up_lora", "mlp.experts.down_proj": "down_lora",
+}  # fmt: skip
+"""Each expert target's :class:`ExpertLoRA` attribute on :class:`trainer.models.moe.Experts`."""
 
 
 class LoRALinear(nn.Linear):
@@ -69,10 +78,7 @@ class LoRALinear(nn.Linear):
     @torch.no_grad()
     def reset_adapter(self) -> None:
         """A fresh adapter: ``B = 0`` (the model is unchanged) and ``A`` as ``LoRAConfig.init`` says."""
-        if self.init == "gaussian":
-            nn.init.normal_(self.lora_A, std=1 / self.lora_A.shape[0])
-        else:
-            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        _init_a(self.lora_A, self.init, self.lora_A.shape[0])
         nn.init.zeros_(self.lora_B)
 
     def delta_weight(self, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,6 +89,49 @@ class LoRALinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scaling={self.scaling}"
+
+
+class ExpertLoRA(nn.Module):
+    """A LoRA adapter per expert on one stacked expert weight ``[E, out, in]``, in PEFT's stacked layout:
+    ``lora_A [E rank, in]``, ``lora_B [out, rank E]`` (``weight_sync.peft``). No dropout (PEFT has none for these)."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, cfg: LoRAConfig, like: torch.Tensor):
+        super().__init__()
+        self.num_experts, self.scaling, self.init = num_experts, cfg.scaling, cfg.init
+        self.adapter_enabled = True
+        device, dtype = like.device, like.dtype
+        self.lora_A = nn.Parameter(torch.empty(num_experts * cfg.rank, in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.empty(out_features, cfg.rank * num_experts, device=device, dtype=dtype))
+        if like.device.type != "meta":
+            self.reset_adapter()
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``A_e [E, rank, in]`` and ``B_e [E, out, rank]`` (contiguous: the grouped matmuls take them as weights)."""
+        a, b = peft.expert_factors(self.lora_A, self.lora_B, self.num_experts)
+        return a, b.contiguous()
+
+    @torch.no_grad()
+    def reset_adapter(self) -> None:
+        """A fresh adapter: ``B = 0`` and ``A`` as ``LoRAConfig.init`` says (over the stacked tensor, as PEFT does)."""
+        _init_a(self.lora_A, self.init, self.lora_A.shape[0] // self.num_experts)
+        nn.init.zeros_(self.lora_B)
+
+    def delta_weight(self, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:
+        """``scaling * B_e @ A_e`` for every expert, ``[E, out, in]`` in float32, of the given full adapter tensors
+        (default: this module's)."""
+        a_e, b_e = peft.expert_factors(self.lora_A if a is None else a, self.lora_B if b is None else b,
+                                       self.num_experts)  # fmt: skip
+        return torch.bmm(b_e.float(), a_e.float()) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, lora_A={tuple(self.lora_A.shape)}, lora_B={tuple(self.lora_B.shape)}"
+
+
+def _init_a(lora_a: torch.Tensor, init: str, rank: int) -> None:
+    if init == "gaussian":
+        nn.init.normal_(lora_a, std=1 / rank)
+    else:
+        nn.init.kaiming_uniform_(lora_a, a=math.sqrt(5))
 
 
 def _hf_module(family: Family, module_name: str) -> str | None:
@@ -97,7 +146,8 @@ def _hf_module(family: Family, module_name: str) -> str | None:
 
 def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> list[str]:
     """Replace every targeted ``nn.Linear`` of ``model`` (a freshly built, unwrapped ``Transformer``) by a
-    :class:`LoRALinear` over its weight and freeze all other parameters; returns the adapted module names.
+    :class:`LoRALinear` over its weight, give every MoE layer's experts an :class:`ExpertLoRA` per target parameter,
+    and freeze all other parameters; returns the adapted module names.
 
     Targets are matched by HF module name (``q_proj`` ...), so one name table decides for every family.
     """
@@ -106,6 +156,13 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> list[str]:
         raise ValueError("apply_lora needs a ModelConfig with lora set")
     adapted = []
     for name, module in list(model.named_modules()):
+        if isinstance(module, Experts):
+            num_experts, hidden, dim = module.w1.shape
+            for target in cfg.target_parameters:
+                dims = peft.expert_target_dims(target, dim, hidden)
+                setattr(module, _EXPERT_ADAPTERS[target], ExpertLoRA(num_experts, *dims, cfg, module.w1))
+                adapted.append(f"{name}.{_EXPERT_ADAPTERS[target]}")
+            continue
         hf = _hf_module(model_cfg.family, name) if type(module) is nn.Linear else None
         if hf is None or hf.rsplit(".", 1)[-1] not in cfg.target_modules:
             continue
@@ -113,7 +170,8 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> list[str]:
         setattr(model.get_submodule(parent_name), child, LoRALinear(module.weight, cfg))
         adapted.append(name)
     if not adapted:
-        raise ValueError(f"lora.target_modules {list(cfg.target_modules)} matched no projection of this model")
+        raise ValueError(f"lora targets {list(cfg.target_modules) + list(cfg.target_parameters)} matched no "
+                         "projection of this model")  # fmt: skip
     train_adapters(model)
     return adapted
 
@@ -129,12 +187,24 @@ def is_adapter(param_name: str) -> bool:
     return param_name.rsplit(".", 1)[-1] in _ADAPTER_PARAMS
 
 
-def peft_name(family: Family, param_name: str) -> str:
+def peft_name(model_cfg: ModelConfig, param_name: str) -> str:
     """PEFT's name of one of our adapter parameters: ``layers.0.attention.wq.lora_A`` ->
-    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``. Raises ``ValueError`` for other names."""
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``, ``layers.0.moe.experts.down_lora.lora_A`` ->
+    ``base_model.model.model.layers.0.mlp.experts.lora_A.weight`` (``weight_sync.peft.expert_peft_name``). Raises
+    ``ValueError`` for other names."""
     from trainer.models.hf_io import canonical_name
 
+    family, lora = model_cfg.family, model_cfg.lora
     module_name, _, leaf = canonical_name(param_name).rpartition(".")
+    parent, _, adapter = module_name.rpartition(".")
+    target = next((t for t, attr in _EXPERT_ADAPTERS.items() if attr == adapter), None)
+    if leaf in _ADAPTER_PARAMS and target is not None and lora is not None:
+        try:  # the experts' HF module: their stacked weight's name up to the expert index
+            stacked_name, _ = name_map(family).to_hf(f"{parent}.w1")
+        except KeyError:
+            stacked_name = ""
+        if ".{}." in stacked_name:
+            return peft.expert_peft_name(stacked_name.partition(".{}.")[0], target, leaf, lora)  # type: ignore[arg-type]
     hf = _hf_module(family, module_name) if leaf in _ADAPTER_PARAMS else None
     if hf is None:
         raise ValueError(f"{param_name!r} is not a LoRA adapter parameter of a {family} model")
@@ -142,9 +212,10 @@ def peft_name(family: Family, param_name: str) -> str:
 
 
 def set_adapters_enabled(model: nn.Module, enabled: bool) -> None:
-    """Switch every :class:`LoRALinear` of ``model`` on or off (off: the base model, and no adapter compute)."""
+    """Switch every adapter of ``model`` (:class:`LoRALinear`, :class:`ExpertLoRA`) on or off (off: the base model,
+    and no adapter compute)."""
     for m in model.modules():
-        if isinstance(m, LoRALinear):
+        if isinstance(m, LoRALinear | ExpertLoRA):
             m.adapter_enabled = enabled
 
 
@@ -163,23 +234,43 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
 
 
+def _update(adapter: LoRALinear | ExpertLoRA, rows: slice = slice(None)) -> torch.Tensor:
+    """The update of ``adapter``'s weight (expert adapters: its ``rows`` of every expert's), gathered in full."""
+    delta = adapter.delta_weight(_full(adapter.lora_A), _full(adapter.lora_B))
+    return delta if isinstance(adapter, LoRALinear) else delta[:, rows]
+
+
+def _updates(model: nn.Module) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """``(our name of an adapted weight, its update)``, each update computed (collectively) when called."""
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            yield f"{name}.weight", functools.partial(_update, m)
+        elif isinstance(m, Experts):
+            if m.gate_up_lora is not None:  # rows [:I] of the fused update are the gate's, [I:] the up's
+                hidden = m.w1.shape[1]
+                yield f"{name}.w1", functools.partial(_update, m.gate_up_lora, slice(None, hidden))
+                yield f"{name}.w3", functools.partial(_update, m.gate_up_lora, slice(hidden, None))
+            if m.down_lora is not None:
+                yield f"{name}.w2", functools.partial(_update, m.down_lora)
+
+
 def merged_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(our name, full tensor)`` of every non-adapter parameter, a :class:`LoRALinear`'s weight with its update
-    ``scaling * B A`` added (in float32, cast back); collective for sharded models (every rank iterates)."""
-    adapters = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    """``(our name, full tensor)`` of every non-adapter parameter, an adapted weight with its update
+    ``scaling * B A`` (per expert for expert weights) added in float32 and cast back; collective for sharded models
+    (every rank iterates)."""
+    updates = dict(_updates(model))
     for name, p in model.named_parameters():
         if is_adapter(name):
             continue
         full = _full(p)
-        module = adapters.get(name.removesuffix(".weight"))
-        if module is not None:
-            delta = module.delta_weight(_full(module.lora_A), _full(module.lora_B))
-            full = (full.float() + delta).to(full.dtype)
+        update = updates.get(name)
+        if update is not None:
+            full = (full.float() + update()).to(full.dtype)
         yield name, full
 
 
-def adapter_state_dict(model: nn.Module, family: Family) -> Iterator[tuple[str, torch.Tensor]]:
+def adapter_state_dict(model: nn.Module, model_cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """``(PEFT name, full tensor)`` of every adapter parameter; collective for sharded models."""
     for name, p in model.named_parameters():
         if is_adapter(name):
-            yield peft_name(family, name), _full(p)
+            yield peft_name(model_cfg, name), _full(p)

@@ -10,6 +10,11 @@ between the two). How tokens reach their experts is a registered function picked
 - ``gmm_pallas`` (:func:`trainer.kernels.gmm.gmm_experts`): the same sort (:func:`sort_by_expert`), then the Pallas
   grouped-matmul kernel for each projection.
 
+A kernel's ``w1/w3/w2`` are stacked tensors, or with LoRA on the experts (``trainer.models.lora``) an
+:class:`AdaptedWeight` each: ``loop`` folds expert ``e``'s update into its weight, ``grouped`` adds the low-rank path
+``scaling * (x A_e^T) B_e^T`` to each group's rows (two more grouped matmuls of width ``rank``); ``gmm_pallas`` takes
+plain weights only (the model config refuses the combination).
+
 Router load-balancing loss (Switch Transformer form, as HF's ``load_balancing_loss_func`` computes it for
 Qwen3-MoE): ``E * sum_e f_e * p_e`` with f_e = top-k assignments to expert e per token and p_e = mean router
 probability of e, over the tokens that count; it equals ``top_k`` when routing is perfectly balanced and is
@@ -23,7 +28,7 @@ taking the product, which agrees with this for one layer only.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +37,11 @@ from torch import nn
 from trainer.models.config import ModelConfig
 from trainer.models.registry import MOE_EXPERTS
 
+if TYPE_CHECKING:
+    from trainer.models.lora import ExpertLoRA
+
 __all__ = [
+    "AdaptedWeight",
     "ExpertSort",
     "Experts",
     "MoE",
@@ -94,6 +103,34 @@ def router_aux_loss(model: nn.Module, token_mask: torch.Tensor | None = None) ->
     return torch.stack([load_balancing_loss(r.probs, r.expert_idx, token_mask) for r in routings]).mean()
 
 
+class AdaptedWeight(NamedTuple):
+    """A stacked expert weight with a low-rank update per expert: expert ``e`` computes with
+    ``weight[e] + scaling * lora_B[e] @ lora_A[e]``."""
+
+    weight: torch.Tensor
+    """``[E, out, in]``, frozen."""
+    lora_A: torch.Tensor
+    """``[E, rank, in]``."""
+    lora_B: torch.Tensor
+    """``[E, out, rank]``."""
+    scaling: float
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def expert(self, e: int) -> torch.Tensor:
+        """Expert ``e``'s weight with its update folded in, ``[out, in]``."""
+        return self.weight[e] + self.scaling * (self.lora_B[e] @ self.lora_A[e])
+
+
+ExpertWeight = torch.Tensor | AdaptedWeight
+
+
+def _expert(w: ExpertWeight, e: int) -> torch.Tensor:
+    return w.expert(e) if isinstance(w, AdaptedWeight) else w[e]
+
+
 def _swiglu(h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(h, w1)) * F.linear(h, w3), w2)
 
@@ -101,7 +138,7 @@ def _swiglu(h: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tenso
 @MOE_EXPERTS.register("loop")
 def loop_experts(
     x: torch.Tensor, expert_idx: torch.Tensor, expert_weight: torch.Tensor,
-    w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+    w1: ExpertWeight, w3: ExpertWeight, w2: ExpertWeight,
 ) -> torch.Tensor:
     """Reference: for each expert, gather its tokens, run its SwiGLU, scatter-add the weighted result."""
     out = torch.zeros_like(x)
@@ -109,7 +146,7 @@ def loop_experts(
         tok, slot = torch.where(expert_idx == e)
         if tok.numel() == 0:
             continue
-        y = _swiglu(x[tok], w1[e], w3[e], w2[e])
+        y = _swiglu(x[tok], _expert(w1, e), _expert(w3, e), _expert(w2, e))
         out.index_add_(0, tok, y * expert_weight[tok, slot, None])
     return out
 
@@ -117,7 +154,7 @@ def loop_experts(
 @MOE_EXPERTS.register("grouped")
 def grouped_experts(
     x: torch.Tensor, expert_idx: torch.Tensor, expert_weight: torch.Tensor,
-    w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+    w1: ExpertWeight, w3: ExpertWeight, w2: ExpertWeight,
 ) -> torch.Tensor:
     """Sort (token, expert) pairs by expert, then one grouped matmul per projection."""
     pairs = sort_by_expert(expert_idx, w1.shape[0])
@@ -160,8 +197,11 @@ class _Groups:
         self.expert_of_row, self.counts = expert_of_row, counts
         self._pad_index: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
-    def linear(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(self, rows: torch.Tensor, weight: ExpertWeight) -> torch.Tensor:
         """``rows [M, Din]`` (sorted), ``weight [E, Dout, Din]`` -> ``[M, Dout]``: row i @ weight[expert_of_row[i]].T"""
+        if isinstance(weight, AdaptedWeight):
+            low_rank = self.linear(self.linear(rows, weight.lora_A), weight.lora_B)
+            return self.linear(rows, weight.weight) + weight.scaling * low_rank
         if _grouped_mm_supported(rows, weight):
             offs = torch.cumsum(self.counts, 0).to(torch.int32)
             return F.grouped_mm(rows, weight.transpose(-2, -1), offs=offs)
@@ -201,7 +241,10 @@ class Routing(NamedTuple):
 class Experts(nn.Module):
     """The stacked SwiGLU experts of one MoE layer: parameters ``w1/w3 [E, I, D]``, ``w2 [E, D, I]`` and the kernel
     (an ``MOE_EXPERTS`` function) that runs them. Their own module, with a forward, so a sharding wrapper (FSDP over
-    an expert-parallel mesh) gathers exactly these weights when they are used."""
+    an expert-parallel mesh) gathers exactly these weights when they are used.
+
+    ``gate_up_lora`` / ``down_lora``: per-expert LoRA adapters (``trainer.models.lora.ExpertLoRA``, set by
+    ``apply_lora``) on the fused gate/up projection and on the down projection, None without."""
 
     def __init__(
         self, num_experts: int, dim: int, hidden: int, kernel: Callable[..., torch.Tensor],
@@ -212,10 +255,22 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden, device=device, dtype=dtype))
         self.kernel = kernel
+        self.gate_up_lora: ExpertLoRA | None = None
+        self.down_lora: ExpertLoRA | None = None
 
     def forward(self, x: torch.Tensor, expert_idx: torch.Tensor, expert_weight: torch.Tensor) -> torch.Tensor:
         """``x [N, D]``, ``expert_idx`` / ``expert_weight [N, K]`` -> ``[N, D]``, the routing-weighted expert sum."""
-        return self.kernel(x, expert_idx, expert_weight, self.w1, self.w3, self.w2)
+        w1: ExpertWeight = self.w1
+        w3: ExpertWeight = self.w3
+        w2: ExpertWeight = self.w2
+        if self.gate_up_lora is not None and self.gate_up_lora.adapter_enabled:
+            a, b = self.gate_up_lora.factors()
+            hidden = self.w1.shape[1]
+            w1 = AdaptedWeight(self.w1, a, b[:, :hidden], self.gate_up_lora.scaling)
+            w3 = AdaptedWeight(self.w3, a, b[:, hidden:], self.gate_up_lora.scaling)
+        if self.down_lora is not None and self.down_lora.adapter_enabled:
+            w2 = AdaptedWeight(self.w2, *self.down_lora.factors(), self.down_lora.scaling)
+        return self.kernel(x, expert_idx, expert_weight, w1, w3, w2)
 
 
 class MoE(nn.Module):

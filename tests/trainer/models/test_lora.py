@@ -7,27 +7,36 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer.memory import adapter_params
 from trainer.models.config import LoRAConfig
 from trainer.models.hf_config import model_config_from_hf
 from trainer.models.hf_io import hf_manifest, load_hf_checkpoint, save_hf_checkpoint
 from trainer.models.lora import LoRALinear, adapter_state_dict, adapters_disabled, is_adapter
 from trainer.models.transformer import build_model
-from weight_sync.peft import adapter_manifest, write_peft_adapter
+from weight_sync.peft import EXPERT_TARGETS, adapter_manifest, write_peft_adapter
 from weight_sync.spec import TensorSpec
 
 peft = pytest.importorskip("peft")
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 CASES = [
-    ("llama3_scaled", LoRAConfig(rank=4, alpha=8.0)),
-    ("qwen3_tied", LoRAConfig(rank=8, alpha=4.0, target_modules=("q_proj", "v_proj", "down_proj"))),
-    ("qwen3_moe", LoRAConfig(rank=2, alpha=2.0, target_modules=ATTENTION)),
+    pytest.param("llama3_scaled", LoRAConfig(rank=4, alpha=8.0), id="llama3_scaled"),
+    pytest.param("qwen3_tied", LoRAConfig(rank=8, alpha=4.0, target_modules=("q_proj", "v_proj", "down_proj")),
+                 id="qwen3_tied"),
+    pytest.param("qwen3_moe", LoRAConfig(rank=2, alpha=2.0, target_modules=ATTENTION), id="qwen3_moe"),
+    pytest.param("qwen3_moe", LoRAConfig(rank=2, alpha=2.0, target_modules=ATTENTION, target_parameters=EXPERT_TARGETS),
+                 id="qwen3_moe_experts"),
+]  # fmt: skip
+EXPERT_CASES = [
+    pytest.param(("mlp.experts.gate_up_proj",), ("q_proj",), "grouped", id="gate_up-grouped"),
+    pytest.param(("mlp.experts.down_proj",), (), "grouped", id="down_only-grouped"),
+    pytest.param(EXPERT_TARGETS, (), "loop", id="both-loop"),
 ]
 
 
-def _ours(path: Path, lora: LoRAConfig, seed: int = 3):
+def _ours(path: Path, lora: LoRAConfig, seed: int = 3, **blocks: str):
     """Our model of the HF directory with ``lora`` adapters set to seeded random values (B != 0)."""
-    model = build_model(model_config_from_hf(str(path), lora=lora), dtype=torch.float32)
+    model = build_model(model_config_from_hf(str(path), lora=lora, **blocks), dtype=torch.float32)
     load_hf_checkpoint(model, str(path))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -48,11 +57,11 @@ def _tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize(("name", "lora"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("name", "lora"), CASES)
 def test_adapter_forward_equals_peft_and_off_equals_the_base(hf_dirs, tmp_path, name, lora):
     path, hf_base = hf_dirs[name]
     ours = _ours(path, lora)
-    files = write_peft_adapter(tmp_path / "adapter", adapter_state_dict(ours, ours.cfg.family), lora, str(path))
+    files = write_peft_adapter(tmp_path / "adapter", adapter_state_dict(ours, ours.cfg), lora, str(path))
     assert sorted(files) == ["adapter_config.json", "adapter_model.safetensors"]
     reference = _peft(path, tmp_path / "adapter")
     tokens = _tokens(ours.cfg.vocab_size)
@@ -69,7 +78,28 @@ def test_adapter_forward_equals_peft_and_off_equals_the_base(hf_dirs, tmp_path, 
     assert len(adapted) == ours.cfg.num_layers * len(lora.target_modules)
 
 
-@pytest.mark.parametrize(("name", "lora"), CASES[:2], ids=[c[0] for c in CASES[:2]])
+@pytest.mark.parametrize(("experts", "attention", "kernel"), EXPERT_CASES)
+def test_expert_adapters_equal_peft_target_parameters(hf_dirs, tmp_path, experts, attention, kernel):
+    """One adapter per expert on the fused gate/up and on the down weight, as PEFT's ``target_parameters`` puts
+    them on transformers' Qwen3-MoE experts: same names (PEFT loads every tensor), same forward, in both kernels."""
+    path, _ = hf_dirs["qwen3_moe"]
+    lora = LoRAConfig(rank=3, alpha=6.0, target_modules=attention, target_parameters=experts)
+    ours = _ours(path, lora, moe_experts=kernel)
+    write_peft_adapter(tmp_path / "adapter", adapter_state_dict(ours, ours.cfg), lora, str(path))
+    reference = _peft(path, tmp_path / "adapter")
+    loaded = {n for n, _ in reference.named_parameters() if "lora_" in n}
+    assert len(loaded) == 2 * (len(experts) + len(attention)) * ours.cfg.num_layers
+    tokens = _tokens(ours.cfg.vocab_size)
+    with torch.no_grad():
+        expected = reference(input_ids=tokens).logits
+        got = ours.logits(ours(tokens))
+        with reference.disable_adapter():
+            base = reference(input_ids=tokens).logits
+    assert (got - expected).abs().max().item() <= 1e-5
+    assert (got - base).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize(("name", "lora"), [CASES[0], CASES[1], CASES[3]])
 def test_merged_export_equals_the_adapter_forward(hf_dirs, tmp_path, name, lora):
     from transformers import AutoModelForCausalLM
 
@@ -114,14 +144,14 @@ def test_a_fresh_adapter_leaves_the_model_unchanged(hf_dirs):
     assert a.abs().sum() > 0  # A is random; B = 0 is what keeps the model unchanged
 
 
-@pytest.mark.parametrize(("name", "lora"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("name", "lora"), CASES)
 def test_a_receiver_derives_from_the_base_checkpoint_exactly_the_adapters_the_trainer_trains(hf_dirs, name, lora):
     """The receiver's manifest (from the base model's HF tensors alone) names and shapes every trained adapter."""
     from weight_sync.checkpoint import read_checkpoint_manifest
 
     path, _ = hf_dirs[name]
     ours = _ours(path, lora)
-    trained = {n: tuple(t.shape) for n, t in adapter_state_dict(ours, ours.cfg.family)}
+    trained = {n: tuple(t.shape) for n, t in adapter_state_dict(ours, ours.cfg)}
     derived = adapter_manifest(read_checkpoint_manifest(str(path)), lora)
     assert {s.name: s.shape for s in derived} == trained
     assert {s.dtype for s in derived} == {"float32"}
@@ -137,3 +167,26 @@ def test_lora_on_moe_experts_is_refused_with_the_alternative(hf_dirs):
     path, _ = hf_dirs["qwen3_moe"]
     with pytest.raises(ValueError, match=r"stacked experts.*q_proj, k_proj, v_proj, o_proj"):
         model_config_from_hf(str(path), lora=LoRAConfig(target_modules=("q_proj", "gate_proj")))
+
+
+def test_expert_adapters_are_refused_where_they_are_not_built(hf_dirs):
+    """Each refusal names the field and the way out: a dense model, dropout, the Pallas MoE kernel, expert
+    parallelism."""
+    from trainer.config import TrainerConfig
+
+    experts = LoRAConfig(target_modules=ATTENTION, target_parameters=EXPERT_TARGETS)
+    with pytest.raises(ValueError, match="has none: use target_modules"):
+        model_config_from_hf(str(hf_dirs["qwen3_tied"][0]), lora=experts)
+    moe = str(hf_dirs["qwen3_moe"][0])
+    with pytest.raises(ValueError, match="lora.dropout must be 0 with target_parameters"):
+        model_config_from_hf(moe, lora=experts.model_copy(update={"dropout": 0.1}))
+    with pytest.raises(ValueError, match="moe_experts = 'gmm_pallas'.*'grouped' and 'loop'"):
+        model_config_from_hf(moe, lora=experts, moe_experts="gmm_pallas")
+    model_cfg = model_config_from_hf(moe, lora=experts)
+    ep = TrainerConfig(num_ranks=2, parallelism={"expert_parallel_degree": 2})
+    with pytest.raises(ValueError, match="expert_parallel_degree = 2 with LoRA on the experts"):
+        ep.check_model(model_cfg)
+    ep.check_model(model_config_from_hf(moe, lora=LoRAConfig(target_modules=ATTENTION)))  # attention only: fine
+    assert adapter_params(model_cfg, experts) == sum(
+        p.numel() for n, p in build_model(model_cfg, device="meta").named_parameters() if is_adapter(n)
+    )
