@@ -18,6 +18,13 @@ event loop from the receiver's Commit thread. One update, in order:
    so its orchestrator restarts it on the last persisted version;
 5. with ``persist_dir``, keep the served version there (the directory a restart serves, at that version), after the
    resume: it lengthens the Commit, not the pause. A failed write is logged and reported; the version stays served.
+
+With ``lora`` (an :class:`weight_sync.peft.AdapterSpec`) the server takes LoRA adapter versions instead, as a trainer
+with ``[model.lora]`` pushes them (PEFT names; base tensors too where the base itself trained): each is merged into
+the served checkpoint's base weights (``rollout.engine.adapters.MergedAdapters``; a subset updates the served
+adapter) and the merged projections go through steps 2-4 as an ordinary update, so clients keep calling the served
+model by its name and every reply comes from one version. ``persist_dir`` is refused with it: a restart would serve
+the base without the adapter under the adapter's version.
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from rollout.engine.adapters import AdapterVersions, MergedAdapters
 from rollout.engine.sink import check_update
 from rollout.engine.transfer import REFUSED, write_update_file
 from weight_sync.checkpoint import read_checkpoint_manifest
+from weight_sync.peft import AdapterSpec, adapter_manifest
 from weight_sync.sink import SafetensorsDirSink, read_policy_version
 from weight_sync.spec import TensorSpec
 
@@ -81,12 +90,21 @@ class ServerWeightSink:
         update_timeout_s: float = 600.0,
         on_drain_timeout: Literal["refuse", "abort"] = "refuse",
         exit_process: Callable[[], None] | None = None,
+        lora: AdapterSpec | None = None,
     ) -> None:
+        if lora is not None and persist_dir is not None:
+            raise ValueError("persist_dir with lora is not built: a restart would serve the base model without the "
+                             "adapter; unset persist_dir (a restarted server then starts at version 0 and takes the "
+                             "trainer's next complete push)")  # fmt: skip
         self._engine = engine
         self._loop = loop
-        self._specs = {s.name: s for s in read_checkpoint_manifest(model_dir)}
+        base = read_checkpoint_manifest(model_dir)
+        self._adapter_specs = {} if lora is None else {s.name: s for s in adapter_manifest(base, lora)}
+        self._specs = {**{s.name: s for s in base}, **self._adapter_specs}
+        self._versions = None if lora is None else AdapterVersions(set(self._adapter_specs))
+        self._merged = None if lora is None else MergedAdapters(model_dir, base, lora)
         self._stage_dir = stage_dir
-        self._persist = _persist_sink(model_dir, persist_dir, list(self._specs.values()))
+        self._persist = _persist_sink(model_dir, persist_dir, base)
         self._drain_timeout_s = drain_timeout_s
         self._update_timeout_s = update_timeout_s
         self._on_drain_timeout = on_drain_timeout
@@ -95,7 +113,8 @@ class ServerWeightSink:
         self.state = ServedUpdateState(policy_version=served)
 
     def manifest(self) -> list[TensorSpec]:
-        """The served checkpoint's tensors (HF-canonical names, global shapes and dtypes)."""
+        """The served checkpoint's tensors (HF-canonical names, global shapes and dtypes); with ``lora`` also the
+        adapters of that shape over it (``weight_sync.peft.adapter_manifest``)."""
         return list(self._specs.values())
 
     def committed_version(self) -> int:
@@ -112,8 +131,14 @@ class ServerWeightSink:
         if self.state.broken is not None:
             raise RuntimeError(f"this server stopped taking updates: {self.state.broken}; restart it")
         check_update(self._specs, tensors)
-        full = len(tensors) == len(self._specs)
-        path = self._stage(policy_version, tensors)
+        weights, full, adapter = tensors, len(tensors) == len(self._specs), None
+        base: dict[str, torch.Tensor] = {}
+        if self._versions is not None and self._merged is not None:  # an adapter version, merged into the base
+            base = {name: t for name, t in tensors.items() if name not in self._adapter_specs}
+            update = {name: t for name, t in tensors.items() if name in self._adapter_specs}
+            adapter = self._versions.merge(policy_version, update)
+            weights, full = self._merged.weights(adapter, base), False
+        path = self._stage(policy_version, weights)
         try:
             future = asyncio.run_coroutine_threadsafe(self._serve(policy_version, path, full), self._loop)
             pause_s = future.result(timeout=self._drain_timeout_s + self._update_timeout_s)
@@ -123,6 +148,9 @@ class ServerWeightSink:
             raise
         finally:
             os.unlink(path)
+        if adapter is not None and self._versions is not None and self._merged is not None:
+            self._versions.tensors = adapter
+            self._merged.commit_base(base)
         self.state.policy_version = policy_version
         self.state.num_updates += 1
         self.state.last_update_s = time.perf_counter() - start

