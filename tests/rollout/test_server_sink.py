@@ -185,3 +185,31 @@ def test_the_plugin_is_installed_and_registers_its_backend():
     register()  # idempotent: vLLM's registry raises on a second registration of a name
     assert "rl_align" in WeightTransferEngineFactory._registry
 
+
+
+def test_a_lora_sink_stages_adapters_merged_into_the_base_and_keeps_the_served_adapter(loop, model_dir, tmp_path):
+    """What reaches the workers is ``W + alpha/r B A`` of each adapted projection; a subset is merged over the
+    served adapter; an incomplete first adapter is refused before any call; ``persist_dir`` with ``lora`` refused."""
+    from weight_sync.peft import AdapterSpec, peft_name
+
+    spec = AdapterSpec(rank=2, alpha=4.0, target_modules=("up_proj",))
+    engine = RecordingEngine()
+    sink = _sink(engine, loop, model_dir, tmp_path, lora=spec)
+    module = "model.layers.0.mlp.up_proj"
+    names = {part: peft_name(module, part) for part in ("lora_A", "lora_B")}
+    assert {s.name for s in sink.manifest()} == set(STATE) | set(names.values())
+    with pytest.raises(ValueError, match="push a complete adapter first"):
+        sink.apply(1, {names["lora_A"]: torch.ones(2, 4)})
+    assert engine.calls == []
+    a, b = torch.randn(2, 4), torch.randn(8, 2)
+    sink.apply(1, {names["lora_A"]: a, names["lora_B"]: b})
+    assert "update:1:partial" in engine.calls and set(engine.staged) == {f"{module}.weight"}
+    torch.testing.assert_close(engine.staged[f"{module}.weight"], STATE[f"{module}.weight"] + 2.0 * (b @ a))
+    sink.apply(2, {names["lora_B"]: 2 * b})  # over the served A
+    torch.testing.assert_close(engine.staged[f"{module}.weight"], STATE[f"{module}.weight"] + 4.0 * (b @ a))
+    assert sink.committed_version() == 2
+    with pytest.raises(ValueError, match="persist_dir with lora"):
+        _sink(RecordingEngine(), loop, model_dir, tmp_path, lora=spec, persist_dir=str(tmp_path / "p"))
+    with pytest.raises(ConfigError, match="persist_dir with lora"):
+        served_receiver_config({"lora": {"rank": 2}, "persist_dir": "/x"}, {})
+    assert served_receiver_config({"lora": {"rank": 2, "target_modules": ["q_proj"]}}, {}).lora.rank == 2
