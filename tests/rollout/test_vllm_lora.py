@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.rollout.vllm_helpers import hf_logprobs, hf_model, make_model, perturbed_state
+from tests.rollout.vllm_helpers import hf_logprobs, hf_model, make_model, perturbed_state, push_through_receiver
 
 pytest.importorskip("vllm")
 peft = pytest.importorskip("peft")
@@ -27,7 +27,6 @@ from rollout.config import EngineConfig, SamplingConfig  # noqa: E402
 from rollout.engine.sink import VLLMWeightSink  # noqa: E402
 from rollout.engine.vllm_engine import VLLMEngine  # noqa: E402
 from weight_sync.checkpoint import read_checkpoint_manifest  # noqa: E402
-from weight_sync.config import WeightSyncConfig  # noqa: E402
 from weight_sync.peft import AdapterSpec, adapter_manifest, write_peft_adapter  # noqa: E402
 
 SPEC = AdapterSpec(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))
@@ -79,21 +78,11 @@ def _gap(model, completions) -> float:
 
 
 def test_a_pushed_adapter_is_served_with_pefts_logprobs(engine, sink, model_dir, tmp_path):
-    from weight_sync.receiver import WeightReceiver
-    from weight_sync.sender import Shard, WeightSender
-
     base = _sampled(engine)
     assert {c.policy_version for c in base} == {engine.policy_version}
     tensors = _adapter(sink, seed=1)
-    receiver = WeightReceiver(sink, WeightSyncConfig())
-    receiver.start()
-    try:
-        version = engine.policy_version + 1
-        with WeightSender([receiver.address], WeightSyncConfig()) as sender:
-            report = sender.push(version, [Shard(n, t, tuple(t.shape), (0,) * t.dim()) for n, t in tensors.items()])
-            assert not report.failed and not any(sender.commit(version).values())
-    finally:
-        receiver.stop()
+    version = engine.policy_version + 1
+    push_through_receiver(sink, version, tensors)
     served = _sampled(engine)
     assert {c.policy_version for c in served} == {version}
     reference = _peft_model(model_dir, tensors, tmp_path)

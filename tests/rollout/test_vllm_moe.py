@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.rollout.vllm_helpers import TINY_ARCH, hf_logprobs, hf_model
+from tests.rollout.vllm_helpers import TINY_ARCH, hf_logprobs, hf_model, push_through_receiver
 
 pytest.importorskip("vllm")
 peft = pytest.importorskip("peft")
@@ -25,7 +25,6 @@ peft = pytest.importorskip("peft")
 from rollout.config import EngineConfig, SamplingConfig  # noqa: E402
 from rollout.engine.sink import VLLMWeightSink  # noqa: E402
 from rollout.engine.vllm_engine import VLLMEngine  # noqa: E402
-from weight_sync.config import WeightSyncConfig  # noqa: E402
 from weight_sync.peft import EXPERT_TARGETS, AdapterSpec, write_peft_adapter  # noqa: E402
 
 SPEC = AdapterSpec(rank=4, alpha=8.0, target_modules=("q_proj", "o_proj"), target_parameters=EXPERT_TARGETS)
@@ -117,24 +116,14 @@ def _gaps(model, completions) -> np.ndarray:
 
 
 def test_expert_adapters_pushed_to_a_merged_engine_are_served_as_peft_computes_them(engine, model_dir, tmp_path):
-    from weight_sync.receiver import WeightReceiver
-    from weight_sync.sender import Shard, WeightSender
-
     sink = VLLMWeightSink(engine)
     tensors = _adapter(sink, seed=1)
     names = sorted(tensors)
     experts = "base_model.model.model.layers.0.mlp.experts"
     assert f"{experts}.base_layer.lora_A.weight" in names and f"{experts}.lora_B.weight" in names
     assert tensors[f"{experts}.base_layer.lora_B.weight"].shape == (2 * 32, 4 * SPEC.rank)  # [2I, r E]
-    receiver = WeightReceiver(sink, WeightSyncConfig())
-    receiver.start()
-    try:
-        version = engine.policy_version + 1
-        with WeightSender([receiver.address], WeightSyncConfig()) as sender:
-            report = sender.push(version, [Shard(n, t, tuple(t.shape), (0,) * t.dim()) for n, t in tensors.items()])
-            assert not report.failed and not any(sender.commit(version).values())
-    finally:
-        receiver.stop()
+    version = engine.policy_version + 1
+    push_through_receiver(sink, version, tensors)
     served = _sampled(engine)
     assert {c.policy_version for c in served} == {version}
     write_peft_adapter(tmp_path, {n: t.float() for n, t in tensors.items()}, SPEC, model_dir)

@@ -92,3 +92,19 @@ def trainer_logprobs(model_dir: str, samples: Sequence) -> list[np.ndarray]:
             for row, i in enumerate(mb.sample_indices):
                 out[i] = logprobs[row, : len(samples[i].completion_ids)].numpy()
     return out
+
+
+def push_through_receiver(sink, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Push ``tensors`` whole into ``sink`` through a real gRPC receiver on loopback and commit ``version``."""
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.receiver import WeightReceiver
+    from weight_sync.sender import Shard, WeightSender
+
+    receiver = WeightReceiver(sink, WeightSyncConfig())
+    receiver.start()
+    try:
+        with WeightSender([receiver.address], WeightSyncConfig()) as sender:
+            report = sender.push(version, [Shard(n, t, tuple(t.shape), (0,) * t.dim()) for n, t in tensors.items()])
+            assert not report.failed and not any(sender.commit(version).values())
+    finally:
+        receiver.stop()
