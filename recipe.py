@@ -396,8 +396,8 @@ def _check_placement(recipe: Recipe) -> None:
 
 
 def _check_lora(recipe: Recipe) -> None:
-    """LoRA runs what is built for it: FSDP (no tensor parallel), and a KL reference that is the base model; the
-    engines serve the adapters the trainer trains (``rollout.engine.lora`` is filled in from ``[model.lora]``)."""
+    """LoRA runs what is built for it: a KL reference that is the base model; the engines serve the adapters the
+    trainer trains (``rollout.engine.lora`` is filled in from ``[model.lora]``)."""
     served = recipe.rollout.engine.lora
     if recipe.model.lora is None:
         if served is not None:
@@ -407,12 +407,6 @@ def _check_lora(recipe: Recipe) -> None:
     if served is not None and served != _served_adapter(recipe.model.lora):
         raise FieldError("rollout.engine.lora", f"{served} differs from [model.lora] (rank, alpha, targets): "
                          "leave it unset, [model.lora] fills it in")  # fmt: skip
-    if recipe.trainer.parallelism.tensor_parallel_degree > 1:
-        raise FieldError(
-            "model.lora",
-            "LoRA adapters are not split by tensor parallelism (not built): set "
-            "trainer.parallelism.tensor_parallel_degree = 1 (FSDP shards base and adapters alike)",
-        )
     warm = recipe.run.warm_start
     if recipe.algorithm.kl.needs_reference and warm.num_steps > 0 and warm.parameters == "trainable":
         raise FieldError(

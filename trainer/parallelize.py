@@ -66,13 +66,16 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def _apply_tensor_parallel(model: Transformer | Critic, tp_mesh: DeviceMesh) -> None:
-    """Split each block over ``tp_mesh`` by the model's ``tensor_parallel_plan`` (``Transformer`` or ``Critic``);
-    embeddings, norms and the output head stay replicated."""
+    """Split each block over ``tp_mesh`` by the model's ``tensor_parallel_plan`` (``Transformer`` or ``Critic``), LoRA
+    adapters along with their projections; embeddings, norms and the output head stay replicated."""
     from torch.distributed.tensor.parallel import parallelize_module
+
+    from trainer.models.lora import split_adapters_like_their_weights
 
     plan = model.tensor_parallel_plan(tp_mesh.size())
     for block in model.layers:
         parallelize_module(block, tp_mesh, plan)
+        split_adapters_like_their_weights(block, tp_mesh)
 
 
 def sync_tensor_parallel_partial_grads(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -80,14 +83,21 @@ def sync_tensor_parallel_partial_grads(model: nn.Module, mesh: DeviceMesh) -> No
 
     The per-head q/k RMSNorm weights (Qwen3), plain replicas under ``Transformer.tensor_parallel_plan``, are shared by
     all heads but each TP rank only sees its own heads, so their gradient is a partial sum; without this the replicas
-    drift apart. Call after backward, before clipping (``trainer.step`` does).
+    drift apart. DTensor parameters whose gradient DTensor left as a pending partial sum (replicated LoRA factors)
+    get it reduced to their own placements. Call after backward, before clipping (``trainer.step`` does).
     """
     names = mesh.mesh_dim_names or ()
     if "tp" not in names:
         return
     group = mesh["tp"].get_group()
     for name, p in model.named_parameters():
-        if p.grad is not None and name.split(".")[-2] in ("q_norm", "k_norm"):
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            # A replicated LoRA factor beside a split one (lora_A of a column split): its gradient is a partial sum
+            # over the TP ranks, which DTensor leaves pending; the optimizer steps on local values.
+            p.grad = p.grad.redistribute(placements=p.placements)
+        elif name.split(".")[-2] in ("q_norm", "k_norm"):
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             torch.distributed.all_reduce(grad, group=group)
 

@@ -14,8 +14,13 @@ alone.
 - :func:`merged_parameters` yields the base parameters with each adapter's update folded in (a plain HF checkpoint).
 - :func:`adapter_state_dict` yields the adapters under their PEFT names, for ``weight_sync.peft.write_peft_adapter``.
 
-Sharding: FSDP2 shards the adapters like any parameter (dim 0, inside their block's unit). Tensor parallelism is not
-built for adapters, nor expert parallelism for expert adapters (the recipe check refuses both).
+Sharding: FSDP2 shards the adapters like any parameter (dim 0, inside their block's unit). Under tensor parallelism
+(:func:`split_adapters_like_their_weights`) each adapter is split along the dimension its projection is split on and
+its other factor replicated: a column-split projection (output rows over ranks) shards ``lora_B``'s rows, a row-split
+one (input columns over ranks) shards ``lora_A``'s columns. The low-rank path then needs no communication of its own:
+a column split's output is sharded like the base's, a row split's is a partial sum that the base's all-reduce adds up
+with it; the replicated factor is ``rank`` wide, so holding it whole costs little. Expert parallelism is not built
+for expert adapters (the recipe check refuses it).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +40,12 @@ from trainer.models.hf_names import name_map
 from trainer.models.moe import Experts
 from weight_sync import peft
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 __all__ = [
     "ExpertLoRA", "LoRALinear", "adapter_state_dict", "adapters_disabled", "apply_lora", "is_adapter",
-    "merged_parameters", "peft_name", "set_adapters_enabled", "train_adapters",
+    "merged_parameters", "peft_name", "set_adapters_enabled", "split_adapters_like_their_weights", "train_adapters",
 ]  # fmt: skip
 
 _ADAPTER_PARAMS = ("lora_A", "lora_B")
@@ -174,6 +183,25 @@ def apply_lora(model: nn.Module, model_cfg: ModelConfig) -> list[str]:
                          "projection of this model")  # fmt: skip
     train_adapters(model)
     return adapted
+
+
+def split_adapters_like_their_weights(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Give every :class:`LoRALinear` of ``module`` whose weight ``parallelize_module`` split over ``tp_mesh`` the
+    matching adapter placements (module docstring): weight ``Shard(0)`` -> ``lora_A`` replicated, ``lora_B``
+    ``Shard(0)``; weight ``Shard(1)`` -> ``lora_A`` ``Shard(1)``, ``lora_B`` replicated. Call right after
+    ``parallelize_module``, before FSDP (``trainer.parallelize`` does)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    for m in module.modules():
+        if not isinstance(m, LoRALinear) or not isinstance(m.weight, DTensor):
+            continue
+        column = m.weight.placements[0] == Shard(0)
+        placements = {"lora_A": Replicate() if column else Shard(1), "lora_B": Shard(0) if column else Replicate()}
+        for name, placement in placements.items():
+            p = getattr(m, name)
+            whole = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            split = distribute_tensor(whole, tp_mesh, [placement])
+            m.register_parameter(name, nn.Parameter(split, requires_grad=p.requires_grad))
 
 
 def train_adapters(model: nn.Module, base: bool = False) -> None:

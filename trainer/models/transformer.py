@@ -218,8 +218,9 @@ class Transformer(nn.Module):
         that :func:`trainer.parallelize.sync_tensor_parallel_partial_grads` adds up after backward. Sharded pieces keep
         the HF layout, so :func:`trainer.models.hf_io.hf_shards` maps them unchanged.
 
-        Raises ``ValueError`` for MoE blocks (experts are not split), LoRA adapters, and when ``degree`` does not divide
-        ``num_heads`` and ``num_kv_heads``.
+        LoRA adapters follow their projections (``trainer.models.lora.split_adapters_like_their_weights``, applied
+        by :func:`trainer.parallelize.parallelize_model`). Raises ``ValueError`` for MoE blocks (experts are not
+        split) and when ``degree`` does not divide ``num_heads`` and ``num_kv_heads``.
         """
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -227,11 +228,6 @@ class Transformer(nn.Module):
             raise ValueError(
                 "tensor parallelism supports dense blocks only (MoE experts are not split); "
                 "set parallelism.tensor_parallel_degree = 1"
-            )
-        if self.cfg.lora is not None:
-            raise ValueError(
-                "tensor parallelism does not split LoRA adapters (not built); set parallelism.tensor_parallel_degree "
-                "= 1 (FSDP shards base and adapters alike)"
             )
         heads = (self.cfg.num_heads, self.cfg.num_kv_heads)
         if any(n % degree for n in heads):

@@ -27,18 +27,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int) -> None:
+def _worker(rank: int, port: int, lora: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         from trainer.config import TrainerConfig
+        from trainer.models.config import LoRAConfig
         from trainer.models.hf_io import hf_shards, hf_state_dict
+        from trainer.models.lora import adapter_state_dict, is_adapter
         from trainer.parallelize import build_mesh, parallelize_model, sync_tensor_parallel_partial_grads
 
-        cfg = ModelConfig(family="qwen3", **CFG_KW)
+        adapters = LoRAConfig(rank=4, alpha=8.0) if lora else None  # every projection: column and row splits
+        cfg = ModelConfig(family="qwen3", **CFG_KW, lora=adapters)
         trainer_cfg = TrainerConfig(num_ranks=2, parallelism={"tensor_parallel_degree": 2, "fsdp": False})
         torch.manual_seed(0)
         plain = build_model(cfg)
+        with torch.no_grad():  # B != 0, so the adapters take part in the forward and in A's gradient
+            for name, p in plain.named_parameters():
+                if is_adapter(name):
+                    p.normal_(std=0.2)
         mesh = build_mesh(trainer_cfg, "cpu")
         model = parallelize_model(copy.deepcopy(plain), mesh, trainer_cfg)
         tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -55,23 +64,34 @@ def _worker(rank: int, port: int) -> None:
         full = dict(hf_state_dict(plain))
         plain_params = dict(plain.named_parameters())
         for name, p in model.named_parameters():
+            if not p.requires_grad:  # a frozen LoRA base
+                assert p.grad is None and plain_params[name].grad is None, name
+                continue
+            if hasattr(p, "placements"):  # the optimizer steps on local shards: no partial sums may be left
+                assert p.grad.placements == p.placements, (name, p.grad.placements, p.placements)
             # Replicated parameters (the q/k norms among them) must hold the whole gradient on every rank.
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             assert (grad - plain_params[name].grad).abs().max() < 1e-5, name
-            if hasattr(p, "to_local"):
-                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+            if hasattr(p, "to_local") and not is_adapter(name):
                 _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
                 for hf_name, piece, _, offs in hf_shards(cfg, name, p.to_local(), tuple(p.shape), tuple(offsets)):
                     index = tuple(slice(o, o + s) for o, s in zip(offs, piece.shape))
                     assert torch.equal(full[hf_name][index], piece), hf_name
+        if lora:  # a push sends every rank's pieces at their offsets, under PEFT names
+            peft_full = dict(adapter_state_dict(plain, cfg))
+            for name, p in model.named_parameters():
+                if is_adapter(name) and hasattr(p, "to_local"):
+                    _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                    for peft_name, piece, _, offs in hf_shards(cfg, name, p.to_local(), tuple(p.shape), offsets):
+                        index = tuple(slice(o, o + s) for o, s in zip(offs, piece.shape))
+                        assert torch.equal(peft_full[peft_name][index], piece), peft_name
     finally:
         dist.destroy_process_group()
 
 
-def _run(rank: int, port: int, queue) -> None:
+def _run(rank: int, port: int, lora: bool, queue) -> None:
     try:
-        _worker(rank, port)
+        _worker(rank, port, lora)
         queue.put((rank, "ok"))
     except BaseException as e:  # process boundary: report to the parent
         queue.put((rank, repr(e)))
@@ -79,10 +99,13 @@ def _run(rank: int, port: int, queue) -> None:
 
 
 @pytest.mark.slow
-def test_tensor_parallel_matches_single_process():
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_tensor_parallel_matches_single_process(lora: bool):
+    """Also with LoRA adapters on every projection (split along with their weights): same log-probs, the same
+    adapter gradients with the parameters' own placements, and pushed pieces that are slices of the PEFT tensors."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_run, args=(_free_port(), queue), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(_run, args=(_free_port(), lora, queue), nprocs=2, start_method="spawn", join=True)
     assert sorted(queue.get(timeout=5) for _ in range(2)) == [(0, "ok"), (1, "ok")]
 
 
