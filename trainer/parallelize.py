@@ -93,7 +93,7 @@ def sync_tensor_parallel_partial_grads(model: nn.Module, mesh: DeviceMesh) -> No
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+        if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
             # A replicated LoRA factor beside a split one (lora_A of a column split): its gradient is a partial sum
             # over the TP ranks, which DTensor leaves pending; the optimizer steps on local values.
             p.grad = p.grad.redistribute(placements=p.placements)
