@@ -23,7 +23,7 @@ MODELS = ("dense", "moe_experts")
 every expert's gate/up and down weights."""
 
 
-def _configs(ckpt_dir: str, world: int, minibatches: int = 2, model: str = "dense", tp: int = 1):
+def _configs(ckpt_dir: str, world: int, minibatches: int = 2, model: str = "dense", tp: int = 1, ep: int = 1):
     from trainer.config import TrainerConfig
     from trainer.models.config import LoRAConfig, ModelConfig, MoEConfig
     from trainer.rl.config import GRPOConfig, KLConfig
@@ -32,8 +32,9 @@ def _configs(ckpt_dir: str, world: int, minibatches: int = 2, model: str = "dens
     if model == "dense":
         lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
         arch: dict = {"family": "qwen3"}
-    else:
-        lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "o_proj"), target_parameters=EXPERT_TARGETS)
+    else:  # "moe_attention": the attention's adapters alone (what expert parallelism takes)
+        experts = EXPERT_TARGETS if model == "moe_experts" else ()
+        lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "o_proj"), target_parameters=experts)
         # No load-balancing term: it is taken per micro-batch, and 2 ranks pack other micro-batches than 1, so the
         # 1-rank / 2-rank comparisons below would compare two different losses.
         moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden_dim=16, aux_loss_coef=0.0)
@@ -43,8 +44,8 @@ def _configs(ckpt_dir: str, world: int, minibatches: int = 2, model: str = "dens
         ffn_hidden_dim=64, qk_norm=True, tie_embeddings=True, output_chunk_size=16, lora=lora,
     )  # fmt: skip
     cfg = TrainerConfig(
-        num_ranks=world, parallelism={"tensor_parallel_degree": tp}, micro_batch_tokens=96,
-        num_minibatches=minibatches, max_grad_norm=0.5,
+        num_ranks=world, parallelism={"tensor_parallel_degree": tp, "expert_parallel_degree": ep},
+        micro_batch_tokens=96, num_minibatches=minibatches, max_grad_norm=0.5,
         optimizer=dict(lr=3e-2, weight_decay=0.01), checkpoint=dict(dir=ckpt_dir, num_keep=1),
     )  # fmt: skip
     return cfg, model_cfg, GRPOConfig(group_size=4, kl=KLConfig(coef=0.05))
@@ -55,7 +56,7 @@ def _batch(step: int) -> RolloutBatch:
 
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, model: str, tp: int = 1) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, model: str, tp: int = 1, ep: int = 1) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from trainer.checkpoint import CheckpointManager, TrainProgress
@@ -63,7 +64,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, model: str, tp: int 
     from trainer.state import build_train_state
     from trainer.step import rl_step
 
-    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world, model=model, tp=tp)
+    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world, model=model, tp=tp, ep=ep)
 
     def fresh():
         return build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
@@ -171,6 +172,26 @@ def test_tensor_parallel_ranks_match_one_rank_and_resume_bit_identical(runs) -> 
     for name, w in one["weights"].items():
         torch.testing.assert_close(tp[0]["weights"][name], w, rtol=1e-5, atol=2e-5)
     for rank_result in tp:
+        for name, w in rank_result["weights"].items():
+            assert torch.equal(rank_result["resumed_weights"][name], w), name
+
+
+def test_attention_adapters_on_an_expert_parallel_moe_match_one_rank(tmp_path: Path) -> None:
+    """Experts split over 2 ranks (EP = 2), adapters on attention only: the 1-rank steps, and a resume bit for bit."""
+    out = {}
+    for world, ep in ((1, 1), (2, 2)):
+        out_dir = tmp_path / f"ep{ep}"
+        out_dir.mkdir()
+        args = (world, free_port(), str(out_dir), "moe_attention", 1, ep)
+        mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
+        out[ep] = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    one, ep2 = out[1][0], out[2]
+    for m1, m2 in zip(one["metrics"], ep2[0]["metrics"]):
+        for key in ("loss", "policy_loss", "kl", "grad_norm", "ratio_mean"):
+            assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-6), key
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(ep2[0]["weights"][name], w, rtol=1e-5, atol=2e-5)
+    for rank_result in ep2:
         for name, w in rank_result["weights"].items():
             assert torch.equal(rank_result["resumed_weights"][name], w), name
 
