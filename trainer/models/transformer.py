@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from trainer.models.attention import Attention
 from trainer.models.config import ModelConfig
 from trainer.models.layers import FeedForward, RMSNorm
-from trainer.models.lora import LoRALinear, apply_lora
+from trainer.models.lora import ExpertLoRA, LoRALinear, apply_lora
 from trainer.models.moe import MoE
 from trainer.models.output_head import chunked_token_logprobs  # noqa: F401 (registers the built-in heads)
 from trainer.models.registry import OUTPUT_HEADS, check_blocks_supported
@@ -250,7 +250,7 @@ class Transformer(nn.Module):
         if self.output is not None:
             nn.init.normal_(self.output.weight, std=std)
         for module in self.modules():
-            if isinstance(module, LoRALinear):
+            if isinstance(module, LoRALinear | ExpertLoRA):
                 module.reset_adapter()
 
 

@@ -144,6 +144,23 @@ def test_a_fresh_adapter_leaves_the_model_unchanged(hf_dirs):
     assert a.abs().sum() > 0  # A is random; B = 0 is what keeps the model unchanged
 
 
+def test_a_model_built_on_meta_then_initialised_has_fresh_adapters_everywhere(hf_dirs):
+    """``to_empty`` leaves memory uninitialised: ``init_weights`` must reset every adapter, expert ones included."""
+    path, _ = hf_dirs["qwen3_moe"]
+    cfg = model_config_from_hf(str(path), lora=LoRAConfig(target_modules=ATTENTION, target_parameters=EXPERT_TARGETS))
+    model = build_model(cfg, device="meta").to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    model.init_weights()
+    adapters = {n: p for n, p in model.named_parameters() if is_adapter(n)}
+    assert any(".experts.gate_up_lora." in n for n in adapters) and any(".experts.down_lora." in n for n in adapters)
+    for name, p in adapters.items():
+        assert torch.isfinite(p).all(), name
+        if name.endswith("lora_B"):
+            assert not p.any(), name
+
+
 @pytest.mark.parametrize(("name", "lora"), CASES)
 def test_a_receiver_derives_from_the_base_checkpoint_exactly_the_adapters_the_trainer_trains(hf_dirs, name, lora):
     """The receiver's manifest (from the base model's HF tensors alone) names and shapes every trained adapter."""
