@@ -343,7 +343,6 @@ def test_the_lora_recipe_resolves_the_engines_adapter_shape_from_model_lora():
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
-        ({"trainer.num_ranks": 2, "trainer.parallelism.tensor_parallel_degree": 2}, "tensor_parallel_degree = 1"),
         ({"algorithm.kl.coef": 0.05, "run.warm_start.parameters": "trainable"}, "run.warm_start.parameters = 'all'"),
         ({"rollout.engine.lora.rank": 8}, "leave it unset"),
         ({"model.lora.target_modules": []}, "at least one projection"),
