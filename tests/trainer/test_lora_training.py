@@ -257,7 +257,9 @@ def test_a_warm_start_of_every_weight_trains_the_base_then_rl_trains_only_the_ad
     if world == 2:  # sharded, the same as one rank
         one = runs[1][0]["warm"]
         for name, w in one["after_rl"].items():
-            torch.testing.assert_close(warm["after_rl"][name], w, rtol=1e-5, atol=2e-5)
+            # Two SFT steps at lr 1e-2 over every weight, then AdamW's first RL step: fp32 summation-order noise
+            # grows to ~2e-5 on the MoE model's weights (a sharding bug moves them by ~1e-2).
+            torch.testing.assert_close(warm["after_rl"][name], w, rtol=1e-5, atol=5e-5)
 
 
 @pytest.mark.usefixtures("single_rank_group")
