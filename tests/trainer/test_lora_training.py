@@ -159,21 +159,26 @@ def test_two_fsdp_ranks_match_one_rank(runs) -> None:
         torch.testing.assert_close(two[0]["weights"][name], w, rtol=1e-5, atol=2e-5)
 
 
+def _assert_matches_one_rank(one: dict, ranks: list[dict], metric_rel: float = 1e-5) -> None:
+    """A sharded run (``ranks``: each rank's results) took the 1-rank run's steps (metrics, final weights), and each
+    rank's resumed steps ended on the uninterrupted run's weights bit for bit."""
+    for m1, m2 in zip(one["metrics"], ranks[0]["metrics"]):
+        for key in ("loss", "policy_loss", "kl", "grad_norm", "ratio_mean"):
+            assert m1[key] == pytest.approx(m2[key], rel=metric_rel, abs=1e-6), key
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(ranks[0]["weights"][name], w, rtol=1e-5, atol=2e-5)
+    for rank_result in ranks:
+        for name, w in rank_result["weights"].items():
+            assert torch.equal(rank_result["resumed_weights"][name], w), name
+
+
 def test_tensor_parallel_ranks_match_one_rank_and_resume_bit_identical(runs) -> None:
     """Adapters split along with their projections over 2 TP ranks: the 1-rank steps and weights, and an
     adapter-only checkpoint that resumes bit for bit."""
     if "tp" not in runs:
         pytest.skip("tensor parallelism splits dense blocks only")
-    one, tp = runs[1][0], runs["tp"]
-    for m1, m2 in zip(one["metrics"], tp[0]["metrics"]):
-        # lr 3e-2 on AdamW: the split matmuls' other summation order moves the 4th step's gradient norm by ~1e-5
-        for key in ("loss", "policy_loss", "kl", "grad_norm", "ratio_mean"):
-            assert m1[key] == pytest.approx(m2[key], rel=5e-5, abs=1e-6), key
-    for name, w in one["weights"].items():
-        torch.testing.assert_close(tp[0]["weights"][name], w, rtol=1e-5, atol=2e-5)
-    for rank_result in tp:
-        for name, w in rank_result["weights"].items():
-            assert torch.equal(rank_result["resumed_weights"][name], w), name
+    # lr 3e-2 on AdamW: the split matmuls' other summation order moves the 4th step's gradient norm by ~1e-5
+    _assert_matches_one_rank(runs[1][0], runs["tp"], metric_rel=5e-5)
 
 
 def test_attention_adapters_on_an_expert_parallel_moe_match_one_rank(tmp_path: Path) -> None:
@@ -185,15 +190,7 @@ def test_attention_adapters_on_an_expert_parallel_moe_match_one_rank(tmp_path: P
         args = (world, free_port(), str(out_dir), "moe_attention", 1, ep)
         mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
         out[ep] = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    one, ep2 = out[1][0], out[2]
-    for m1, m2 in zip(one["metrics"], ep2[0]["metrics"]):
-        for key in ("loss", "policy_loss", "kl", "grad_norm", "ratio_mean"):
-            assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-6), key
-    for name, w in one["weights"].items():
-        torch.testing.assert_close(ep2[0]["weights"][name], w, rtol=1e-5, atol=2e-5)
-    for rank_result in ep2:
-        for name, w in rank_result["weights"].items():
-            assert torch.equal(rank_result["resumed_weights"][name], w), name
+    _assert_matches_one_rank(out[1][0], out[2])
 
 
 @pytest.mark.parametrize("world", [1, 2])
