@@ -34,12 +34,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
 
-from benchmarks.machine import load_avg, machine_line, med_range, reset_peak_rss, rss_bytes, run_in_child
+from benchmarks.machine import (
+    init_single_rank_group,
+    load_avg,
+    machine_line,
+    med_range,
+    reset_peak_rss,
+    rss_bytes,
+    run_in_child,
+)
 
 MODES = ("none", "selective", "full")
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -62,10 +69,7 @@ def _child(shape: str, mode: str, tokens: int, threads: int, lora_rank: int, ste
     from trainer.step import rl_step
 
     torch.set_num_threads(threads)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    init_single_rank_group()
     lora = LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank, target_modules=ALL_PROJECTIONS) if lora_rank else None
     model_cfg = model_config_from_hf_dict(
         PUBLISHED_CONFIGS[shape], source=shape, lora=lora, attention="sdpa", output_head="chunked"

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import load_avg, machine_line, med_range, run_in_child
+from benchmarks.machine import init_single_rank_group, load_avg, machine_line, med_range, run_in_child
 
 ARCHITECTURE = "Qwen3-0.6B"
 """Real widths and a real vocabulary (151,936 rows, tied): what sets the adapters' share of the bytes pushed."""
@@ -46,8 +46,6 @@ def _trainer_child(
     model_dir: str, rank: int | None, steps: int, threads: int, micro_batch_tokens: int, checkpointing: str, out: str
 ) -> None:
     """One configuration's policy updates in this (fresh) process; writes its figures to ``out`` as JSON."""
-    import socket
-
     import torch
     import torch.distributed as dist
 
@@ -61,10 +59,7 @@ def _trainer_child(
     from trainer.step import rl_step
 
     torch.set_num_threads(threads)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    init_single_rank_group()
     lora = None if rank is None else LoRAConfig(rank=rank, alpha=2.0 * rank, target_modules=ALL_PROJECTIONS)
     model_cfg = model_config_from_hf(model_dir, lora=lora)
     cfg = TrainerConfig(micro_batch_tokens=micro_batch_tokens, optimizer={"lr": 1e-5},

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "cpu_isa", "cpu_model", "load_avg", "machine_line", "med_range", "reset_peak_rss", "rss_bytes", "run_in_child",
+    "cpu_isa", "cpu_model", "init_single_rank_group", "load_avg", "machine_line", "med_range", "reset_peak_rss",
+    "rss_bytes", "run_in_child",
 ]  # fmt: skip
 
 _MATMUL_ISA = (
@@ -51,6 +52,18 @@ def cpu_isa() -> str:
 def machine_line() -> str:
     """One line a benchmark prints first: CPU model, cores, ISA extensions and the load averages now."""
     return f"cpu: {cpu_model()} ({os.cpu_count()} cores; {cpu_isa()}); load: {load_avg()}"
+
+
+def init_single_rank_group() -> None:
+    """A one-rank gloo process group on a free loopback port: what a single-rank trainer runs under."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def load_avg() -> str:

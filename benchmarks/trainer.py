@@ -21,7 +21,6 @@ that measures our code rather than the neighbours.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 import warnings
@@ -36,7 +35,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.machine import machine_line  # noqa: E402
+from benchmarks.machine import init_single_rank_group, machine_line  # noqa: E402
 from rollout.types import RolloutBatch, Sample  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
 from trainer.models.config import ModelConfig  # noqa: E402
@@ -109,11 +108,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    cfg = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, optimizer={"lr": 1e-5}, compile=args.compile)
+    init_single_rank_group()
+    # Whole sequences: this measures the kernels against the matmul peak, and the FLOP counts below assume every
+    # sample's prompt goes through the model (shared prompts: benchmarks/shared_prompts.py).
+    cfg = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, optimizer={"lr": 1e-5}, compile=args.compile,
+                        share_prompts=False)  # fmt: skip
     algo = GRPOConfig(group_size=4, importance_sampling=ImportanceSamplingConfig(enabled=True))
     state = build_train_state(cfg, MODEL_40M, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
     num_params = sum(p.numel() for p in state.policy.parameters())

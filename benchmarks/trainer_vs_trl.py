@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.machine import machine_line  # noqa: E402
+from benchmarks.machine import init_single_rank_group, machine_line  # noqa: E402
 from benchmarks.trainer import MODEL_40M, grpo_batch  # noqa: E402
 from rollout.types import RolloutBatch  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
@@ -87,10 +86,7 @@ def write_batch_json(batch: RolloutBatch, path: Path) -> None:
 
 def build_our_engine(micro_batch_tokens: int, group_size: int) -> TrainState:
     """Our trainer rank on a 1-rank gloo group, configured as in ``benchmarks/trainer.py``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    init_single_rank_group()
     cfg = TrainerConfig(micro_batch_tokens=micro_batch_tokens, optimizer={"lr": 1e-5})
     algo = GRPOConfig(group_size=group_size, importance_sampling=ImportanceSamplingConfig(enabled=True))
     return build_train_state(cfg, MODEL_40M, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.config import RolloutConfig
+from rollout.engine.platform import engine_process_env
 from weight_sync.config import WeightSyncConfig
 
 __all__ = ["Placement", "host_cores", "plan_placement"]
@@ -43,7 +44,8 @@ class Placement:
     rollout: RolloutConfig
     """The pool's config with the reservation and the engine's threads of this placement."""
     rollout_env: dict[str, str]
-    """Environment of every rollout worker (``OMP_NUM_THREADS``: the engine's threads when unpinned)."""
+    """Environment of every rollout worker (``OMP_NUM_THREADS``: the engine's threads when unpinned; what the engine's
+    process needs from the start, ``rollout.engine.platform.engine_process_env``)."""
     receiver_sync: WeightSyncConfig
     """The weight-sync config of the pool's receivers: colocated ones also offer the shared-memory data plane, which
     a trainer rank on the same host then pushes through (``data_plane = "auto"``)."""
@@ -67,7 +69,8 @@ def plan_placement(recipe: Any, num_cores: int) -> Placement:
     if recipe.run.placement == "separate":
         return Placement(
             num_cores=max(1, ranks + int(round(workers * rollout.num_cpus_per_worker))),
-            trainer_cpus=1.0, trainer_env={"OMP_NUM_THREADS": "1"}, rollout=rollout, rollout_env={},
+            trainer_cpus=1.0, trainer_env={"OMP_NUM_THREADS": "1"}, rollout=rollout,
+            rollout_env=engine_process_env(rollout.engine),
             receiver_sync=recipe.weight_sync, trainer_strategy=recipe.run.placement_groups.trainer,
             rollout_strategy=recipe.run.placement_groups.rollout, shared_group=False,
         )  # fmt: skip
@@ -83,7 +86,7 @@ def plan_placement(recipe: Any, num_cores: int) -> Placement:
         trainer_cpus=share,
         trainer_env={"OMP_NUM_THREADS": str(max(1, num_cores // ranks))},
         rollout=rollout.model_copy(update={"num_cpus_per_worker": share, "engine": engine}),
-        rollout_env={"OMP_NUM_THREADS": str(engine_threads)},
+        rollout_env={**engine_process_env(engine), "OMP_NUM_THREADS": str(engine_threads)},
         # Same-host pushes carry raw tensors over shared memory: a delta base would be one more model copy per engine.
         receiver_sync=recipe.weight_sync.model_copy(update={"offer_shm": True, "delta": False}),
         trainer_strategy="STRICT_PACK", rollout_strategy="STRICT_PACK", shared_group=True,

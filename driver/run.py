@@ -45,13 +45,15 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
         print(f"error: {e}", file=sys.stderr)
         return 2
     write_resolved(recipe, out_dir)
+    from rollout.tokenizer import check_tokenizer_dir
     from trainer.models.hf_config import model_config_from_hf
 
     try:  # a model that cannot be created, or a sharding it cannot take, fails before Ray starts
         _ensure_model(recipe)
+        check_tokenizer_dir(recipe.rollout.tokenizer_path or recipe.model.path)  # loaded while the actors start
         model_cfg = model_config_from_hf(recipe.model.path, **recipe.model.block_overrides(), lora=recipe.model.lora)
         recipe.trainer.check_model(model_cfg)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -91,9 +93,9 @@ def _with_run_defaults(recipe: Recipe, out_dir: Path) -> Recipe:
 
 def _resolve_resume(ckpt_dir: Path, resume: str | None) -> bool:
     """Whether this run continues from a checkpoint; move a fresh run's stale checkpoints aside."""
-    from trainer.checkpoint import CheckpointManager
+    from trainer.checkpoint_dirs import latest_checkpoint
 
-    latest = CheckpointManager(ckpt_dir).latest()
+    latest = latest_checkpoint(ckpt_dir)
     if resume == "required" and latest is None:
         raise ValueError(f"--resume: no complete checkpoint under {ckpt_dir}; run without --resume (or --resume auto)")
     if resume is not None and latest is not None:
@@ -158,7 +160,6 @@ class _Run:
             prometheus_port=r.run.logging.prometheus_port, append=self.resume,
         )  # fmt: skip
         self.dataset = build_dataset(r.task)
-        self.tokenizer = load_tokenizer(r.rollout.tokenizer_path or r.model.path)
         model_cfg = self.model_cfg
         self.placement = plan_placement(r, host_cores())
         log.info("placement: %s on %d core(s); trainer ranks run %s thread(s), engines %s", r.run.placement,
@@ -208,6 +209,10 @@ class _Run:
         with concurrent.futures.ThreadPoolExecutor(2) as starting:
             pool, trainer = starting.submit(start_pool), starting.submit(start_trainer)
             failures = []
+            try:  # meanwhile (transformers' import is seconds of this process)
+                self.tokenizer = load_tokenizer(r.rollout.tokenizer_path or r.model.path)
+            except Exception as e:  # noqa: BLE001 (the actors still start and must be stopped)
+                failures.append(e)
             for name, future in (("pool", pool), ("trainer", trainer)):
                 try:
                     setattr(self, name, future.result())

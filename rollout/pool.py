@@ -190,7 +190,7 @@ class RolloutPool:
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-        from rollout.engine.vllm_engine import EngineBrokenError
+        from rollout.engine.errors import EngineBrokenError
 
         piece = next(p for p in pending.pieces if p.ref == ref)
         worker = piece.worker

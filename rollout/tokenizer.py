@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
-    "Messages", "PromptLike", "end_of_turn_id", "has_chat_template", "load_tokenizer", "messages_to_text",
+    "Messages", "PromptLike", "check_tokenizer_dir", "end_of_turn_id", "has_chat_template", "load_tokenizer",
+    "messages_to_text",
     "render_continuation", "render_prompt",
 ]  # fmt: skip
 
@@ -33,14 +34,10 @@ PromptLike = str | Messages
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """Load the HF tokenizer stored in the local directory ``path`` (offline; the tokenizer is returned unchanged).
-
-    Raises ``FileNotFoundError`` if ``path`` is not a directory and ``ValueError`` if it holds no tokenizer files or
-    transformers cannot load them.
-    """
-    from transformers import AutoTokenizer
-
+def check_tokenizer_dir(path: str) -> list[str]:
+    """The tokenizer files in the local directory ``path`` (checked without importing transformers, so a run can
+    refuse a directory before it starts anything). Raises ``FileNotFoundError`` if ``path`` is not a directory and
+    ``ValueError`` if it holds no tokenizer files."""
     directory = Path(path)
     if not directory.is_dir():
         raise FileNotFoundError(
@@ -53,6 +50,18 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
             f"tokenizer directory {path!r} has no tokenizer files (expected one of {', '.join(_TOKENIZER_FILES)}); "
             "save the tokenizer there with tokenizer.save_pretrained(DIR)"
         )
+    return present
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """Load the HF tokenizer stored in the local directory ``path`` (offline; the tokenizer is returned unchanged).
+
+    Raises as :func:`check_tokenizer_dir` does, and ``ValueError`` if transformers cannot load the files.
+    """
+    from transformers import AutoTokenizer
+
+    present = check_tokenizer_dir(path)
+    directory = Path(path)
     try:
         return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +35,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from trainer.checkpoint_dirs import COMPLETE, checkpoint_dir, complete_checkpoints, latest_checkpoint
+
 __all__ = ["CheckpointManager", "Checkpointable", "TrainProgress", "full_model_state_dict"]
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 log = logging.getLogger(__name__)
 
 
@@ -121,23 +121,15 @@ class CheckpointManager:
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Complete checkpoints as (step, path), oldest first."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for child in self.root.iterdir():
-            m = _STEP_DIR.match(child.name)
-            if m and (child / "COMPLETE").exists():
-                found.append((int(m.group(1)), child))
-        return sorted(found)
+        return complete_checkpoints(self.root)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""
-        found = self.checkpoints()
-        return found[-1][1] if found else None
+        return latest_checkpoint(self.root)
 
     def save(self, parts: dict[str, Checkpointable], progress: TrainProgress) -> Path:
         """Write a checkpoint of ``parts`` (e.g. ``{"policy": ..., "critic": ...}``) and ``progress``; collective."""
-        path = self.root / f"step_{progress.step:08d}"
+        path = checkpoint_dir(self.root, progress.step)
         tensors: dict[str, Any] = {}
         for name, part in parts.items():
             tensors.update(_state_dicts(name, part))
@@ -152,7 +144,7 @@ class CheckpointManager:
         torch.save(small, path / f"trainer_state_rank{_rank()}.pt")
         _barrier()
         if _rank() == 0:
-            (path / "COMPLETE").write_text(f"{progress.step}\n")
+            (path / COMPLETE).write_text(f"{progress.step}\n")
             for _, old in self.checkpoints()[: -self.num_keep]:
                 log.info("removing checkpoint %s: trainer.checkpoint.num_keep = %d keeps the newest (raise it to keep "
                          "more)", old, self.num_keep)  # fmt: skip
@@ -171,7 +163,7 @@ class CheckpointManager:
         warning; any other missing part raises ``ValueError``.
         """
         path = Path(path) if path is not None else self.latest()
-        if path is None or not (path / "COMPLETE").exists():
+        if path is None or not (path / COMPLETE).exists():
             raise FileNotFoundError(f"no complete checkpoint at {path or self.root} (missing COMPLETE marker)")
         saved_parts = _saved_parts(path)
         absent = [name for name in parts if name not in saved_parts]

@@ -170,6 +170,11 @@ class TrainerConfig(Config):
     ``splash``: attention runs per sequence, so row length costs nothing) one row of ``micro_batch_tokens`` per
     micro-batch, no padding; with masked attention (``eager``: row length squared however many sequences share a
     row) the longest sequence of the mini-batch."""
+    share_prompts: bool = True
+    """Pack a prompt once for all the samples drawn from it (a GRPO group: the prompt, then each completion, which
+    attends to it) instead of once per sample: the same log-probs and gradients for fewer tokens through the model.
+    Applies where the attention block takes shared prefixes (``sdpa``, ``eager``; not ``splash``) and no MoE router
+    load-balancing term is trained (it counts every sample's prompt tokens); elsewhere sequences are packed whole."""
     num_epochs: int = pydantic.Field(default=1, ge=1)
     """Optimizer passes over each rollout batch (PPO-style reuse; 1 = strictly on-policy after the first step)."""
     num_minibatches: int = pydantic.Field(default=1, ge=1)

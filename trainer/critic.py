@@ -51,8 +51,10 @@ class Critic(nn.Module):
         positions: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         output_positions: torch.Tensor | None = None,
+        prefix_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Values ``[B, T]``, or ``[N]`` at the flat ``output_positions`` only (as ``Transformer.forward``)."""
-        hidden = self.body(tokens, positions=positions, segment_ids=segment_ids, output_positions=output_positions)
+        hidden = self.body(tokens, positions=positions, segment_ids=segment_ids, output_positions=output_positions,
+                           prefix_ids=prefix_ids)  # fmt: skip
         values = self.value_head(hidden.to(self.value_head.weight.dtype))[..., 0]
         return values.float().clone()  # a fresh tensor, not a view: FSDP hooks the output for backward

@@ -118,12 +118,13 @@ def export_checkpoint(
     import torch
 
     from trainer.checkpoint import Checkpointable, CheckpointManager
+    from trainer.checkpoint_dirs import COMPLETE
     from trainer.models.hf_config import model_config_from_hf
     from trainer.models.hf_io import load_hf_checkpoint
     from trainer.models.transformer import build_model
 
     ckpt = Path(checkpoint)
-    if not (ckpt / "COMPLETE").is_file():
+    if not (ckpt / COMPLETE).is_file():
         raise ValueError(f"{ckpt} is not a complete checkpoint (no COMPLETE marker): pass a .../step_<n> directory")
     recipe_model = _run_model_section(ckpt)
     if model_dir is None and recipe_model is None:

@@ -16,6 +16,15 @@ Alignment: position ``t`` of a row predicts ``tokens[t + 1]`` (``targets[t]``). 
 expects. A multi-turn trajectory's observation tokens sit in the completion but are masked out (``Sample.loss_mask``):
 they condition the model tokens after them and carry no loss.
 
+Shared prompts (``share_prompts``): the samples of one prompt (a GRPO group) are laid out as the prompt once, then
+each completion after it (``[P | c1 | c2 | ...]``). A completion's tokens attend to the prompt and to their own
+earlier tokens (``prefix_ids`` names the prompt's segment; attention blocks registered ``shared_prefix=True`` honour
+it), continue its positions, and its first token is predicted by the prompt's last position, which all of them share
+(``gather_index`` repeats it). The model then computes a prompt once per group instead of once per sample: the same
+log-probs, and the same gradients (the shared positions receive the sum of what each sample sends back), for a
+fraction of the tokens when prompts are long next to completions. A group too long for one row is split into several
+units, each with its own copy of the prompt.
+
 Every rank computes the same plan from the same full batch (no communication) and pads its list of micro-batches to
 the longest rank's count with empty ones, so FSDP collectives line up on every rank.
 """
@@ -33,7 +42,8 @@ from rollout.types import Sample
 __all__ = ["MicroBatch", "assign_to_ranks", "pack_samples", "plan_micro_batches", "split_minibatches"]
 
 _TENSOR_FIELDS = (
-    "tokens", "positions", "segment_ids", "targets", "gather_index", "loss_mask", "rollout_logprobs", "advantages",
+    "tokens", "positions", "segment_ids", "completion_ids", "gather_index", "loss_mask", "rollout_logprobs",
+    "advantages",
 )  # fmt: skip
 
 
@@ -52,10 +62,12 @@ class MicroBatch:
     """int64 [R, L] position of each token inside its own sequence (restarts at 0)."""
     segment_ids: torch.Tensor
     """int64 [R, L] sequence number inside the row (0, 1, ...); padding gets its own id after the row's last one."""
-    targets: torch.Tensor
-    """int64 [R, L] next token of the same sequence (0 where there is none)."""
+    completion_ids: torch.Tensor
+    """int64 [S, C] each sequence's completion tokens (0 past its end): the targets of the positions in
+    ``gather_index``."""
     gather_index: torch.Tensor
-    """int64 [S, C] flat position (``row * L + t``) that predicts each completion token (0 off-mask)."""
+    """int64 [S, C] flat position (``row * L + t``) that predicts each completion token (0 past a completion's end).
+    With shared prompts the first tokens of a prompt's completions share one predicting position."""
     loss_mask: torch.Tensor
     """float32 [S, C] 1 for completion tokens the model generated, 0 for the tokens it was given inside a multi-turn
     trajectory (``Sample.loss_mask``) and for the padding of shorter completions."""
@@ -70,6 +82,9 @@ class MicroBatch:
     token_temperatures: torch.Tensor | None = None
     """float32 [N] sampling temperature of each real completion token, in :attr:`loss_positions` order (the
     sample's ``temperature``); ``None`` when every sample was drawn at temperature 1."""
+    prefix_ids: torch.Tensor | None = None
+    """int64 [R, L] with shared prompts: the segment id of the prompt each token's sequence continues (-1 for a
+    prompt's own tokens, a whole sequence and padding); ``None`` when nothing in the micro-batch is shared."""
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-token tensors computed later (``old_logprobs``, ``ref_logprobs``, ``values``, ``returns``), [S, C]."""
 
@@ -97,10 +112,16 @@ class MicroBatch:
         moved = {name: getattr(self, name).to(device) for name in _TENSOR_FIELDS}
         extra = {k: v.to(device) for k, v in self.extra.items()}
         temps = None if self.token_temperatures is None else self.token_temperatures.to(device)
+        prefix_ids = None if self.prefix_ids is None else self.prefix_ids.to(device)
         return MicroBatch(
             **moved, sample_indices=list(self.sample_indices), num_tokens=self.num_tokens, token_temperatures=temps,
-            extra=extra,
+            prefix_ids=prefix_ids, extra=extra,
         )  # fmt: skip
+
+    @property
+    def loss_targets(self) -> torch.Tensor:
+        """int64 [N] the real completion tokens, in :attr:`loss_positions` order (what those positions predict)."""
+        return self.completion_ids[self.loss_mask > 0]
 
 
 def _first_fit_decreasing(lengths: Sequence[int], indices: Sequence[int], capacity: int) -> list[list[int]]:
@@ -171,55 +192,116 @@ def _advantage_row(adv: float | np.ndarray | None, completion_len: int) -> np.nd
     return arr
 
 
+Unit = list[int]
+"""Sample indices laid out together: one whole sequence, or a shared prompt followed by each sample's completion."""
+
+
+def _units(samples: Sequence[Sample], indices: Sequence[int], share_prompts: bool, cap: int) -> list[Unit]:
+    """``indices`` as units: with ``share_prompts`` the samples of one prompt (equal ``prompt_ids``, in their order)
+    go into units of at most ``cap`` tokens (prompt once plus the completions); otherwise one unit per sample."""
+    if not share_prompts:
+        return [[i] for i in indices]
+    by_prompt: dict[bytes, list[int]] = {}
+    for i in indices:
+        prompt = np.asarray(samples[i].prompt_ids, dtype=np.int64)
+        by_prompt.setdefault(prompt.tobytes(), []).append(i)
+    units: list[Unit] = []
+    for members in by_prompt.values():
+        unit: Unit = []
+        size = len(samples[members[0]].prompt_ids)
+        for i in members:
+            c = len(samples[i].completion_ids)
+            if unit and size + c > cap:
+                units.append(unit)
+                unit, size = [], len(samples[i].prompt_ids)
+            unit.append(i)
+            size += c
+        units.append(unit)
+    return units
+
+
+def _unit_length(samples: Sequence[Sample], unit: Unit) -> int:
+    return len(samples[unit[0]].prompt_ids) + sum(len(samples[i].completion_ids) for i in unit)
+
+
 def _build(
     samples: Sequence[Sample],
-    rows: list[list[int]],
+    rows: list[list[Unit]],
     advantages: Sequence[float | np.ndarray] | None,
     pad_to_multiple_of: int,
 ) -> MicroBatch:
-    seqs = [i for row in rows for i in row]
-    seq_len = {i: len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in seqs}
-    longest = max((sum(seq_len[i] for i in row) for row in rows), default=1)
-    width_t = max(1, -(-longest // pad_to_multiple_of) * pad_to_multiple_of)
+    seqs = [i for row in rows for unit in row for i in unit]
+    row_len = [sum(_unit_length(samples, u) for u in row) for row in rows]
+    width_t = max(1, -(-max(row_len, default=1) // pad_to_multiple_of) * pad_to_multiple_of)
     width_c = max((len(samples[i].completion_ids) for i in seqs), default=0)
     shape = (max(1, len(rows)), width_t)
-    tokens, positions = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
-    segment_ids, targets = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
-    gather_index = np.zeros((len(seqs), width_c), np.int64)
+    tokens, positions, segment_ids = np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+    prefix_ids = np.full(shape, -1, np.int64)
+    completion_ids, gather_index = np.zeros((len(seqs), width_c), np.int64), np.zeros((len(seqs), width_c), np.int64)
     loss_mask, rollout_lp, adv = (np.zeros((len(seqs), width_c), np.float32) for _ in range(3))
     s_row = 0
     for r, row in enumerate(rows):
-        segment_ids[r, :] = len(row)
-        start = 0
-        for seg, i in enumerate(row):
-            s, n = samples[i], seq_len[i]
-            p, c, end = len(samples[i].prompt_ids), len(samples[i].completion_ids), start + seq_len[i]
-            tokens[r, start : start + p] = s.prompt_ids
-            tokens[r, start + p : end] = s.completion_ids
-            positions[r, start:end] = np.arange(n)
-            segment_ids[r, start:end] = seg
-            targets[r, start : end - 1] = tokens[r, start + 1 : end]
-            # Position t predicts token t+1: completion token j is predicted at row position start + p - 1 + j.
-            gather_index[s_row, :c] = r * width_t + np.arange(start + p - 1, end - 1)
-            mask = 1.0 if s.loss_mask is None else s.loss_mask.astype(np.float32)
-            loss_mask[s_row, :c] = mask
-            rollout_lp[s_row, :c] = s.rollout_logprobs * mask
-            adv[s_row, :c] = _advantage_row(None if advantages is None else advantages[i], c) * mask
-            start, s_row = end, s_row + 1
+        start, seg = 0, 0
+        for unit in row:
+            prompt = samples[unit[0]].prompt_ids
+            p, shared = len(prompt), len(unit) > 1
+            if shared:  # the prompt once, a segment of its own that every completion of the unit reads
+                tokens[r, start : start + p], positions[r, start : start + p] = prompt, np.arange(p)
+                segment_ids[r, start : start + p] = seg
+                prompt_seg, prompt_last = seg, r * width_t + start + p - 1
+                start, seg = start + p, seg + 1
+            for i in unit:
+                s = samples[i]
+                c = len(s.completion_ids)
+                # Position t predicts token t+1; a shared prompt's last position predicts every first token.
+                if shared:
+                    end = start + c
+                    tokens[r, start:end], positions[r, start:end] = s.completion_ids, np.arange(p, p + c)
+                    prefix_ids[r, start:end] = prompt_seg
+                    predictors = np.concatenate([[prompt_last], r * width_t + np.arange(start, end - 1)])[:c]
+                else:
+                    end = start + p + c
+                    tokens[r, start : start + p], tokens[r, start + p : end] = prompt, s.completion_ids
+                    positions[r, start:end] = np.arange(p + c)
+                    predictors = r * width_t + np.arange(start + p - 1, end - 1)
+                segment_ids[r, start:end] = seg
+                completion_ids[s_row, :c], gather_index[s_row, :c] = s.completion_ids, predictors
+                mask = 1.0 if s.loss_mask is None else s.loss_mask.astype(np.float32)
+                loss_mask[s_row, :c] = mask
+                rollout_lp[s_row, :c] = s.rollout_logprobs * mask
+                adv[s_row, :c] = _advantage_row(None if advantages is None else advantages[i], c) * mask
+                start, seg, s_row = end, seg + 1, s_row + 1
+        segment_ids[r, start:] = seg  # padding: an id of its own after the row's last one
     t = torch.from_numpy
     temps = None
     if any(samples[i].temperature != 1.0 for i in seqs):
         per_token = [np.full(samples[i].num_model_tokens, samples[i].temperature, np.float32) for i in seqs]
         temps = t(np.concatenate(per_token))
     return MicroBatch(
-        tokens=t(tokens), positions=t(positions), segment_ids=t(segment_ids), targets=t(targets),
+        tokens=t(tokens), positions=t(positions), segment_ids=t(segment_ids), completion_ids=t(completion_ids),
         gather_index=t(gather_index), loss_mask=t(loss_mask), rollout_logprobs=t(rollout_lp), advantages=t(adv),
-        sample_indices=seqs, num_tokens=sum(seq_len.values()), token_temperatures=temps,
+        sample_indices=seqs, num_tokens=sum(row_len), token_temperatures=temps,
+        prefix_ids=t(prefix_ids) if any(len(u) > 1 for row in rows for u in row) else None,
     )  # fmt: skip
+
+
+def _check_prompts(samples: Sequence[Sample], indices: Sequence[int]) -> None:
+    for i in indices:
+        if len(samples[i].prompt_ids) == 0:
+            raise ValueError(f"sample {i} has an empty prompt: nothing predicts its first completion token")
 
 
 def _lengths(samples: Sequence[Sample]) -> list[int]:
     return [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+
+
+def _packed_units(
+    samples: Sequence[Sample], units: list[Unit], token_budget: int, row_tokens: int
+) -> list[list[list[Unit]]]:
+    """Micro-batches as lists of rows of units."""
+    lengths = [_unit_length(samples, u) for u in units]
+    groups = _group_rows(lengths, range(len(units)), token_budget, row_tokens)
+    return [[[units[j] for j in row] for row in rows] for rows in groups]
 
 
 def pack_samples(
@@ -229,21 +311,23 @@ def pack_samples(
     advantages: Sequence[float | np.ndarray] | None = None,
     pad_to_multiple_of: int = 1,
     row_tokens: int | None = None,
+    share_prompts: bool = False,
 ) -> list[MicroBatch]:
     """Pack ``samples[i] for i in indices`` into micro-batches of at most ``token_budget`` tokens (padding included).
 
     ``row_tokens`` caps a packed row (default: ``token_budget``, one row per micro-batch); a sequence longer than
     the row cap or the budget gets a row / micro-batch of its own. ``advantages[i]`` (indexed like ``samples``) is a
     scalar broadcast over the completion or an array with one value per completion token. Rows are padded to a
-    multiple of ``pad_to_multiple_of`` (static shapes on accelerators).
+    multiple of ``pad_to_multiple_of`` (static shapes on accelerators). ``share_prompts``: samples with equal
+    ``prompt_ids`` share one copy of the prompt (module docstring); the model must then get ``prefix_ids``.
     """
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
-    for i in indices:
-        if len(samples[i].prompt_ids) == 0:
-            raise ValueError(f"sample {i} has an empty prompt: nothing predicts its first completion token")
-    groups = _group_rows(_lengths(samples), list(indices), token_budget, row_tokens or token_budget)
-    return [_build(samples, rows, advantages, pad_to_multiple_of) for rows in groups]
+    _check_prompts(samples, indices)
+    row_tokens = row_tokens or token_budget
+    units = _units(samples, indices, share_prompts, min(row_tokens, token_budget))
+    return [_build(samples, rows, advantages, pad_to_multiple_of)
+            for rows in _packed_units(samples, units, token_budget, row_tokens)]  # fmt: skip
 
 
 def assign_to_ranks(lengths: Sequence[int], indices: Sequence[int], num_ranks: int) -> list[list[int]]:
@@ -279,19 +363,26 @@ def plan_micro_batches(
     advantages: Sequence[float | np.ndarray] | None = None,
     pad_to_multiple_of: int = 1,
     row_tokens: int | None = None,
+    share_prompts: bool = False,
 ) -> list[MicroBatch]:
     """This rank's micro-batches for the samples ``indices``: balanced rank split, packing, equal counts everywhere.
 
     Every rank calls this with the same arguments except ``rank`` and gets the same number of micro-batches (the
     shorter lists end with empty ones: a one-token row, no sequence). ``row_tokens`` None: rows as long as the
-    longest sequence among ``indices`` (the same on every rank).
+    longest sequence among ``indices`` (the same on every rank). ``share_prompts``: as in :func:`pack_samples`; the
+    samples of one prompt stay on one rank.
     """
+    _check_prompts(samples, indices)
     lengths = _lengths(samples)
     if row_tokens is None:
         row_tokens = max((lengths[i] for i in indices), default=1)
-    per_rank = assign_to_ranks(lengths, indices, num_ranks)
-    counts = [len(_group_rows(lengths, part, token_budget, row_tokens)) for part in per_rank]
-    mine = pack_samples(samples, per_rank[rank], token_budget, advantages, pad_to_multiple_of, row_tokens)
+    units = _units(samples, indices, share_prompts, min(row_tokens, token_budget))
+    unit_lengths = [_unit_length(samples, u) for u in units]
+    per_rank = assign_to_ranks(unit_lengths, range(len(units)), num_ranks)
+    counts = [len(_group_rows(unit_lengths, part, token_budget, row_tokens)) for part in per_rank]
+    mine_units = [units[j] for j in per_rank[rank]]
+    mine = [_build(samples, rows, advantages, pad_to_multiple_of)
+            for rows in _packed_units(samples, mine_units, token_budget, row_tokens)]  # fmt: skip
     assert len(mine) == counts[rank]
     mine.extend(_build(samples, [], None, 1) for _ in range(max(counts) - len(mine)))
     return mine

@@ -40,7 +40,7 @@ from trainer.rl.router_aux import add_router_aux_loss, count_router_tokens, moe_
 from trainer.rl.sft import sft_loss
 from trainer.state import TrainState
 
-__all__ = ["forward_logprobs", "plan_rank_micro_batches", "rl_step", "sft_step"]
+__all__ = ["forward_logprobs", "plan_rank_micro_batches", "rl_step", "sft_step", "shares_prompts"]
 
 
 def forward_logprobs(model: Transformer, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,13 +52,14 @@ def forward_logprobs(model: Transformer, mb: MicroBatch) -> tuple[torch.Tensor, 
     head (``6 x vocab x dim`` FLOPs per token) would otherwise cost as much as a few blocks.
     """
     positions = mb.loss_positions
-    hidden = model(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids, output_positions=positions)
+    hidden = model(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids, output_positions=positions,
+                   prefix_ids=mb.prefix_ids)  # fmt: skip
     head_input = hidden
     if mb.token_temperatures is not None:
         # The head is linear without bias, so logits / T == head(hidden / T): every head (chunked, fused kernel)
         # then yields the tempered log-probs and entropy, with the gradient of the tempered distribution.
         head_input = (hidden.float() / mb.token_temperatures[:, None]).to(hidden.dtype)
-    logprobs, entropy = model.token_logprobs(head_input, mb.targets.reshape(-1)[positions])
+    logprobs, entropy = model.token_logprobs(head_input, mb.loss_targets)
     return mb.scatter(logprobs), mb.scatter(entropy), hidden
 
 
@@ -66,16 +67,29 @@ def plan_rank_micro_batches(state: TrainState, samples: Sequence[Sample], indice
     """This rank's packed micro-batches of ``samples[indices]`` on the state's device, as the steps use them.
 
     The row cap is ``cfg.pack_row_tokens`` when set; otherwise the whole micro-batch budget when the attention block
-    is segment-local (long rows then cost nothing extra and need no padding), else the packer's default.
+    is segment-local (long rows then cost nothing extra and need no padding), else the packer's default. Samples of
+    one prompt share it (:func:`shares_prompts`).
     """
     cfg = state.cfg
     row_tokens = cfg.pack_row_tokens
     if row_tokens is None and ATTENTION_BLOCKS.is_segment_local(state.model_cfg.attention):
         row_tokens = cfg.micro_batch_tokens
     mbs = plan_micro_batches(
-        samples, indices, state.dp_rank, state.dp_size, cfg.micro_batch_tokens, row_tokens=row_tokens
-    )
+        samples, indices, state.dp_rank, state.dp_size, cfg.micro_batch_tokens, row_tokens=row_tokens,
+        share_prompts=shares_prompts(state),
+    )  # fmt: skip
     return [mb.to(state.device) for mb in mbs]
+
+
+def shares_prompts(state: TrainState) -> bool:
+    """Whether the trainer packs a prompt once for all its samples (``trainer.packing``): ``trainer.share_prompts``,
+    where the attention block takes shared prefixes and no MoE router term is trained (its load-balancing statistics
+    count every sample's prompt tokens, so one copy would weigh them differently)."""
+    return (
+        state.cfg.share_prompts
+        and ATTENTION_BLOCKS.takes_shared_prefix(state.model_cfg.attention)
+        and not moe_aux_coef(state.algorithm.config, state.model_cfg)
+    )
 
 
 def _all_reduce_sum(state: TrainState, x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +156,8 @@ def _critic_values(state: TrainState, mb: MicroBatch) -> torch.Tensor:
     """The critic's values ``[N]`` at the positions that predict completion tokens (as :func:`forward_logprobs`)."""
     assert state.critic is not None
     positions = mb.loss_positions
-    return state.critic(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids, output_positions=positions)
+    return state.critic(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids, output_positions=positions,
+                        prefix_ids=mb.prefix_ids)  # fmt: skip
 
 
 def _reference_logprobs(state: TrainState, mb: MicroBatch) -> torch.Tensor:

@@ -123,7 +123,7 @@ class AgentEndpoint:
     async def _chat(self, request: web.Request) -> web.Response:
         from aiohttp import web
 
-        from rollout.engine.vllm_engine import EngineBrokenError
+        from rollout.engine.errors import EngineBrokenError
 
         episode = self._episodes.get(request.match_info["episode"])
         if episode is None:

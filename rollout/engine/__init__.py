@@ -1,5 +1,4 @@
-"""Rollout engines: the vLLM adapter, its worker extension for weight updates, and its weight-sync sink."""
+"""Rollout engines: the vLLM adapter (``vllm_engine``), its weight-transfer backend (``transfer``), the vLLM plugin
+entry points, and the errors other processes catch (``errors``, importable without vLLM).
 
-from rollout.engine.vllm_engine import Completion, EngineBrokenError, VLLMEngine
-
-__all__ = ["Completion", "EngineBrokenError", "VLLMEngine"]
+Nothing is imported here: a process that only catches an engine error (the driver) must not pay vLLM's import."""

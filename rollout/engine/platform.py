@@ -11,7 +11,9 @@ from typing import Literal
 
 from rollout.config import EngineConfig
 
-__all__ = ["configure_vllm_environment", "is_cpu_platform", "lora_serving", "platform_engine_args"]
+__all__ = [
+    "configure_vllm_environment", "engine_process_env", "is_cpu_platform", "lora_serving", "platform_engine_args",
+]  # fmt: skip
 
 
 def is_cpu_platform() -> bool:
@@ -35,6 +37,18 @@ def configure_vllm_environment(engine: EngineConfig) -> None:
     if is_cpu_platform():
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine.cpu_threads_bind
+
+
+def engine_process_env(engine: EngineConfig) -> dict[str, str]:
+    """Environment an engine's process must start with (read when torch is imported, so too late for
+    :func:`configure_vllm_environment`); the rollout workers' Ray runtime environment carries it.
+
+    ``enforce_eager``: nothing in the engine compiles, including the helpers vLLM compiles outside the model
+    (``TORCHDYNAMO_DISABLE=1``). Its sampler otherwise compiles the rank count of sampled tokens on the first batch
+    that asks for log-probs (every RL batch), seconds of one core before the first rollout; eager, the same
+    comparison runs as plain torch ops.
+    """
+    return {"TORCHDYNAMO_DISABLE": "1"} if engine.enforce_eager else {}
 
 
 def platform_engine_args() -> dict[str, object]:

@@ -51,6 +51,7 @@ import numpy as np
 
 from rollout.config import EngineConfig, SamplingConfig, UpdateMode
 from rollout.engine.adapters import AdapterVersions, MergedAdapters, ServedAdapters
+from rollout.engine.errors import EngineBrokenError
 from rollout.engine.platform import configure_vllm_environment, is_cpu_platform, lora_serving, platform_engine_args
 from rollout.engine.transfer import REFUSED, default_stage_dir, write_update_file
 from rollout.engine.vllm_plugin import BACKEND, register
@@ -61,7 +62,7 @@ from weight_sync.peft import adapter_manifest
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Completion", "EngineBrokenError", "VLLMEngine", "vllm_engine_args"]
+__all__ = ["Completion", "VLLMEngine", "vllm_engine_args"]
 
 _T = TypeVar("_T")
 
@@ -81,10 +82,6 @@ class Completion:
     """Weights version the completion was generated with (the oldest of its tokens' after an update in mode 'keep')."""
     token_versions: np.ndarray | None = None
     """int64 [len]: each token's weights version, when the completion spans versions (mode 'keep'); else ``None``."""
-
-
-class EngineBrokenError(RuntimeError):
-    """An update failed after loading had begun; the engine may hold a mix of versions and must be replaced."""
 
 
 def vllm_engine_args(config: EngineConfig, model_path: str, tokenizer_path: str | None = None) -> dict[str, Any]:

@@ -29,7 +29,7 @@ def test_colocation_where_phases_do_not_take_turns_on_cpu_is_refused(overrides, 
 
 def test_colocated_phases_get_every_core():
     plan = plan_placement(_recipe(), num_cores=8)
-    assert plan.trainer_env == {"OMP_NUM_THREADS": "8"} and plan.rollout_env == {"OMP_NUM_THREADS": "8"}
+    assert plan.trainer_env == {"OMP_NUM_THREADS": "8"} and plan.rollout_env["OMP_NUM_THREADS"] == "8"
     assert plan.trainer_cpus + plan.rollout.num_cpus_per_worker == 8 and plan.num_cores == 8
     assert plan.rollout.engine.cpu_threads_bind == "auto"  # one engine: vLLM pins a thread to every core
     assert plan.receiver_sync.offers_shm  # the handover stays on the host
@@ -38,7 +38,7 @@ def test_colocated_phases_get_every_core():
 
 def test_colocated_actors_of_one_role_split_the_cores():
     plan = plan_placement(_recipe(**{"trainer.num_ranks": 2, "rollout.num_workers": 4}), num_cores=8)
-    assert plan.trainer_env == {"OMP_NUM_THREADS": "4"} and plan.rollout_env == {"OMP_NUM_THREADS": "2"}
+    assert plan.trainer_env == {"OMP_NUM_THREADS": "4"} and plan.rollout_env["OMP_NUM_THREADS"] == "2"
     assert plan.rollout.engine.cpu_threads_bind == "nobind"  # 'auto' would pin all four engines to the same cores
     assert 2 * plan.trainer_cpus + 4 * plan.rollout.num_cpus_per_worker == pytest.approx(8)
     pinned = plan_placement(_recipe(**{"rollout.num_workers": 2, "rollout.engine.cpu_threads_bind": "0-1"}), 4)
@@ -50,6 +50,17 @@ def test_separate_actors_run_on_their_reservation():
     assert plan.trainer_env == {"OMP_NUM_THREADS": "1"} and plan.trainer_cpus == 1.0
     assert plan.rollout.num_cpus_per_worker == 1.0 and plan.num_cores == 3
     assert not plan.receiver_sync.offers_shm and plan.receiver_sync.delta
+
+
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
+def test_eager_engines_start_with_nothing_to_compile(placement):
+    """An eager engine's process starts with TorchDynamo off (vLLM's sampler would otherwise compile a helper on the
+    first batch that asks for log-probs); a compiling engine keeps it."""
+    eager = plan_placement(_recipe(**{"run.placement": placement}), num_cores=4)
+    assert eager.rollout_env["TORCHDYNAMO_DISABLE"] == "1"
+    compiling = plan_placement(_recipe(**{"run.placement": placement, "rollout.engine.enforce_eager": False}), 4)
+    assert "TORCHDYNAMO_DISABLE" not in compiling.rollout_env
+    assert "TORCHDYNAMO_DISABLE" not in eager.trainer_env  # the trainer's own compile (trainer.compile) is untouched
 
 
 def test_separate_roles_spread_over_nodes_as_the_recipe_says():

@@ -56,9 +56,10 @@ def test_pack_places_every_token_once_under_budget(budget: int, row_tokens: int 
                 assert torch.equal(mb.tokens[r, span], torch.from_numpy(full))
                 assert torch.equal(mb.positions[r, span], torch.arange(len(full)))
                 assert len(set(mb.segment_ids[r, span].tolist())) == 1
-            # The predicting positions' targets are exactly the completion tokens.
+            # Each completion token is predicted by the position holding the token before it.
             idx = mb.gather_index[seg_row, :c]
-            assert torch.equal(mb.targets.reshape(-1)[idx], torch.from_numpy(s.completion_ids))
+            assert torch.equal(mb.tokens.reshape(-1)[idx], torch.from_numpy(full[len(s.prompt_ids) - 1 : -1]))
+            assert torch.equal(mb.completion_ids[seg_row, :c], torch.from_numpy(s.completion_ids))
             assert mb.loss_mask[seg_row].sum() == c
             assert torch.equal(mb.rollout_logprobs[seg_row, :c], torch.from_numpy(s.rollout_logprobs))
             assert torch.all(mb.advantages[seg_row, :c] == float(i))

@@ -91,7 +91,8 @@ def test_head_at_completion_positions_equals_full_head() -> None:
         logprobs, entropy, hidden = forward_logprobs(state.policy, mb)
         assert hidden.shape == (mb.num_loss_tokens, state.model_cfg.dim)
         full_hidden = state.policy(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids)
-        full_lp, full_ent = state.policy.token_logprobs(full_hidden, mb.targets)
+        assert mb.prefix_ids is None  # every sample its own prompt: each position predicts the row's next token
+        full_lp, full_ent = state.policy.token_logprobs(full_hidden, torch.roll(mb.tokens, -1, dims=1))
         torch.testing.assert_close(logprobs, mb.unpack(full_lp), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(entropy, mb.unpack(full_ent), rtol=1e-6, atol=1e-6)
         grads = [torch.autograd.grad((lp * mb.loss_mask).sum() + ent.sum(), params)

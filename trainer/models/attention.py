@@ -7,8 +7,13 @@ permutation. The attention product itself is a registered function picked by ``M
 - ``sdpa``: ``scaled_dot_product_attention`` with ``is_causal=True`` per packed segment (one batched call per
   segment length), so no ``[T, T]`` mask is built and the cost is the sum of the segments' squared lengths, however
   long the packed row (an arbitrary mask would also force SDPA off its fused causal kernels). Segment-local: rows
-  may be as long as the token budget.
+  may be as long as the token budget. A segment that continues a shared prompt (``prefix_ids``) reads the prompt's
+  keys and values before its own, under a bottom-right causal mask, batched per (prompt length, length).
 - ``eager``: matmul-softmax-matmul over a dense mask, the plain reference.
+
+Both take ``prefix_ids`` (registered ``shared_prefix=True``): ``[B, T]``, for each token the segment id of the shared
+prompt its segment continues, or -1; a token then also attends to every token of that segment (which precedes it in
+the row). See ``trainer.packing`` for the layout.
 
 :func:`masked_sdpa_attention` (SDPA over the dense ``[B, 1, T, T]`` mask, not registered) is the parity reference of
 the per-segment path.
@@ -31,12 +36,17 @@ from trainer.models.rope import apply_rope
 __all__ = ["Attention", "attention_mask", "eager_attention", "masked_sdpa_attention", "sdpa_attention", "segment_spans"]
 
 
-def attention_mask(seq_len: int, segment_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """Boolean keep-mask ``[B or 1, 1, T, T]``: causal, and within equal segment ids when they are given."""
+def attention_mask(
+    seq_len: int, segment_ids: torch.Tensor | None, device: torch.device, prefix_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Boolean keep-mask ``[B or 1, 1, T, T]``: causal, and within equal segment ids when they are given (and into the
+    segment ``prefix_ids`` names for each token, when given)."""
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
     if segment_ids is None:
         return causal[None, None]
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    if prefix_ids is not None:
+        same = same | (prefix_ids[:, :, None] == segment_ids[:, None, :])
     return (causal & same)[:, None]
 
 
@@ -64,71 +74,109 @@ def segment_spans(segment_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
 
 @dataclass(frozen=True)
 class _LengthGroups:
-    """The packed segments of one ``segment_ids`` tensor, grouped by length. ``order`` lists the flat token positions
-    (into ``B * T``) group by group, segment by segment; group ``i`` holds ``shapes[i] = (segments, length)``, and
-    ``inverse`` puts tokens in group order back into packed order."""
+    """The packed segments of one ``segment_ids`` tensor, grouped by (shared prompt length, length). ``order`` lists the
+    flat query positions (into ``B * T``) group by group, segment by segment; group ``i`` holds ``shapes[i] =
+    (segments, prompt length, length)``, and ``inverse`` puts tokens in group order back into packed order.
+    ``key_order`` (only with shared prompts) lists each segment's key positions the same way: its prompt's, then its
+    own."""
 
-    shapes: list[tuple[int, int]]
+    shapes: list[tuple[int, int, int]]
     order: torch.Tensor
     inverse: torch.Tensor
+    key_order: torch.Tensor | None
     spans: list[list[tuple[int, int]]]
     """:func:`segment_spans` of the tensor."""
 
 
-_last_groups: tuple[weakref.ref, int, _LengthGroups] | None = None
+_last_groups: tuple[weakref.ref, int, weakref.ref | None, _LengthGroups] | None = None
 
 
-def _length_groups(segment_ids: torch.Tensor) -> _LengthGroups:
-    """:func:`segment_spans` grouped by length, computed once per ``segment_ids`` tensor: every layer of a forward gets
-    the same tensor, and reading it back to the host per layer would cost a device sync each time."""
+def _length_groups(segment_ids: torch.Tensor, prefix_ids: torch.Tensor | None = None) -> _LengthGroups:
+    """:func:`segment_spans` grouped by (prompt length, length), computed once per ``segment_ids`` / ``prefix_ids``
+    tensors: every layer of a forward gets the same tensors, and reading them back to the host per layer would cost a
+    device sync each time."""
     global _last_groups
     cached = _last_groups
-    if cached is not None and cached[0]() is segment_ids and cached[1] == segment_ids._version:
-        return cached[2]
+    if (cached is not None and cached[0]() is segment_ids and cached[1] == segment_ids._version
+            and (cached[2]() if cached[2] is not None else None) is prefix_ids):  # fmt: skip
+        return cached[3]
     t = segment_ids.shape[1]
-    starts_by_length: dict[int, list[int]] = {}
     spans = segment_spans(segment_ids)
+    ids = segment_ids.detach().cpu().tolist()
+    prefixes = None if prefix_ids is None else prefix_ids.detach().cpu().tolist()
+    members: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (prompt len, len) -> (row, start, prompt start)
     for r, row in enumerate(spans):
+        span_of = {ids[r][a]: (a, b) for a, b in row}
         for a, b in row:
-            starts_by_length.setdefault(b - a, []).append(r * t + a)
-    lengths = sorted(starts_by_length)
-    order = torch.cat([(torch.tensor(starts_by_length[n])[:, None] + torch.arange(n)).flatten() for n in lengths])
+            prompt = -1 if prefixes is None else prefixes[r][a]
+            pa, pb = span_of[prompt] if prompt >= 0 else (0, 0)
+            members.setdefault((pb - pa, b - a), []).append((r * t, a, pa))
+    keys = sorted(members)
+
+    def positions(with_prompt: bool) -> torch.Tensor:
+        out = []
+        for plen, n in keys:
+            base = torch.tensor([(off + a, off + pa) for off, a, pa in members[(plen, n)]])
+            own = base[:, :1] + torch.arange(n)
+            out.append((torch.cat([base[:, 1:] + torch.arange(plen), own], 1) if with_prompt else own).flatten())
+        return torch.cat(out)
+
+    order = positions(with_prompt=False)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel())
     device = segment_ids.device
-    shapes = [(len(starts_by_length[n]), n) for n in lengths]
-    result = _LengthGroups(shapes, order.to(device), inverse.to(device), spans)
-    _last_groups = (weakref.ref(segment_ids), segment_ids._version, result)
+    key_order = positions(with_prompt=True).to(device) if prefix_ids is not None else None
+    shapes = [(len(members[k]), k[0], k[1]) for k in keys]
+    result = _LengthGroups(shapes, order.to(device), inverse.to(device), key_order, spans)
+    prefix_ref = weakref.ref(prefix_ids) if prefix_ids is not None else None
+    _last_groups = (weakref.ref(segment_ids), segment_ids._version, prefix_ref, result)
     return result
 
 
-@ATTENTION_BLOCKS.register("sdpa", segment_local=True)
+@ATTENTION_BLOCKS.register("sdpa", segment_local=True, shared_prefix=True)
 def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment_ids: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    segment_ids: torch.Tensor | None,
+    scale: float,
+    prefix_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal SDPA (fused CPU/GPU kernels, native GQA) applied to each packed segment separately.
 
-    Equal to :func:`masked_sdpa_attention` (a token attends to earlier tokens of its own run of equal segment ids)
-    without materialising any mask; segments must be contiguous runs (see :func:`segment_spans`). Segments of equal
-    length go through one batched call (GRPO packs many short completions of a few lengths), so the number of kernel
-    calls per layer is the number of distinct lengths, not of segments.
+    Equal to :func:`masked_sdpa_attention` (a token attends to earlier tokens of its own run of equal segment ids, and
+    to the shared prompt ``prefix_ids`` names) without materialising any ``[T, T]`` mask; segments must be contiguous
+    runs (see :func:`segment_spans`). Segments of equal length (and prompt length) go through one batched call (GRPO
+    packs many short completions of a few lengths), so the number of kernel calls per layer is the number of distinct
+    lengths, not of segments.
     """
     gqa = q.shape[1] != k.shape[1]
     if segment_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     b, h, t, d = q.shape
-    layout = _length_groups(segment_ids)
-    if 2 * len(layout.shapes) > sum(n for n, _ in layout.shapes):
+    layout = _length_groups(segment_ids, prefix_ids)
+    if prefix_ids is None and 2 * len(layout.shapes) > sum(n for n, _, _ in layout.shapes):
         return _per_segment(q, k, v, segment_ids, scale, gqa)  # lengths mostly distinct: batching would only copy
-    sizes = [n * length for n, length in layout.shapes]
     # Token-major [B * T, heads, Dh] in group order: one gather per input (its backward one index_add), then every
-    # group is a view.
-    grouped = [x.transpose(1, 2).reshape(b * t, x.shape[1], d).index_select(0, layout.order).split(sizes)
-               for x in (q, k, v)]  # fmt: skip
+    # group is a view. With shared prompts the keys and values are gathered prompt first, so a prompt read by several
+    # segments is copied once per segment (and its gradient summed back by the gather's backward).
+    def token_major(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).reshape(b * t, x.shape[1], d)
+
+    key_order = layout.order if layout.key_order is None else layout.key_order
+    qs_all = token_major(q).index_select(0, layout.order).split([n * length for n, _, length in layout.shapes])
+    key_sizes = [n * (plen + length) for n, plen, length in layout.shapes]
+    ks_all, vs_all = (token_major(x).index_select(0, key_order).split(key_sizes) for x in (k, v))
     outs = []
-    for (n, length), qs, ks, vs in zip(layout.shapes, *grouped, strict=True):
-        qs, ks, vs = (x.view(n, length, x.shape[1], d).transpose(1, 2) for x in (qs, ks, vs))
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+    for (n, plen, length), qs, ks, vs in zip(layout.shapes, qs_all, ks_all, vs_all, strict=True):
+        qs = qs.view(n, length, h, d).transpose(1, 2)
+        ks, vs = (x.view(n, plen + length, x.shape[1], d).transpose(1, 2) for x in (ks, vs))
+        if plen == 0:
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:  # bottom-right causal: every prompt key, then the segment's own keys up to the query
+            mask = torch.ones(length, plen + length, dtype=torch.bool, device=q.device).tril(plen)
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
         outs.append(out.transpose(1, 2).reshape(n * length, h, d))
     # Returned as [B, T, H, Dh] transposed, so the caller's transpose back to [B, T, H * Dh] is a free view.
     return torch.cat(outs).index_select(0, layout.inverse).view(b, t, h, d).transpose(1, 2)
@@ -151,26 +199,38 @@ def _per_segment(
 
 
 def masked_sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment_ids: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    segment_ids: torch.Tensor | None,
+    scale: float,
+    prefix_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA over the dense ``[B, 1, T, T]`` causal-and-same-segment mask: the parity reference of ``sdpa``."""
     gqa = q.shape[1] != k.shape[1]
     if segment_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    mask = attention_mask(q.shape[2], segment_ids, q.device)
+    mask = attention_mask(q.shape[2], segment_ids, q.device, prefix_ids)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
-@ATTENTION_BLOCKS.register("eager")
+@ATTENTION_BLOCKS.register("eager", shared_prefix=True)
 def eager_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment_ids: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    segment_ids: torch.Tensor | None,
+    scale: float,
+    prefix_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain matmul-softmax-matmul reference (softmax in float32); materialises the [T, T] scores."""
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    scores = scores.masked_fill(~attention_mask(q.shape[2], segment_ids, q.device), float("-inf"))
+    scores = scores.masked_fill(~attention_mask(q.shape[2], segment_ids, q.device, prefix_ids), float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 
@@ -198,9 +258,11 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         segment_ids: torch.Tensor | None,
         keep: torch.Tensor | None = None,
+        prefix_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x [B, T, D]`` -> ``[B, T, D]``; ``rope`` = (cos, sin) from :func:`rope_cos_sin`. With ``keep`` (int64 flat
-        positions ``b * T + t``): ``[N, D]``, the output projection applied to those positions only."""
+        positions ``b * T + t``): ``[N, D]``, the output projection applied to those positions only. ``prefix_ids``:
+        shared prompts (only for a kernel registered ``shared_prefix=True``)."""
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(b, t, -1, self.head_dim)
@@ -211,7 +273,9 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         rotate = compiled(apply_rope) if self.use_compiled else apply_rope
         q, k = rotate(q, *rope), rotate(k, *rope)
-        out = self.kernel(q, k, v, segment_ids=segment_ids, scale=self.scale).transpose(1, 2).reshape(b, t, -1)
+        shared = {} if prefix_ids is None else {"prefix_ids": prefix_ids}
+        out = self.kernel(q, k, v, segment_ids=segment_ids, scale=self.scale, **shared)
+        out = out.transpose(1, 2).reshape(b, t, -1)
         return self.wo(out if keep is None else out.reshape(b * t, -1)[keep])
 
     def init_weights(self, std: float) -> None:

@@ -6,7 +6,9 @@ Three registries, one per swappable block, each mapping a name to a plain functi
   (grouped-query: ``H % KVH == 0``, the function handles the grouping), segment_ids ``[B, T]`` or ``None``; attention
   is causal and, with segment ids, restricted to equal ids. Returns ``[B, H, T, Dh]``. A block registered with
   ``segment_local=True`` costs the sum over segments of their squared lengths, not the packed row's squared length:
-  the trainer then packs rows up to the whole micro-batch token budget (no padding) unless told otherwise.
+  the trainer then packs rows up to the whole micro-batch token budget (no padding) unless told otherwise. A block
+  registered with ``shared_prefix=True`` also takes ``prefix_ids`` ``[B, T]`` (for each token the segment id of a
+  shared prompt it may attend to as well, or -1; see ``trainer.packing``): the trainer then packs a group's prompt once.
 - ``OUTPUT_HEADS[name](hidden, weight, targets, *, chunk_size) -> (logprobs, entropy)``: hidden ``[..., D]``, weight
   ``[V, D]``, targets ``[...]`` int64; returns float32 ``[...]`` each (fresh tensors, not views), both
   differentiable w.r.t. hidden and weight.
@@ -104,6 +106,7 @@ class BlockRegistry(Generic[FnT]):
         self._impls: dict[str, FnT] = {}
         self._checks: dict[str, DeviceCheck] = {}
         self._segment_local: set[str] = set()
+        self._shared_prefix: set[str] = set()
 
     def register(
         self,
@@ -113,12 +116,14 @@ class BlockRegistry(Generic[FnT]):
         replace: bool = False,
         check_supported: DeviceCheck | None = None,
         segment_local: bool = False,
+        shared_prefix: bool = False,
     ) -> Callable[[FnT], FnT] | FnT:
         """Register ``fn`` under ``name`` (or use as a decorator: ``@REGISTRY.register("name")``).
 
         ``check_supported(device)``, if given, raises ``ValueError`` when the block cannot run on ``device`` (a
         ``torch.device`` or its string). ``segment_local``: attention blocks whose cost does not grow with the packed
-        row's length (see the module docstring). Registering a taken name raises ``ValueError`` unless ``replace=True``.
+        row's length; ``shared_prefix``: attention blocks that take ``prefix_ids`` (both in the module docstring).
+        Registering a taken name raises ``ValueError`` unless ``replace=True``.
         """
 
         def add(f: FnT) -> FnT:
@@ -129,10 +134,11 @@ class BlockRegistry(Generic[FnT]):
                 self._checks[name] = check_supported
             else:
                 self._checks.pop(name, None)
-            if segment_local:
-                self._segment_local.add(name)
-            else:
-                self._segment_local.discard(name)
+            for flag, names in ((segment_local, self._segment_local), (shared_prefix, self._shared_prefix)):
+                if flag:
+                    names.add(name)
+                else:
+                    names.discard(name)
             return f
 
         return add if fn is None else add(fn)
@@ -193,6 +199,11 @@ class BlockRegistry(Generic[FnT]):
         """Whether block ``name`` was registered ``segment_local`` (unknown names raise as in :meth:`get`)."""
         self.get(name)
         return name in self._segment_local
+
+    def takes_shared_prefix(self, name: str) -> bool:
+        """Whether block ``name`` was registered ``shared_prefix`` (unknown names raise as in :meth:`get`)."""
+        self.get(name)
+        return name in self._shared_prefix
 
     def __getitem__(self, name: str) -> FnT:
         return self.get(name)

@@ -34,7 +34,7 @@ from trainer.models.layers import FeedForward, RMSNorm
 from trainer.models.lora import ExpertLoRA, LoRALinear, apply_lora
 from trainer.models.moe import MoE
 from trainer.models.output_head import chunked_token_logprobs  # noqa: F401 (registers the built-in heads)
-from trainer.models.registry import OUTPUT_HEADS, check_blocks_supported
+from trainer.models.registry import ATTENTION_BLOCKS, OUTPUT_HEADS, check_blocks_supported
 from trainer.models.rope import rope_cos_sin
 
 if TYPE_CHECKING:
@@ -75,15 +75,17 @@ class TransformerBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         segment_ids: torch.Tensor | None,
         keep: torch.Tensor | None = None,
+        prefix_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x [B, T, D]`` -> ``[B, T, D]``; with ``keep`` (int64 flat positions ``b * T + t``) -> ``[N, D]`` at
         those positions only: attention still reads every position's keys and values, but its output projection and
-        a dense feed-forward run on the kept rows alone (an MoE block runs every row and selects afterwards)."""
+        a dense feed-forward run on the kept rows alone (an MoE block runs every row and selects afterwards).
+        ``prefix_ids``: shared prompts, see :meth:`Transformer.forward`."""
         if self.checkpointed and torch.is_grad_enabled():
             # Non-reentrant: works with inputs that need no grad (frozen embeddings under LoRA), FSDP2's hooks around
             # this block, and keeps the RNG state so dropout draws the same masks when recomputed.
-            return checkpoint(self._forward, x, rope, segment_ids, keep, use_reentrant=False)
-        return self._forward(x, rope, segment_ids, keep)
+            return checkpoint(self._forward, x, rope, segment_ids, keep, prefix_ids, use_reentrant=False)
+        return self._forward(x, rope, segment_ids, keep, prefix_ids)
 
     def _forward(
         self,
@@ -91,11 +93,12 @@ class TransformerBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         segment_ids: torch.Tensor | None,
         keep: torch.Tensor | None,
+        prefix_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dense = hasattr(self, "feed_forward")
         # MoE: route every token, so the router's load-balancing statistics match an untrimmed forward.
         trim = keep if dense else None
-        attn = self.attention(self.attention_norm(x), rope, segment_ids, keep=trim)
+        attn = self.attention(self.attention_norm(x), rope, segment_ids, keep=trim, prefix_ids=prefix_ids)
         h = (x if trim is None else x.reshape(-1, x.shape[-1])[trim]) + attn
         out = h + (self.feed_forward if dense else self.moe)(self.ffn_norm(h))
         if keep is not None and trim is None:
@@ -134,6 +137,7 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         output_positions: torch.Tensor | None = None,
+        prefix_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``tokens [B, T]`` -> hidden states ``[B, T, D]`` after the final norm.
 
@@ -143,12 +147,21 @@ class Transformer(nn.Module):
         only, equal to ``forward(...).reshape(-1, D)[output_positions]``. Nothing after the last block's attention
         can reach another position, so the last dense block runs its output projection and feed-forward on those
         rows alone (an RL loss reads only completion positions: prompts are often half the tokens).
+        ``prefix_ids [B, T]`` (with ``segment_ids`` and ``positions``, for an attention block registered
+        ``shared_prefix``): each token's segment also attends to the segment of that id (a prompt packed once for
+        several completions, ``trainer.packing``); -1 for none. ``output_positions`` may then repeat a position.
         """
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
-        for name, t in (("positions", positions), ("segment_ids", segment_ids)):
+        for name, t in (("positions", positions), ("segment_ids", segment_ids), ("prefix_ids", prefix_ids)):
             if t is not None and t.shape != tokens.shape:
                 raise ValueError(f"{name} shape {tuple(t.shape)} must equal tokens shape {tuple(tokens.shape)}")
+        if prefix_ids is not None and (segment_ids is None or positions is None):
+            raise ValueError("prefix_ids need segment_ids and positions (a shared prompt's completions continue its "
+                             "positions, which segment ids alone cannot say)")
+        if prefix_ids is not None and not ATTENTION_BLOCKS.takes_shared_prefix(self.cfg.attention):
+            raise ValueError(f"attention block {self.cfg.attention!r} takes no prefix_ids (shared prompts); pack each "
+                             "sequence whole (trainer.share_prompts = false)")
         if positions is None:
             positions = (
                 positions_from_segments(segment_ids)
@@ -159,7 +172,7 @@ class Transformer(nn.Module):
         rope = rope_cos_sin(self.cfg, positions, h.dtype)
         last = len(self.layers) - 1
         for i, block in enumerate(self.layers):
-            h = block(h, rope, segment_ids, keep=output_positions if i == last else None)
+            h = block(h, rope, segment_ids, keep=output_positions if i == last else None, prefix_ids=prefix_ids)
         return self.norm(h)
 
     def checkpoint_blocks(self, indices: Iterable[int]) -> None:

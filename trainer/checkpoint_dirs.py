@@ -1,0 +1,41 @@
+"""Which checkpoints a directory holds, without torch: the driver asks before any trainer process exists.
+
+A checkpoint is a directory ``<root>/step_<n>`` that counts once it holds ``COMPLETE`` (written by rank 0 after every
+rank finished saving; see :mod:`trainer.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+__all__ = ["COMPLETE", "checkpoint_dir", "complete_checkpoints", "latest_checkpoint"]
+
+COMPLETE = "COMPLETE"
+"""The marker file of a finished checkpoint."""
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_dir(root: str | Path, step: int) -> Path:
+    """Where the checkpoint of optimizer step ``step`` goes under ``root``."""
+    return Path(root) / f"step_{step:08d}"
+
+
+def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root`` as (step, path), oldest first; none when ``root`` does not exist."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _STEP_DIR.match(child.name)
+        if m and (child / COMPLETE).exists():
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
