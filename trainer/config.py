@@ -173,8 +173,9 @@ class TrainerConfig(Config):
     share_prompts: bool = True
     """Pack a prompt once for all the samples drawn from it (a GRPO group: the prompt, then each completion, which
     attends to it) instead of once per sample: the same log-probs and gradients for fewer tokens through the model.
-    Applies where the attention block takes shared prefixes (``sdpa``, ``eager``; not ``splash``) and no MoE router
-    load-balancing term is trained (it counts every sample's prompt tokens); elsewhere sequences are packed whole."""
+    Applies where the attention block takes shared prefixes (``sdpa``, ``eager``; not ``splash``) and the model is
+    dense (an MoE router's load-balancing term counts every sample's prompt tokens); elsewhere sequences are packed
+    whole."""
     num_epochs: int = pydantic.Field(default=1, ge=1)
     """Optimizer passes over each rollout batch (PPO-style reuse; 1 = strictly on-policy after the first step)."""
     num_minibatches: int = pydantic.Field(default=1, ge=1)

@@ -83,12 +83,12 @@ def plan_rank_micro_batches(state: TrainState, samples: Sequence[Sample], indice
 
 def shares_prompts(state: TrainState) -> bool:
     """Whether the trainer packs a prompt once for all its samples (``trainer.packing``): ``trainer.share_prompts``,
-    where the attention block takes shared prefixes and no MoE router term is trained (its load-balancing statistics
-    count every sample's prompt tokens, so one copy would weigh them differently)."""
+    where the attention block takes shared prefixes and the model is dense (an MoE model's router load-balancing term
+    counts every sample's prompt tokens, and its token mask is derived from whole-sequence positions)."""
     return (
         state.cfg.share_prompts
         and ATTENTION_BLOCKS.takes_shared_prefix(state.model_cfg.attention)
-        and not moe_aux_coef(state.algorithm.config, state.model_cfg)
+        and state.model_cfg.moe is None
     )
 
 

@@ -13,7 +13,7 @@ from trainer_batches import random_samples
 from rollout.types import RolloutBatch
 from trainer.config import TrainerConfig
 from trainer.models.attention import eager_attention, masked_sdpa_attention, sdpa_attention
-from trainer.models.config import ModelConfig
+from trainer.models.config import ModelConfig, MoEConfig
 from trainer.models.transformer import build_model
 from trainer.packing import pack_samples, plan_micro_batches
 from trainer.rl.config import GRPOConfig, PPOConfig
@@ -158,3 +158,18 @@ def test_an_rl_step_updates_the_weights_as_whole_sequences_do(algo):
             assert shared_m[key] == pytest.approx(whole_m[key], rel=1e-4, abs=1e-6), key
     for name, w in whole_w.items():
         torch.testing.assert_close(shared_w[name], w, rtol=1e-4, atol=2e-6, msg=name)
+
+
+@pytest.mark.parametrize(("model", "cfg", "shared"), [
+    (MODEL, TrainerConfig(), True),
+    (MODEL, TrainerConfig(share_prompts=False), False),
+    (MODEL.model_copy(update={"attention": "splash"}), TrainerConfig(), False),  # takes no prefix_ids
+    (MODEL.model_copy(update={"moe": MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden_dim=16)}), TrainerConfig(),
+     False),  # the router's load-balancing term counts every sample's prompt
+])  # fmt: skip
+def test_where_prompts_are_shared(model, cfg, shared):
+    from types import SimpleNamespace
+
+    from trainer.step import shares_prompts
+
+    assert shares_prompts(SimpleNamespace(cfg=cfg, model_cfg=model)) == shared
