@@ -73,10 +73,12 @@ the weight push after every step (part of our design), the HF export every k ste
 (Ray, the vLLM engine, the trainer actor). In-run evaluation is off (``run.eval.num_problems = 0``); the final
 export and shutdown come after the last checkpoint and only count in the run's total seconds.
 
-Measured (2-core "Intel(R) Xeon(R) Processor", load 0.9-2.1; ``--completion short --threshold 0.8 --reps 2``, 25 min):
-time to sampled held-out 0.8 ours 149 [142-155] s, TRL 109 [108-110] s (TRL / ours 0.73x); s/step 0.78 vs 0.71
-(trainer step 0.40 vs 0.48 s, generation 0.30 vs 0.21 s, push 0.06 s); start-up 25 vs 5.5 s; accuracy at equal
-steps equal within noise. Long setting (an earlier run, load 1.6-2.1): 7.3 vs 5.7 s/step.
+Measured (2-core "Intel(R) Xeon(R) Processor", ``--completion short --threshold 0.8``): with shared prompts, 2 reps
+(load 1.6-3.0, the runs' own): time to sampled held-out 0.8 ours 173 [155-191] s, TRL 164 [161-166] s (TRL / ours
+0.94x); s/step 0.96 vs 1.13 (TRL / ours 1.18x; trainer step 0.21 s vs TRL's train 0.74 s, generation 0.57 vs 0.27 s,
+push 0.09 s); start-up 31 vs 8.5 s. Before shared prompts (two sessions earlier, a faster day of the same machine:
+TRL's train 0.48 s): 149 vs 109 s (0.73x), s/step 0.78 vs 0.71. Long setting (before shared prompts, load 1.6-2.1):
+7.3 vs 5.7 s/step.
 """
 
 from __future__ import annotations

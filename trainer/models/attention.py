@@ -97,9 +97,10 @@ def _length_groups(segment_ids: torch.Tensor, prefix_ids: torch.Tensor | None = 
     device sync each time."""
     global _last_groups
     cached = _last_groups
-    if (cached is not None and cached[0]() is segment_ids and cached[1] == segment_ids._version
-            and (cached[2]() if cached[2] is not None else None) is prefix_ids):  # fmt: skip
-        return cached[3]
+    if cached is not None and cached[0]() is segment_ids and cached[1] == segment_ids._version:
+        same_prefix = cached[2] is None if prefix_ids is None else cached[2] is not None and cached[2]() is prefix_ids
+        if same_prefix:
+            return cached[3]
     t = segment_ids.shape[1]
     spans = segment_spans(segment_ids)
     ids = segment_ids.detach().cpu().tolist()
