@@ -369,8 +369,8 @@ def plan_micro_batches(
 
     Every rank calls this with the same arguments except ``rank`` and gets the same number of micro-batches (the
     shorter lists end with empty ones: a one-token row, no sequence). ``row_tokens`` None: rows as long as the
-    longest sequence among ``indices`` (the same on every rank). ``share_prompts``: as in :func:`pack_samples`; the
-    samples of one prompt stay on one rank.
+    longest sequence among ``indices`` (the same on every rank). ``share_prompts``: as in :func:`pack_samples`; a prompt
+    and the completions packed with it (one unit) stay on one rank.
     """
     _check_prompts(samples, indices)
     lengths = _lengths(samples)
@@ -379,10 +379,8 @@ def plan_micro_batches(
     units = _units(samples, indices, share_prompts, min(row_tokens, token_budget))
     unit_lengths = [_unit_length(samples, u) for u in units]
     per_rank = assign_to_ranks(unit_lengths, range(len(units)), num_ranks)
-    counts = [len(_group_rows(unit_lengths, part, token_budget, row_tokens)) for part in per_rank]
-    mine_units = [units[j] for j in per_rank[rank]]
-    mine = [_build(samples, rows, advantages, pad_to_multiple_of)
-            for rows in _packed_units(samples, mine_units, token_budget, row_tokens)]  # fmt: skip
-    assert len(mine) == counts[rank]
-    mine.extend(_build(samples, [], None, 1) for _ in range(max(counts) - len(mine)))
+    groups = [_group_rows(unit_lengths, part, token_budget, row_tokens) for part in per_rank]
+    mine = [_build(samples, [[units[j] for j in row] for row in rows], advantages, pad_to_multiple_of)
+            for rows in groups[rank]]  # fmt: skip
+    mine.extend(_build(samples, [], None, 1) for _ in range(max(map(len, groups)) - len(mine)))
     return mine
