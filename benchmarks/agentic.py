@@ -66,12 +66,15 @@ class ToolEnv:
 
 def run_episodes(engine, tokenizer, problems, sampling, args, seed: int):
     from rollout.envs import EpisodeLimits, run_episode
+    from rollout.tokenizer import PromptRenderer
 
     limits = EpisodeLimits(max_turns=args.turns)
 
+    render = PromptRenderer(tokenizer)
+
     async def batch():
         return await asyncio.gather(*(
-            run_episode(engine, tokenizer, ToolEnv(args.turns, args.tool_latency_ms / 1e3), p, sampling, limits,
+            run_episode(engine, render, ToolEnv(args.turns, args.tool_latency_ms / 1e3), p, sampling, limits,
                         lambda t, k=k: seed + 1000 * k + t)
             for k, p in enumerate(problems)
         ))  # fmt: skip

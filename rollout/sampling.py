@@ -17,10 +17,16 @@ __all__ = ["turn_seed", "to_vllm_sampling_params"]
 def turn_seed(sampling: SamplingConfig, group_id: int, sample_index: int, turn: int) -> int | None:
     """Seed of model turn ``turn`` of sample ``sample_index`` of group ``group_id`` (a function of these and
     ``sampling.seed`` only, so a batch is reproducible however its episodes interleave), or ``None`` when sampling is
-    unseeded."""
+    unseeded.
+
+    The samples of a group count up from one seed per (group, turn): vLLM seeds the ``n`` completions of one request
+    ``s, s + 1, ...``, so the engine can run a group's samples as one request (:mod:`rollout.engine.joining`)
+    and each still gets exactly its own seed.
+    """
     if sampling.seed is None:
         return None
-    return int(np.random.SeedSequence([sampling.seed, group_id, sample_index, turn]).generate_state(1)[0] >> 1)
+    base = int(np.random.SeedSequence([sampling.seed, group_id, turn]).generate_state(1)[0] >> 2)
+    return base + sample_index
 
 
 def to_vllm_sampling_params(

@@ -8,6 +8,8 @@ its own BOS and turn markers. Nothing is ever downloaded: the directory must hol
 from __future__ import annotations
 
 import functools
+import json
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,8 +18,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
-    "Messages", "PromptLike", "check_tokenizer_dir", "end_of_turn_id", "has_chat_template", "load_tokenizer",
-    "messages_to_text",
+    "Messages", "PromptLike", "PromptRenderer", "check_tokenizer_dir", "end_of_turn_id", "has_chat_template",
+    "load_tokenizer", "messages_to_text",
     "render_continuation", "render_prompt",
 ]  # fmt: skip
 
@@ -101,6 +103,52 @@ def render_prompt(
         raise ValueError("tools need a chat template to describe them; this prompt is rendered without one")
     text = prompt if isinstance(prompt, str) else messages_to_text(prompt)
     return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+class PromptRenderer:
+    """:func:`render_prompt` with one tokenizer and ``use_chat_template``, remembering the last ``max_entries``
+    prompts (of at most 16k characters as JSON): the episodes of a group render the same messages, and a chat template
+    costs more than the engine's own work on a short prompt. Each call returns a new list."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, use_chat_template: bool | None = None, max_entries: int = 1024
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.use_chat_template = use_chat_template
+        self._max_entries = max_entries
+        self._rendered: OrderedDict[str, list[int]] = OrderedDict()
+
+    def __call__(self, prompt: PromptLike, tools: Tools | None = None) -> list[int]:
+        key = _prompt_key(prompt, tools)
+        ids = None if key is None else self._rendered.get(key)
+        if ids is None:
+            ids = render_prompt(self.tokenizer, prompt, self.use_chat_template, tools)
+            if key is not None:
+                self._rendered[key] = ids
+                if len(self._rendered) > self._max_entries:
+                    self._rendered.popitem(last=False)
+        elif key is not None:
+            self._rendered.move_to_end(key)
+        return list(ids)
+
+
+def _prompt_key(prompt: PromptLike, tools: Tools | None) -> str | None:
+    """A canonical text of a prompt and its tools (``None`` if they hold anything but JSON values, or are long)."""
+
+    def plain(value: object) -> object:
+        if isinstance(value, Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, Sequence) and not isinstance(value, str):
+            return [plain(v) for v in value]
+        if value is None or isinstance(value, str | int | float | bool):
+            return value
+        raise TypeError(type(value).__name__)
+
+    try:
+        key = json.dumps([plain(prompt), plain(tools)], sort_keys=True)
+    except TypeError:
+        return None
+    return key if len(key) <= 16384 else None
 
 
 @functools.lru_cache(maxsize=8)

@@ -53,13 +53,14 @@ class RolloutWorker:
         from rollout.envs import build_environment, episode_limits
         from rollout.envs.config import AgentEnvConfig, SingleTurnEnvConfig
         from rollout.rewards.scorer import RewardScorer
-        from rollout.tokenizer import load_tokenizer
+        from rollout.tokenizer import PromptRenderer, load_tokenizer
         from weight_sync.config import WeightSyncConfig
         from weight_sync.receiver import WeightReceiver
 
         self.config = config
         self._sync_config = weight_sync or WeightSyncConfig()
         self.tokenizer = load_tokenizer(config.tokenizer_path or config.served_model_path)
+        self._render = PromptRenderer(self.tokenizer, config.use_chat_template)
         self.scorer = RewardScorer.from_config(reward) if reward is not None else None
         self._env_config = environment or SingleTurnEnvConfig()
         self._limits = episode_limits(self._env_config)
@@ -158,8 +159,8 @@ class RolloutWorker:
 
         assert self._new_env is not None
         return list(await asyncio.gather(*(
-            run_episode(self.engine, self.tokenizer, self._new_env(), problems[i], sampling, self._limits,
-                        functools.partial(turn_seed, sampling, group_ids[i], k), self.config.use_chat_template)
+            run_episode(self.engine, self._render, self._new_env(), problems[i], sampling, self._limits,
+                        functools.partial(turn_seed, sampling, group_ids[i], k))
             for i, k in jobs
         )))  # fmt: skip
 

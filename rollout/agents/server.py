@@ -27,6 +27,7 @@ from rollout.agents import protocol
 from rollout.agents.trajectory import AgentCall
 from rollout.config import SamplingConfig
 from rollout.envs.episode import EpisodeLimits
+from rollout.tokenizer import PromptRenderer
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -68,6 +69,7 @@ class AgentEndpoint:
         self, engine: VLLMEngine, tokenizer: PreTrainedTokenizerBase, model_name: str, host: str = "127.0.0.1"
     ) -> None:
         self.engine, self.tokenizer, self.model_name, self.host = engine, tokenizer, model_name, host
+        self._prompts = PromptRenderer(tokenizer, use_chat_template=True)
         self._episodes: dict[str, EpisodeCalls] = {}
         self._runner, self.port = engine.run(self._start())
 
@@ -170,10 +172,8 @@ class AgentEndpoint:
         ))  # fmt: skip
 
     def _render(self, chat: protocol.ChatRequest) -> list[int]:
-        from rollout.tokenizer import render_prompt
-
         try:
-            return render_prompt(self.tokenizer, chat.messages, True, tools=chat.tools)
+            return self._prompts(chat.messages, chat.tools)
         except Exception as e:  # the template is the model's (jinja): any of its errors is the request's fault here
             why = f"the chat template cannot render these messages: {e}"
             raise protocol.ProtocolError(why, param="messages") from e

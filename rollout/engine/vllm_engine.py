@@ -7,7 +7,9 @@ coroutines on the loop (multi-turn episodes, their environments and out-of-proce
 they have one and never stall the batch: a tool call in one episode never blocks generation of the others. Every vLLM
 call happens on the engine thread. vLLM's ``AsyncLLM`` would do the same but requires its engine core in another
 process (``NotImplementedError`` in process); its inter-process hop cost 25-40% of the tokens/s of this tiny-model
-engine on 2 cores (README), and it would lose weights by reference.
+engine on 2 cores (README), and it would lose weights by reference. Requests are added between steps: those of one
+prompt and sampling (a GRPO group's episodes) join into one vLLM request with ``n`` completions
+(:mod:`rollout.engine.joining`), so vLLM prepares the prompt once.
 
 Weight updates (:meth:`load_weights`, called from any other thread, e.g. the weight receiver's) run on the engine loop
 at a safe point, between two steps: admission of new requests stops; in mode "wait" (the default) requests in flight
@@ -52,6 +54,7 @@ import numpy as np
 from rollout.config import EngineConfig, SamplingConfig, UpdateMode
 from rollout.engine.adapters import AdapterVersions, MergedAdapters, ServedAdapters
 from rollout.engine.errors import EngineBrokenError
+from rollout.engine.joining import Joined, Joiner, Waiter
 from rollout.engine.platform import configure_vllm_environment, is_cpu_platform, lora_serving, platform_engine_args
 from rollout.engine.transfer import REFUSED, default_stage_dir, write_update_file
 from rollout.engine.vllm_plugin import BACKEND, register
@@ -151,7 +154,9 @@ class VLLMEngine:
         self.total_update_s = 0.0
         """Seconds all weight updates of this engine held it, summed (``rollout/weight_update_s`` laps it)."""
         self._ids = itertools.count()
-        self._waiting: dict[str, asyncio.Future[Any]] = {}
+        self._waiting: dict[str, Joined] = {}
+        """Requests in vLLM, by request id."""
+        self._joiner = Joiner()
         self._adapter_versions: AdapterVersions | None = None
         self._adapters: ServedAdapters | None = None
         self._merged: MergedAdapters | None = None
@@ -205,39 +210,65 @@ class VLLMEngine:
         self, prompt_token_ids: Sequence[int], sampling: SamplingConfig, n: int = 1, seed: int | None = None
     ) -> list[Completion]:
         """Sample ``n`` completions of one prompt (on the engine loop); they come back when all ``n`` have finished,
-        each of one policy version. Waits while a weight update holds the engine. Cancelling the awaiting task aborts
-        the request."""
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        params = to_vllm_sampling_params(sampling, n, seed)
-        params.output_kind = RequestOutputKind.FINAL_ONLY
+        each of one policy version. Waits while a weight update holds the engine. Requests of the same prompt and
+        sampling added before the engine's next step run as one vLLM request (:mod:`rollout.engine.joining`).
+        Cancelling the awaiting task aborts the request (once no other caller waits for it)."""
+        if n < 1:
+            raise ValueError(f"group size n={n} must be at least 1")
         while not self._admitting.is_set():
             await self._admitting.wait()
         self._check_usable()
-        request_id = str(next(self._ids))
-        version = self._policy_version
         adapter = self._adapters.acquire() if self._adapters is not None else None
-        future: asyncio.Future[Any] = self._loop.create_future()
+        waiter = Waiter(self._loop.create_future(), n, seed)
         try:
-            self._engine.add_request(
-                request_id, TokensPrompt(prompt_token_ids=list(map(int, prompt_token_ids))), params,
-                lora_request=adapter,
-            )  # fmt: skip
-            self._waiting[request_id] = future
+            self._joiner.add(prompt_token_ids, sampling, sampling.model_dump_json(), adapter, waiter)
             self._has_work.set()
-            output = await future
+            return await waiter.future
         except asyncio.CancelledError:
-            if self._waiting.pop(request_id, None) is not None:
-                self._engine.abort_request([request_id])
-                self._note_drained()
+            self._leave(waiter)
             raise
         finally:
             if self._adapters is not None:
                 self._adapters.release(adapter)
+
+    def _leave(self, waiter: Waiter) -> None:
+        """``waiter`` was cancelled: out of its gathering, or its request aborted once nobody waits for it."""
+        joined = waiter.joined
+        if joined is None:
+            self._joiner.remove(waiter)
+        elif not joined.wanted() and self._waiting.pop(joined.request_id, None) is not None:
+            self._engine.abort_request([joined.request_id])
+        self._note_drained()
+
+    def _add_joined(self) -> None:
+        """Add the requests gathered since the last step to vLLM (on the engine loop, between steps)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        for joined in self._joiner.take():
+            joined.request_id, joined.version = str(next(self._ids)), self._policy_version
+            for w in joined.waiters:
+                w.joined = joined
+            try:
+                params = to_vllm_sampling_params(joined.sampling, joined.n, joined.seed)
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                self._engine.add_request(
+                    joined.request_id, TokensPrompt(prompt_token_ids=joined.prompt), params, lora_request=joined.adapter
+                )  # fmt: skip
+            except Exception as e:  # e.g. a prompt longer than the context: that request's callers get the error
+                joined.fail(e)
+                continue
+            self._waiting[joined.request_id] = joined
+
+    def _finish(self, joined: Joined, output: Any) -> None:
         # With LoRA a request runs on one adapter from start to end: vLLM's version spans do not apply.
         spans = self._adapters is None
-        return [_completion(c, version, spans) for c in sorted(output.outputs, key=lambda c: c.index)]
+        try:
+            completions = [_completion(c, joined.version, spans) for c in sorted(output.outputs, key=lambda c: c.index)]
+        except Exception as e:
+            joined.fail(e)
+            return
+        joined.deliver(completions)
 
     def generate(
         self,
@@ -275,10 +306,12 @@ class VLLMEngine:
         return self.submit(coroutine).result()
 
     async def _step_while_busy(self) -> None:
-        """The step task: step while requests are unfinished, hand finished outputs to their awaiters, yield between
-        steps; sleep while idle. A failing step breaks the engine and fails every request in flight."""
+        """The step task: add the requests gathered since the last step, step while requests are unfinished, hand
+        finished outputs to their awaiters, yield between steps; sleep while idle. A failing step breaks the engine and
+        fails every request in flight."""
         while True:
             await self._has_work.wait()
+            self._add_joined()
             while self._waiting:
                 try:
                     outputs = self._engine.step()
@@ -288,24 +321,26 @@ class VLLMEngine:
                     break
                 for output in outputs:
                     if output.finished:
-                        future = self._waiting.pop(output.request_id, None)
-                        if future is not None and not future.done():
-                            future.set_result(output)
+                        joined = self._waiting.pop(output.request_id, None)
+                        if joined is not None:
+                            self._finish(joined, output)
                 if self._waiting and not self._engine.has_unfinished_requests():  # never seen; must not spin
                     self._fail_waiting(RuntimeError(f"vLLM finished requests {sorted(self._waiting)} without output"))
                 self._note_drained()
                 await asyncio.sleep(0)  # let episodes, tools and updates run between steps
+                self._add_joined()
             self._has_work.clear()
+            self._note_drained()
 
     def _note_drained(self) -> None:
-        if not self._waiting:
+        if not self._waiting and not self._joiner:
             self._drained.set()
 
     def _fail_waiting(self, error: BaseException) -> None:
         waiting, self._waiting = self._waiting, {}
-        for future in waiting.values():
-            if not future.done():
-                future.set_exception(error)
+        for joined in waiting.values():
+            joined.fail(error)
+        self._joiner.fail(error)
         self._drained.set()
 
     # -- weights ---------------------------------------------------------------------------------------------------

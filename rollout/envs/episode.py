@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from rollout.engine.vllm_engine import VLLMEngine
-    from rollout.tokenizer import Tools
+    from rollout.tokenizer import PromptRenderer, Tools
 
 __all__ = ["Episode", "EpisodeLimits", "render_transcript", "run_episode"]
 
@@ -76,21 +76,20 @@ class Episode:
 
 async def run_episode(
     engine: VLLMEngine,
-    tokenizer: PreTrainedTokenizerBase,
+    render: PromptRenderer,
     env: Environment,
     problem: Problem,
     sampling: SamplingConfig,
     limits: EpisodeLimits,
     seed_of_turn: Callable[[int], int | None],
-    use_chat_template: bool | None = None,
 ) -> Episode:
     """Run ``env`` on ``problem`` to the end on ``engine`` (awaited on the engine loop) and return the episode;
+    ``render`` turns the environment's first messages into the prompt (its tokenizer renders the rest);
     ``seed_of_turn(t)`` seeds model turn ``t``. The environment is closed whatever happens; its errors propagate."""
-    from rollout.tokenizer import render_prompt
-
+    tokenizer = render.tokenizer
     try:
         messages = await env.reset(problem)
-        prompt = render_prompt(tokenizer, messages, use_chat_template, tools=env.tools)
+        prompt = render(messages, env.tools)
         budget = limits.max_total_tokens or (engine.config.max_model_len - len(prompt))
         trajectory = _Trajectory(prompt)
         try:

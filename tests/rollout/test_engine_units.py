@@ -31,6 +31,54 @@ def test_turn_seeds_are_distinct_and_reproducible():
     assert turn_seed(seeded, 3, 2, 1) == turn_seed(SamplingConfig(seed=100), 3, 2, 1)
     assert turn_seed(SamplingConfig(seed=101), 3, 2, 1) != turn_seed(seeded, 3, 2, 1)
     assert turn_seed(SamplingConfig(), 7, 0, 0) is None
+    # The samples of a group count up from one seed (what lets the engine run them as one vLLM request).
+    assert [turn_seed(seeded, 3, i, 1) for i in range(8)] == [turn_seed(seeded, 3, 0, 1) + i for i in range(8)]
+
+
+def test_joiner_gathers_by_prompt_sampling_and_adapter_and_keeps_seed_runs():
+    import asyncio
+
+    from rollout.engine.joining import Joiner, Waiter
+
+    loop = asyncio.new_event_loop()
+    try:
+        joiner = Joiner()
+
+        def waiter(n=1, seed=None):
+            return Waiter(loop.create_future(), n, seed)
+
+        unseeded = [waiter(), waiter(2), waiter()]
+        seeded = [waiter(seed=13), waiter(2, seed=10), waiter(seed=12), waiter(seed=20)]
+        other_prompt, other_sampling = waiter(), waiter()
+        for w in unseeded + seeded:
+            joiner.add([1, 2, 3], "T=1", "T=1", None, w)
+        joiner.add([1, 2], "T=1", "T=1", None, other_prompt)
+        joiner.add([1, 2, 3], "T=0", "T=0", None, other_sampling)
+        gone = waiter()
+        joiner.add([1, 2, 3], "T=1", "T=1", None, gone)
+        joiner.remove(gone)
+        requests = joiner.take()
+        assert not joiner
+        layout = sorted((r.prompt, r.sampling, r.seed or -1, r.n, len(r.waiters)) for r in requests)
+        assert layout == sorted([
+            ([1, 2, 3], "T=1", -1, 4, 3),  # the unseeded callers, one request
+            ([1, 2, 3], "T=1", 10, 4, 3),  # seeds 10-11, 12, 13: one run
+            ([1, 2, 3], "T=1", 20, 1, 1),  # 20 does not continue it
+            ([1, 2], "T=1", -1, 1, 1),
+            ([1, 2, 3], "T=0", -1, 1, 1),
+        ])  # fmt: skip
+        run = next(r for r in requests if r.seed == 10)
+        assert [w.seed for w in run.waiters] == [10, 12, 13]
+        run.waiters[1].future.cancel()
+        assert run.wanted()
+        run.deliver(["a", "b", "c", "d"])
+        assert [w.future.result() for w in (run.waiters[0], run.waiters[2])] == [["a", "b"], ["d"]]
+        assert not run.wanted()
+        short = next(r for r in requests if r.seed is None and r.n == 4)
+        short.deliver(["x"])  # vLLM gave fewer completions than asked: every caller hears it
+        assert all("1 completions" in str(w.future.exception()) for w in short.waiters)
+    finally:
+        loop.close()
 
 
 def test_sampling_params_carry_every_setting():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.tokenizer import has_chat_template, load_tokenizer, messages_to_text, render_prompt
+from rollout.tokenizer import PromptRenderer, has_chat_template, load_tokenizer, messages_to_text, render_prompt
 from tools.make_tiny_model import make_tiny_model
 
 QUESTION = [{"role": "user", "content": "What is 12 + 345?"}]
@@ -103,3 +103,28 @@ def test_arithmetic_sft_example_tokenizes_as_prompt_then_digits_then_eos(tokeniz
         assert completion_ids[-1] == tokenizer.eos_token_id
         assert len(completion_ids) == len(problem.answer) + 1  # one token per digit, then the eos token
         assert tokenizer.decode(prompt_ids + completion_ids).endswith(f"assistant\n{problem.answer}<|im_end|>")
+
+
+def test_prompt_renderer_renders_as_render_prompt_and_remembers(tokenizer, monkeypatch):
+    import rollout.tokenizer as tk
+
+    render = PromptRenderer(tokenizer, max_entries=2)
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    prompts = [QUESTION, "What is 1 + 2?", [{"role": "system", "content": "Be brief."}, *QUESTION]]
+    for p in prompts:
+        assert render(p) == render_prompt(tokenizer, p)
+    assert render(QUESTION, tools) == render_prompt(tokenizer, QUESTION, tools=tools) != render(QUESTION)
+    assert PromptRenderer(tokenizer, use_chat_template=False)(QUESTION) == render_prompt(tokenizer, QUESTION, False)
+
+    calls = []
+    real = tk.render_prompt
+    monkeypatch.setattr(tk, "render_prompt", lambda *a, **k: calls.append(a) or real(*a, **k))
+    first = render("What is 7 + 8?")
+    first.append(-1)  # a caller's list is its own
+    assert render("What is 7 + 8?") == render_prompt(tokenizer, "What is 7 + 8?") and len(calls) == 1
+    render([{"role": "user", "content": "What is 7 + 8?"}])  # another prompt (a key of its own), then evicted
+    render("a"), render("b")
+    render("What is 7 + 8?")
+    assert len(calls) == 5
+    with pytest.raises(ValueError, match="chat message 0"):
+        render([{"content": "no role"}])

@@ -5,7 +5,9 @@ at temperatures other than 1 (training sees the distribution it sampled: float32
 first step's importance ratio 1; the untempered computation is checked to be far off, so the test has teeth); an
 applied update serves the new weights (HF parity) and differs from the old, by reference and through a file (the
 served engine's form); an update waits for the running batch, or in mode "keep" moves it onto the new weights;
-refused updates change nothing; an engine shut down leaves the next engine of the process working.
+refused updates change nothing; an engine shut down leaves the next engine of the process working; requests of one
+prompt join into one vLLM request without changing any seeded sample, and a cancelled or refused caller affects no
+other.
 """
 
 from __future__ import annotations
@@ -96,6 +98,99 @@ def test_sampled_logprobs_match_hf_teacher_forcing(engine, model_dir):
     assert float(np.concatenate(deltas).mean()) <= 1e-4
     again = engine.generate(PROMPTS, sampling, n=3, seeds=[7, 8, 9, 10])
     assert [[c.token_ids.tolist() for c in g] for g in again] == [[c.token_ids.tolist() for c in g] for g in groups]
+
+
+def _added_requests(engine: VLLMEngine, monkeypatch) -> list[int]:
+    """Record the ``n`` of every request the engine adds to vLLM from now on."""
+    added: list[int] = []
+    add = engine._engine.add_request
+
+    def recording(request_id, prompt, params, *args, **kwargs):
+        added.append(params.n)
+        return add(request_id, prompt, params, *args, **kwargs)
+
+    monkeypatch.setattr(engine._engine, "add_request", recording)
+    return added
+
+
+def test_requests_of_one_prompt_join_and_each_keeps_its_own_seed(engine, monkeypatch):
+    """Callers of one prompt and sampling, added between two steps, run as one vLLM request; a seeded caller gets
+    exactly the completion it gets alone (vLLM seeds child i with seed + i), so joining never changes a sample."""
+    import asyncio
+
+    sampling = SamplingConfig(temperature=1.0, max_tokens=12, seed=0)
+    seeds = [50, 51, 52, 53, 60, 61]  # two runs of consecutive seeds
+    alone = [engine.generate([PROMPTS[0]], sampling, 1, seeds=[s])[0][0] for s in seeds]
+    added = _added_requests(engine, monkeypatch)
+
+    async def together():
+        return await asyncio.gather(*(engine.generate_async(PROMPTS[0], sampling, 1, s) for s in seeds))
+
+    joined = [out[0] for out in engine.run(together())]
+    assert sorted(added) == [2, 4]
+    for a, b in zip(alone, joined, strict=True):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert len({tuple(c.token_ids) for c in joined}) > 1
+
+    added.clear()
+    unseeded = SamplingConfig(temperature=1.0, max_tokens=12)
+
+    async def mixed():
+        return await asyncio.gather(
+            *(engine.generate_async(PROMPTS[0], unseeded, 2) for _ in range(3)),
+            engine.generate_async(PROMPTS[1], unseeded, 1),
+        )  # fmt: skip
+
+    outs = engine.run(mixed())
+    assert sorted(added) == [1, 6] and [len(o) for o in outs] == [2, 2, 2, 1]
+
+
+def test_a_cancelled_caller_leaves_the_others_of_its_request(engine):
+    import asyncio
+
+    sampling = SamplingConfig(temperature=1.0, max_tokens=40, ignore_eos=True)
+
+    async def one_cancelled():
+        tasks = [asyncio.ensure_future(engine.generate_async(PROMPTS[2], sampling)) for _ in range(4)]
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the request is in vLLM now
+        tasks[1].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    outs = engine.run(one_cancelled())
+    assert isinstance(outs[1], asyncio.CancelledError)
+    assert all(len(o[0].token_ids) == 40 for i, o in enumerate(outs) if i != 1)
+
+    async def all_cancelled():
+        tasks = [asyncio.ensure_future(engine.generate_async(PROMPTS[2], sampling)) for _ in range(3)]
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return engine._engine.has_unfinished_requests()
+
+    assert engine.run(all_cancelled()) is False  # nobody waits: the request was aborted
+    assert len(engine.generate(PROMPTS[:1], GREEDY, 1)[0][0].token_ids) == GREEDY.max_tokens
+
+
+def test_a_prompt_the_engine_refuses_fails_only_its_callers(engine):
+    import asyncio
+
+    sampling = SamplingConfig(temperature=1.0, max_tokens=8)
+    too_long = list(range(5, 5 + 300))  # the engine's context is 256 tokens
+
+    async def batch():
+        return await asyncio.gather(
+            *(engine.generate_async(too_long, sampling) for _ in range(2)),
+            *(engine.generate_async(PROMPTS[1], sampling) for _ in range(2)),
+            return_exceptions=True,
+        )  # fmt: skip
+
+    outs = engine.run(batch())
+    assert all(isinstance(o, Exception) and "maximum context length" in str(o) for o in outs[:2]), outs[:2]
+    assert all(isinstance(o, list) and len(o) == 1 for o in outs[2:])
 
 
 def _trainer_logprobs(model_dir: str, samples: list[Sample], temperatures: list[float]) -> list[np.ndarray]:

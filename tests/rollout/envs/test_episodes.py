@@ -20,7 +20,7 @@ from rollout.envs import EpisodeLimits, run_episode  # noqa: E402
 from rollout.envs.config import CustomEnvConfig, PythonToolConfig, ToolEnvConfig  # noqa: E402
 from rollout.rewards.config import ExactMatchRewardConfig, RewardConfig  # noqa: E402
 from rollout.tasks.problem import Problem  # noqa: E402
-from rollout.tokenizer import end_of_turn_id, render_continuation, render_prompt  # noqa: E402
+from rollout.tokenizer import PromptRenderer, end_of_turn_id, render_continuation, render_prompt  # noqa: E402
 from rollout.types import Sample  # noqa: E402
 from rollout.worker import RolloutWorker  # noqa: E402
 
@@ -46,7 +46,7 @@ THREE_TURNS = EpisodeLimits(max_turns=3)
 def _run(worker, envs, limits=THREE_TURNS, sampling=SAMPLING):
     async def batch():
         return await asyncio.gather(*(
-            run_episode(worker.engine, worker.tokenizer, env, PROBLEM, sampling, limits,
+            run_episode(worker.engine, PromptRenderer(worker.tokenizer), env, PROBLEM, sampling, limits,
                         lambda t, k=k: None if sampling.seed is None else sampling.seed + 100 * k + t)
             for k, env in enumerate(envs)
         ))  # fmt: skip
