@@ -143,6 +143,7 @@ class _Run:
         self.pool: Any = None
         self.trainer: Any = None
         self.logger: Any = None
+        self.tokenizer: Any = None
 
     def __enter__(self) -> _Run:
         from driver.metrics import MetricsLogger
@@ -209,8 +210,9 @@ class _Run:
         with concurrent.futures.ThreadPoolExecutor(2) as starting:
             pool, trainer = starting.submit(start_pool), starting.submit(start_trainer)
             failures = []
-            try:  # meanwhile (transformers' import is seconds of this process)
-                self.tokenizer = load_tokenizer(r.rollout.tokenizer_path or r.model.path)
+            try:  # meanwhile, for the warm start only (transformers' import is seconds of a core the actors want)
+                if r.run.warm_start.num_steps > 0 and not self.resume:
+                    self.tokenizer = load_tokenizer(r.rollout.tokenizer_path or r.model.path)
             except Exception as e:  # noqa: BLE001 (the actors still start and must be stopped)
                 failures.append(e)
             for name, future in (("pool", pool), ("trainer", trainer)):
