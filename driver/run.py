@@ -145,6 +145,11 @@ class _Run:
         self.logger: Any = None
         self.tokenizer: Any = None
 
+    @property
+    def _runs_warm_start(self) -> bool:
+        """Whether this run starts with the recipe's supervised warm start (a resumed run never does)."""
+        return self.recipe.run.warm_start.num_steps > 0 and not self.resume
+
     def __enter__(self) -> _Run:
         from driver.metrics import MetricsLogger
         from driver.placement import host_cores, plan_placement
@@ -211,7 +216,7 @@ class _Run:
             pool, trainer = starting.submit(start_pool), starting.submit(start_trainer)
             failures = []
             try:  # meanwhile, for the warm start only (transformers' import is seconds of a core the actors want)
-                if r.run.warm_start.num_steps > 0 and not self.resume:
+                if self._runs_warm_start:
                     self.tokenizer = load_tokenizer(r.rollout.tokenizer_path or r.model.path)
             except Exception as e:  # noqa: BLE001 (the actors still start and must be stopped)
                 failures.append(e)
@@ -262,7 +267,7 @@ class _Run:
             num_dropped = self.logger.drop_from(start_step)
             log.info("resumed at step %d (policy version %d); dropped %d metric records past it", start_step,
                      state["policy_version"], num_dropped)  # fmt: skip
-        elif r.run.warm_start.num_steps > 0:
+        elif self._runs_warm_start:
             t0 = time.perf_counter()
 
             def publish_and_evaluate() -> dict[str, float]:

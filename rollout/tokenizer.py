@@ -120,14 +120,14 @@ class PromptRenderer:
 
     def __call__(self, prompt: PromptLike, tools: Tools | None = None) -> list[int]:
         key = _prompt_key(prompt, tools)
-        ids = None if key is None else self._rendered.get(key)
+        if key is None:
+            return render_prompt(self.tokenizer, prompt, self.use_chat_template, tools)
+        ids = self._rendered.get(key)
         if ids is None:
-            ids = render_prompt(self.tokenizer, prompt, self.use_chat_template, tools)
-            if key is not None:
-                self._rendered[key] = ids
-                if len(self._rendered) > self._max_entries:
-                    self._rendered.popitem(last=False)
-        elif key is not None:
+            ids = self._rendered[key] = render_prompt(self.tokenizer, prompt, self.use_chat_template, tools)
+            if len(self._rendered) > self._max_entries:
+                self._rendered.popitem(last=False)
+        else:
             self._rendered.move_to_end(key)
         return list(ids)
 

@@ -90,11 +90,11 @@ class Joiner:
 
     def add(self, prompt: Sequence[int], sampling: Any, sampling_key: Hashable, adapter: Any, waiter: Waiter) -> None:
         """Let ``waiter`` join the requests of the same prompt, sampling and adapter that wait for the next step."""
-        ids = list(map(int, prompt))
-        key = (tuple(ids), sampling_key, None if adapter is None else adapter.lora_int_id)
+        ids = tuple(map(int, prompt))
+        key = (ids, sampling_key, None if adapter is None else adapter.lora_int_id)
         gathering = self._pending.get(key)
         if gathering is None:
-            self._pending[key] = Joined(ids, sampling, adapter, [waiter])
+            self._pending[key] = Joined(list(ids), sampling, adapter, [waiter])
         else:
             gathering.waiters.append(waiter)
 
