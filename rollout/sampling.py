@@ -14,17 +14,20 @@ if TYPE_CHECKING:
 __all__ = ["turn_seed", "to_vllm_sampling_params"]
 
 
-def turn_seed(sampling: SamplingConfig, group_id: int, sample_index: int, turn: int) -> int | None:
+def turn_seed(sampling: SamplingConfig, group_id: int, sample_index: int, turn: int, n: int = 1) -> int | None:
     """Seed of model turn ``turn`` of sample ``sample_index`` of group ``group_id`` (a function of these and
     ``sampling.seed`` only, so a batch is reproducible however its episodes interleave), or ``None`` when sampling is
     unseeded.
 
     The samples of a group count up from one seed per (group, turn): vLLM seeds the ``n`` completions of one request
     ``s, s + 1, ...``, so the engine can run a group's samples as one request (:mod:`rollout.engine.joining`)
-    and each still gets exactly its own seed.
+    and each still gets exactly its own seed. A turn that samples ``n`` > 1 choices (an agent's call) would run into
+    the next samples' seeds that way, so it gets a seed of its own (its choices take ``s .. s + n - 1``).
     """
     if sampling.seed is None:
         return None
+    if n > 1:
+        return int(np.random.SeedSequence([sampling.seed, group_id, turn, sample_index, n]).generate_state(1)[0] >> 2)
     base = int(np.random.SeedSequence([sampling.seed, group_id, turn]).generate_state(1)[0] >> 2)
     return base + sample_index
 

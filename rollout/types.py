@@ -46,6 +46,11 @@ class Sample:
     """uint8 [completion_len]: 1 on tokens the model generated (trained on), 0 on tokens it was given (observations,
     tool output, chat-template markup between turns); ``None``: every completion token is the model's. The last token
     is always the model's."""
+    episode: int | None = None
+    """Which episode of its group this sample is a part of, where one episode gave several samples (an agent episode
+    whose calls do not extend each other, or a call that sampled several choices); ``None``: the sample is an episode
+    of its own. The parts of one episode carry the same reward and count once in their group's advantage statistics,
+    and each gets the episode's advantage."""
 
     @property
     def num_model_tokens(self) -> int:

@@ -95,7 +95,7 @@ class RolloutWorker:
         ``env/num_timeouts`` and the environment's own ``env/<name>`` sums (``env/tool_calls``, ``env/tool_s``, ...);
         for an agent the ``agent/*`` figures of :func:`rollout.agents.agent_metrics`. An agent episode whose calls do
         not extend each other gives one sample per segment (:mod:`rollout.agents.trajectory`), each with the episode's
-        reward.
+        reward and ``Sample.episode`` set, so the episode counts once in its group's advantages.
         """
         from rollout.agents import agent_metrics
 
@@ -135,6 +135,7 @@ class RolloutWorker:
                 | ({"num_turns": e.num_turns, "final_text": finals[j].final_text} if multi_turn else {})
                 | ({"sample_index": k, "segment": s, "num_segments": len(segments)} if self._agents else {}),
                 loss_mask=e.loss_mask if multi_turn and not e.loss_mask.all() else None,
+                episode=k if len(segments) > 1 else None,
             )
             for j, ((i, k), (segments, env_reward)) in enumerate(zip(jobs, runs, strict=True))
             for s, e in enumerate(segments)

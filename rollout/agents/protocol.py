@@ -2,11 +2,13 @@
 
 Only what a training endpoint can honour exactly is accepted. Messages (text content, assistant ``tool_calls``,
 ``tool`` results), ``tools`` with ``tool_choice`` "auto" or "none", ``max_tokens`` / ``max_completion_tokens``
-(capped by the recipe) and ``stop`` are honoured. The sampling distribution is the recipe's, so the trainer computes the
+(capped by the recipe), ``stop`` and ``n`` (up to :data:`MAX_CHOICES` completions of one prompt, each trained on) are
+honoured. The sampling distribution is the recipe's, so the trainer computes the
 log-probs of the distribution the tokens came from: ``temperature``, ``top_p``, ``seed`` and the penalties a client
 sends are not applied (each request that sends one counts in ``agent/ignored_sampling_params``). What cannot be
-served as asked is refused with status 400 and an OpenAI error body naming the parameter: ``n`` > 1, ``stream``,
-forced tool choices, structured output, non-text content parts.
+served as asked is refused with status 400 and an OpenAI error body naming the parameter: forced tool choices,
+structured output, non-text content parts. ``stream`` replies come as server-sent ``chat.completion.chunk`` events
+(:mod:`rollout.agents.streaming`), with a usage chunk when ``stream_options.include_usage`` is set.
 
 Tool calls in the reply are read from the model's text in the Qwen / Hermes form (``<tool_call>{...}</tool_call>``,
 :func:`rollout.envs.tools.parse_tool_calls`) when the request offers tools; the reply's ``content`` is the text
@@ -24,7 +26,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ChatRequest", "ProtocolError", "assistant_reply", "chat_completion", "error_body", "parse_chat_request"]
+__all__ = [
+    "MAX_CHOICES", "ChatRequest", "ProtocolError", "assistant_reply", "chat_chunk", "chat_completion", "error_body",
+    "parse_chat_request",
+]  # fmt: skip
+
+MAX_CHOICES = 16
+"""The most completions one call may ask for (``n``): each is a training sample."""
 
 _ROLES = ("system", "user", "assistant", "tool")
 _SAMPLING_PARAMS = (
@@ -32,7 +40,6 @@ _SAMPLING_PARAMS = (
     "logit_bias",
 )  # fmt: skip
 _REFUSED = {
-    "stream": "streamed replies are not served by the training endpoint; request whole completions (stream=false)",
     "response_format": "structured output constrains sampling, so the trainer could not reproduce its log-probs",
     "guided_json": "guided decoding constrains sampling, so the trainer could not reproduce its log-probs",
     "guided_regex": "guided decoding constrains sampling, so the trainer could not reproduce its log-probs",
@@ -65,6 +72,12 @@ class ChatRequest:
     """The client's stop strings (added to the recipe's)."""
     ignored_sampling_params: list[str]
     """Sampling parameters the client sent that the recipe's settings override."""
+    n: int = 1
+    """Completions to sample (``choices``)."""
+    stream: bool = False
+    """Reply as server-sent chunks."""
+    include_usage: bool = False
+    """A streamed reply ends with a usage chunk (``stream_options.include_usage``)."""
 
 
 def parse_chat_request(body: object) -> ChatRequest:
@@ -75,10 +88,12 @@ def parse_chat_request(body: object) -> ChatRequest:
         if body.get(name):
             raise ProtocolError(f"{name}: {why}", param=name, code="unsupported_parameter")
     n = body.get("n")
-    if n not in (None, 1):
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
         raise ProtocolError(
-            f"n = {n!r}: one completion per call (each call is one step of the episode); make n calls instead",
-            param="n", code="unsupported_parameter",
+            f"n = {n!r} must be an integer from 1 to {MAX_CHOICES} (every choice is a sample the trainer learns from)",
+            param="n",
         )  # fmt: skip
     messages = _messages(body.get("messages"))
     tools = _tools(body.get("tools"))
@@ -96,7 +111,19 @@ def parse_chat_request(body: object) -> ChatRequest:
         max_tokens=_max_tokens(body),
         stop=_stop(body.get("stop")),
         ignored_sampling_params=[p for p in _SAMPLING_PARAMS if body.get(p) is not None],
+        n=n,
+        stream=_flag(body, "stream"),
+        include_usage=_flag(body.get("stream_options") or {}, "include_usage", "stream_options."),
     )
+
+
+def _flag(body: object, name: str, where: str = "") -> bool:
+    if not isinstance(body, Mapping):
+        raise ProtocolError(f"{where.rstrip('.')} must be an object", param=where.rstrip("."))
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ProtocolError(f"{where}{name} = {value!r} must be true or false", param=where + name)
+    return bool(value)
 
 
 def _messages(value: object) -> list[dict[str, Any]]:
@@ -213,24 +240,47 @@ def assistant_reply(text: str, parse_tool_calls: bool, call_id: str) -> tuple[di
 def chat_completion(
     completion_id: str,
     model: str,
-    message: dict[str, Any],
-    finish_reason: str,
+    choices: list[tuple[dict[str, Any], str]],
     prompt_tokens: int,
     completion_tokens: int,
     policy_version: int,
 ) -> dict[str, Any]:
-    """The ``chat.completion`` object of one reply; ``finish_reason``: "stop", "length" or "tool_calls". The weights
-    version that sampled it rides along as ``policy_version`` (OpenAI clients keep unknown fields)."""
+    """The ``chat.completion`` object of one reply: ``choices`` are (message, finish reason) in index order, the
+    reason "stop", "length" or "tool_calls"; ``completion_tokens`` counts all of them. The weights version that
+    sampled them rides along as ``policy_version`` (OpenAI clients keep unknown fields)."""
     return {
         "id": completion_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [{"index": i, "message": message, "finish_reason": finish, "logprobs": None}
+                    for i, (message, finish) in enumerate(choices)],  # fmt: skip
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},  # fmt: skip
         "policy_version": policy_version,
     }
+
+
+def chat_chunk(
+    completion_id: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage: tuple[int, int] | None = None,
+    policy_version: int | None = None,
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` of a streamed reply: ``choices`` are ``{"index", "delta", "finish_reason"}``
+    entries; ``usage`` (prompt tokens, completion tokens) for the closing usage chunk (no choices). A chunk that
+    ends a choice carries ``policy_version``."""
+    chunk: dict[str, Any] = {
+        "id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
+        "choices": [{"logprobs": None, "finish_reason": None, **c} for c in choices],
+    }  # fmt: skip
+    if usage is not None:
+        chunk["usage"] = {"prompt_tokens": usage[0], "completion_tokens": usage[1], "total_tokens": sum(usage)}
+    if policy_version is not None:
+        chunk["policy_version"] = policy_version
+    return chunk
 
 
 def error_body(message: str, param: str | None = None, code: str = "invalid_request") -> dict[str, Any]:

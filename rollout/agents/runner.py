@@ -145,7 +145,7 @@ class AgentRunner:
         if timed_out or stopped:
             segments[-1].finish_reason = "length"
         reward = float(value) if isinstance(value, int | float) else 0.0
-        return AgentOutcome(segments, reward, timed_out, stopped, len(episode.calls),
+        return AgentOutcome(segments, reward, timed_out, stopped, len({c.index for c in episode.calls}),
                             episode.num_ignored_sampling)  # fmt: skip
 
     def _failed(self, problem: Problem, what: str) -> RuntimeError:

@@ -5,9 +5,11 @@ It is an aiohttp server on the engine's event loop (loopback only; an episode's 
 local process cannot write into it), so a request goes from the socket to ``generate_async`` without a thread hop and
 shares continuous batching with every other episode. Routes, under ``/episodes/<id>/v1`` (an episode's base URL):
 ``POST /chat/completions`` and ``GET /models``. A call renders the messages with the tokenizer's chat template (tools
-described), samples one completion with the recipe's sampling (seeded per call, like an environment's turns) and
-records an :class:`~rollout.agents.trajectory.AgentCall`. The reply's text is the decoded generated ids, so the
-recorded ids reproduce it exactly (a stop string that ended a completion stays in its text).
+described), samples ``n`` completions (default 1) with the recipe's sampling (seeded per call, like an environment's
+turns) and records each as an :class:`~rollout.agents.trajectory.AgentCall`. The reply's text is the decoded generated
+ids, so the recorded ids reproduce it exactly (a stop string that ended a completion stays in its text). A ``stream``
+request gets the same reply as server-sent chunks while it is generated (:mod:`rollout.agents.streaming`); an error
+after the stream began comes as an ``error`` event.
 
 Limits of the episode (``environment.max_turns`` calls, ``max_total_tokens`` of growth after the first call's prompt,
 the engine's context) are answered with status 400 (codes ``episode_limit``, ``context_length_exceeded``); a call in
@@ -19,11 +21,13 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rollout.agents import protocol
+from rollout.agents.streaming import ChoiceStream
 from rollout.agents.trajectory import AgentCall
 from rollout.config import SamplingConfig
 from rollout.envs.episode import EpisodeLimits
@@ -33,7 +37,7 @@ if TYPE_CHECKING:
     from aiohttp import web
     from transformers import PreTrainedTokenizerBase
 
-    from rollout.engine.vllm_engine import VLLMEngine
+    from rollout.engine.vllm_engine import Completion, VLLMEngine
 
 __all__ = ["AgentEndpoint", "EpisodeCalls"]
 
@@ -48,9 +52,11 @@ class EpisodeCalls:
     base_url: str
     sampling: SamplingConfig
     limits: EpisodeLimits
-    seed_of_call: Callable[[int], int | None]
+    seed_of_call: Callable[[int, int], int | None]
+    """``(call index, n) ->`` the seed of that call's ``n`` completions (they take ``seed .. seed + n - 1``)."""
     calls: list[AgentCall] = field(default_factory=list)
-    """Recorded calls, in completion order (``AgentCall.index`` gives arrival order)."""
+    """Recorded completions, in completion order (``AgentCall.index`` gives a call's arrival order, ``choice`` which
+    of its completions)."""
     num_accepted: int = 0
     first_prompt_len: int | None = None
     num_limit_refusals: int = 0
@@ -93,7 +99,7 @@ class AgentEndpoint:
         return runner, int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
 
     async def open(
-        self, sampling: SamplingConfig, limits: EpisodeLimits, seed_of_call: Callable[[int], int | None]
+        self, sampling: SamplingConfig, limits: EpisodeLimits, seed_of_call: Callable[[int, int], int | None]
     ) -> EpisodeCalls:
         """Register an episode (on the engine loop) and return it, with its ``base_url``."""
         episode_id = secrets.token_urlsafe(12)
@@ -122,10 +128,8 @@ class AgentEndpoint:
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rl-align"}
         ]})  # fmt: skip
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         from aiohttp import web
-
-        from rollout.engine.errors import EngineBrokenError
 
         episode = self._episodes.get(request.match_info["episode"])
         if episode is None:
@@ -143,33 +147,108 @@ class AgentEndpoint:
         index = episode.num_accepted
         episode.num_accepted += 1
         episode.num_ignored_sampling += bool(chat.ignored_sampling_params)
-        generation = asyncio.ensure_future(
-            self.engine.generate_async(prompt, sampling, 1, episode.seed_of_call(index))
-        )
+        progress = _Progress() if chat.stream else None
+        generation = asyncio.ensure_future(self.engine.generate_async(
+            prompt, sampling, chat.n, episode.seed_of_call(index, chat.n),
+            on_tokens=None if progress is None else progress.on_tokens,
+        ))  # fmt: skip
         episode.in_flight.add(generation)
         try:
-            [completion] = await generation
+            if progress is not None:
+                return await self._stream(request, episode, chat, prompt, index, generation, progress)
+            outcome = await self._outcome(episode, generation)
+        finally:
+            episode.in_flight.discard(generation)
+        if isinstance(outcome, protocol.ProtocolError):
+            return _error(outcome.status, str(outcome), code=outcome.code)
+        choices = self._record(episode, chat, prompt, index, outcome)
+        return web.json_response(protocol.chat_completion(
+            f"chatcmpl-{episode.episode_id}-{index}", self.model_name, choices, len(prompt),
+            sum(len(c.token_ids) for c in outcome), min(c.policy_version for c in outcome),
+        ))  # fmt: skip
+
+    async def _stream(
+        self, request: web.Request, episode: EpisodeCalls, chat: protocol.ChatRequest, prompt: list[int], index: int,
+        generation: asyncio.Future[list[Completion]], progress: _Progress,
+    ) -> web.StreamResponse:  # fmt: skip
+        """Send the reply as server-sent chunks while it is generated (:mod:`rollout.agents.streaming`); a client
+        that goes away stops the sending, not the call (it is recorded like any other)."""
+        from aiohttp import web
+
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        send = _EventSender(response)
+        completion_id, created = f"chatcmpl-{episode.episode_id}-{index}", int(time.time())
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            return protocol.chat_chunk(completion_id, self.model_name, created, choices, **extra)
+
+        streams = [ChoiceStream(chat.parse_tool_calls) for _ in range(chat.n)]
+        await send(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}} for j in range(chat.n)]))
+        while not generation.done():
+            grew = asyncio.ensure_future(progress.grew.wait())
+            either: set[asyncio.Future[Any]] = {grew, generation}
+            try:
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                grew.cancel()
+            deltas = []
+            for j, ids in progress.take().items():
+                text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
+                if content := streams[j].update(text):
+                    deltas.append({"index": j, "delta": {"content": content}})
+            if deltas:
+                await send(chunk(deltas))
+        outcome = await self._outcome(episode, generation)
+        if isinstance(outcome, protocol.ProtocolError):
+            await send(protocol.error_body(str(outcome), code=outcome.code))
+        else:
+            choices = self._record(episode, chat, prompt, index, outcome)
+            await send(chunk(
+                [{"index": j, "delta": streams[j].finish(m), "finish_reason": f} for j, (m, f) in enumerate(choices)],
+                policy_version=min(c.policy_version for c in outcome),
+            ))  # fmt: skip
+            if chat.include_usage:
+                await send(chunk([], usage=(len(prompt), sum(len(c.token_ids) for c in outcome))))
+        await send.done()
+        return response
+
+    async def _outcome(
+        self, episode: EpisodeCalls, generation: asyncio.Future[list[Completion]]
+    ) -> list[Completion] | protocol.ProtocolError:
+        """The call's completions, or the error that answers it (an ended episode, an engine that cannot serve)."""
+        from rollout.engine.errors import EngineBrokenError
+
+        try:
+            completions = await generation
         except asyncio.CancelledError:
             if not generation.cancelled():
                 raise  # this handler itself is being cancelled (server shutdown)
-            return _error(409, "the episode ended (its timeout passed) while this call was in flight",
-                          code="episode_closed")  # fmt: skip
+            return protocol.ProtocolError("the episode ended (its timeout passed) while this call was in flight",
+                                          code="episode_closed", status=409)  # fmt: skip
         except (EngineBrokenError, RuntimeError) as e:
-            return _error(503, f"the rollout engine cannot serve: {e}", code="engine_unavailable")
-        finally:
-            episode.in_flight.discard(generation)
+            return protocol.ProtocolError(f"the rollout engine cannot serve: {e}", code="engine_unavailable",
+                                          status=503)  # fmt: skip
         if episode.closed:
-            return _error(409, "the episode ended while this call was in flight", code="episode_closed")
-        text = str(self.tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True))
-        episode.calls.append(AgentCall(index, prompt, completion.token_ids, completion.logprobs,
-                                       completion.policy_version, completion.finish_reason, text))  # fmt: skip
-        call_id = f"call_{episode.episode_id[:8]}_{index}"
-        message, calls_tools = protocol.assistant_reply(text, chat.parse_tool_calls, call_id)
-        finish = "length" if completion.finish_reason == "length" else ("tool_calls" if calls_tools else "stop")
-        return web.json_response(protocol.chat_completion(
-            f"chatcmpl-{episode.episode_id}-{index}", self.model_name, message, finish, len(prompt),
-            len(completion.token_ids), completion.policy_version,
-        ))  # fmt: skip
+            return protocol.ProtocolError("the episode ended while this call was in flight", code="episode_closed",
+                                          status=409)  # fmt: skip
+        return completions
+
+    def _record(
+        self, episode: EpisodeCalls, chat: protocol.ChatRequest, prompt: list[int], index: int,
+        completions: list[Completion],
+    ) -> list[tuple[dict[str, Any], str]]:  # fmt: skip
+        """Record the call's completions for training; their reply messages and finish reasons."""
+        choices = []
+        for j, completion in enumerate(completions):
+            text = str(self.tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True))
+            episode.calls.append(AgentCall(index, prompt, completion.token_ids, completion.logprobs,
+                                           completion.policy_version, completion.finish_reason, text, j))  # fmt: skip
+            call_id = f"call_{episode.episode_id[:8]}_{index}" + (f"_{j}" if chat.n > 1 else "")
+            message, calls_tools = protocol.assistant_reply(text, chat.parse_tool_calls, call_id)
+            finish = "length" if completion.finish_reason == "length" else ("tool_calls" if calls_tools else "stop")
+            choices.append((message, finish))
+        return choices
 
     def _render(self, chat: protocol.ChatRequest) -> list[int]:
         try:
@@ -204,6 +283,47 @@ class AgentEndpoint:
         return base.model_copy(update={
             "max_tokens": max_tokens, "min_tokens": min(base.min_tokens, max_tokens), "stop": [*base.stop, *chat.stop],
         })  # fmt: skip
+
+
+class _Progress:
+    """A streamed call's choices that grew since the sender last looked (filled on the engine loop)."""
+
+    def __init__(self) -> None:
+        self.grew = asyncio.Event()
+        self._ids: dict[int, list[int]] = {}
+
+    def on_tokens(self, choice: int, token_ids: Sequence[int]) -> None:
+        self._ids[choice] = list(token_ids)
+        self.grew.set()
+
+    def take(self) -> dict[int, list[int]]:
+        """The latest ids of each choice that grew, forgotten here."""
+        ids, self._ids = self._ids, {}
+        self.grew.clear()
+        return ids
+
+
+class _EventSender:
+    """Writes server-sent events; once the client is gone, writes nothing more (the call still completes)."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        self._response, self._gone = response, False
+
+    async def __call__(self, event: dict[str, Any]) -> None:
+        await self._write(f"data: {json.dumps(event)}\n\n".encode())
+
+    async def done(self) -> None:
+        await self._write(b"data: [DONE]\n\n")
+        if not self._gone:
+            await self._response.write_eof()
+
+    async def _write(self, data: bytes) -> None:
+        if self._gone:
+            return
+        try:
+            await self._response.write(data)
+        except ConnectionError:
+            self._gone = True
 
 
 def _error(status: int, message: str, param: str | None = None, code: str = "invalid_request") -> web.Response:

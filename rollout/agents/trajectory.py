@@ -5,8 +5,12 @@ generated. Calls are taken in the order they arrived. A call whose prompt starts
 segment (its first prompt, then its model and observation tokens) extends that segment: the prompt's remaining ids are
 observation tokens (loss mask 0), the completion model tokens (mask 1). Otherwise (a chat template that rewrites
 history, a re-tokenisation that differs from what was generated, an agent that edits or branches its conversation)
-the call starts a new segment, and each segment is one training sample. Nothing is ever re-tokenised to make calls
-fit: the trainer sees exactly the ids the engine was conditioned on and sampled.
+the call starts a new segment, and each segment is one training sample. A call that sampled several choices
+(``n`` > 1) is taken choice by choice: the first extends the segment its prompt extends; each other one no longer
+finds that segment a prefix (it now holds the first choice), so it starts a segment whose prompt is the whole
+conversation so far (the earlier turns are trained once, in the first); a later call extends whichever choice the
+agent went on with. Nothing is ever re-tokenised to make calls fit: the trainer sees exactly the ids the engine was
+conditioned on and sampled.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class AgentCall:
     """'stop' or 'length' (the engine's)."""
     text: str
     """The completion decoded as the reply's text was (special tokens dropped)."""
+    choice: int = 0
+    """Which of the call's choices (``n`` > 1) this completion is."""
 
 
 @dataclass
@@ -67,7 +73,7 @@ def assemble(calls: Sequence[AgentCall]) -> list[Episode]:
     """The episode's segments, each as an :class:`~rollout.envs.episode.Episode` (``env_reward`` 0, finish reason of
     its last call); empty without calls. A call extends the longest open segment its prompt starts with."""
     segments: list[_Segment] = []
-    for call in sorted(calls, key=lambda c: c.index):
+    for call in sorted(calls, key=lambda c: (c.index, c.choice)):
         extended = [s for s in segments if s.is_prefix_of(call.prompt_ids)]
         segment = max(extended, key=len) if extended else None
         if segment is None:

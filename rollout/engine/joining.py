@@ -11,14 +11,18 @@ Seeds: an unseeded request joins any other unseeded one. vLLM seeds child ``i`` 
 completion is sampled with exactly the seed it asked for, and a seeded batch is reproducible however its requests
 were joined. :func:`rollout.sampling.turn_seed` numbers the samples of a group that way.
 
+A caller that follows its completions token by token (``on_tokens``: a streamed reply) never joins: its request is
+its own, asked of vLLM with cumulative outputs after every step, and the request keeps each child's latest output,
+since vLLM then reports children one by one rather than all ``n`` together at the end.
+
 This module is the bookkeeping alone (no vLLM): who waits for which completions, and which requests join.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Joined", "Joiner", "Waiter"]
@@ -33,6 +37,9 @@ class Waiter:
     seed: int | None
     joined: Joined | None = None
     """The request it was added to the engine with; ``None`` while it still waits for the next step."""
+    on_tokens: Callable[[int, Sequence[int]], None] | None = None
+    """Called on the engine loop after each step with (choice index, that choice's token ids so far); it must not
+    raise. ``None``: the caller wants the finished completions only."""
 
 
 @dataclass(eq=False)
@@ -46,6 +53,21 @@ class Joined:
     request_id: str = ""
     version: int = 0
     """The weights version when it was added."""
+    latest: dict[int, Any] = field(default_factory=dict)
+    """A streamed request's latest output of each child, by index."""
+
+    @property
+    def streamed(self) -> bool:
+        """Whether its (only) caller follows the tokens as they come."""
+        return self.waiters[0].on_tokens is not None
+
+    def observe(self, children: Sequence[Any]) -> None:
+        """A streamed request's children that made progress in a step (vLLM ``CompletionOutput``s, cumulative)."""
+        on_tokens = self.waiters[0].on_tokens
+        assert on_tokens is not None
+        for child in children:
+            self.latest[child.index] = child
+            on_tokens(child.index, child.token_ids)
 
     @property
     def n(self) -> int:
@@ -91,7 +113,9 @@ class Joiner:
     def add(self, prompt: Sequence[int], sampling: Any, sampling_key: Hashable, adapter: Any, waiter: Waiter) -> None:
         """Let ``waiter`` join the requests of the same prompt, sampling and adapter that wait for the next step."""
         ids = tuple(map(int, prompt))
-        key = (ids, sampling_key, None if adapter is None else adapter.lora_int_id)
+        key: tuple[Hashable, ...] = (ids, sampling_key, None if adapter is None else adapter.lora_int_id)
+        if waiter.on_tokens is not None:
+            key += (waiter,)  # a streamed request is its own
         gathering = self._pending.get(key)
         if gathering is None:
             self._pending[key] = Joined(list(ids), sampling, adapter, [waiter])

@@ -207,19 +207,26 @@ class VLLMEngine:
 
     # -- generation ------------------------------------------------------------------------------------------------
     async def generate_async(
-        self, prompt_token_ids: Sequence[int], sampling: SamplingConfig, n: int = 1, seed: int | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingConfig,
+        n: int = 1,
+        seed: int | None = None,
+        on_tokens: Callable[[int, Sequence[int]], None] | None = None,
     ) -> list[Completion]:
         """Sample ``n`` completions of one prompt (on the engine loop); they come back when all ``n`` have finished,
         each of one policy version. Waits while a weight update holds the engine. Requests of the same prompt and
         sampling added before the engine's next step run as one vLLM request (:mod:`rollout.engine.joining`).
-        Cancelling the awaiting task aborts the request (once no other caller waits for it)."""
+        ``on_tokens(choice, token_ids_so_far)``, if given, is called on the engine loop after every step in which a
+        choice grew (for streamed replies; such a request joins no other). Cancelling the awaiting task aborts the
+        request (once no other caller waits for it)."""
         if n < 1:
             raise ValueError(f"group size n={n} must be at least 1")
         while not self._admitting.is_set():
             await self._admitting.wait()
         self._check_usable()
         adapter = self._adapters.acquire() if self._adapters is not None else None
-        waiter = Waiter(self._loop.create_future(), n, seed)
+        waiter = Waiter(self._loop.create_future(), n, seed, on_tokens=on_tokens)
         try:
             self._joiner.add(prompt_token_ids, sampling, sampling.model_dump_json(), adapter, waiter)
             self._has_work.set()
@@ -251,7 +258,7 @@ class VLLMEngine:
                 w.joined = joined
             try:
                 params = to_vllm_sampling_params(joined.sampling, joined.n, joined.seed)
-                params.output_kind = RequestOutputKind.FINAL_ONLY
+                params.output_kind = RequestOutputKind.CUMULATIVE if joined.streamed else RequestOutputKind.FINAL_ONLY
                 self._engine.add_request(
                     joined.request_id, TokensPrompt(prompt_token_ids=joined.prompt), params, lora_request=joined.adapter
                 )  # fmt: skip
@@ -260,11 +267,11 @@ class VLLMEngine:
                 continue
             self._waiting[joined.request_id] = joined
 
-    def _finish(self, joined: Joined, output: Any) -> None:
+    def _finish(self, joined: Joined, children: Sequence[Any]) -> None:
         # With LoRA a request runs on one adapter from start to end: vLLM's version spans do not apply.
         spans = self._adapters is None
         try:
-            completions = [_completion(c, joined.version, spans) for c in sorted(output.outputs, key=lambda c: c.index)]
+            completions = [_completion(c, joined.version, spans) for c in sorted(children, key=lambda c: c.index)]
         except Exception as e:
             joined.fail(e)
             return
@@ -320,10 +327,15 @@ class VLLMEngine:
                     self._fail_waiting(EngineBrokenError(self._broken))
                     break
                 for output in outputs:
+                    joined = self._waiting.get(output.request_id)
+                    if joined is None:
+                        continue
+                    children: Sequence[Any] = output.outputs  # type: ignore[assignment]  # generation, not pooling
+                    if joined.streamed:
+                        joined.observe(children)
                     if output.finished:
-                        joined = self._waiting.pop(output.request_id, None)
-                        if joined is not None:
-                            self._finish(joined, output)
+                        del self._waiting[output.request_id]
+                        self._finish(joined, list(joined.latest.values()) if joined.streamed else children)
                 if self._waiting and not self._engine.has_unfinished_requests():  # never seen; must not spin
                     self._fail_waiting(RuntimeError(f"vLLM finished requests {sorted(self._waiting)} without output"))
                 self._note_drained()

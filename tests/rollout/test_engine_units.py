@@ -33,6 +33,10 @@ def test_turn_seeds_are_distinct_and_reproducible():
     assert turn_seed(SamplingConfig(), 7, 0, 0) is None
     # The samples of a group count up from one seed (what lets the engine run them as one vLLM request).
     assert [turn_seed(seeded, 3, i, 1) for i in range(8)] == [turn_seed(seeded, 3, 0, 1) + i for i in range(8)]
+    # A turn of n > 1 choices takes n seeds from a start of its own, not its group neighbours' seeds.
+    choices = {turn_seed(seeded, 3, i, 1, n=4) + j for i in range(8) for j in range(4)}
+    assert len(choices) == 32 and not choices & seeds
+    assert turn_seed(seeded, 3, 2, 1, n=4) == turn_seed(SamplingConfig(seed=100), 3, 2, 1, n=4)
 
 
 def test_joiner_gathers_by_prompt_sampling_and_adapter_and_keeps_seed_runs():

@@ -146,6 +146,32 @@ def test_requests_of_one_prompt_join_and_each_keeps_its_own_seed(engine, monkeyp
     assert sorted(added) == [1, 6] and [len(o) for o in outs] == [2, 2, 2, 1]
 
 
+def test_a_streamed_request_reports_its_choices_as_they_grow_and_ends_as_an_unstreamed_one(engine, monkeypatch):
+    """``on_tokens`` sees each choice's ids grow step by step up to the final completion, which is token for token
+    what the same seeded request gives unstreamed; a streamed request joins no other caller."""
+    import asyncio
+
+    sampling = SamplingConfig(temperature=1.0, max_tokens=10, seed=0, ignore_eos=True)
+    unstreamed = engine.generate([PROMPTS[0]], sampling, 3, seeds=[70])[0]
+    added = _added_requests(engine, monkeypatch)
+    seen: dict[int, list[list[int]]] = {}
+
+    def on_tokens(choice, ids):
+        seen.setdefault(choice, []).append(list(ids))
+
+    async def streamed_beside_another():
+        return await asyncio.gather(engine.generate_async(PROMPTS[0], sampling, 3, 70, on_tokens=on_tokens),
+                                    engine.generate_async(PROMPTS[0], sampling, 1, 73))  # fmt: skip
+
+    streamed, _ = engine.run(streamed_beside_another())
+    assert sorted(added) == [1, 3]  # the next seed in the run, but not joined to the streamed request
+    assert sorted(seen) == [0, 1, 2]
+    for a, b, growth in zip(unstreamed, streamed, (seen[j] for j in range(3)), strict=True):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        assert [len(ids) for ids in growth] == list(range(1, 11)) and growth[-1] == b.token_ids.tolist()
+
+
 def test_a_cancelled_caller_leaves_the_others_of_its_request(engine):
     import asyncio
 

@@ -92,6 +92,18 @@ async def hang_in_call(ctx: AgentContext) -> float:
     return 1.0
 
 
+async def best_of_two(ctx: AgentContext) -> float:
+    """Two choices, then a second call that continues the second one."""
+    client = _client(ctx)
+    messages = _first_messages(ctx)
+    response = await client.chat.completions.create(model=ctx.model, messages=messages, n=2)
+    chosen = response.choices[1].message
+    messages += [chosen.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+    await client.chat.completions.create(model=ctx.model, messages=messages)
+    await client.close()
+    return 0.5
+
+
 async def no_call(ctx: AgentContext) -> float:
     return 1.0
 

@@ -115,11 +115,11 @@ def test_a_tool_call_round_trips_through_the_client_into_one_sample(worker, monk
     generate = worker.engine.generate_async
     seen = []
 
-    async def first_call_scripted(prompt, sampling, n=1, seed=None):
+    async def first_call_scripted(prompt, sampling, n=1, seed=None, on_tokens=None):
         seen.append(list(prompt))
         if len(seen) == 1:
             return [Completion(scripted, np.full(len(scripted), -0.5, np.float32), "stop", 0)]
-        return await generate(prompt, sampling, n, seed)
+        return await generate(prompt, sampling, n, seed, on_tokens)
 
     monkeypatch.setattr(worker.engine, "generate_async", first_call_scripted)
     scripted_agents.RECORDS.clear()
@@ -233,18 +233,19 @@ def test_agent_functions_are_checked_when_loaded():
 def test_requests_the_endpoint_cannot_serve_exactly_are_refused_by_name(worker):
     runner = _runner(worker, "no_call")
     endpoint = runner.endpoint
-    episode = worker.engine.run(endpoint.open(SAMPLING, EpisodeLimits(max_turns=4), lambda t: None))
+    episode = worker.engine.run(endpoint.open(SAMPLING, EpisodeLimits(max_turns=4), lambda t, n: None))
     client = openai.OpenAI(base_url=episode.base_url, api_key="x", max_retries=0)
     messages = [{"role": "user", "content": "hi"}]
     try:
         assert [m.id for m in client.models.list()] == ["policy"]
-        for kwargs, name in [({"n": 2}, "n"), ({"tool_choice": "required", "tools": [scripted_agents.CALCULATOR]},
-                                                "tool_choice"), ({"response_format": {"type": "json_object"}},
-                                                                 "response_format")]:  # fmt: skip
+        for kwargs, name in [({"n": 17}, "n"), ({"tool_choice": "required", "tools": [scripted_agents.CALCULATOR]},
+                                                 "tool_choice"), ({"response_format": {"type": "json_object"}},
+                                                                  "response_format")]:  # fmt: skip
             with pytest.raises(openai.BadRequestError, match=name):
                 client.chat.completions.create(model="policy", messages=messages, **kwargs)
         with pytest.raises(openai.BadRequestError, match="stream"):
-            client.chat.completions.create(model="policy", messages=messages, stream=True)
+            client.chat.completions.create(model="policy", messages=messages, stream=True,
+                                           stream_options={"include_usage": "yes"})  # fmt: skip
         with pytest.raises(openai.BadRequestError, match=r"messages\[0\].role"):
             client.chat.completions.create(model="policy", messages=[{"role": "robot", "content": "hi"}])
         reply = client.chat.completions.create(model="any", messages=messages, max_tokens=3)
@@ -258,6 +259,86 @@ def test_requests_the_endpoint_cannot_serve_exactly_are_refused_by_name(worker):
         runner.shutdown()
     with pytest.raises(openai.APIConnectionError):
         client.chat.completions.create(model="policy", messages=messages)
+
+
+def test_a_streamed_reply_arrives_in_pieces_and_adds_up_to_the_recorded_completions(worker):
+    """Streamed with n = 3 and tools offered: each choice's content grows over several chunks, the chunks add up to
+    the reply the same seeded call gets unstreamed, every completion is recorded, and usage closes the stream."""
+    runner = _runner(worker, "no_call")
+    long = SAMPLING.model_copy(update={"stop_token_ids": [], "ignore_eos": True, "max_tokens": 16})
+    streamed_episode = worker.engine.run(runner.endpoint.open(long, EpisodeLimits(max_turns=8), lambda t, n: 3))
+    whole_episode = worker.engine.run(runner.endpoint.open(long, EpisodeLimits(max_turns=8), lambda t, n: 3))
+    messages = [{"role": "user", "content": PROBLEM.prompt}]
+    try:
+        client = openai.OpenAI(base_url=streamed_episode.base_url, api_key="x", max_retries=0)
+        chunks = list(client.chat.completions.create(
+            model="policy", messages=messages, n=3, stream=True, stream_options={"include_usage": True},
+            tools=[scripted_agents.CALCULATOR],
+        ))  # fmt: skip
+        whole = openai.OpenAI(base_url=whole_episode.base_url, api_key="x", max_retries=0).chat.completions.create(
+            model="policy", messages=messages, n=3, tools=[scripted_agents.CALCULATOR])
+    finally:
+        for episode in (streamed_episode, whole_episode):
+            worker.engine.run(runner.endpoint.close(episode))
+        runner.shutdown()
+    pieces: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    finish = {}
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            if choice.delta.content:
+                pieces[choice.index].append(choice.delta.content)
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    recorded = sorted(streamed_episode.calls, key=lambda c: c.choice)
+    assert [c.choice for c in recorded] == [0, 1, 2] and all(c.index == 0 for c in recorded)
+    for j in range(3):
+        assert "".join(pieces[j]) == (whole.choices[j].message.content or "") == recorded[j].text
+        assert finish[j] == whole.choices[j].finish_reason == "length"
+        assert recorded[j].completion_ids.tolist() == whole_episode.calls[j].completion_ids.tolist()
+    assert max(len(p) for p in pieces.values()) > 3  # sent while generated, not at the end
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 48 == whole.usage.completion_tokens
+
+
+def test_an_episode_that_ends_mid_stream_ends_the_stream_with_an_error_event(worker):
+    runner = _runner(worker, "no_call")
+    long = SAMPLING.model_copy(update={"stop_token_ids": [], "ignore_eos": True, "max_tokens": 450})
+    episode = worker.engine.run(runner.endpoint.open(long, EpisodeLimits(max_turns=8), lambda t, n: None))
+    client = openai.OpenAI(base_url=episode.base_url, api_key="x", max_retries=0)
+    try:
+        stream = client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "hi"}], stream=True)
+        received = []
+        with pytest.raises(openai.APIError, match="the episode ended"):
+            for chunk in stream:
+                received.append(chunk)
+                if len(received) == 2:
+                    worker.engine.run(runner.endpoint.close(episode))
+        assert len(received) < 100 and not episode.calls  # an aborted call is not recorded
+        assert worker.engine.run(_unfinished(worker.engine)) == 0
+    finally:
+        runner.shutdown()
+
+
+def test_choices_of_one_call_are_all_trained_on_and_count_as_one_episode(worker, monkeypatch):
+    """An agent asks for 2 choices and goes on with the second: its episode gives a sample per choice (the chosen one
+    with the rest of the conversation where its text re-encodes to its ids), all marked as one episode."""
+    runner = _runner(worker, "best_of_two")
+    monkeypatch.setattr(worker, "_agents", runner)
+    try:
+        batch = worker.generate_groups([PROBLEM], [3], 2)
+    finally:
+        runner.shutdown()
+    first = render_prompt(worker.tokenizer, [{"role": "user", "content": PROBLEM.prompt}], True)
+    episodes = _episodes(batch.samples)
+    assert sorted(episodes) == [0, 1]
+    for k, segments in episodes.items():
+        assert {s.episode for s in segments} == {k} and len({s.reward for s in segments}) == 1
+        unchosen, chosen, *rest = segments
+        assert unchosen.prompt_ids.tolist() == chosen.prompt_ids.tolist() == first and unchosen.loss_mask is None
+        # A random model's text may not re-encode to its ids: then the second call is a sample of its own.
+        assert chosen.metadata["num_turns"] == (1 if rest else 2)
+        assert all(r.prompt_ids.tolist()[: len(first)] == first for r in rest) and len(rest) <= 1
+    assert batch.metrics["env/num_turns"] == 4 and batch.metrics["agent/num_samples"] == len(batch.samples)
 
 
 def test_the_example_agent_starts_from_the_prompt_its_warm_start_trains_on(worker):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from rollout.agents.protocol import ProtocolError, assistant_reply, parse_chat_request
+from rollout.agents.streaming import ChoiceStream
 from rollout.agents.trajectory import AgentCall, assemble
 
 USER = [{"role": "user", "content": "hi"}]
@@ -20,6 +21,9 @@ def test_a_plain_request_is_read_with_the_clients_limits():
     assert chat.messages == USER and chat.tools is None and not chat.parse_tool_calls
     assert chat.max_tokens == 5 and chat.stop == ["END"] and chat.ignored_sampling_params == ["temperature"]
     assert parse_chat_request({"messages": USER, "max_completion_tokens": 7, "max_tokens": 9}).max_tokens == 7
+    assert chat.n == 1 and not chat.stream and not chat.include_usage
+    many = parse_chat_request({"messages": USER, "n": 16, "stream": True, "stream_options": {"include_usage": True}})
+    assert many.n == 16 and many.stream and many.include_usage
 
 
 def test_content_parts_tool_calls_and_tool_results_are_normalised_for_the_template():
@@ -44,8 +48,12 @@ def test_content_parts_tool_calls_and_tool_results_are_normalised_for_the_templa
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}]},
      "messages[0].tool_calls[0]"),
-    ({"messages": USER, "n": 3}, "n"),
-    ({"messages": USER, "stream": True}, "stream"),
+    ({"messages": USER, "n": 17}, "n"),
+    ({"messages": USER, "n": 0}, "n"),
+    ({"messages": USER, "n": True}, "n"),
+    ({"messages": USER, "stream": "yes"}, "stream"),
+    ({"messages": USER, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"messages": USER, "stream": True, "stream_options": ["include_usage"]}, "stream_options"),
     ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
      "tool_choice"),
@@ -72,9 +80,9 @@ def test_replies_carry_well_formed_tool_calls_and_the_text_outside_them():
     assert assistant_reply(broken, True, "c") == ({"role": "assistant", "content": broken}, False)
 
 
-def _call(index, prompt, completion, version=0):
+def _call(index, prompt, completion, version=0, choice=0):
     return AgentCall(index, list(prompt), np.asarray(completion, np.int64), np.full(len(completion), -1.0, np.float32),
-                     version, "stop", "")  # fmt: skip
+                     version, "stop", "", choice)  # fmt: skip
 
 
 def test_calls_whose_prompts_extend_the_trajectory_make_one_sample_with_observations_masked():
@@ -98,3 +106,46 @@ def test_a_prompt_that_does_not_extend_starts_a_new_sample_and_branches_extend_t
     assert a.prompt_ids == [1, 2] and a.completion_ids.tolist() == [3, 5, 6] and a.loss_mask.tolist() == [1, 0, 1]
     assert b.prompt_ids == [1, 2, 7] and b.completion_ids.tolist() == [4, 0, 8] and b.loss_mask.tolist() == [1, 0, 1]
     assert assemble([]) == []
+
+
+def test_the_choices_of_one_call_become_samples_and_the_agent_continues_the_one_it_chose():
+    calls = [
+        _call(0, [1, 2], [3]),
+        _call(1, [1, 2, 3, 9], [4], choice=1),  # choice 1 of call 1 arrives first; choice order decides
+        _call(1, [1, 2, 3, 9], [5], choice=0),
+        _call(2, [1, 2, 3, 9, 4, 8], [6]),      # the agent went on with choice 1
+    ]  # fmt: skip
+    first, other = assemble(calls)
+    assert first.prompt_ids == [1, 2] and first.completion_ids.tolist() == [3, 9, 5] and first.num_turns == 2
+    assert first.loss_mask.tolist() == [1, 0, 1]
+    # The other choice's prompt is the whole conversation: the earlier turns are trained once, in the first sample.
+    assert other.prompt_ids == [1, 2, 3, 9] and other.completion_ids.tolist() == [4, 8, 6]
+    assert other.loss_mask.tolist() == [1, 0, 1] and other.num_turns == 2
+
+
+def test_a_stream_sends_growing_text_and_never_what_the_reply_would_contradict():
+    plain = ChoiceStream(parse_tool_calls=False)
+    assert [plain.update(t) for t in ["He", "Hello", "Hello\ufffd", "Hello w\u00e9", "Hello w\u00e9"]] == [
+        "He", "llo", "", " w\u00e9", ""]  # an unfinished character waits until it is whole
+    assert plain.finish({"role": "assistant", "content": "Hello w\u00e9!"}) == {"content": "!"}
+    assert plain.sent == "Hello w\u00e9!"
+
+    call = '<tool_call>{"name": "calc", "arguments": {"x": 1}}</tool_call>'
+    tools = ChoiceStream(parse_tool_calls=True)
+    sent = [tools.update(t) for t in ["\n", "\nLet me <tool", "\nLet me " + call[:15], "\nLet me " + call]]
+    assert sent == ["", "\nLet me ", "", ""]  # whitespace alone and anything that may be a call wait
+    message, parsed = assistant_reply("\nLet me " + call + " ok", True, "c")
+    assert parsed
+    last = tools.finish(message)
+    assert last["content"] == " ok" and tools.sent == message["content"]
+    assert last["tool_calls"] == [{"index": 0, **message["tool_calls"][0]}]
+
+    only_calls = ChoiceStream(parse_tool_calls=True)
+    assert only_calls.update("  " + call) == ""
+    message, _ = assistant_reply("  " + call, True, "c")
+    assert message["content"] is None and "content" not in only_calls.finish(message)
+
+    broken = ChoiceStream(parse_tool_calls=True)
+    assert broken.update("ok <tool_call>{not json") == "ok "
+    message, parsed = assistant_reply("ok <tool_call>{not json</tool_call>", True, "c")
+    assert not parsed and broken.finish(message) == {"content": "<tool_call>{not json</tool_call>"}

@@ -80,6 +80,32 @@ def test_grpo_folds_the_summed_kl_into_the_reward():
     assert _per_sample(inputs)[0] == [-1.0, -1.0]
 
 
+def test_an_episode_of_several_samples_counts_once_in_its_group():
+    """Group 0: episode 0 gave three samples (reward 1), episodes 1 and 2 one each (rewards 4, 7). Counted once, the
+    group mean is 4, so the episode's parts get -3 (counted three times the mean would be 2.8 and the std shrink);
+    with the KL in the reward (0.5 a token, coef 2) the episode loses the length of all of its parts."""
+    samples = [_sample(2, 1.0, 0), _sample(1, 4.0, 0), _sample(3, 1.0, 0), _sample(2, 7.0, 0), _sample(1, 1.0, 0),
+               _sample(1, 5.0, 1), _sample(1, 5.0, 1)]  # fmt: skip
+    for i, episode in zip((0, 2, 4), (0, 0, 0), strict=True):
+        samples[i].episode = episode
+    samples[1].episode, samples[3].episode = 1, 2
+    samples[5].episode, samples[6].episode = 0, 1  # group 1: two single-sample episodes with the same numbers
+    inputs = _inputs(samples, budget=4)
+    GRPO(GRPOConfig(group_size=3, scale_advantages_by_std=False)).compute_advantages(inputs)
+    assert _per_sample(inputs) == {0: [-3.0] * 2, 1: [0.0], 2: [-3.0] * 3, 3: [3.0] * 2, 4: [-3.0], 5: [0.0],
+                                   6: [0.0]}  # fmt: skip
+    # Penalised: episode 0: 1 - 2 * 0.5 * (2 + 3 + 1) = -5; episode 1: 4 - 1 = 3; episode 2: 7 - 2 = 5; mean 1.
+    inputs = _inputs(samples, budget=100, kl_per_token=0.5)
+    cfg = GRPOConfig(group_size=3, scale_advantages_by_std=False, kl=KLConfig(coef=2.0, where="reward"))
+    GRPO(cfg).compute_advantages(inputs)
+    assert [_per_sample(inputs)[i][0] for i in range(5)] == [-6.0, 2.0, -6.0, 4.0, -6.0]
+    with_std = GRPOConfig(group_size=3)
+    GRPO(with_std).compute_advantages(_inputs(samples, budget=100))  # 3 episodes of group 0: a std over 3
+    samples[2].reward = 2.0
+    with pytest.raises(ValueError, match="episode 0 of group 0 carry different rewards"):
+        GRPO(with_std).compute_advantages(_inputs(samples, budget=100))
+
+
 def _with_values(inputs: AdvantageInputs, value: float) -> AdvantageInputs:
     for mb in inputs.micro_batches:
         mb.extra["values"] = torch.full_like(mb.loss_mask, value) * mb.loss_mask

@@ -2,6 +2,8 @@
 
 Each completion's reward (minus ``kl.coef`` x its summed per-token KL when ``kl.where = 'reward'``) is compared with
 the other completions of the same prompt (``compute_group_advantages``), and the advantage is given to every token.
+An episode that gave several samples (``Sample.episode``) counts once: its reward (less the KL of all its samples)
+is compared with the group's other episodes, and each of its samples gets that advantage.
 The variants differ only in config: the estimator and std scaling, and the policy loss's clipping, ratio level and
 aggregation.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.rl.advantages import compute_group_advantages, expand_to_tokens
+from trainer.rl.advantages import compute_group_advantages, episode_members, expand_to_tokens
 from trainer.rl.algorithms.base import AdvantageInputs, Algorithm
 from trainer.rl.config import GRPOConfig
 
@@ -22,10 +24,24 @@ class GRPO(Algorithm[GRPOConfig]):
 
     def compute_advantages(self, inputs: AdvantageInputs) -> None:
         kl = self.config.kl
-        rewards = torch.tensor([s.reward for s in inputs.samples], dtype=torch.float64, device=inputs.device)
+        samples = inputs.samples
+        episodes = episode_members([s.group_id for s in samples], [s.episode for s in samples])
+        for members in episodes:
+            if len({samples[i].reward for i in members}) > 1:
+                raise ValueError(
+                    f"the samples of episode {samples[members[0]].episode} of group {samples[members[0]].group_id} "
+                    f"carry different rewards {[samples[i].reward for i in members]}; the parts of one episode share "
+                    "its reward"
+                )
+        rewards = torch.tensor([samples[m[0]].reward for m in episodes], dtype=torch.float64, device=inputs.device)
         if kl.in_reward:
-            rewards = rewards - kl.coef * inputs.sample_sums(inputs.token_kl)
-        advantages = compute_group_advantages(rewards, [s.group_id for s in inputs.samples], self.config)
+            sums = inputs.sample_sums(inputs.token_kl)
+            rewards = rewards - kl.coef * torch.stack([sums[m].sum() for m in episodes])
+        per_episode = compute_group_advantages(rewards, [samples[m[0]].group_id for m in episodes], self.config)
+        of_sample = torch.empty(len(samples), dtype=torch.long, device=inputs.device)
+        for j, members in enumerate(episodes):
+            of_sample[members] = j
+        advantages = per_episode[of_sample]
         for mb in inputs.micro_batches:
             rows = advantages[torch.tensor(mb.sample_indices, dtype=torch.long, device=inputs.device)]
             mb.advantages = expand_to_tokens(rows.float(), mb.loss_mask)

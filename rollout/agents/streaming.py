@@ -1,0 +1,70 @@
+"""A streamed reply's text, sent as it is generated without ever sending what the finished reply would contradict.
+
+The endpoint decodes each choice's generated ids after every engine step (:class:`ChoiceStream`) and sends the text
+that is new since the last chunk. The finished reply is the same as an unstreamed one (:func:`protocol.assistant_reply`
+of the decoded ids), so what a client accumulates must be a prefix of it at every moment:
+
+- a trailing U+FFFD (the ids so far end inside a multi-byte character) is held back until the character is whole;
+- when the request offers tools, text from the first ``<tool_call>`` on (or from a tail that may become one) is held
+  back until the choice ends: only then is it known whether the calls parse (they go out as ``tool_calls`` deltas and
+  the text outside them as content) or not (the whole text is the content). Content is also held back while it is
+  only whitespace, since a reply of calls alone has no content at all.
+
+If the final text does not extend what was sent (a tokenizer whose decoding of a prefix is not a prefix of the
+decoding, not seen with byte-level BPE), the remainder is sent anyway: the client's history then differs from the
+recorded ids, and the next call starts a new sample (:mod:`rollout.agents.trajectory`), as for any rewritten history.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ChoiceStream"]
+
+_CALL_OPEN = "<tool_call>"
+
+
+class ChoiceStream:
+    """What has been sent of one choice; :meth:`update` while it grows, :meth:`finish` once, with the final reply."""
+
+    def __init__(self, parse_tool_calls: bool) -> None:
+        self._parse = parse_tool_calls
+        self.sent = ""
+        """The content sent so far."""
+
+    def update(self, text: str) -> str:
+        """The content to send now that the choice decodes to ``text`` ('' for nothing)."""
+        visible = text.rstrip("\ufffd")
+        if self._parse:
+            start = visible.find(_CALL_OPEN)
+            if start >= 0:
+                visible = visible[:start]
+            else:
+                visible = visible[: len(visible) - _open_tail(visible)]
+            if not visible.strip():
+                return ""
+        if len(visible) <= len(self.sent) or not visible.startswith(self.sent):
+            return ""
+        delta, self.sent = visible[len(self.sent) :], visible
+        return delta
+
+    def finish(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The last delta of the choice whose reply is ``message`` (``protocol.assistant_reply``): the content not
+        sent yet and the tool calls (``{}`` when nothing is left)."""
+        delta: dict[str, Any] = {}
+        content = message.get("content") or ""
+        rest = content[len(self.sent) :] if content.startswith(self.sent) else content
+        if rest:
+            delta["content"] = rest
+            self.sent += rest
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+        return delta
+
+
+def _open_tail(text: str) -> int:
+    """Length of the longest tail of ``text`` that ``<tool_call>`` starts with (it may become a call)."""
+    for length in range(min(len(text), len(_CALL_OPEN) - 1), 0, -1):
+        if _CALL_OPEN.startswith(text[-length:]):
+            return length
+    return 0
