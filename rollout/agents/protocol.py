@@ -2,13 +2,15 @@
 
 Only what a training endpoint can honour exactly is accepted. Messages (text content, assistant ``tool_calls``,
 ``tool`` results), ``tools`` with ``tool_choice`` "auto" or "none", ``max_tokens`` / ``max_completion_tokens``
-(capped by the recipe), ``stop`` and ``n`` (up to :data:`MAX_CHOICES` completions of one prompt, each trained on) are
-honoured. The sampling distribution is the recipe's, so the trainer computes the
-log-probs of the distribution the tokens came from: ``temperature``, ``top_p``, ``seed`` and the penalties a client
-sends are not applied (each request that sends one counts in ``agent/ignored_sampling_params``). What cannot be
-served as asked is refused with status 400 and an OpenAI error body naming the parameter: forced tool choices,
-structured output, non-text content parts. ``stream`` replies come as server-sent ``chat.completion.chunk`` events
-(:mod:`rollout.agents.streaming`), with a usage chunk when ``stream_options.include_usage`` is set.
+(capped by the recipe), ``stop``, ``n`` (up to :data:`MAX_CHOICES` completions of one prompt, each trained on) and
+``logprobs`` (each generated token's log-prob under the sampling distribution, the one the trainer is given; no
+``top_logprobs`` alternatives, which the engine does not keep) are honoured. The sampling distribution is the
+recipe's, so the trainer computes the log-probs of the distribution the tokens came from: ``temperature``, ``top_p``,
+``seed`` and the penalties a client sends are not applied (each request that sends one counts in
+``agent/ignored_sampling_params``). What cannot be served as asked is refused with status 400 and an OpenAI error body
+naming the parameter: forced tool choices, ``top_logprobs``, structured output, non-text content parts. ``stream``
+replies come as server-sent ``chat.completion.chunk`` events (:mod:`rollout.agents.streaming`), with a usage chunk
+when ``stream_options.include_usage`` is set.
 
 Tool calls in the reply are read from the model's text in the Qwen / Hermes form (``<tool_call>{...}</tool_call>``,
 :func:`rollout.envs.tools.parse_tool_calls`) when the request offers tools; the reply's ``content`` is the text
@@ -22,13 +24,13 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
     "MAX_CHOICES", "ChatRequest", "ProtocolError", "assistant_reply", "chat_chunk", "chat_completion", "error_body",
-    "parse_chat_request",
+    "parse_chat_request", "token_logprobs",
 ]  # fmt: skip
 
 MAX_CHOICES = 16
@@ -74,6 +76,8 @@ class ChatRequest:
     """Sampling parameters the client sent that the recipe's settings override."""
     n: int = 1
     """Completions to sample (``choices``)."""
+    logprobs: bool = False
+    """Return each generated token's log-prob (``choices[i].logprobs.content``)."""
     stream: bool = False
     """Reply as server-sent chunks."""
     include_usage: bool = False
@@ -112,9 +116,21 @@ def parse_chat_request(body: object) -> ChatRequest:
         stop=_stop(body.get("stop")),
         ignored_sampling_params=[p for p in _SAMPLING_PARAMS if body.get(p) is not None],
         n=n,
+        logprobs=_logprobs(body),
         stream=_flag(body, "stream"),
         include_usage=_flag(body.get("stream_options") or {}, "include_usage", "stream_options."),
     )
+
+
+def _logprobs(body: Mapping[str, Any]) -> bool:
+    top = body.get("top_logprobs")
+    if top not in (None, 0):
+        raise ProtocolError(
+            f"top_logprobs = {top!r}: the engine keeps the sampled token's log-prob only; ask for logprobs = true "
+            "with top_logprobs = 0 (or unset)",
+            param="top_logprobs", code="unsupported_parameter",
+        )  # fmt: skip
+    return _flag(body, "logprobs")
 
 
 def _flag(body: object, name: str, where: str = "") -> bool:
@@ -237,24 +253,32 @@ def assistant_reply(text: str, parse_tool_calls: bool, call_id: str) -> tuple[di
     }, True
 
 
+def token_logprobs(tokens: Sequence[str], logprobs: Sequence[float]) -> dict[str, Any]:
+    """A choice's ``logprobs`` object: one entry per generated token (its text, log-prob and UTF-8 bytes)."""
+    return {"content": [
+        {"token": t, "logprob": float(lp), "bytes": list(t.encode("utf-8", errors="replace")), "top_logprobs": []}
+        for t, lp in zip(tokens, logprobs, strict=True)
+    ]}  # fmt: skip
+
+
 def chat_completion(
     completion_id: str,
     model: str,
-    choices: list[tuple[dict[str, Any], str]],
+    choices: list[tuple[dict[str, Any], str, dict[str, Any] | None]],
     prompt_tokens: int,
     completion_tokens: int,
     policy_version: int,
 ) -> dict[str, Any]:
-    """The ``chat.completion`` object of one reply: ``choices`` are (message, finish reason) in index order, the
-    reason "stop", "length" or "tool_calls"; ``completion_tokens`` counts all of them. The weights version that
-    sampled them rides along as ``policy_version`` (OpenAI clients keep unknown fields)."""
+    """The ``chat.completion`` object of one reply: ``choices`` are (message, finish reason, logprobs or ``None``) in
+    index order, the reason "stop", "length" or "tool_calls"; ``completion_tokens`` counts all of them. The weights
+    version that sampled them rides along as ``policy_version`` (OpenAI clients keep unknown fields)."""
     return {
         "id": completion_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": i, "message": message, "finish_reason": finish, "logprobs": None}
-                    for i, (message, finish) in enumerate(choices)],  # fmt: skip
+        "choices": [{"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs}
+                    for i, (message, finish, logprobs) in enumerate(choices)],  # fmt: skip
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},  # fmt: skip
         "policy_version": policy_version,

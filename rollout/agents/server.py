@@ -8,8 +8,8 @@ shares continuous batching with every other episode. Routes, under ``/episodes/<
 described), samples ``n`` completions (default 1) with the recipe's sampling (seeded per call, like an environment's
 turns) and records each as an :class:`~rollout.agents.trajectory.AgentCall`. The reply's text is the decoded generated
 ids, so the recorded ids reproduce it exactly (a stop string that ended a completion stays in its text). A ``stream``
-request gets the same reply as server-sent chunks while it is generated (:mod:`rollout.agents.streaming`); an error
-after the stream began comes as an ``error`` event.
+request gets the same reply as server-sent chunks while it is generated (:mod:`rollout.agents.streaming`; asked-for
+log-probs come whole with each choice's last chunk); an error after the stream began comes as an ``error`` event.
 
 Limits of the episode (``environment.max_turns`` calls, ``max_total_tokens`` of growth after the first call's prompt,
 the engine's context) are answered with status 400 (codes ``episode_limit``, ``context_length_exceeded``); a call in
@@ -205,7 +205,8 @@ class AgentEndpoint:
         else:
             choices = self._record(episode, chat, prompt, index, outcome)
             await send(chunk(
-                [{"index": j, "delta": streams[j].finish(m), "finish_reason": f} for j, (m, f) in enumerate(choices)],
+                [{"index": j, "delta": streams[j].finish(m), "finish_reason": f, "logprobs": lp}
+                 for j, (m, f, lp) in enumerate(choices)],
                 policy_version=min(c.policy_version for c in outcome),
             ))  # fmt: skip
             if chat.include_usage:
@@ -237,8 +238,9 @@ class AgentEndpoint:
     def _record(
         self, episode: EpisodeCalls, chat: protocol.ChatRequest, prompt: list[int], index: int,
         completions: list[Completion],
-    ) -> list[tuple[dict[str, Any], str]]:  # fmt: skip
-        """Record the call's completions for training; their reply messages and finish reasons."""
+    ) -> list[tuple[dict[str, Any], str, dict[str, Any] | None]]:  # fmt: skip
+        """Record the call's completions for training; their reply messages, finish reasons and log-probs (when
+        asked for)."""
         choices = []
         for j, completion in enumerate(completions):
             text = str(self.tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True))
@@ -247,7 +249,12 @@ class AgentEndpoint:
             call_id = f"call_{episode.episode_id[:8]}_{index}" + (f"_{j}" if chat.n > 1 else "")
             message, calls_tools = protocol.assistant_reply(text, chat.parse_tool_calls, call_id)
             finish = "length" if completion.finish_reason == "length" else ("tool_calls" if calls_tools else "stop")
-            choices.append((message, finish))
+            logprobs = None
+            if chat.logprobs:
+                ids = completion.token_ids.tolist()
+                tokens = [str(self.tokenizer.decode([i])) for i in ids]
+                logprobs = protocol.token_logprobs(tokens, completion.logprobs.tolist())
+            choices.append((message, finish, logprobs))
         return choices
 
     def _render(self, chat: protocol.ChatRequest) -> list[int]:

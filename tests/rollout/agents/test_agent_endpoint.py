@@ -273,28 +273,35 @@ def test_a_streamed_reply_arrives_in_pieces_and_adds_up_to_the_recorded_completi
         client = openai.OpenAI(base_url=streamed_episode.base_url, api_key="x", max_retries=0)
         chunks = list(client.chat.completions.create(
             model="policy", messages=messages, n=3, stream=True, stream_options={"include_usage": True},
-            tools=[scripted_agents.CALCULATOR],
+            tools=[scripted_agents.CALCULATOR], logprobs=True,
         ))  # fmt: skip
         whole = openai.OpenAI(base_url=whole_episode.base_url, api_key="x", max_retries=0).chat.completions.create(
-            model="policy", messages=messages, n=3, tools=[scripted_agents.CALCULATOR])
+            model="policy", messages=messages, n=3, tools=[scripted_agents.CALCULATOR], logprobs=True)
     finally:
         for episode in (streamed_episode, whole_episode):
             worker.engine.run(runner.endpoint.close(episode))
         runner.shutdown()
     pieces: dict[int, list[str]] = {0: [], 1: [], 2: []}
-    finish = {}
+    finish, streamed_logprobs = {}, {}
     for chunk in chunks[:-1]:
         for choice in chunk.choices:
             if choice.delta.content:
                 pieces[choice.index].append(choice.delta.content)
             if choice.finish_reason:
                 finish[choice.index] = choice.finish_reason
+                streamed_logprobs[choice.index] = [t.logprob for t in choice.logprobs.content]
     recorded = sorted(streamed_episode.calls, key=lambda c: c.choice)
     assert [c.choice for c in recorded] == [0, 1, 2] and all(c.index == 0 for c in recorded)
     for j in range(3):
         assert "".join(pieces[j]) == (whole.choices[j].message.content or "") == recorded[j].text
         assert finish[j] == whole.choices[j].finish_reason == "length"
         assert recorded[j].completion_ids.tolist() == whole_episode.calls[j].completion_ids.tolist()
+        # The log-probs served are the ones recorded for training, token by token.
+        served = whole.choices[j].logprobs.content
+        assert [t.logprob for t in served] == pytest.approx(whole_episode.calls[j].logprobs.tolist(), abs=1e-6)
+        assert streamed_logprobs[j] == pytest.approx(recorded[j].logprobs.tolist(), abs=1e-6)
+        ids = whole_episode.calls[j].completion_ids.tolist()
+        assert [t.token for t in served] == [worker.tokenizer.decode([i]) for i in ids]
     assert max(len(p) for p in pieces.values()) > 3  # sent while generated, not at the end
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 48 == whole.usage.completion_tokens
 

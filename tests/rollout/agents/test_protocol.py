@@ -23,7 +23,8 @@ def test_a_plain_request_is_read_with_the_clients_limits():
     assert parse_chat_request({"messages": USER, "max_completion_tokens": 7, "max_tokens": 9}).max_tokens == 7
     assert chat.n == 1 and not chat.stream and not chat.include_usage
     many = parse_chat_request({"messages": USER, "n": 16, "stream": True, "stream_options": {"include_usage": True}})
-    assert many.n == 16 and many.stream and many.include_usage
+    assert many.n == 16 and many.stream and many.include_usage and not many.logprobs
+    assert parse_chat_request({"messages": USER, "logprobs": True, "top_logprobs": 0}).logprobs
 
 
 def test_content_parts_tool_calls_and_tool_results_are_normalised_for_the_template():
@@ -52,6 +53,7 @@ def test_content_parts_tool_calls_and_tool_results_are_normalised_for_the_templa
     ({"messages": USER, "n": 0}, "n"),
     ({"messages": USER, "n": True}, "n"),
     ({"messages": USER, "stream": "yes"}, "stream"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": USER, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"messages": USER, "stream": True, "stream_options": ["include_usage"]}, "stream_options"),
     ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
