@@ -6,7 +6,7 @@ export OMP_NUM_THREADS ?= 1
 export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install demo test lint test-slow bench protos tpu-env test-tpu-env
+.PHONY: install demo test lint test-slow bench protos tpu-env test-tpu-env xla-env test-xla
 
 install: $(STAMP)
 
@@ -62,3 +62,19 @@ TPU_ENV_TESTS := tests/common tests/trainer tests/weight_sync tests/driver/test_
 
 test-tpu-env: $(TPU_STAMP)
 	$(TPU_VENV)/bin/python -m pytest -q -p no:cacheprovider $(TPU_ENV_TESTS)
+
+# The trainer on torch_xla (trainer.device = "xla"): torch_xla 2.9.0 fits torch 2.9.0 only, so it has a virtualenv of
+# its own (torch's CUDA build from the registry, ~4 GB; PJRT's CPU device runs it here). No rollout engine in it.
+XLA_VENV := .venv-xla
+XLA_STAMP := $(XLA_VENV)/.installed
+
+xla-env: $(XLA_STAMP)
+
+$(XLA_STAMP): pyproject.toml
+	$(PY) -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/pip install -q --upgrade pip
+	$(XLA_VENV)/bin/pip install -e '.[xla,test]'
+	touch $(XLA_STAMP)
+
+test-xla: $(XLA_STAMP)
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/trainer/test_xla.py

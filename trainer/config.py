@@ -28,7 +28,7 @@ __all__ = [
     "TrainerConfig",
 ]
 
-Device = Literal["cpu", "cuda", "tpu"]
+Device = Literal["cpu", "cuda", "tpu", "xla"]
 """Where the trainer computes."""
 
 # Which parameter/reduction dtypes each device runs well; the rest are rejected at recipe load, not deep in a step.
@@ -36,8 +36,10 @@ _SUPPORTED_DTYPES: dict[str, tuple[str, ...]] = {
     "cpu": ("float32", "bfloat16"),
     "cuda": ("float32", "bfloat16", "float16"),
     "tpu": ("float32", "bfloat16"),
+    "xla": ("float32",),  # mixed precision casts through FSDP2, which does not run on XLA tensors
 }
-_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "tpu": "tpu"}
+# On 'xla' the group only coordinates the (single) rank on the host; its tensors live on the XLA device.
+_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "tpu": "tpu", "xla": "gloo"}
 
 
 class ParallelismConfig(Config):
@@ -145,7 +147,8 @@ class TrainerConfig(Config):
     """How the policy (and PPO critic) update runs on the trainer ranks."""
 
     device: Device = "cpu"
-    """Where the trainer computes: 'cpu' (gloo), 'cuda' (nccl, one GPU per rank) or 'tpu' (torch-tpu)."""
+    """Where the trainer computes: 'cpu' (gloo), 'cuda' (nccl, one GPU per rank), 'tpu' (torch-tpu) or 'xla'
+    (torch_xla's device, for hosts on that stack; one rank; its own environment: ``make xla-env``)."""
     num_ranks: int = pydantic.Field(default=1, ge=1)
     """Trainer ranks (Ray actors) forming one torch.distributed group."""
     parallelism: ParallelismConfig = ParallelismConfig()
@@ -237,10 +240,16 @@ class TrainerConfig(Config):
                 f"{self.num_ranks // tp} data-parallel ranks need parallelism.fsdp = true (the only data-parallel "
                 "mode); set fsdp = true or num_ranks = tensor_parallel_degree"
             )
-        if self.compile and (tp > 1 or self.device == "tpu"):
+        if self.device == "xla" and self.num_ranks > 1:
+            raise ValueError(
+                f"device 'xla' runs one trainer rank (num_ranks = {self.num_ranks}): data parallelism through "
+                "torch_xla's SPMD sharding is not built; set num_ranks = 1, or use device 'tpu' (torch-tpu) with FSDP"
+            )
+        if self.compile and (tp > 1 or self.device in ("tpu", "xla")):
             raise ValueError(
                 "compile = true is supported on 'cpu' and 'cuda' without tensor parallelism (inductor kernels; the q/k "
-                "norms would see DTensor inputs); set compile = false, or device 'cpu'/'cuda' with "
+                "norms would see DTensor inputs; XLA compiles its graphs itself); set compile = false, or device "
+                "'cpu'/'cuda' with "
                 "parallelism.tensor_parallel_degree = 1"
             )
         if self.mixed_precision.param_dtype != "float32" and not self.parallelism.fsdp:

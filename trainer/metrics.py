@@ -23,6 +23,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from trainer.devices import synchronize
+
 __all__ = ["MetricsAccumulator", "PhaseClock", "is_timing", "reduction_of"]
 
 Reduction = Literal["sum", "max", "min", "mean"]
@@ -111,12 +113,13 @@ class PhaseClock:
             ...
         clock.metrics()  # {"optimizer_s": ...}
 
-    On an accelerator, queued work is waited for at each phase boundary, so its time lands on the phase that queued it
-    (a device round trip per boundary, a few per optimizer step); on CPU ops finish when called and nothing waits.
+    On an accelerator, queued work is waited for at each phase boundary (:func:`trainer.devices.synchronize`), so its
+    time lands on the phase that queued it (a device round trip per boundary, a few per optimizer step); on CPU ops
+    finish when called and nothing waits.
     """
 
     def __init__(self, device: torch.device) -> None:
-        self._synchronize = device.type != "cpu"
+        self._device = device
         self._seconds: dict[str, float] = defaultdict(float)
 
     @contextmanager
@@ -135,5 +138,4 @@ class PhaseClock:
         return {f"{name}_s": seconds for name, seconds in self._seconds.items()}
 
     def _wait(self) -> None:
-        if self._synchronize:
-            torch.accelerator.synchronize()
+        synchronize(self._device)

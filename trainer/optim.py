@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from trainer.config import OptimizerConfig, ScheduleConfig
+from trainer.devices import has_foreach_kernels
 
 __all__ = ["build_optimizer", "build_scheduler", "lr_multiplier"]
 
@@ -19,7 +20,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float | None = N
 
     ``lr`` overrides ``cfg.lr`` (the PPO critic's own rate). Works on plain and FSDP2/DTensor parameters alike.
     The fused kernel (one pass per tensor, equal to ``foreach`` up to float32 rounding) runs where torch has it for
-    DTensors, CPU and CUDA; other devices use ``foreach``.
+    DTensors, CPU and CUDA; other devices use ``foreach`` where they have its kernels, else one tensor at a time.
     """
     groups: dict[tuple[bool, int], list[nn.Parameter]] = {}
     device_types = set()
@@ -33,9 +34,10 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float | None = N
         for (decay, _), params in groups.items()
     ]
     fused = bool(device_types) and device_types <= _FUSED_DEVICE_TYPES
+    foreach = all(has_foreach_kernels(torch.device(t)) for t in device_types)
     return torch.optim.AdamW(
         param_groups, lr=cfg.lr if lr is None else lr, betas=cfg.betas, eps=cfg.eps,
-        foreach=None if fused else True, fused=fused or None,
+        foreach=None if fused else foreach, fused=fused or None,
     )  # fmt: skip
 
 

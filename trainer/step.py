@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rollout.types import RolloutBatch, Sample
+from trainer.devices import has_foreach_kernels
 from trainer.metrics import MetricsAccumulator, PhaseClock
 from trainer.models.lora import adapters_disabled
 from trainer.models.registry import ATTENTION_BLOCKS
@@ -215,15 +216,16 @@ def _clip_and_step(
     """Clip the global gradient norm (computed per mesh group, then combined), step, zero grads; returns the norm."""
     sync_tensor_parallel_partial_grads(model, state.mesh)
     groups = _by_mesh([p for p in model.parameters() if p.grad is not None])
+    foreach = has_foreach_kernels(state.device)
     squares = []
     for group in groups:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], 2.0, foreach=True)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], 2.0, foreach=foreach)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         squares.append(norm.double() ** 2)
     total = torch.stack(squares).sum().sqrt().float()
     if max_norm is not None:
         for group in groups:
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
     optimizer.step()
     if scheduler is not None:
         scheduler.step()

@@ -97,6 +97,7 @@ class TrainerWorker:
         import torch.distributed as dist
 
         from trainer.checkpoint import CheckpointManager
+        from trainer.devices import mesh_device_type
         from trainer.parallelize import build_mesh
         from trainer.state import build_train_state
 
@@ -110,7 +111,7 @@ class TrainerWorker:
             backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
             world_size=self.cfg.num_ranks, timeout=_PG_TIMEOUT,
         )  # fmt: skip
-        mesh = build_mesh(self.cfg, device.type)
+        mesh = build_mesh(self.cfg, mesh_device_type(device))
         self.state = build_train_state(self.cfg, self.model_cfg, self.algorithm, device, mesh, self.init_path)
         if self.cfg.checkpoint.dir is not None:
             self._checkpoints = CheckpointManager(self.cfg.checkpoint.dir, self.cfg.checkpoint.num_keep)
@@ -126,6 +127,14 @@ class TrainerWorker:
             # Ray sets CUDA_VISIBLE_DEVICES per actor: the rank's GPU is always index 0 here.
             torch.cuda.set_device(0)
             return torch.device("cuda", 0)
+        if self.cfg.device == "xla":
+            try:
+                import torch_xla
+            except ImportError:
+                raise ValueError(
+                    "device 'xla' needs torch_xla on the trainer hosts (its own environment: `make xla-env`, torch 2.9)"
+                ) from None
+            return torch_xla.device()
         try:
             import torch_tpu  # noqa: F401  (registers the 'tpu' device)
         except ImportError:

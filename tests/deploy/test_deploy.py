@@ -246,12 +246,13 @@ def test_dockerfiles_install_the_right_stacks():
         assert ".venv" in ignore and "runs" in ignore, name
 
 
-# The versions each host's resolution picked (`make install` on Python 3.11, `make tpu-env` on 3.12, `pip install
-# '.[gpu]'` --dry-run on 3.11), which the base ranges and that host's extra must all admit.
+# The versions each host's resolution picked (`make install` on Python 3.11, `make tpu-env` on 3.12, `make xla-env` on
+# 3.11, `pip install '.[gpu]'` --dry-run on 3.11), which the base ranges and that host's extra must all admit.
 STACKS = {
     "cpu": ("3.11", {"torch": "2.13.0", "jax": "0.10.2", "jaxlib": "0.10.2", "transformers": "5.19.0"}),
     "tpu": ("3.12", {"torch": "2.13.0", "jax": "0.11.2", "jaxlib": "0.11.2", "transformers": "5.14.1"}),
     "gpu": ("3.11", {"torch": "2.14.0", "jax": "0.10.2", "transformers": "5.19.0"}),
+    "xla": ("3.11", {"torch": "2.9.0", "jax": "0.10.2", "transformers": "5.19.0"}),
 }
 
 

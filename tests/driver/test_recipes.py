@@ -309,6 +309,16 @@ def test_missing_jsonl_file_fails_at_load_saying_what_relative_paths_resolve_aga
     assert "task.path: 'nope.jsonl': no such file" in str(err.value) and str(Path.cwd()) in str(err.value)
 
 
+def test_device_xla_without_torch_xla_fails_at_load_naming_its_environment():
+    import importlib.util
+
+    if importlib.util.find_spec("torch_xla") is not None:
+        pytest.skip("torch_xla is installed here (make xla-env)")
+    with pytest.raises(ConfigError) as err:
+        load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"trainer.device": "xla"})
+    assert "trainer.device: 'xla' needs torch_xla" in str(err.value) and "make xla-env" in str(err.value)
+
+
 def test_the_own_task_example_loads_and_changes_only_task_reward_and_warm_start():
     mine = load_recipe(ROOT / "examples" / "own_task" / "recipe.toml", check_paths=False)
     base = load_recipe(ROOT / "recipes" / "grpo_tiny.toml")
