@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rollout.agents import protocol
-from rollout.agents.streaming import ChoiceStream
+from rollout.agents.streaming import ChoiceStream, IncrementalText
 from rollout.agents.trajectory import AgentCall
 from rollout.config import SamplingConfig
 from rollout.envs.episode import EpisodeLimits
@@ -184,6 +184,7 @@ class AgentEndpoint:
             return protocol.chat_chunk(completion_id, self.model_name, created, choices, **extra)
 
         streams = [ChoiceStream(chat.parse_tool_calls) for _ in range(chat.n)]
+        texts = [IncrementalText(self._decode) for _ in range(chat.n)]
         await send(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}} for j in range(chat.n)]))
         while not generation.done():
             grew = asyncio.ensure_future(progress.grew.wait())
@@ -194,8 +195,7 @@ class AgentEndpoint:
                 grew.cancel()
             deltas = []
             for j, ids in progress.take().items():
-                text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
-                if content := streams[j].update(text):
+                if content := streams[j].update(texts[j].update(ids)):
                     deltas.append({"index": j, "delta": {"content": content}})
             if deltas:
                 await send(chunk(deltas))
@@ -243,7 +243,7 @@ class AgentEndpoint:
         asked for)."""
         choices = []
         for j, completion in enumerate(completions):
-            text = str(self.tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True))
+            text = self._decode(completion.token_ids.tolist())
             episode.calls.append(AgentCall(index, prompt, completion.token_ids, completion.logprobs,
                                            completion.policy_version, completion.finish_reason, text, j))  # fmt: skip
             call_id = f"call_{episode.episode_id[:8]}_{index}" + (f"_{j}" if chat.n > 1 else "")
@@ -256,6 +256,10 @@ class AgentEndpoint:
                 logprobs = protocol.token_logprobs(tokens, completion.logprobs.tolist())
             choices.append((message, finish, logprobs))
         return choices
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        """A reply's text from generated ids: special tokens dropped."""
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def _render(self, chat: protocol.ChatRequest) -> list[int]:
         try:

@@ -1,8 +1,9 @@
 """A streamed reply's text, sent as it is generated without ever sending what the finished reply would contradict.
 
-The endpoint decodes each choice's generated ids after every engine step (:class:`ChoiceStream`) and sends the text
-that is new since the last chunk. The finished reply is the same as an unstreamed one (:func:`protocol.assistant_reply`
-of the decoded ids), so what a client accumulates must be a prefix of it at every moment:
+The endpoint decodes each choice's new ids after every engine step (:class:`IncrementalText`: a short window, not the
+whole completion again) and sends the text that is new since the last chunk (:class:`ChoiceStream`). The finished
+reply is the same as an unstreamed one (:func:`protocol.assistant_reply` of the decoded ids), so what a client
+accumulates must be a prefix of it at every moment:
 
 - a trailing U+FFFD (the ids so far end inside a multi-byte character) is held back until the character is whole;
 - when the request offers tools, text from the first ``<tool_call>`` on (or from a tail that may become one) is held
@@ -17,11 +18,37 @@ recorded ids, and the next call starts a new sample (:mod:`rollout.agents.trajec
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["ChoiceStream"]
+__all__ = ["ChoiceStream", "IncrementalText"]
 
 _CALL_OPEN = "<tool_call>"
+
+
+class IncrementalText:
+    """A choice's text as its ids grow, at a cost per step of the new ids only.
+
+    Each step decodes the window from the last settled point twice, without and with the new ids, and appends the
+    difference once the new text does not end inside a character (a trailing U+FFFD); both decodes start at the same id,
+    so a tokenizer that drops a leading space there drops it from both. ``decode(ids) -> str`` is the tokenizer's,
+    with the same options as the final reply's text.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        self._decode = decode
+        self.text = ""
+        self._start = 0  # the window: ids[_start:_settled] decode to the end of ``text``
+        self._settled = 0
+
+    def update(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` (which extend the ids of the last call), up to its last whole character."""
+        before = self._decode(ids[self._start : self._settled])
+        after = self._decode(ids[self._start :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self._start, self._settled = self._settled, len(ids)
+        return self.text
 
 
 class ChoiceStream:

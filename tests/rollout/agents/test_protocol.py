@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rollout.agents.protocol import ProtocolError, assistant_reply, parse_chat_request
-from rollout.agents.streaming import ChoiceStream
+from rollout.agents.streaming import ChoiceStream, IncrementalText
 from rollout.agents.trajectory import AgentCall, assemble
 
 USER = [{"role": "user", "content": "hi"}]
@@ -151,3 +151,26 @@ def test_a_stream_sends_growing_text_and_never_what_the_reply_would_contradict()
     assert broken.update("ok <tool_call>{not json") == "ok "
     message, parsed = assistant_reply("ok <tool_call>{not json</tool_call>", True, "c")
     assert not parsed and broken.finish(message) == {"content": "<tool_call>{not json</tool_call>"}
+
+
+def test_incremental_text_decodes_only_new_ids_and_ends_as_the_whole_decode():
+    """A byte-level decode (ids are UTF-8 bytes) of text with 2-4 byte characters, grown 1-3 ids a step: every
+    intermediate text is a prefix of the whole decode, never ends inside a character, and the last one equals it;
+    each step decodes a window of a few ids, not the whole completion."""
+    import random
+
+    rng = random.Random(0)
+    text = "".join(rng.choice(["a", " b", "\u00e9", "\u20ac", "\U0001F600", "\n"]) for _ in range(300))
+    ids = list(text.encode())
+    windows = []
+
+    def decode(part):
+        windows.append(len(part))
+        return bytes(part).decode("utf-8", errors="replace")
+
+    incremental, end = IncrementalText(decode), 0
+    while end < len(ids):
+        end = min(len(ids), end + rng.randint(1, 3))
+        partial = incremental.update(ids[:end])
+        assert text.startswith(partial) and "\ufffd" not in partial
+    assert incremental.text == text and max(windows) <= 24 < len(ids) // 20  # a few characters, not the whole
