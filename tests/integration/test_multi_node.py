@@ -76,7 +76,9 @@ def _placed(cluster: Cluster) -> dict[str, list[str]]:
 
 
 def test_roles_are_placed_by_strategy_and_a_lost_rollout_node_is_replaced(cluster: Cluster, tmp_path: Path) -> None:
-    num_steps = 40  # long enough for the replacement engine to start and be caught up before the run ends
+    # Long enough for the replacement engine to start (~20-25 s: vLLM's import and engine start on a busy 2-core
+    # machine) and be caught up before the run ends: 40 steps at today's 0.4 s a step ended 3 s too early once.
+    num_steps = 120
     log = tmp_path / "run.log"
     proc = start_run([*_run_args(tmp_path, num_steps), "--address", cluster.head.address], log)
     try:
