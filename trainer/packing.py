@@ -27,6 +27,13 @@ units, each with its own copy of the prompt.
 
 Every rank computes the same plan from the same full batch (no communication) and pads its list of micro-batches to
 the longest rank's count with empty ones, so FSDP collectives line up on every rank.
+
+Static shapes (``static_shapes``, for devices that compile a graph per tensor shape, such as torch_xla's): all the
+micro-batches of one call share one shape, each dimension (rows, row width, sequences, completion width) being the
+largest any of them needs rounded up to a power of two; padding rows and sequences carry no loss, and the output head
+runs at every ``[S, C]`` slot instead of only the real completion tokens. A step's graphs then come in one shape,
+which changes only when the batch's longest completion or fullest micro-batch crosses a power of two, so a run
+compiles a handful of times instead of once per micro-batch shape.
 """
 
 from __future__ import annotations
@@ -39,12 +46,15 @@ import torch
 
 from rollout.types import Sample
 
-__all__ = ["MicroBatch", "assign_to_ranks", "pack_samples", "plan_micro_batches", "split_minibatches"]
+__all__ = [
+    "MicroBatch", "assign_to_ranks", "bucket_size", "pack_samples", "plan_micro_batches", "split_minibatches",
+]  # fmt: skip
 
 _TENSOR_FIELDS = (
     "tokens", "positions", "segment_ids", "completion_ids", "gather_index", "loss_mask", "rollout_logprobs",
-    "advantages",
+    "advantages", "loss_positions", "loss_targets", "loss_slots", "sample_rows",
 )  # fmt: skip
+_MIN_STATIC_WIDTH = 16  # the smallest row / completion width under static shapes: tiny widths would each compile
 
 
 @dataclass
@@ -75,32 +85,40 @@ class MicroBatch:
     """float32 [S, C] engine log-prob of each completion token (0 off-mask)."""
     advantages: torch.Tensor
     """float32 [S, C] advantage of each completion token (0 off-mask); PPO fills it after packing (GAE)."""
+    loss_positions: torch.Tensor
+    """int64 [N] flat row positions (``row * L + t``) where the output head runs: those predicting the real
+    completion tokens, in the row-major order of ``loss_mask``, then (static shapes only) position 0 for every other
+    ``[S, C]`` slot, so that ``N = S * C`` there. :meth:`scatter` puts per-token values computed there into
+    ``[S, C]``."""
+    loss_targets: torch.Tensor
+    """int64 [N] what each of :attr:`loss_positions` predicts (0 at the padding ones)."""
+    loss_slots: torch.Tensor
+    """int64 [N] the flat ``[S, C]`` slot of each of :attr:`loss_positions`; the padding ones point at ``S * C``, one
+    past the end, which :meth:`scatter` drops."""
+    sample_rows: torch.Tensor
+    """int64 [S] :attr:`sample_indices` as a tensor, with the batch size (one past the last sample) for each padding
+    row: per-sample values of the whole batch with a 0 appended, indexed by it, give each row its sample's value."""
     sample_indices: list[int]
-    """Index (into the full batch) of each packed sequence, in ``[S, C]`` row order; ``len == S``."""
+    """Index (into the full batch) of each packed sequence, in ``[S, C]`` row order; rows past ``len`` are padding
+    (static shapes), with no loss."""
     num_tokens: int = 0
     """Non-padding tokens in the rows."""
+    num_loss_tokens: int = 0
+    """Completion tokens that carry loss (``loss_mask`` set)."""
     token_temperatures: torch.Tensor | None = None
-    """float32 [N] sampling temperature of each real completion token, in :attr:`loss_positions` order (the
-    sample's ``temperature``); ``None`` when every sample was drawn at temperature 1."""
+    """float32 [N] sampling temperature at each of :attr:`loss_positions` (the sample's ``temperature``, 1 at the
+    padding ones); ``None`` when every sample was drawn at temperature 1."""
     prefix_ids: torch.Tensor | None = None
     """int64 [R, L] with shared prompts: the segment id of the prompt each token's sequence continues (-1 for a
     prompt's own tokens, a whole sequence and padding); ``None`` when nothing in the micro-batch is shared."""
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-token tensors computed later (``old_logprobs``, ``ref_logprobs``, ``values``, ``returns``), [S, C]."""
 
-    @property
-    def num_loss_tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
-    @property
-    def loss_positions(self) -> torch.Tensor:
-        """int64 [N] flat row positions (``row * L + t``) predicting the ``N`` real completion tokens, in the
-        row-major order of ``loss_mask``; :meth:`scatter` puts per-token values computed there into ``[S, C]``."""
-        return self.gather_index[self.loss_mask > 0]
-
     def scatter(self, per_token: torch.Tensor) -> torch.Tensor:
         """[N] values at :attr:`loss_positions` -> [S, C] (0 off-mask); differentiable."""
-        return per_token.new_zeros(self.loss_mask.shape).masked_scatter(self.loss_mask > 0, per_token)
+        rows, width = self.loss_mask.shape
+        flat = per_token.new_zeros(rows * width + 1).index_copy(0, self.loss_slots, per_token)
+        return flat[:-1].view(rows, width)
 
     def unpack(self, per_position: torch.Tensor) -> torch.Tensor:
         """[R, L] per-position values -> [S, C] per completion token (0 off-mask); differentiable."""
@@ -114,14 +132,9 @@ class MicroBatch:
         temps = None if self.token_temperatures is None else self.token_temperatures.to(device)
         prefix_ids = None if self.prefix_ids is None else self.prefix_ids.to(device)
         return MicroBatch(
-            **moved, sample_indices=list(self.sample_indices), num_tokens=self.num_tokens, token_temperatures=temps,
-            prefix_ids=prefix_ids, extra=extra,
+            **moved, sample_indices=list(self.sample_indices), num_tokens=self.num_tokens,
+            num_loss_tokens=self.num_loss_tokens, token_temperatures=temps, prefix_ids=prefix_ids, extra=extra,
         )  # fmt: skip
-
-    @property
-    def loss_targets(self) -> torch.Tensor:
-        """int64 [N] the real completion tokens, in :attr:`loss_positions` order (what those positions predict)."""
-        return self.completion_ids[self.loss_mask > 0]
 
 
 def _first_fit_decreasing(lengths: Sequence[int], indices: Sequence[int], capacity: int) -> list[list[int]]:
@@ -224,21 +237,47 @@ def _unit_length(samples: Sequence[Sample], unit: Unit) -> int:
     return len(samples[unit[0]].prompt_ids) + sum(len(samples[i].completion_ids) for i in unit)
 
 
+def bucket_size(n: int, minimum: int = 1) -> int:
+    """The static-shape size of a dimension of ``n``: the smallest power of two >= ``max(n, minimum)``."""
+    return 1 << (max(n, minimum, 1) - 1).bit_length()
+
+
+Dims = tuple[int, int, int, int]
+"""The sizes of a micro-batch: (rows R, row width L, sequences S, completion width C)."""
+
+
+def _dims(samples: Sequence[Sample], rows: list[list[Unit]], pad_to_multiple_of: int) -> Dims:
+    seqs = [i for row in rows for unit in row for i in unit]
+    row_len = max((sum(_unit_length(samples, u) for u in row) for row in rows), default=1)
+    width_t = max(1, -(-row_len // pad_to_multiple_of) * pad_to_multiple_of)
+    width_c = max((len(samples[i].completion_ids) for i in seqs), default=0)
+    return max(1, len(rows)), width_t, len(seqs), width_c
+
+
+def _static_dims(samples: Sequence[Sample], plans: Sequence[list[list[Unit]]], pad_to_multiple_of: int) -> Dims:
+    """One shape for all of ``plans``' micro-batches: each dimension's largest need, rounded up to a power of two."""
+    needs = [_dims(samples, rows, pad_to_multiple_of) for rows in plans] or [_dims(samples, [], 1)]
+    r, t, s, c = (max(d) for d in zip(*needs))
+    return bucket_size(r), bucket_size(t, _MIN_STATIC_WIDTH), bucket_size(s), bucket_size(c, _MIN_STATIC_WIDTH)
+
+
 def _build(
     samples: Sequence[Sample],
     rows: list[list[Unit]],
     advantages: Sequence[float | np.ndarray] | None,
     pad_to_multiple_of: int,
+    static_dims: Dims | None = None,
 ) -> MicroBatch:
+    """One micro-batch of ``rows``; ``static_dims``: its shape (at least what ``rows`` need), for static shapes."""
     seqs = [i for row in rows for unit in row for i in unit]
     row_len = [sum(_unit_length(samples, u) for u in row) for row in rows]
-    width_t = max(1, -(-max(row_len, default=1) // pad_to_multiple_of) * pad_to_multiple_of)
-    width_c = max((len(samples[i].completion_ids) for i in seqs), default=0)
-    shape = (max(1, len(rows)), width_t)
+    num_rows, width_t, num_seqs, width_c = static_dims or _dims(samples, rows, pad_to_multiple_of)
+    static_shapes = static_dims is not None
+    shape = (num_rows, width_t)
     tokens, positions, segment_ids = np.zeros(shape, np.int64), np.zeros(shape, np.int64), np.zeros(shape, np.int64)
     prefix_ids = np.full(shape, -1, np.int64)
-    completion_ids, gather_index = np.zeros((len(seqs), width_c), np.int64), np.zeros((len(seqs), width_c), np.int64)
-    loss_mask, rollout_lp, adv = (np.zeros((len(seqs), width_c), np.float32) for _ in range(3))
+    completion_ids, gather_index = np.zeros((num_seqs, width_c), np.int64), np.zeros((num_seqs, width_c), np.int64)
+    loss_mask, rollout_lp, adv = (np.zeros((num_seqs, width_c), np.float32) for _ in range(3))
     s_row = 0
     for r, row in enumerate(rows):
         start, seg = 0, 0
@@ -273,14 +312,29 @@ def _build(
                 start, seg, s_row = end, seg + 1, s_row + 1
         segment_ids[r, start:] = seg  # padding: an id of its own after the row's last one
     t = torch.from_numpy
+    slots = np.flatnonzero(loss_mask > 0)
+    if static_shapes:  # the head runs at every slot: real ones first (as elsewhere), then the rest at position 0
+        padding = np.flatnonzero(loss_mask == 0)
+        slots = np.concatenate([slots, np.full(len(padding), loss_mask.size, np.int64)])
+        loss_positions = np.concatenate([gather_index.reshape(-1)[slots[: len(slots) - len(padding)]],
+                                         np.zeros(len(padding), np.int64)])
+    else:
+        loss_positions = gather_index.reshape(-1)[slots]
+    num_loss = int((loss_mask > 0).sum())
+    loss_targets = np.zeros(len(slots), np.int64)
+    loss_targets[:num_loss] = completion_ids.reshape(-1)[slots[:num_loss]]
     temps = None
     if any(samples[i].temperature != 1.0 for i in seqs):
-        per_token = [np.full(samples[i].num_model_tokens, samples[i].temperature, np.float32) for i in seqs]
-        temps = t(np.concatenate(per_token))
+        per_row = np.array([samples[i].temperature for i in seqs] + [1.0] * (num_seqs - len(seqs)), np.float32)
+        per_slot = np.ones(len(slots), np.float32)
+        per_slot[:num_loss] = np.broadcast_to(per_row[:, None], loss_mask.shape).reshape(-1)[slots[:num_loss]]
+        temps = t(per_slot)
     return MicroBatch(
         tokens=t(tokens), positions=t(positions), segment_ids=t(segment_ids), completion_ids=t(completion_ids),
         gather_index=t(gather_index), loss_mask=t(loss_mask), rollout_logprobs=t(rollout_lp), advantages=t(adv),
-        sample_indices=seqs, num_tokens=sum(row_len), token_temperatures=temps,
+        loss_positions=t(loss_positions.astype(np.int64)), loss_targets=t(loss_targets), loss_slots=t(slots),
+        sample_rows=t(np.array(seqs + [len(samples)] * (num_seqs - len(seqs)), np.int64)), sample_indices=seqs,
+        num_tokens=sum(row_len), num_loss_tokens=num_loss, token_temperatures=temps,
         prefix_ids=t(prefix_ids) if any(len(u) > 1 for row in rows for u in row) else None,
     )  # fmt: skip
 
@@ -312,6 +366,7 @@ def pack_samples(
     pad_to_multiple_of: int = 1,
     row_tokens: int | None = None,
     share_prompts: bool = False,
+    static_shapes: bool = False,
 ) -> list[MicroBatch]:
     """Pack ``samples[i] for i in indices`` into micro-batches of at most ``token_budget`` tokens (padding included).
 
@@ -320,14 +375,16 @@ def pack_samples(
     scalar broadcast over the completion or an array with one value per completion token. Rows are padded to a
     multiple of ``pad_to_multiple_of`` (static shapes on accelerators). ``share_prompts``: samples with equal
     ``prompt_ids`` share one copy of the prompt (module docstring); the model must then get ``prefix_ids``.
+    ``static_shapes``: every dimension rounded up to a power of two (module docstring), which may pass the budget.
     """
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
     _check_prompts(samples, indices)
     row_tokens = row_tokens or token_budget
     units = _units(samples, indices, share_prompts, min(row_tokens, token_budget))
-    return [_build(samples, rows, advantages, pad_to_multiple_of)
-            for rows in _packed_units(samples, units, token_budget, row_tokens)]  # fmt: skip
+    plans = _packed_units(samples, units, token_budget, row_tokens)
+    dims = _static_dims(samples, plans, pad_to_multiple_of) if static_shapes else None
+    return [_build(samples, rows, advantages, pad_to_multiple_of, dims) for rows in plans]
 
 
 def assign_to_ranks(lengths: Sequence[int], indices: Sequence[int], num_ranks: int) -> list[list[int]]:
@@ -364,13 +421,14 @@ def plan_micro_batches(
     pad_to_multiple_of: int = 1,
     row_tokens: int | None = None,
     share_prompts: bool = False,
+    static_shapes: bool = False,
 ) -> list[MicroBatch]:
     """This rank's micro-batches for the samples ``indices``: balanced rank split, packing, equal counts everywhere.
 
     Every rank calls this with the same arguments except ``rank`` and gets the same number of micro-batches (the
     shorter lists end with empty ones: a one-token row, no sequence). ``row_tokens`` None: rows as long as the
     longest sequence among ``indices`` (the same on every rank). ``share_prompts``: as in :func:`pack_samples`; a prompt
-    and the completions packed with it (one unit) stay on one rank.
+    and the completions packed with it (one unit) stay on one rank. ``static_shapes``: as in :func:`pack_samples`.
     """
     _check_prompts(samples, indices)
     lengths = _lengths(samples)
@@ -380,7 +438,8 @@ def plan_micro_batches(
     unit_lengths = [_unit_length(samples, u) for u in units]
     per_rank = assign_to_ranks(unit_lengths, range(len(units)), num_ranks)
     groups = [_group_rows(unit_lengths, part, token_budget, row_tokens) for part in per_rank]
-    mine = [_build(samples, [[units[j] for j in row] for row in rows], advantages, pad_to_multiple_of)
-            for rows in groups[rank]]  # fmt: skip
-    mine.extend(_build(samples, [], None, 1) for _ in range(max(map(len, groups)) - len(mine)))
+    plans = [[[[units[j] for j in row] for row in rows] for rows in part] for part in groups]
+    dims = _static_dims(samples, [p for part in plans for p in part], pad_to_multiple_of) if static_shapes else None
+    mine = [_build(samples, rows, advantages, pad_to_multiple_of, dims) for rows in plans[rank]]
+    mine.extend(_build(samples, [], None, 1, dims) for _ in range(max(map(len, groups)) - len(mine)))
     return mine

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from rollout.types import RolloutBatch, Sample
-from trainer.devices import has_foreach_kernels
-from trainer.metrics import MetricsAccumulator, PhaseClock
+from trainer.devices import compiled_graphs, cut_graph, has_foreach_kernels, mesh_device_type, needs_static_shapes
+from trainer.metrics import Metrics, MetricsAccumulator, PhaseClock
 from trainer.models.lora import adapters_disabled
 from trainer.models.registry import ATTENTION_BLOCKS
 from trainer.models.transformer import Transformer
@@ -45,8 +45,9 @@ __all__ = ["forward_logprobs", "plan_rank_micro_batches", "rl_step", "sft_step",
 
 
 def forward_logprobs(model: Transformer, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprobs [S, C], entropy [S, C], hidden states [N, D]) of the micro-batch's N completion tokens, under the
-    distribution each sample was drawn from: ``log_softmax(logits / temperature)`` (``Sample.temperature``).
+    """(logprobs [S, C], entropy [S, C], hidden states [N, D]) of the micro-batch's completion tokens (N: its
+    ``loss_positions``), under the distribution each sample was drawn from: ``log_softmax(logits / temperature)``
+    (``Sample.temperature``).
 
     The last block's output projection and feed-forward and the output head run only at the positions that predict a
     completion token (``Transformer.forward(output_positions=...)``): prompt positions never enter the loss, and the
@@ -69,15 +70,17 @@ def plan_rank_micro_batches(state: TrainState, samples: Sequence[Sample], indice
 
     The row cap is ``cfg.pack_row_tokens`` when set; otherwise the whole micro-batch budget when the attention block
     is segment-local (long rows then cost nothing extra and need no padding), else the packer's default. Samples of
-    one prompt share it (:func:`shares_prompts`).
+    one prompt share it (:func:`shares_prompts`). On a device that compiles per shape, shapes are static
+    (``trainer.packing``) and attention is masked (``trainer.models.attention``), so rows stay short there.
     """
     cfg = state.cfg
+    static = needs_static_shapes(state.device)
     row_tokens = cfg.pack_row_tokens
-    if row_tokens is None and ATTENTION_BLOCKS.is_segment_local(state.model_cfg.attention):
+    if row_tokens is None and ATTENTION_BLOCKS.is_segment_local(state.model_cfg.attention) and not static:
         row_tokens = cfg.micro_batch_tokens
     mbs = plan_micro_batches(
         samples, indices, state.dp_rank, state.dp_size, cfg.micro_batch_tokens, row_tokens=row_tokens,
-        share_prompts=shares_prompts(state),
+        share_prompts=shares_prompts(state), static_shapes=static,
     )  # fmt: skip
     return [mb.to(state.device) for mb in mbs]
 
@@ -180,6 +183,7 @@ def _no_grad_pass(state: TrainState, plans: list[list[MicroBatch]], need_old: bo
                 mb.extra["ref_logprobs"] = _reference_logprobs(state, mb)
             if state.critic is not None:
                 mb.extra["values"] = mb.scatter(_critic_values(state, mb))
+            cut_graph(state.device)
 
 
 def _kl_for_reward(state: TrainState, mb: MicroBatch) -> torch.Tensor:
@@ -212,8 +216,9 @@ def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 def _clip_and_step(
     state: TrainState, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_norm: float | None
-) -> float:
-    """Clip the global gradient norm (computed per mesh group, then combined), step, zero grads; returns the norm."""
+) -> torch.Tensor:
+    """Clip the global gradient norm (computed per mesh group, then combined), step, zero grads; returns the norm
+    (0-dim, on the device: read with the step's other metrics)."""
     sync_tensor_parallel_partial_grads(model, state.mesh)
     groups = _by_mesh([p for p in model.parameters() if p.grad is not None])
     foreach = has_foreach_kernels(state.device)
@@ -230,7 +235,8 @@ def _clip_and_step(
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(total)
+    cut_graph(state.device)
+    return total.detach()
 
 
 def _update_policy(
@@ -246,6 +252,7 @@ def _update_policy(
         # The zero term keeps the graph connected for empty micro-batches, so every rank runs the same backward.
         (loss + 0.0 * hidden.sum()).backward()
         acc.add(metrics, float(mb.num_loss_tokens))
+        cut_graph(state.device)
 
 
 def _update_critic(
@@ -264,6 +271,12 @@ def _update_critic(
         )
         (loss + 0.0 * values.sum()).backward()
         acc.add(metrics, float(mb.num_loss_tokens))
+        cut_graph(state.device)
+
+
+def _read(values: list[torch.Tensor]) -> list[float]:
+    """0-dim device tensors as floats, in one transfer."""
+    return torch.stack(values).cpu().tolist() if values else []
 
 
 def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
@@ -284,9 +297,10 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     out of the loss; with every sample filtered the step makes no update), ``step``, ``policy_version``; with a critic
     (PPO) also ``critic/value_loss``, ``critic/value_error``, ``critic/value_mean``, ``critic/value_clip_frac``,
     ``critic/grad_norm``, and ``critic/loss`` (the value loss plus, MoE only, the critic routers' weighted
-    ``critic/loss/moe_aux``).
+    ``critic/loss/moe_aux``); on a device that compiles per shape (``xla``), ``compiled_graphs``: the graphs this
+    step compiled (0 once the step's shapes have all been seen).
     """
-    start = time.perf_counter()
+    start, graphs_before = time.perf_counter(), compiled_graphs(state.device)
     cfg, samples = state.cfg, batch.samples
     if not samples:
         raise ValueError("empty rollout batch: nothing to train on")
@@ -299,10 +313,11 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
         with clock.phase("logprobs"):
             _no_grad_pass(state, plans, need_old)
             _compute_advantages(state, samples, plans)
+            cut_graph(state.device)
 
     acc, critic_acc = MetricsAccumulator(), MetricsAccumulator()
-    grad_norms: list[float] = []
-    critic_norms: list[float] = []
+    grad_norms: list[torch.Tensor] = []
+    critic_norms: list[torch.Tensor] = []
     for epoch in range(cfg.num_epochs):
         if epoch > 0 and len(minis) > 1:
             minis, plans = _reshuffled(state, samples, trained, plans, epoch)
@@ -329,23 +344,27 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
             return v / num_updates
         return v / cfg.num_epochs if k.startswith("num_") else v
 
-    metrics = {k: per_update(k, v) for k, v in acc.reduce(state.device, state.dp_group).items()}
+    metrics = {k: per_update(k, v) for k, v in acc.reduce(mesh_device_type(state.device), state.dp_group).items()}
     if state.critic is not None:
-        critic_metrics = critic_acc.reduce(state.device, state.dp_group)
+        critic_metrics = critic_acc.reduce(mesh_device_type(state.device), state.dp_group)
         metrics.update({f"critic/{k}": per_update(k, v) for k, v in critic_metrics.items()})
-    if critic_norms:
-        metrics["critic/grad_norm"] = float(np.mean(critic_norms))
+    norms, critic_norm_values = _read(grad_norms), _read(critic_norms)
+    if critic_norm_values:
+        metrics["critic/grad_norm"] = float(np.mean(critic_norm_values))
     state.step += 1
     state.policy_version += 1
     elapsed = time.perf_counter() - start
     metrics["overlong_filtered_frac"] = (len(samples) - len(trained)) / len(samples)
     metrics.update(
-        grad_norm=float(np.mean(grad_norms)) if grad_norms else 0.0,
-        grad_norm_max=float(np.max(grad_norms)) if grad_norms else 0.0,
+        grad_norm=float(np.mean(norms)) if norms else 0.0,
+        grad_norm_max=float(np.max(norms)) if norms else 0.0,
         lr=float(state.scheduler.get_last_lr()[0]), step_s=elapsed,
         tokens_per_s=batch.num_tokens * cfg.num_epochs / elapsed, num_samples=float(len(samples)),
         step=float(state.step), policy_version=float(state.policy_version), **clock.metrics(),
     )  # fmt: skip
+    graphs_after = compiled_graphs(state.device)
+    if graphs_before is not None and graphs_after is not None:
+        metrics["compiled_graphs"] = float(graphs_after - graphs_before)
     return metrics
 
 
@@ -366,18 +385,19 @@ def sft_step(state: TrainState, samples: Sequence[Sample], lr: float | None = No
     for mb in mbs:
         logprobs, _, hidden = forward_logprobs(state.policy, mb)
         loss = sft_loss(logprobs, mb.loss_mask, "token_mean", num_tokens=num_tokens)
-        metrics = {"loss": loss.item(), "sft_loss": loss.item(), "num_tokens": float(mb.num_loss_tokens)}
+        metrics: Metrics = {"loss": loss.detach(), "sft_loss": loss.detach(), "num_tokens": float(mb.num_loss_tokens)}
         loss, metrics = add_router_aux_loss(loss, metrics, state.policy, mb, aux_coef, num_router_tokens)
         (loss + 0.0 * hidden.sum()).backward()
         acc.add(metrics, float(mb.num_loss_tokens))
+        cut_graph(state.device)
     saved = [g["lr"] for g in state.optimizer.param_groups]
     if lr is not None:
         for g in state.optimizer.param_groups:
             g["lr"] = lr
-    grad_norm = _clip_and_step(state, state.policy, state.optimizer, None, state.cfg.grad_clip_norm)
+    grad_norm = float(_clip_and_step(state, state.policy, state.optimizer, None, state.cfg.grad_clip_norm))
     for g, old in zip(state.optimizer.param_groups, saved):
         g["lr"] = old
     state.policy_version += 1
-    metrics = acc.reduce(state.device, state.dp_group)
-    metrics.update(grad_norm=grad_norm, step_s=time.perf_counter() - start, policy_version=float(state.policy_version))
-    return metrics
+    out = acc.reduce(mesh_device_type(state.device), state.dp_group)
+    out.update(grad_norm=grad_norm, step_s=time.perf_counter() - start, policy_version=float(state.policy_version))
+    return out

@@ -290,6 +290,7 @@ class TrainerWorker:
         import torch
         import torch.distributed as dist
 
+        from trainer.devices import host_copies
         from trainer.models.hf_io import hf_shards
         from trainer.models.lora import is_adapter
         from trainer.parallelize import local_shards
@@ -312,12 +313,14 @@ class TrainerWorker:
         adapters_only = self.model_cfg.lora is not None and not (
             self._base_trained if endpoints is not None else self._base_unpushed
         )
-        shards = [
-            Shard(hf_name, cast(hf_name, piece), hf_shape, hf_offsets)
+        places = [
+            (hf_name, cast(hf_name, piece), hf_shape, hf_offsets)
             for name, local, shape, offsets in local_shards(state.policy)
             if not adapters_only or is_adapter(name)
             for hf_name, piece, hf_shape, hf_offsets in hf_shards(self.model_cfg, name, local, shape, offsets)
         ]
+        pieces = host_copies([piece for _, piece, _, _ in places])
+        shards = [Shard(n, piece, s, o) for (n, _, s, o), piece in zip(places, pieces, strict=True)]
         try:
             report = sender.push(version, shards)
             dist.barrier()  # every rank's streams have been answered

@@ -1,6 +1,7 @@
 """Every checked-in recipe validates; broken recipes fail at load naming the file and field; the CLI stays light."""
 
 import importlib
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -317,6 +318,25 @@ def test_device_xla_without_torch_xla_fails_at_load_naming_its_environment():
     with pytest.raises(ConfigError) as err:
         load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"trainer.device": "xla"})
     assert "trainer.device: 'xla' needs torch_xla" in str(err.value) and "make xla-env" in str(err.value)
+
+
+def test_the_trainer_python_is_checked_at_load_against_the_driver(tmp_path):
+    ok = load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"run.trainer_python": sys.executable})
+    assert ok.run.trainer_python == sys.executable
+    with pytest.raises(ConfigError) as err:
+        load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"run.trainer_python": str(tmp_path / "python")})
+    assert "run.trainer_python" in str(err.value) and "is not an executable file" in str(err.value)
+    other = tmp_path / "python3.99"  # an interpreter of another Python: what it reports is all the check reads
+    other.write_text('#!/bin/sh\necho \'{"python": "3.99", "ray": "0.1", "torch_xla": true}\'\n')
+    other.chmod(0o755)
+    with pytest.raises(ConfigError) as err:
+        load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"run.trainer_python": str(other), "trainer.device": "xla"})
+    assert "has python 3.99" in str(err.value) and "build that environment on Python" in str(err.value)
+    if importlib.util.find_spec("torch_xla") is None:  # the driver's own interpreter, named, for an 'xla' trainer
+        with pytest.raises(ConfigError) as err:
+            load_recipe(ROOT / "recipes" / "grpo_tiny.toml",
+                        {"run.trainer_python": sys.executable, "trainer.device": "xla"})  # fmt: skip
+        assert f"({sys.executable} has none)" in str(err.value) and "run.trainer_python" in str(err.value)
 
 
 def test_the_own_task_example_loads_and_changes_only_task_reward_and_warm_start():

@@ -153,3 +153,30 @@ def test_one_row_per_micro_batch_has_no_padding() -> None:
     mbs = plan_micro_batches(samples, range(30), 0, 1, 128, row_tokens=128)
     assert all(mb.tokens.shape[0] == 1 and mb.tokens.shape[1] == mb.num_tokens for mb in mbs)
     assert sum(mb.num_tokens for mb in mbs) == sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+
+
+def test_static_shapes_give_every_micro_batch_one_power_of_two_shape() -> None:
+    """Under ``static_shapes`` the micro-batches of a call share one shape of powers of two, the padding carries no
+    loss, and the real completion tokens sit where the unpadded layout has them."""
+    samples = _samples(40, seed=3)
+    plain = plan_micro_batches(samples, range(40), 0, 1, 96, row_tokens=48)
+    static = plan_micro_batches(samples, range(40), 0, 1, 96, row_tokens=48, static_shapes=True)
+    assert [mb.sample_indices for mb in static] == [mb.sample_indices for mb in plain]
+    shapes = {(*mb.tokens.shape, *mb.loss_mask.shape, *mb.loss_positions.shape) for mb in static}
+    assert len(shapes) == 1
+    ((rows, width, seqs, cols, heads),) = shapes
+    assert all(n & (n - 1) == 0 for n in (rows, width, seqs, cols)) and heads == seqs * cols
+    assert rows >= max(mb.tokens.shape[0] for mb in plain) and cols >= max(mb.loss_mask.shape[1] for mb in plain)
+    for p, s in zip(plain, static):
+        n, (num_seqs, c) = p.num_loss_tokens, p.loss_mask.shape
+        assert s.num_loss_tokens == n and int(s.loss_mask.sum()) == n
+        assert s.sample_rows.tolist() == p.sample_indices + [len(samples)] * (seqs - num_seqs)
+        # The head's first n slots are the real tokens, in the plain order; the rest point at position 0.
+        t_plain, t_static = p.tokens.shape[1], s.tokens.shape[1]
+        row, col = p.loss_positions // t_plain, p.loss_positions % t_plain
+        assert torch.equal(s.loss_positions[:n], row * t_static + col)
+        assert torch.equal(s.loss_targets[:n], p.loss_targets) and not s.loss_positions[n:].any()
+        values = torch.randn(heads)
+        scattered = s.scatter(values)
+        assert torch.equal(scattered[:num_seqs, :c], p.scatter(values[:n]))
+        assert not scattered[num_seqs:].any() and not scattered[:, c:].any()

@@ -134,6 +134,47 @@ def test_micro_batching_does_not_change_the_update() -> None:
         torch.testing.assert_close(w_many[name], w_one[name], rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize(
+    "algo, moe, temperatures",
+    [(GRPOConfig(group_size=4, kl=KLConfig(coef=0.05)), False, False),
+     (GRPOConfig(group_size=4, kl=KLConfig(coef=0.05, where="reward")), True, True),
+     (PPOConfig(), False, True)],
+    ids=["grpo", "grpo-moe-kl-reward-tempered", "ppo-tempered"],
+)  # fmt: skip
+def test_static_shapes_do_not_change_the_update(monkeypatch, algo, moe, temperatures) -> None:
+    """The padded layout of a device that compiles per shape (``xla``: padding rows, sequences and head slots,
+    masked attention) gives the CPU's update, run here on the CPU by making it take that path."""
+    import trainer.models.attention
+    import trainer.step
+    from trainer.models.config import MoEConfig
+    from trainer.step import rl_step
+
+    model = MODEL.model_copy(update={
+        "family": "qwen3_moe", "moe": MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden_dim=32, aux_loss_coef=0.01),
+    }) if moe else MODEL  # fmt: skip
+    samples = _samples(seed=2, num_groups=4)
+    for i, s in enumerate(samples):
+        s.temperature = (0.7, 1.0, 1.3)[i % 3] if temperatures else 1.0
+    results = []
+    for static in (False, True):
+        for module in (trainer.step, trainer.models.attention):
+            monkeypatch.setattr(module, "needs_static_shapes", lambda device, static=static: static)
+        from trainer.parallelize import build_mesh
+        from trainer.state import build_train_state
+
+        # Rows of the whole budget both ways: the same micro-batches (the MoE load-balancing term depends on them).
+        cfg = TrainerConfig(optimizer={"lr": 1e-3}, micro_batch_tokens=48, pack_row_tokens=48)
+        state = build_train_state(cfg, model, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+        metrics = [rl_step(state, RolloutBatch(samples)) for _ in range(2)]
+        results.append((metrics, full_weights(state.policy)))
+    (m_plain, w_plain), (m_static, w_static) = results
+    for a, b in zip(m_plain, m_static):
+        for key in ("loss", "policy_loss", "grad_norm", "entropy", "logprob_gap", "num_tokens"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    for name in w_plain:
+        torch.testing.assert_close(w_static[name], w_plain[name], rtol=1e-5, atol=2e-6)
+
+
 def test_ppo_step_trains_the_critic() -> None:
     from trainer.step import rl_step
 

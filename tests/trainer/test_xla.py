@@ -1,5 +1,6 @@
 """The trainer on torch_xla's device (``trainer.device = "xla"``, PJRT's CPU device here): one GRPO step equals the
-same step on the CPU (loss, gradient norm, every updated weight) for a dense and an MoE model.
+same step on the CPU (loss, gradient norm, every updated weight) for a dense and an MoE model, and a run of steps on
+batches of changing lengths compiles its graphs in its first steps, then rarely.
 
 torch_xla 2.9 needs torch 2.9, so these run in their own environment: ``make test-xla`` (``make xla-env`` builds it);
 elsewhere they are skipped. XLA compiles a graph per new shape, so each step here takes tens of seconds on 2 cores.
@@ -41,7 +42,9 @@ def _step(model: ModelConfig, device: torch.device) -> tuple[dict[str, float], d
     from trainer.state import build_train_state
     from trainer.step import rl_step
 
-    cfg = TrainerConfig(device=device.type, optimizer={"lr": LR}, micro_batch_tokens=64)
+    # Rows as long as the budget on both devices (XLA otherwise packs short rows, for its masked attention): the same
+    # micro-batches, so that the MoE load-balancing term, a function of each micro-batch's routing, is the same too.
+    cfg = TrainerConfig(device=device.type, optimizer={"lr": LR}, micro_batch_tokens=64, pack_row_tokens=64)
     algo = GRPOConfig(group_size=4, kl=KLConfig(coef=0.1))
     state = build_train_state(cfg, model, algo, device, build_mesh(cfg, mesh_device_type(device)))
     before = {k: v.detach().cpu().clone() for k, v in state.policy.state_dict().items()}
@@ -64,6 +67,64 @@ def test_a_grpo_step_on_xla_equals_the_step_on_cpu(model):
         torch.testing.assert_close(xla_weights[name], weight, rtol=0, atol=LR / 100, msg=name)
     moved = sum(not torch.equal(before[n], w) for n, w in cpu_weights.items())
     assert moved > len(cpu_weights) // 2  # the step changed the weights it compares
+
+
+def test_a_run_of_changing_batches_compiles_in_a_handful_of_steps():
+    """Static shapes (``trainer.packing``): 20 steps of batches whose lengths change every step compile in the first
+    step and afterwards only when a dimension crosses a power of two; without them every micro-batch shape compiled
+    its graphs anew (tens of graphs and ~35 s per step on 2 cores)."""
+    from trainer.parallelize import build_mesh
+    from trainer.state import build_train_state
+    from trainer.step import rl_step
+
+    cfg = TrainerConfig(device="xla", optimizer={"lr": 1e-3}, micro_batch_tokens=128)
+    state = build_train_state(cfg, DENSE, GRPOConfig(group_size=4, kl=KLConfig(coef=0.1)), XLA, build_mesh(cfg, "cpu"))
+    compiled = []
+    for step in range(20):
+        batch = RolloutBatch(random_samples(step, num_groups=4, group_size=4, completion_len=(1, 40)))
+        compiled.append(int(rl_step(state, batch)["compiled_graphs"]))
+    print("graphs compiled per step:", compiled)
+    # (The first step's count depends on what the module's earlier tests compiled: the cache is per process.)
+    assert sum(1 for n in compiled[1:] if n) <= 5, compiled
+    assert sum(compiled[10:]) <= 2, compiled
+
+
+def test_a_checkpoint_and_an_export_from_xla_resume_and_load_as_on_cpu(tmp_path):
+    """A full-state checkpoint written from the XLA device resumes into a fresh XLA state (the next step then equals
+    the uninterrupted run's), and the HF export holds the device's weights."""
+    from safetensors.torch import load_file
+
+    from trainer.checkpoint import CheckpointManager, TrainProgress
+    from trainer.models.hf_io import save_hf_checkpoint
+    from trainer.parallelize import build_mesh
+    from trainer.state import build_train_state
+    from trainer.step import rl_step
+
+    cfg = TrainerConfig(device="xla", optimizer={"lr": LR}, micro_batch_tokens=64)
+    algo = GRPOConfig(group_size=4, kl=KLConfig(coef=0.1))
+
+    def state():
+        return build_train_state(cfg, DENSE, algo, XLA, build_mesh(cfg, "cpu"))
+
+    def batch(seed):
+        return RolloutBatch(random_samples(seed, num_groups=2, group_size=4))
+
+    first, manager = state(), CheckpointManager(tmp_path / "ckpt")
+    rl_step(first, batch(0))
+    manager.save(first.checkpointables(), TrainProgress(first.step, first.policy_version, {}))
+    files = save_hf_checkpoint(first.policy, str(tmp_path / "hf"))
+    exported = load_file(str(tmp_path / "hf" / files[0]))
+    weights = first.policy.state_dict()
+    wq = weights["layers.0.attention.wq.weight"].cpu()
+    assert torch.equal(exported["model.layers.0.self_attn.q_proj.weight"], wq)
+    uninterrupted = rl_step(first, batch(1))
+    resumed = state()
+    manager.load(resumed.checkpointables())
+    again = rl_step(resumed, batch(1))
+    assert again["loss"] == pytest.approx(uninterrupted["loss"], rel=1e-6, abs=1e-9)
+    assert again["grad_norm"] == pytest.approx(uninterrupted["grad_norm"], rel=1e-6)
+    for (name, a), b in zip(first.policy.state_dict().items(), resumed.policy.state_dict().values(), strict=True):
+        torch.testing.assert_close(b.cpu(), a.cpu(), rtol=0, atol=0, msg=name)
 
 
 def test_the_recipe_check_refuses_what_xla_does_not_run():

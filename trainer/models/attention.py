@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.devices import needs_static_shapes
 from trainer.models.config import ModelConfig
 from trainer.models.layers import RMSNorm, compiled
 from trainer.models.registry import ATTENTION_BLOCKS
@@ -151,10 +152,15 @@ def sdpa_attention(
     runs (see :func:`segment_spans`). Segments of equal length (and prompt length) go through one batched call (GRPO
     packs many short completions of a few lengths), so the number of kernel calls per layer is the number of distinct
     lengths, not of segments.
+
+    On a device that compiles per shape (``xla``) the segment lengths would make every batch a new graph, so there it
+    is :func:`masked_sdpa_attention`: the same numbers, at the cost of the dense mask.
     """
     gqa = q.shape[1] != k.shape[1]
     if segment_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if needs_static_shapes(q.device):
+        return masked_sdpa_attention(q, k, v, segment_ids=segment_ids, scale=scale, prefix_ids=prefix_ids)
     b, h, t, d = q.shape
     layout = _length_groups(segment_ids, prefix_ids)
     if prefix_ids is None and 2 * len(layout.shapes) > sum(n for n, _, _ in layout.shapes):

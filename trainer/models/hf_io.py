@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from trainer.devices import host_copies
 from trainer.models.config import ModelConfig
 from trainer.models.hf_config import hf_config_dict
 from trainer.models.hf_names import name_map
@@ -131,9 +132,8 @@ def save_hf_checkpoint(
     writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     shards: list[dict[str, torch.Tensor]] = [{}]
     size, total, saved_dtype = 0, 0, torch.float32  # float32: what config.json says when nothing was saved
-    for hf_name, tensor in hf_state_dict(model, dtype):
-        if not writer:
-            continue
+    named = [(n, t) for n, t in hf_state_dict(model, dtype) if writer]
+    for hf_name, tensor in zip([n for n, _ in named], host_copies([t for _, t in named]), strict=True):
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})

@@ -17,13 +17,13 @@ Values off the mask are multiplied by 0, so they must be finite (pad log-probs w
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Literal, TypedDict
 
 import torch
 
 from trainer.rl.config import LossAggregation
 
-__all__ = ["AggregateKwargs", "aggregate", "masked_mean"]
+__all__ = ["AggregateKwargs", "aggregate", "masked_extreme", "masked_mean", "when_any"]
 
 
 class AggregateKwargs(TypedDict, total=False):
@@ -38,6 +38,25 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``x`` over positions where ``mask`` is set (any shape, same for both); 0 when the mask is empty."""
     mask = mask.to(x.dtype)
     return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def when_any(valid: torch.Tensor, value: torch.Tensor, empty: float) -> torch.Tensor | float:
+    """``value`` where ``valid`` has any set element, else ``empty``; decided on the device (no host read), except that
+    an empty ``valid`` (a micro-batch without completion tokens) gives ``empty`` directly."""
+    if valid.numel() == 0:
+        return empty
+    return torch.where(valid.any(), value, value.new_tensor(empty))
+
+
+def masked_extreme(
+    x: torch.Tensor, valid: torch.Tensor, kind: Literal["max", "min"], empty: float
+) -> torch.Tensor | float:
+    """The largest / smallest element of ``x`` where ``valid`` (bool, same shape) is set; ``empty`` when none is."""
+    if valid.numel() == 0:
+        return empty
+    fill = float("-inf") if kind == "max" else float("inf")
+    picked = torch.where(valid, x, x.new_tensor(fill))
+    return when_any(valid, picked.max() if kind == "max" else picked.min(), empty)
 
 
 def aggregate(

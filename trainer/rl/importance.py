@@ -24,7 +24,8 @@ import math
 
 import torch
 
-from trainer.rl.aggregation import masked_mean
+from trainer.metrics import Metrics
+from trainer.rl.aggregation import masked_extreme, masked_mean, when_any
 from trainer.rl.config import ImportanceLevel, ImportanceMode
 from trainer.rl.policy_loss import MAX_LOG_RATIO
 
@@ -40,7 +41,7 @@ def importance_weights(
     *,
     mode: ImportanceMode = "truncate",
     lower_bound: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """Bounded importance weights of trainer over rollout log-probs.
 
     Args:
@@ -87,13 +88,12 @@ def importance_weights(
 
     shown = torch.exp(unit_log_ratio.clamp(max=MAX_LOG_RATIO))
     valid = unit_mask > 0
-    any_valid = bool(valid.any())
-    metrics = {
-        "is_ratio_mean": masked_mean(shown, unit_mask).item(),
-        "is_ratio_min": shown[valid].min().item() if any_valid else 1.0,
-        "is_ratio_max": shown[valid].max().item() if any_valid else 1.0,
-        "is_weight_mean": masked_mean(weights, unit_mask).item() if any_valid else 1.0,
-        f"is_frac_{'capped' if mode == 'truncate' else 'masked'}": masked_mean(beyond.to(mask.dtype), unit_mask).item(),
+    metrics: Metrics = {
+        "is_ratio_mean": masked_mean(shown, unit_mask),
+        "is_ratio_min": masked_extreme(shown, valid, "min", empty=1.0),
+        "is_ratio_max": masked_extreme(shown, valid, "max", empty=1.0),
+        "is_weight_mean": when_any(valid, masked_mean(weights, unit_mask), empty=1.0),
+        f"is_frac_{'capped' if mode == 'truncate' else 'masked'}": masked_mean(beyond.to(mask.dtype), unit_mask),
     }
     if level != "token":
         weights = weights[:, None].expand_as(mask)
@@ -102,7 +102,7 @@ def importance_weights(
 
 def rollout_fidelity_metrics(
     old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
-) -> dict[str, float]:
+) -> Metrics:
     """How far the trainer's log-probs of the sampled tokens are from the engine's, over completion tokens.
 
     old_logprobs, rollout_logprobs, mask: [B, T] (trainer log-probs under the weights that generated the batch, the
@@ -117,7 +117,7 @@ def rollout_fidelity_metrics(
     r = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     valid = mask > 0
     return {
-        "logprob_gap": masked_mean(log_ratio.abs(), mask).item(),
-        "logprob_gap_max": log_ratio.abs()[valid].max().item() if bool(valid.any()) else 0.0,
-        "rollout_kl": masked_mean(torch.exp(r) - 1 - r, mask).item(),
+        "logprob_gap": masked_mean(log_ratio.abs(), mask),
+        "logprob_gap_max": masked_extreme(log_ratio.abs(), valid, "max", empty=0.0),
+        "rollout_kl": masked_mean(torch.exp(r) - 1 - r, mask),
     }

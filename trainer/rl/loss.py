@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from trainer.metrics import Metrics
 from trainer.rl.aggregation import AggregateKwargs, aggregate, masked_mean
 from trainer.rl.config import PolicyConfig
 from trainer.rl.entropy import entropy_bonus
@@ -41,7 +42,7 @@ def compute_policy_loss(
     entropies: torch.Tensor | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """Scalar policy loss of a micro-batch and its metrics.
 
     Args:
@@ -57,17 +58,18 @@ def compute_policy_loss(
         num_tokens, num_seqs: the whole optimizer batch's token / sequence counts (see ``trainer.rl.aggregation``).
 
     Returns:
-        (loss, metrics): a 0-dim tensor and a flat dict of floats: ``loss``, ``policy_loss``, clip fractions, ratio
-        stats, and when applicable ``kl`` (token mean), ``kl_loss``, ``entropy`` (token mean), the fidelity metrics of
-        ``trainer.rl.importance.rollout_fidelity_metrics`` (``logprob_gap``, ``logprob_gap_max``, ``rollout_kl``;
-        whenever ``rollout_logprobs`` are given) and the IS stats of ``importance_weights``. With global
+        (loss, metrics): a 0-dim tensor and a flat dict of metrics (0-dim tensors, ``trainer.metrics``): ``loss``,
+        ``policy_loss``, clip fractions, ratio stats, and when applicable ``kl`` (token mean), ``kl_loss``, ``entropy``
+        (token mean), the fidelity metrics of ``trainer.rl.importance.rollout_fidelity_metrics`` (``logprob_gap``,
+        ``logprob_gap_max``, ``rollout_kl``; whenever ``rollout_logprobs`` are given) and the IS stats of
+        ``importance_weights``. With global
         ``num_tokens`` / ``num_seqs``, ``loss``, ``policy_loss`` and ``kl_loss`` are this micro-batch's share of the
         batch value (sum them over micro-batches); ``*_max`` / ``*_min`` are micro-batch extremes; the other metrics
         are micro-batch means. Importance weights multiply the policy term only, not the KL or entropy terms.
     """
     old = logprobs.detach() if old_logprobs is None else old_logprobs
     agg: AggregateKwargs = {"norm_length": config.loss_norm_length, "num_tokens": num_tokens, "num_seqs": num_seqs}
-    metrics: dict[str, float] = {"num_tokens": float(mask.sum())}
+    metrics: Metrics = {"num_tokens": mask.detach().sum()}
 
     weights = None
     is_cfg = config.importance_sampling
@@ -87,25 +89,25 @@ def compute_policy_loss(
         clip_low=config.clip_low, clip_high=config.clip_high, clip_ratio_c=config.clip_ratio_c,
         ratio_level=config.ratio_level, aggregation=config.loss_aggregation, weights=weights, **agg,
     )  # fmt: skip
-    metrics["policy_loss"] = loss.item()
+    metrics["policy_loss"] = loss.detach()
     metrics.update(pg_metrics)
 
     if config.kl.in_loss and ref_logprobs is None:
         raise ValueError("algorithm.kl.coef > 0 with where = 'loss' needs ref_logprobs from the reference model")
     if ref_logprobs is not None:
         kl = kl_estimate(logprobs, ref_logprobs, config.kl.estimator)  # [B, T]
-        metrics["kl"] = masked_mean(kl.detach(), mask).item()
+        metrics["kl"] = masked_mean(kl.detach(), mask)
         if config.kl.in_loss:
             kl_loss = aggregate(kl, mask, config.loss_aggregation, **agg)
-            metrics["kl_loss"] = kl_loss.item()
+            metrics["kl_loss"] = kl_loss.detach()
             loss = loss + config.kl.coef * kl_loss
 
     if config.entropy_coef > 0 and entropies is None:
         raise ValueError("algorithm.entropy_coef > 0 needs the per-token entropies of the policy")
     if entropies is not None:
-        metrics["entropy"] = masked_mean(entropies.detach(), mask).item()
+        metrics["entropy"] = masked_mean(entropies.detach(), mask)
         if config.entropy_coef > 0:
             loss = loss - entropy_bonus(entropies, mask, config.entropy_coef, config.loss_aggregation, **agg)
 
-    metrics["loss"] = loss.item()
+    metrics["loss"] = loss.detach()
     return loss, metrics

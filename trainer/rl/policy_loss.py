@@ -17,7 +17,8 @@ from typing import Unpack
 
 import torch
 
-from trainer.rl.aggregation import AggregateKwargs, aggregate, masked_mean
+from trainer.metrics import Metrics
+from trainer.rl.aggregation import AggregateKwargs, aggregate, masked_extreme, masked_mean, when_any
 from trainer.rl.config import LossAggregation, RatioLevel
 
 __all__ = ["MAX_LOG_RATIO", "policy_ratio", "clipped_policy_loss"]
@@ -59,7 +60,7 @@ def clipped_policy_loss(
     aggregation: LossAggregation = "token_mean",
     weights: torch.Tensor | None = None,
     **aggregate_kwargs: Unpack[AggregateKwargs],
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """Clipped surrogate loss (to minimise).
 
     Args:
@@ -101,14 +102,13 @@ def clipped_policy_loss(
         valid = mask > 0
         low = (ratio < 1 - clip_low) & (advantages < 0)
         high = (ratio > 1 + clip_high) & (advantages > 0)
-        any_valid = bool(valid.any())
-        metrics = {
-            "clip_frac_low": masked_mean(low.to(mask.dtype), mask).item(),
-            "clip_frac_high": masked_mean(high.to(mask.dtype), mask).item(),
-            "ratio_mean": masked_mean(ratio, mask).item() if any_valid else 1.0,
-            "ratio_min": ratio[valid].min().item() if any_valid else 1.0,
-            "ratio_max": ratio[valid].max().item() if any_valid else 1.0,
+        metrics: Metrics = {
+            "clip_frac_low": masked_mean(low.to(mask.dtype), mask),
+            "clip_frac_high": masked_mean(high.to(mask.dtype), mask),
+            "ratio_mean": when_any(valid, masked_mean(ratio, mask), empty=1.0),
+            "ratio_min": masked_extreme(ratio, valid, "min", empty=1.0),
+            "ratio_max": masked_extreme(ratio, valid, "max", empty=1.0),
         }
         if dual is not None:
-            metrics["clip_frac_dual"] = masked_mean(dual.to(mask.dtype), mask).item()
+            metrics["clip_frac_dual"] = masked_mean(dual.to(mask.dtype), mask)
     return loss, metrics

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from trainer.metrics import Metrics
 from trainer.models.moe import router_aux_loss
 from trainer.rl.config import PolicyConfig
 
@@ -74,12 +75,12 @@ def router_token_mask(mb: MicroBatch) -> torch.Tensor:
 
 def add_router_aux_loss(
     loss: torch.Tensor,
-    metrics: dict[str, float],
+    metrics: Metrics,
     model: nn.Module,
     mb: MicroBatch,
     coef: float | None,
     num_tokens: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """``loss + coef x share`` and the metrics with ``loss/moe_aux`` (and ``loss`` updated), after ``model``'s forward
     on ``mb``.
 
@@ -97,7 +98,7 @@ def add_router_aux_loss(
     share = num_mine / num_tokens if num_mine else 0.0
     aux = router_aux_loss(model, token_mask)
     assert aux is not None, "moe_aux_coef gave a coefficient for a model without MoE layers"
-    metrics = {**metrics, METRIC: aux.item() * share}
+    metrics = {**metrics, METRIC: aux.detach() * share}
     if coef == 0:
         return loss, metrics
     loss = loss + (coef * share) * aux

@@ -10,6 +10,7 @@ from typing import Unpack
 
 import torch
 
+from trainer.metrics import Metrics
 from trainer.rl.aggregation import AggregateKwargs, aggregate, masked_mean
 from trainer.rl.config import LossAggregation
 
@@ -24,7 +25,7 @@ def clipped_value_loss(
     clip: float,
     aggregation: LossAggregation = "token_mean",
     **aggregate_kwargs: Unpack[AggregateKwargs],
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """Clipped value loss (to minimise).
 
     Args:
@@ -45,9 +46,9 @@ def clipped_value_loss(
     clipped_err = (clipped_values - returns).square()
     loss = aggregate(0.5 * torch.maximum(unclipped_err, clipped_err), mask, aggregation, **aggregate_kwargs)
     with torch.no_grad():
-        metrics = {
-            "value_clip_frac": masked_mean((clipped_err > unclipped_err).to(mask.dtype), mask).item(),
-            "value_mean": masked_mean(values, mask).item(),
-            "value_error": masked_mean(unclipped_err, mask).item(),
+        metrics: Metrics = {
+            "value_clip_frac": masked_mean((clipped_err > unclipped_err).to(mask.dtype), mask),
+            "value_mean": masked_mean(values, mask),
+            "value_error": masked_mean(unclipped_err, mask),
         }
     return loss, metrics

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 import torch
 
+from trainer.metrics import Metrics
 from trainer.rl.config import PolicyConfig
 from trainer.rl.loss import compute_policy_loss
 
@@ -47,11 +48,10 @@ class AdvantageInputs:
 
         Collective: every rank calls it (each sample lives on one rank, so the sum over ranks gathers them all).
         """
-        sums = torch.zeros(len(self.samples), dtype=torch.float64, device=self.device)
+        sums = torch.zeros(len(self.samples) + 1, dtype=torch.float64, device=self.device)  # + padding rows' slot
         for mb in self.micro_batches:
-            idx = torch.tensor(mb.sample_indices, dtype=torch.long, device=self.device)
-            sums[idx] = per_token(mb).sum(dim=-1).double()
-        return self.all_reduce_sum(sums)
+            sums.index_add_(0, mb.sample_rows, per_token(mb).sum(dim=-1).double())
+        return self.all_reduce_sum(sums[:-1].contiguous())
 
 
 class Algorithm(ABC, Generic[ConfigT]):
@@ -79,7 +79,7 @@ class Algorithm(ABC, Generic[ConfigT]):
 
     def policy_loss(
         self, mb: MicroBatch, logprobs: torch.Tensor, entropies: torch.Tensor, num_tokens: float, num_seqs: float
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, Metrics]:
         """This micro-batch's share of the policy loss and its metrics (``trainer.rl.loss.compute_policy_loss``).
 
         logprobs, entropies: ``[S, C]`` from the policy (carry the gradient); num_tokens, num_seqs: the optimizer
@@ -93,7 +93,7 @@ class Algorithm(ABC, Generic[ConfigT]):
 
     def value_loss(
         self, mb: MicroBatch, values: torch.Tensor, num_tokens: float, num_seqs: float
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, Metrics]:
         """This micro-batch's share of the critic loss (``values`` ``[S, C]`` carry the gradient) and its metrics;
         only algorithms with :attr:`needs_critic`."""
         raise NotImplementedError(f"{type(self).__name__} trains no critic")

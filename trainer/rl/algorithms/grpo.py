@@ -41,7 +41,6 @@ class GRPO(Algorithm[GRPOConfig]):
         of_sample = torch.empty(len(samples), dtype=torch.long, device=inputs.device)
         for j, members in enumerate(episodes):
             of_sample[members] = j
-        advantages = per_episode[of_sample]
+        advantages = torch.cat([per_episode[of_sample], per_episode.new_zeros(1)])  # + padding rows' 0
         for mb in inputs.micro_batches:
-            rows = advantages[torch.tensor(mb.sample_indices, dtype=torch.long, device=inputs.device)]
-            mb.advantages = expand_to_tokens(rows.float(), mb.loss_mask)
+            mb.advantages = expand_to_tokens(advantages[mb.sample_rows].float(), mb.loss_mask)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trainer.metrics import Metrics
 from trainer.rl.advantages import gae_advantages, whiten, whitening_moments
 from trainer.rl.algorithms.base import AdvantageInputs, Algorithm
 from trainer.rl.config import PPOConfig
@@ -30,8 +31,9 @@ class PPO(Algorithm[PPOConfig]):
 
     def compute_advantages(self, inputs: AdvantageInputs) -> None:
         cfg = self.config
+        sample_scores = torch.tensor([s.reward for s in inputs.samples] + [0.0], device=inputs.device)  # + padding's
         for mb in inputs.micro_batches:
-            scores = torch.tensor([inputs.samples[i].reward for i in mb.sample_indices], device=inputs.device)
+            scores = sample_scores[mb.sample_rows]
             kl = inputs.token_kl(mb) if cfg.kl.in_reward else torch.zeros_like(mb.loss_mask)
             rewards = kl_penalized_token_rewards(scores, kl, mb.loss_mask, cfg.kl.coef if cfg.kl.in_reward else 0.0)
             mb.advantages, mb.extra["returns"] = gae_advantages(
@@ -47,7 +49,7 @@ class PPO(Algorithm[PPOConfig]):
 
     def value_loss(
         self, mb: MicroBatch, values: torch.Tensor, num_tokens: float, num_seqs: float
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, Metrics]:
         """``vf_coef`` x the clipped value loss against ``extra['returns']``, aggregated like the policy loss; the
         metrics of ``clipped_value_loss`` plus ``value_loss`` (the scaled loss)."""
         cfg = self.config
@@ -56,5 +58,5 @@ class PPO(Algorithm[PPOConfig]):
             norm_length=cfg.loss_norm_length, num_tokens=num_tokens, num_seqs=num_seqs,
         )  # fmt: skip
         loss = cfg.vf_coef * loss
-        metrics["value_loss"] = loss.item()
+        metrics["value_loss"] = loss.detach()
         return loss, metrics
