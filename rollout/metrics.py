@@ -4,17 +4,44 @@
 ``reward/<term>/mean`` per reward term), completion lengths, the fraction cut at ``max_tokens`` and the policy
 versions that generated the samples. The pool reports it for every collected batch; the driver reports it over
 everything a step sampled (all dynamic-sampling rounds) and names the figures of the filtered training batch apart.
+:func:`episode_metrics` gives the ``env/*`` figures of multi-turn episodes, whether an environment or an agent ran
+them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from rollout.types import Sample
 
-__all__ = ["sample_metrics"]
+__all__ = ["episode_metrics", "sample_metrics"]
+
+
+def episode_metrics(
+    num_turns: Sequence[int],
+    observation_tokens: Sequence[int],
+    timed_out: Sequence[bool],
+    infos: Sequence[Mapping[str, float]] = (),
+) -> dict[str, float]:
+    """Additive figures of a batch of episodes, one entry per episode in each argument (the pool sums them over
+    pieces): ``env/num_episodes``, ``env/num_turns`` (model turns: an agent's calls), ``env/num_observation_tokens``
+    (tokens the model was given between its turns), ``env/num_timeouts`` and the sum of each ``env/<name>`` an
+    environment reports in its episodes' ``info`` (``env/tool_calls``, ``env/tool_s``, ...)."""
+    if not len(num_turns) == len(observation_tokens) == len(timed_out):
+        raise ValueError(f"{len(num_turns)} turn counts, {len(observation_tokens)} observation counts and "
+                         f"{len(timed_out)} timeouts: give one of each per episode")
+    out = {
+        "env/num_episodes": float(len(num_turns)),
+        "env/num_turns": float(sum(num_turns)),
+        "env/num_observation_tokens": float(sum(observation_tokens)),
+        "env/num_timeouts": float(sum(timed_out)),
+    }
+    for info in infos:
+        for name, value in info.items():
+            out[f"env/{name}"] = out.get(f"env/{name}", 0.0) + value
+    return out
 
 
 def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:

@@ -23,6 +23,7 @@ import numpy as np
 
 from common.cpu import CpuClock
 from rollout.config import RolloutConfig, SamplingConfig
+from rollout.metrics import episode_metrics
 from rollout.sampling import turn_seed
 from rollout.types import RolloutBatch, Sample
 
@@ -146,7 +147,11 @@ class RolloutWorker:
         if self._agents is not None:
             metrics |= agent_metrics(outcomes)
         elif multi_turn:
-            metrics |= _episode_metrics([segments[0] for segments, _ in runs])
+            episodes = [segments[0] for segments, _ in runs]
+            metrics |= episode_metrics(
+                [e.num_turns for e in episodes], [int((e.loss_mask == 0).sum()) for e in episodes],
+                [e.timed_out for e in episodes], [e.info for e in episodes],
+            )  # fmt: skip
         return RolloutBatch(samples=samples, metrics=metrics)
 
     async def _episodes(
@@ -220,15 +225,3 @@ class RolloutWorker:
         self.engine.shutdown()
 
 
-def _episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Additive figures of a batch of episodes (the pool sums them over pieces)."""
-    out = {
-        "env/num_episodes": float(len(episodes)),
-        "env/num_turns": float(sum(e.num_turns for e in episodes)),
-        "env/num_observation_tokens": float(sum(int((e.loss_mask == 0).sum()) for e in episodes)),
-        "env/num_timeouts": float(sum(e.timed_out for e in episodes)),
-    }
-    for e in episodes:
-        for name, value in e.info.items():
-            out[f"env/{name}"] = out.get(f"env/{name}", 0.0) + value
-    return out

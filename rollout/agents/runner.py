@@ -27,6 +27,7 @@ from common.imports import resolve_object
 from rollout.agents.server import AgentEndpoint, EpisodeCalls
 from rollout.agents.trajectory import assemble
 from rollout.envs import Episode, episode_limits
+from rollout.metrics import episode_metrics
 from rollout.sampling import turn_seed
 
 if TYPE_CHECKING:
@@ -163,12 +164,10 @@ class AgentRunner:
 
 
 def agent_metrics(outcomes: Sequence[AgentOutcome]) -> dict[str, float]:
-    """Additive figures of a batch of agent episodes (the pool sums them over pieces)."""
-    return {
-        "env/num_episodes": float(len(outcomes)),
-        "env/num_turns": float(sum(o.num_calls for o in outcomes)),
-        "env/num_observation_tokens": float(sum(int((e.loss_mask == 0).sum()) for o in outcomes for e in o.episodes)),
-        "env/num_timeouts": float(sum(o.timed_out for o in outcomes)),
+    """Additive figures of a batch of agent episodes (the pool sums them over pieces): the ``env/*`` ones of
+    :func:`rollout.metrics.episode_metrics` (a turn being a call) and the agents' own."""
+    observation_tokens = [sum(int((e.loss_mask == 0).sum()) for e in o.episodes) for o in outcomes]
+    return episode_metrics([o.num_calls for o in outcomes], observation_tokens, [o.timed_out for o in outcomes]) | {
         "agent/num_samples": float(sum(len(o.episodes) for o in outcomes)),
         "agent/num_split_episodes": float(sum(len(o.episodes) > 1 for o in outcomes)),
         "agent/num_limit_stops": float(sum(o.stopped_at_limit for o in outcomes)),
