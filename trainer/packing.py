@@ -45,14 +45,16 @@ import numpy as np
 import torch
 
 from rollout.types import Sample
+from trainer.rl.advantages import episode_members
 
 __all__ = [
-    "MicroBatch", "assign_to_ranks", "bucket_size", "pack_samples", "plan_micro_batches", "split_minibatches",
+    "MicroBatch", "assign_to_ranks", "bucket_size", "episode_tokens", "pack_samples", "plan_micro_batches",
+    "split_minibatches",
 ]  # fmt: skip
 
 _TENSOR_FIELDS = (
     "tokens", "positions", "segment_ids", "completion_ids", "gather_index", "loss_mask", "rollout_logprobs",
-    "advantages", "loss_positions", "loss_targets", "loss_slots", "sample_rows",
+    "advantages", "loss_positions", "loss_targets", "loss_slots", "sample_rows", "sequence_tokens",
 )  # fmt: skip
 _MIN_STATIC_WIDTH = 16  # the smallest row / completion width under static shapes: tiny widths would each compile
 
@@ -98,6 +100,11 @@ class MicroBatch:
     sample_rows: torch.Tensor
     """int64 [S] :attr:`sample_indices` as a tensor, with the batch size (one past the last sample) for each padding
     row: per-sample values of the whole batch with a 0 appended, indexed by it, give each row its sample's value."""
+    sequence_tokens: torch.Tensor
+    """float32 [S] the model tokens of the episode each row is part of, among the samples packed together in this
+    call: the row's own count, or for an agent episode that gave several samples (``Sample.episode``) the sum over
+    those of its samples; 0 for padding rows. A per-sequence loss counts such an episode once
+    (``trainer.rl.aggregation``)."""
     sample_indices: list[int]
     """Index (into the full batch) of each packed sequence, in ``[S, C]`` row order; rows past ``len`` are padding
     (static shapes), with no loss."""
@@ -261,14 +268,26 @@ def _static_dims(samples: Sequence[Sample], plans: Sequence[list[list[Unit]]], p
     return bucket_size(r), bucket_size(t, _MIN_STATIC_WIDTH), bucket_size(s), bucket_size(c, _MIN_STATIC_WIDTH)
 
 
+def episode_tokens(samples: Sequence[Sample], indices: Sequence[int]) -> dict[int, float]:
+    """For each of ``indices``, the model tokens of its episode among ``indices`` (``MicroBatch.sequence_tokens``)."""
+    members = episode_members([samples[i].group_id for i in indices], [samples[i].episode for i in indices])
+    out: dict[int, float] = {}
+    for episode in members:
+        total = float(sum(samples[indices[j]].num_model_tokens for j in episode))
+        out.update((indices[j], total) for j in episode)
+    return out
+
+
 def _build(
     samples: Sequence[Sample],
     rows: list[list[Unit]],
     advantages: Sequence[float | np.ndarray] | None,
     pad_to_multiple_of: int,
     static_dims: Dims | None = None,
+    seq_tokens: dict[int, float] | None = None,
 ) -> MicroBatch:
-    """One micro-batch of ``rows``; ``static_dims``: its shape (at least what ``rows`` need), for static shapes."""
+    """One micro-batch of ``rows``; ``static_dims``: its shape (at least what ``rows`` need), for static shapes;
+    ``seq_tokens``: :func:`episode_tokens` of the samples packed in the same call."""
     seqs = [i for row in rows for unit in row for i in unit]
     row_len = [sum(_unit_length(samples, u) for u in row) for row in rows]
     num_rows, width_t, num_seqs, width_c = static_dims or _dims(samples, rows, pad_to_multiple_of)
@@ -334,6 +353,8 @@ def _build(
         gather_index=t(gather_index), loss_mask=t(loss_mask), rollout_logprobs=t(rollout_lp), advantages=t(adv),
         loss_positions=t(loss_positions.astype(np.int64)), loss_targets=t(loss_targets), loss_slots=t(slots),
         sample_rows=t(np.array(seqs + [len(samples)] * (num_seqs - len(seqs)), np.int64)), sample_indices=seqs,
+        sequence_tokens=t(np.array([(seq_tokens or {}).get(i, float(samples[i].num_model_tokens)) for i in seqs]
+                                   + [0.0] * (num_seqs - len(seqs)), np.float32)),
         num_tokens=sum(row_len), num_loss_tokens=num_loss, token_temperatures=temps,
         prefix_ids=t(prefix_ids) if any(len(u) > 1 for row in rows for u in row) else None,
     )  # fmt: skip
@@ -384,7 +405,8 @@ def pack_samples(
     units = _units(samples, indices, share_prompts, min(row_tokens, token_budget))
     plans = _packed_units(samples, units, token_budget, row_tokens)
     dims = _static_dims(samples, plans, pad_to_multiple_of) if static_shapes else None
-    return [_build(samples, rows, advantages, pad_to_multiple_of, dims) for rows in plans]
+    seq_tokens = episode_tokens(samples, indices)
+    return [_build(samples, rows, advantages, pad_to_multiple_of, dims, seq_tokens) for rows in plans]
 
 
 def assign_to_ranks(lengths: Sequence[int], indices: Sequence[int], num_ranks: int) -> list[list[int]]:
@@ -440,6 +462,7 @@ def plan_micro_batches(
     groups = [_group_rows(unit_lengths, part, token_budget, row_tokens) for part in per_rank]
     plans = [[[[units[j] for j in row] for row in rows] for rows in part] for part in groups]
     dims = _static_dims(samples, [p for part in plans for p in part], pad_to_multiple_of) if static_shapes else None
-    mine = [_build(samples, rows, advantages, pad_to_multiple_of, dims) for rows in plans[rank]]
+    seq_tokens = episode_tokens(samples, indices)
+    mine = [_build(samples, rows, advantages, pad_to_multiple_of, dims, seq_tokens) for rows in plans[rank]]
     mine.extend(_build(samples, [], None, 1, dims) for _ in range(max(map(len, groups)) - len(mine)))
     return mine

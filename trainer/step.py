@@ -35,6 +35,7 @@ from trainer.models.registry import ATTENTION_BLOCKS
 from trainer.models.transformer import Transformer
 from trainer.packing import MicroBatch, plan_micro_batches, split_minibatches
 from trainer.parallelize import sync_tensor_parallel_partial_grads
+from trainer.rl.advantages import episode_members
 from trainer.rl.algorithms import AdvantageInputs
 from trainer.rl.kl import kl_estimate
 from trainer.rl.router_aux import add_router_aux_loss, count_router_tokens, moe_aux_coef
@@ -151,9 +152,11 @@ def _reshuffled(
 
 
 def _mini_counts(samples: Sequence[Sample], indices: Sequence[int]) -> tuple[float, float]:
-    """Global (model-generated completion tokens, non-empty completions) of a mini-batch: the loss normalisers."""
-    lengths = [samples[i].num_model_tokens for i in indices]
-    return float(sum(lengths)), float(sum(1 for n in lengths if n > 0))
+    """Global (model-generated completion tokens, episodes with any) of a mini-batch: the loss normalisers. An agent
+    episode that gave several samples counts once (``MicroBatch.sequence_tokens`` carries its token count)."""
+    members = episode_members([samples[i].group_id for i in indices], [samples[i].episode for i in indices])
+    tokens = [sum(samples[indices[j]].num_model_tokens for j in episode) for episode in members]
+    return float(sum(tokens)), float(sum(1 for n in tokens if n > 0))
 
 
 def _critic_values(state: TrainState, mb: MicroBatch) -> torch.Tensor:

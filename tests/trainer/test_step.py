@@ -175,6 +175,28 @@ def test_static_shapes_do_not_change_the_update(monkeypatch, algo, moe, temperat
         torch.testing.assert_close(w_static[name], w_plain[name], rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_sum_norm"])
+def test_an_episode_of_several_samples_is_one_sequence_of_the_loss(aggregation) -> None:
+    """Episode 0 gave two samples (reward 1), episode 1 one (reward 3): advantages -1 and +1, each token's loss -A on
+    the first pass. As one sequence, episode 0's token mean is 1 and the per-sequence loss (1 - 1) / 2 = 0; counted
+    as two sequences it would be (1 + 1 - 1) / 3. Dr. GRPO divides the token sum by 2 episodes, not 3 samples."""
+    from trainer.step import rl_step
+
+    samples = _samples(seed=7, num_groups=1, group_size=3)
+    for s, episode, reward in zip(samples, (0, 0, 1), (1.0, 1.0, 3.0), strict=True):
+        s.episode, s.reward = episode, reward
+    norm = {"loss_norm_length": 8} if aggregation == "token_sum_norm" else {}
+    algo = GRPOConfig(group_size=2, scale_advantages_by_std=False, loss_aggregation=aggregation, **norm)
+    state = _engine(algo, micro_batch_tokens=24)  # several micro-batches: the episode's parts may be apart
+    _set_rollout_logprobs_to_trainer(state, samples)
+    m = rl_step(state, RolloutBatch(samples))
+    if aggregation == "seq_mean_token_mean":
+        assert m["policy_loss"] == pytest.approx(0.0, abs=1e-6)
+    else:
+        c = [len(s.completion_ids) for s in samples]
+        assert m["policy_loss"] == pytest.approx((c[0] + c[1] - c[2]) / (2 * 8), rel=1e-5)
+
+
 def test_ppo_step_trains_the_critic() -> None:
     from trainer.step import rl_step
 

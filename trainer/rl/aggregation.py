@@ -10,6 +10,10 @@ Three modes, as named in ``trainer.rl.config.LossAggregation``:
 
 Under gradient accumulation or data parallelism, pass the *global* ``num_tokens`` / ``num_seqs`` of the whole
 optimizer batch: then the micro-batch losses sum (over micro-batches and ranks) to exactly the full-batch loss.
+
+A "sequence" is an episode: an agent episode that gave several samples (rows) is one sequence, so ``num_seqs`` counts
+it once and ``seq_tokens`` gives each of its rows the episode's token count, so that its rows' sums add up to one
+token mean.
 Left as None, they are counted on this micro-batch.
 
 Values off the mask are multiplied by 0, so they must be finite (pad log-probs with 0, not -inf): ``inf * 0`` is NaN.
@@ -32,6 +36,7 @@ class AggregateKwargs(TypedDict, total=False):
     norm_length: int | None
     num_tokens: float | None
     num_seqs: float | None
+    seq_tokens: torch.Tensor | None
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -67,6 +72,7 @@ def aggregate(
     norm_length: int | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    seq_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce per-token values to a scalar.
 
@@ -78,6 +84,8 @@ def aggregate(
         num_tokens: divisor of 'token_mean'; defaults to the tokens in ``mask``.
         num_seqs: divisor of the per-sequence modes; defaults to the rows of ``mask`` with at least one token
             (all-padding rows do not count).
+        seq_tokens: [B] the token count of the sequence (episode) each row is part of, the divisor of the row's sum
+            in 'seq_mean_token_mean'; defaults to the row's own count (every row a whole sequence).
 
     Returns:
         A 0-dim tensor.
@@ -88,10 +96,11 @@ def aggregate(
     if mode == "token_mean":
         token_denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
         return masked.sum() / token_denom
-    seq_tokens = mask.sum(dim=-1)  # [B]
-    seq_denom = (seq_tokens > 0).sum().clamp(min=1) if num_seqs is None else num_seqs
+    row_tokens = mask.sum(dim=-1)  # [B]
+    seq_denom = (row_tokens > 0).sum().clamp(min=1) if num_seqs is None else num_seqs
     if mode == "seq_mean_token_mean":
-        return (masked.sum(dim=-1) / seq_tokens.clamp(min=1)).sum() / seq_denom
+        per_row = row_tokens if seq_tokens is None else seq_tokens.to(x.dtype)
+        return (masked.sum(dim=-1) / per_row.clamp(min=1)).sum() / seq_denom
     if mode == "token_sum_norm":
         if norm_length is None:
             raise ValueError("aggregation 'token_sum_norm' needs norm_length (the constant per-sequence divisor)")

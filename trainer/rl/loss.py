@@ -42,6 +42,7 @@ def compute_policy_loss(
     entropies: torch.Tensor | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    seq_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """Scalar policy loss of a micro-batch and its metrics.
 
@@ -56,6 +57,7 @@ def compute_policy_loss(
         rollout_logprobs: [B, T] the engine's log-probs; required when importance sampling is enabled.
         entropies: [B, T] per-token entropies of the policy; required when ``config.entropy_coef > 0``.
         num_tokens, num_seqs: the whole optimizer batch's token / sequence counts (see ``trainer.rl.aggregation``).
+        seq_tokens: [B] the token count of the episode each row is part of (``MicroBatch.sequence_tokens``).
 
     Returns:
         (loss, metrics): a 0-dim tensor and a flat dict of metrics (0-dim tensors, ``trainer.metrics``): ``loss``,
@@ -68,7 +70,10 @@ def compute_policy_loss(
         are micro-batch means. Importance weights multiply the policy term only, not the KL or entropy terms.
     """
     old = logprobs.detach() if old_logprobs is None else old_logprobs
-    agg: AggregateKwargs = {"norm_length": config.loss_norm_length, "num_tokens": num_tokens, "num_seqs": num_seqs}
+    agg: AggregateKwargs = {
+        "norm_length": config.loss_norm_length, "num_tokens": num_tokens, "num_seqs": num_seqs,
+        "seq_tokens": seq_tokens,
+    }  # fmt: skip
     metrics: Metrics = {"num_tokens": mask.detach().sum()}
 
     weights = None

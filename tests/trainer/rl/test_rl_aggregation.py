@@ -43,3 +43,15 @@ def test_micro_batches_with_global_counts_sum_to_the_full_batch(mode):
     counts = dict(norm_length=5, num_tokens=float(mask.sum()), num_seqs=6.0)
     parts = aggregate(x[:2], mask[:2], mode, **counts) + aggregate(x[2:], mask[2:], mode, **counts)
     torch.testing.assert_close(parts, full)
+
+
+def test_rows_of_one_episode_make_one_sequence_mean():
+    """Rows 0 and 1 are one episode (5 tokens), row 2 another (2 tokens): the per-sequence mean is the mean of the two
+    episodes' token means; padding rows (count 0, empty mask) add nothing."""
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0], [6.0, 8.0, 0.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0], [0, 0, 0]])
+    seq_tokens = torch.tensor([5.0, 5.0, 2.0, 0.0])
+    out = aggregate(x, mask, "seq_mean_token_mean", num_seqs=2, seq_tokens=seq_tokens)
+    assert out.item() == pytest.approx((15 / 5 + 14 / 2) / 2)
+    # Without the episode counts every row is a sequence of its own.
+    assert aggregate(x, mask, "seq_mean_token_mean").item() == pytest.approx((6 / 3 + 9 / 2 + 14 / 2) / 3)

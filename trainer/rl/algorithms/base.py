@@ -83,12 +83,13 @@ class Algorithm(ABC, Generic[ConfigT]):
         """This micro-batch's share of the policy loss and its metrics (``trainer.rl.loss.compute_policy_loss``).
 
         logprobs, entropies: ``[S, C]`` from the policy (carry the gradient); num_tokens, num_seqs: the optimizer
-        batch's global counts.
+        batch's global counts (an episode of several samples counts once: ``trainer.rl.aggregation``).
         """
         return compute_policy_loss(
             logprobs, mb.advantages, mb.loss_mask, self.config,
             old_logprobs=mb.extra.get("old_logprobs"), ref_logprobs=mb.extra.get("ref_logprobs"),
             rollout_logprobs=mb.rollout_logprobs, entropies=entropies, num_tokens=num_tokens, num_seqs=num_seqs,
+            seq_tokens=mb.sequence_tokens,
         )  # fmt: skip
 
     def value_loss(

@@ -55,7 +55,7 @@ class PPO(Algorithm[PPOConfig]):
         cfg = self.config
         loss, metrics = clipped_value_loss(
             values, mb.extra["values"], mb.extra["returns"], mb.loss_mask, cfg.value_clip, cfg.loss_aggregation,
-            norm_length=cfg.loss_norm_length, num_tokens=num_tokens, num_seqs=num_seqs,
+            norm_length=cfg.loss_norm_length, num_tokens=num_tokens, num_seqs=num_seqs, seq_tokens=mb.sequence_tokens,
         )  # fmt: skip
         loss = cfg.vf_coef * loss
         metrics["value_loss"] = loss.detach()
