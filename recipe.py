@@ -549,7 +549,9 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
     if isinstance(probe, str):
         problems.append((("run", "trainer_python"), probe))
     has_xla = probe["torch_xla"] if isinstance(probe, dict) else importlib.util.find_spec("torch_xla") is not None
-    if recipe.trainer.device == "xla" and not has_xla and not isinstance(probe, str):
+    # Attached to a cluster (`ray job submit`), the trainer ranks may run another image: they check it at start.
+    on_cluster = python is None and "RAY_ADDRESS" in os.environ
+    if recipe.trainer.device == "xla" and not has_xla and not isinstance(probe, str) and not on_cluster:
         problems.append((
             ("trainer", "device"),
             f"'xla' needs torch_xla where the trainer runs ({python or sys.executable} has none): it lives in "

@@ -34,7 +34,7 @@ DEPLOY = ROOT / "deploy"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
 HARDWARE_RECIPES = [
     "recipes/qwen3_0p6b_gpu.toml", "recipes/qwen3_8b_tpu.toml", "recipes/qwen3_8b_lora_tpu.toml",
-    "recipes/qwen3_30b_a3b_tpu.toml",
+    "recipes/qwen3_30b_a3b_tpu.toml", "recipes/qwen3_0p6b_xla_tpu.toml",
 ]  # fmt: skip
 # A RayCluster has no entrypoint: the recipe it is sized for.
 CLUSTER_RECIPES = {"raycluster-tpu-v6e.yaml": "recipes/qwen3_8b_tpu.toml"}
@@ -124,7 +124,8 @@ def _ray_pin() -> str:
 # -- manifests -----------------------------------------------------------------------------------------------------
 def test_manifests_exist_and_parse():
     names = {p.name for p in MANIFESTS}
-    assert names >= {"raycluster-tpu-v6e.yaml", "rayjob-qwen3-8b.yaml", "rayjob-qwen3-30b-a3b.yaml"}
+    assert names >= {"raycluster-tpu-v6e.yaml", "rayjob-qwen3-8b.yaml", "rayjob-qwen3-30b-a3b.yaml",
+                     "rayjob-qwen3-0p6b-xla.yaml"}  # fmt: skip
     for path in MANIFESTS:
         docs = _docs(path)
         assert docs, f"{path.name} holds no document"
@@ -144,7 +145,9 @@ def test_kinds_and_api_versions(path):
 
 def test_rayjobs_run_one_recipe_and_clean_up():
     jobs = [(p, d) for p, d in _ray_docs() if d["kind"] == "RayJob"]
-    assert {p.name for p, _ in jobs} == {"rayjob-qwen3-8b.yaml", "rayjob-qwen3-30b-a3b.yaml"}
+    assert {p.name for p, _ in jobs} == {
+        "rayjob-qwen3-8b.yaml", "rayjob-qwen3-30b-a3b.yaml", "rayjob-qwen3-0p6b-xla.yaml",
+    }  # fmt: skip
     for path, doc in jobs:
         spec = doc["spec"]
         assert re.fullmatch(r"python rl_align\.py --recipe recipes/[\w.-]+\.toml", spec["entrypoint"]), path.name
@@ -178,7 +181,15 @@ def test_tpu_groups_request_whole_slices_consistently(path):
             assert env["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "1", where
             assert "RL_ALIGN_WEIGHT_SYNC_TOKEN" in env, where
         trainer = _group(spec, "trainer")
-        assert trainer["numOfHosts"] > 1 and trainer["replicas"] == 1, f"{path.name}: one multi-host trainer slice"
+        if load_recipe(ROOT / _recipe_for(path, doc), check_paths=False).trainer.device == "xla":
+            # torch_xla's trainer: one rank on one chip, in the torch_xla image with PJRT on the TPU.
+            assert trainer["numOfHosts"] == 1 and _chips_per_host(trainer) == 1, f"{path.name}: one chip"
+            env = {e["name"]: e.get("value") for e in _container(trainer)["env"]}
+            assert env["PJRT_DEVICE"] == "TPU" and "rl-align-xla" in _container(trainer)["image"], path.name
+            others = [spec["headGroupSpec"], _group(spec, "rollout")]
+            assert all("rl-align-tpu" in g["template"]["spec"]["containers"][0]["image"] for g in others), path.name
+        else:
+            assert trainer["numOfHosts"] > 1 and trainer["replicas"] == 1, f"{path.name}: one multi-host trainer slice"
 
 
 @pytest.mark.parametrize("path, doc", [pytest.param(p, d, id=p.name) for p, d in _ray_docs()])
@@ -188,7 +199,7 @@ def test_cluster_matches_its_recipe(path, doc):
     spec = _cluster_spec(doc)
     trainer, rollout = _group(spec, "trainer"), _group(spec, "rollout")
     hosts = trainer["numOfHosts"] * trainer["replicas"]
-    assert recipe.trainer.device == "tpu"
+    assert recipe.trainer.device in ("tpu", "xla")
     assert _num_cpus(trainer) == _chips_per_host(trainer), "a trainer host fits one rank (1 CPU, 1 TPU) per chip"
     assert recipe.trainer.num_ranks == hosts * _chips_per_host(trainer), "one trainer rank per slice chip"
     assert recipe.rollout.num_workers == rollout["replicas"] * rollout["numOfHosts"], "one rollout worker per host"
@@ -241,7 +252,12 @@ def test_dockerfiles_install_the_right_stacks():
     tpu_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["tpu"]
     assert any(re.fullmatch(r"vllm-torchtpu==\d.*", dep) for dep in tpu_extra), "vLLM's TPU build is pinned"
     assert "TORCH_DEVICE_BACKEND_AUTOLOAD=1" in tpu
-    for name in ("Dockerfile.cpu", "Dockerfile.tpu"):
+    xla = (DEPLOY / "Dockerfile.xla").read_text()
+    assert re.search(r"^FROM python:3\.12-slim\b", xla, re.M), "the Python of the TPU image: one Python per cluster"
+    assert "pip install -e '.[xla-tpu]'" in xla and "--no-deps" not in xla and "PJRT_DEVICE=TPU" in xla
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "torch_xla[tpu]" in extras["xla-tpu"] and "rl-align[xla]" in extras["xla-tpu"]
+    for name in ("Dockerfile.cpu", "Dockerfile.tpu", "Dockerfile.xla"):
         ignore = (DEPLOY / f"{name}.dockerignore").read_text().split()
         assert ".venv" in ignore and "runs" in ignore, name
 
@@ -253,6 +269,7 @@ STACKS = {
     "tpu": ("3.12", {"torch": "2.13.0", "jax": "0.11.2", "jaxlib": "0.11.2", "transformers": "5.14.1"}),
     "gpu": ("3.11", {"torch": "2.14.0", "jax": "0.10.2", "transformers": "5.19.0"}),
     "xla": ("3.11", {"torch": "2.9.0", "jax": "0.10.2", "transformers": "5.19.0"}),
+    "xla-tpu": ("3.12", {"torch": "2.9.0", "jax": "0.11.2", "transformers": "5.19.0"}),
 }
 
 
@@ -280,9 +297,10 @@ def _model(recipe: Recipe) -> tuple[str, ModelConfig]:
 @pytest.mark.parametrize("ref", HARDWARE_RECIPES)
 def test_hardware_recipe_validates(ref):
     recipe = load_recipe(ROOT / ref, check_paths=False)
-    assert recipe.trainer.device in ("cuda", "tpu") and recipe.model.create_tiny is None
+    assert recipe.trainer.device in ("cuda", "tpu", "xla") and recipe.model.create_tiny is None
     assert Path(recipe.model.path).is_absolute() and recipe.task.type == "jsonl"
-    assert recipe.trainer.mixed_precision.param_dtype == "bfloat16" and recipe.rollout.engine.dtype == "bfloat16"
+    trains_in = "float32" if recipe.trainer.device == "xla" else "bfloat16"  # what torch_xla's trainer runs
+    assert recipe.trainer.mixed_precision.param_dtype == trains_in and recipe.rollout.engine.dtype == "bfloat16"
     assert recipe.rollout.engine.enforce_eager is False
     assert any(t.type == "math" for t in recipe.reward.terms)
     if recipe.trainer.device == "tpu":
@@ -290,6 +308,11 @@ def test_hardware_recipe_validates(ref):
         assert recipe.run.mode == "async" and recipe.algorithm.importance_sampling.enabled
         assert recipe.rollout.num_workers > 1 and recipe.rollout.num_gpus_per_worker == 0
         assert (recipe.model.attention, recipe.model.output_head) == ("splash", "fused_pallas")
+    elif recipe.trainer.device == "xla":
+        assert recipe.trainer.num_ranks == 1 and not recipe.trainer.parallelism.fsdp
+        assert recipe.run.mode == "async" and recipe.algorithm.importance_sampling.enabled
+        assert recipe.rollout.num_workers > 1 and recipe.rollout.num_gpus_per_worker == 0
+        assert recipe.model.attention == "sdpa"  # the Pallas kernels are refused on "xla"
     else:
         assert recipe.rollout.num_gpus_per_worker >= 1
 

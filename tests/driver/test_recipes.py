@@ -320,6 +320,12 @@ def test_device_xla_without_torch_xla_fails_at_load_naming_its_environment():
     assert "trainer.device: 'xla' needs torch_xla" in str(err.value) and "make xla-env" in str(err.value)
 
 
+def test_device_xla_on_a_cluster_leaves_the_check_to_the_trainer_hosts(monkeypatch):
+    """Attached to a cluster the trainer ranks may run another image (deploy/Dockerfile.xla beside the TPU image)."""
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"trainer.device": "xla"}).trainer.device == "xla"
+
+
 def test_the_trainer_python_is_checked_at_load_against_the_driver(tmp_path):
     ok = load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"run.trainer_python": sys.executable})
     assert ok.run.trainer_python == sys.executable
