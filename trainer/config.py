@@ -56,6 +56,11 @@ class ParallelismConfig(Config):
     expert_parallel_degree: int = pydantic.Field(default=1, ge=1)
     """Ranks that split each MoE layer's experts between them (``trainer.expert_parallel``: tokens reach their experts
     by all-to-all); ``num_ranks`` must be a multiple of it and the model's expert count too. 1 turns it off."""
+    spmd_data_parallel: int = pydantic.Field(default=1, ge=1)
+    """Device 'xla' only: the XLA devices the one rank drives through torch_xla's SPMD (GSPMD) partitioner, data
+    parallel: each micro-batch's rows are split over them, parameters and optimizer state are replicated, and the
+    compiler inserts the gradient reduction. A power of two equal to the runtime's device count (the host's chips on a
+    TPU; ``CPU_NUM_DEVICES`` on PJRT's CPU device). 1 turns SPMD off."""
 
 
 class ActivationCheckpointConfig(Config):
@@ -242,8 +247,15 @@ class TrainerConfig(Config):
             )
         if self.device == "xla" and self.num_ranks > 1:
             raise ValueError(
-                f"device 'xla' runs one trainer rank (num_ranks = {self.num_ranks}): data parallelism through "
-                "torch_xla's SPMD sharding is not built; set num_ranks = 1, or use device 'tpu' (torch-tpu) with FSDP"
+                f"device 'xla' runs one trainer rank (num_ranks = {self.num_ranks}), which drives the host's XLA "
+                "devices through SPMD: set num_ranks = 1 and parallelism.spmd_data_parallel to the device count, or "
+                "use device 'tpu' (torch-tpu) with FSDP over ranks"
+            )
+        spmd = self.parallelism.spmd_data_parallel
+        if spmd > 1 and (self.device != "xla" or spmd & (spmd - 1)):
+            raise ValueError(
+                f"parallelism.spmd_data_parallel = {spmd} needs device 'xla' (got {self.device!r}) and a power of two "
+                "(the static row counts it splits are powers of two); set it to 1, or to the XLA device count"
             )
         if self.compile and (tp > 1 or self.device in ("tpu", "xla")):
             raise ValueError(

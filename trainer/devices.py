@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "compiled_graphs", "cut_graph", "has_foreach_kernels", "host_copies", "mesh_device_type", "needs_static_shapes",
-    "synchronize",
+    "compiled_graphs", "cut_graph", "data_parallel_devices", "enable_spmd", "has_foreach_kernels", "host_copies",
+    "mesh_device_type", "needs_static_shapes", "shard_rows", "synchronize",
 ]  # fmt: skip
 
 
@@ -78,3 +78,44 @@ def host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     import torch_xla.core.xla_model as xm
 
     return list(xm._maybe_convert_to_cpu(list(tensors)))
+
+
+def enable_spmd(num_devices: int) -> None:
+    """Drive ``num_devices`` XLA devices from this process through torch_xla's SPMD partitioner (``num_devices`` > 1;
+    1 leaves SPMD off). Must run before the process creates any XLA tensor; raises ``ValueError`` when the runtime has
+    another number of devices."""
+    if num_devices == 1:
+        return
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    found = xr.global_runtime_device_count()
+    if found != num_devices:
+        raise ValueError(
+            f"parallelism.spmd_data_parallel = {num_devices}, but the XLA runtime has {found} device(s) "
+            "(a TPU host's chips; CPU_NUM_DEVICES on PJRT's CPU device): set it to the device count"
+        )
+
+
+def data_parallel_devices(device: torch.device) -> int:
+    """How many devices the rank's batch rows are split over: the SPMD device count on ``xla`` with SPMD on, else 1."""
+    if device.type != "xla":
+        return 1
+    import torch_xla.runtime as xr
+
+    return xr.global_runtime_device_count() if xr.is_spmd() else 1
+
+
+def shard_rows(tensors: list[torch.Tensor]) -> None:
+    """Under SPMD, mark ``tensors`` (``[R, ...]``, ``R`` a multiple of the device count) as split by rows over all the
+    devices: the data-parallel layout the partitioner then carries through the step. A no-op without SPMD."""
+    if not tensors or data_parallel_devices(tensors[0].device) == 1:
+        return
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    n = xr.global_runtime_device_count()
+    mesh = xs.Mesh(np.arange(n), (n,), ("data",))
+    for t in tensors:
+        xs.mark_sharding(t, mesh, ("data",) + (None,) * (t.dim() - 1))

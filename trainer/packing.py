@@ -261,11 +261,15 @@ def _dims(samples: Sequence[Sample], rows: list[list[Unit]], pad_to_multiple_of:
     return max(1, len(rows)), width_t, len(seqs), width_c
 
 
-def _static_dims(samples: Sequence[Sample], plans: Sequence[list[list[Unit]]], pad_to_multiple_of: int) -> Dims:
-    """One shape for all of ``plans``' micro-batches: each dimension's largest need, rounded up to a power of two."""
+def _static_dims(
+    samples: Sequence[Sample], plans: Sequence[list[list[Unit]]], pad_to_multiple_of: int, min_rows: int
+) -> Dims:
+    """One shape for all of ``plans``' micro-batches: each dimension's largest need, rounded up to a power of two (at
+    least ``min_rows`` rows)."""
     needs = [_dims(samples, rows, pad_to_multiple_of) for rows in plans] or [_dims(samples, [], 1)]
     r, t, s, c = (max(d) for d in zip(*needs))
-    return bucket_size(r), bucket_size(t, _MIN_STATIC_WIDTH), bucket_size(s), bucket_size(c, _MIN_STATIC_WIDTH)
+    width, cols = bucket_size(t, _MIN_STATIC_WIDTH), bucket_size(c, _MIN_STATIC_WIDTH)
+    return bucket_size(r, min_rows), width, bucket_size(s), cols
 
 
 def episode_tokens(samples: Sequence[Sample], indices: Sequence[int]) -> dict[int, float]:
@@ -388,6 +392,7 @@ def pack_samples(
     row_tokens: int | None = None,
     share_prompts: bool = False,
     static_shapes: bool = False,
+    min_rows: int = 1,
 ) -> list[MicroBatch]:
     """Pack ``samples[i] for i in indices`` into micro-batches of at most ``token_budget`` tokens (padding included).
 
@@ -396,7 +401,8 @@ def pack_samples(
     scalar broadcast over the completion or an array with one value per completion token. Rows are padded to a
     multiple of ``pad_to_multiple_of`` (static shapes on accelerators). ``share_prompts``: samples with equal
     ``prompt_ids`` share one copy of the prompt (module docstring); the model must then get ``prefix_ids``.
-    ``static_shapes``: every dimension rounded up to a power of two (module docstring), which may pass the budget.
+    ``static_shapes``: every dimension rounded up to a power of two (module docstring), which may pass the budget,
+    with at least ``min_rows`` rows (a power of two: the devices SPMD splits the rows over).
     """
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
@@ -404,7 +410,7 @@ def pack_samples(
     row_tokens = row_tokens or token_budget
     units = _units(samples, indices, share_prompts, min(row_tokens, token_budget))
     plans = _packed_units(samples, units, token_budget, row_tokens)
-    dims = _static_dims(samples, plans, pad_to_multiple_of) if static_shapes else None
+    dims = _static_dims(samples, plans, pad_to_multiple_of, min_rows) if static_shapes else None
     seq_tokens = episode_tokens(samples, indices)
     return [_build(samples, rows, advantages, pad_to_multiple_of, dims, seq_tokens) for rows in plans]
 
@@ -444,13 +450,15 @@ def plan_micro_batches(
     row_tokens: int | None = None,
     share_prompts: bool = False,
     static_shapes: bool = False,
+    min_rows: int = 1,
 ) -> list[MicroBatch]:
     """This rank's micro-batches for the samples ``indices``: balanced rank split, packing, equal counts everywhere.
 
     Every rank calls this with the same arguments except ``rank`` and gets the same number of micro-batches (the
     shorter lists end with empty ones: a one-token row, no sequence). ``row_tokens`` None: rows as long as the
     longest sequence among ``indices`` (the same on every rank). ``share_prompts``: as in :func:`pack_samples`; a prompt
-    and the completions packed with it (one unit) stay on one rank. ``static_shapes``: as in :func:`pack_samples`.
+    and the completions packed with it (one unit) stay on one rank. ``static_shapes``, ``min_rows``: as in
+    :func:`pack_samples`.
     """
     _check_prompts(samples, indices)
     lengths = _lengths(samples)
@@ -461,7 +469,8 @@ def plan_micro_batches(
     per_rank = assign_to_ranks(unit_lengths, range(len(units)), num_ranks)
     groups = [_group_rows(unit_lengths, part, token_budget, row_tokens) for part in per_rank]
     plans = [[[[units[j] for j in row] for row in rows] for rows in part] for part in groups]
-    dims = _static_dims(samples, [p for part in plans for p in part], pad_to_multiple_of) if static_shapes else None
+    flat = [p for part in plans for p in part]
+    dims = _static_dims(samples, flat, pad_to_multiple_of, min_rows) if static_shapes else None
     seq_tokens = episode_tokens(samples, indices)
     mine = [_build(samples, rows, advantages, pad_to_multiple_of, dims, seq_tokens) for rows in plans[rank]]
     mine.extend(_build(samples, [], None, 1, dims) for _ in range(max(map(len, groups)) - len(mine)))

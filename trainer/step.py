@@ -28,7 +28,15 @@ import torch.distributed as dist
 from torch import nn
 
 from rollout.types import RolloutBatch, Sample
-from trainer.devices import compiled_graphs, cut_graph, has_foreach_kernels, mesh_device_type, needs_static_shapes
+from trainer.devices import (
+    compiled_graphs,
+    cut_graph,
+    data_parallel_devices,
+    has_foreach_kernels,
+    mesh_device_type,
+    needs_static_shapes,
+    shard_rows,
+)
 from trainer.metrics import Metrics, MetricsAccumulator, PhaseClock
 from trainer.models.lora import adapters_disabled
 from trainer.models.registry import ATTENTION_BLOCKS
@@ -81,9 +89,12 @@ def plan_rank_micro_batches(state: TrainState, samples: Sequence[Sample], indice
         row_tokens = cfg.micro_batch_tokens
     mbs = plan_micro_batches(
         samples, indices, state.dp_rank, state.dp_size, cfg.micro_batch_tokens, row_tokens=row_tokens,
-        share_prompts=shares_prompts(state), static_shapes=static,
+        share_prompts=shares_prompts(state), static_shapes=static, min_rows=data_parallel_devices(state.device),
     )  # fmt: skip
-    return [mb.to(state.device) for mb in mbs]
+    on_device = [mb.to(state.device) for mb in mbs]
+    for mb in on_device:  # under SPMD: rows split over the devices (data parallel)
+        shard_rows([mb.tokens, mb.positions, mb.segment_ids] + ([] if mb.prefix_ids is None else [mb.prefix_ids]))
+    return on_device
 
 
 def shares_prompts(state: TrainState) -> bool:

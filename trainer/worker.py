@@ -134,6 +134,9 @@ class TrainerWorker:
                 raise ValueError(
                     "device 'xla' needs torch_xla on the trainer hosts (its own environment: `make xla-env`, torch 2.9)"
                 ) from None
+            from trainer.devices import enable_spmd
+
+            enable_spmd(self.cfg.parallelism.spmd_data_parallel)
             return torch_xla.device()
         try:
             import torch_tpu  # noqa: F401  (registers the 'tpu' device)

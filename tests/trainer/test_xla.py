@@ -127,8 +127,68 @@ def test_a_checkpoint_and_an_export_from_xla_resume_and_load_as_on_cpu(tmp_path)
         torch.testing.assert_close(b.cpu(), a.cpu(), rtol=0, atol=0, msg=name)
 
 
+_SPMD_STEP = """
+import sys, torch, torch.distributed as dist
+sys.path[:0] = [{tests!r}]
+from spawn_helpers import free_port
+from trainer.devices import enable_spmd
+enable_spmd(4)  # before any XLA tensor
+import torch_xla
+from trainer_batches import random_samples
+from rollout.types import RolloutBatch
+from trainer.config import TrainerConfig
+from trainer.models.config import ModelConfig
+from trainer.parallelize import build_mesh
+from trainer.rl.config import GRPOConfig, KLConfig
+from trainer.state import build_train_state
+from trainer.step import rl_step
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{free_port()}}", rank=0, world_size=1)
+model = ModelConfig.model_validate_json({model!r})
+out = {{}}
+for name, device, spmd in (("cpu", torch.device("cpu"), 1), ("xla", torch_xla.device(), 4)):
+    cfg = TrainerConfig(device=device.type, optimizer={{"lr": {lr}}}, micro_batch_tokens=64, pack_row_tokens=16,
+                        parallelism={{"spmd_data_parallel": spmd}})
+    algo = GRPOConfig(group_size=4, kl=KLConfig(coef=0.1))
+    state = build_train_state(cfg, model, algo, device, build_mesh(cfg, "cpu"))
+    samples = random_samples(0, num_groups=2, group_size=4)
+    metrics = rl_step(state, RolloutBatch(samples))
+    out[name] = (metrics, {{k: v.detach().cpu() for k, v in state.policy.state_dict().items()}})
+from trainer.step import plan_rank_micro_batches
+mbs = plan_rank_micro_batches(state, samples, range(len(samples)))
+out["row_shardings"] = [torch_xla._XLAC._get_xla_sharding_spec(mb.tokens) for mb in mbs]
+torch.save(out, {path!r})
+"""
+
+
+def test_spmd_over_four_devices_equals_the_step_on_cpu(tmp_path):
+    """``parallelism.spmd_data_parallel = 4`` on PJRT's CPU device with 4 virtual devices (``CPU_NUM_DEVICES``): the
+    rows of each micro-batch split over the devices, the step equals the CPU's. SPMD must be on before the process
+    makes any XLA tensor, so this runs in a process of its own."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).parent)
+    script = _SPMD_STEP.format(tests=tests, model=DENSE.model_dump_json(), lr=LR, path=str(tmp_path / "out.pt"))
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = torch.load(tmp_path / "out.pt")
+    (cpu_metrics, cpu_weights), (xla_metrics, xla_weights) = out["cpu"], out["xla"]
+    # Every micro-batch's rows are split over the 4 devices (HLO sharding {devices=[4,1]...}), not replicated.
+    assert out["row_shardings"] and all("devices=[4,1]" in spec for spec in out["row_shardings"]), out["row_shardings"]
+    assert xla_metrics["loss"] == pytest.approx(cpu_metrics["loss"], rel=1e-4, abs=1e-7)
+    assert xla_metrics["grad_norm"] == pytest.approx(cpu_metrics["grad_norm"], rel=1e-5)
+    for name, weight in cpu_weights.items():
+        torch.testing.assert_close(xla_weights[name], weight, rtol=0, atol=LR / 100, msg=name)
+
+
 def test_the_recipe_check_refuses_what_xla_does_not_run():
     with pytest.raises(ValueError, match="device 'xla' runs one trainer rank"):
         TrainerConfig(device="xla", num_ranks=2, parallelism={"fsdp": True})
+    for device, spmd in (("cpu", 2), ("xla", 3)):
+        with pytest.raises(ValueError, match="spmd_data_parallel = .* needs device 'xla' .* and a power of two"):
+            TrainerConfig(device=device, parallelism={"spmd_data_parallel": spmd})
     with pytest.raises(ValueError, match="not supported on device 'xla'"):
         TrainerConfig(device="xla", mixed_precision={"param_dtype": "bfloat16"})
