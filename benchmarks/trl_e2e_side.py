@@ -38,10 +38,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+# Run as a script, this folder is sys.path[0]: its kernels.py and trainer.py would shadow the packages of those
+# names (transformers imports `kernels` wherever it finds one).
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    del sys.path[0]
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 MARK = "TRL_E2E "
 _WRAPPED = ("_generate_single_turn", "_generate_and_score_completions", "_tokenize_prompts")
