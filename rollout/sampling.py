@@ -38,7 +38,8 @@ def to_vllm_sampling_params(
     """vLLM parameters that draw ``n`` completions of one prompt with ``seed``, returning each sampled token's log-prob.
 
     ``logprobs=0`` asks vLLM for the log-prob of the sampled token only (no top-k alternatives), which is all the
-    trainer needs and keeps the output small.
+    trainer needs and keeps the output small; ``flat_logprobs`` returns them as a few flat lists instead of a dict of
+    ``Logprob`` objects per token (their construction was a visible part of a decode step on a small model).
     """
     from vllm import SamplingParams
 
@@ -56,5 +57,6 @@ def to_vllm_sampling_params(
         ignore_eos=sampling.ignore_eos,
         seed=seed,
         logprobs=0 if logprobs else None,
+        flat_logprobs=logprobs,
         detokenize=bool(sampling.stop),  # stop strings need text; token ids alone do not
     )

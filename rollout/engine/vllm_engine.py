@@ -516,7 +516,16 @@ def _completion(output, version: int, spans_apply: bool = True) -> Completion:
     if output.logprobs is None or len(output.logprobs) != len(ids):
         raise RuntimeError(f"vLLM returned {0 if output.logprobs is None else len(output.logprobs)} log-probs for "
                            f"{len(ids)} tokens; the engine must be asked for sampled-token log-probs")
-    logprobs = np.array([step[int(tok)].logprob for step, tok in zip(output.logprobs, ids)], dtype=np.float32)
+    logprobs = _sampled_logprobs(output.logprobs, ids)
     reason = "length" if output.finish_reason == "length" else "stop"
     return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason, policy_version=version,
                       token_versions=token_versions)  # fmt: skip
+
+
+def _sampled_logprobs(logprobs: Any, ids: np.ndarray) -> np.ndarray:
+    """The log-prob of each sampled token in ``ids`` from vLLM's per-position log-probs (flat or a dict a position)."""
+    from vllm.logprobs import FlatLogprobs
+
+    if isinstance(logprobs, FlatLogprobs) and np.array_equal(np.asarray(logprobs.token_ids, dtype=np.int64), ids):
+        return np.asarray(logprobs.logprobs, dtype=np.float32)  # logprobs=0: one entry a position, the sampled token
+    return np.array([step[int(tok)].logprob for step, tok in zip(logprobs, ids, strict=True)], dtype=np.float32)

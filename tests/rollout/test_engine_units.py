@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from common.config import ConfigError, validate_config
@@ -85,6 +86,27 @@ def test_joiner_gathers_by_prompt_sampling_and_adapter_and_keeps_seed_runs():
         loop.close()
 
 
+def test_sampled_token_logprobs_read_alike_from_flat_and_per_position_logprobs():
+    pytest.importorskip("vllm")
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from rollout.engine.vllm_engine import _sampled_logprobs
+
+    ids = np.array([5, 9, 2], dtype=np.int64)
+    per_position = [{5: Logprob(-0.5, 3, None)}, {9: Logprob(-1.25, 1, None), 4: Logprob(-0.1, 2, None)},
+                    {2: Logprob(-2.0, 7, None)}]  # fmt: skip
+    flat = FlatLogprobs()
+    for position in per_position[:1] + [{9: per_position[1][9]}] + per_position[2:]:
+        flat.append(position)
+    expected = np.array([-0.5, -1.25, -2.0], dtype=np.float32)
+    np.testing.assert_array_equal(_sampled_logprobs(per_position, ids), expected)
+    np.testing.assert_array_equal(_sampled_logprobs(flat, ids), expected)
+    with_alternatives = FlatLogprobs()
+    for position in per_position:  # two entries at position 1: the flat lists are not one a token
+        with_alternatives.append(position)
+    np.testing.assert_array_equal(_sampled_logprobs(with_alternatives, ids), expected)
+
+
 def test_sampling_params_carry_every_setting():
     pytest.importorskip("vllm")
     from rollout.sampling import to_vllm_sampling_params
@@ -93,7 +115,7 @@ def test_sampling_params_carry_every_setting():
     params = to_vllm_sampling_params(sampling, n=4, seed=9)
     assert (params.n, params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed) == (
         4, 0.7, 0.9, 20, 33, 9)
-    assert params.stop == ["\n\n"] and 3 in params.stop_token_ids and params.logprobs == 0
+    assert params.stop == ["\n\n"] and 3 in params.stop_token_ids and params.logprobs == 0 and params.flat_logprobs
     with pytest.raises(ValueError, match="group size"):
         to_vllm_sampling_params(sampling, n=0)
 
