@@ -88,6 +88,13 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _no_dist() -> bool:
+    """DCP without its collectives: on one rank they only move the save plan through gloo, and gloo copying a large
+    message on its own thread starts a second OpenMP team in the process; from then on libgomp counts more threads than
+    cores and stops spinning between parallel regions, which left every later training step ~1.8x slower on CPU."""
+    return not dist.is_initialized() or dist.get_world_size() == 1
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -133,7 +140,7 @@ class CheckpointManager:
         tensors: dict[str, Any] = {}
         for name, part in parts.items():
             tensors.update(_state_dicts(name, part))
-        dcp.save(tensors, checkpoint_id=str(path))
+        dcp.save(tensors, checkpoint_id=str(path), no_dist=_no_dist())
         small = {
             "schedulers": {n: p.scheduler.state_dict() for n, p in parts.items() if p.scheduler is not None},
             "rng": _rng_states(),
@@ -176,7 +183,7 @@ class CheckpointManager:
         tensors: dict[str, Any] = {}
         for name, part in parts.items():
             tensors.update(_state_dicts(name, part))
-        dcp.load(tensors, checkpoint_id=str(path))
+        dcp.load(tensors, checkpoint_id=str(path), no_dist=_no_dist())
         for name, part in parts.items():
             if part.optimizer is None:
                 set_model_state_dict(part.model, tensors[f"{name}.model"], options=part.options)

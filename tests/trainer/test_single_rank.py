@@ -3,6 +3,11 @@ FSDP layout, checkpoints load across the two layouts, and the weight push sees w
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -87,3 +92,47 @@ def test_fsdp_checkpoint_loads_into_plain_engine_and_updates_match(tmp_path, mon
         assert after[0][key] == pytest.approx(after[1][key], rel=1e-6, abs=1e-7), key
     for name, p in _params(resumed).items():
         torch.testing.assert_close(p, _params(sharded)[name], rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+_CHECKPOINT_THREADS = """
+import os, sys
+import torch
+import torch.distributed as dist
+from spawn_helpers import free_port
+from trainer_batches import random_batch
+from trainer.checkpoint import CheckpointManager, TrainProgress
+from trainer.config import TrainerConfig
+from trainer.models.config import ModelConfig
+from trainer.parallelize import build_mesh
+from trainer.rl.config import GRPOConfig
+from trainer.state import build_train_state
+from trainer.step import rl_step
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+model = ModelConfig(family="qwen3", vocab_size=448, dim=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+                    ffn_hidden_dim=256, qk_norm=True)
+cfg = TrainerConfig(optimizer={"lr": 1e-3}, micro_batch_tokens=4096)
+state = build_train_state(cfg, model, GRPOConfig(group_size=4), torch.device("cpu"), build_mesh(cfg, "cpu"))
+batch = random_batch(0, num_groups=8, group_size=4, vocab_size=448)
+rl_step(state, batch)  # the process's OpenMP team exists from here
+threads = len(os.listdir("/proc/self/task"))
+manager = CheckpointManager(sys.argv[1])
+manager.save(state.checkpointables(), TrainProgress(1, 1, {}))
+manager.load(state.checkpointables())
+rl_step(state, batch)
+print("THREADS", threads, len(os.listdir("/proc/self/task")))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_single_rank_checkpoint_starts_no_second_openmp_team(tmp_path):
+    """Saving and loading on one rank moves nothing through gloo: gloo copying the save plan on its own thread started
+    a second OpenMP team, after which libgomp counted more threads than cores, stopped spinning between parallel
+    regions, and every later step of a 2-thread trainer ran ~1.8x slower."""
+    here = Path(__file__).parent
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": os.pathsep.join([str(here), str(here.parents[1])])}
+    out = subprocess.run([sys.executable, "-c", _CHECKPOINT_THREADS, str(tmp_path / "ckpt")], env=env, text=True,
+                         capture_output=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, after = map(int, out.stdout.split("THREADS")[1].split())
+    assert after == before, f"{after - before} thread(s) more after a checkpoint save and load"
