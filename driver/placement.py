@@ -27,7 +27,7 @@ from rollout.config import RolloutConfig
 from rollout.engine.platform import engine_process_env
 from weight_sync.config import WeightSyncConfig
 
-__all__ = ["Placement", "host_cores", "plan_placement"]
+__all__ = ["Placement", "host_cores", "plan_placement", "threads_env"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,15 @@ class Placement:
     """Both roles' bundles in one group (colocated: one STRICT_PACK group, so one host)."""
 
 
+def threads_env(num_threads: int) -> dict[str, str]:
+    """Environment that gives a process ``num_threads`` threads in every pool torch sizes from the environment.
+
+    ``MKL_NUM_THREADS`` too: torch built with MKL sizes its OpenMP pool from MKL's count at import, so a value
+    inherited from the user's shell overrode ``OMP_NUM_THREADS`` (two 1-thread engines ran 2 threads each on 2 cores
+    and generated 7x slower)."""
+    return {"OMP_NUM_THREADS": str(num_threads), "MKL_NUM_THREADS": str(num_threads)}
+
+
 def host_cores() -> int:
     """CPU cores this process may run on (its affinity mask, which containers and ``taskset`` narrow)."""
     return len(os.sched_getaffinity(0))
@@ -69,7 +78,7 @@ def plan_placement(recipe: Any, num_cores: int) -> Placement:
     if recipe.run.placement == "separate":
         return Placement(
             num_cores=max(1, ranks + int(round(workers * rollout.num_cpus_per_worker))),
-            trainer_cpus=1.0, trainer_env={"OMP_NUM_THREADS": "1"}, rollout=rollout,
+            trainer_cpus=1.0, trainer_env=threads_env(1), rollout=rollout,
             rollout_env=engine_process_env(rollout.engine),
             receiver_sync=recipe.weight_sync, trainer_strategy=recipe.run.placement_groups.trainer,
             rollout_strategy=recipe.run.placement_groups.rollout, shared_group=False,
@@ -84,9 +93,9 @@ def plan_placement(recipe: Any, num_cores: int) -> Placement:
     return Placement(
         num_cores=num_cores,
         trainer_cpus=share,
-        trainer_env={"OMP_NUM_THREADS": str(max(1, num_cores // ranks))},
+        trainer_env=threads_env(max(1, num_cores // ranks)),
         rollout=rollout.model_copy(update={"num_cpus_per_worker": share, "engine": engine}),
-        rollout_env={**engine_process_env(engine), "OMP_NUM_THREADS": str(engine_threads)},
+        rollout_env={**engine_process_env(engine), **threads_env(engine_threads)},
         # Same-host pushes carry raw tensors over shared memory: a delta base would be one more model copy per engine.
         receiver_sync=recipe.weight_sync.model_copy(update={"offer_shm": True, "delta": False}),
         trainer_strategy="STRICT_PACK", rollout_strategy="STRICT_PACK", shared_group=True,

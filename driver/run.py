@@ -232,8 +232,9 @@ class _Run:
         if failures:
             self.__exit__(None, None, None)
             raise failures[0]
-        log.info("rollout pool (%d worker(s)) and trainer (%d rank(s)) ready in %.1f s", r.rollout.num_workers,
-                 r.trainer.num_ranks, time.perf_counter() - t0)  # fmt: skip
+        log.info("rollout pool (%d worker(s), torch threads %s) and trainer (%d rank(s)) ready in %.1f s",
+                 r.rollout.num_workers, [h["num_threads"] for h in self.pool.health()], r.trainer.num_ranks,
+                 time.perf_counter() - t0)  # fmt: skip
         self.publisher = WeightPublisher(self.trainer, self.pool, external=r.weight_sync.endpoints)
         return self
 

@@ -34,6 +34,8 @@ def worker_env_vars(device: str = "cpu") -> dict[str, str]:
     On ``device == "tpu"`` torch-tpu must register its device at ``import torch``, so its autoload stays on.
     """
     env = {key: os.environ.get(key, value) for key, value in _DEFAULT_ENV.items()}
+    # torch built with MKL sizes its OpenMP pool from MKL's thread count at import: OMP_NUM_THREADS is the one knob.
+    env["MKL_NUM_THREADS"] = env["OMP_NUM_THREADS"]
     if device == "tpu":
         env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "1"
     return env

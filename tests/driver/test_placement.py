@@ -29,7 +29,8 @@ def test_colocation_where_phases_do_not_take_turns_on_cpu_is_refused(overrides, 
 
 def test_colocated_phases_get_every_core():
     plan = plan_placement(_recipe(), num_cores=8)
-    assert plan.trainer_env == {"OMP_NUM_THREADS": "8"} and plan.rollout_env["OMP_NUM_THREADS"] == "8"
+    assert plan.trainer_env == {"OMP_NUM_THREADS": "8", "MKL_NUM_THREADS": "8"}
+    assert plan.rollout_env["OMP_NUM_THREADS"] == plan.rollout_env["MKL_NUM_THREADS"] == "8"
     assert plan.trainer_cpus + plan.rollout.num_cpus_per_worker == 8 and plan.num_cores == 8
     assert plan.rollout.engine.cpu_threads_bind == "auto"  # one engine: vLLM pins a thread to every core
     assert plan.receiver_sync.offers_shm  # the handover stays on the host
@@ -38,7 +39,8 @@ def test_colocated_phases_get_every_core():
 
 def test_colocated_actors_of_one_role_split_the_cores():
     plan = plan_placement(_recipe(**{"trainer.num_ranks": 2, "rollout.num_workers": 4}), num_cores=8)
-    assert plan.trainer_env == {"OMP_NUM_THREADS": "4"} and plan.rollout_env["OMP_NUM_THREADS"] == "2"
+    assert plan.trainer_env == {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4"}
+    assert plan.rollout_env["OMP_NUM_THREADS"] == plan.rollout_env["MKL_NUM_THREADS"] == "2"
     assert plan.rollout.engine.cpu_threads_bind == "nobind"  # 'auto' would pin all four engines to the same cores
     assert 2 * plan.trainer_cpus + 4 * plan.rollout.num_cpus_per_worker == pytest.approx(8)
     pinned = plan_placement(_recipe(**{"rollout.num_workers": 2, "rollout.engine.cpu_threads_bind": "0-1"}), 4)
@@ -47,7 +49,7 @@ def test_colocated_actors_of_one_role_split_the_cores():
 
 def test_separate_actors_run_on_their_reservation():
     plan = plan_placement(_recipe(**{"run.placement": "separate", "rollout.num_workers": 2}), num_cores=8)
-    assert plan.trainer_env == {"OMP_NUM_THREADS": "1"} and plan.trainer_cpus == 1.0
+    assert plan.trainer_env == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} and plan.trainer_cpus == 1.0
     assert plan.rollout.num_cpus_per_worker == 1.0 and plan.num_cores == 3
     assert not plan.receiver_sync.offers_shm and plan.receiver_sync.delta
 

@@ -72,10 +72,10 @@ def start_run(args: list[str], log_path: Path, recipe: str = RECIPE, **env: str)
     )  # fmt: skip
 
 
-def run_to_end(args: list[str], log_path: Path, recipe: str, timeout_s: float) -> int:
-    """Run ``rl_align.py --recipe <recipe> <args>`` (:func:`start_run`) to its end; its exit code. Past ``timeout_s``
-    the whole process tree is killed and ``subprocess.TimeoutExpired`` raised."""
-    proc = start_run(args, log_path, recipe=recipe)
+def run_to_end(args: list[str], log_path: Path, recipe: str, timeout_s: float, **env: str) -> int:
+    """Run ``rl_align.py --recipe <recipe> <args>`` (:func:`start_run`, ``env`` added) to its end; its exit code. Past
+    ``timeout_s`` the whole process tree is killed and ``subprocess.TimeoutExpired`` raised."""
+    proc = start_run(args, log_path, recipe=recipe, **env)
     try:
         return proc.wait(timeout=timeout_s)
     finally:
