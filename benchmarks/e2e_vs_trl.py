@@ -7,6 +7,7 @@ Run (once: ``benchmarks/trl_venv.sh`` creates ``.venv-trl``, TRL's own venv)::
     .venv/bin/python benchmarks/e2e_vs_trl.py --steps 4 --save-every 2 --reps 1 --long-steps 2   # a smoke
     [--warm-start-model DIR]  skip step 1 and start both sides from DIR (an earlier run's warm_start_model)
     [--work-dir DIR | --keep]  keep checkpoints, logs and metrics (default: a temp dir, removed)   [--threads N]
+    [--engines N]  our side with N vLLM engines sharing the cores (``rollout.num_workers``; default 1, the recipe's)
 
 What happens, in order:
 
@@ -144,9 +145,11 @@ def child_env(threads: int) -> dict[str, str]:
 
 
 # -- our side -------------------------------------------------------------------------------------------------------
-def our_overrides(setting: Setting, model_dir: Path, out_dir: Path, max_model_len: int) -> list[str]:
-    """Command-line overrides of ``recipes/grpo_tiny.toml`` for one of our timed runs."""
+def our_overrides(setting: Setting, model_dir: Path, out_dir: Path, max_model_len: int, engines: int = 1) -> list[str]:
+    """Command-line overrides of ``recipes/grpo_tiny.toml`` for one of our timed runs (``engines``: vLLM engines
+    sharing the cores with the trainer, ``rollout.num_workers``)."""
     args = {
+        "rollout.num_workers": str(engines),
         "model.path": str(model_dir), "run.output_dir": str(out_dir), "run.warm_start.num_steps": "0",
         "run.num_steps": str(setting.num_steps), "trainer.schedule.num_total_steps": str(setting.num_steps),
         "run.eval.num_problems": "0", "run.eval.every_num_steps": "0",
@@ -176,11 +179,11 @@ def run_warm_start(work: Path, threads: int, cpus: set[int]) -> Path:
 
 
 def run_ours(setting: Setting, rep: int, model_dir: Path, work: Path, threads: int, cpus: set[int],
-             max_model_len: int) -> RunResult:  # fmt: skip
+             max_model_len: int, engines: int) -> RunResult:  # fmt: skip
     out = work / f"ours_{setting.name}_{rep}"
     # Each rep samples its own random stream (the engine's seed), over the same prompts in the same order.
-    cmd = [str(OUR_PYTHON), "rl_align.py", "--recipe", str(RECIPE),
-           *our_overrides(setting, model_dir, out, max_model_len), "--rollout.engine.seed", str(rep)]  # fmt: skip
+    overrides = our_overrides(setting, model_dir, out, max_model_len, engines)
+    cmd = [str(OUR_PYTHON), "rl_align.py", "--recipe", str(RECIPE), *overrides, "--rollout.engine.seed", str(rep)]
     before, start = load_avg(), time.time()
     run_logged(cmd, work / f"ours_{setting.name}_{rep}.log", child_env(threads), cpus)
     end, after = time.time(), load_avg()
@@ -350,6 +353,7 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=0.6, help="sampled held-out accuracy to reach")
     parser.add_argument("--eval-problems", type=int, default=500, help="held-out problems per checkpoint")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="cores for both sides")
+    parser.add_argument("--engines", type=int, default=1, help="our vLLM engines (rollout.num_workers), colocated")
     parser.add_argument("--seed", type=int, default=0, help="torch seed of the evaluator's sampling")
     parser.add_argument("--warm-start-model", type=Path, default=None, help="reuse this warm start instead")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep everything here (default: a temp dir)")
@@ -418,7 +422,7 @@ def main() -> None:
         runs = results.setdefault(setting.name, [])
         for rep in range(args.reps):
             print(f"[{setting.name} rep {rep}] ours ...", flush=True)
-            runs.append(run_ours(setting, rep, model_dir, work, args.threads, cpus, max_model_len))
+            runs.append(run_ours(setting, rep, model_dir, work, args.threads, cpus, max_model_len, args.engines))
             print(f"[{setting.name} rep {rep}] TRL ...", flush=True)
             out = work / f"trl_{setting.name}_{rep}"
             cmd = trl_command(setting, model_dir, train_path, out, recipe, args.threads, longest, rep)
@@ -445,7 +449,8 @@ def main() -> None:
     print(f"settings: {base.run.num_prompts_per_step} prompts x {base.algorithm.group_size} samples, lr "
           f"{base.trainer.optimizer.lr} cosine to {base.trainer.schedule.min_lr_ratio}x, clip {base.algorithm.clip_low}"
           f"/{base.algorithm.clip_high}, no KL, T={base.rollout.sampling.temperature}, grad clip "
-          f"{base.trainer.max_grad_norm}; {args.reps} rep(s) interleaved ours/TRL; held-out: {len(held_out)} problems")
+          f"{base.trainer.max_grad_norm}; ours {args.engines} vLLM engine(s); {args.reps} rep(s) interleaved ours/TRL; "
+          f"held-out: {len(held_out)} problems")  # fmt: skip
     if "short" in results:
         report_short(results["short"], args.threshold, warm_acc)
     if "long" in results:
