@@ -62,7 +62,7 @@ def threads_env(num_threads: int) -> dict[str, str]:
 
     ``MKL_NUM_THREADS`` too: torch built with MKL sizes its OpenMP pool from MKL's count at import, so a value
     inherited from the user's shell overrode ``OMP_NUM_THREADS`` (two 1-thread engines ran 2 threads each on 2 cores
-    and generated 7x slower)."""
+    and generated ~8x slower)."""
     return {"OMP_NUM_THREADS": str(num_threads), "MKL_NUM_THREADS": str(num_threads)}
 
 
