@@ -6,7 +6,8 @@ the engine's pause per update, and generation speed per serving mode.
 
 What it measures (every configuration in a fresh process of its own, so peak memory is that configuration's alone):
 - trainer: the production GRPO policy update (``trainer.state.build_train_state`` + ``trainer.step.rl_step``, one
-  rank, the default chunked output head, ``--activation-checkpoint`` for both) on a batch of 16 samples (prompts
+  rank, the blocks ``recipes/qwen3_0p6b_cpu.toml`` runs this shape with: the chunked output head in 256-token chunks,
+  ``--activation-checkpoint`` for both) on a batch of 16 samples (prompts
   64-192 tokens, completions 8-256), full-parameter vs LoRA (``rank`` on all seven projections): peak RSS of the
   process (``ru_maxrss``; model, gradients, AdamW state, activations, and the ~0.5 GB that torch itself takes; large
   blocks are mmap-ed, ``MALLOC_MMAP_THRESHOLD_``, so freed memory leaves the count), at each
@@ -39,6 +40,9 @@ from benchmarks.machine import init_single_rank_group, load_avg, machine_line, m
 
 ARCHITECTURE = "Qwen3-0.6B"
 """Real widths and a real vocabulary (151,936 rows, tied): what sets the adapters' share of the bytes pushed."""
+RECIPE = "recipes/qwen3_0p6b_cpu.toml"
+"""The project's recipe for this shape: its ``[model]`` block choices (attention, output head and its chunk) are the
+trainer's here."""
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -61,7 +65,7 @@ def _trainer_child(
     torch.set_num_threads(threads)
     init_single_rank_group()
     lora = None if rank is None else LoRAConfig(rank=rank, alpha=2.0 * rank, target_modules=ALL_PROJECTIONS)
-    model_cfg = model_config_from_hf(model_dir, lora=lora)
+    model_cfg = model_config_from_hf(model_dir, **_recipe_blocks(), lora=lora)
     cfg = TrainerConfig(micro_batch_tokens=micro_batch_tokens, optimizer={"lr": 1e-5},
                         activation_checkpoint={"mode": checkpointing})  # fmt: skip
     state = build_train_state(cfg, model_cfg, GRPOConfig(group_size=4), torch.device("cpu"), build_mesh(cfg, "cpu"),
@@ -87,6 +91,13 @@ def _trainer_child(
     }  # fmt: skip
     dist.destroy_process_group()
     Path(out).write_text(json.dumps(result))
+
+
+def _recipe_blocks() -> dict[str, Any]:
+    """The block choices of :data:`RECIPE`'s ``[model]`` section (``model_config_from_hf`` overrides)."""
+    from recipe import load_recipe
+
+    return load_recipe(RECIPE, check_paths=False).model.block_overrides()
 
 
 def _engine_child(model_dir: str, mode: str, rank: int, pushes: int, out: str) -> None:
@@ -183,7 +194,8 @@ def main() -> None:
     lora_params = trainer[("lora", args.micro_batch_tokens[0])]["trainable"]
     print(f"\nmodel: {ARCHITECTURE} shapes, {args.num_layers} blocks, {some['params'] / 1e6:.1f}M parameters, float32; "
           f"LoRA rank {args.rank}, alpha {2 * args.rank}, all projections ({lora_params / 1e6:.2f}M trainable); "
-          f"activation checkpointing {args.activation_checkpoint}; trainer threads {args.threads}\n")  # fmt: skip
+          f"activation checkpointing {args.activation_checkpoint}; trainer threads {args.threads}; blocks of "
+          f"{RECIPE}: {_recipe_blocks()}\n")  # fmt: skip
     print(f"{'':{width}} {'full':>12} {'LoRA':>12} {'LoRA/full':>10}  target")
     for tokens in args.micro_batch_tokens:
         full, lora = trainer[("full", tokens)], trainer[("lora", tokens)]
