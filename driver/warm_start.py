@@ -42,10 +42,14 @@ def sft_samples(
         environment = ToolEnvConfig(tools=tools) if tools else None
     environment = environment or SingleTurnEnvConfig()
     new_env = build_environment(environment)
+    envs = [new_env() for _ in examples]
+
+    async def first_messages() -> list[Any]:  # one event loop for all: a loop per example was most of this function
+        return [await env.reset(problem) for env, (problem, _) in zip(envs, examples, strict=True)]
+
     samples = []
-    for i, (problem, completion) in enumerate(examples):
-        env = new_env()
-        messages = asyncio.run(env.reset(problem))
+    starts = asyncio.run(first_messages())
+    for i, ((_, completion), env, messages) in enumerate(zip(examples, envs, starts, strict=True)):
         prompt_ids = render_prompt(tokenizer, messages, use_chat_template, tools=env.tools)
         if isinstance(completion, str):
             completion_ids = np.asarray(tokenizer(completion, add_special_tokens=False)["input_ids"], np.int64)
