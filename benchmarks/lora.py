@@ -7,8 +7,8 @@ the engine's pause per update, and generation speed per serving mode.
 What it measures (every configuration in a fresh process of its own, so peak memory is that configuration's alone):
 - trainer: the production GRPO policy update (``trainer.state.build_train_state`` + ``trainer.step.rl_step``, one
   rank, the blocks ``recipes/qwen3_0p6b_cpu.toml`` runs this shape with: the chunked output head in 256-token chunks,
-  ``--activation-checkpoint`` for both) on a batch of 16 samples (prompts
-  64-192 tokens, completions 8-256), full-parameter vs LoRA (``rank`` on all seven projections): peak RSS of the
+  ``--activation-checkpoint`` for both) on a batch of 16 samples (prompts 64-192 tokens, completions 8-256),
+  full-parameter vs LoRA (``rank`` on all seven projections): peak RSS of the
   process (``ru_maxrss``; model, gradients, AdamW state, activations, and the ~0.5 GB that torch itself takes; large
   blocks are mmap-ed, ``MALLOC_MMAP_THRESHOLD_``, so freed memory leaves the count), at each
   ``--micro-batch-tokens`` setting (activations grow with it), the bytes of trainable parameters, gradients and
