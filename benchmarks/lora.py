@@ -47,9 +47,11 @@ ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 
 def _trainer_child(
-    model_dir: str, rank: int | None, steps: int, threads: int, micro_batch_tokens: int, checkpointing: str, out: str
-) -> None:
-    """One configuration's policy updates in this (fresh) process; writes its figures to ``out`` as JSON."""
+    model_dir: str, blocks: dict[str, Any], rank: int | None, steps: int, threads: int, micro_batch_tokens: int,
+    checkpointing: str, out: str,
+) -> None:  # fmt: skip
+    """One configuration's policy updates in this (fresh) process, with the model's ``blocks`` (``model_config_from_hf``
+    overrides); writes its figures to ``out`` as JSON."""
     import torch
     import torch.distributed as dist
 
@@ -65,7 +67,7 @@ def _trainer_child(
     torch.set_num_threads(threads)
     init_single_rank_group()
     lora = None if rank is None else LoRAConfig(rank=rank, alpha=2.0 * rank, target_modules=ALL_PROJECTIONS)
-    model_cfg = model_config_from_hf(model_dir, **_recipe_blocks(), lora=lora)
+    model_cfg = model_config_from_hf(model_dir, **blocks, lora=lora)
     cfg = TrainerConfig(micro_batch_tokens=micro_batch_tokens, optimizer={"lr": 1e-5},
                         activation_checkpoint={"mode": checkpointing})  # fmt: skip
     state = build_train_state(cfg, model_cfg, GRPOConfig(group_size=4), torch.device("cpu"), build_mesh(cfg, "cpu"),
@@ -178,11 +180,12 @@ def main() -> None:
     # child's start.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     print(machine_line(), flush=True)
+    blocks = _recipe_blocks()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_published_model(Path(tmp) / "model", ARCHITECTURE, dtype="float32",
                                              num_layers=args.num_layers))  # fmt: skip
-        trainer = {(name, tokens): run_in_child(_trainer_child, model_dir, rank, args.steps, args.threads, tokens,
-                                                args.activation_checkpoint)  # fmt: skip
+        trainer = {(name, tokens): run_in_child(_trainer_child, model_dir, blocks, rank, args.steps, args.threads,
+                                                tokens, args.activation_checkpoint)  # fmt: skip
                    for tokens in args.micro_batch_tokens
                    for name, rank in (("full", None), ("lora", args.rank))}  # fmt: skip
         engines = {} if args.skip_engines else {
@@ -195,7 +198,7 @@ def main() -> None:
     print(f"\nmodel: {ARCHITECTURE} shapes, {args.num_layers} blocks, {some['params'] / 1e6:.1f}M parameters, float32; "
           f"LoRA rank {args.rank}, alpha {2 * args.rank}, all projections ({lora_params / 1e6:.2f}M trainable); "
           f"activation checkpointing {args.activation_checkpoint}; trainer threads {args.threads}; blocks of "
-          f"{RECIPE}: {_recipe_blocks()}\n")  # fmt: skip
+          f"{RECIPE}: {blocks}\n")  # fmt: skip
     print(f"{'':{width}} {'full':>12} {'LoRA':>12} {'LoRA/full':>10}  target")
     for tokens in args.micro_batch_tokens:
         full, lora = trainer[("full", tokens)], trainer[("lora", tokens)]
