@@ -54,8 +54,9 @@ def machine_line() -> str:
     return f"cpu: {cpu_model()} ({os.cpu_count()} cores; {cpu_isa()}); load: {load_avg()}"
 
 
-def init_single_rank_group() -> None:
-    """A one-rank gloo process group on a free loopback port: what a single-rank trainer runs under."""
+def init_single_rank_group(backend: str = "gloo") -> None:
+    """A one-rank process group (``backend``, e.g. ``cpu:gloo,cuda:nccl`` on a GPU) on a free loopback port: what a
+    single-rank trainer runs under."""
     import socket
 
     import torch.distributed as dist
@@ -63,7 +64,7 @@ def init_single_rank_group() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def load_avg() -> str:

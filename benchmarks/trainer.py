@@ -62,14 +62,22 @@ def matmul_flops(n: int = 1536, reps: int = 5) -> tuple[float, float]:
     return 2 * n**3 / best_wall, 2 * n**3 / best_cpu
 
 
-def grpo_batch(vocab: int, num_groups: int = 4, group_size: int = 4, seed: int = 0) -> RolloutBatch:
-    """A GRPO batch whose completion lengths vary as in practice (8-256 tokens)."""
+def grpo_batch(
+    vocab: int,
+    num_groups: int = 4,
+    group_size: int = 4,
+    seed: int = 0,
+    prompt_len: tuple[int, int] = (64, 193),
+    completion_len: tuple[int, int] = (8, 257),
+) -> RolloutBatch:
+    """A GRPO batch whose lengths vary as in practice: each group's prompt length uniform in ``prompt_len`` and each
+    completion's in ``completion_len`` (``[low, high)``; by default 64-192 and 8-256 tokens)."""
     rng = np.random.default_rng(seed)
     samples = []
     for g in range(num_groups):
-        prompt = rng.integers(1, vocab, int(rng.integers(64, 193)))
+        prompt = rng.integers(1, vocab, int(rng.integers(*prompt_len)))
         for _ in range(group_size):
-            c = int(rng.integers(8, 257))
+            c = int(rng.integers(*completion_len))
             samples.append(
                 Sample(
                     prompt_ids=prompt, completion_ids=rng.integers(1, vocab, c),

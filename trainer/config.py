@@ -272,9 +272,14 @@ class TrainerConfig(Config):
         return self
 
     def check_model(self, model: ModelConfig) -> None:
-        """Raise ``ValueError`` naming the field when this sharding cannot hold ``model``: expert parallelism needs
-        an MoE model whose expert count the degree divides, and no LoRA on the experts. Run before any rank starts
-        (the driver does)."""
+        """Raise ``ValueError`` naming the field when this trainer cannot run ``model``: the ``varlen`` attention
+        block computes in bfloat16/float16 only; expert parallelism needs an MoE model whose expert count the degree
+        divides, and no LoRA on the experts. Run before any rank starts (the driver does)."""
+        if model.attention == "varlen" and self.mixed_precision.param_dtype == "float32":
+            raise ValueError(
+                'model.attention = "varlen" runs Flash Attention, which computes in bfloat16 or float16, but '
+                'trainer.mixed_precision.param_dtype = "float32": set it to "bfloat16" or use attention = "sdpa"'
+            )
         ep = self.parallelism.expert_parallel_degree
         if ep == 1:
             return

@@ -108,7 +108,7 @@ def build_train_state(
     """
     algo = build_algorithm(algorithm)
     torch.manual_seed(cfg.seed)
-    policy = build_model(model_cfg, device=torch.device("cpu"), dtype=torch.float32)
+    policy = build_model(model_cfg, device=torch.device("cpu"), dtype=torch.float32, runs_on=device)
     if cfg.compile:
         policy.compile_elementwise()  # before the copies below, so the reference and critic run compiled too
     if init_path is not None:

@@ -118,7 +118,7 @@ def test_unknown_block_fails_at_check_naming_file_field_and_the_declared_names(t
     rc, err = _check(["--recipe", str(path)])
     assert rc == 2 and f"{path}: invalid recipe" in err, err
     assert "- model.attention: unknown attention block 'flash_attn'" in err, err
-    assert "available: ['eager', 'sdpa', 'splash']" in err, err
+    assert "available: ['eager', 'sdpa', 'splash', 'varlen']" in err, err
     msg = _error(path, {"model.attention": "splsh"})  # a typo: the close name is offered
     assert msg.startswith("command-line flag --model.attention: ") and "did you mean 'splash'?" in msg, msg
 
@@ -208,7 +208,8 @@ def test_block_fields_are_declared_once_and_checked_against_the_registry():
 
 def test_declared_blocks_are_registered_by_their_modules_with_the_declared_devices():
     """The torch-free declaration and the implementations agree: each module registers its declared names, and a
-    Pallas kernel's own check accepts exactly the declared devices (tpu also needs torch-tpu on the host)."""
+    Pallas kernel's own check accepts exactly the declared devices (tpu also needs torch-tpu on the host); the CUDA
+    attention block refuses the CPU by its declaration and by its own check, naming the alternative."""
     from trainer.models.registry import BLOCK_REGISTRIES, PALLAS_DEVICES
 
     for field, registry in BLOCK_REGISTRIES.items():
@@ -216,7 +217,14 @@ def test_declared_blocks_are_registered_by_their_modules_with_the_declared_devic
             assert registry.get(name).__module__ == spec.module, (field, name)
             if spec.devices is None:
                 continue
-            assert spec.devices == PALLAS_DEVICES and spec.alternative in registry.declared
+            assert spec.alternative in registry.declared
+            if spec.devices == ("cuda",):
+                with pytest.raises(ValueError, match=f'"{name}".*\'cpu\'.*"{spec.alternative}"'):
+                    registry.check_supported(name, "cpu")
+                with pytest.raises(ValueError, match=f'"{name}" runs on CUDA only; on cpu use "{spec.alternative}"'):
+                    registry._checks[name]("cpu")
+                continue
+            assert spec.devices == PALLAS_DEVICES
             assert importlib.import_module(spec.module)._ALTERNATIVE.startswith(f'{field} = "{spec.alternative}"')
             kernel_check = registry._checks[name]
             kernel_check("cpu")

@@ -68,6 +68,16 @@ def test_expert_parallel_needs_an_moe_model_whose_experts_it_divides() -> None:
     TrainerConfig().check_model(dense)
 
 
+def test_varlen_attention_with_float32_compute_is_refused_naming_the_fix() -> None:
+    from trainer.models.config import ModelConfig
+
+    shape = dict(vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, ffn_hidden_dim=64)
+    model = ModelConfig(family="llama3", attention="varlen", **shape)
+    with pytest.raises(ValueError, match='param_dtype = "float32": set it to "bfloat16" or use attention = "sdpa"'):
+        TrainerConfig(device="cuda").check_model(model)
+    TrainerConfig(device="cuda", mixed_precision={"param_dtype": "bfloat16"}).check_model(model)
+
+
 def test_bf16_is_accepted_on_cpu() -> None:
     cfg = validate_config(TrainerConfig, {"mixed_precision": {"param_dtype": "bfloat16"}})
     assert cfg.mixed_precision.param_dtype == "bfloat16"

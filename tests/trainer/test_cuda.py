@@ -1,6 +1,6 @@
-"""The trainer's CUDA paths (marked ``gpu``; skipped without a CUDA device): per-segment SDPA against the masked
-reference, MoE grouped experts (``F.grouped_mm`` in bf16) against the loop, and one GRPO / PPO step on the GPU against
-the same step on the CPU."""
+"""The trainer's CUDA paths (marked ``gpu``; skipped without a CUDA device): per-segment SDPA and the ``varlen`` Flash
+Attention block against the masked reference, MoE grouped experts (``F.grouped_mm`` in bf16) against the loop, one
+GRPO / PPO step on the GPU against the same step on the CPU, and a bf16 step with ``varlen`` against ``sdpa``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from trainer_batches import random_batch
+from trainer_batches import random_batch, random_samples
 
+from rollout.types import RolloutBatch
 from trainer.config import TrainerConfig
 from trainer.models.attention import masked_sdpa_attention, sdpa_attention
 from trainer.models.config import ModelConfig
@@ -60,6 +61,31 @@ def test_per_segment_sdpa_matches_the_masked_reference(dtype: torch.dtype, tol: 
         assert (got.float() - want.float()).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("shared_prompts", [False, True])
+def test_varlen_flash_attention_matches_the_masked_reference(shared_prompts: bool) -> None:
+    """Two packed rows (segments of 1-90 tokens, a padding tail); with shared prompts, completions read their prompt's
+    keys first (one prompt shared by three segments, another by one, the rest unshared). bf16, GQA 8/2, values and
+    q/k/v gradients."""
+    from trainer.models.varlen_attention import varlen_attention
+
+    rows = [[(20, -1), (7, 0), (33, 0), (1, 0), (12, -1), (40, 4), (14, -1)], [(90, -1), (5, -1), (28, 1), (4, -1)]]
+    segment_ids = torch.tensor([[s for s, (n, _) in enumerate(row) for _ in range(n)] for row in rows]).cuda()
+    prefix_ids = torch.tensor([[p for n, p in row for _ in range(n)] for row in rows]).cuda()
+    gen, total = torch.Generator(device="cuda").manual_seed(0), segment_ids.shape[1]
+    q, k, v = (
+        torch.randn(2, h, total, 128, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        for h in (8, 2, 2)
+    )
+    upstream = torch.randn(2, 8, total, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    shared = {"prefix_ids": prefix_ids} if shared_prompts else {}
+    results = []
+    for kernel in (varlen_attention, masked_sdpa_attention):
+        out = kernel(q, k, v, segment_ids=segment_ids, scale=128**-0.5, **shared)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), upstream)))
+    for got, want in zip(*results, strict=True):
+        assert (got.float() - want.float()).abs().max().item() < 5e-2 * max(1.0, want.float().abs().max().item())
+
+
 def test_grouped_experts_match_the_loop_in_bf16() -> None:
     from trainer.models.moe import grouped_experts, loop_experts
 
@@ -100,3 +126,30 @@ def test_one_step_on_the_gpu_equals_the_cpu_step(cuda_group, model_cfg: ModelCon
     assert gpu_metrics["grad_norm"] == pytest.approx(cpu_metrics["grad_norm"], rel=1e-3)
     for name, p in cpu_params.items():
         assert (gpu_params[name] - p).abs().max().item() < 1e-4, name
+
+
+def test_a_bf16_step_with_varlen_attention_equals_the_sdpa_step(cuda_group) -> None:
+    """GRPO on shared prompts (a group's prompt packed once), bf16 compute, fp32 master weights: the two attention
+    blocks give the same loss, gradient norm and updated weights to bf16 accuracy."""
+    from trainer.parallelize import build_mesh
+    from trainer.state import build_train_state
+    from trainer.step import rl_step
+
+    batch = RolloutBatch(random_samples(5, num_groups=4, group_size=4, prompt_len=(5, 40), completion_len=(1, 60),
+                                       shared_prompts=True))  # fmt: skip
+    runs = {}
+    for attention in ("sdpa", "varlen"):
+        torch.manual_seed(0)
+        model_cfg = ModelConfig(**{**DENSE.model_dump(), "attention": attention, "head_dim": 64})
+        cfg = TrainerConfig(device="cuda", optimizer={"lr": 1e-3}, micro_batch_tokens=256,
+                            mixed_precision={"param_dtype": "bfloat16"})  # fmt: skip
+        cfg.check_model(model_cfg)
+        state = build_train_state(cfg, model_cfg, GRPOConfig(group_size=4), torch.device("cuda"),
+                                  build_mesh(cfg, "cuda"))  # fmt: skip
+        metrics = rl_step(state, batch)
+        runs[attention] = (metrics, {n: p.detach().float().cpu() for n, p in state.policy.named_parameters()})
+    (sdpa_metrics, sdpa_params), (varlen_metrics, varlen_params) = runs["sdpa"], runs["varlen"]
+    assert varlen_metrics["loss"] == pytest.approx(sdpa_metrics["loss"], rel=2e-2, abs=1e-3)
+    assert varlen_metrics["grad_norm"] == pytest.approx(sdpa_metrics["grad_norm"], rel=2e-2)
+    for name, p in sdpa_params.items():
+        assert (varlen_params[name] - p).abs().max().item() < 2e-3, name

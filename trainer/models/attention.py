@@ -21,8 +21,11 @@ the per-segment path.
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +37,17 @@ from trainer.models.layers import RMSNorm, compiled
 from trainer.models.registry import ATTENTION_BLOCKS
 from trainer.models.rope import apply_rope
 
-__all__ = ["Attention", "attention_mask", "eager_attention", "masked_sdpa_attention", "sdpa_attention", "segment_spans"]
+__all__ = [
+    "Attention",
+    "PackedSegment",
+    "attention_mask",
+    "eager_attention",
+    "masked_sdpa_attention",
+    "packed_segments",
+    "per_forward",
+    "sdpa_attention",
+    "segment_spans",
+]
 
 
 def attention_mask(
@@ -89,36 +102,74 @@ class _LengthGroups:
     """:func:`segment_spans` of the tensor."""
 
 
-_last_groups: tuple[weakref.ref, int, weakref.ref | None, _LengthGroups] | None = None
+LayoutT = TypeVar("LayoutT")
 
 
-def _length_groups(segment_ids: torch.Tensor, prefix_ids: torch.Tensor | None = None) -> _LengthGroups:
-    """:func:`segment_spans` grouped by (prompt length, length), computed once per ``segment_ids`` / ``prefix_ids``
-    tensors: every layer of a forward gets the same tensors, and reading them back to the host per layer would cost a
-    device sync each time."""
-    global _last_groups
-    cached = _last_groups
-    if cached is not None and cached[0]() is segment_ids and cached[1] == segment_ids._version:
-        same_prefix = cached[2] is None if prefix_ids is None else cached[2] is not None and cached[2]() is prefix_ids
-        if same_prefix:
-            return cached[3]
+def per_forward(build: Callable[[torch.Tensor, torch.Tensor | None], LayoutT]) -> Callable[..., LayoutT]:
+    """Cache ``build(segment_ids, prefix_ids)`` for the last tensors it was given: every layer of a forward gets the
+    same tensors, and reading them back to the host per layer would cost a device sync each time. A tensor changed in
+    place (its version) or a different tensor builds afresh; the cache holds weak references only."""
+    last: list[tuple[weakref.ref, int, weakref.ref | None, LayoutT]] = []
+
+    @functools.wraps(build)
+    def cached(segment_ids: torch.Tensor, prefix_ids: torch.Tensor | None = None) -> LayoutT:
+        if last:
+            ids_ref, version, prefix_ref, layout = last[0]
+            same_prefix = (prefix_ref() if prefix_ref is not None else None) is prefix_ids
+            if ids_ref() is segment_ids and version == segment_ids._version and same_prefix:
+                return layout
+        layout = build(segment_ids, prefix_ids)
+        last[:] = [(weakref.ref(segment_ids), segment_ids._version, _weak(prefix_ids), layout)]
+        return layout
+
+    return cached
+
+
+def _weak(tensor: torch.Tensor | None) -> weakref.ref | None:
+    return None if tensor is None else weakref.ref(tensor)
+
+
+@dataclass(frozen=True)
+class PackedSegment:
+    """One packed segment in flat ``[B * T]`` positions: its tokens ``[start, end)`` and those of the shared prompt
+    it continues, ``[prompt_start, prompt_end)`` (empty when it continues none)."""
+
+    start: int
+    end: int
+    prompt_start: int
+    prompt_end: int
+
+
+def packed_segments(segment_ids: torch.Tensor, prefix_ids: torch.Tensor | None = None) -> list[PackedSegment]:
+    """Every run of :func:`segment_spans` in packed order (row by row), with the shared prompt ``prefix_ids`` names
+    for its first token (``trainer.packing``'s layout)."""
     t = segment_ids.shape[1]
-    spans = segment_spans(segment_ids)
     ids = segment_ids.detach().cpu().tolist()
     prefixes = None if prefix_ids is None else prefix_ids.detach().cpu().tolist()
-    members: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (prompt len, len) -> (row, start, prompt start)
-    for r, row in enumerate(spans):
+    out = []
+    for r, row in enumerate(segment_spans(segment_ids)):
         span_of = {ids[r][a]: (a, b) for a, b in row}
         for a, b in row:
             prompt = -1 if prefixes is None else prefixes[r][a]
             pa, pb = span_of[prompt] if prompt >= 0 else (0, 0)
-            members.setdefault((pb - pa, b - a), []).append((r * t, a, pa))
+            out.append(PackedSegment(r * t + a, r * t + b, r * t + pa, r * t + pb))
+    return out
+
+
+@per_forward
+def _length_groups(segment_ids: torch.Tensor, prefix_ids: torch.Tensor | None = None) -> _LengthGroups:
+    """:func:`segment_spans` grouped by (prompt length, length), computed once per forward (:func:`per_forward`)."""
+    members: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (prompt len, len) -> (start, prompt start)
+    for seg in packed_segments(segment_ids, prefix_ids):
+        members.setdefault((seg.prompt_end - seg.prompt_start, seg.end - seg.start), []).append(
+            (seg.start, seg.prompt_start)
+        )
     keys = sorted(members)
 
     def positions(with_prompt: bool) -> torch.Tensor:
         out = []
         for plen, n in keys:
-            base = torch.tensor([(off + a, off + pa) for off, a, pa in members[(plen, n)]])
+            base = torch.tensor(members[(plen, n)])
             own = base[:, :1] + torch.arange(n)
             out.append((torch.cat([base[:, 1:] + torch.arange(plen), own], 1) if with_prompt else own).flatten())
         return torch.cat(out)
@@ -129,10 +180,7 @@ def _length_groups(segment_ids: torch.Tensor, prefix_ids: torch.Tensor | None = 
     device = segment_ids.device
     key_order = positions(with_prompt=True).to(device) if prefix_ids is not None else None
     shapes = [(len(members[k]), k[0], k[1]) for k in keys]
-    result = _LengthGroups(shapes, order.to(device), inverse.to(device), key_order, spans)
-    prefix_ref = weakref.ref(prefix_ids) if prefix_ids is not None else None
-    _last_groups = (weakref.ref(segment_ids), segment_ids._version, prefix_ref, result)
-    return result
+    return _LengthGroups(shapes, order.to(device), inverse.to(device), key_order, segment_spans(segment_ids))
 
 
 @ATTENTION_BLOCKS.register("sdpa", segment_local=True, shared_prefix=True)

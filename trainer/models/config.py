@@ -102,7 +102,8 @@ class BlockChoices(Config):
 
     attention: str = "sdpa"
     """Attention implementation, a name of ``ATTENTION_BLOCKS`` (built in: ``sdpa``, causal SDPA run per
-    packed sequence with no mask, and ``eager``, the masked reference; Pallas kernel: ``splash``)."""
+    packed sequence with no mask; ``eager``, the masked reference; ``varlen``, CUDA only, every packed sequence in one
+    Flash Attention call, bfloat16/float16; Pallas kernel: ``splash``)."""
     output_head: str = "chunked"
     """Output head for ``token_logprobs``, a name of ``OUTPUT_HEADS`` (built in: ``dense``, which holds
     the full [tokens, vocab] logits; ``chunked``, which never does; ``cached``, chunked forward that keeps the fp32

@@ -78,6 +78,7 @@ ATTENTION_DECLARED: Mapping[str, BlockSpec] = {
     "sdpa": BlockSpec("trainer.models.attention"),
     "eager": BlockSpec("trainer.models.attention"),
     "splash": BlockSpec("trainer.kernels.splash_attention", PALLAS_DEVICES, alternative="sdpa"),
+    "varlen": BlockSpec("trainer.models.varlen_attention", ("cuda",), alternative="sdpa"),
 }
 OUTPUT_HEAD_DECLARED: Mapping[str, BlockSpec] = {
     "dense": BlockSpec("trainer.models.output_head"),

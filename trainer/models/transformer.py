@@ -278,15 +278,21 @@ def positions_from_segments(segment_ids: torch.Tensor) -> torch.Tensor:
 
 
 def build_model(
-    cfg: ModelConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    cfg: ModelConfig,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    runs_on: torch.device | str | None = None,
 ) -> Transformer:
-    """Build the model of ``cfg``; initialised unless ``device`` is ``"meta"`` (then ``to_empty`` + ``init_weights``).
+    """Build the model of ``cfg`` on ``device``; initialised unless ``device`` is ``"meta"`` (then ``to_empty`` +
+    ``init_weights``). ``runs_on``: the device it will compute on when that is not ``device`` (the trainer builds on
+    the CPU, so every rank draws the same initial weights, then moves the model).
 
     Raises ``ValueError`` if a block name in ``cfg`` is not registered (the message lists the registered ones) or
-    names a kernel that cannot run on ``device`` (the message names the flag and the setting to use instead).
+    names a kernel that cannot run on ``runs_on`` (the message names the flag and the setting to use instead).
     """
     device = torch.device(device) if device is not None else None
-    check_blocks_supported(cfg, device)
+    check_blocks_supported(cfg, runs_on if runs_on is not None else device)
     model = Transformer(cfg, device=device, dtype=dtype)
     if device is None or device.type != "meta":
         model.init_weights()
