@@ -274,7 +274,7 @@ class TrainerConfig(Config):
     def check_model(self, model: ModelConfig) -> None:
         """Raise ``ValueError`` naming the field when this trainer cannot run ``model``: the ``varlen`` attention
         block computes in bfloat16/float16 only; expert parallelism needs an MoE model whose expert count the degree
-        divides, and no LoRA on the experts. Run before any rank starts (the driver does)."""
+        divides. Run before any rank starts (the driver does)."""
         if model.attention == "varlen" and self.mixed_precision.param_dtype == "float32":
             raise ValueError(
                 'model.attention = "varlen" runs Flash Attention, which computes in bfloat16 or float16, but '
@@ -292,10 +292,4 @@ class TrainerConfig(Config):
             raise ValueError(
                 f"trainer.parallelism.expert_parallel_degree = {ep} does not divide the model's "
                 f"{model.moe.num_experts} experts per layer: use a divisor of {model.moe.num_experts}"
-            )
-        if model.lora is not None and model.lora.target_parameters:
-            raise ValueError(
-                f"trainer.parallelism.expert_parallel_degree = {ep} with LoRA on the experts "
-                "(model.lora.target_parameters): expert adapters are not split by expert parallelism (not built); "
-                "set expert_parallel_degree = 1 (FSDP shards experts and adapters alike) or adapt attention only"
             )

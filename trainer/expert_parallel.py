@@ -32,7 +32,7 @@ from torch.distributed._functional_collectives import all_to_all_single  # autog
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from trainer.models.moe import MoE, sort_by_expert
+from trainer.models.moe import AdaptedWeight, ExpertWeight, MoE, sort_by_expert
 
 __all__ = ["ExpertParallelExperts", "ExpertsFn", "apply_expert_parallel"]
 
@@ -55,10 +55,10 @@ class ExpertParallelExperts:
 
     def __call__(
         self, x: torch.Tensor, expert_idx: torch.Tensor, expert_weight: torch.Tensor,
-        w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+        w1: ExpertWeight, w3: ExpertWeight, w2: ExpertWeight,
     ) -> torch.Tensor:  # fmt: skip
-        w1, w3, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (w1, w3, w2))
         per_rank = self.num_experts // self.size
+        w1, w3, w2 = (self._local(w, per_rank) for w in (w1, w3, w2))
         if w1.shape[0] != per_rank:
             raise ValueError(f"this rank holds {w1.shape[0]} experts, expected {per_rank} of {self.num_experts}")
         pairs = sort_by_expert(expert_idx, self.num_experts)
@@ -71,17 +71,30 @@ class ExpertParallelExperts:
         back = all_to_all_single(out, send_splits, recv_splits, self.group)
         return pairs.combine(x, back, expert_weight)
 
+    def _local(self, w: ExpertWeight, per_rank: int) -> ExpertWeight:
+        """This rank's experts of ``w``: a DTensor's local shard; for an adapted weight, that of its base and this
+        rank's slice of its adapters (every rank holds every expert's adapter factors, see ``trainer.parallelize``;
+        the slice's gradient reaches only this rank's experts' rows, and FSDP sums the others' over the ranks)."""
+        if isinstance(w, AdaptedWeight):
+            first = dist.get_rank(self.group) * per_rank
+            lora_a, lora_b = (f[first : first + per_rank] for f in (w.lora_A, w.lora_B))
+            base = w.weight.to_local() if isinstance(w.weight, DTensor) else w.weight
+            return AdaptedWeight(base, lora_a, lora_b, w.scaling)
+        return w.to_local() if isinstance(w, DTensor) else w
+
     def _compute(
         self, rows: torch.Tensor, received: torch.Tensor, per_rank: int,
-        w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+        w1: ExpertWeight, w3: ExpertWeight, w2: ExpertWeight,
     ) -> torch.Tensor:  # fmt: skip
         """This rank's experts on ``rows`` (source-rank-major, then local expert); every row is one (token, expert)
         pair, so the wrapped kernel sees one expert per row at weight 1."""
         if rows.shape[0] == 0:
             # Nothing routed here. Keep the received rows in the graph, or this rank would skip their all-to-all in
-            # backward while its peers wait in it; and the expert weights, so their (zero) gradients still reach
-            # FSDP's reduce-scatter, which every rank of the efsdp group must join.
-            return rows.new_zeros(0, w2.shape[1]) + 0.0 * (rows.sum() + w1.sum() + w3.sum() + w2.sum())
+            # backward while its peers wait in it; and the expert weights and adapters, so their (zero) gradients
+            # still reach FSDP's reduce-scatter, which every rank of their group must join.
+            weights = [t for w in (w1, w3, w2) for t in (w if isinstance(w, AdaptedWeight) else (w,))[:3]]
+            keep = rows.sum() + sum(t.sum() for t in weights if isinstance(t, torch.Tensor))
+            return rows.new_zeros(0, w2.shape[1]) + 0.0 * keep
         local_expert = torch.arange(per_rank, device=rows.device).repeat(self.size).repeat_interleave(received)
         return self.local(rows, local_expert[:, None], rows.new_ones(rows.shape[0], 1), w1, w3, w2)
 
@@ -91,15 +104,14 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     DTensors ``Shard(0)``, and the layer's kernel dispatches tokens by all-to-all (:class:`ExpertParallelExperts`).
 
     Each rank keeps its slice of the weights it already holds (every rank built the same seeded model), so nothing is
-    sent. Call before FSDP, which then shards each rank's experts over the rest of the mesh. Raises ``ValueError``
-    when the model has no MoE layer, has expert adapters, or the group size does not divide a layer's experts
+    sent. Call before FSDP, which then shards each rank's experts over the rest of the mesh (and expert adapters,
+    which stay whole here, over every rank). Raises ``ValueError`` when the model has no MoE layer or the group size
+    does not divide a layer's experts
     (``TrainerConfig.check_model`` says so for a recipe before any rank starts).
     """
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise ValueError("expert parallelism splits MoE experts, but this model has no MoE layers")
-    if any(m.experts.gate_up_lora is not None or m.experts.down_lora is not None for m in layers):
-        raise ValueError("expert parallelism with LoRA on the experts is not built: adapt attention only, or use FSDP")
     group = ep_mesh.get_group()
     for moe in layers:
         num_experts = moe.experts.w1.shape[0]

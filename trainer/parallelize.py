@@ -140,6 +140,13 @@ def parallelize_model(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> Mo
     for block in blocks:
         experts = [m for m in block.modules() if isinstance(m, Experts)] if expert_parallel else []
         for unit in experts:  # its own unit over efsdp: the block's unit (over all ranks) cannot hold ep shards
+            for adapter in (unit.gate_up_lora, unit.down_lora):
+                # Expert adapters are not split by expert (PEFT's lora_B keeps experts as its minor index, so one
+                # rank's experts are no contiguous slice): every rank uses its experts' slice of the whole factors
+                # and FSDP sums their gradients over all ranks. A unit of their own, outside the experts' efsdp
+                # unit; kept gathered after forward, whose outputs are views of the gathered factors.
+                if adapter is not None:
+                    fully_shard(adapter, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
             fully_shard(unit, mesh=mesh["efsdp"], mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     # The root's parameters are needed right after the last block's forward: keep them gathered.

@@ -4,7 +4,8 @@ The dispatch alone: on 2 ranks, each expert kernel (loop, grouped, gmm_pallas) r
 rank's tokens the outputs and gradients of the same kernel run on all tokens with all experts, also when a rank's
 experts get no tokens. The trainer: 2 ranks with EP = 2 train exactly as one rank does on the same global batches
 (losses, router loads, every weight), with activation checkpointing too, 4 ranks with EP = 2 x efsdp = 2 as 4 FSDP
-ranks without EP do, and PPO (an expert-parallel critic too) in bfloat16 as 2 FSDP ranks do, to bfloat16 precision;
+ranks without EP do, with LoRA on attention and every expert (activation checkpointing too) as one rank does, and PPO
+(an expert-parallel critic too) in bfloat16 as 2 FSDP ranks do, to bfloat16 precision;
 each rank holds only its experts and the pieces it would push reassemble the full model; a checkpoint resumes
 bit-identically, and one saved with EP = 2 loads on one rank to the same weights."""
 
@@ -32,17 +33,20 @@ def _batch(step: int) -> RolloutBatch:
     return random_batch(300 + step, num_groups=4, completion_len=(1, 20), logprob=(-3.8, -3.5))
 
 
-def _configs(ckpt_dir: str, world: int, ep: int, kernel: str, ac: str, bf16_ppo: bool = False):
+def _configs(ckpt_dir: str, world: int, ep: int, kernel: str, ac: str, bf16_ppo: bool = False, lora: bool = False):
     """The run's configs; ``bf16_ppo``: PPO (an MoE critic, expert-parallel too) with bfloat16 compute, as the TPU
-    recipes run."""
+    recipes run; ``lora``: rank-4 adapters on attention and on every expert (base weights frozen)."""
     from trainer.config import TrainerConfig
-    from trainer.models.config import ModelConfig, MoEConfig
+    from trainer.models.config import LoRAConfig, ModelConfig, MoEConfig
     from trainer.rl.config import GRPOConfig, KLConfig, PPOConfig
 
+    adapters = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"), init="gaussian",
+                          target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))  # fmt: skip
     model_cfg = ModelConfig(
         family="qwen3_moe", vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
         ffn_hidden_dim=64, qk_norm=True, tie_embeddings=False, output_chunk_size=16, moe_experts=kernel,
         moe=MoEConfig(num_experts=NUM_EXPERTS, top_k=2, expert_ffn_hidden_dim=16, aux_loss_coef=0.01),
+        lora=adapters if lora else None,
     )  # fmt: skip
     cfg = TrainerConfig(
         num_ranks=world, parallelism=dict(expert_parallel_degree=ep), micro_batch_tokens=96, num_minibatches=2,
@@ -68,7 +72,9 @@ def _probe(model, rank: int, world: int) -> tuple[torch.Tensor, list[torch.Tenso
     return hidden, loads
 
 
-def _worker(rank: int, world: int, ep: int, kernel: str, ac: str, bf16_ppo: bool, port: int, out_dir: str) -> None:
+def _worker(
+    rank: int, world: int, ep: int, kernel: str, ac: str, bf16_ppo: bool, lora: bool, port: int, out_dir: str
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from trainer.checkpoint import CheckpointManager, TrainProgress
@@ -76,7 +82,7 @@ def _worker(rank: int, world: int, ep: int, kernel: str, ac: str, bf16_ppo: bool
     from trainer.state import build_train_state
     from trainer.step import rl_step
 
-    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world, ep, kernel, ac, bf16_ppo)
+    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world, ep, kernel, ac, bf16_ppo, lora)
 
     def fresh():
         return build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
@@ -163,17 +169,19 @@ def test_dispatch_equals_the_kernel_on_all_tokens(dispatch, kernel: str, routing
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
-def _run(world: int, ep: int, kernel: str, ac: str, bf16_ppo: bool, out_dir: Path) -> list[dict]:
+def _run(world: int, ep: int, kernel: str, ac: str, bf16_ppo: bool, out_dir: Path, lora: bool = False) -> list[dict]:
     out_dir.mkdir(parents=True)
-    args = (world, ep, kernel, ac, bf16_ppo, free_port(), str(out_dir))
+    args = (world, ep, kernel, ac, bf16_ppo, lora, free_port(), str(out_dir))
     mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-RUNS = {  # name: (world, ep, expert kernel, activation checkpointing, PPO in bfloat16)
+RUNS = {  # name: (world, ep, expert kernel, activation checkpointing, PPO in bfloat16[, LoRA])
     "1": (1, 1, "grouped", "none", False),
     "ep2": (2, 2, "grouped", "none", False),
     "ep2_loop_ac": (2, 2, "loop", "full", False),
+    "1_lora": (1, 1, "grouped", "none", False, True),
+    "ep2_lora": (2, 2, "grouped", "full", False, True),  # expert adapters under EP, with the recompute
 }
 SLOW_RUNS = {  # ~1 min more: `make test-slow`
     "4": (4, 1, "grouped", "none", False),
@@ -199,7 +207,7 @@ def _load_worker(rank: int, ckpt_dir: str, port: int, out_path: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("ep")
-    return {name: _run(*spec, root / name) for name, spec in RUNS.items()}
+    return {name: _run(*spec[:5], root / name, *spec[5:]) for name, spec in RUNS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +227,7 @@ def _cases(*names: str) -> list:
 
 # Each EP run against the same world size without EP. The router term is a per-micro-batch statistic, so it needs the
 # same micro-batches: one rank packs what two ranks do, not what four do.
-BASELINE = {"ep2": "1", "ep2_loop_ac": "1", "ep2x2": "4", "ep2_bf16_ppo": "2_bf16_ppo"}
+BASELINE = {"ep2": "1", "ep2_loop_ac": "1", "ep2_lora": "1_lora", "ep2x2": "4", "ep2_bf16_ppo": "2_bf16_ppo"}
 # (metrics rel, metrics abs, weights abs). float32: equal up to summation order. bfloat16: each expert's rows are
 # multiplied in another grouping (a rank's received rows vs all tokens), which moves bfloat16 roundings; metrics agree
 # to ~1e-3, and Adam turns the noise in near-zero gradients into lr-sized steps (6 steps of lr 3e-3 here).
@@ -244,7 +252,7 @@ def test_expert_parallel_matches_no_expert_parallel(request, name: str) -> None:
         torch.testing.assert_close(many[0]["weights"][key], w, rtol=0, atol=TOLERANCE[name][2], msg=key)
 
 
-@pytest.mark.parametrize("name", _cases("ep2", "ep2_loop_ac", "ep2x2"))  # float32: bfloat16 noise can flip near-ties
+@pytest.mark.parametrize("name", _cases("ep2", "ep2_loop_ac", "ep2_lora", "ep2x2"))  # float32: bf16 can flip near-ties
 def test_router_loads_and_outputs_match(request, name: str) -> None:
     """After every step, a fixed batch split over the ranks routes exactly as without EP (per-expert loads summed over
     ranks, per layer) and gives the same hidden states."""
@@ -293,7 +301,22 @@ def test_each_rank_holds_only_its_experts_and_pieces_reassemble(runs) -> None:
         assert torch.equal(final_two[key], w), key
 
 
-@pytest.mark.parametrize("name", _cases("ep2", "ep2_loop_ac", "ep2x2"))
+def test_expert_adapters_train_under_expert_parallelism_and_their_pieces_reassemble(runs) -> None:
+    """Every expert's adapters moved (lora_B starts at 0), the ranks' pieces (what each would push) cover the whole
+    model, and each piece of an expert adapter is a contiguous block of the PEFT-layout tensor."""
+    two = runs["ep2_lora"]
+    final = reassemble([r["final_shards"] for r in two])
+    assert final.keys() == two[0]["weights"].keys()
+    for key, w in two[0]["weights"].items():
+        assert torch.equal(final[key], w), key
+    expert_b = [k for k in final if ".experts." in k and k.endswith("lora_B")]
+    assert expert_b, "no expert adapters in the model"
+    for key in expert_b:
+        per_expert = final[key].view(final[key].shape[0], -1, NUM_EXPERTS)  # PEFT: [out, rank x E], expert minor
+        assert (per_expert.abs().sum((0, 1)) > 0).all(), f"{key}: an expert's adapter never trained"
+
+
+@pytest.mark.parametrize("name", _cases("ep2", "ep2_loop_ac", "ep2_lora", "ep2x2"))
 def test_resume_is_bit_identical(request, name: str) -> None:
     for result in _runs(request, name)[name]:
         for a, b in zip(result["metrics"][1:], result["resumed_metrics"], strict=True):

@@ -114,8 +114,12 @@ class ExpertLoRA(nn.Module):
         if like.device.type != "meta":
             self.reset_adapter()
 
-    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``A_e [E, rank, in]`` and ``B_e [E, out, rank]`` (contiguous: the grouped matmuls take them as weights)."""
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``A_e [E, rank, in]`` and ``B_e [E, out, rank]`` (contiguous: the grouped matmuls take them as weights).
+
+        A forward (called as ``module()``), so that under expert parallelism, where the adapters are an FSDP unit of
+        their own over every rank (``trainer.parallelize``), FSDP gathers them first; the factors are views of the
+        gathered parameters, which that unit keeps until backward."""
         a, b = peft.expert_factors(self.lora_A, self.lora_B, self.num_experts)
         return a, b.contiguous()
 

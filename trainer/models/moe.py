@@ -264,12 +264,13 @@ class Experts(nn.Module):
         w3: ExpertWeight = self.w3
         w2: ExpertWeight = self.w2
         if self.gate_up_lora is not None and self.gate_up_lora.adapter_enabled:
-            a, b = self.gate_up_lora.factors()
+            a, b = self.gate_up_lora()
             hidden = self.w1.shape[1]
             w1 = AdaptedWeight(self.w1, a, b[:, :hidden], self.gate_up_lora.scaling)
             w3 = AdaptedWeight(self.w3, a, b[:, hidden:], self.gate_up_lora.scaling)
         if self.down_lora is not None and self.down_lora.adapter_enabled:
-            w2 = AdaptedWeight(self.w2, *self.down_lora.factors(), self.down_lora.scaling)
+            a, b = self.down_lora()
+            w2 = AdaptedWeight(self.w2, a, b, self.down_lora.scaling)
         return self.kernel(x, expert_idx, expert_weight, w1, w3, w2)
 
 
