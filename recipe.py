@@ -255,6 +255,13 @@ class RunConfig(Config):
     def _check(self) -> RunConfig:
         if self.mode == "async" and self.max_staleness < 1:
             raise ValueError("mode = 'async' needs max_staleness >= 1 (0 is the sync mode)")
+        warm = self.warm_start
+        if warm.num_steps > 0 and warm.stop_at_accuracy is not None and self.eval.num_problems == 0:
+            raise ValueError(
+                f"warm_start.stop_at_accuracy = {warm.stop_at_accuracy} is checked on held-out problems, but "
+                "eval.num_problems = 0: give the evaluation problems, or stop the warm start by num_steps alone "
+                "(remove stop_at_accuracy)"
+            )
         return self
 
     @property

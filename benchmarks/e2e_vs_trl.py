@@ -166,12 +166,13 @@ def our_overrides(setting: Setting, model_dir: Path, out_dir: Path, max_model_le
 
 
 def run_warm_start(work: Path, threads: int, cpus: set[int]) -> Path:
-    """Our warm start as the recipe runs it (RL cut to one step, in-run evaluation off); returns the model dir."""
+    """Our warm start as the recipe runs it (to its held-out accuracy target; RL cut to one step); returns the model
+    dir."""
     out = work / "warm"
     cmd = [str(OUR_PYTHON), "rl_align.py", "--recipe", str(RECIPE), "--model.path", str(work / "tiny-qwen3"),
            "--run.output_dir", str(out), "--run.num_steps", "1", "--trainer.schedule.num_total_steps", "2",
            "--trainer.schedule.num_warmup_steps", "1",
-           "--run.eval.num_problems", "0", "--trainer.checkpoint.every_num_steps", "0", "--run.logging.plot", "false",
+           "--trainer.checkpoint.every_num_steps", "0", "--run.logging.plot", "false",
            "--run.logging.tensorboard", "false", "--run.logging.progress", "false"]  # fmt: skip
     run_logged(cmd, work / "warm_start.log", child_env(threads), cpus)
     model = out / "warm_start_model"

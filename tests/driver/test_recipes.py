@@ -415,3 +415,9 @@ def test_expert_parallel_the_model_cannot_take_fails_at_load_naming_the_field(tm
     two = {"trainer.num_ranks": 2, "trainer.parallelism.expert_parallel_degree": 2}
     assert "has no experts: set it to 1" in _error(recipe, {"model.path": dense, **two})
     load_recipe(recipe, {"model.path": moe, **two})
+
+
+def test_a_warm_start_accuracy_target_without_held_out_problems_is_refused():
+    msg = _error(ROOT / "recipes" / "grpo_tiny.toml", {"run.eval.num_problems": 0})
+    assert "warm_start.stop_at_accuracy = 0.4 is checked on held-out problems, but eval.num_problems = 0" in msg, msg
+    load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"run.eval.num_problems": 0, "run.warm_start.num_steps": 0})
