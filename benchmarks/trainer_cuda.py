@@ -24,6 +24,7 @@ mixed precision, fp32 master weights and AdamW state) on random-initialised mode
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 import warnings
@@ -91,11 +92,6 @@ def timed_steps(state: Any, batch: RolloutBatch, steps: int) -> list[float]:
     return times
 
 
-def release(state: Any) -> None:
-    del state
-    torch.cuda.empty_cache()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=16, help="GRPO groups per step (x 8 completions)")
@@ -122,7 +118,9 @@ def main() -> None:
         for attention in ("sdpa", "varlen"):
             state = build(trainer_config(share_prompts=shared), dense[attention])
             rows[f"{attention}{' shared' if shared else ''}"] = timed_steps(state, batch, args.steps)
-            release(state)
+            del state  # the last reference (and FSDP's cycles collected): the next setting must not hold this model
+            gc.collect()
+            torch.cuda.empty_cache()
     peaks.append(bf16_matmul_flops())
     peak = max(peaks)
     six_n = 6 * dense["sdpa"].num_params * tokens
@@ -176,7 +174,9 @@ def main() -> None:
             f"{mode:<12}{rest / gib:>8.2f}{marks['fwd_bwd'] / gib:>10.2f}{activations[mode] / gib:>13.2f}"
             f"{step_peak / gib:>11.2f}{statistics.median(later):>10.3f}   (first step {seconds:.2f} s)"
         )
-        release(state)
+        del state
+        gc.collect()
+        torch.cuda.empty_cache()
     print(
         f"activations none / full: {activations['none'] / activations['full']:.1f}x, none / selective: "
         f"{activations['none'] / activations['selective']:.1f}x"
@@ -197,7 +197,9 @@ def main() -> None:
               f"{moe_batch.num_tokens} tokens: {med_range(times, '{:.3f}')} s / step, "
               f"{active / min(times) / 1e12:.0f} TFLOP/s (6 x active x tokens) = {active / min(times) / peak:.2f} "
               "of the matmul rate")  # fmt: skip
-        release(state)
+        del state
+        gc.collect()
+        torch.cuda.empty_cache()
     dist.destroy_process_group()
 
 

@@ -198,7 +198,7 @@ def test_meta_build_then_init_and_bf16():
 
 def test_unknown_block_names_list_available_ones():
     # The Pallas kernel names are listed (imported on first use) without importing them.
-    with pytest.raises(ValueError, match=r"unknown attention block 'flash'.*\['eager', 'sdpa', 'splash'\]"):
+    with pytest.raises(ValueError, match=r"unknown attention block 'flash'.*\['eager', 'sdpa', 'splash', 'varlen'\]"):
         build_model(_cfg("llama3", attention="flash"))
     with pytest.raises(ValueError, match=r"'moe_experts'.*\['gmm_pallas', 'grouped', 'loop'\]"):
         build_model(_cfg("llama3", moe_experts="megablocks"))
