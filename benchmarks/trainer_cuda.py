@@ -74,7 +74,7 @@ def trainer_config(**overrides: Any) -> TrainerConfig:
 
 
 def build(cfg: TrainerConfig, model_cfg: ModelConfig) -> Any:
-    torch.manual_seed(0)
+    """The trainer's state for ``model_cfg`` on the GPU (seeded by ``cfg.seed``), checked as a recipe would be."""
     cfg.check_model(model_cfg)
     algo = GRPOConfig(group_size=GROUP, importance_sampling=ImportanceSamplingConfig(enabled=True))
     return build_train_state(cfg, model_cfg, algo, CUDA, build_mesh(cfg, "cuda"))
@@ -192,7 +192,7 @@ def main() -> None:
         times = timed_steps(state, moe_batch, args.steps)
         active = 6 * moe.active_params * moe_batch.num_tokens
         print(f"\nQwen3-30B-A3B layers ({moe.num_layers} blocks, {moe.moe.num_experts} experts, top-{moe.moe.top_k}; "
-            f"{moe.num_params / 1e9:.2f}B params, "
+              f"{moe.num_params / 1e9:.2f}B params, "
               f"{moe.active_params / 1e9:.2f}B active), grouped experts, varlen, {len(moe_batch.samples)} samples, "
               f"{moe_batch.num_tokens} tokens: {med_range(times, '{:.3f}')} s / step, "
               f"{active / min(times) / 1e12:.0f} TFLOP/s (6 x active x tokens) = {active / min(times) / peak:.2f} "

@@ -92,11 +92,15 @@ class ExpertParallelExperts:
             # Nothing routed here. Keep the received rows in the graph, or this rank would skip their all-to-all in
             # backward while its peers wait in it; and the expert weights and adapters, so their (zero) gradients
             # still reach FSDP's reduce-scatter, which every rank of their group must join.
-            weights = [t for w in (w1, w3, w2) for t in (w if isinstance(w, AdaptedWeight) else (w,))[:3]]
-            keep = rows.sum() + sum(t.sum() for t in weights if isinstance(t, torch.Tensor))
+            keep = rows.sum() + sum(t.sum() for w in (w1, w3, w2) for t in _tensors(w))
             return rows.new_zeros(0, w2.shape[1]) + 0.0 * keep
         local_expert = torch.arange(per_rank, device=rows.device).repeat(self.size).repeat_interleave(received)
         return self.local(rows, local_expert[:, None], rows.new_ones(rows.shape[0], 1), w1, w3, w2)
+
+
+def _tensors(w: ExpertWeight) -> tuple[torch.Tensor, ...]:
+    """The tensors an expert weight computes with: the weight, and an adapted one's factors."""
+    return (w.weight, w.lora_A, w.lora_B) if isinstance(w, AdaptedWeight) else (w,)
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:

@@ -209,7 +209,7 @@ def test_block_fields_are_declared_once_and_checked_against_the_registry():
 def test_declared_blocks_are_registered_by_their_modules_with_the_declared_devices():
     """The torch-free declaration and the implementations agree: each module registers its declared names, and a
     Pallas kernel's own check accepts exactly the declared devices (tpu also needs torch-tpu on the host); the CUDA
-    attention block refuses the CPU by its declaration and by its own check, naming the alternative."""
+    attention block is refused on the CPU, naming the alternative."""
     from trainer.models.registry import BLOCK_REGISTRIES, PALLAS_DEVICES
 
     for field, registry in BLOCK_REGISTRIES.items():
@@ -221,8 +221,6 @@ def test_declared_blocks_are_registered_by_their_modules_with_the_declared_devic
             if spec.devices == ("cuda",):
                 with pytest.raises(ValueError, match=f'"{name}".*\'cpu\'.*"{spec.alternative}"'):
                     registry.check_supported(name, "cpu")
-                with pytest.raises(ValueError, match=f'"{name}" runs on CUDA only; on cpu use "{spec.alternative}"'):
-                    registry._checks[name]("cpu")
                 continue
             assert spec.devices == PALLAS_DEVICES
             assert importlib.import_module(spec.module)._ALTERNATIVE.startswith(f'{field} = "{spec.alternative}"')

@@ -169,7 +169,7 @@ def test_dispatch_equals_the_kernel_on_all_tokens(dispatch, kernel: str, routing
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
-def _run(world: int, ep: int, kernel: str, ac: str, bf16_ppo: bool, out_dir: Path, lora: bool = False) -> list[dict]:
+def _run(out_dir: Path, world: int, ep: int, kernel: str, ac: str, bf16_ppo: bool, lora: bool = False) -> list[dict]:
     out_dir.mkdir(parents=True)
     args = (world, ep, kernel, ac, bf16_ppo, lora, free_port(), str(out_dir))
     mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
@@ -207,13 +207,13 @@ def _load_worker(rank: int, ckpt_dir: str, port: int, out_path: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("ep")
-    return {name: _run(*spec[:5], root / name, *spec[5:]) for name, spec in RUNS.items()}
+    return {name: _run(root / name, *spec) for name, spec in RUNS.items()}
 
 
 @pytest.fixture(scope="module")
 def slow_runs(tmp_path_factory) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("ep_slow")
-    return {name: _run(*spec, root / name) for name, spec in SLOW_RUNS.items()}
+    return {name: _run(root / name, *spec) for name, spec in SLOW_RUNS.items()}
 
 
 def _runs(request: pytest.FixtureRequest, name: str) -> dict[str, list[dict]]:

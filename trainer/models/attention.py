@@ -98,8 +98,8 @@ class _LengthGroups:
     order: torch.Tensor
     inverse: torch.Tensor
     key_order: torch.Tensor | None
-    spans: list[list[tuple[int, int]]]
-    """:func:`segment_spans` of the tensor."""
+    row_lengths: list[list[int]]
+    """Per row, the lengths of its segments in order."""
 
 
 LayoutT = TypeVar("LayoutT")
@@ -160,7 +160,10 @@ def packed_segments(segment_ids: torch.Tensor, prefix_ids: torch.Tensor | None =
 def _length_groups(segment_ids: torch.Tensor, prefix_ids: torch.Tensor | None = None) -> _LengthGroups:
     """:func:`segment_spans` grouped by (prompt length, length), computed once per forward (:func:`per_forward`)."""
     members: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (prompt len, len) -> (start, prompt start)
-    for seg in packed_segments(segment_ids, prefix_ids):
+    segments = packed_segments(segment_ids, prefix_ids)
+    row_lengths: list[list[int]] = [[] for _ in range(segment_ids.shape[0])]
+    for seg in segments:
+        row_lengths[seg.start // segment_ids.shape[1]].append(seg.end - seg.start)
         members.setdefault((seg.prompt_end - seg.prompt_start, seg.end - seg.start), []).append(
             (seg.start, seg.prompt_start)
         )
@@ -180,7 +183,7 @@ def _length_groups(segment_ids: torch.Tensor, prefix_ids: torch.Tensor | None = 
     device = segment_ids.device
     key_order = positions(with_prompt=True).to(device) if prefix_ids is not None else None
     shapes = [(len(members[k]), k[0], k[1]) for k in keys]
-    return _LengthGroups(shapes, order.to(device), inverse.to(device), key_order, segment_spans(segment_ids))
+    return _LengthGroups(shapes, order.to(device), inverse.to(device), key_order, row_lengths)
 
 
 @ATTENTION_BLOCKS.register("sdpa", segment_local=True, shared_prefix=True)
@@ -244,8 +247,8 @@ def _per_segment(
     pieces = []
     # split (not slicing) so backward concatenates the pieces' gradients once instead of zero-filling a full-size
     # gradient per piece.
-    for spans, qr, kr, vr in zip(_length_groups(segment_ids).spans, q.split(1), k.split(1), v.split(1), strict=True):
-        lengths = [b - a for a, b in spans]
+    layout = _length_groups(segment_ids)
+    for lengths, qr, kr, vr in zip(layout.row_lengths, q.split(1), k.split(1), v.split(1), strict=True):
         for qs, ks, vs in zip(qr.split(lengths, 2), kr.split(lengths, 2), vr.split(lengths, 2), strict=True):
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
             pieces.append(out.transpose(1, 2))

@@ -49,10 +49,9 @@ _KEYWORDS = _varlen_keywords()
 
 
 def check_supported(device: torch.device | str) -> None:
-    """Raise ``ValueError`` unless ``varlen`` can run on ``device``: CUDA, and a torch with a causal ``varlen_attn``
-    that takes a scale."""
-    if torch.device(device).type != "cuda":
-        raise ValueError(f'model.attention = "varlen" runs on CUDA only; on {device} use "sdpa"')
+    """Raise ``ValueError`` unless this host's torch has a causal ``varlen_attn`` that takes a scale (the device,
+    CUDA, is checked by the registry's declaration before this runs)."""
+    del device
     if _KEYWORDS is None:
         raise ValueError(
             f'model.attention = "varlen" needs torch >= {_MIN_TORCH} (torch.nn.attention.varlen.varlen_attn, causal, '
