@@ -5,6 +5,7 @@ and without expert parallelism.
 
     python -m benchmarks.scale [--recipe recipes/qwen3_0p6b_cpu.toml] [--ranks 1,2] [--steps 3]
     python -m benchmarks.scale --recipe recipes/qwen3_30b_a3b_reduced_cpu.toml --ranks 2 --expert-parallel 1,2
+    python -m benchmarks.scale --vocab-parallel 1,0 --live-memory
 
 Each setting runs ``rl_align.py`` as a process of its own (embedded Ray, the recipe's placement), with every process
 of its tree sampled every 0.5 s (``psutil``): the peak resident set of each trainer rank, of each rollout worker (the
@@ -16,6 +17,13 @@ trainer's rate is ``6 x parameters x tokens`` (prompt + completion tokens of the
 a token uses, ``ModelConfig.active_params``) per second of its update, against this machine's fp32 matmul FLOP/s on
 all cores (``benchmarks.trainer``), measured before and after the runs. The model is created once and shared by the
 settings. The CPU model and the load before and after are printed; measure on a quiet machine and repeat.
+
+``--vocab-parallel 1,0`` runs each multi-rank setting with the vocabulary split (``trainer.vocab_parallel``) and
+without it (default: as the recipe says). Resident memory counts what glibc keeps of freed memory for reuse, which
+for a trainer rank here is 1-3 GB beyond what is live, about the same at every rank count; ``--live-memory`` runs every
+process with ``MALLOC_MMAP_THRESHOLD_=131072``, so freed blocks over 128 KiB go back to the system at once and the
+peak resident set is close to the live peak (every large allocation then faults its pages in again: slower, so take
+times from a run without it).
 """
 
 from __future__ import annotations
@@ -86,9 +94,12 @@ class _MemorySampler(threading.Thread):
         return out
 
 
-def _run(recipe: str, ranks: int, ep: int, steps: int, model_dir: Path, out_dir: Path) -> dict[str, Any]:
-    """One setting (``ranks`` trainer ranks, expert parallel degree ``ep``): the run's per-phase medians, trainer
-    tokens per step and peak memory by role."""
+def _run(
+    recipe: str, ranks: int, ep: int, vocab_parallel: bool | None, steps: int, model_dir: Path, out_dir: Path,
+    live_memory: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """One setting (``ranks`` trainer ranks, expert parallel degree ``ep``, the vocabulary split on, off or None: as
+    the recipe says): the run's per-phase medians, trainer tokens per step and peak memory by role."""
     from driver.metrics import read_jsonl
 
     args = [
@@ -97,8 +108,12 @@ def _run(recipe: str, ranks: int, ep: int, steps: int, model_dir: Path, out_dir:
         "--run.num_steps", str(steps), "--run.output_dir", str(out_dir), "--model.path", str(model_dir),
         "--run.logging.tensorboard", "false", "--run.logging.progress", "false",
     ]  # fmt: skip
+    if vocab_parallel is not None:
+        args += ["--trainer.parallelism.vocab_parallel", str(vocab_parallel).lower()]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env.update(RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    if live_memory:
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     log = out_dir.with_suffix(".log")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as sink:
@@ -122,6 +137,9 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2", help="comma-separated trainer rank counts")
     parser.add_argument("--expert-parallel", default="1", help="comma-separated expert parallel degrees (MoE recipes): "
                         "each runs with every rank count it divides")
+    parser.add_argument("--vocab-parallel", default="", help="comma-separated 1/0: each multi-rank setting with the "
+                        "vocabulary split on / off (default: as the recipe says)")
+    parser.add_argument("--live-memory", action="store_true", help="return freed memory at once (see the docstring)")
     parser.add_argument("--steps", type=int, default=3, help="RL steps per setting (the first is not counted)")
     args = parser.parse_args()
     import torch
@@ -137,11 +155,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         model_dir = Path(tmp) / "model"  # created by the first run, reused by the others
         failed: dict[str, str] = {}
+        splits = [bool(int(v)) for v in args.vocab_parallel.split(",")] if args.vocab_parallel else [None]
         settings = [(int(r), int(ep)) for ep in args.expert_parallel.split(",") for r in args.ranks.split(",")]
-        for ranks, ep in [(r, ep) for r, ep in settings if r % ep == 0]:
-            name = f"{ranks}" + (f" ep{ep}" if ep > 1 else "")
+        for ranks, ep, vp in [(r, ep, vp) for r, ep in settings if r % ep == 0 for vp in (splits if r > 1 else [None])]:
+            name = f"{ranks}" + (f" ep{ep}" if ep > 1 else "") + ("" if vp is None else " vp" if vp else " no-vp")
+            out_dir = Path(tmp) / name.replace(" ", "-")
             try:
-                results[name] = _run(args.recipe, ranks, ep, args.steps, model_dir, Path(tmp) / f"ranks{ranks}ep{ep}")
+                results[name] = _run(args.recipe, ranks, ep, vp, args.steps, model_dir, out_dir, args.live_memory)
             except RuntimeError as e:  # e.g. out of memory: report it beside the settings that ran
                 failed[name] = next((line for line in str(e).splitlines() if "memory" in line), str(e)[:300])
         model = model_config_from_hf(str(model_dir))
@@ -152,22 +172,24 @@ def main() -> None:
           f"{recipe.run.num_prompts_per_step} x {recipe.algorithm.group_size} samples of <= "
           f"{recipe.rollout.sampling.max_tokens} tokens a step, activation checkpointing "
           f"{recipe.trainer.activation_checkpoint.mode!r}; medians of steps 2-{args.steps}; matmul peak "
-          f"{peak / 1e9:.0f} GFLOP/s (fp32, all cores; {min(peaks) / 1e9:.0f}-{peak / 1e9:.0f} before/after)")
+          f"{peak / 1e9:.0f} GFLOP/s (fp32, all cores; {min(peaks) / 1e9:.0f}-{peak / 1e9:.0f} before/after)"
+          + ("; memory: live (MALLOC_MMAP_THRESHOLD_=131072)" if args.live_memory else "; memory: resident"))
     columns = [label for label, _ in PHASES] + ["push+reload", "6NT/s / peak"]
     columns += ["trainer GB", "rollout GB", "driver GB", "machine GB"]
-    print(f"{'ranks':<8}" + "".join(f"{c:>16}" for c in columns))
+    print(f"{'ranks':<12}" + "".join(f"{c:>16}" for c in columns))
     for ranks, r in results.items():
         p, mem = r["phases"], r["memory"]
         flops = 6 * model.active_params * r["tokens"] / p["policy update s"]
         cells = [f"{p[label]:.2f}" for label, _ in PHASES]
         cells += [f"{(p['push s'] + p['reload s']) / p['step s']:.1%}", f"{flops / peak:.2f}"]
         cells += [f"{mem.get(role, 0.0):.1f}" for role in ("trainer rank", "rollout worker", "driver", "machine")]
-        print(f"{ranks:<8}" + "".join(f"{c:>16}" for c in cells))
+        print(f"{ranks:<12}" + "".join(f"{c:>16}" for c in cells))
     for ranks, why in failed.items():
-        print(f"{ranks:<8}failed: {why[:400]}")
-    if "1" in results and "2" in results:
-        ratio = results["2"]["memory"]["trainer rank"] / results["1"]["memory"]["trainer rank"]
-        print(f"trainer peak per rank, 2 ranks / 1 rank: {ratio:.2f}x (target <= 0.6x)")
+        print(f"{ranks:<12}failed: {why[:400]}")
+    for name in [n for n in results if n.split()[0] == "2" and "ep" not in n]:
+        if "1" in results:
+            ratio = results[name]["memory"]["trainer rank"] / results["1"]["memory"]["trainer rank"]
+            print(f"trainer peak per rank, {name} ranks / 1 rank: {ratio:.2f}x (target <= 0.6x)")
     print(f"load after: {load_avg()}")
 
 

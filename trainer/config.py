@@ -51,6 +51,11 @@ class ParallelismConfig(Config):
     module (FSDP there only copies parameters in and out); checkpoints load across both layouts."""
     reshard_after_forward: bool = True
     """Free the gathered parameters of a block after its forward (less memory, one more all-gather in backward)."""
+    vocab_parallel: bool = False
+    """Split the token embedding and output head by vocabulary rows over the data-parallel ranks instead of letting
+    FSDP gather them (``trainer.vocab_parallel``): each rank keeps only its rows, and the ranks exchange activations
+    (``ranks x tokens x dim`` per micro-batch) instead of the ``vocab x dim`` matrix and its gradient. Pays for large
+    vocabularies on few ranks; with one data-parallel rank it changes nothing. Needs the ``chunked`` output head."""
     tensor_parallel_degree: int = pydantic.Field(default=1, ge=1)
     """Ranks per tensor-parallel group (DTensor Colwise/Rowwise); 1 turns tensor parallelism off."""
     expert_parallel_degree: int = pydantic.Field(default=1, ge=1)
@@ -240,6 +245,12 @@ class TrainerConfig(Config):
                     "parallelism.expert_parallel_degree > 1 needs parallelism.fsdp = true (the weights other than the "
                     "experts are FSDP-sharded over all ranks)"
                 )
+        if self.parallelism.vocab_parallel and tp > 1:
+            raise ValueError(
+                "parallelism.vocab_parallel splits the vocabulary over data-parallel ranks and is not built with "
+                "tensor parallelism (which keeps the embedding and head replicated on its ranks): set one of "
+                "vocab_parallel = false or tensor_parallel_degree = 1"
+            )
         if not self.parallelism.fsdp and self.num_ranks // tp > 1:
             raise ValueError(
                 f"{self.num_ranks // tp} data-parallel ranks need parallelism.fsdp = true (the only data-parallel "
@@ -273,12 +284,19 @@ class TrainerConfig(Config):
 
     def check_model(self, model: ModelConfig) -> None:
         """Raise ``ValueError`` naming the field when this trainer cannot run ``model``: the ``varlen`` attention
-        block computes in bfloat16/float16 only; expert parallelism needs an MoE model whose expert count the degree
-        divides. Run before any rank starts (the driver does)."""
+        block computes in bfloat16/float16 only; the vocabulary-parallel head stands in for ``chunked`` only; expert
+        parallelism needs an MoE model whose expert count the degree divides. Run before any rank starts (the driver
+        does)."""
         if model.attention == "varlen" and self.mixed_precision.param_dtype == "float32":
             raise ValueError(
                 'model.attention = "varlen" runs Flash Attention, which computes in bfloat16 or float16, but '
                 'trainer.mixed_precision.param_dtype = "float32": set it to "bfloat16" or use attention = "sdpa"'
+            )
+        if self.parallelism.vocab_parallel and model.output_head != "chunked":
+            raise ValueError(
+                f"trainer.parallelism.vocab_parallel computes the output head itself, in chunks of "
+                f'model.output_chunk_size tokens, but model.output_head = "{model.output_head}": set output_head = '
+                f'"chunked" or vocab_parallel = false'
             )
         ep = self.parallelism.expert_parallel_degree
         if ep == 1:

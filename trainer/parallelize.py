@@ -25,6 +25,7 @@ from trainer.critic import Critic
 from trainer.expert_parallel import apply_expert_parallel
 from trainer.models.moe import Experts
 from trainer.models.transformer import Transformer
+from trainer.vocab_parallel import VocabParallelEmbedding, VocabParallelHead, shard_vocabulary_rows
 
 ModelT = TypeVar("ModelT", Transformer, Critic)
 """What the trainer shards: a policy / reference :class:`Transformer` or a PPO :class:`Critic` (same blocks)."""
@@ -117,7 +118,9 @@ def parallelize_model(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> Mo
     """Apply TP or EP (if configured), activation checkpointing (``cfg.activation_checkpoint``), then FSDP2 in place
     (when :func:`uses_fsdp`): ``fully_shard`` on every block of ``model.layers``, then the root.
 
-    The root unit keeps embeddings, final norm and output head together, so tied embeddings stay tied. With EP each
+    The root unit keeps embeddings, final norm and output head together, so tied embeddings stay tied; with
+    ``parallelism.vocab_parallel`` (and more than one data-parallel rank) the embedding and output matrices are split by
+    vocabulary rows instead and FSDP leaves them alone (``trainer.vocab_parallel``). With EP each
     MoE layer's experts are their own FSDP unit over ``efsdp``, inside the block's unit over all ranks. Returns
     ``model`` (now an ``FSDPModule`` when FSDP is on).
     """
@@ -149,14 +152,31 @@ def parallelize_model(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> Mo
                     fully_shard(adapter, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
             fully_shard(unit, mesh=mesh["efsdp"], mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    split = cfg.parallelism.vocab_parallel and dp_mesh.size() > 1
+    ignored = _split_vocabulary(model, dp_mesh, mp.param_dtype) if split else None
     # The root's parameters are needed right after the last block's forward: keep them gathered.
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             # Plain SUM collectives (gloo has no PREMUL_SUM; NCCL transfers them zero-copy).
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _split_vocabulary(model: ModelT, dp_mesh: DeviceMesh, compute_dtype: torch.dtype) -> set[nn.Parameter]:
+    """Split the embedding and output matrices by vocabulary rows over ``dp_mesh`` (``trainer.vocab_parallel``) and
+    install the lookup and head that work on the split; returns those parameters, which FSDP must leave alone."""
+    body = model.body if isinstance(model, Critic) else model
+    weight = shard_vocabulary_rows(body.tok_embeddings.weight, dp_mesh)
+    first = local_shard_place(weight)[1][0]
+    body.tok_embeddings = VocabParallelEmbedding(weight, first, compute_dtype)
+    split = {weight}
+    if body.output is not None:  # untied: the same [V, D] shape, so the same rows on this rank
+        body.output.weight = shard_vocabulary_rows(body.output.weight, dp_mesh)
+        split.add(body.output.weight)
+    body.set_output_head(VocabParallelHead(first))
+    return split
 
 
 def local_shard_place(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:

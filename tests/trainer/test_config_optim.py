@@ -39,6 +39,8 @@ def test_defaults_and_backend() -> None:
         ({"num_ranks": 6, "parallelism": {"expert_parallel_degree": 4}}, "multiple of parallelism.expert_parallel"),
         ({"num_ranks": 4, "parallelism": {"expert_parallel_degree": 2, "tensor_parallel_degree": 2}}, "not built"),
         ({"num_ranks": 2, "parallelism": {"expert_parallel_degree": 2, "fsdp": False}}, "needs parallelism.fsdp"),
+        ({"num_ranks": 2, "parallelism": {"vocab_parallel": True, "tensor_parallel_degree": 2}},
+         "vocab_parallel .* not built with tensor parallelism"),
         ({"optimizer": {"betas": [0.9, 1.0]}}, "betas"),
         ({"optimizer": {"lr": "1e-3"}}, "optimizer.lr"),
         ({"micro_batch_tokns": 10}, "unknown key"),
@@ -66,6 +68,16 @@ def test_expert_parallel_needs_an_moe_model_whose_experts_it_divides() -> None:
         else:
             cfg.check_model(moe)
     TrainerConfig().check_model(dense)
+
+
+def test_vocab_parallel_needs_the_chunked_head() -> None:
+    from trainer.models.config import ModelConfig
+
+    shape = dict(vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, ffn_hidden_dim=64)
+    cfg = TrainerConfig(num_ranks=2, parallelism=dict(vocab_parallel=True))
+    with pytest.raises(ValueError, match='output_head = "cached": set output_head = "chunked" or vocab_parallel'):
+        cfg.check_model(ModelConfig(family="llama3", output_head="cached", **shape))
+    cfg.check_model(ModelConfig(family="llama3", output_head="chunked", **shape))
 
 
 def test_varlen_attention_with_float32_compute_is_refused_naming_the_fix() -> None:

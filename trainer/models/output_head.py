@@ -19,7 +19,10 @@ import torch.nn.functional as F
 
 from trainer.models.registry import OUTPUT_HEADS
 
-__all__ = ["cached_token_logprobs", "chunked_token_logprobs", "dense_token_logprobs"]
+__all__ = [
+    "cached_token_logprobs", "chunked_token_logprobs", "dense_token_logprobs",
+    "even_chunk", "logits_grad", "logits_into",  # shared with trainer.vocab_parallel's head
+]  # fmt: skip
 
 
 @OUTPUT_HEADS.register("dense")
@@ -60,7 +63,7 @@ def _chunked(
     return _ChunkedLogprobs.apply(hidden, weight, targets, chunk_size, keep_probs)
 
 
-def _even_chunk(n: int, chunk_size: int) -> int:
+def even_chunk(n: int, chunk_size: int) -> int:
     """The chunk length that splits ``n`` tokens into as few chunks of at most ``chunk_size`` as possible, of equal
     length but the last: 1,036 tokens at 1,024 become 2 x 518, not 1,024 + a 12-row matmul at a fraction of the
     speed."""
@@ -68,7 +71,7 @@ def _even_chunk(n: int, chunk_size: int) -> int:
     return max(1, -(-n // chunks))
 
 
-def _logits_into(buf: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def logits_into(buf: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``hidden @ weight.T`` in the parameters' dtype, as float32 in the leading rows of the reused buffer ``buf``.
 
     Reusing one buffer per call matters on CPU: a fresh ``[chunk, V]`` float32 block is above glibc's mmap
@@ -96,14 +99,16 @@ def _softmax_stats(
     return target_logit, row_max + sum_e.log(), entropy
 
 
-def _grad_logits(
+def logits_grad(
     out: torch.Tensor, probs: torch.Tensor, logp: torch.Tensor | None, targets: torch.Tensor,
-    g_lp: torch.Tensor, g_ent: torch.Tensor | None, entropy: torch.Tensor,
+    g_lp: torch.Tensor, g_ent: torch.Tensor | None, entropy: torch.Tensor, target_grad: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """d loss / d logits into ``out`` (may alias ``probs``; ``logp`` is overwritten, None: derived from ``probs``).
 
     d logprob[t] / d logits = onehot(t) - p and d entropy / d logits = -p * (log p + H), so the gradient is
-    ``p * (a * log p + b) + g_lp * onehot(t)`` with ``a = -g_ent``, ``b = -g_ent * H - g_lp``.
+    ``p * (a * log p + b) + g_lp * onehot(t)`` with ``a = -g_ent``, ``b = -g_ent * H - g_lp``. ``target_grad``
+    replaces ``g_lp`` in the one-hot term (a vocabulary shard holding only some rows' targets: 0 for the others, whose
+    ``targets`` then index any column).
     """
     if g_ent is None:
         grad = torch.mul(probs, -g_lp[:, None], out=out)
@@ -113,7 +118,7 @@ def _grad_logits(
             grad = torch.xlogy(probs, probs, out=out).mul_(a[:, None]).add_(probs * b[:, None])
         else:
             grad = torch.mul(probs, logp.mul_(a[:, None]).add_(b[:, None]), out=out)
-    return grad.scatter_add_(-1, targets[:, None], g_lp[:, None])
+    return grad.scatter_add_(-1, targets[:, None], (g_lp if target_grad is None else target_grad)[:, None])
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -122,7 +127,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output (entropy without a bonus) gets None: a cheaper backward
         flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         n, vocab = flat_targets.numel(), weight.shape[0]
-        chunk_size = _even_chunk(n, chunk_size)
+        chunk_size = even_chunk(n, chunk_size)
         # Outputs are allocated in their final shape and filled through flat views: returned tensors are not views.
         logprobs = hidden.new_empty(targets.shape, dtype=torch.float32)
         entropy = hidden.new_empty(targets.shape, dtype=torch.float32)
@@ -132,7 +137,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         probs = hidden.new_empty((n if keep_probs else min(chunk_size, n), vocab), dtype=torch.float32)
         for start in range(0, n, chunk_size):
             sl = slice(start, start + chunk_size)
-            logits = _logits_into(logits_buf, flat_hidden[sl], weight)
+            logits = logits_into(logits_buf, flat_hidden[sl], weight)
             exp_out = probs[sl] if keep_probs else probs[: logits.shape[0]]
             target_logit, lse[sl], flat_entropy[sl] = _softmax_stats(logits, flat_targets[sl], exp_out)
             flat_logprobs[sl] = target_logit - lse[sl]
@@ -163,12 +168,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
             sl = slice(start, start + chunk_size)
             h, g_ent_chunk = hidden[sl], None if g_ent is None else g_ent[sl]
             if saved_probs is None:
-                logp = _logits_into(buf, h, weight).sub_(lse[sl, None])
+                logp = logits_into(buf, h, weight).sub_(lse[sl, None])
                 probs = torch.exp(logp, out=probs_buf[: logp.shape[0]])
-                grad_logits = _grad_logits(probs, probs, logp, targets[sl], g_lp[sl], g_ent_chunk, entropy[sl])
+                grad_logits = logits_grad(probs, probs, logp, targets[sl], g_lp[sl], g_ent_chunk, entropy[sl])
             else:
                 probs = saved_probs[sl]
-                grad_logits = _grad_logits(
+                grad_logits = logits_grad(
                     buf[: probs.shape[0]], probs, None, targets[sl], g_lp[sl], g_ent_chunk, entropy[sl]
                 )
             grad_logits = grad_logits.to(weight.dtype)

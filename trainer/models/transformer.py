@@ -15,17 +15,19 @@ restart at 0 per segment (computed from ``segment_ids`` when omitted).
 FSDP2: ``model.layers`` is an ``nn.ModuleList`` of blocks (shard each, then the root, keeping embeddings, final norm
 and output head in the root unit so tied weights stay tied). ``logits``/``token_logprobs`` are called outside
 ``forward``: register them with ``torch.distributed.fsdp.register_fsdp_forward_method(model, name)`` so the root's
-parameters are gathered for them.
+parameters are gathered for them. ``trainer.vocab_parallel`` instead splits the embedding and output matrices by
+vocabulary rows over the ranks, swapping in its lookup module and head (:meth:`Transformer.set_output_head`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from trainer.models.attention import Attention
@@ -193,8 +195,17 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Dense logits ``[B, T, V]`` (float32) for ``hidden [B, T, D]``; holds them all (evaluation, parity)."""
+        """Dense logits ``[B, T, V]`` (float32) for ``hidden [B, T, D]``; holds them all (evaluation, parity). Needs
+        the whole output matrix: ``ValueError`` when it is split by vocabulary rows (:meth:`set_output_head`)."""
+        if isinstance(self.output_weight, DTensor):
+            raise ValueError("logits() needs the whole output matrix, which is split by vocabulary rows over the ranks "
+                             "(trainer.parallelism.vocab_parallel): use token_logprobs()")
         return F.linear(hidden, self.output_weight).float()
+
+    def set_output_head(self, head: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Compute :meth:`token_logprobs` with ``head`` (``OUTPUT_HEADS``' contract) instead of ``cfg.output_head``'s
+        block: how ``trainer.parallelize`` installs the head of a vocabulary split over ranks."""
+        self._head = head
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(log p(targets), entropy of the full next-token distribution), each ``[B, T]`` float32, differentiable.

@@ -1,0 +1,205 @@
+"""The vocabulary-parallel embedding and head (``trainer.vocab_parallel``) on 2 gloo ranks: against the whole-matrix
+reference (plain ``log_softmax`` and ``F.embedding`` on the full weight), with ranks holding different numbers of
+tokens (one none), an uneven vocabulary split and several chunks; and whole training runs (GRPO with a KL reference
+and tied embeddings, PPO with a critic and untied embeddings) on 2 split ranks equal to 1 rank, resuming bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from spawn_helpers import free_port, full_weights, reassemble
+from trainer_batches import random_batch
+
+from trainer.metrics import is_timing
+
+VOCAB, DIM = 51, 16  # 51 rows over 2 ranks: 26 + 25
+TOKENS = {"uneven": (7, 3), "one_empty": (5, 0), "both_empty": (0, 0)}
+
+
+def _reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = torch.log_softmax(hidden @ weight.t(), dim=-1)
+    return logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+
+def _math_worker(rank: int, port: int, counts: tuple[int, int], use_entropy: bool, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer.parallelize import local_shard_place
+    from trainer.vocab_parallel import VocabParallelEmbedding, VocabParallelHead, shard_vocabulary_rows
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(VOCAB, DIM, generator=gen)
+    # Each rank's own tokens; the same draws on both ranks, so every rank can compute every reference.
+    hiddens = [torch.randn(n, DIM, generator=gen) for n in counts]
+    targets = [torch.randint(0, VOCAB, (n,), generator=gen) for n in counts]
+    coefs = torch.randn(2, max(counts), generator=gen)
+
+    split = shard_vocabulary_rows(weight.clone().requires_grad_(True), mesh)
+    first = local_shard_place(split)[1][0]
+    hidden = hiddens[rank].clone().requires_grad_(True)
+    logprobs, entropy = VocabParallelHead(first)(hidden, split, targets[rank], chunk_size=4)
+    n = counts[rank]
+    loss = (logprobs * coefs[0, :n]).sum() + ((entropy * coefs[1, :n]).sum() if use_entropy else 0.0)
+    loss.backward()
+
+    embedding = VocabParallelEmbedding(
+        shard_vocabulary_rows(weight.clone().requires_grad_(True), mesh), first, torch.float32
+    )
+    looked_up = embedding(targets[rank].view(1, -1))
+    (looked_up * 0.5).sum().backward()
+
+    ref_weight = weight.clone().requires_grad_(True)
+    ref_hidden = [h.clone().requires_grad_(True) for h in hiddens]
+    for r, m in enumerate(counts):
+        lp, ent = _reference(ref_hidden[r], ref_weight, targets[r])
+        ((lp * coefs[0, :m]).sum() + ((ent * coefs[1, :m]).sum() if use_entropy else 0.0)).backward()
+    emb_weight = weight.clone().requires_grad_(True)
+    for r in range(2):
+        (F.embedding(targets[r], emb_weight) * 0.5).sum().backward()
+    rows = slice(first, first + split.to_local().shape[0])
+    torch.save({
+        "logprobs": logprobs.detach(), "entropy": entropy.detach(),
+        "ref": _reference(hiddens[rank], weight, targets[rank]),
+        "grad_hidden": hidden.grad, "ref_grad_hidden": ref_hidden[rank].grad,
+        "grad_rows": split.grad.to_local() if split.grad is not None else None,
+        "ref_grad_rows": ref_weight.grad[rows] if ref_weight.grad is not None else None,
+        "looked_up": looked_up.detach(), "ref_looked_up": F.embedding(targets[rank], weight).view(1, -1, DIM),
+        "emb_grad_rows": embedding.weight.grad.to_local() if embedding.weight.grad is not None else None,
+        "ref_emb_grad_rows": emb_weight.grad[rows] if emb_weight.grad is not None else None,
+        "rows": split.to_local().shape[0],
+    }, os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("use_entropy", [True, False], ids=["entropy", "logprobs_only"])
+@pytest.mark.parametrize("case", list(TOKENS))
+def test_split_head_and_lookup_equal_the_whole_matrix(tmp_path: Path, case: str, use_entropy: bool) -> None:
+    counts = TOKENS[case]
+    mp.start_processes(
+        _math_worker, args=(free_port(), counts, use_entropy, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["rows"] for r in results] == [26, 25]
+    for r in results:
+        torch.testing.assert_close(r["logprobs"], r["ref"][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r["entropy"], r["ref"][1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r["looked_up"], r["ref_looked_up"])
+        if max(counts) == 0:
+            continue
+        if r["ref_grad_hidden"] is not None and r["ref_grad_hidden"].numel():
+            torch.testing.assert_close(r["grad_hidden"], r["ref_grad_hidden"], rtol=1e-5, atol=1e-5)
+        # Every rank's rows get the gradient of both ranks' tokens (the reference sums the two losses).
+        torch.testing.assert_close(r["grad_rows"], r["ref_grad_rows"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r["emb_grad_rows"], r["ref_emb_grad_rows"])
+
+
+def _training_worker(rank: int, world: int, algo_name: str, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from trainer.checkpoint import CheckpointManager, TrainProgress
+    from trainer.config import TrainerConfig
+    from trainer.models.config import ModelConfig
+    from trainer.models.hf_io import hf_state_dict
+    from trainer.parallelize import build_mesh, local_shards
+    from trainer.rl.config import GRPOConfig, KLConfig, PPOConfig
+    from trainer.state import build_train_state
+    from trainer.step import rl_step
+
+    ppo = algo_name == "ppo"
+    model_cfg = ModelConfig(
+        family="qwen3", vocab_size=67, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+        ffn_hidden_dim=64, qk_norm=True, tie_embeddings=not ppo, output_chunk_size=16,
+    )  # fmt: skip
+    cfg = TrainerConfig(
+        num_ranks=world, micro_batch_tokens=96, num_minibatches=2, max_grad_norm=0.5,
+        parallelism=dict(vocab_parallel=True), activation_checkpoint=dict(mode="full"),
+        optimizer=dict(lr=3e-3, weight_decay=0.01), checkpoint=dict(dir=os.path.join(out_dir, "ckpt"), num_keep=1),
+    )  # fmt: skip
+    algo = PPOConfig() if ppo else GRPOConfig(group_size=4, kl=KLConfig(coef=0.05), entropy_coef=0.01)
+
+    def fresh():
+        return build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+
+    def batch(step: int):
+        return random_batch(200 + step, num_groups=4, completion_len=(1, 24), logprob=(-4.3, -4.0), vocab_size=67)
+
+    state = fresh()
+    manager = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.num_keep)
+    metrics = []
+    for step in range(3):
+        if step == 1:
+            manager.save(state.checkpointables(), TrainProgress(state.step, state.policy_version, {}))
+        metrics.append(rl_step(state, batch(step)))
+    resumed = fresh()
+    progress = manager.load(resumed.checkpointables())
+    resumed.step, resumed.policy_version = progress.step, progress.policy_version
+    torch.save({
+        "metrics": metrics, "weights": full_weights(state.policy),
+        "critic": full_weights(state.critic) if state.critic is not None else {},
+        "shards": [(n, t.clone(), s, o) for n, t, s, o in local_shards(state.policy)],
+        "resumed_metrics": [rl_step(resumed, batch(step)) for step in (1, 2)],
+        "resumed_weights": full_weights(resumed.policy),
+        "embedding": type(state.policy.tok_embeddings).__name__,
+        "hf": {name: t.clone() for name, t in hf_state_dict(state.policy)},
+    }, os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory) -> dict[tuple[str, int], list[dict]]:
+    root = tmp_path_factory.mktemp("vocab_parallel")
+    out = {}
+    for algo in ("grpo", "ppo"):
+        for world in (1, 2):
+            run_dir = root / f"{algo}{world}"
+            run_dir.mkdir()
+            mp.start_processes(
+                _training_worker, args=(world, algo, free_port(), str(run_dir)), nprocs=world, start_method="spawn"
+            )
+            out[algo, world] = [torch.load(run_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return out
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_two_split_ranks_train_like_one_rank(training, algo: str) -> None:
+    one, two = training[algo, 1][0], training[algo, 2]
+    assert one["embedding"] == "Embedding" and two[0]["embedding"] == "VocabParallelEmbedding"
+    keys = ["loss", "policy_loss", "entropy", "grad_norm", "ratio_mean", "logprob_gap"]
+    keys += ["critic/value_loss", "critic/grad_norm"] if algo == "ppo" else ["kl"]
+    for m1, m2a, m2b in zip(one["metrics"], two[0]["metrics"], two[1]["metrics"]):
+        assert {k: v for k, v in m2a.items() if not is_timing(k)} == {k: v for k, v in m2b.items() if not is_timing(k)}
+        for key in keys:
+            assert m2a[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
+    for which in ("weights", "critic"):
+        assert two[0][which].keys() == one[which].keys()
+        for name, w in one[which].items():
+            torch.testing.assert_close(two[0][which][name], w, rtol=1e-5, atol=2e-5, msg=f"{which} {name}")
+    assert two[0]["hf"].keys() == one["hf"].keys()  # the HF export (tied: no lm_head) gathers the split rows
+    for name, w in one["hf"].items():
+        torch.testing.assert_close(two[0]["hf"][name], w, rtol=1e-5, atol=2e-5, msg=name)
+    whole = reassemble([r["shards"] for r in two])
+    for name, w in two[0]["weights"].items():
+        assert torch.equal(whole[name], w), name
+    rows = {n: t.shape[0] for n, t, _, _ in two[0]["shards"]}
+    assert rows["tok_embeddings.weight"] == 34  # the split keeps FSDP's layout: 67 rows as 34 + 33
+    if algo == "ppo":
+        assert rows["output.weight"] == 34
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_split_ranks_resume_bit_identical(training, algo: str) -> None:
+    for rank_result in training[algo, 2]:
+        for a, b in zip(rank_result["metrics"][1:], rank_result["resumed_metrics"]):
+            assert {k: v for k, v in a.items() if not is_timing(k)} == {k: v for k, v in b.items() if not is_timing(k)}
+        for name, w in rank_result["weights"].items():
+            assert torch.equal(rank_result["resumed_weights"][name], w), name
