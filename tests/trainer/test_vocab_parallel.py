@@ -1,7 +1,8 @@
 """The vocabulary-parallel embedding and head (``trainer.vocab_parallel``) on 2 gloo ranks: against the whole-matrix
 reference (plain ``log_softmax`` and ``F.embedding`` on the full weight), with ranks holding different numbers of
 tokens (one none), an uneven vocabulary split and several chunks; and whole training runs (GRPO with a KL reference
-and tied embeddings, PPO with a critic and untied embeddings) on 2 split ranks equal to 1 rank, resuming bit for bit.
+and tied embeddings, PPO with a critic and untied embeddings, an expert-parallel MoE with LoRA) on 2 split ranks
+equal to 1 rank, resuming bit for bit.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from trainer_batches import random_batch
 from trainer.metrics import is_timing
 
 VOCAB, DIM = 51, 16  # 51 rows over 2 ranks: 26 + 25
+CASES = ("grpo", "ppo", "moe_ep_lora")
+"""Training runs: GRPO with a KL reference, tied embeddings; PPO with a critic, untied; an MoE with expert parallelism
+on the 2 ranks and LoRA on attention (embedding and head frozen, the reference is the policy with adapters off)."""
 TOKENS = {"uneven": (7, 3), "one_empty": (5, 0), "both_empty": (0, 0)}
 
 
@@ -108,21 +112,24 @@ def _training_worker(rank: int, world: int, algo_name: str, port: int, out_dir: 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from trainer.checkpoint import CheckpointManager, TrainProgress
     from trainer.config import TrainerConfig
-    from trainer.models.config import ModelConfig
+    from trainer.models.config import LoRAConfig, ModelConfig, MoEConfig
     from trainer.models.hf_io import hf_state_dict
     from trainer.parallelize import build_mesh, local_shards
     from trainer.rl.config import GRPOConfig, KLConfig, PPOConfig
     from trainer.state import build_train_state
     from trainer.step import rl_step
 
-    ppo = algo_name == "ppo"
+    ppo, moe = algo_name == "ppo", algo_name == "moe_ep_lora"
     model_cfg = ModelConfig(
-        family="qwen3", vocab_size=67, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-        ffn_hidden_dim=64, qk_norm=True, tie_embeddings=not ppo, output_chunk_size=16,
+        family="qwen3_moe" if moe else "qwen3", vocab_size=67, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=8, ffn_hidden_dim=64, qk_norm=True, tie_embeddings=not ppo, output_chunk_size=16,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden_dim=16) if moe else None,
+        lora=LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"), init="gaussian") if moe else None,
     )  # fmt: skip
     cfg = TrainerConfig(
         num_ranks=world, micro_batch_tokens=96, num_minibatches=2, max_grad_norm=0.5,
-        parallelism=dict(vocab_parallel=True), activation_checkpoint=dict(mode="full"),
+        parallelism=dict(vocab_parallel=True, expert_parallel_degree=world if moe else 1),
+        activation_checkpoint=dict(mode="full"),
         optimizer=dict(lr=3e-3, weight_decay=0.01), checkpoint=dict(dir=os.path.join(out_dir, "ckpt"), num_keep=1),
     )  # fmt: skip
     algo = PPOConfig() if ppo else GRPOConfig(group_size=4, kl=KLConfig(coef=0.05), entropy_coef=0.01)
@@ -159,7 +166,7 @@ def _training_worker(rank: int, world: int, algo_name: str, port: int, out_dir: 
 def training(tmp_path_factory) -> dict[tuple[str, int], list[dict]]:
     root = tmp_path_factory.mktemp("vocab_parallel")
     out = {}
-    for algo in ("grpo", "ppo"):
+    for algo in CASES:
         for world in (1, 2):
             run_dir = root / f"{algo}{world}"
             run_dir.mkdir()
@@ -170,7 +177,7 @@ def training(tmp_path_factory) -> dict[tuple[str, int], list[dict]]:
     return out
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+@pytest.mark.parametrize("algo", CASES)
 def test_two_split_ranks_train_like_one_rank(training, algo: str) -> None:
     one, two = training[algo, 1][0], training[algo, 2]
     assert one["embedding"] == "Embedding" and two[0]["embedding"] == "VocabParallelEmbedding"
@@ -196,7 +203,7 @@ def test_two_split_ranks_train_like_one_rank(training, algo: str) -> None:
         assert rows["output.weight"] == 34
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+@pytest.mark.parametrize("algo", CASES)
 def test_split_ranks_resume_bit_identical(training, algo: str) -> None:
     for rank_result in training[algo, 2]:
         for a, b in zip(rank_result["metrics"][1:], rank_result["resumed_metrics"]):
