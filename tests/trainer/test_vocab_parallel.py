@@ -210,3 +210,42 @@ def test_split_ranks_resume_bit_identical(training, algo: str) -> None:
             assert {k: v for k, v in a.items() if not is_timing(k)} == {k: v for k, v in b.items() if not is_timing(k)}
         for name, w in rank_result["weights"].items():
             assert torch.equal(rank_result["resumed_weights"][name], w), name
+
+
+def _empty_micro_batch_worker(rank: int, vocab_parallel: bool, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from trainer.config import TrainerConfig
+    from trainer.models.config import ModelConfig
+    from trainer.parallelize import build_mesh
+    from trainer.rl.config import GRPOConfig
+    from trainer.state import build_train_state
+    from trainer.step import plan_rank_micro_batches, rl_step
+
+    model_cfg = ModelConfig(
+        family="qwen3", vocab_size=67, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+        ffn_hidden_dim=64, qk_norm=True, tie_embeddings=True, output_chunk_size=16,
+    )  # fmt: skip
+    cfg = TrainerConfig(num_ranks=2, micro_batch_tokens=64, parallelism=dict(vocab_parallel=vocab_parallel))
+    algo = GRPOConfig(group_size=3, entropy_coef=0.01)
+    state = build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+    # Three samples over two ranks in 64-token micro-batches: one rank gets two, the other one and an empty one.
+    batch = random_batch(5, num_groups=1, group_size=3, completion_len=(30, 50), vocab_size=67, logprob=(-4.3, -4.0))
+    loss_tokens = [mb.num_loss_tokens for mb in plan_rank_micro_batches(state, batch.samples, [0, 1, 2])]
+    metrics = rl_step(state, batch)
+    torch.save({"loss_tokens": loss_tokens, "metrics": metrics}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_rank_with_an_empty_micro_batch_steps_with_the_others(tmp_path: Path) -> None:
+    results = {}
+    for split in (False, True):
+        run_dir = tmp_path / str(split)
+        run_dir.mkdir()
+        mp.start_processes(
+            _empty_micro_batch_worker, args=(split, free_port(), str(run_dir)), nprocs=2, start_method="spawn"
+        )
+        results[split] = [torch.load(run_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert sorted(0 in r["loss_tokens"] for r in results[True]) == [False, True]
+    for key in ("loss", "entropy", "grad_norm"):
+        assert results[True][0]["metrics"][key] == pytest.approx(results[False][0]["metrics"][key], rel=1e-5), key
