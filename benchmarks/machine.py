@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "cpu_isa", "cpu_model", "init_single_rank_group", "load_avg", "machine_line", "med_range", "reset_peak_rss",
-    "rss_bytes", "run_in_child",
+    "cpu_isa", "cpu_model", "free_port", "init_single_rank_group", "load_avg", "machine_line", "med_range",
+    "reset_peak_rss", "rss_bytes", "run_in_child",
 ]  # fmt: skip
 
 _MATMUL_ISA = (
@@ -54,17 +54,21 @@ def machine_line() -> str:
     return f"cpu: {cpu_model()} ({os.cpu_count()} cores; {cpu_isa()}); load: {load_avg()}"
 
 
-def init_single_rank_group(backend: str = "gloo") -> None:
-    """A one-rank process group (``backend``, e.g. ``cpu:gloo,cuda:nccl`` on a GPU) on a free loopback port: what a
-    single-rank trainer runs under."""
+def free_port() -> int:
+    """A loopback TCP port free right now (for a process group's ``tcp://`` rendezvous)."""
     import socket
-
-    import torch.distributed as dist
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        return s.getsockname()[1]
+
+
+def init_single_rank_group(backend: str = "gloo") -> None:
+    """A one-rank process group (``backend``, e.g. ``cpu:gloo,cuda:nccl`` on a GPU) on a free loopback port: what a
+    single-rank trainer runs under."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
 def load_avg() -> str:

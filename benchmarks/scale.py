@@ -9,7 +9,9 @@ and without expert parallelism.
 
 Each setting runs ``rl_align.py`` as a process of its own (embedded Ray, the recipe's placement), with every process
 of its tree sampled every 0.5 s (``psutil``): the peak resident set of each trainer rank, of each rollout worker (the
-vLLM engine and its receiver) and of the driver, and the machine's used memory. From the run's ``metrics.jsonl``, the
+vLLM engine and its receiver) and of the driver while the run trains, the trainer ranks' peak after its last step
+(``export``: the final HF export gathers the whole policy on rank 0), and the machine's used memory. From the run's
+``metrics.jsonl``, the
 median over the steps after the first (the first compiles, allocates and loads): generation and its scoring, the
 policy update and its parts (old / reference log-probs, forward + backward, optimizer), the push (trainer side) and
 the engine's reload (``rollout/weight_update_s``, the pause), the whole step, and the push + reload share of it. The
@@ -29,6 +31,7 @@ times from a run without it).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -54,12 +57,16 @@ PHASES = (
 
 
 class _MemorySampler(threading.Thread):
-    """Peak resident set per process of ``root``'s tree (by role), and the machine's peak used memory."""
+    """Peak resident set per process of ``root``'s tree (by role) while the run trains, the trainer ranks' peak after
+    it (``export``), and the machine's peak used memory. Training ends when ``metrics`` (the run's ``metrics.jsonl``)
+    holds ``num_steps`` RL step records."""
 
-    def __init__(self, root: int, period_s: float = 0.5) -> None:
+    def __init__(self, root: int, metrics: Path, num_steps: int, period_s: float = 0.5) -> None:
         super().__init__(daemon=True)
         self.root, self.period_s = psutil.Process(root), period_s
+        self.metrics, self.num_steps = metrics, num_steps
         self.peaks: dict[int, tuple[str, int]] = {}
+        self.export_peak = 0
         self.machine_peak = 0
         self._done = threading.Event()
 
@@ -69,9 +76,19 @@ class _MemorySampler(threading.Thread):
         title = " ".join(proc.cmdline())
         return next((role for role, marker in ROLES if marker in title), "")
 
+    def _trained(self) -> bool:
+        try:
+            lines = self.metrics.read_text().splitlines()
+        except OSError:
+            return False
+        records = [json.loads(line) for line in lines if '"train/step_s"' in line and line.endswith("}")]
+        return sum(r.get("phase") == "rl" for r in records) >= self.num_steps
+
     def run(self) -> None:
+        trained = False
         while not self._done.wait(self.period_s):
             self.machine_peak = max(self.machine_peak, psutil.virtual_memory().used)
+            trained = trained or self._trained()
             try:
                 procs = [self.root, *self.root.children(recursive=True)]
             except psutil.NoSuchProcess:
@@ -81,14 +98,17 @@ class _MemorySampler(threading.Thread):
                     role, rss = self._role(proc), proc.memory_info().rss
                 except psutil.Error:
                     continue
-                if role:
+                if role == "trainer rank" and trained:
+                    self.export_peak = max(self.export_peak, rss)
+                elif role and not trained:
                     self.peaks[proc.pid] = (role, max(rss, self.peaks.get(proc.pid, (role, 0))[1]))
 
     def stop(self) -> dict[str, float]:
-        """Stop sampling; the peak of each role (the largest of its processes) and ``machine``, in GB."""
+        """Stop sampling; the peak of each role while training (the largest of its processes), ``export`` (the trainer
+        ranks after training) and ``machine``, in GB."""
         self._done.set()
         self.join()
-        out = {"machine": self.machine_peak / 1e9}
+        out = {"machine": self.machine_peak / 1e9, "export": self.export_peak / 1e9}
         for role, rss in self.peaks.values():
             out[role] = max(out.get(role, 0.0), rss / 1e9)
         return out
@@ -118,7 +138,7 @@ def _run(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as sink:
         proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
-        sampler = _MemorySampler(proc.pid)
+        sampler = _MemorySampler(proc.pid, out_dir / "metrics.jsonl", steps)
         sampler.start()
         rc = proc.wait()
         memory = sampler.stop()
@@ -175,14 +195,15 @@ def main() -> None:
           f"{peak / 1e9:.0f} GFLOP/s (fp32, all cores; {min(peaks) / 1e9:.0f}-{peak / 1e9:.0f} before/after)"
           + ("; memory: live (MALLOC_MMAP_THRESHOLD_=131072)" if args.live_memory else "; memory: resident"))
     columns = [label for label, _ in PHASES] + ["push+reload", "6NT/s / peak"]
-    columns += ["trainer GB", "rollout GB", "driver GB", "machine GB"]
+    columns += ["trainer GB", "rollout GB", "driver GB", "export GB", "machine GB"]
     print(f"{'ranks':<12}" + "".join(f"{c:>16}" for c in columns))
     for ranks, r in results.items():
         p, mem = r["phases"], r["memory"]
         flops = 6 * model.active_params * r["tokens"] / p["policy update s"]
         cells = [f"{p[label]:.2f}" for label, _ in PHASES]
         cells += [f"{(p['push s'] + p['reload s']) / p['step s']:.1%}", f"{flops / peak:.2f}"]
-        cells += [f"{mem.get(role, 0.0):.1f}" for role in ("trainer rank", "rollout worker", "driver", "machine")]
+        roles = ("trainer rank", "rollout worker", "driver", "export", "machine")
+        cells += [f"{mem.get(role, 0.0):.1f}" for role in roles]
         print(f"{ranks:<12}" + "".join(f"{c:>16}" for c in cells))
     for ranks, why in failed.items():
         print(f"{ranks:<12}failed: {why[:400]}")

@@ -33,7 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.machine import load_avg, machine_line, med_range  # noqa: E402
+from benchmarks.machine import free_port, load_avg, machine_line, med_range  # noqa: E402
 from weight_sync.config import WeightSyncConfig  # noqa: E402
 
 NUM_TENSORS = 16
@@ -54,12 +54,6 @@ def model_arrays(size_mib: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(*args: str) -> subprocess.Popen:

@@ -1,0 +1,137 @@
+"""Trainer memory per rank on a real model shape: 1 rank against 2 FSDP ranks, with and without the vocabulary split
+(``trainer.parallelism.vocab_parallel``), side by side in one run, and where in the step each peak falls.
+
+    python -m benchmarks.rank_memory [--shape Qwen3-0.6B] [--tokens 4096] [--steps 2] [--live-memory]
+
+Each setting is a fresh process group of its own (gloo, one thread a rank): the production update
+(``trainer.state.build_train_state`` + ``trainer.step.rl_step``, float32, GRPO, ``full`` activation checkpointing,
+``chunked`` head in 256-token chunks, 2,048-token micro-batches) of a random-initialised model of the published
+architecture ``--shape`` (``common.published``) on the same batch: ``--tokens`` tokens a step in samples of 192 prompt
++ 64 completion tokens, split over the ranks. Every rank samples its resident set (``/proc/self/status``) every 5 ms
+and labels it with the part of the step it is in (a block's forward or backward, the optimizer), so the table says
+where the peak is. ``--steps`` must be >= 2: the AdamW state is created by the first step, so later steps peak higher.
+
+Resident memory counts what glibc keeps of freed memory for reuse (1-3 GB a rank here, about the same at every rank
+count); ``--live-memory`` runs the ranks with ``MALLOC_MMAP_THRESHOLD_=1048576``, so freed blocks over 1 MiB return to
+the system at once and the resident peak is close to the live one (slower: every large allocation faults its pages in
+again). The CPU model and the load before and after are printed; measure on a quiet machine and repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from benchmarks.machine import free_port, load_avg, machine_line, rss_bytes
+
+SAMPLE_S = 0.005
+PROMPT, COMPLETION = 192, 64
+
+
+def _rank(
+    rank: int, world: int, port: int, shape: str, tokens: int, steps: int, vocab_parallel: bool, out: str
+) -> None:
+    """One rank of one setting; writes its peak, the label of the peak and its step times to ``out.<rank>``."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from common.published import PUBLISHED_CONFIGS
+    from rollout.types import RolloutBatch, Sample
+    from trainer.config import TrainerConfig
+    from trainer.models.hf_config import model_config_from_hf_dict
+    from trainer.parallelize import build_mesh
+    from trainer.rl.config import GRPOConfig
+    from trainer.state import build_train_state
+    from trainer.step import rl_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    where = ["build"]
+    peak = [0, "build"]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(SAMPLE_S):
+            rss = rss_bytes()
+            if rss > peak[0]:
+                peak[:] = [rss, where[0]]
+
+    threading.Thread(target=sample, daemon=True).start()
+    model_cfg = model_config_from_hf_dict(
+        PUBLISHED_CONFIGS[shape], source=shape, attention="sdpa", output_head="chunked", output_chunk_size=256
+    )
+    cfg = TrainerConfig(
+        num_ranks=world, micro_batch_tokens=2048, optimizer={"lr": 1e-6}, activation_checkpoint={"mode": "full"},
+        parallelism={"vocab_parallel": vocab_parallel},
+    )  # fmt: skip
+    state = build_train_state(cfg, model_cfg, GRPOConfig(group_size=4), torch.device("cpu"), build_mesh(cfg, "cpu"))
+    for i, block in enumerate(state.policy.layers):
+        block.register_forward_pre_hook(lambda *_, i=i: where.__setitem__(0, f"block {i} forward"))
+        block.register_full_backward_pre_hook(lambda *_, i=i: where.__setitem__(0, f"block {i} backward"))
+    state.optimizer.register_step_pre_hook(lambda *_: where.__setitem__(0, "optimizer"))
+    rng = np.random.default_rng(0)
+    samples = [
+        Sample(
+            prompt_ids=rng.integers(1, model_cfg.vocab_size, PROMPT),
+            completion_ids=rng.integers(1, model_cfg.vocab_size, COMPLETION),
+            rollout_logprobs=np.full(COMPLETION, -12.0, dtype=np.float32), reward=float(i % 2), group_id=i // 4,
+            policy_version=0,
+        )
+        for i in range(tokens // (PROMPT + COMPLETION))
+    ]  # fmt: skip
+    seconds = []
+    for step in range(steps):
+        where[0] = f"step {step + 1} start"
+        start = time.perf_counter()
+        rl_step(state, RolloutBatch(samples))
+        seconds.append(time.perf_counter() - start)
+    done.set()
+    Path(f"{out}.{rank}").write_text(json.dumps({"peak": peak[0], "at": peak[1], "step_s": seconds}))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="Qwen3-0.6B")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens a step (all ranks)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--live-memory", action="store_true", help="return freed memory at once (see the docstring)")
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the optimizer state appears in the first step)")
+    print(machine_line(), flush=True)
+    if args.live_memory:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "1048576"  # read by each spawned rank's glibc at start
+    settings = [(1, False), (2, False), (2, True)]
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="bench-rank-memory-") as tmp:
+        for world, split in settings:
+            out = os.path.join(tmp, f"{world}-{split}")
+            port = free_port()
+            args_ = (world, port, args.shape, args.tokens, args.steps, split, out)
+            mp.start_processes(_rank, args=args_, nprocs=world, start_method="spawn")
+            rows[world, split] = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+    memory = "live (MALLOC_MMAP_THRESHOLD_=1048576)" if args.live_memory else "resident"
+    print(f"{args.shape}, {args.tokens} tokens a step ({PROMPT} + {COMPLETION} a sample), 2,048-token micro-batches, "
+          f"full checkpointing, float32, 1 thread a rank; peak {memory} memory of steps 1-{args.steps}")  # fmt: skip
+    print(f"{'setting':<36}{'peak GiB a rank':>18}{'x 1 rank':>10}{'step s':>10}   peak at")
+    base = max(r["peak"] for r in rows[1, False])
+    for (world, split), ranks in rows.items():
+        name = f"{world} rank{'s' if world > 1 else ''}" + (" vocabulary split" if split else " FSDP" * (world > 1))
+        for rank, r in enumerate(ranks):
+            label = f"{name} (rank {rank})" if world > 1 else name
+            step_s = r["step_s"][-1]
+            print(f"{label:<36}{r['peak'] / 2**30:>18.2f}{r['peak'] / base:>10.2f}{step_s:>10.1f}   {r['at']}")
+    print(f"load after: {load_avg()}")
+
+
+if __name__ == "__main__":
+    main()
