@@ -37,16 +37,16 @@ from trainer.models.output_head import even_chunk, logits_grad, logits_into
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelHead", "shard_vocabulary_rows"]
 
-_EMPTY_MAX = -1e30
-"""The row maximum a rank holding no vocabulary rows reports: exp(_EMPTY_MAX - max) is 0 and (_EMPTY_MAX - max) x 0 is
-0, where -inf would make the second NaN."""
-
-
 def shard_vocabulary_rows(weight: torch.Tensor, mesh: DeviceMesh) -> nn.Parameter:
     """``weight [V, D]`` as a parameter split by rows over the 1-D ``mesh`` (a ``Shard(0)`` DTensor: the layout FSDP
     gives it, so checkpoints, the weight push and ``local_shards`` see no difference); keeps ``requires_grad``."""
     if mesh.ndim != 1:
         raise ValueError(f"the vocabulary is split over a 1-D data-parallel mesh, got {mesh.ndim} dimensions")
+    rows, ranks = weight.shape[0], mesh.size()
+    per_rank = -(-rows // ranks)  # Shard(0) splits as torch.chunk does
+    if -(-rows // per_rank) < ranks:
+        raise ValueError(f"a vocabulary of {rows} rows split over {ranks} ranks leaves a rank without rows: set "
+                         "trainer.parallelism.vocab_parallel = false")
     sharded = distribute_tensor(weight.detach(), mesh, [Shard(0)])
     return nn.Parameter(sharded, requires_grad=weight.requires_grad)
 
@@ -207,9 +207,6 @@ def _shard_stats(
     """Into ``out [n, 4]``: per row of this rank's float32 ``logits [n, V_rank]``, the maximum ``m``, ``sum exp(z -
     m)``, ``sum exp(z - m) (z - m)`` and the target's logit (0 where this rank does not hold the target). Overwrites
     ``logits``."""
-    if logits.shape[1] == 0:
-        out.copy_(torch.tensor([_EMPTY_MAX, 0.0, 0.0, 0.0], device=out.device))
-        return
     out[:, 3] = torch.where(held, logits.gather(-1, targets[:, None]).squeeze(-1), 0.0)
     out[:, 0] = logits.amax(dim=-1)
     shifted = logits.sub_(out[:, :1])

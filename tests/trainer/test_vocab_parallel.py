@@ -71,6 +71,11 @@ def _math_worker(rank: int, port: int, counts: tuple[int, int], use_entropy: boo
     for r in range(2):
         (F.embedding(targets[r], emb_weight) * 0.5).sum().backward()
     rows = slice(first, first + split.to_local().shape[0])
+    try:  # one row over two ranks would leave one without rows
+        shard_vocabulary_rows(torch.randn(1, DIM), mesh)
+        refusal = ""
+    except ValueError as e:
+        refusal = str(e)
     torch.save({
         "logprobs": logprobs.detach(), "entropy": entropy.detach(),
         "ref": _reference(hiddens[rank], weight, targets[rank]),
@@ -80,7 +85,7 @@ def _math_worker(rank: int, port: int, counts: tuple[int, int], use_entropy: boo
         "looked_up": looked_up.detach(), "ref_looked_up": F.embedding(targets[rank], weight).view(1, -1, DIM),
         "emb_grad_rows": embedding.weight.grad.to_local() if embedding.weight.grad is not None else None,
         "ref_emb_grad_rows": emb_weight.grad[rows] if emb_weight.grad is not None else None,
-        "rows": split.to_local().shape[0],
+        "rows": split.to_local().shape[0], "refusal": refusal,
     }, os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
     dist.destroy_process_group()
 
@@ -94,6 +99,7 @@ def test_split_head_and_lookup_equal_the_whole_matrix(tmp_path: Path, case: str,
     )
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["rows"] for r in results] == [26, 25]
+    assert all("1 rows split over 2 ranks leaves a rank without rows" in r["refusal"] for r in results)
     for r in results:
         torch.testing.assert_close(r["logprobs"], r["ref"][0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r["entropy"], r["ref"][1], rtol=1e-5, atol=1e-5)
