@@ -153,7 +153,7 @@ def parallelize_model(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> Mo
             fully_shard(unit, mesh=mesh["efsdp"], mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     split = cfg.parallelism.vocab_parallel and dp_mesh.size() > 1
-    ignored = _split_vocabulary(model, dp_mesh, mp.param_dtype) if split else None
+    ignored = _split_vocabulary(model, dp_mesh, _DTYPES[cfg.mixed_precision.param_dtype]) if split else None
     # The root's parameters are needed right after the last block's forward: keep them gathered.
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
     for module in model.modules():
@@ -170,7 +170,8 @@ def _split_vocabulary(model: ModelT, dp_mesh: DeviceMesh, compute_dtype: torch.d
     body = model.body if isinstance(model, Critic) else model
     weight = shard_vocabulary_rows(body.tok_embeddings.weight, dp_mesh)
     first = local_shard_place(weight)[1][0]
-    body.tok_embeddings = VocabParallelEmbedding(weight, first, compute_dtype)
+    # The same lookup contract and `weight` name as the nn.Embedding it replaces.
+    body.tok_embeddings = VocabParallelEmbedding(weight, first, compute_dtype)  # type: ignore[assignment]
     split = {weight}
     if body.output is not None:  # untied: the same [V, D] shape, so the same rows on this rank
         body.output.weight = shard_vocabulary_rows(body.output.weight, dp_mesh)

@@ -128,8 +128,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens [...]`` int64 -> ``[..., D]`` in ``compute_dtype``."""
-        rows = self.weight.to_local().to(self.compute_dtype)
-        return _Lookup.apply(rows, tokens, self.first, self.weight.device_mesh.get_group())
+        weight = self.weight
+        assert isinstance(weight, DTensor), "shard_vocabulary_rows made it a DTensor"
+        rows = weight.to_local().to(self.compute_dtype)
+        return _Lookup.apply(rows, tokens, self.first, weight.device_mesh.get_group())
 
 
 class _Logprobs(torch.autograd.Function):
