@@ -195,8 +195,10 @@ class _Logprobs(torch.autograd.Function):
                 probs, probs, logp, local_targets[sl], g_lp[sl], g_ent_chunk, entropy[sl], target_grad=g_target[sl]
             ).to(rows.dtype)
             grad_hidden[sl] = grad_logits @ rows
-            if grad_rows is not None:
-                grad_rows.add_(torch.mm(grad_logits.t(), h.to(rows.dtype)))
+            if grad_rows is not None and rows.dtype == torch.float32:
+                grad_rows.addmm_(grad_logits.t(), h)  # in place: no [V_rank, D] temporary per chunk
+            elif grad_rows is not None:  # each chunk's product in the parameters' dtype, summed in float32
+                grad_rows.add_(torch.mm(grad_logits.t(), h))
         del buf, probs_buf
         own_grad_hidden = _sum_own_rows(grad_hidden, counts, group).to(all_hidden.dtype).view(ctx.hidden_shape)
         grad_rows = None if grad_rows is None else grad_rows.to(rows.dtype)
