@@ -1,7 +1,7 @@
 """Trainer memory per rank on a real model shape: 1 rank against 2 FSDP ranks, with and without the vocabulary split
 (``trainer.parallelism.vocab_parallel``), side by side in one run, and where in the step each peak falls.
 
-    python -m benchmarks.rank_memory [--shape Qwen3-0.6B] [--tokens 4096] [--steps 2] [--live-memory]
+    python -m benchmarks.rank_memory [--shape Qwen3-0.6B] [--tokens 4096] [--steps 2] [--live-memory] [--export]
 
 Each setting is a fresh process group of its own (gloo, one thread a rank): the production update
 (``trainer.state.build_train_state`` + ``trainer.step.rl_step``, float32, GRPO, ``full`` activation checkpointing,
@@ -10,6 +10,10 @@ architecture ``--shape`` (``common.published``) on the same batch: ``--tokens`` 
 + 64 completion tokens, split over the ranks. Every rank samples its resident set (``/proc/self/status``) every 5 ms
 and labels it with the part of the step it is in (a block's forward or backward, the optimizer), so the table says
 where the peak is. ``--steps`` must be >= 2: the AdamW state is created by the first step, so later steps peak higher.
+
+``--export`` then writes the trained policy as an HF directory twice, with each write's own peak: the run's export
+(``trainer.models.hf_io.save_hf_checkpoint``: every tensor gathered and written in turn) and, for comparison, the
+whole-model gather the export did before it streamed (all tensors gathered on rank 0, then one ``save_file``).
 
 Resident memory counts what glibc keeps of freed memory for reuse (1-3 GB a rank here, about the same at every rank
 count); ``--live-memory`` runs the ranks with ``MALLOC_MMAP_THRESHOLD_=1048576``, so freed blocks over 1 MiB return to
@@ -36,9 +40,10 @@ PROMPT, COMPLETION = 192, 64
 
 
 def _rank(
-    rank: int, world: int, port: int, shape: str, tokens: int, steps: int, vocab_parallel: bool, out: str
+    rank: int, world: int, port: int, shape: str, tokens: int, steps: int, vocab_parallel: bool, export: bool, out: str
 ) -> None:
-    """One rank of one setting; writes its peak, the label of the peak and its step times to ``out.<rank>``."""
+    """One rank of one setting; writes its training peak, the label of the peak, its step times and (``export``) the
+    peak of each export to ``out.<rank>``."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -56,13 +61,16 @@ def _rank(
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     where = ["build"]
     peak = [0, "build"]
+    export_peaks: dict[str, int] = {}
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(SAMPLE_S):
-            rss = rss_bytes()
-            if rss > peak[0]:
-                peak[:] = [rss, where[0]]
+            rss, at = rss_bytes(), where[0]
+            if at.startswith("export"):
+                export_peaks[at] = max(export_peaks.get(at, 0), rss)
+            elif at != "between exports" and rss > peak[0]:
+                peak[:] = [rss, at]
 
     threading.Thread(target=sample, daemon=True).start()
     model_cfg = model_config_from_hf_dict(
@@ -93,9 +101,55 @@ def _rank(
         start = time.perf_counter()
         rl_step(state, RolloutBatch(samples))
         seconds.append(time.perf_counter() - start)
+    rest = _export_both(state.policy, where, out) if export else {}
     done.set()
-    Path(f"{out}.{rank}").write_text(json.dumps({"peak": peak[0], "at": peak[1], "step_s": seconds}))
+    result = {"peak": peak[0], "at": peak[1], "step_s": seconds, "export": export_peaks, "rest": rest}
+    Path(f"{out}.{rank}").write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def _export_both(policy: object, where: list[str], out: str) -> dict[str, int]:
+    """The run's streamed HF export, then the whole-model gather it replaced; ``where`` labels each for the sampler.
+    Returns the resident set at rest before each."""
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from trainer.models.hf_io import hf_state_dict, save_hf_checkpoint
+
+    rest = {}
+    _settle()
+    rest["export streamed"] = rss_bytes()
+    where[0] = "export streamed"
+    save_hf_checkpoint(policy, f"{out}.hf")  # type: ignore[arg-type]
+    where[0] = "between exports"
+    _settle()
+    rest["export whole"] = rss_bytes()
+    where[0] = "export whole"
+    whole = {name: tensor.contiguous().clone() for name, tensor in hf_state_dict(policy)}  # type: ignore[arg-type]
+    if dist.get_rank() == 0:
+        save_file(whole, f"{out}.whole.safetensors", metadata={"format": "pt"})
+    del whole
+    _settle()
+    dist.barrier()
+    shutil.rmtree(f"{out}.hf", ignore_errors=True)
+    Path(f"{out}.whole.safetensors").unlink(missing_ok=True)
+    torch.distributed.barrier()
+    return rest
+
+
+def _settle() -> None:
+    """Collect garbage and give the 5 ms sampler time to see the memory at rest."""
+    import gc
+
+    gc.collect()
+    time.sleep(0.05)
+
+
+def _export_cell(peak: int, rest: int) -> str:
+    return f"{peak / 2**30:.2f} (+{(peak - rest) / 2**30:.2f})"
 
 
 def main() -> None:
@@ -104,6 +158,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens a step (all ranks)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--live-memory", action="store_true", help="return freed memory at once (see the docstring)")
+    parser.add_argument("--export", action="store_true", help="measure the HF export after training (docstring)")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the optimizer state appears in the first step)")
@@ -116,20 +171,26 @@ def main() -> None:
         for world, split in settings:
             out = os.path.join(tmp, f"{world}-{split}")
             port = free_port()
-            args_ = (world, port, args.shape, args.tokens, args.steps, split, out)
+            args_ = (world, port, args.shape, args.tokens, args.steps, split, args.export, out)
             mp.start_processes(_rank, args=args_, nprocs=world, start_method="spawn")
             rows[world, split] = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
     memory = "live (MALLOC_MMAP_THRESHOLD_=1048576)" if args.live_memory else "resident"
     print(f"{args.shape}, {args.tokens} tokens a step ({PROMPT} + {COMPLETION} a sample), 2,048-token micro-batches, "
           f"full checkpointing, float32, 1 thread a rank; peak {memory} memory of steps 1-{args.steps}")  # fmt: skip
-    print(f"{'setting':<36}{'peak GiB a rank':>18}{'x 1 rank':>10}{'step s':>10}   peak at")
+    exports = ("export streamed", "export whole") if args.export else ()
+    if exports:
+        print("export columns: the export's peak GiB (+ its rise over the resident set at rest just before it)")
+    print(f"{'setting':<36}{'peak GiB a rank':>18}{'x 1 rank':>10}{'step s':>10}"
+          + "".join(f"{name:>22}" for name in exports) + "   peak at")  # fmt: skip
     base = max(r["peak"] for r in rows[1, False])
     for (world, split), ranks in rows.items():
         name = f"{world} rank{'s' if world > 1 else ''}" + (" vocabulary split" if split else " FSDP" * (world > 1))
         for rank, r in enumerate(ranks):
             label = f"{name} (rank {rank})" if world > 1 else name
             step_s = r["step_s"][-1]
-            print(f"{label:<36}{r['peak'] / 2**30:>18.2f}{r['peak'] / base:>10.2f}{step_s:>10.1f}   {r['at']}")
+            export_cols = "".join(f"{_export_cell(r['export'][e], r['rest'][e]):>22}" for e in exports)
+            print(f"{label:<36}{r['peak'] / 2**30:>18.2f}{r['peak'] / base:>10.2f}{step_s:>10.1f}{export_cols}"
+                  f"   {r['at']}")  # fmt: skip
     print(f"load after: {load_avg()}")
 
 

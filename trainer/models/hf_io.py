@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from trainer.devices import host_copies
@@ -25,6 +24,7 @@ from trainer.models.config import ModelConfig
 from trainer.models.hf_config import hf_config_dict
 from trainer.models.hf_names import name_map
 from trainer.models.lora import is_adapter, merged_parameters, peft_name
+from trainer.models.safetensors_stream import INDEX_FILE, SINGLE_FILE, TensorEntry, write_streamed
 from trainer.models.transformer import Transformer, build_model
 
 __all__ = [
@@ -123,55 +123,72 @@ def save_hf_checkpoint(
     """Write ``model`` as an HF checkpoint directory: safetensors (sharded above ``max_shard_bytes``) + config.json.
 
     ``model`` as in :func:`hf_state_dict`. ``dtype`` casts the saved tensors (default: parameter dtype). With sharded
-    (DTensor) parameters every rank must call this; only rank 0 writes. Returns the written file names. Raises
-    ``TypeError`` if ``model`` is not a (wrapped) :class:`Transformer`.
+    (DTensor) parameters every rank must call this; only rank 0 writes. Tensors are gathered and written one at a
+    time (:mod:`trainer.models.safetensors_stream`): no rank holds more than one whole tensor of the model on top of
+    its shards. Returns the written file names. Raises ``TypeError`` if ``model`` is not a (wrapped)
+    :class:`Transformer`.
     """
     cfg = _model_config(model)
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size, total, saved_dtype = 0, 0, torch.float32  # float32: what config.json says when nothing was saved
-    named = [(n, t) for n, t in hf_state_dict(model, dtype) if writer]
-    for hf_name, tensor in zip([n for n, _ in named], host_copies([t for _, t in named]), strict=True):
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        # contiguous clones: safetensors refuses views sharing storage (stacked experts, tied weights).
-        shards[-1][hf_name] = tensor.contiguous().clone()
-        size, total, saved_dtype = size + nbytes, total + nbytes, tensor.dtype
-    if not writer:
+    tensors = hf_state_dict(model, dtype)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        for _ in tensors:  # the gathers are collectives: every rank takes part, rank 0 writes
+            pass
         return []
-    out_dir = Path(path)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = _write_shards(out_dir, shards, total)
+    plan = _save_plan(model, cfg, dtype)
+    try:
+        files = write_streamed(path, plan, _on_host(tensors), max_shard_bytes, metadata={"format": "pt"})
+    except BaseException:
+        for _ in tensors:  # keep pace with the other ranks' gathers, so they finish and see the failure in the logs
+            pass
+        raise
+    saved_dtype = plan[0][2] if plan else torch.float32
     config = hf_config_dict(cfg, dtype=_DTYPE_NAMES.get(saved_dtype, "float32"))
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (Path(path) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return [*files, "config.json"]
 
 
-def _write_shards(out_dir: Path, shards: list[dict[str, torch.Tensor]], total: int) -> list[str]:
-    if len(shards) == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    files, weight_map = [], {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
-        files.append(fname)
-        weight_map.update({name: fname for name in shard})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return [*files, "model.safetensors.index.json"]
+def _save_plan(model: nn.Module, cfg: ModelConfig, dtype: torch.dtype | None) -> list[TensorEntry]:
+    """``(hf_name, shape, dtype)`` of every tensor :func:`hf_state_dict` yields, in its order, from the parameters'
+    global shapes (nothing gathered)."""
+    plan: list[TensorEntry] = []
+    for name, p in model.named_parameters():
+        if is_adapter(name):
+            continue
+        shape = tuple(p.shape)  # a DTensor's shape is the global one
+        whole = torch.empty(shape, device="meta")
+        for hf_name, piece, _, _ in hf_shards(cfg, name, whole, shape, (0,) * len(shape)):
+            plan.append((hf_name, tuple(piece.shape), dtype or p.dtype))
+    return plan
+
+
+def _on_host(
+    named: Iterator[tuple[str, torch.Tensor]], batch_bytes: int = 256 * 2**20
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named`` readable on the host: on ``xla`` fetched in batches of about ``batch_bytes`` (one graph and one bulk
+    transfer a batch, :func:`host_copies`), elsewhere one by one as they come."""
+    batch: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        if tensor.device.type != "xla":
+            yield name, tensor
+            continue
+        batch.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= batch_bytes:
+            yield from zip([n for n, _ in batch], host_copies([t for _, t in batch]), strict=True)
+            batch, size = [], 0
+    if batch:
+        yield from zip([n for n, _ in batch], host_copies([t for _, t in batch]), strict=True)
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
+    index = path / INDEX_FILE
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return [path / f for f in sorted(set(weight_map.values()))]
-    single = path / "model.safetensors"
+    single = path / SINGLE_FILE
     if single.is_file():
         return [single]
     raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json found")
