@@ -8,6 +8,9 @@ figures.
 - gathered blocks: FSDP2 unshards a block for its forward and backward while prefetching the next, and in backward
   holds the block's unsharded gradients in the compute dtype and again in the reduction dtype for the reduce-scatter.
   With expert parallelism a rank gathers only its own experts (``trainer.expert_parallel``);
+- the gathered root: FSDP2's root unit (token embedding, final norm, an untied output head) stays unsharded from a
+  micro-batch's forward to the end of its backward, where its gradient joins it, again in the reduction dtype. With
+  the vocabulary split (``trainer.parallelism.vocab_parallel``) the matrices stay sharded instead;
 - activations: what autograd keeps from one micro-batch's forward for its backward. A block without checkpointing
   keeps its normalised inputs, the query/key/value projections before and after their norms and RoPE, the attention
   output and the feed-forward's four hidden-width tensors (dense SwiGLU, or the ``top_k`` experts' per routed token);
@@ -22,7 +25,14 @@ from trainer.config import ActivationCheckpointConfig
 from trainer.models.config import LoRAConfig, ModelConfig
 from weight_sync.peft import expert_target_dims
 
-__all__ = ["activation_bytes", "adapter_params", "block_activation_values", "gathered_block_bytes", "train_state_bytes"]
+__all__ = [
+    "activation_bytes",
+    "adapter_params",
+    "block_activation_values",
+    "gathered_block_bytes",
+    "gathered_root_bytes",
+    "train_state_bytes",
+]
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -60,6 +70,18 @@ def gathered_block_bytes(
     and one block's gradients in ``param_dtype``, those gradients again in ``reduce_dtype``."""
     params = model.block_params(expert_parallel_degree)
     return params * (3 * _BYTES[param_dtype] + _BYTES[reduce_dtype])
+
+
+def gathered_root_bytes(
+    model: ModelConfig, vocab_parallel: bool = False, param_dtype: str = "float32", reduce_dtype: str = "float32"
+) -> float:
+    """Bytes of FSDP2's unsharded root unit at the end of a backward (see the module docstring): its parameters (the
+    token embedding, the untied output head, the final norm; the norm alone when ``vocab_parallel``) in
+    ``param_dtype``, and unless ``model.lora`` freezes them their gradients in ``param_dtype`` and ``reduce_dtype``."""
+    matrices = (1 if model.tie_embeddings else 2) * model.vocab_size * model.dim
+    params = model.dim + (0 if vocab_parallel else matrices)
+    grads = 0 if model.lora is not None else params
+    return params * _BYTES[param_dtype] + grads * (_BYTES[param_dtype] + _BYTES[reduce_dtype])
 
 
 def block_activation_values(model: ModelConfig) -> int:

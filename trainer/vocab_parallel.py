@@ -37,6 +37,11 @@ from trainer.models.output_head import even_chunk, logits_grad, logits_into
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelHead", "shard_vocabulary_rows"]
 
+# torch 2.13 renamed these collectives (the old names warn on every call); the TPU and XLA stacks' torch has the old.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def shard_vocabulary_rows(weight: torch.Tensor, mesh: DeviceMesh) -> nn.Parameter:
     """``weight [V, D]`` as a parameter split by rows over the 1-D ``mesh`` (a ``Shard(0)`` DTensor: the layout FSDP
     gives it, so checkpoints, the weight push and ``local_shards`` see no difference); keeps ``requires_grad``."""
@@ -54,7 +59,7 @@ def shard_vocabulary_rows(weight: torch.Tensor, mesh: DeviceMesh) -> nn.Paramete
 def _counts(n: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
     """Every rank's ``n`` (collective)."""
     out = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, torch.tensor([n], dtype=torch.int64, device=device), group=group)
+    _all_gather(out, torch.tensor([n], dtype=torch.int64, device=device), group=group)
     return out.tolist()
 
 
@@ -64,7 +69,7 @@ def _gather_rows(x: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -
     padded = x.new_zeros((longest, *x.shape[1:]))
     padded[: x.shape[0]] = x
     out = x.new_empty((len(counts) * longest, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, padded, group=group)
+    _all_gather(out, padded, group=group)
     return out
 
 
@@ -72,7 +77,7 @@ def _sum_own_rows(x: torch.Tensor, counts: list[int], group: dist.ProcessGroup) 
     """The sum over ranks of ``x [ranks x longest, ...]``, this rank keeping its own block's first ``counts[rank]``
     rows (a reduce-scatter)."""
     out = x.new_empty((max(counts), *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    _reduce_scatter(out, x.contiguous(), group=group)
     return out[: counts[dist.get_rank(group)]]
 
 
@@ -157,7 +162,7 @@ class _Logprobs(torch.autograd.Function):
             _shard_stats(logits, local_targets[sl], held[sl], exp_buf[: logits.shape[0]], out=stats[sl])
         del logits_buf, exp_buf
         every = hidden.new_empty((dist.get_world_size(group) * n, 4), dtype=torch.float32)
-        dist.all_gather_into_tensor(every, stats, group=group)
+        _all_gather(every, stats, group=group)
         all_logprobs, lse, all_entropy = _combine(every.view(-1, n, 4))
         logprobs.view(-1).copy_(_own_rows(all_logprobs, counts, group))
         entropy.view(-1).copy_(_own_rows(all_entropy, counts, group))

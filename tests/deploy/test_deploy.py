@@ -24,7 +24,7 @@ from driver.reservation import why_unplaceable
 from recipe import Recipe, load_recipe
 from rollout.pool import worker_resources
 from trainer.group import rank_resources
-from trainer.memory import activation_bytes, gathered_block_bytes, train_state_bytes
+from trainer.memory import activation_bytes, gathered_block_bytes, gathered_root_bytes, train_state_bytes
 from trainer.models.config import ModelConfig
 from trainer.models.hf_config import model_config_from_hf_dict
 from trainer.models.registry import ATTENTION_BLOCKS, MOE_EXPERTS, OUTPUT_HEADS
@@ -338,9 +338,10 @@ def test_hardware_recipe_builds_the_real_architecture_with_registered_blocks(ref
 @pytest.mark.parametrize("ref", HARDWARE_RECIPES)
 def test_hardware_recipe_fits_its_chips(ref):
     """Per trainer rank, the training state (fp32 weights, gradients, AdamW moments, FSDP-sharded; a LoRA base frozen)
-    plus the blocks FSDP gathers (only a rank's own experts under expert parallelism) plus one micro-batch's
-    activations under the recipe's activation checkpointing (``trainer.memory``) fit in 90% of a chip; each engine's
-    bf16 weight shard plus its KV cache fits one chip."""
+    plus the blocks FSDP gathers (only a rank's own experts under expert parallelism) plus its unsharded root unit
+    (embedding and head, unless the vocabulary is split) plus one micro-batch's activations under the recipe's
+    activation checkpointing (``trainer.memory``) fit in 90% of a chip; each engine's bf16 weight shard plus its KV
+    cache fits one chip."""
     recipe = load_recipe(ROOT / ref, check_paths=False)
     _, model = _model(recipe)
     model = model.model_copy(update={"lora": recipe.model.lora})
@@ -354,9 +355,12 @@ def test_hardware_recipe_fits_its_chips(ref):
     gathered = gathered_block_bytes(
         model, trainer.parallelism.expert_parallel_degree, precision.param_dtype, precision.reduce_dtype
     ) / 2**30
-    assert state + gathered + activations <= 0.9 * hbm, (
-        f"{state:.1f} GiB of training state + {gathered:.1f} GiB of gathered blocks + {activations:.1f} GiB of "
-        f"activations per rank on {hbm} GiB chips"
+    root = gathered_root_bytes(
+        model, trainer.parallelism.vocab_parallel, precision.param_dtype, precision.reduce_dtype
+    ) / 2**30
+    assert state + gathered + root + activations <= 0.9 * hbm, (
+        f"{state:.1f} GiB of training state + {gathered:.1f} GiB of gathered blocks + {root:.1f} GiB of the root "
+        f"unit + {activations:.1f} GiB of activations per rank on {hbm} GiB chips"
     )
     engine = 2 * model.num_params / recipe.rollout.engine.tensor_parallel_size / 2**30
     assert engine + recipe.rollout.engine.kv_cache_gib <= 0.9 * hbm, f"{engine:.1f} GiB weights + KV cache per chip"

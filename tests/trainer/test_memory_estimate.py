@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from trainer.config import ActivationCheckpointConfig
-from trainer.memory import activation_bytes, adapter_params, block_activation_values, train_state_bytes
+from trainer.memory import (
+    activation_bytes,
+    adapter_params,
+    block_activation_values,
+    gathered_root_bytes,
+    train_state_bytes,
+)
 from trainer.models.config import LoRAConfig, ModelConfig, MoEConfig
 from trainer.models.transformer import build_model
 
@@ -83,3 +89,17 @@ def test_train_state_counts_the_real_parameters() -> None:
     frozen = sum(p.numel() for p in lora_model.parameters() if not p.requires_grad)
     assert adapter_params(lora_cfg, lora_cfg.lora) == trained
     assert train_state_bytes(lora_cfg) == 4 * frozen + 16 * trained
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gathered_root_counts_the_parameters_outside_the_blocks(tied: bool) -> None:
+    cfg = _config("qwen3", tie_embeddings=tied)
+    model = build_model(cfg)
+    root = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("layers."))
+    assert gathered_root_bytes(cfg) == 12 * root  # float32 parameters, gradients and the reduce-scatter input
+    assert gathered_root_bytes(cfg, param_dtype="bfloat16") == (2 + 2 + 4) * root
+    # The split keeps the embedding and head sharded: the final norm is all the root gathers.
+    assert gathered_root_bytes(cfg, vocab_parallel=True) == 12 * model.norm.weight.numel()
+    # A LoRA base is frozen: the root's parameters are gathered, no gradient joins them.
+    lora_cfg = cfg.model_copy(update={"lora": LoRAConfig(rank=4, alpha=8, target_modules=("q_proj",))})
+    assert gathered_root_bytes(lora_cfg) == 4 * root
