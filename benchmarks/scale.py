@@ -7,18 +7,17 @@ and without expert parallelism.
     python -m benchmarks.scale --recipe recipes/qwen3_30b_a3b_reduced_cpu.toml --ranks 2 --expert-parallel 1,2
     python -m benchmarks.scale --vocab-parallel 1,0 --live-memory
 
-Each setting runs ``rl_align.py`` as a process of its own (embedded Ray, the recipe's placement), with every process
-of its tree sampled every 0.5 s (``psutil``): the peak resident set of each trainer rank, of each rollout worker (the
-vLLM engine and its receiver) and of the driver while the run trains, the trainer ranks' peak after its last step
-(``export``: the final HF export gathers the whole policy on rank 0), and the machine's used memory. From the run's
-``metrics.jsonl``, the
-median over the steps after the first (the first compiles, allocates and loads): generation and its scoring, the
-policy update and its parts (old / reference log-probs, forward + backward, optimizer), the push (trainer side) and
-the engine's reload (``rollout/weight_update_s``, the pause), the whole step, and the push + reload share of it. The
-trainer's rate is ``6 x parameters x tokens`` (prompt + completion tokens of the step; for an MoE model the parameters
-a token uses, ``ModelConfig.active_params``) per second of its update, against this machine's fp32 matmul FLOP/s on
-all cores (``benchmarks.trainer``), measured before and after the runs. The model is created once and shared by the
-settings. The CPU model and the load before and after are printed; measure on a quiet machine and repeat.
+Each setting runs ``rl_align.py`` as a process of its own (embedded Ray, the recipe's placement), with every process of
+its tree sampled every 0.5 s (``psutil``): the peak resident set of each trainer rank, of each rollout worker (the vLLM
+engine and its receiver) and of the driver while the run trains, the trainer ranks' peak after its last step
+(``export``: the final HF export, each tensor gathered and written in turn), and the machine's used memory. From the
+run's ``metrics.jsonl``, the median over the steps after the first (the first compiles, allocates and loads): generation
+and its scoring, the policy update and its parts (old / reference log-probs, forward + backward, optimizer), the push
+(trainer side) and the engine's reload (``rollout/weight_update_s``, the pause), the whole step, and the push + reload
+share of it. The trainer's rate is ``6 x parameters x tokens`` (prompt + completion tokens of the step; for an MoE model
+the parameters a token uses, ``ModelConfig.active_params``) per second of its update, against this machine's fp32 matmul
+FLOP/s on all cores (``benchmarks.trainer``), measured before and after the runs. The model is created once and shared
+by the settings. The CPU model and the load before and after are printed; measure on a quiet machine and repeat.
 
 ``--vocab-parallel 1,0`` runs each multi-rank setting with the vocabulary split (``trainer.vocab_parallel``) and
 without it (default: as the recipe says). Resident memory counts what glibc keeps of freed memory for reuse, which

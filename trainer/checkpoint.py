@@ -1,4 +1,5 @@
-"""Full-state checkpoints of the trainer with torch.distributed.checkpoint (DCP), and HF safetensors export.
+"""Full-state checkpoints of the trainer with torch.distributed.checkpoint (DCP), and reading a model's tensors
+back from one a few at a time (for export: ``trainer.export``).
 
 One checkpoint is a directory ``<root>/step_<n>`` holding:
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import random
 import shutil
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,7 +40,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer.checkpoint_dirs import COMPLETE, checkpoint_dir, complete_checkpoints, latest_checkpoint
 
-__all__ = ["CheckpointManager", "Checkpointable", "TrainProgress", "full_model_state_dict"]
+__all__ = [
+    "CheckpointManager",
+    "Checkpointable",
+    "TrainProgress",
+    "read_model_tensors",
+    "saved_model_params",
+    "saved_policy_version",
+]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +110,10 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _rank_state_file(path: Path, rank: int) -> Path:
+    return path / f"trainer_state_rank{rank}.pt"
+
+
 def _rng_states() -> dict[str, Any]:
     states: dict[str, Any] = {
         "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
@@ -148,7 +162,7 @@ class CheckpointManager:
             "policy_version": progress.policy_version,
             "data_cursor": progress.data_cursor,
         }
-        torch.save(small, path / f"trainer_state_rank{_rank()}.pt")
+        torch.save(small, _rank_state_file(path, _rank()))
         _barrier()
         if _rank() == 0:
             (path / COMPLETE).write_text(f"{progress.step}\n")
@@ -193,7 +207,7 @@ class CheckpointManager:
                     model_state_dict=tensors[f"{name}.model"], optim_state_dict=tensors[f"{name}.optim"],
                 )  # fmt: skip
         rank_files = sorted(path.glob("trainer_state_rank*.pt"))
-        mine = path / f"trainer_state_rank{_rank() % len(rank_files)}.pt"
+        mine = _rank_state_file(path, _rank() % len(rank_files))
         small = torch.load(mine, weights_only=False)
         for name, part in parts.items():
             if part.scheduler is not None:
@@ -203,12 +217,49 @@ class CheckpointManager:
         return TrainProgress(small["step"], small["policy_version"], small["data_cursor"])
 
 
-def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer as a full, unsharded CPU tensor on rank 0 (empty dict on other ranks); collective.
+def saved_policy_version(path: str | Path) -> int:
+    """The policy version a checkpoint was saved at (from its rank-0 trainer state)."""
+    return int(torch.load(_rank_state_file(Path(path), 0), weights_only=False)["policy_version"])
 
-    For HF export only (it gathers the whole model on rank 0); weight pushes use ``parallelize.local_shards``.
-    """
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
-    assert all(isinstance(v, torch.Tensor) for v in state.values()), "a model state dict holds tensors only"
-    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+
+def saved_model_params(
+    path: str | Path, part: str, params: Sequence[tuple[str, tuple[int, ...]]]
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(name, shape, dtype as saved)`` of each of ``params`` (``(parameter name, shape)``) of ``part``'s model in the
+    checkpoint at ``path``, from its metadata (nothing loaded). Raises ``ValueError`` when the checkpoint lacks a
+    parameter or holds it in another shape."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    out = []
+    for name, shape in params:
+        key = f"{part}.model.{name}"
+        meta = saved.get(key)
+        if not isinstance(meta, TensorStorageMetadata):
+            raise ValueError(f"checkpoint {path} holds no tensor {key}: it was written for another model")
+        if tuple(meta.size) != tuple(shape):
+            raise ValueError(f"checkpoint {path}: {key} has shape {tuple(meta.size)}, the model {tuple(shape)}")
+        out.append((name, tuple(shape), meta.properties.dtype))
+    return out
+
+
+def read_model_tensors(
+    path: str | Path, part: str, params: Sequence[tuple[str, tuple[int, ...], torch.dtype]], group_bytes: int = 2**29
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, whole CPU tensor)`` of each of ``params`` (as :func:`saved_model_params` returns them) of ``part``'s
+    model in the checkpoint at ``path``, in order, read in this process a group of about ``group_bytes`` at a time
+    (DCP reads only those tensors' bytes, however many ranks saved them): a checkpoint of any size converts with one
+    group in memory."""
+    group: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, shape, dtype in params:
+        group[name] = torch.empty(shape, dtype=dtype)
+        size += group[name].nbytes
+        if size >= group_bytes:
+            yield from _read_group(path, part, group)
+            group, size = {}, 0
+    yield from _read_group(path, part, group)
+
+
+def _read_group(path: str | Path, part: str, group: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    if group:
+        dcp.load({f"{part}.model": group}, checkpoint_id=str(path), no_dist=True)
+    yield from group.items()

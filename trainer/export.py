@@ -81,7 +81,6 @@ def export_policy(
     from trainer.models.hf_io import save_hf_checkpoint
     from trainer.models.lora import adapter_state_dict
     from weight_sync.peft import write_peft_adapter
-    from weight_sync.sink import write_policy_version
 
     torch_dtype = getattr(torch, dtype) if dtype is not None else None
     files = save_hf_checkpoint(policy, str(out_dir), dtype=torch_dtype)
@@ -97,6 +96,15 @@ def export_policy(
         written = write_peft_adapter(Path(out_dir) / ADAPTER_DIR, adapter, model_cfg.lora, base,
                                      dropout=model_cfg.lora.dropout)
         files = [*files, *(f"{ADAPTER_DIR}/{name}" for name in written)]
+    return _complete(out_dir, files, source_dir, policy_version)
+
+
+def _complete(
+    out_dir: str | Path, files: list[str], source_dir: str | Path | None, policy_version: int | None
+) -> list[str]:
+    """Add ``policy_version.json`` and the source's tokenizer and generation files to the exported weights ``files``."""
+    from weight_sync.sink import write_policy_version
+
     if policy_version is not None:
         write_policy_version(str(out_dir), policy_version)
         files = [*files, "policy_version.json"]
@@ -112,15 +120,23 @@ def export_checkpoint(
     complete HF directory at ``out_dir``, in this process.
 
     ``model_dir``: the HF model directory the run started from (architecture, tokenizer); default: the
-    ``[model] path`` of the run's ``recipe.resolved.toml`` next to the checkpoints directory. A LoRA run's checkpoint
-    (adapters only; ``[model.lora]`` of that recipe) is exported over the base weights of ``model_dir``.
+    ``[model] path`` of the run's ``recipe.resolved.toml`` next to the checkpoints directory. A full checkpoint is
+    read and written a few tensors at a time (a model of any size converts in little memory); a LoRA run's checkpoint
+    (adapters only; ``[model.lora]`` of that recipe) is exported over the base weights of ``model_dir``, built whole.
+    The export records the checkpoint's policy version (``policy_version.json``).
     """
     import torch
 
-    from trainer.checkpoint import Checkpointable, CheckpointManager
+    from trainer.checkpoint import (
+        Checkpointable,
+        CheckpointManager,
+        read_model_tensors,
+        saved_model_params,
+        saved_policy_version,
+    )
     from trainer.checkpoint_dirs import COMPLETE
     from trainer.models.hf_config import model_config_from_hf
-    from trainer.models.hf_io import load_hf_checkpoint
+    from trainer.models.hf_io import load_hf_checkpoint, write_hf_checkpoint
     from trainer.models.transformer import build_model
 
     ckpt = Path(checkpoint)
@@ -132,11 +148,18 @@ def export_checkpoint(
                          "run started from)")  # fmt: skip
     source = Path(model_dir) if model_dir is not None else Path((recipe_model or {})["path"])
     lora = (recipe_model or {}).get("lora")
-    model = build_model(model_config_from_hf(str(source), lora=lora), device=torch.device("cpu"), dtype=torch.float32)
+    model_cfg = model_config_from_hf(str(source), lora=lora)
     if lora is not None:  # an adapter checkpoint holds the adapters only: the base is the run's model directory
+        model = build_model(model_cfg, device=torch.device("cpu"), dtype=torch.float32)
         load_hf_checkpoint(model, str(source))
-    CheckpointManager(ckpt.parent).load({"policy": Checkpointable(model, trainable_only=lora is not None)}, ckpt)
-    return export_policy(model, out_dir, source, dtype)
+        progress = CheckpointManager(ckpt.parent).load({"policy": Checkpointable(model, trainable_only=True)}, ckpt)
+        return export_policy(model, out_dir, source, dtype, progress.policy_version)
+    # A full checkpoint streams into the HF files a group of tensors at a time: no whole model in memory.
+    meta = build_model(model_cfg, device="meta")
+    params = saved_model_params(ckpt, "policy", [(name, tuple(p.shape)) for name, p in meta.named_parameters()])
+    tensors = read_model_tensors(ckpt, "policy", params)
+    files = write_hf_checkpoint(model_cfg, out_dir, params, tensors, dtype=getattr(torch, dtype) if dtype else None)
+    return _complete(out_dir, files, source, saved_policy_version(ckpt))
 
 
 def _run_model_section(ckpt: Path) -> dict | None:

@@ -8,15 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from weight_sync.chunking import Shard
+from weight_sync.safetensors_stream import DTYPE_CODES
 from weight_sync.spec import TensorSpec
 
 __all__ = ["checkpoint_shards", "read_checkpoint_manifest"]
 
-_SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-    "BOOL": "bool",
-}  # fmt: skip
+_SAFETENSORS_DTYPES = {code: name for name, code in DTYPE_CODES.items()}
 
 
 def read_checkpoint_manifest(directory: str | Path) -> list[TensorSpec]:

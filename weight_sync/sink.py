@@ -12,9 +12,9 @@ receiver calls `apply` exactly once per update, one update at a time, with versi
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
-import tempfile
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -29,6 +29,7 @@ from weight_sync.peft import (
     read_adapter_version,
     write_peft_adapter,
 )  # fmt: skip
+from weight_sync.safetensors_stream import SINGLE_FILE, write_streamed
 from weight_sync.spec import TensorSpec
 
 __all__ = [
@@ -126,12 +127,14 @@ class SafetensorsDirSink:
 
     The manifest is read from the `*.safetensors` files already in the directory, or given. Each update is merged
     into the full set and written to a temporary file that replaces the old one atomically, so a reader never sees a
-    mix of versions. Other `*.safetensors` files are folded into `model.safetensors` on the first update, and their
-    index (`model.safetensors.index.json`) goes with them, so that loaders (vLLM's included) read the one file.
+    mix of versions. The file is written a tensor at a time (``weight_sync.safetensors_stream``): the pushed tensors
+    straight from the receiver's buffers, the ones an update leaves as they are read from the current file, so the sink
+    makes no copy of the model. Other `*.safetensors` files
+    are folded into `model.safetensors` on the first update, and their index (`model.safetensors.index.json`) goes
+    with them, so that loaders (vLLM's included) read the one file.
     """
 
-    FILE = "model.safetensors"
-    INDEX_FILE = "model.safetensors.index.json"
+    FILE = SINGLE_FILE
     VERSION_FILE = "policy_version.json"
 
     def __init__(self, directory: str, manifest: list[TensorSpec] | None = None) -> None:
@@ -163,26 +166,33 @@ class SafetensorsDirSink:
         return out
 
     def apply(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
+        """Write the directory's tensors with ``tensors`` replacing theirs into a new file, one at a time (the others
+        read from the current files as they are written), then swap it in. Raises ``ValueError`` (nothing written)
+        for a tensor outside the manifest, one of another shape or dtype, or one neither the update nor the
+        directory has."""
+        from safetensors import safe_open
 
         known = {spec.name for spec in self._manifest}
         unknown = sorted(set(tensors) - known)
         if unknown:
             raise ValueError(f"tensors not in this directory's manifest: {unknown[:5]}")
-        merged = self.load() if set(tensors) != known else {}
-        merged.update({name: t.clone() for name, t in tensors.items()})
-        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(merged, tmp, metadata={"policy_version": str(policy_version)})
-            os.replace(tmp, self.directory / self.FILE)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        for path in self._files:
+        plan = [(spec.name, tuple(spec.shape), getattr(torch, spec.dtype)) for spec in self._manifest]
+        with contextlib.ExitStack() as files:
+            current = {}
+            for path in self._files:
+                f = files.enter_context(safe_open(str(path), framework="pt"))
+                current.update({name: f for name in f.keys()})
+            absent = sorted(known - set(tensors) - set(current))
+            if absent:
+                raise ValueError(f"the update leaves {absent[:5]} ({len(absent)} tensors) without a value: the "
+                                 "directory holds none yet, so the first update must cover every tensor")  # fmt: skip
+            merged = ((name, tensors[name] if name in tensors else current[name].get_tensor(name))
+                      for name, _, _ in plan)  # fmt: skip
+            metadata = {"format": "pt", "policy_version": str(policy_version)}
+            write_streamed(self.directory, plan, merged, max_file_bytes=sys.maxsize, metadata=metadata)
+        for path in self._files:  # write_streamed replaced model*.safetensors; fold in any other file
             if path.name != self.FILE:
                 path.unlink(missing_ok=True)
-        (self.directory / self.INDEX_FILE).unlink(missing_ok=True)
         self._files = [self.directory / self.FILE]
         write_policy_version(str(self.directory), policy_version)
 

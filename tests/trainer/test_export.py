@@ -82,7 +82,33 @@ def test_a_dcp_checkpoint_exports_to_the_same_model(source, tmp_path):
                         TrainProgress(7, 7, {}))  # fmt: skip
     assert main([str(ckpt), str(tmp_path / "out")]) == 0
     _assert_usable(tmp_path / "out", model, source)
+    assert json.loads((tmp_path / "out" / "policy_version.json").read_text())["policy_version"] == 7
     assert main([str(run / "checkpoints"), str(tmp_path / "bad")]) == 2  # not a step_<n> directory
+
+
+def test_a_checkpoint_reads_back_a_tensor_at_a_time_and_refuses_another_model(source, tmp_path):
+    from trainer.checkpoint import (
+        Checkpointable,
+        CheckpointManager,
+        TrainProgress,
+        read_model_tensors,
+        saved_model_params,
+    )
+
+    model = _trained(source)
+    ckpt = CheckpointManager(tmp_path).save({"policy": Checkpointable(model)}, TrainProgress(1, 1, {}))
+    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    params = saved_model_params(ckpt, "policy", shapes)
+    assert [dtype for _, _, dtype in params] == [torch.float32] * len(shapes)
+    read = list(read_model_tensors(ckpt, "policy", params, group_bytes=1))  # every tensor a group of its own
+    assert [name for name, _ in read] == [name for name, _ in shapes]
+    for (_, tensor), p in zip(read, model.parameters(), strict=True):
+        assert torch.equal(tensor, p.detach())
+    name, shape = shapes[0]
+    with pytest.raises(ValueError, match=f"{name} has shape"):
+        saved_model_params(ckpt, "policy", [(name, (shape[0] + 1, *shape[1:]))])
+    with pytest.raises(ValueError, match="holds no tensor policy.model.nope"):
+        saved_model_params(ckpt, "policy", [("nope", (1,))])
 
 
 def test_export_refuses_a_source_without_tokenizer(tmp_path, source):

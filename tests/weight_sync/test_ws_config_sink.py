@@ -62,3 +62,18 @@ def test_safetensors_sink_merges_subset_updates_atomically(tmp_path):
         sink.apply(2, {"c": torch.ones(1)})
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         SafetensorsDirSink(str(tmp_path / "empty"))
+
+
+def test_safetensors_sink_refuses_an_update_it_cannot_complete_and_keeps_its_version(tmp_path):
+    manifest = [TensorSpec("a", (3,), "float32"), TensorSpec("b", (2,), "bfloat16")]
+    fresh = SafetensorsDirSink(str(tmp_path / "fresh"), manifest)
+    with pytest.raises(ValueError, match=r"leaves \['b'\].*first update must cover every tensor"):
+        fresh.apply(1, {"a": torch.ones(3)})
+    assert list((tmp_path / "fresh").iterdir()) == []  # nothing written
+    fresh.apply(1, {"a": torch.ones(3), "b": torch.ones(2, dtype=torch.bfloat16)})
+    with pytest.raises(ValueError, match="expected b"):  # a tensor of another dtype than the manifest's
+        fresh.apply(2, {"b": torch.full((2,), 5.0)})
+    got = load_file(str(tmp_path / "fresh" / "model.safetensors"))
+    assert torch.equal(got["a"], torch.ones(3)) and torch.equal(got["b"], torch.ones(2, dtype=torch.bfloat16))
+    assert fresh.committed_version() == 1
+    assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["model.safetensors", "policy_version.json"]

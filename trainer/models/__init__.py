@@ -29,6 +29,7 @@ _EXPORTS = {
     "hf_state_dict": "hf_io",
     "load_hf_checkpoint": "hf_io",
     "save_hf_checkpoint": "hf_io",
+    "write_hf_checkpoint": "hf_io",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -6,13 +6,13 @@
 - :func:`hf_manifest` lists every HF tensor (name, shape, dtype) a full model has, in checkpoint order.
 - :func:`save_hf_checkpoint` / :func:`load_hf_checkpoint` write / read a local HF directory (``model.safetensors`` or
   shards + ``model.safetensors.index.json``, plus ``config.json``) in the stock per-expert layout transformers and vLLM
-  load.
+  load; :func:`write_hf_checkpoint` writes one from a stream of whole parameters (e.g. read from a DCP checkpoint).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -24,8 +24,8 @@ from trainer.models.config import ModelConfig
 from trainer.models.hf_config import hf_config_dict
 from trainer.models.hf_names import name_map
 from trainer.models.lora import is_adapter, merged_parameters, peft_name
-from trainer.models.safetensors_stream import INDEX_FILE, SINGLE_FILE, TensorEntry, write_streamed
 from trainer.models.transformer import Transformer, build_model
+from weight_sync.safetensors_stream import INDEX_FILE, SINGLE_FILE, TensorEntry, write_streamed
 
 __all__ = [
     "canonical_name",
@@ -34,6 +34,7 @@ __all__ = [
     "hf_state_dict",
     "load_hf_checkpoint",
     "save_hf_checkpoint",
+    "write_hf_checkpoint",
 ]
 
 _WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
@@ -111,8 +112,14 @@ def hf_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> Iterato
     canonicalised). DTensor parameters are gathered with ``full_tensor()`` (a collective: every rank must iterate).
     With LoRA adapters the base weights come with the adapters' updates merged in (a plain model of the same family).
     """
-    cfg = _model_config(model)
-    for name, full in merged_parameters(model):
+    return _hf_pieces(_model_config(model), merged_parameters(model), dtype)
+
+
+def _hf_pieces(
+    cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` of each of our whole parameters ``named``, cast to ``dtype`` if given."""
+    for name, full in named:
         for hf_name, piece, _, _ in hf_shards(cfg, name, full, tuple(full.shape), (0,) * full.ndim):
             yield hf_name, piece if dtype is None else piece.to(dtype)
 
@@ -120,51 +127,59 @@ def hf_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> Iterato
 def save_hf_checkpoint(
     model: nn.Module, path: str, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None
 ) -> list[str]:
-    """Write ``model`` as an HF checkpoint directory: safetensors (sharded above ``max_shard_bytes``) + config.json.
+    """Write ``model`` as an HF checkpoint directory (:func:`write_hf_checkpoint`).
 
-    ``model`` as in :func:`hf_state_dict`. ``dtype`` casts the saved tensors (default: parameter dtype). With sharded
-    (DTensor) parameters every rank must call this; only rank 0 writes. Tensors are gathered and written one at a
-    time (:mod:`trainer.models.safetensors_stream`): no rank holds more than one whole tensor of the model on top of
-    its shards. Returns the written file names. Raises ``TypeError`` if ``model`` is not a (wrapped)
-    :class:`Transformer`.
+    ``model`` as in :func:`hf_state_dict`. With sharded (DTensor) parameters every rank must call this; only rank 0
+    writes, and no rank holds more than one whole tensor of the model on top of its shards. Returns the written file
+    names (``[]`` on the other ranks). Raises ``TypeError`` if ``model`` is not a (wrapped) :class:`Transformer`.
     """
     cfg = _model_config(model)
-    if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    tensors = hf_state_dict(model, dtype)
+    tensors = merged_parameters(model)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         for _ in tensors:  # the gathers are collectives: every rank takes part, rank 0 writes
             pass
         return []
-    plan = _save_plan(model, cfg, dtype)
+    params = [(name, tuple(p.shape), p.dtype) for name, p in model.named_parameters() if not is_adapter(name)]
     try:
-        files = write_streamed(path, plan, _on_host(tensors), max_shard_bytes, metadata={"format": "pt"})
+        return write_hf_checkpoint(cfg, path, params, tensors, max_shard_bytes, dtype)
     except BaseException:
         for _ in tensors:  # keep pace with the other ranks' gathers, so they finish and see the failure in the logs
             pass
         raise
+
+
+def write_hf_checkpoint(
+    cfg: ModelConfig,
+    path: str | Path,
+    params: Sequence[TensorEntry],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: torch.dtype | None = None,
+) -> list[str]:
+    """Write a ``cfg`` model as an HF checkpoint directory at ``path``: safetensors (sharded above
+    ``max_shard_bytes``) + ``config.json``; return the file names written.
+
+    ``params``: ``(our name, global shape, dtype)`` of every non-adapter parameter; ``tensors`` yields ``(our name,
+    whole tensor)`` for each, in that order, on any device. Each is written as it comes and not kept (the headers
+    are planned from ``params``: :mod:`weight_sync.safetensors_stream`). ``dtype`` casts the saved tensors.
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    plan: list[TensorEntry] = []
+    for name, shape, param_dtype in params:
+        whole = torch.empty(shape, device="meta")
+        for hf_name, piece, _, _ in hf_shards(cfg, name, whole, tuple(shape), (0,) * len(shape)):
+            plan.append((hf_name, tuple(piece.shape), dtype or param_dtype))
+    pieces = _on_host(_hf_pieces(cfg, tensors, dtype))
+    files = write_streamed(path, plan, pieces, max_shard_bytes, metadata={"format": "pt"})
     saved_dtype = plan[0][2] if plan else torch.float32
     config = hf_config_dict(cfg, dtype=_DTYPE_NAMES.get(saved_dtype, "float32"))
     (Path(path) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return [*files, "config.json"]
 
 
-def _save_plan(model: nn.Module, cfg: ModelConfig, dtype: torch.dtype | None) -> list[TensorEntry]:
-    """``(hf_name, shape, dtype)`` of every tensor :func:`hf_state_dict` yields, in its order, from the parameters'
-    global shapes (nothing gathered)."""
-    plan: list[TensorEntry] = []
-    for name, p in model.named_parameters():
-        if is_adapter(name):
-            continue
-        shape = tuple(p.shape)  # a DTensor's shape is the global one
-        whole = torch.empty(shape, device="meta")
-        for hf_name, piece, _, _ in hf_shards(cfg, name, whole, shape, (0,) * len(shape)):
-            plan.append((hf_name, tuple(piece.shape), dtype or p.dtype))
-    return plan
-
-
 def _on_host(
-    named: Iterator[tuple[str, torch.Tensor]], batch_bytes: int = 256 * 2**20
+    named: Iterable[tuple[str, torch.Tensor]], batch_bytes: int = 256 * 2**20
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``named`` readable on the host: on ``xla`` fetched in batches of about ``batch_bytes`` (one graph and one bulk
     transfer a batch, :func:`host_copies`), elsewhere one by one as they come."""

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from trainer.models.safetensors_stream import split_into_files, write_streamed
+from weight_sync.safetensors_stream import split_into_files, write_streamed
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 import torch
 
-__all__ = ["SINGLE_FILE", "INDEX_FILE", "TensorEntry", "split_into_files", "write_streamed"]
+__all__ = ["DTYPE_CODES", "INDEX_FILE", "SINGLE_FILE", "TensorEntry", "split_into_files", "write_streamed"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -29,11 +29,11 @@ INDEX_FILE = "model.safetensors.index.json"
 TensorEntry = tuple[str, tuple[int, ...], torch.dtype]
 """``(name, shape, dtype)`` of one tensor of a plan."""
 
-_DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+DTYPE_CODES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
 }  # fmt: skip
+"""The safetensors header code of each dtype, by torch's name for it (``torch.bfloat16`` -> ``"bfloat16"``)."""
 _ALIGN = 8  # the header is padded with spaces so the data starts 8-byte aligned, as safetensors itself pads it
 
 
@@ -67,10 +67,11 @@ def _header(entries: Sequence[TensorEntry], metadata: dict[str, str] | None) -> 
     for name, shape, dtype in entries:
         if name in header:
             raise ValueError(f"tensor {name!r} appears twice in the plan")
-        if dtype not in _DTYPE_CODES:
+        code = DTYPE_CODES.get(str(dtype).removeprefix("torch."))
+        if code is None:
             raise ValueError(f"{name}: dtype {dtype} has no safetensors code")
         end = offset + _nbytes(shape, dtype)
-        header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, end]}
         offset = end
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + 8) % _ALIGN)
