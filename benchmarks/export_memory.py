@@ -1,0 +1,116 @@
+"""Memory of converting a trainer checkpoint into an HF model directory, at a real model shape: ``python -m
+trainer.export`` (a full checkpoint read and written a group of tensors at a time) against building the whole model
+and exporting it, side by side in one run.
+
+    python -m benchmarks.export_memory [--shape Qwen3-0.6B] [--repeats 2]
+
+A random-initialised model of the published architecture ``--shape`` (``common.published``) is created, loaded as the
+trainer holds it (float32) and saved as a DCP checkpoint (``trainer.checkpoint``). Each conversion then runs in a fresh
+process of its own, alternating, and reports its peak resident set (``VmHWM``) and seconds: ``streamed`` is
+``python -m trainer.export CKPT OUT --model-dir MODEL``; ``whole model`` builds the model, loads the checkpoint into it
+and writes it with the same writer (what the converter did before, and still does for an adapter-only LoRA
+checkpoint). Both outputs must be byte-identical. The CPU model and the load before and after are printed; measure on a
+quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.machine import load_avg, machine_line
+
+REPO = Path(__file__).resolve().parents[1]
+
+_WHOLE_MODEL = """
+import sys, torch
+from trainer.checkpoint import Checkpointable, CheckpointManager
+from trainer.export import export_policy
+from trainer.models.hf_config import model_config_from_hf
+from trainer.models.transformer import build_model
+ckpt, out, model_dir = sys.argv[1:4]
+model = build_model(model_config_from_hf(model_dir), device=torch.device("cpu"), dtype=torch.float32)
+progress = CheckpointManager(ckpt.rsplit("/", 1)[0]).load({"policy": Checkpointable(model)}, ckpt)
+export_policy(model, out, model_dir, None, progress.policy_version)
+"""
+_PEAK = "\nprint('peak', open('/proc/self/status').read().split('VmHWM:')[1].split()[0])"
+
+
+def _save_checkpoint(model_dir: Path, root: Path) -> Path:
+    """The model of ``model_dir`` as the trainer holds it (float32), saved as ``root/step_00000001``."""
+    import torch
+
+    from trainer.checkpoint import Checkpointable, CheckpointManager, TrainProgress
+    from trainer.models.hf_config import model_config_from_hf
+    from trainer.models.hf_io import load_hf_checkpoint
+    from trainer.models.transformer import build_model
+
+    model = build_model(model_config_from_hf(str(model_dir)), device=torch.device("cpu"), dtype=torch.float32)
+    load_hf_checkpoint(model, str(model_dir))
+    return CheckpointManager(root).save({"policy": Checkpointable(model)}, TrainProgress(1, 1, {}))
+
+
+def _convert(code: str, args: list[str]) -> tuple[float, float]:
+    """Run ``code`` in a fresh process with ``args``; its peak resident GiB and wall seconds."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code + _PEAK, *args], cwd=REPO, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:])
+    kib = int(next(line for line in done.stdout.splitlines() if line.startswith("peak")).split()[1])
+    return kib / 2**20, seconds
+
+
+def _digest(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(2**24):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="Qwen3-0.6B")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    from tools.make_tiny_model import make_published_model
+
+    print(machine_line(), flush=True)
+    streamed = "import sys; from trainer.export import main; assert main(sys.argv[1:]) == 0"
+    with tempfile.TemporaryDirectory(prefix="bench-export-") as tmp:
+        model_dir = make_published_model(Path(tmp) / "model", args.shape, dtype="float32")
+        ckpt = _save_checkpoint(model_dir, Path(tmp) / "checkpoints")
+        size = sum(f.stat().st_size for f in ckpt.glob("*.distcp")) / 2**30
+        runs: dict[str, list[tuple[float, float]]] = {"streamed": [], "whole model": []}
+        digests = set()
+        for i in range(args.repeats):
+            for name, code in (("streamed", streamed), ("whole model", _WHOLE_MODEL)):
+                out = Path(tmp) / f"out-{name.replace(' ', '-')}-{i}"
+                extra = ["--model-dir"] if name == "streamed" else []
+                runs[name].append(_convert(code, [str(ckpt), str(out), *extra, str(model_dir)]))
+                digests.add(_digest(out / "model.safetensors"))
+    if len(digests) != 1:
+        raise SystemExit("the conversions wrote different weights")
+    print(f"{args.shape}: a {size:.2f} GiB float32 checkpoint to an HF directory, one process a conversion; medians of "
+          f"{args.repeats} (range); outputs byte-identical")  # fmt: skip
+    base = statistics.median(peak for peak, _ in runs["whole model"])
+    print(f"{'conversion':<14}{'peak GiB':>24}{'x whole':>10}{'seconds':>22}")
+    for name, rows in runs.items():
+        peaks, secs = [p for p, _ in rows], [s for _, s in rows]
+        peak = statistics.median(peaks)
+        print(f"{name:<14}{f'{peak:.2f} ({min(peaks):.2f}-{max(peaks):.2f})':>24}{peak / base:>10.2f}"
+              f"{f'{statistics.median(secs):.1f} ({min(secs):.1f}-{max(secs):.1f})':>22}")  # fmt: skip
+    print(f"load after: {load_avg()}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
