@@ -128,10 +128,10 @@ class SafetensorsDirSink:
     The manifest is read from the `*.safetensors` files already in the directory, or given. Each update is merged
     into the full set and written to a temporary file that replaces the old one atomically, so a reader never sees a
     mix of versions. The file is written a tensor at a time (``weight_sync.safetensors_stream``): the pushed tensors
-    straight from the receiver's buffers, the ones an update leaves as they are read from the current file, so the sink
-    makes no copy of the model. Other `*.safetensors` files
-    are folded into `model.safetensors` on the first update, and their index (`model.safetensors.index.json`) goes
-    with them, so that loaders (vLLM's included) read the one file.
+    straight from the receiver's buffers, the ones an update leaves as they are read from the current file, so the
+    sink makes no copy of the model. Other `*.safetensors` files are folded into `model.safetensors` on the first
+    update, and their index (`model.safetensors.index.json`) goes with them, so that loaders (vLLM's included) read
+    the one file.
     """
 
     FILE = SINGLE_FILE
