@@ -113,7 +113,6 @@ def _export_both(policy: object, where: list[str], out: str) -> dict[str, int]:
     Returns the resident set at rest before each."""
     import shutil
 
-    import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -133,10 +132,10 @@ def _export_both(policy: object, where: list[str], out: str) -> dict[str, int]:
         save_file(whole, f"{out}.whole.safetensors", metadata={"format": "pt"})
     del whole
     _settle()
-    dist.barrier()
-    shutil.rmtree(f"{out}.hf", ignore_errors=True)
-    Path(f"{out}.whole.safetensors").unlink(missing_ok=True)
-    torch.distributed.barrier()
+    dist.barrier()  # every rank is past both exports: rank 0 removes what they wrote
+    if dist.get_rank() == 0:
+        shutil.rmtree(f"{out}.hf", ignore_errors=True)
+        Path(f"{out}.whole.safetensors").unlink(missing_ok=True)
     return rest
 
 

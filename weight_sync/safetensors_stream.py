@@ -13,6 +13,7 @@ transformers and vLLM alike.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Iterable, Sequence
@@ -38,10 +39,7 @@ _ALIGN = 8  # the header is padded with spaces so the data starts 8-byte aligned
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def split_into_files(plan: Sequence[TensorEntry], max_file_bytes: int) -> list[list[TensorEntry]]:
