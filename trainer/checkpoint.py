@@ -226,9 +226,15 @@ def saved_model_params(
     path: str | Path, part: str, params: Sequence[tuple[str, tuple[int, ...]]]
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """``(name, shape, dtype as saved)`` of each of ``params`` (``(parameter name, shape)``) of ``part``'s model in the
-    checkpoint at ``path``, from its metadata (nothing loaded). Raises ``ValueError`` when the checkpoint lacks a
-    parameter or holds it in another shape."""
+    checkpoint at ``path``, from its metadata (nothing loaded). ``params`` must be every parameter the checkpoint
+    holds for that model (a LoRA run's: its adapters). Raises ``ValueError`` when the checkpoint lacks a parameter,
+    holds it in another shape or holds one not in ``params``: it was written for another model."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = f"{part}.model."
+    extra = sorted(set(k for k in saved if k.startswith(prefix)) - {prefix + name for name, _ in params})
+    if extra:
+        raise ValueError(f"checkpoint {path} holds tensors this model has not ({', '.join(extra[:3])}; {len(extra)} in "
+                         "all): it was written for another model")  # fmt: skip
     out = []
     for name, shape in params:
         key = f"{part}.model.{name}"

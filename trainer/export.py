@@ -16,9 +16,16 @@ import argparse
 import json
 import shutil
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.models.config import ModelConfig
 
 __all__ = ["ADAPTER_DIR", "TOKENIZER_FILES", "complete_from_source", "export_checkpoint", "export_policy"]
 
@@ -80,23 +87,38 @@ def export_policy(
 
     from trainer.models.hf_io import save_hf_checkpoint
     from trainer.models.lora import adapter_state_dict
-    from weight_sync.peft import write_peft_adapter
 
-    torch_dtype = getattr(torch, dtype) if dtype is not None else None
-    files = save_hf_checkpoint(policy, str(out_dir), dtype=torch_dtype)
+    files = save_hf_checkpoint(policy, str(out_dir), dtype=getattr(torch, dtype) if dtype is not None else None)
     model_cfg = getattr(policy, "cfg")  # noqa: B009 (save_hf_checkpoint checked that it is a ModelConfig)
     adapter = None
     if model_cfg.lora is not None:  # gathered on every rank (a collective when sharded)
-        adapter = [(n, t if torch_dtype is None else t.to(torch_dtype)) for n, t in
-                   adapter_state_dict(policy, model_cfg)]  # fmt: skip
+        adapter = list(adapter_state_dict(policy, model_cfg))
     if not files:
         return files  # [] on the ranks that do not write
     if adapter is not None:
-        base = str(Path(source_dir).resolve()) if source_dir is not None else None
-        written = write_peft_adapter(Path(out_dir) / ADAPTER_DIR, adapter, model_cfg.lora, base,
-                                     dropout=model_cfg.lora.dropout)
-        files = [*files, *(f"{ADAPTER_DIR}/{name}" for name in written)]
+        files = [*files, *_write_adapter(out_dir, model_cfg, adapter, source_dir, dtype)]
     return _complete(out_dir, files, source_dir, policy_version)
+
+
+def _write_adapter(
+    out_dir: str | Path,
+    model_cfg: ModelConfig,
+    adapter: Iterable[tuple[str, torch.Tensor]],
+    source_dir: str | Path | None,
+    dtype: str | None,
+) -> list[str]:
+    """Write ``adapter`` (``(PEFT name, whole tensor)``) as the PEFT adapter directory of the export at ``out_dir``
+    (``dtype`` casts it); return its file names relative to ``out_dir``."""
+    import torch
+
+    from weight_sync.peft import write_peft_adapter
+
+    lora = model_cfg.lora
+    assert lora is not None
+    cast = [(name, t if dtype is None else t.to(getattr(torch, dtype))) for name, t in adapter]
+    base = str(Path(source_dir).resolve()) if source_dir is not None else None
+    written = write_peft_adapter(Path(out_dir) / ADAPTER_DIR, cast, lora, base, dropout=lora.dropout)
+    return [f"{ADAPTER_DIR}/{name}" for name in written]
 
 
 def _complete(
@@ -120,23 +142,20 @@ def export_checkpoint(
     complete HF directory at ``out_dir``, in this process.
 
     ``model_dir``: the HF model directory the run started from (architecture, tokenizer); default: the
-    ``[model] path`` of the run's ``recipe.resolved.toml`` next to the checkpoints directory. A full checkpoint is
-    read and written a few tensors at a time (a model of any size converts in little memory); a LoRA run's checkpoint
-    (adapters only; ``[model.lora]`` of that recipe) is exported over the base weights of ``model_dir``, built whole.
+    ``[model] path`` of the run's ``recipe.resolved.toml`` next to the checkpoints directory. The checkpoint is read
+    and written a few tensors at a time, no model built, so a model of any size converts in little memory. A LoRA
+    run's checkpoint holds the adapters only (``[model.lora]`` of that recipe): each base weight is read from
+    ``model_dir`` as it is written and its adapter's update merged in, and the adapters are also written as a PEFT
+    adapter directory (``adapter/``), as :func:`export_policy` writes a live LoRA policy.
     The export records the checkpoint's policy version (``policy_version.json``).
     """
     import torch
 
-    from trainer.checkpoint import (
-        Checkpointable,
-        CheckpointManager,
-        read_model_tensors,
-        saved_model_params,
-        saved_policy_version,
-    )
+    from trainer.checkpoint import read_model_tensors, saved_model_params, saved_policy_version
     from trainer.checkpoint_dirs import COMPLETE
     from trainer.models.hf_config import model_config_from_hf
-    from trainer.models.hf_io import load_hf_checkpoint, write_hf_checkpoint
+    from trainer.models.hf_io import read_hf_parameters, write_hf_checkpoint
+    from trainer.models.lora import is_adapter, merged_parameters, peft_name
     from trainer.models.transformer import build_model
 
     ckpt = Path(checkpoint)
@@ -147,18 +166,24 @@ def export_checkpoint(
         raise ValueError(f"no recipe.resolved.toml next to {ckpt.parent}: pass --model-dir (the HF model directory the "
                          "run started from)")  # fmt: skip
     source = Path(model_dir) if model_dir is not None else Path((recipe_model or {})["path"])
-    lora = (recipe_model or {}).get("lora")
-    model_cfg = model_config_from_hf(str(source), lora=lora)
-    if lora is not None:  # an adapter checkpoint holds the adapters only: the base is the run's model directory
-        model = build_model(model_cfg, device=torch.device("cpu"), dtype=torch.float32)
-        load_hf_checkpoint(model, str(source))
-        progress = CheckpointManager(ckpt.parent).load({"policy": Checkpointable(model, trainable_only=True)}, ckpt)
-        return export_policy(model, out_dir, source, dtype, progress.policy_version)
-    # A full checkpoint streams into the HF files a group of tensors at a time: no whole model in memory.
-    meta = build_model(model_cfg, device="meta")
-    params = saved_model_params(ckpt, "policy", [(name, tuple(p.shape)) for name, p in meta.named_parameters()])
-    tensors = read_model_tensors(ckpt, "policy", params)
+    model_cfg = model_config_from_hf(str(source), lora=(recipe_model or {}).get("lora"))
+    meta = build_model(model_cfg, device="meta")  # names and shapes only
+    shapes = [(name, tuple(p.shape)) for name, p in meta.named_parameters()]
+    base_shapes = [(name, shape) for name, shape in shapes if not is_adapter(name)]
+    if model_cfg.lora is None:
+        params = saved_model_params(ckpt, "policy", base_shapes)
+        tensors = read_model_tensors(ckpt, "policy", params)
+        adapters = None
+    else:  # the run trained adapters only: the base weights are the run's model directory's, in the trainer's float32
+        saved = saved_model_params(ckpt, "policy", [(name, shape) for name, shape in shapes if is_adapter(name)])
+        adapters = dict(read_model_tensors(ckpt, "policy", saved))
+        params = [(name, shape, torch.float32) for name, shape in base_shapes]
+        base = ((name, t.float()) for name, t in read_hf_parameters(model_cfg, source, base_shapes))
+        tensors = merged_parameters(meta, base, adapters)
     files = write_hf_checkpoint(model_cfg, out_dir, params, tensors, dtype=getattr(torch, dtype) if dtype else None)
+    if adapters is not None:
+        pairs = [(peft_name(model_cfg, name), t) for name, t in adapters.items()]
+        files = [*files, *_write_adapter(out_dir, model_cfg, pairs, source, dtype)]
     return _complete(out_dir, files, source, saved_policy_version(ckpt))
 
 

@@ -106,9 +106,11 @@ def test_a_checkpoint_reads_back_a_tensor_at_a_time_and_refuses_another_model(so
         assert torch.equal(tensor, p.detach())
     name, shape = shapes[0]
     with pytest.raises(ValueError, match=f"{name} has shape"):
-        saved_model_params(ckpt, "policy", [(name, (shape[0] + 1, *shape[1:]))])
+        saved_model_params(ckpt, "policy", [(name, (shape[0] + 1, *shape[1:])), *shapes[1:]])
     with pytest.raises(ValueError, match="holds no tensor policy.model.nope"):
-        saved_model_params(ckpt, "policy", [("nope", (1,))])
+        saved_model_params(ckpt, "policy", [*shapes, ("nope", (1,))])
+    with pytest.raises(ValueError, match=f"holds tensors this model has not \\(policy.model.{name};"):
+        saved_model_params(ckpt, "policy", shapes[1:])
 
 
 def test_export_refuses_a_source_without_tokenizer(tmp_path, source):
@@ -120,7 +122,18 @@ def test_export_refuses_a_source_without_tokenizer(tmp_path, source):
         complete_from_source(tmp_path / "out", tmp_path)
 
 
-def _trained_lora(source: Path):
+@pytest.fixture(scope="module")
+def moe_source(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("moe"), family="qwen3_moe", seed=4, hidden_size=64, num_layers=2,
+                           num_heads=2, num_experts=4, top_k=2, moe_intermediate_size=32)  # fmt: skip
+
+
+DENSE_LORA = {"rank": 4, "alpha": 8.0, "target_modules": ("q_proj", "v_proj", "up_proj")}
+EXPERT_LORA = {"rank": 4, "alpha": 8.0, "target_modules": ("q_proj", "o_proj"),
+               "target_parameters": ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")}  # fmt: skip
+
+
+def _trained_lora(source: Path, lora_fields: dict):
     """Our model of ``source`` with LoRA adapters that moved (B != 0), the base untouched."""
     from trainer.models.config import LoRAConfig
     from trainer.models.hf_config import model_config_from_hf
@@ -128,14 +141,14 @@ def _trained_lora(source: Path):
     from trainer.models.lora import is_adapter
     from trainer.models.transformer import build_model
 
-    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
+    lora = LoRAConfig(**lora_fields)
     model = build_model(model_config_from_hf(str(source), lora=lora), device=torch.device("cpu"), dtype=torch.float32)
     load_hf_checkpoint(model, str(source))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if is_adapter(name):
                 p.copy_(0.2 * torch.randn_like(p))
-    return model, lora
+    return model
 
 
 def _assert_adapter_loads_in_peft(out: Path, model, source: Path) -> None:
@@ -150,31 +163,53 @@ def _assert_adapter_loads_in_peft(out: Path, model, source: Path) -> None:
 def test_a_lora_policy_exports_merged_and_as_a_peft_adapter(source, tmp_path):
     from trainer.export import export_policy
 
-    model, _ = _trained_lora(source)
+    model = _trained_lora(source, DENSE_LORA)
     files = export_policy(model, tmp_path / "out", source, policy_version=3)
     assert {"model.safetensors", "adapter/adapter_model.safetensors", "adapter/adapter_config.json"} <= set(files)
     _assert_usable(tmp_path / "out", model, source)  # the merged model is a plain HF model
     _assert_adapter_loads_in_peft(tmp_path / "out", model, source)
 
 
-def test_an_adapter_only_checkpoint_exports_over_the_runs_base(source, tmp_path):
+def _save_lora_run(run: Path, model, source: Path, lora_fields: dict) -> Path:
+    """``model``'s adapter-only checkpoint (step 2) in a run directory whose resolved recipe names ``source``."""
     from trainer.checkpoint import Checkpointable, CheckpointManager, TrainProgress
     from trainer.config import OptimizerConfig
-    from trainer.export import main
     from trainer.optim import build_optimizer
 
-    model, lora = _trained_lora(source)
-    run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
-    targets = ", ".join(f'"{t}"' for t in lora.target_modules)
-    (run / "recipe.resolved.toml").write_text(
-        f'[model]\npath = "{source}"\n\n[model.lora]\nrank = {lora.rank}\nalpha = {lora.alpha}\n'
-        f"target_modules = [{targets}]\n"
-    )
+    lora = "".join(f"{k} = {json.dumps(list(v) if isinstance(v, tuple) else v)}\n" for k, v in lora_fields.items())
+    (run / "recipe.resolved.toml").write_text(f'[model]\npath = "{source}"\n\n[model.lora]\n{lora}')
     part = Checkpointable(model, build_optimizer(model, OptimizerConfig()), trainable_only=True)
-    ckpt = CheckpointManager(run / "checkpoints").save({"policy": part}, TrainProgress(2, 2, {}))
-    # adapters and their AdamW state only: well below the base model alone
-    assert sum(f.stat().st_size for f in ckpt.glob("*.distcp")) < 0.5 * (source / "model.safetensors").stat().st_size
+    return CheckpointManager(run / "checkpoints").save({"policy": part}, TrainProgress(2, 2, {}))
+
+
+@pytest.mark.parametrize("experts", [False, True], ids=["dense", "expert-adapters"])
+def test_an_adapter_only_checkpoint_exports_over_the_runs_base(source, moe_source, tmp_path, experts):
+    """The checkpoint's adapters merge into the base weights read from the run's model directory a tensor at a time,
+    giving, byte for byte, the directory the live policy exports (merged weights, PEFT adapter, config)."""
+    from trainer.export import export_policy, main
+
+    base, fields = (moe_source, EXPERT_LORA) if experts else (source, DENSE_LORA)
+    model = _trained_lora(base, fields)
+    ckpt = _save_lora_run(tmp_path / "run", model, base, fields)
+    # adapters and their AdamW state only: below the base model alone (far below at any real size)
+    assert sum(f.stat().st_size for f in ckpt.glob("*.distcp")) < (base / "model.safetensors").stat().st_size
     assert main([str(ckpt), str(tmp_path / "out")]) == 0
-    _assert_usable(tmp_path / "out", model, source)
-    _assert_adapter_loads_in_peft(tmp_path / "out", model, source)
+    export_policy(model, tmp_path / "live", base, policy_version=2)
+    for name in ("model.safetensors", "config.json", "adapter/adapter_model.safetensors", "adapter/adapter_config.json",
+                 "policy_version.json", "generation_config.json"):  # fmt: skip
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "live" / name).read_bytes(), name
+    _assert_usable(tmp_path / "out", model, base)
+    _assert_adapter_loads_in_peft(tmp_path / "out", model, base)
+
+
+def test_an_adapter_checkpoint_over_another_base_is_refused_before_writing(source, tmp_path, capsys):
+    from trainer.export import main
+
+    # A base of one layer takes the checkpoint's layer-0 adapters (same shapes) but not its layer-1 ones, which must
+    # not be dropped silently.
+    short = make_tiny_model(tmp_path / "short", family="qwen3", seed=3, hidden_size=64, num_layers=1, num_heads=2)
+    ckpt = _save_lora_run(tmp_path / "run", _trained_lora(source, DENSE_LORA), source, DENSE_LORA)
+    assert main([str(ckpt), str(tmp_path / "out"), "--model-dir", str(short)]) == 2
+    assert "layers.1.attention" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

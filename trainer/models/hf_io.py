@@ -6,7 +6,8 @@
 - :func:`hf_manifest` lists every HF tensor (name, shape, dtype) a full model has, in checkpoint order.
 - :func:`save_hf_checkpoint` / :func:`load_hf_checkpoint` write / read a local HF directory (``model.safetensors`` or
   shards + ``model.safetensors.index.json``, plus ``config.json``) in the stock per-expert layout transformers and vLLM
-  load; :func:`write_hf_checkpoint` writes one from a stream of whole parameters (e.g. read from a DCP checkpoint).
+  load; :func:`write_hf_checkpoint` writes one from a stream of whole parameters (e.g. read from a DCP checkpoint),
+  and :func:`read_hf_parameters` reads one as such a stream, a parameter at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 from trainer.devices import host_copies
 from trainer.models.config import ModelConfig
 from trainer.models.hf_config import hf_config_dict
-from trainer.models.hf_names import name_map
+from trainer.models.hf_names import NameMap, name_map
 from trainer.models.lora import is_adapter, merged_parameters, peft_name
 from trainer.models.transformer import Transformer, build_model
 from weight_sync.safetensors_stream import INDEX_FILE, SINGLE_FILE, TensorEntry, write_streamed
@@ -33,6 +34,7 @@ __all__ = [
     "hf_shards",
     "hf_state_dict",
     "load_hf_checkpoint",
+    "read_hf_parameters",
     "save_hf_checkpoint",
     "write_hf_checkpoint",
 ]
@@ -209,23 +211,18 @@ def _checkpoint_files(path: Path) -> list[Path]:
     raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json found")
 
 
-@torch.no_grad()
-def load_hf_checkpoint(model: Transformer, path: str) -> set[str]:
-    """Copy the weights of a local HF checkpoint directory into ``model`` (unsharded parameters), casting dtypes.
+_Source = tuple[int | None, str, Path]
+"""Where one HF tensor of a parameter lies: ``(expert index or None, HF name, file)``."""
 
-    Every parameter must be covered (each expert of stacked ones) and every checkpoint tensor must map to one, except
-    names the table drops and ``lm_head.weight`` when embeddings are tied (LoRA adapters are not loaded). Returns the
-    set of HF names loaded.
-    Raises ``ValueError`` on unknown, missing or mis-shaped tensors. Load before sharding the model.
-    """
-    cfg, names = model.cfg, name_map(model.cfg.family)
-    # LoRA adapters are not in an HF checkpoint: they keep their fresh initialisation (B = 0: the model is the base).
-    params = {name: p for name, p in model.named_parameters() if not is_adapter(name)}
-    if any(hasattr(p, "to_local") for p in params.values()):
-        raise ValueError("load_hf_checkpoint needs unsharded parameters: load before fully_shard / tensor parallel")
-    covered: dict[str, set[int | None]] = {n: set() for n in params}
-    loaded, unknown = set(), []
-    for file in _checkpoint_files(Path(path)):
+
+def _hf_sources(cfg: ModelConfig, path: Path, params: dict[str, Shape]) -> dict[str, list[_Source]]:
+    """The HF tensors of each of ``params`` (our non-adapter names and shapes) in the checkpoint at ``path``, in
+    expert order, from the files' headers alone. Raises ``ValueError`` for a tensor the model does not have, a
+    parameter the checkpoint does not cover (each expert of stacked ones) and a shape that differs."""
+    names = name_map(cfg.family)
+    sources: dict[str, list[_Source]] = {n: [] for n in params}
+    unknown = []
+    for file in _checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
                 try:
@@ -236,27 +233,69 @@ def load_hf_checkpoint(model: Transformer, path: str) -> set[str]:
                 if target is None or (cfg.tie_embeddings and target[0] == "output.weight"):
                     continue
                 ours, index = target
-                if ours not in params:
+                shape = params.get(ours)
+                if shape is None or (index is not None and not 0 <= index < shape[0]):
                     unknown.append(hf_name)
                     continue
-                dest = params[ours] if index is None else params[ours][index]
-                tensor = f.get_tensor(hf_name)
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ValueError(
-                        f"{file.name}: {hf_name} has shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}"
-                    )
-                dest.copy_(tensor)
-                covered[ours].add(index)
-                loaded.add(hf_name)
+                expected = shape if index is None else shape[1:]
+                saved = tuple(f.get_slice(hf_name).get_shape())
+                if saved != tuple(expected):
+                    raise ValueError(f"{file.name}: {hf_name} has shape {saved}, model expects {tuple(expected)}")
+                sources[ours].append((index, hf_name, file))
     if unknown:
         raise ValueError(
             f"{path}: tensors not in the {cfg.family} model: {sorted(unknown)[:10]} ({len(unknown)} total)"
         )
-    missing = [n for n, got in covered.items() if got != _expected_indices(names.to_hf(n)[1], params[n])]
+    missing = [n for n, got in sources.items() if {i for i, _, _ in got} != _expected_indices(names, n, params[n])]
     if missing:
         raise ValueError(f"{path}: checkpoint does not cover parameters {missing[:10]} ({len(missing)} total)")
-    return loaded
+    return {n: sorted(got, key=lambda s: -1 if s[0] is None else s[0]) for n, got in sources.items()}
 
 
-def _expected_indices(stacked: bool, param: torch.Tensor) -> set[int | None]:
-    return set(range(param.shape[0])) if stacked else {None}
+def _expected_indices(names: NameMap, our_name: str, shape: Shape) -> set[int | None]:
+    return set(range(shape[0])) if names.to_hf(our_name)[1] else {None}
+
+
+def read_hf_parameters(
+    cfg: ModelConfig, path: str | Path, params: Sequence[tuple[str, Shape]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(our name, whole tensor in the dtype saved)`` of each of ``params`` (our non-adapter parameter names and
+    shapes, e.g. a meta model's), in that order, read from the local HF checkpoint directory at ``path`` one parameter
+    at a time (stacked experts from their per-expert tensors): a model of any size converts with one parameter in
+    memory. The whole checkpoint is checked when this is called, before anything is read (:func:`load_hf_checkpoint`'s
+    errors)."""
+    sources = _hf_sources(cfg, Path(path), dict(params))  # now, not at the first tensor
+    return _read_parameters([name for name, _ in params], sources)
+
+
+def _read_parameters(names: list[str], sources: dict[str, list[_Source]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name in names:
+        pieces = []
+        for _, hf_name, file in sources[name]:
+            with safe_open(str(file), framework="pt") as f:
+                pieces.append(f.get_tensor(hf_name))
+        yield name, pieces[0] if sources[name][0][0] is None else torch.stack(pieces)
+
+
+@torch.no_grad()
+def load_hf_checkpoint(model: Transformer, path: str) -> set[str]:
+    """Copy the weights of a local HF checkpoint directory into ``model`` (unsharded parameters), casting dtypes.
+
+    Every parameter must be covered (each expert of stacked ones) and every checkpoint tensor must map to one, except
+    names the table drops and ``lm_head.weight`` when embeddings are tied (LoRA adapters are not loaded). Returns the
+    set of HF names loaded.
+    Raises ``ValueError`` on unknown, missing or mis-shaped tensors, before anything is copied. Load before sharding
+    the model.
+    """
+    # LoRA adapters are not in an HF checkpoint: they keep their fresh initialisation (B = 0: the model is the base).
+    params = {name: p for name, p in model.named_parameters() if not is_adapter(name)}
+    if any(hasattr(p, "to_local") for p in params.values()):
+        raise ValueError("load_hf_checkpoint needs unsharded parameters: load before fully_shard / tensor parallel")
+    sources = _hf_sources(model.cfg, Path(path), {n: tuple(p.shape) for n, p in params.items()})
+    for file in _checkpoint_files(Path(path)):  # a file at a time, each tensor copied into its place
+        with safe_open(str(file), framework="pt") as f:
+            for name, pieces in sources.items():
+                for index, hf_name, source in pieces:
+                    if source == file:
+                        (params[name] if index is None else params[name][index]).copy_(f.get_tensor(hf_name))
+    return {hf_name for pieces in sources.values() for _, hf_name, _ in pieces}

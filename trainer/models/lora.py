@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -266,35 +266,53 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
 
 
-def _update(adapter: LoRALinear | ExpertLoRA, rows: slice = slice(None)) -> torch.Tensor:
-    """The update of ``adapter``'s weight (expert adapters: its ``rows`` of every expert's), gathered in full."""
-    delta = adapter.delta_weight(_full(adapter.lora_A), _full(adapter.lora_B))
+Adapters = Mapping[str, torch.Tensor]
+"""Whole adapter tensors by our parameter name (``layers.0.attention.wq.lora_A``), e.g. read from a checkpoint."""
+
+
+def _update(
+    adapter: LoRALinear | ExpertLoRA, prefix: str, adapters: Adapters | None, rows: slice = slice(None)
+) -> torch.Tensor:
+    """The update of ``adapter``'s weight (expert adapters: its ``rows`` of every expert's) from its factors in
+    ``adapters`` under ``prefix`` (default: the module's own, gathered in full)."""
+    if adapters is None:
+        a, b = _full(adapter.lora_A), _full(adapter.lora_B)
+    else:
+        a, b = adapters[f"{prefix}.lora_A"], adapters[f"{prefix}.lora_B"]
+    delta = adapter.delta_weight(a, b)
     return delta if isinstance(adapter, LoRALinear) else delta[:, rows]
 
 
-def _updates(model: nn.Module) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+def _updates(model: nn.Module, adapters: Adapters | None) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
     """``(our name of an adapted weight, its update)``, each update computed (collectively) when called."""
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
-            yield f"{name}.weight", functools.partial(_update, m)
+            yield f"{name}.weight", functools.partial(_update, m, name, adapters)
         elif isinstance(m, Experts):
             if m.gate_up_lora is not None:  # rows [:I] of the fused update are the gate's, [I:] the up's
-                hidden = m.w1.shape[1]
-                yield f"{name}.w1", functools.partial(_update, m.gate_up_lora, slice(None, hidden))
-                yield f"{name}.w3", functools.partial(_update, m.gate_up_lora, slice(hidden, None))
+                hidden, prefix = m.w1.shape[1], f"{name}.gate_up_lora"
+                yield f"{name}.w1", functools.partial(_update, m.gate_up_lora, prefix, adapters, slice(None, hidden))
+                yield f"{name}.w3", functools.partial(_update, m.gate_up_lora, prefix, adapters, slice(hidden, None))
             if m.down_lora is not None:
-                yield f"{name}.w2", functools.partial(_update, m.down_lora)
+                yield f"{name}.w2", functools.partial(_update, m.down_lora, f"{name}.down_lora", adapters)
 
 
-def merged_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_parameters(
+    model: nn.Module,
+    base: Iterable[tuple[str, torch.Tensor]] | None = None,
+    adapters: Adapters | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(our name, full tensor)`` of every non-adapter parameter, an adapted weight with its update
-    ``scaling * B A`` (per expert for expert weights) added in float32 and cast back; collective for sharded models
-    (every rank iterates)."""
-    updates = dict(_updates(model))
-    for name, p in model.named_parameters():
-        if is_adapter(name):
-            continue
-        full = _full(p)
+    ``scaling * B A`` (per expert for expert weights) added in float32 and cast back.
+
+    By default the tensors are ``model``'s own, gathered (collective for sharded models: every rank iterates).
+    ``base`` yields ``(our name, whole tensor)`` of every non-adapter parameter in ``model``'s order and ``adapters``
+    holds every adapter tensor: with both, ``model`` gives only the structure and may live on the meta device (a
+    checkpoint's adapters merged into base weights read from disk, no model built)."""
+    updates = dict(_updates(model, adapters))
+    if base is None:
+        base = ((name, _full(p)) for name, p in model.named_parameters() if not is_adapter(name))
+    for name, full in base:
         update = updates.get(name)
         if update is not None:
             full = (full.float() + update()).to(full.dtype)

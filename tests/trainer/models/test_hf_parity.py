@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from tests.trainer.models.tiny_hf import TINY_HF
 from trainer.models.hf_config import model_config_from_hf
-from trainer.models.hf_io import hf_manifest, load_hf_checkpoint, save_hf_checkpoint
+from trainer.models.hf_io import hf_manifest, load_hf_checkpoint, read_hf_parameters, save_hf_checkpoint
 from trainer.models.transformer import build_model
 
 CASES = [
@@ -140,10 +140,31 @@ def test_load_rejects_incomplete_and_foreign_checkpoints(hf_dirs, tmp_path):
     (tmp_path / "a").mkdir()
     partial = {k: v for k, v in tensors.items() if "experts.3." not in k}
     save_file(partial, str(tmp_path / "a" / "model.safetensors"))
+    before = {n: p.clone() for n, p in model.state_dict().items()}
     with pytest.raises(ValueError, match="does not cover"):
         load_hf_checkpoint(model, str(tmp_path / "a"))
+    # refused before anything is copied: the model keeps every weight it had
+    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
     (tmp_path / "b").mkdir()
     foreign = {**tensors, "model.layers.0.mlp.shared_expert.weight": torch.zeros(2)}
     save_file(foreign, str(tmp_path / "b" / "model.safetensors"))
     with pytest.raises(ValueError, match="not in the qwen3_moe model"):
         load_hf_checkpoint(model, str(tmp_path / "b"))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "llama3_scaled"])
+def test_parameters_read_one_at_a_time_equal_the_loaded_model(hf_dirs, tmp_path, name):
+    """The streamed reader (what converts a checkpoint without building the model) yields every parameter as the
+    loaded model holds it, stacked experts assembled from their per-expert tensors, also from a sharded directory."""
+    path, _ = hf_dirs[name]
+    model = _load_ours(path)
+    save_hf_checkpoint(model, str(tmp_path), max_shard_bytes=50_000)  # several files + an index
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    for source in (path, tmp_path):
+        read = list(read_hf_parameters(model.cfg, source, shapes))
+        assert [n for n, _ in read] == [n for n, _ in shapes]
+        for (_, tensor), p in zip(read, model.parameters(), strict=True):
+            assert torch.equal(tensor.float(), p.detach())
+    wrong = [(n, (s[0] + 1, *s[1:])) for n, s in shapes]
+    with pytest.raises(ValueError, match="has shape"):
+        read_hf_parameters(model.cfg, path, wrong)  # refused when called, before a tensor is read
