@@ -24,13 +24,19 @@ class Critic(nn.Module):
     def __init__(self, body: Transformer, dim: int) -> None:
         super().__init__()
         self.body = body
-        self.value_head = nn.Linear(dim, 1, bias=True)
-        # A zero head starts every value at 0: the first GAE is plain Monte Carlo, no random critic noise.
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
+        self.value_head = nn.Linear(dim, 1, bias=True, device=body.tok_embeddings.weight.device)
+        if self.value_head.weight.device.type != "meta":
+            self.reset_value_head()
         # The body's (untied) token output head is never used by the critic: freeze it, no optimizer state for it.
         if body.output is not None:
             body.output.requires_grad_(False)
+
+    @torch.no_grad()
+    def reset_value_head(self) -> None:
+        """A zero head (also sharded): every value starts at 0, so the first GAE is plain Monte Carlo, no random
+        critic noise."""
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
 
     @property
     def layers(self) -> nn.ModuleList:

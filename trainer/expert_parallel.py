@@ -107,10 +107,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Split every MoE layer of ``model`` by expert over ``ep_mesh`` (1-D) in place: ``experts.w1/w3/w2`` become
     DTensors ``Shard(0)``, and the layer's kernel dispatches tokens by all-to-all (:class:`ExpertParallelExperts`).
 
-    Each rank keeps its slice of the weights it already holds (every rank built the same seeded model), so nothing is
-    sent. Call before FSDP, which then shards each rank's experts over the rest of the mesh (and expert adapters,
-    which stay whole here, over every rank). Raises ``ValueError`` when the model has no MoE layer or the group size
-    does not divide a layer's experts
+    Each rank keeps its slice of the weights it holds (the trainer's are still on the meta device: each rank's pieces
+    are written after sharding, ``trainer.initial_weights``), so nothing is sent. Call before FSDP, which then shards
+    each rank's experts over the rest of the mesh (and expert adapters, which stay whole here, over every rank).
+    Raises ``ValueError`` when the model has no MoE layer or the group size does not divide a layer's experts
     (``TrainerConfig.check_model`` says so for a recipe before any rank starts).
     """
     layers = [m for m in model.modules() if isinstance(m, MoE)]

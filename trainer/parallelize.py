@@ -11,7 +11,7 @@ global token/sequence count itself, which makes 1 rank and N ranks compute the s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -31,7 +31,7 @@ ModelT = TypeVar("ModelT", Transformer, Critic)
 """What the trainer shards: a policy / reference :class:`Transformer` or a PPO :class:`Critic` (same blocks)."""
 
 __all__ = [
-    "build_mesh", "data_parallel_mesh", "local_shard_place", "local_shards", "parallelize_model",
+    "build_mesh", "data_parallel_mesh", "local_shard_place", "local_shards", "parallelize_model", "piece_slices",
     "sync_tensor_parallel_partial_grads", "uses_fsdp",
 ]  # fmt: skip
 
@@ -192,6 +192,11 @@ def local_shard_place(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, 
 
     shape, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return tuple(shape), tuple(offsets)
+
+
+def piece_slices(offsets: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:
+    """The index of a piece of ``shape`` at global ``offsets`` inside its whole tensor (``whole[index]`` is it)."""
+    return tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))
 
 
 def local_shards(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:

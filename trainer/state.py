@@ -1,9 +1,9 @@
 """The per-rank training state: the algorithm, sharded policy, frozen reference, critic, optimizers and LR schedules.
 
 :func:`build_train_state` builds every model the algorithm needs (``Algorithm.needs_reference`` / ``needs_critic``) from
-one :class:`ModelConfig` with the same seed on every rank (so the unsharded init is identical everywhere), loads the
-initial HF weights when given, then shards each model the same way (``trainer.parallelize``). The update itself lives
-in ``trainer.step``.
+one :class:`ModelConfig` on the meta device, shards each the same way (``trainer.parallelize``) and writes the initial
+weights into this rank's pieces only (``trainer.initial_weights``: the HF checkpoint's, or the seeded random
+initialisation, equal on every rank). The update itself lives in ``trainer.step``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from trainer.checkpoint import Checkpointable
 from trainer.config import TrainerConfig
 from trainer.critic import Critic
+from trainer.initial_weights import InitialWeights
 from trainer.models.config import ModelConfig
 from trainer.models.transformer import Transformer, build_model
 from trainer.optim import build_optimizer, build_scheduler
@@ -85,11 +86,20 @@ class TrainState:
         return parts
 
 
-def _shard(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> ModelT:
+def _materialize(
+    model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig, device: torch.device, initial: InitialWeights
+) -> ModelT:
+    """Shard the meta-built ``model``, allocate this rank's pieces on ``device`` and write their initial values."""
     model = parallelize_model(model, mesh, cfg)
     if isinstance(model, FSDPModule) and hasattr(model, "token_logprobs"):
         # token_logprobs uses root-unit parameters (the output head) outside forward: let FSDP unshard for it too.
         register_fsdp_forward_method(model, "token_logprobs")
+    model.to_empty(device=device)
+    if isinstance(model, Critic):
+        model.reset_value_head()
+        initial.fill(model.body)
+    else:
+        initial.fill(model)
     return model
 
 
@@ -101,37 +111,34 @@ def build_train_state(
     mesh: DeviceMesh,
     init_path: str | None = None,
 ) -> TrainState:
-    """Build, load and shard the policy (and the reference / critic when the algorithm needs them) on this rank.
+    """Build the policy (and the reference / critic when the algorithm needs them) on the meta device, shard each the
+    same way and fill this rank's pieces with the initial weights (:class:`InitialWeights`): no rank holds a whole
+    model.
 
     ``init_path``: a local HF checkpoint directory with the initial weights; None keeps the seeded random init (tests).
     Collective when FSDP is on: every rank calls it with the same arguments.
     """
     algo = build_algorithm(algorithm)
     torch.manual_seed(cfg.seed)
-    policy = build_model(model_cfg, device=torch.device("cpu"), dtype=torch.float32, runs_on=device)
+    initial = InitialWeights(model_cfg, init_path)  # checks init_path against the model before anything is allocated
+    policy = build_model(model_cfg, device="meta", dtype=torch.float32, runs_on=device)
     if cfg.compile:
         policy.compile_elementwise()  # before the copies below, so the reference and critic run compiled too
-    if init_path is not None:
-        from trainer.models.hf_io import load_hf_checkpoint
-
-        load_hf_checkpoint(policy, init_path)
     reference = None
     if algo.needs_reference and model_cfg.lora is None:  # with LoRA the reference is the base: adapters off
         reference = copy.deepcopy(policy).requires_grad_(False).eval()
-    critic = None
-    if algo.needs_critic:
-        critic = Critic(copy.deepcopy(policy), model_cfg.dim)
+    critic = Critic(copy.deepcopy(policy), model_cfg.dim) if algo.needs_critic else None
 
-    policy = _shard(policy.to(device), mesh, cfg)
+    policy = _materialize(policy, mesh, cfg, device, initial)
     optimizer = build_optimizer(policy, cfg.optimizer)
     state = TrainState(
         cfg=cfg, model_cfg=model_cfg, algorithm=algo, device=device, mesh=mesh, policy=policy,
         optimizer=optimizer, scheduler=build_scheduler(optimizer, cfg.schedule),
     )  # fmt: skip
     if reference is not None:
-        state.reference = _shard(reference.to(device), mesh, cfg)
+        state.reference = _materialize(reference, mesh, cfg, device, initial)
     if critic is not None:
-        state.critic = _shard(critic.to(device), mesh, cfg)
+        state.critic = _materialize(critic, mesh, cfg, device, initial)
         state.critic_optimizer = build_optimizer(state.critic, cfg.optimizer, lr=cfg.critic_lr)
         state.critic_scheduler = build_scheduler(state.critic_optimizer, cfg.schedule)
     return state

@@ -12,9 +12,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -25,13 +27,15 @@ from trainer.models.config import ModelConfig
 from trainer.models.hf_config import hf_config_dict
 from trainer.models.hf_names import NameMap, name_map
 from trainer.models.lora import is_adapter, merged_parameters, peft_name
-from trainer.models.transformer import Transformer, build_model
+from trainer.models.transformer import build_model
 from weight_sync.safetensors_stream import INDEX_FILE, SINGLE_FILE, TensorEntry, write_streamed
 
 __all__ = [
     "canonical_name",
     "hf_manifest",
+    "HFSource",
     "hf_shards",
+    "hf_sources",
     "hf_state_dict",
     "load_hf_checkpoint",
     "read_hf_parameters",
@@ -211,16 +215,16 @@ def _checkpoint_files(path: Path) -> list[Path]:
     raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json found")
 
 
-_Source = tuple[int | None, str, Path]
+HFSource = tuple[int | None, str, Path]
 """Where one HF tensor of a parameter lies: ``(expert index or None, HF name, file)``."""
 
 
-def _hf_sources(cfg: ModelConfig, path: Path, params: dict[str, Shape]) -> dict[str, list[_Source]]:
+def hf_sources(cfg: ModelConfig, path: Path, params: dict[str, Shape]) -> dict[str, list[HFSource]]:
     """The HF tensors of each of ``params`` (our non-adapter names and shapes) in the checkpoint at ``path``, in
     expert order, from the files' headers alone. Raises ``ValueError`` for a tensor the model does not have, a
     parameter the checkpoint does not cover (each expert of stacked ones) and a shape that differs."""
     names = name_map(cfg.family)
-    sources: dict[str, list[_Source]] = {n: [] for n in params}
+    sources: dict[str, list[HFSource]] = {n: [] for n in params}
     unknown = []
     for file in _checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
@@ -264,11 +268,11 @@ def read_hf_parameters(
     at a time (stacked experts from their per-expert tensors): a model of any size converts with one parameter in
     memory. The whole checkpoint is checked when this is called, before anything is read (:func:`load_hf_checkpoint`'s
     errors)."""
-    sources = _hf_sources(cfg, Path(path), dict(params))  # now, not at the first tensor
+    sources = hf_sources(cfg, Path(path), dict(params))  # now, not at the first tensor
     return _read_parameters([name for name, _ in params], sources)
 
 
-def _read_parameters(names: list[str], sources: dict[str, list[_Source]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_parameters(names: list[str], sources: dict[str, list[HFSource]]) -> Iterator[tuple[str, torch.Tensor]]:
     for name in names:
         pieces = []
         for _, hf_name, file in sources[name]:
@@ -278,24 +282,34 @@ def _read_parameters(names: list[str], sources: dict[str, list[_Source]]) -> Ite
 
 
 @torch.no_grad()
-def load_hf_checkpoint(model: Transformer, path: str) -> set[str]:
-    """Copy the weights of a local HF checkpoint directory into ``model`` (unsharded parameters), casting dtypes.
+def load_hf_checkpoint(model: nn.Module, path: str | Path) -> set[str]:
+    """Copy the weights of a local HF checkpoint directory into ``model`` (a :class:`Transformer`), casting dtypes:
+    whole parameters, or the pieces this rank holds of sharded ones (FSDP2, tensor, expert or vocabulary parallel;
+    after ``to_empty``), each read as a slice of its tensor in the safetensors files, so only those bytes are read.
 
     Every parameter must be covered (each expert of stacked ones) and every checkpoint tensor must map to one, except
     names the table drops and ``lm_head.weight`` when embeddings are tied (LoRA adapters are not loaded). Returns the
-    set of HF names loaded.
-    Raises ``ValueError`` on unknown, missing or mis-shaped tensors, before anything is copied. Load before sharding
-    the model.
+    set of HF names loaded. Raises ``ValueError`` on unknown, missing or mis-shaped tensors, before anything is copied.
     """
-    # LoRA adapters are not in an HF checkpoint: they keep their fresh initialisation (B = 0: the model is the base).
-    params = {name: p for name, p in model.named_parameters() if not is_adapter(name)}
-    if any(hasattr(p, "to_local") for p in params.values()):
-        raise ValueError("load_hf_checkpoint needs unsharded parameters: load before fully_shard / tensor parallel")
-    sources = _hf_sources(model.cfg, Path(path), {n: tuple(p.shape) for n, p in params.items()})
-    for file in _checkpoint_files(Path(path)):  # a file at a time, each tensor copied into its place
-        with safe_open(str(file), framework="pt") as f:
-            for name, pieces in sources.items():
-                for index, hf_name, source in pieces:
-                    if source == file:
-                        (params[name] if index is None else params[name][index]).copy_(f.get_tensor(hf_name))
-    return {hf_name for pieces in sources.values() for _, hf_name, _ in pieces}
+    from torch.distributed.tensor import DTensor
+
+    from trainer.parallelize import local_shard_place, piece_slices
+
+    cfg = _model_config(model)
+    # LoRA adapters are not in an HF checkpoint: they keep their values (fresh: B = 0, the model is the base).
+    params = {canonical_name(n): p for n, p in model.named_parameters() if not is_adapter(n)}
+    sources = hf_sources(cfg, Path(path), {n: tuple(p.shape) for n, p in params.items()})
+    files = {hf_name: file for pieces in sources.values() for _, hf_name, file in pieces}
+    with contextlib.ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+        for name, p in params.items():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            _, offsets = local_shard_place(p)
+            for hf_name, piece, _, hf_offsets in hf_shards(cfg, name, local, tuple(p.shape), offsets):
+                if piece.numel() == 0:  # an uneven split can leave a rank no rows of a tensor
+                    continue
+                file = files[hf_name]
+                if file not in opened:
+                    opened[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+                piece.copy_(opened[file].get_slice(hf_name)[piece_slices(hf_offsets, tuple(piece.shape))])
+    return set(files)

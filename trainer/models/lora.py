@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "ExpertLoRA", "LoRALinear", "adapter_state_dict", "adapters_disabled", "apply_lora", "is_adapter",
+    "ExpertLoRA", "LoRALinear", "adapter_state_dict", "adapters_disabled", "apply_lora", "initial_adapters",
+    "is_adapter",
     "merged_parameters", "peft_name", "set_adapters_enabled", "split_adapters_like_their_weights", "train_adapters",
 ]  # fmt: skip
 
@@ -138,6 +139,20 @@ class ExpertLoRA(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, lora_A={tuple(self.lora_A.shape)}, lora_B={tuple(self.lora_B.shape)}"
+
+
+def initial_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Fresh whole values of every adapter parameter of ``model`` (on any device, meta included), on the CPU by
+    parameter name: what :meth:`LoRALinear.reset_adapter` / :meth:`ExpertLoRA.reset_adapter` give, drawn from
+    torch's RNG in module order."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear | ExpertLoRA):
+            a = torch.empty(m.lora_A.shape, dtype=m.lora_A.dtype)
+            rank = a.shape[0] // (m.num_experts if isinstance(m, ExpertLoRA) else 1)
+            _init_a(a, m.init, rank)
+            out[f"{name}.lora_A"], out[f"{name}.lora_B"] = a, torch.zeros(m.lora_B.shape, dtype=m.lora_B.dtype)
+    return out
 
 
 def _init_a(lora_a: torch.Tensor, init: str, rank: int) -> None:

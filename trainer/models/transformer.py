@@ -297,7 +297,7 @@ def build_model(
 ) -> Transformer:
     """Build the model of ``cfg`` on ``device``; initialised unless ``device`` is ``"meta"`` (then ``to_empty`` +
     ``init_weights``). ``runs_on``: the device it will compute on when that is not ``device`` (the trainer builds on
-    the CPU, so every rank draws the same initial weights, then moves the model).
+    the meta device, shards, and writes each rank's pieces on the device: ``trainer.initial_weights``).
 
     Raises ``ValueError`` if a block name in ``cfg`` is not registered (the message lists the registered ones) or
     names a kernel that cannot run on ``runs_on`` (the message names the flag and the setting to use instead).
