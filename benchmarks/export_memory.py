@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.machine import load_avg, machine_line
+from benchmarks.machine import load_avg, machine_line, med_range
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -122,14 +122,13 @@ def main() -> None:
         raise SystemExit("the conversions wrote different weights")
     kind = "LoRA adapter-only (r = 16, every projection)" if lora else "float32"
     print(f"{args.shape}: a {size:.3f} GiB {kind} checkpoint to a float32 HF directory, one process a conversion; "
-          f"medians of {args.repeats} (range); outputs byte-identical")  # fmt: skip
+          f"medians of {args.repeats} [range]; outputs byte-identical")  # fmt: skip
     base = statistics.median(peak for peak, _ in runs["whole model"])
     print(f"{'conversion':<14}{'peak GiB':>24}{'x whole':>10}{'seconds':>22}")
     for name, rows in runs.items():
         peaks, secs = [p for p, _ in rows], [s for _, s in rows]
         peak = statistics.median(peaks)
-        print(f"{name:<14}{f'{peak:.2f} ({min(peaks):.2f}-{max(peaks):.2f})':>24}{peak / base:>10.2f}"
-              f"{f'{statistics.median(secs):.1f} ({min(secs):.1f}-{max(secs):.1f})':>22}")  # fmt: skip
+        print(f"{name:<14}{med_range(peaks):>24}{peak / base:>10.2f}{med_range(secs, '{:.1f}'):>22}")
     print(f"load after: {load_avg()}")
 
 

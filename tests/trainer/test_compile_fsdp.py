@@ -4,13 +4,13 @@ losses and weights within float32 noise), and checkpoints and weight-push shards
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from spawn_helpers import end_rank, free_port
 from trainer_batches import random_batch
 
 NUM_STEPS = 2
@@ -46,15 +46,12 @@ def _worker(rank: int, world: int, compile: bool, port: int, out_dir: str) -> No
     }
     shard_names = sorted(name for name, *_ in local_shards(state.policy))
     torch.save({"metrics": metrics, "weights": weights, "shards": shard_names}, os.path.join(out_dir, f"{rank}.pt"))
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _run(world: int, compile: bool, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, compile, port, str(out_dir)), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, compile, free_port(), str(out_dir)), nprocs=world, start_method="spawn")
     return torch.load(out_dir / "0.pt", weights_only=False)
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from spawn_helpers import free_port, full_weights, reassemble
+from spawn_helpers import end_rank, free_port, full_weights, reassemble
 from trainer_batches import random_batch
 
 from rollout.types import RolloutBatch
@@ -105,7 +105,7 @@ def _worker(
     result["resumed_metrics"] = [rl_step(resumed, _batch(s)) for s in range(progress.data_cursor["next"], NUM_STEPS)]
     result["resumed_weights"] = full_weights(resumed.policy)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _dispatch_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -147,7 +147,7 @@ def _dispatch_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 "w_grads": [(w.grad, r.grad[rank * per_rank:(rank + 1) * per_rank]) for w, r in zip(w_mine, w_ref)],
             }
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +201,7 @@ def _load_worker(rank: int, ckpt_dir: str, port: int, out_path: str) -> None:
     state = build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
     CheckpointManager(ckpt_dir, 1).load(state.checkpointables())
     torch.save(full_weights(state.policy), out_path)
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.fixture(scope="module")

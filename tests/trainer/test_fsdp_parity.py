@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from spawn_helpers import free_port, full_weights, reassemble
+from spawn_helpers import end_rank, free_port, full_weights, reassemble
 from trainer_batches import random_batch
 
 from rollout.types import RolloutBatch
@@ -76,7 +76,7 @@ def _worker(rank: int, world: int, tp: int, ac: str, port: int, out_dir: str) ->
     result["resumed_metrics"] = [rl_step(resumed, _batch(step)) for step in range(first, NUM_STEPS)]
     result["resumed_weights"] = full_weights(resumed.policy)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_rank()
 
 
 

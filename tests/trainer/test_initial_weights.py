@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from spawn_helpers import free_port, full_weights
+from spawn_helpers import end_rank, free_port, full_weights
 
 from tools.make_tiny_model import make_tiny_model
 
@@ -74,8 +74,7 @@ def _worker(rank: int, case: str, path: str, port: int, out_dir: str) -> None:
             result[part] = full_weights(getattr(state, part))
     if rank == 0:
         torch.save(result, os.path.join(out_dir, "weights.pt"))
-    dist.barrier()  # leave together: a rank exiting while the other still uses the group can abort in gloo
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.fixture(scope="module")

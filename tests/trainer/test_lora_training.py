@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from spawn_helpers import free_port, full_weights
+from spawn_helpers import end_rank, free_port, full_weights
 from trainer_batches import random_batch
 
 from rollout.types import RolloutBatch
@@ -87,7 +87,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, model: str, tp: int 
     result["resumed_metrics"] = [rl_step(resumed, _batch(step)) for step in range(2, NUM_STEPS)]
     result["resumed_weights"] = full_weights(resumed.policy)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _warm_start_worker(rank: int, world: int, port: int, out_dir: str, model: str) -> None:

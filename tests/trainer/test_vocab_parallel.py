@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from spawn_helpers import free_port, full_weights, reassemble
+from spawn_helpers import end_rank, free_port, full_weights, reassemble
 from trainer_batches import random_batch
 
 from trainer.metrics import is_timing
@@ -87,7 +87,7 @@ def _math_worker(rank: int, port: int, counts: tuple[int, int], use_entropy: boo
         "ref_emb_grad_rows": emb_weight.grad[rows] if emb_weight.grad is not None else None,
         "rows": split.to_local().shape[0], "refusal": refusal,
     }, os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.parametrize("use_entropy", [True, False], ids=["entropy", "logprobs_only"])
@@ -165,7 +165,7 @@ def _training_worker(rank: int, world: int, algo_name: str, port: int, out_dir: 
         "embedding": type(state.policy.tok_embeddings).__name__,
         "hf": {name: t.clone() for name, t in hf_state_dict(state.policy)},
     }, os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +240,7 @@ def _empty_micro_batch_worker(rank: int, vocab_parallel: bool, port: int, out_di
     loss_tokens = [mb.num_loss_tokens for mb in plan_rank_micro_batches(state, batch.samples, [0, 1, 2])]
     metrics = rl_step(state, batch)
     torch.save({"loss_tokens": loss_tokens, "metrics": metrics}, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    end_rank()
 
 
 def test_a_rank_with_an_empty_micro_batch_steps_with_the_others(tmp_path: Path) -> None:
