@@ -4,7 +4,7 @@ for the trainer and dataset; the real SFT step is covered by tests/trainer/test_
 import pytest
 
 from driver.warm_start import warm_start
-from recipe import WarmStartConfig
+from driver.config import WarmStartConfig
 from rollout.tasks.problem import Problem
 
 
