@@ -32,8 +32,8 @@ FORBIDDEN_EXTERNAL: dict[str, set[str]] = {"trainer": {"vllm"}, "common": {"torc
 
 
 def _sources() -> list[Path]:
-    files = [ROOT / "recipe.py", ROOT / "rl_align.py"]
-    for package in ("common", "protos", "tools", "weight_sync", "rollout", "trainer", "driver"):
+    files = [ROOT / "rl_align.py"]
+    for package in ("common", "protos", "tools", "weight_sync", "rollout", "trainer", "recipe", "driver"):
         files += sorted(p for p in (ROOT / package).rglob("*.py") if not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
     return files
 

@@ -194,7 +194,7 @@ def test_override_of_an_unknown_section_says_so_and_lists_the_sections():
 
 
 def test_block_fields_are_declared_once_and_checked_against_the_registry():
-    from driver.config import ModelSection
+    from recipe.sections import ModelSection
     from trainer.models.config import BlockChoices, ModelConfig
     from trainer.models.registry import BLOCK_REGISTRIES
 
@@ -234,7 +234,7 @@ def test_declared_blocks_are_registered_by_their_modules_with_the_declared_devic
 
 def test_shared_literals_have_one_definition():
     from common.config import DType
-    from driver.config import TinyModelSpec
+    from recipe.sections import TinyModelSpec
     from rollout.config import EngineConfig
     from rollout.rewards.config import RewardModelConfig
     from trainer.config import MixedPrecisionConfig

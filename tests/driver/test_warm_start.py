@@ -3,8 +3,8 @@ for the trainer and dataset; the real SFT step is covered by tests/trainer/test_
 
 import pytest
 
-from driver.config import WarmStartConfig
 from driver.warm_start import warm_start
+from recipe.sections import WarmStartConfig
 from rollout.tasks.problem import Problem
 
 

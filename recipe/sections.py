@@ -1,4 +1,4 @@
-"""The driver's own recipe sections: ``[run]`` (the loop: steps, prompts per step, loop mode, placement, warm start,
+"""The recipe's own sections: ``[run]`` (the loop: steps, prompts per step, loop mode, placement, warm start,
 evaluation, exports, logging, the base seed) and ``[model]`` (the policy checkpoint directory, or a tiny or published
 architecture to create there, and the block implementations, ``trainer.models.config.BlockChoices``).
 

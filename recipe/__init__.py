@@ -2,8 +2,8 @@
 
 A recipe is the whole description of a run. Each section belongs to the component that consumes it::
 
-    [run]          driver.config.RunConfig: steps, prompts per step, loop mode, warm start, eval, logging, the seed
-    [model]        driver.config.ModelSection: the checkpoint directory; its block fields are BlockChoices
+    [run]          recipe.sections.RunConfig: steps, prompts per step, loop mode, warm start, eval, logging, the seed
+    [model]        recipe.sections.ModelSection: the checkpoint directory; its block fields are BlockChoices
     [algorithm]    trainer.rl.config.AlgorithmConfig (GRPO or PPO, tagged by ``type``)
     [trainer]      trainer.config.TrainerConfig
     [rollout]      rollout.config.RolloutConfig (``model_path`` defaults to ``[model] path``)
@@ -32,7 +32,7 @@ from typing import Any
 import pydantic
 
 from common.config import Config, FieldError, config_error, read_toml_with_sources, to_toml, validate_config
-from driver.config import ModelSection, PlacementGroupsConfig, RunConfig
+from recipe.sections import ModelSection, PlacementGroupsConfig, RunConfig
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.envs.config import AgentEnvConfig, CustomEnvConfig, EnvironmentConfig, SingleTurnEnvConfig
 from rollout.rewards.config import FunctionRewardConfig, RewardConfig
