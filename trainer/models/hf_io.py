@@ -169,8 +169,6 @@ def write_hf_checkpoint(
     whole tensor)`` for each, in that order, on any device. Each is written as it comes and not kept (the headers
     are planned from ``params``: :mod:`weight_sync.safetensors_stream`). ``dtype`` casts the saved tensors.
     """
-    if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     plan: list[TensorEntry] = []
     for name, shape, param_dtype in params:
         whole = torch.empty(shape, device="meta")
