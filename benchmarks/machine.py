@@ -14,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from common.net import free_port
+
 __all__ = [
-    "cpu_isa", "cpu_model", "free_port", "init_single_rank_group", "load_avg", "machine_line", "med_range",
+    "cpu_isa", "cpu_model", "init_single_rank_group", "load_avg", "machine_line", "med_range",
     "reset_peak_rss", "rss_bytes", "run_in_child",
 ]  # fmt: skip
 
@@ -52,15 +54,6 @@ def cpu_isa() -> str:
 def machine_line() -> str:
     """One line a benchmark prints first: CPU model, cores, ISA extensions and the load averages now."""
     return f"cpu: {cpu_model()} ({os.cpu_count()} cores; {cpu_isa()}); load: {load_avg()}"
-
-
-def free_port() -> int:
-    """A loopback TCP port free right now (for a process group's ``tcp://`` rendezvous)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_single_rank_group(backend: str = "gloo") -> None:

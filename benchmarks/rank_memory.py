@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from benchmarks.machine import free_port, load_avg, machine_line, rss_bytes
+from benchmarks.machine import load_avg, machine_line, rss_bytes
+from common.net import free_port
 
 SAMPLE_S = 0.005
 PROMPT, COMPLETION = 192, 64

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from benchmarks.machine import free_port, load_avg, machine_line, med_range, rss_bytes
+from benchmarks.machine import load_avg, machine_line, med_range, rss_bytes
+from common.net import free_port
 
 SAMPLE_S = 0.005
 

@@ -33,7 +33,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.machine import free_port, load_avg, machine_line, med_range  # noqa: E402
+from benchmarks.machine import load_avg, machine_line, med_range  # noqa: E402
+from common.net import free_port  # noqa: E402
 from weight_sync.config import WeightSyncConfig  # noqa: E402
 
 NUM_TENSORS = 16

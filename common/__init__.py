@@ -1,1 +1,2 @@
-"""Small pieces every package shares: the strict config base, recipe-file loading, a CPU clock. Imports no torch."""
+"""Small pieces every package shares: the strict config base, recipe-file loading, a CPU clock, free ports. Imports no
+torch."""

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from common.cpu import CpuClock
+from common.net import free_port
 from rollout.types import RolloutBatch, Sample
 from trainer.config import TrainerConfig
 from trainer.models.config import ModelConfig
@@ -34,12 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["TrainerWorker"]
 
 _PG_TIMEOUT = datetime.timedelta(minutes=30)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class TrainerWorker:
@@ -89,7 +83,7 @@ class TrainerWorker:
             import ray
 
             host = ray.util.get_node_ip_address()
-        return host, _free_port(host)
+        return host, free_port(host)
 
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the process group, pick the device, build and shard the models (collective)."""

@@ -1,19 +1,13 @@
 """The run's metric sinks: JSONL always, TensorBoard, Prometheus on loopback, and the curves PNG at the end."""
 
-import socket
 import urllib.request
 
+from common.net import free_port
 from driver.metrics import MetricsLogger, plot_curves, read_jsonl
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_metrics_go_to_jsonl_tensorboard_prometheus_and_png(tmp_path, capsys):
-    port = _free_port()
+    port = free_port()
     logger = MetricsLogger(tmp_path, num_steps=3, tensorboard=True, progress=True, prometheus_port=port)
     logger.log(0, {"sft_loss": 1.5}, phase="sft")
     for step in range(3):

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,17 +17,12 @@ from pathlib import Path
 
 import psutil
 
+from common.net import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
 RECIPE = "recipes/grpo_tiny.toml"
 RAY = str(Path(PYTHON).parent / "ray")
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -175,8 +169,9 @@ class RayNode:
             cmd += ["--address", address]
         for flag, value in ports.items():
             cmd += [flag, str(value)]
-        self.proc = subprocess.Popen(cmd, env=clean_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # fmt: skip
+        with log.open("w") as out:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(cmd, env=clean_env(), stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)  # fmt: skip
 
     def wait_dashboard(self, timeout_s: float = 120) -> None:
         """Block until the head's dashboard answers."""
@@ -194,6 +189,19 @@ class RayNode:
     def is_node(self, resources_total: dict) -> bool:
         """Whether the Ray node of these total resources is this one."""
         return self.tag in resources_total
+
+    def wait_joined(self, head: RayNode, timeout_s: float) -> bool:
+        """Block until this node is alive in ``head``'s node list (True), or until its ``ray start`` exits or
+        ``timeout_s`` passes (False)."""
+        from ray.util.state import list_nodes
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            alive = list_nodes(address=head.dashboard_url, filters=[("state", "=", "ALIVE")])
+            if any(self.is_node(node.resources_total) for node in alive):
+                return True
+            time.sleep(0.5)
+        return False
 
     def kill(self) -> None:
         """SIGKILL the node and everything it started (its actors' workers included), as a lost host would go."""

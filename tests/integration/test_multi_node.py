@@ -6,6 +6,7 @@ run with the resume hint."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +39,25 @@ class Cluster:
         return next(node for node in self.nodes if node.is_node(resources))
 
 
+def _join_all(head: RayNode, nodes: list[RayNode], tmp_path: Path) -> None:
+    """Wait for every node to join ``head``; one that does not (its ``ray start`` exited or hung: a port taken between
+    :func:`common.net.free_port` and Ray's bind, a CI machine starting three nodes at once) is started once more on
+    fresh ports, with a warning. A second miss fails with every node's log and the head's view of the nodes."""
+    from ray.util.state import list_nodes
+
+    for i, node in enumerate(nodes):
+        if node.wait_joined(head, 120):
+            continue
+        warnings.warn(f"Ray node {i} did not join the head; starting it again:\n{tail(node.log, 2000)}", stacklevel=1)
+        node.stop()
+        nodes[i] = RayNode(tmp_path / f"node{i}.retry.log", num_cpus=2, address=head.address)
+        if not nodes[i].wait_joined(head, 120):
+            seen = list_nodes(address=head.dashboard_url)
+            logs = "\n".join(f"--- {n.log.name} (exit {n.proc.poll()}):\n{tail(n.log, 2000)}" for n in nodes)
+            raise AssertionError(f"node {i} did not join twice; the head's nodes: {seen}\n{logs}\n"
+                                 f"--- head:\n{tail(head.log, 2000)}")  # fmt: skip
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     """A head without CPUs (the driver's node) and three nodes of 2 CPUs each."""
@@ -46,12 +66,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     try:
         head.wait_dashboard()
         nodes = [RayNode(tmp_path / f"node{i}.log", num_cpus=2, address=head.address) for i in range(3)]
-        from ray.util.state import list_nodes
-
-        def all_joined() -> bool:
-            return len(list_nodes(address=head.dashboard_url, filters=[("state", "=", "ALIVE")])) == 4
-
-        wait_for(all_joined, 120, None, "three nodes joining the head", nodes[-1].log)
+        _join_all(head, nodes, tmp_path)
         yield Cluster(head, nodes)
     finally:
         for node in [*nodes, head]:

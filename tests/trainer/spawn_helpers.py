@@ -5,20 +5,12 @@ the end of a spawned rank."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-
-def free_port() -> int:
-    """A loopback TCP port free right now (for ``init_process_group``'s ``tcp://`` rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:

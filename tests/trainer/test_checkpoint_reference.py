@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from spawn_helpers import free_port, full_weights
+from spawn_helpers import full_weights
 from torch import nn
 from trainer_batches import random_batch
 
+from common.net import free_port
 from rollout.types import RolloutBatch
 from trainer.checkpoint import Checkpointable, CheckpointManager, TrainProgress
 from trainer.config import TrainerConfig

@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from spawn_helpers import end_rank, free_port
+from spawn_helpers import end_rank
 from trainer_batches import random_batch
+
+from common.net import free_port
 
 NUM_STEPS = 2
 

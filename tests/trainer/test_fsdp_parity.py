@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from spawn_helpers import end_rank, free_port, full_weights, reassemble
+from spawn_helpers import end_rank, full_weights, reassemble
 from trainer_batches import random_batch
 
+from common.net import free_port
 from rollout.types import RolloutBatch
 from trainer.metrics import is_timing
 

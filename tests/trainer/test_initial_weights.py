@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from spawn_helpers import end_rank, free_port, full_weights
+from spawn_helpers import end_rank, full_weights
 
+from common.net import free_port
 from tools.make_tiny_model import make_tiny_model
 
 ADAPTERS = {"rank": 4, "alpha": 8.0, "target_modules": ("q_proj", "v_proj")}

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from spawn_helpers import end_rank, free_port, full_weights
+from spawn_helpers import end_rank, full_weights
 from trainer_batches import random_batch
 
+from common.net import free_port
 from rollout.types import RolloutBatch
 
 NUM_STEPS = 4  # checkpoint after step 2, then steps 3-4 twice (uninterrupted, resumed)

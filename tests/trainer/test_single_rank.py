@@ -98,7 +98,7 @@ _CHECKPOINT_THREADS = """
 import os, sys
 import torch
 import torch.distributed as dist
-from spawn_helpers import free_port
+from common.net import free_port
 from trainer_batches import random_batch
 from trainer.checkpoint import CheckpointManager, TrainProgress
 from trainer.config import TrainerConfig

@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from spawn_helpers import end_rank, free_port, full_weights, reassemble
+from spawn_helpers import end_rank, full_weights, reassemble
 from trainer_batches import random_batch
 
+from common.net import free_port
 from trainer.metrics import is_timing
 
 VOCAB, DIM = 51, 16  # 51 rows over 2 ranks: 26 + 25

@@ -130,7 +130,7 @@ def test_a_checkpoint_and_an_export_from_xla_resume_and_load_as_on_cpu(tmp_path)
 _SPMD_STEP = """
 import sys, torch, torch.distributed as dist
 sys.path[:0] = [{tests!r}]
-from spawn_helpers import free_port
+from common.net import free_port
 from trainer.devices import enable_spmd
 enable_spmd(4)  # before any XLA tensor
 import torch_xla

@@ -5,13 +5,13 @@ the plan refuses what it cannot split. FSDP x TP steps: ``tests/trainer/test_fsd
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common.net import free_port
 from trainer.critic import Critic
 from trainer.models.config import ModelConfig
 from trainer.models.transformer import build_model
@@ -19,12 +19,6 @@ from trainer.models.transformer import build_model
 CFG_KW = dict(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, ffn_hidden_dim=48,
               qk_norm=True, output_chunk_size=7)  # fmt: skip
 MOE = dict(num_experts=4, top_k=2, expert_ffn_hidden_dim=16)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, lora: bool) -> None:
@@ -105,7 +99,7 @@ def test_tensor_parallel_matches_single_process(lora: bool):
     adapter gradients with the parameters' own placements, and pushed pieces that are slices of the PEFT tensors."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_run, args=(_free_port(), lora, queue), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(_run, args=(free_port(), lora, queue), nprocs=2, start_method="spawn", join=True)
     assert sorted(queue.get(timeout=5) for _ in range(2)) == [(0, "ok"), (1, "ok")]
 
 
