@@ -1,7 +1,8 @@
 """Trainer memory per rank on a real model shape: 1 rank against 2 FSDP ranks, with and without the vocabulary split
 (``trainer.parallelism.vocab_parallel``), side by side in one run, and where in the step each peak falls.
 
-    python -m benchmarks.rank_memory [--shape Qwen3-0.6B] [--tokens 4096] [--steps 2] [--live-memory] [--export]
+    python -m benchmarks.rank_memory [--shape Qwen3-0.6B] [--tokens 4096] [--steps 2] [--release-freed on,off]
+                                     [--live-memory] [--export]
 
 Each setting is a fresh process group of its own (gloo, one thread a rank): the production update
 (``trainer.state.build_train_state`` + ``trainer.step.rl_step``, float32, GRPO, ``full`` activation checkpointing,
@@ -15,9 +16,12 @@ where the peak is. ``--steps`` must be >= 2: the AdamW state is created by the f
 (``trainer.models.hf_io.save_hf_checkpoint``: every tensor gathered and written in turn) and, for comparison, the
 whole-model gather the export did before it streamed (all tensors gathered on rank 0, then one ``save_file``).
 
-Resident memory counts what glibc keeps of freed memory for reuse (1-3 GB a rank here, about the same at every rank
-count); ``--live-memory`` runs the ranks with ``MALLOC_MMAP_THRESHOLD_=1048576``, so freed blocks over 1 MiB return to
-the system at once and the resident peak is close to the live one (slower: every large allocation faults its pages in
+Resident memory counts what glibc keeps of freed memory for reuse (1-3 GB a rank here without the release, about the
+same at every rank count). ``--release-freed`` runs each setting with the trainer's release of freed memory
+(``trainer.release_freed_memory``, on by default on the CPU: ``malloc_trim`` as each block's backward starts and after
+each optimizer step) on, off, or both side by side (``on,off``; each ratio is to 1 rank of the same release setting).
+``--live-memory`` runs the ranks with ``MALLOC_MMAP_THRESHOLD_=1048576``, so freed blocks over 1 MiB return to the
+system at once and the resident peak is close to the live one (slower: every large allocation faults its pages in
 again). The CPU model and the load before and after are printed; measure on a quiet machine and repeat.
 """
 
@@ -41,7 +45,8 @@ PROMPT, COMPLETION = 192, 64
 
 
 def _rank(
-    rank: int, world: int, port: int, shape: str, tokens: int, steps: int, vocab_parallel: bool, export: bool, out: str
+    rank: int, world: int, port: int, shape: str, tokens: int, steps: int, vocab_parallel: bool, release: bool,
+    export: bool, out: str,
 ) -> None:
     """One rank of one setting; writes its training peak, the label of the peak, its step times and (``export``) the
     peak of each export to ``out.<rank>``."""
@@ -79,7 +84,7 @@ def _rank(
     )
     cfg = TrainerConfig(
         num_ranks=world, micro_batch_tokens=2048, optimizer={"lr": 1e-6}, activation_checkpoint={"mode": "full"},
-        parallelism={"vocab_parallel": vocab_parallel},
+        parallelism={"vocab_parallel": vocab_parallel}, release_freed_memory=release,
     )  # fmt: skip
     state = build_train_state(cfg, model_cfg, GRPOConfig(group_size=4), torch.device("cpu"), build_mesh(cfg, "cpu"))
     for i, block in enumerate(state.policy.layers):
@@ -157,6 +162,8 @@ def main() -> None:
     parser.add_argument("--shape", default="Qwen3-0.6B")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens a step (all ranks)")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--release-freed", default="on", help="on, off or on,off: the trainer's release of freed "
+                        "memory (see the docstring)")  # fmt: skip
     parser.add_argument("--live-memory", action="store_true", help="return freed memory at once (see the docstring)")
     parser.add_argument("--export", action="store_true", help="measure the HF export after training (docstring)")
     args = parser.parse_args()
@@ -165,31 +172,33 @@ def main() -> None:
     print(machine_line(), flush=True)
     if args.live_memory:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "1048576"  # read by each spawned rank's glibc at start
-    settings = [(1, False), (2, False), (2, True)]
+    releases = [{"on": True, "off": False}[v] for v in args.release_freed.split(",")]
+    settings = [(world, split, release) for release in releases for world, split in [(1, False), (2, False), (2, True)]]
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench-rank-memory-") as tmp:
-        for world, split in settings:
-            out = os.path.join(tmp, f"{world}-{split}")
+        for world, split, release in settings:
+            out = os.path.join(tmp, f"{world}-{split}-{release}")
             port = free_port()
-            args_ = (world, port, args.shape, args.tokens, args.steps, split, args.export, out)
+            args_ = (world, port, args.shape, args.tokens, args.steps, split, release, args.export, out)
             mp.start_processes(_rank, args=args_, nprocs=world, start_method="spawn")
-            rows[world, split] = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+            rows[world, split, release] = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
     memory = "live (MALLOC_MMAP_THRESHOLD_=1048576)" if args.live_memory else "resident"
     print(f"{args.shape}, {args.tokens} tokens a step ({PROMPT} + {COMPLETION} a sample), 2,048-token micro-batches, "
           f"full checkpointing, float32, 1 thread a rank; peak {memory} memory of steps 1-{args.steps}")  # fmt: skip
     exports = ("export streamed", "export whole") if args.export else ()
     if exports:
         print("export columns: the export's peak GiB (+ its rise over the resident set at rest just before it)")
-    print(f"{'setting':<36}{'peak GiB a rank':>18}{'x 1 rank':>10}{'step s':>10}"
+    print(f"{'setting':<48}{'peak GiB a rank':>18}{'x 1 rank':>10}{'step s':>10}"
           + "".join(f"{name:>22}" for name in exports) + "   peak at")  # fmt: skip
-    base = max(r["peak"] for r in rows[1, False])
-    for (world, split), ranks in rows.items():
+    for (world, split, release), ranks in rows.items():
+        base = max(r["peak"] for r in rows[1, False, release])
         name = f"{world} rank{'s' if world > 1 else ''}" + (" vocabulary split" if split else " FSDP" * (world > 1))
+        name += ", release " + ("on" if release else "off")
         for rank, r in enumerate(ranks):
             label = f"{name} (rank {rank})" if world > 1 else name
             step_s = r["step_s"][-1]
             export_cols = "".join(f"{_export_cell(r['export'][e], r['rest'][e]):>22}" for e in exports)
-            print(f"{label:<36}{r['peak'] / 2**30:>18.2f}{r['peak'] / base:>10.2f}{step_s:>10.1f}{export_cols}"
+            print(f"{label:<48}{r['peak'] / 2**30:>18.2f}{r['peak'] / base:>10.2f}{step_s:>10.1f}{export_cols}"
                   f"   {r['at']}")  # fmt: skip
     print(f"load after: {load_avg()}")
 

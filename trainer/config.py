@@ -203,6 +203,17 @@ class TrainerConfig(Config):
     length; a C++ compiler on CPU). Compiles once per op on the first step. Off by default: on CPU it was a wash (see
     README "Measured", ``benchmarks/trainer.py --compile``). Parameters, checkpoints and weight pushes are unchanged.
     CPU and CUDA only, not with tensor parallelism."""
+    release_freed_memory: bool | None = None
+    """Return the host memory a rank has freed to the system as each block's backward starts and after each optimizer
+    step (``trainer.host_memory``), so a rank's resident set stays near what it holds instead of carrying what the C
+    library keeps for reuse; a few percent of a step, for pages faulted in again (README "Measured"). None: on when
+    the trainer runs on the CPU, off on an accelerator (whose step's tensors are in device memory). Numerics are
+    unchanged. Read it through :attr:`releases_freed_memory`."""
+
+    @property
+    def releases_freed_memory(self) -> bool:
+        """Whether the trainer returns freed host memory as it trains (``release_freed_memory``, None resolved)."""
+        return self.device == "cpu" if self.release_freed_memory is None else self.release_freed_memory
 
     @property
     def grad_clip_norm(self) -> float | None:

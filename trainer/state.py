@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from trainer.checkpoint import Checkpointable
 from trainer.config import TrainerConfig
 from trainer.critic import Critic
+from trainer.host_memory import release_in_backward
 from trainer.initial_weights import InitialWeights
 from trainer.models.config import ModelConfig
 from trainer.models.transformer import Transformer, build_model
@@ -141,4 +142,8 @@ def build_train_state(
         state.critic = _materialize(critic, mesh, cfg, device, initial)
         state.critic_optimizer = build_optimizer(state.critic, cfg.optimizer, lr=cfg.critic_lr)
         state.critic_scheduler = build_scheduler(state.critic_optimizer, cfg.schedule)
+    if cfg.releases_freed_memory:
+        for trained in (state.policy, state.critic):
+            if trained is not None:
+                release_in_backward(trained.layers)
     return state

@@ -1,6 +1,6 @@
-"""Trainer tests: this folder holds `trainer_batches.py` (random rollout batches) and `spawn_helpers.py` (ports,
-weights and shards of spawned process groups), imported by the tests below it, and the one-rank process group that
-in-process engines need."""
+"""Trainer tests: this folder holds `trainer_batches.py` (random rollout batches) and `spawn_helpers.py` (the
+weights and shards of spawned process groups, and how their ranks end), imported by the tests below it, and the
+one-rank process group that in-process engines need."""
 
 from __future__ import annotations
 
