@@ -20,11 +20,12 @@ FLOP/s on all cores (``benchmarks.trainer``), measured before and after the runs
 by the settings. The CPU model and the load before and after are printed; measure on a quiet machine and repeat.
 
 ``--vocab-parallel 1,0`` runs each multi-rank setting with the vocabulary split (``trainer.vocab_parallel``) and
-without it (default: as the recipe says). Resident memory counts what glibc keeps of freed memory for reuse, which
-for a trainer rank here is 1-3 GB beyond what is live, about the same at every rank count; ``--live-memory`` runs every
-process with ``MALLOC_MMAP_THRESHOLD_=131072``, so freed blocks over 128 KiB go back to the system at once and the
-peak resident set is close to the live peak (every large allocation then faults its pages in again: slower, so take
-times from a run without it).
+without it (default: as the recipe says). Resident memory counts what glibc keeps of freed memory for reuse; the
+trainer ranks return theirs as they train (``trainer.release_freed_memory``, on by default on the CPU; without it 1-3
+GB a rank beyond what is live, about the same at every rank count: ``benchmarks/rank_memory.py --release-freed on,off``
+compares). ``--live-memory`` runs every process with ``MALLOC_MMAP_THRESHOLD_=131072``, so freed blocks over 128
+KiB go back to the system at once and the peak resident set is close to the live peak (every large allocation then
+faults its pages in again: slower, so take times from a run without it).
 """
 
 from __future__ import annotations
