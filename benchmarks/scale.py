@@ -6,6 +6,7 @@ and without expert parallelism.
     python -m benchmarks.scale [--recipe recipes/qwen3_0p6b_cpu.toml] [--ranks 1,2] [--steps 3]
     python -m benchmarks.scale --recipe recipes/qwen3_30b_a3b_reduced_cpu.toml --ranks 2 --expert-parallel 1,2
     python -m benchmarks.scale --vocab-parallel 1,0 --live-memory
+    python -m benchmarks.scale --release-freed on,off
 
 Each setting runs ``rl_align.py`` as a process of its own (embedded Ray, the recipe's placement), with every process of
 its tree sampled every 0.5 s (``psutil``): the peak resident set of each trainer rank, of each rollout worker (the vLLM
@@ -22,10 +23,11 @@ by the settings. The CPU model and the load before and after are printed; measur
 ``--vocab-parallel 1,0`` runs each multi-rank setting with the vocabulary split (``trainer.vocab_parallel``) and
 without it (default: as the recipe says). Resident memory counts what glibc keeps of freed memory for reuse; the
 trainer ranks return theirs as they train (``trainer.release_freed_memory``, on by default on the CPU; without it 1-3
-GB a rank beyond what is live, about the same at every rank count: ``benchmarks/rank_memory.py --release-freed on,off``
-compares). ``--live-memory`` runs every process with ``MALLOC_MMAP_THRESHOLD_=131072``, so freed blocks over 128
-KiB go back to the system at once and the peak resident set is close to the live peak (every large allocation then
-faults its pages in again: slower, so take times from a run without it).
+GB a rank beyond what is live, about the same at every rank count); ``--release-freed on,off`` runs every setting
+with the release and without it (each ratio is to 1 rank of the same setting). ``--live-memory`` runs every process
+with ``MALLOC_MMAP_THRESHOLD_=131072``, so freed blocks over 128 KiB go back to the system at once and the peak
+resident set is close to the live peak (every large allocation then faults its pages in again: slower, so take times
+from a run without it).
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class _MemorySampler(threading.Thread):
 
 def _run(
     recipe: str, ranks: int, ep: int, vocab_parallel: bool | None, steps: int, model_dir: Path, out_dir: Path,
-    live_memory: bool,
+    live_memory: bool, release: bool | None,
 ) -> dict[str, Any]:  # fmt: skip
     """One setting (``ranks`` trainer ranks, expert parallel degree ``ep``, the vocabulary split on, off or None: as
     the recipe says): the run's per-phase medians, trainer tokens per step and peak memory by role."""
@@ -130,6 +132,8 @@ def _run(
     ]  # fmt: skip
     if vocab_parallel is not None:
         args += ["--trainer.parallelism.vocab_parallel", str(vocab_parallel).lower()]
+    if release is not None:
+        args += ["--trainer.release_freed_memory", str(release).lower()]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env.update(RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     if live_memory:
@@ -159,6 +163,8 @@ def main() -> None:
                         "each runs with every rank count it divides")
     parser.add_argument("--vocab-parallel", default="", help="comma-separated 1/0: each multi-rank setting with the "
                         "vocabulary split on / off (default: as the recipe says)")
+    parser.add_argument("--release-freed", default="", help="comma-separated on/off: every setting with the "
+                        "trainer's release of freed memory on / off (default: as the recipe says)")
     parser.add_argument("--live-memory", action="store_true", help="return freed memory at once (see the docstring)")
     parser.add_argument("--steps", type=int, default=3, help="RL steps per setting (the first is not counted)")
     args = parser.parse_args()
@@ -177,11 +183,17 @@ def main() -> None:
         failed: dict[str, str] = {}
         splits = [bool(int(v)) for v in args.vocab_parallel.split(",")] if args.vocab_parallel else [None]
         settings = [(int(r), int(ep)) for ep in args.expert_parallel.split(",") for r in args.ranks.split(",")]
-        for ranks, ep, vp in [(r, ep, vp) for r, ep in settings if r % ep == 0 for vp in (splits if r > 1 else [None])]:
+        on_off = {"on": True, "off": False}
+        releases = [on_off[v] for v in args.release_freed.split(",")] if args.release_freed else [None]
+        runs = [(r, ep, vp, rel) for rel in releases for r, ep in settings if r % ep == 0
+                for vp in (splits if r > 1 else [None])]  # fmt: skip
+        for ranks, ep, vp, rel in runs:
             name = f"{ranks}" + (f" ep{ep}" if ep > 1 else "") + ("" if vp is None else " vp" if vp else " no-vp")
+            name += "" if rel is None else " release" if rel else " no-release"
             out_dir = Path(tmp) / name.replace(" ", "-")
             try:
-                results[name] = _run(args.recipe, ranks, ep, vp, args.steps, model_dir, out_dir, args.live_memory)
+                results[name] = _run(args.recipe, ranks, ep, vp, args.steps, model_dir, out_dir, args.live_memory,
+                                     rel)  # fmt: skip
             except RuntimeError as e:  # e.g. out of memory: report it beside the settings that ran
                 failed[name] = next((line for line in str(e).splitlines() if "memory" in line), str(e)[:300])
         model = model_config_from_hf(str(model_dir))
@@ -196,7 +208,7 @@ def main() -> None:
           + ("; memory: live (MALLOC_MMAP_THRESHOLD_=131072)" if args.live_memory else "; memory: resident"))
     columns = [label for label, _ in PHASES] + ["push+reload", "6NT/s / peak"]
     columns += ["trainer GB", "rollout GB", "driver GB", "export GB", "machine GB"]
-    print(f"{'ranks':<12}" + "".join(f"{c:>16}" for c in columns))
+    print(f"{'ranks':<20}" + "".join(f"{c:>16}" for c in columns))
     for ranks, r in results.items():
         p, mem = r["phases"], r["memory"]
         flops = 6 * model.active_params * r["tokens"] / p["policy update s"]
@@ -204,13 +216,14 @@ def main() -> None:
         cells += [f"{(p['push s'] + p['reload s']) / p['step s']:.1%}", f"{flops / peak:.2f}"]
         roles = ("trainer rank", "rollout worker", "driver", "export", "machine")
         cells += [f"{mem.get(role, 0.0):.1f}" for role in roles]
-        print(f"{ranks:<12}" + "".join(f"{c:>16}" for c in cells))
+        print(f"{ranks:<20}" + "".join(f"{c:>16}" for c in cells))
     for ranks, why in failed.items():
-        print(f"{ranks:<12}failed: {why[:400]}")
+        print(f"{ranks:<20}failed: {why[:400]}")
     for name in [n for n in results if n.split()[0] == "2" and "ep" not in n]:
-        if "1" in results:
-            ratio = results[name]["memory"]["trainer rank"] / results["1"]["memory"]["trainer rank"]
-            print(f"trainer peak per rank, {name} ranks / 1 rank: {ratio:.2f}x (target <= 0.6x)")
+        one = " ".join(["1", *[w for w in name.split()[1:] if "release" in w]])  # 1 rank, the same release setting
+        if one in results:
+            ratio = results[name]["memory"]["trainer rank"] / results[one]["memory"]["trainer rank"]
+            print(f"trainer peak per rank, {name} / {one}: {ratio:.2f}x (target <= 0.6x)")
     print(f"load after: {load_avg()}")
 
 
