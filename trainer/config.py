@@ -204,11 +204,11 @@ class TrainerConfig(Config):
     README "Measured", ``benchmarks/trainer.py --compile``). Parameters, checkpoints and weight pushes are unchanged.
     CPU and CUDA only, not with tensor parallelism."""
     release_freed_memory: bool | None = None
-    """Return the host memory a rank has freed to the system as each block's backward starts and after each optimizer
-    step (``trainer.host_memory``), so a rank's resident set stays near what it holds instead of carrying what the C
-    library keeps for reuse; a few percent of a step, for pages faulted in again (README "Measured"). None: on when
-    the trainer runs on the CPU, off on an accelerator (whose step's tensors are in device memory). Numerics are
-    unchanged. Read it through :attr:`releases_freed_memory`."""
+    """Return the host memory a rank has freed to the system as the backward reaches the first block (where a step
+    peaks) and after each optimizer step (``trainer.host_memory``), so a rank's resident set stays near what it holds
+    instead of carrying what the C library keeps for reuse. None: on when the trainer runs on the CPU, off on an
+    accelerator (whose step's tensors are in device memory). Numerics are unchanged. Read it through
+    :attr:`releases_freed_memory`."""
 
     @property
     def releases_freed_memory(self) -> bool:

@@ -1,12 +1,13 @@
 """Hand the host memory a CPU rank has freed back to the system while it trains.
 
-glibc's allocator keeps freed memory for reuse: the activations a block recomputes and drops in backward, the
+glibc's allocator keeps freed memory for reuse: the activations each block recomputes and drops in backward, the
 gradients dropped after the optimizer step. A CPU rank's resident set then sits well above what it holds, and since
 that surplus does not shrink with the rank count, it is most of what keeps 2 FSDP ranks from halving 1 rank's memory.
-:func:`release_freed_memory` returns the free pages (``malloc_trim``); :func:`release_in_backward` does so as each
-block's backward starts, so the peak at the end of backward holds little beyond what is live. It costs the pages being
-faulted in again when reused (README "Measured"). Accelerator ranks keep their step's tensors in device memory and
-have nothing to gain.
+:func:`release_freed_memory` returns the free pages (``malloc_trim``). :func:`release_before_backward_peak` does so as
+the backward reaches the model's first block, where a step's memory peaks (every gradient is held by then): what
+the backward freed so far leaves the resident set, and only that block's own activations are faulted in again.
+Releasing at every block instead would cut the peak a little further for every block's activations faulted in again
+(README "Measured"). Accelerator ranks keep their step's tensors in device memory and have nothing to gain.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from functools import cache
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["release_freed_memory", "release_in_backward"]
+__all__ = ["release_before_backward_peak", "release_freed_memory"]
 
 
 @cache
@@ -41,10 +42,10 @@ def release_freed_memory() -> bool:
     return True
 
 
-def release_in_backward(blocks: nn.ModuleList) -> list[RemovableHandle]:
-    """Release freed memory as the backward pass enters each of ``blocks`` (a model's transformer blocks, after
-    sharding); returns the hooks' handles."""
-    return [block.register_full_backward_pre_hook(_release_hook) for block in blocks]
+def release_before_backward_peak(blocks: nn.ModuleList) -> RemovableHandle:
+    """Release freed memory whenever the backward pass enters the first of ``blocks`` (a model's transformer blocks,
+    after sharding: the last the backward runs); returns the hook's handle."""
+    return blocks[0].register_full_backward_pre_hook(_release_hook)
 
 
 def _release_hook(module: nn.Module, grad_output: object) -> None:

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from trainer.checkpoint import Checkpointable
 from trainer.config import TrainerConfig
 from trainer.critic import Critic
-from trainer.host_memory import release_in_backward
+from trainer.host_memory import release_before_backward_peak
 from trainer.initial_weights import InitialWeights
 from trainer.models.config import ModelConfig
 from trainer.models.transformer import Transformer, build_model
@@ -145,5 +145,5 @@ def build_train_state(
     if cfg.releases_freed_memory:
         for trained in (state.policy, state.critic):
             if trained is not None:
-                release_in_backward(trained.layers)
+                release_before_backward_peak(trained.layers)
     return state
