@@ -17,6 +17,7 @@ import ctypes.util
 from collections.abc import Callable
 from functools import cache
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -44,9 +45,17 @@ def release_freed_memory() -> bool:
 
 def release_before_backward_peak(blocks: nn.ModuleList) -> RemovableHandle:
     """Release freed memory whenever the backward pass enters the first of ``blocks`` (a model's transformer blocks,
-    after sharding: the last the backward runs); returns the hook's handle."""
-    return blocks[0].register_full_backward_pre_hook(_release_hook)
+    after sharding: the last the backward runs), that is when the gradient of its output is ready; returns the
+    handle of the forward hook that asks for it."""
+    # A hook on the output tensor rather than a module backward hook: the latter wraps the block's inputs and outputs
+    # and warns on every backward whose block inputs need no gradient (a frozen embedding under LoRA).
+    return blocks[0].register_forward_hook(_hook_output)
 
 
-def _release_hook(module: nn.Module, grad_output: object) -> None:
-    release_freed_memory()  # returning nothing: a value would replace the block's output gradients
+def _hook_output(module: nn.Module, args: object, output: object) -> None:
+    if isinstance(output, torch.Tensor) and output.requires_grad:  # not in passes without gradients
+        output.register_hook(_release_on_gradient)
+
+
+def _release_on_gradient(grad: torch.Tensor) -> None:
+    release_freed_memory()  # returning nothing: a value would replace the gradient
