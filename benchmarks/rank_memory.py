@@ -18,8 +18,9 @@ whole-model gather the export did before it streamed (all tensors gathered on ra
 
 Resident memory counts what glibc keeps of freed memory for reuse (1-3 GB a rank here without the release, about the
 same at every rank count). ``--release-freed`` runs each setting with the trainer's release of freed memory
-(``trainer.release_freed_memory``, on by default on the CPU: ``malloc_trim`` as each block's backward starts and after
-each optimizer step) on, off, or both side by side (``on,off``; each ratio is to 1 rank of the same release setting).
+(``trainer.release_freed_memory``, on by default on the CPU: ``malloc_trim`` as the backward reaches the first block
+and after each optimizer step, when the allocator holds at least 1 GiB freed) on, off, or both side by side
+(``on,off``; each ratio is to 1 rank of the same release setting).
 ``--live-memory`` runs the ranks with ``MALLOC_MMAP_THRESHOLD_=1048576``, so freed blocks over 1 MiB return to the
 system at once and the resident peak is close to the live one (slower: every large allocation faults its pages in
 again). The CPU model and the load before and after are printed; measure on a quiet machine and repeat.

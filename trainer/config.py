@@ -206,9 +206,10 @@ class TrainerConfig(Config):
     release_freed_memory: bool | None = None
     """Return the host memory a rank has freed to the system as the backward reaches the first block (where a step
     peaks) and after each optimizer step (``trainer.host_memory``), so a rank's resident set stays near what it holds
-    instead of carrying what the C library keeps for reuse. None: on when the trainer runs on the CPU, off on an
-    accelerator (whose step's tensors are in device memory). Numerics are unchanged. Read it through
-    :attr:`releases_freed_memory`."""
+    instead of carrying what the C library keeps for reuse. Each release happens only when the allocator holds at
+    least ``host_memory.RELEASE_MIN_FREE_BYTES`` freed (a small model's step is not slowed by pages faulted in
+    again). None: on when the trainer runs on the CPU, off on an accelerator (whose step's tensors are in device
+    memory). Numerics are unchanged. Read it through :attr:`releases_freed_memory`."""
 
     @property
     def releases_freed_memory(self) -> bool:

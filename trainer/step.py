@@ -37,7 +37,7 @@ from trainer.devices import (
     needs_static_shapes,
     shard_rows,
 )
-from trainer.host_memory import release_freed_memory
+from trainer.host_memory import RELEASE_MIN_FREE_BYTES, release_freed_memory
 from trainer.metrics import Metrics, MetricsAccumulator, PhaseClock
 from trainer.models.lora import adapters_disabled
 from trainer.models.registry import ATTENTION_BLOCKS
@@ -251,7 +251,7 @@ def _clip_and_step(
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     if state.cfg.releases_freed_memory:
-        release_freed_memory()  # the gradients just dropped
+        release_freed_memory(RELEASE_MIN_FREE_BYTES)  # the gradients just dropped
     cut_graph(state.device)
     return total.detach()
 

@@ -1,5 +1,6 @@
-"""``trainer.host_memory``: freed host memory goes back to the system (the resident set falls), and a CPU trainer does
-it as the backward reaches the first block and after each optimizer step, with its numerics unchanged."""
+"""``trainer.host_memory``: freed host memory goes back to the system (the resident set falls), only when the allocator
+holds at least the asked amount, and a CPU trainer asks as the backward reaches the first block and after each
+optimizer step, with its numerics unchanged."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from trainer_batches import random_samples
 
 from rollout.types import RolloutBatch
 from trainer.config import TrainerConfig
-from trainer.host_memory import release_freed_memory
+from trainer.host_memory import RELEASE_MIN_FREE_BYTES, free_held_bytes, release_freed_memory
 from trainer.models.config import ModelConfig
 from trainer.rl.config import PPOConfig
 
@@ -27,33 +28,63 @@ MODEL = ModelConfig(
 # In a fresh process: 64 KiB tensors come from the heap (below glibc's mmap threshold); every 8th stays alive, so the
 # freed ones are holes that glibc's own trimming (the top of the heap only) cannot return.
 _HOLES = """
+import sys
 import torch
-from trainer.host_memory import release_freed_memory
+from trainer.host_memory import free_held_bytes, release_freed_memory
+MIN_FREE = int(sys.argv[1])
 def rss_bytes():
     return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) * 1024
 chunks = [torch.ones(16384) for _ in range(4096)]  # 256 MiB
 kept = chunks[::8]
 del chunks
 before = rss_bytes()
-released = release_freed_memory()
-print(released, before, rss_bytes())
+released = release_freed_memory(MIN_FREE)
+print(released, before, rss_bytes(), free_held_bytes())
 """
+
+
+def _release_holes(min_free_bytes: int) -> tuple[bool, int, int]:
+    """In a fresh process holding 224 MiB of freed heap holes: (released, resident bytes before, after)."""
+    out = subprocess.run([sys.executable, "-c", _HOLES, str(min_free_bytes)], capture_output=True, text=True,
+                         check=True, cwd=REPO)  # fmt: skip
+    released, before, after, _ = out.stdout.split()
+    return released == "True", int(before), int(after)
 
 
 def test_freed_heap_memory_leaves_the_resident_set() -> None:
     if not release_freed_memory():
         pytest.skip("the C library has no malloc_trim")
-    out = subprocess.run([sys.executable, "-c", _HOLES], capture_output=True, text=True, check=True, cwd=REPO)
-    released, before, after = out.stdout.split()
-    assert released == "True"
-    assert int(before) - int(after) > 150 * 2**20, (before, after)  # of the 224 MiB freed
+    released, before, after = _release_holes(0)
+    assert released
+    assert before - after > 150 * 2**20, (before, after)  # of the 224 MiB freed
+
+
+def test_a_release_waits_until_the_allocator_holds_enough_freed_memory() -> None:
+    if not release_freed_memory() or free_held_bytes() is None:
+        pytest.skip("the C library has no malloc_trim or mallinfo2")
+    released, before, after = _release_holes(1 << 30)  # more than the 224 MiB freed: kept for reuse
+    assert not released
+    assert abs(before - after) < 16 * 2**20, (before, after)
+    released, before, after = _release_holes(128 << 20)
+    assert released
+    assert before - after > 150 * 2**20, (before, after)
+
+
+def test_free_held_bytes_counts_what_the_allocator_keeps() -> None:
+    if free_held_bytes() is None:
+        pytest.skip("the C library has no mallinfo2")
+    out = subprocess.run([sys.executable, "-c", _HOLES, str(1 << 40)], capture_output=True, text=True, check=True,
+                         cwd=REPO)  # fmt: skip
+    held = int(out.stdout.split()[3])
+    assert 200 * 2**20 < held < 1 << 30, held  # the 224 MiB of holes (and what the interpreter freed)
 
 
 @pytest.mark.usefixtures("single_rank_group")
 @pytest.mark.parametrize("release", [True, False])
 def test_a_cpu_trainer_releases_in_backward_and_after_the_optimizer_step(monkeypatch, release: bool) -> None:
-    """PPO (a policy and a critic, each with its optimizer): a release as each trained model's backward enters its
-    first block and after each optimizer step; none when turned off; the same update either way."""
+    """PPO (a policy and a critic, each with its optimizer): a release (of at least ``RELEASE_MIN_FREE_BYTES``) as each
+    trained model's backward enters its first block and after each optimizer step; none when turned off; the same
+    update either way."""
     import trainer.host_memory
     import trainer.step
     from trainer.parallelize import build_mesh
@@ -62,9 +93,9 @@ def test_a_cpu_trainer_releases_in_backward_and_after_the_optimizer_step(monkeyp
 
     calls = []
 
-    def counted() -> bool:
-        calls.append(1)
-        return release_freed_memory()
+    def counted(min_free_bytes: int = 0) -> bool:
+        calls.append(min_free_bytes)
+        return release_freed_memory(min_free_bytes)
 
     monkeypatch.setattr(trainer.host_memory, "release_freed_memory", counted)
     monkeypatch.setattr(trainer.step, "release_freed_memory", counted)
@@ -81,7 +112,7 @@ def test_a_cpu_trainer_releases_in_backward_and_after_the_optimizer_step(monkeyp
     got, weights = update(None if release else False)  # None: on, the trainer is on the CPU
     # Each micro-batch through the policy's backward and the critic's; each model's optimizer step.
     assert len(micro_batches) > 1
-    assert len(calls) == (2 * len(micro_batches) + 2 if release else 0)
+    assert calls == ([RELEASE_MIN_FREE_BYTES] * (2 * len(micro_batches) + 2) if release else [])
     calls.clear()
     reference, reference_weights = update(not release)
     assert got["loss"] == reference["loss"] and got["grad_norm"] == reference["grad_norm"]
