@@ -212,7 +212,8 @@ class _Run:
                                 session_id=f"{r.run.name}-{int(time.time())}",
                                 num_cpus_per_rank=self.placement.trainer_cpus,
                                 runtime_env=_with_env(self.placement.trainer_env, r.run.trainer_python),
-                                placement=self.reservations["trainer"].actor_placement())  # fmt: skip
+                                placement=self.reservations["trainer"].actor_placement(),
+                                resume=self.resume)  # fmt: skip
 
         # Engines and trainer ranks start at once: each start is mostly its own process waiting on imports and loads.
         t0 = time.perf_counter()
@@ -266,7 +267,8 @@ class _Run:
 
         start_step = 0
         if self.resume:
-            state = self.trainer.load_checkpoint()
+            state = self.trainer.restored  # the ranks restored the checkpoint as they started
+            assert state is not None
             self.dataset.load_state_dict(state["data_cursor"])
             start_step = state["step"]
             num_dropped = self.logger.drop_from(start_step)

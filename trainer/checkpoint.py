@@ -46,6 +46,7 @@ __all__ = [
     "TrainProgress",
     "read_model_tensors",
     "saved_model_params",
+    "saved_parts",
     "saved_policy_version",
 ]
 
@@ -76,8 +77,8 @@ def _state_dicts(name: str, part: Checkpointable) -> dict[str, Any]:
     return {f"{name}.model": model_sd, f"{name}.optim": optim_sd}
 
 
-def _saved_parts(path: Path) -> set[str]:
-    """Names of the parts whose model a DCP checkpoint directory holds."""
+def saved_parts(path: str | Path) -> set[str]:
+    """Names of the parts whose model a DCP checkpoint directory holds (from its metadata: nothing loaded)."""
     keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     return {key.split(".", 1)[0] for key in keys if key.split(".", 2)[1:2] == ["model"]}
 
@@ -186,14 +187,14 @@ class CheckpointManager:
         path = Path(path) if path is not None else self.latest()
         if path is None or not (path / COMPLETE).exists():
             raise FileNotFoundError(f"no complete checkpoint at {path or self.root} (missing COMPLETE marker)")
-        saved_parts = _saved_parts(path)
-        absent = [name for name in parts if name not in saved_parts]
+        held = saved_parts(path)
+        absent = [name for name in parts if name not in held]
         if [name for name in absent if name not in missing_ok]:
-            raise ValueError(f"checkpoint {path} holds no {absent} (it has {sorted(saved_parts)}); it was written by "
+            raise ValueError(f"checkpoint {path} holds no {absent} (it has {sorted(held)}); it was written by "
                              "a run with a different algorithm or model set")
         for name in absent:
             log.warning("checkpoint %s holds no %r: keeping its current weights (rebuilt at startup)", path, name)
-        parts = {name: part for name, part in parts.items() if name in saved_parts}
+        parts = {name: part for name, part in parts.items() if name in held}
         tensors: dict[str, Any] = {}
         for name, part in parts.items():
             tensors.update(_state_dicts(name, part))

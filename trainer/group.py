@@ -51,10 +51,13 @@ class TrainerGroup:
         num_cpus_per_rank: float = 1,
         runtime_env: dict | None = None,
         placement: Sequence[dict[str, Any]] | None = None,
+        resume: bool = False,
     ) -> None:
         """``weight_sync``: a ``WeightSyncConfig`` with the receiver endpoints (None: no pushes). Each rank asks Ray
         for :func:`rank_resources`; ``placement``: more Ray actor options per rank (its placement-group bundle, see
-        ``driver.reservation``), None: wherever Ray finds room."""
+        ``driver.reservation``), None: wherever Ray finds room. ``resume``: the ranks restore the latest checkpoint
+        under ``trainer.checkpoint.dir`` as they build their state (without reading ``init_path`` for what it holds
+        in full); :attr:`restored` is then what :meth:`load_checkpoint` returns."""
         self.cfg = cfg
         options = actor_options(rank_resources(cfg, num_cpus_per_rank))
         if runtime_env is not None:
@@ -70,7 +73,8 @@ class TrainerGroup:
         ]
         node_ids = ray.get([w.node_id.remote() for w in self.workers])
         host, port = ray.get(self.workers[0].master_endpoint.remote(len(set(node_ids)) == 1))
-        ray.get([w.setup.remote(host, port) for w in self.workers])
+        self.restored: dict[str, Any] | None = ray.get([w.setup.remote(host, port, resume) for w in self.workers])[0]
+        """Step, policy_version and data_cursor of the checkpoint restored at start (``resume``), else None."""
         self._endpoints: list[str] | None = None  # what the ranks were last told to push to
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:

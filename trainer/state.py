@@ -9,6 +9,7 @@ initialisation, equal on every rank). The update itself lives in ``trainer.step`
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -88,14 +89,17 @@ class TrainState:
 
 
 def _materialize(
-    model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig, device: torch.device, initial: InitialWeights
+    model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig, device: torch.device, initial: InitialWeights | None
 ) -> ModelT:
-    """Shard the meta-built ``model``, allocate this rank's pieces on ``device`` and write their initial values."""
+    """Shard the meta-built ``model``, allocate this rank's pieces on ``device`` and write their initial values (left
+    unwritten when ``initial`` is None: a checkpoint load writes every one)."""
     model = parallelize_model(model, mesh, cfg)
     if isinstance(model, FSDPModule) and hasattr(model, "token_logprobs"):
         # token_logprobs uses root-unit parameters (the output head) outside forward: let FSDP unshard for it too.
         register_fsdp_forward_method(model, "token_logprobs")
     model.to_empty(device=device)
+    if initial is None:
+        return model
     if isinstance(model, Critic):
         model.reset_value_head()
         initial.fill(model.body)
@@ -111,13 +115,17 @@ def build_train_state(
     device: torch.device,
     mesh: DeviceMesh,
     init_path: str | None = None,
+    restored: Collection[str] = (),
 ) -> TrainState:
     """Build the policy (and the reference / critic when the algorithm needs them) on the meta device, shard each the
     same way and fill this rank's pieces with the initial weights (:class:`InitialWeights`): no rank holds a whole
     model.
 
     ``init_path``: a local HF checkpoint directory with the initial weights; None keeps the seeded random init (tests).
-    Collective when FSDP is on: every rank calls it with the same arguments.
+    ``restored``: names of the parts (as :meth:`TrainState.checkpointables` names them) whose every weight a
+    checkpoint holds that the caller loads next: their pieces are allocated but not filled (reading ``init_path``
+    for them would be wasted); until that load they hold garbage. Collective when FSDP is on: every rank calls it
+    with the same arguments.
     """
     algo = build_algorithm(algorithm)
     torch.manual_seed(cfg.seed)
@@ -130,16 +138,19 @@ def build_train_state(
         reference = copy.deepcopy(policy).requires_grad_(False).eval()
     critic = Critic(copy.deepcopy(policy), model_cfg.dim) if algo.needs_critic else None
 
-    policy = _materialize(policy, mesh, cfg, device, initial)
+    def initial_for(part: str) -> InitialWeights | None:
+        return None if part in restored else initial
+
+    policy = _materialize(policy, mesh, cfg, device, initial_for("policy"))
     optimizer = build_optimizer(policy, cfg.optimizer)
     state = TrainState(
         cfg=cfg, model_cfg=model_cfg, algorithm=algo, device=device, mesh=mesh, policy=policy,
         optimizer=optimizer, scheduler=build_scheduler(optimizer, cfg.schedule),
     )  # fmt: skip
     if reference is not None:
-        state.reference = _materialize(reference, mesh, cfg, device, initial)
+        state.reference = _materialize(reference, mesh, cfg, device, initial_for("reference"))
     if critic is not None:
-        state.critic = _materialize(critic, mesh, cfg, device, initial)
+        state.critic = _materialize(critic, mesh, cfg, device, initial_for("critic"))
         state.critic_optimizer = build_optimizer(state.critic, cfg.optimizer, lr=cfg.critic_lr)
         state.critic_scheduler = build_scheduler(state.critic_optimizer, cfg.schedule)
     if cfg.releases_freed_memory:

@@ -85,15 +85,31 @@ class TrainerWorker:
             host = ray.util.get_node_ip_address()
         return host, free_port(host)
 
-    def setup(self, master_addr: str, master_port: int) -> None:
-        """Join the process group, pick the device, build and shard the models (collective)."""
+    def setup(self, master_addr: str, master_port: int, resume: bool = False) -> dict[str, Any] | None:
+        """Join the process group, pick the device, build and shard the models (collective).
+
+        ``resume``: restore the latest complete checkpoint under ``checkpoint.dir`` as part of the setup and return
+        what :meth:`load_checkpoint` returns (None otherwise). The parts the checkpoint holds in full are not read
+        from ``init_path`` first (a LoRA checkpoint holds the adapters only: the base still is); a part it lacks (the
+        KL reference of a checkpoint written before references were saved) keeps its ``init_path`` weights."""
         import torch
         import torch.distributed as dist
 
-        from trainer.checkpoint import CheckpointManager
+        from trainer.checkpoint import CheckpointManager, saved_parts
         from trainer.devices import mesh_device_type
         from trainer.parallelize import build_mesh
         from trainer.state import build_train_state
+
+        if self.cfg.checkpoint.dir is not None:
+            self._checkpoints = CheckpointManager(self.cfg.checkpoint.dir, self.cfg.checkpoint.num_keep)
+        restore_from, restored = None, set()
+        if resume:
+            restore_from = self._checkpoints.latest() if self._checkpoints is not None else None
+            if restore_from is None:
+                raise FileNotFoundError(f"resume: no complete checkpoint under trainer.checkpoint.dir = "
+                                        f"{self.cfg.checkpoint.dir}")  # fmt: skip
+            if self.model_cfg.lora is None:
+                restored = saved_parts(restore_from)
 
         device = self._device(torch)
         backend: str | None = self.cfg.backend
@@ -106,9 +122,9 @@ class TrainerWorker:
             world_size=self.cfg.num_ranks, timeout=_PG_TIMEOUT,
         )  # fmt: skip
         mesh = build_mesh(self.cfg, mesh_device_type(device))
-        self.state = build_train_state(self.cfg, self.model_cfg, self.algorithm, device, mesh, self.init_path)
-        if self.cfg.checkpoint.dir is not None:
-            self._checkpoints = CheckpointManager(self.cfg.checkpoint.dir, self.cfg.checkpoint.num_keep)
+        self.state = build_train_state(self.cfg, self.model_cfg, self.algorithm, device, mesh, self.init_path,
+                                       restored=restored)  # fmt: skip
+        return None if restore_from is None else self.load_checkpoint(str(restore_from))
 
     def _device(self, torch):  # noqa: ANN001, ANN202 (torch is imported lazily by the caller)
         if self.cfg.device == "cpu":

@@ -1,11 +1,13 @@
 """The frozen KL reference lives in the checkpoint: a resumed run restores it exactly without the warm-start export,
-and checkpoints written before it was saved still load (with the reference rebuilt, and a warning)."""
+and checkpoints written before it was saved still load (with the reference rebuilt, and a warning). A trainer that
+restores as it starts (``setup(resume=True)``, the driver's way) reads nothing of the base checkpoint's weights."""
 
 from __future__ import annotations
 
 import logging
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -65,7 +67,8 @@ def _batch(step: int) -> RolloutBatch:
 
 
 
-def _worker(rank: int, world: int, port: int, root: Path, init_path: Path):
+def _worker(rank: int, world: int, port: int, root: Path, init_path: Path, resume: bool = False):
+    """A rank set up on ``init_path``: (the worker, what its setup restored)."""
     from trainer.worker import TrainerWorker
 
     cfg = TrainerConfig(
@@ -73,18 +76,20 @@ def _worker(rank: int, world: int, port: int, root: Path, init_path: Path):
         checkpoint=dict(dir=str(root / "ckpt"), num_keep=1), schedule=dict(kind="cosine", num_total_steps=10),
     )  # fmt: skip
     worker = TrainerWorker(rank, cfg, MODEL, ALGO, init_path=str(init_path))
-    worker.setup("127.0.0.1", port)
-    return worker
+    return worker, worker.setup("127.0.0.1", port, resume=resume)
 
 
 
-def _resume_flow(rank: int, world: int, ports: tuple[int, int], root: Path) -> dict:
+def _resume_flow(rank: int, world: int, ports: tuple[int, int], root: Path, at_setup: bool) -> dict:
     """The driver's flow on one rank: warm start, the reference becomes the warm policy, export, RL steps with a
-    checkpoint; then the export is deleted and a fresh trainer built from the base checkpoint resumes."""
+    checkpoint; then the export is deleted and a fresh trainer built from the base checkpoint resumes (``at_setup``:
+    as it starts; else by a load after its setup)."""
+    import trainer.initial_weights
+
     torch.set_num_threads(1)
     warm = root / "warm_start_model"
     out: dict = {}
-    first = _worker(rank, world, ports[0], root, root / "base")
+    first, _ = _worker(rank, world, ports[0], root, root / "base")
     try:
         for step in range(3):
             first.sft_step(_batch(10 + step).samples, lr=1e-2)
@@ -103,10 +108,14 @@ def _resume_flow(rank: int, world: int, ports: tuple[int, int], root: Path) -> d
     finally:
         first.shutdown()
 
-    resumed = _worker(rank, world, ports[1], root, root / "base")
+    with mock.patch.object(trainer.initial_weights, "load_hf_checkpoint",
+                           wraps=trainer.initial_weights.load_hf_checkpoint) as hf_loads:  # fmt: skip
+        resumed, out["state"] = _worker(rank, world, ports[1], root, root / "base", resume=at_setup)
+    out["hf_loads"] = hf_loads.call_count
     try:
-        out["base_reference"] = full_weights(resumed.state.reference)
-        out["state"] = resumed.load_checkpoint()
+        if not at_setup:
+            out["base_reference"] = full_weights(resumed.state.reference)
+            out["state"] = resumed.load_checkpoint()
         out["loaded_reference"] = full_weights(resumed.state.reference)
         out["got"] = [resumed.train_step(_batch(step)) for step in (2, 3)]
         out["got_policy"] = full_weights(resumed.state.policy)
@@ -116,12 +125,12 @@ def _resume_flow(rank: int, world: int, ports: tuple[int, int], root: Path) -> d
     return out
 
 
-def _spawned_rank(rank: int, world: int, ports: tuple[int, int], root: str) -> None:
-    torch.save(_resume_flow(rank, world, ports, Path(root)), Path(root) / f"rank{rank}.pt")
+def _spawned_rank(rank: int, world: int, ports: tuple[int, int], root: str, at_setup: bool) -> None:
+    torch.save(_resume_flow(rank, world, ports, Path(root), at_setup), Path(root) / f"rank{rank}.pt")
 
 
-@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_kl_run_resumes_bit_exactly_without_the_warm_start_export(tmp_path, world: int) -> None:
+@pytest.mark.parametrize("world, at_setup", [(1, False), (2, True), pytest.param(2, False, marks=pytest.mark.slow)])
+def test_kl_run_resumes_bit_exactly_without_the_warm_start_export(tmp_path, world: int, at_setup: bool) -> None:
     from trainer.models.hf_io import save_hf_checkpoint
     from trainer.models.transformer import build_model
 
@@ -129,14 +138,19 @@ def test_kl_run_resumes_bit_exactly_without_the_warm_start_export(tmp_path, worl
     save_hf_checkpoint(build_model(MODEL), str(tmp_path / "base"))
     ports = (free_port(), free_port())
     if world == 1:
-        results = [_resume_flow(0, 1, ports, tmp_path)]
+        results = [_resume_flow(0, 1, ports, tmp_path, at_setup)]
     else:  # two FSDP ranks: the reference is saved and loaded as shards
-        mp.start_processes(_spawned_rank, args=(world, ports, str(tmp_path)), nprocs=world, start_method="spawn")
+        mp.start_processes(_spawned_rank, args=(world, ports, str(tmp_path), at_setup), nprocs=world,
+                           start_method="spawn")  # fmt: skip
         results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     assert not (tmp_path / "warm_start_model").exists()
     for out in results:
         warm = out["warm_reference"]
-        assert any(not torch.equal(out["base_reference"][n], warm[n]) for n in warm)  # what a rebuild would give
+        if at_setup:  # the checkpoint holds policy and reference: nothing of the base checkpoint is read for them
+            assert out["hf_loads"] == 0
+        else:  # built from the base checkpoint (policy and reference), then loaded over
+            assert out["hf_loads"] == 2
+            assert any(not torch.equal(out["base_reference"][n], warm[n]) for n in warm)  # what a rebuild would give
         assert out["state"]["step"] == 2 and out["state"]["data_cursor"] == {"next": 2}
         for name, tensor in out["loaded_reference"].items():
             assert torch.equal(tensor, warm[name]), name
@@ -146,3 +160,46 @@ def test_kl_run_resumes_bit_exactly_without_the_warm_start_export(tmp_path, worl
         for key in ("policy", "reference"):
             for name, tensor in out[f"got_{key}"].items():
                 assert torch.equal(tensor, out[f"expected_{key}"][name]), (key, name)
+
+
+
+def test_a_lora_run_restored_at_start_reads_its_base_and_resumes_bit_exactly(tmp_path) -> None:
+    """A LoRA checkpoint holds the adapters alone: a trainer restoring it as it starts still reads the frozen base from
+    ``init_path`` (once: its reference is the base with adapters off) and continues exactly as the run it resumes."""
+    import trainer.initial_weights
+    from trainer.models.config import LoRAConfig
+    from trainer.models.hf_io import save_hf_checkpoint
+    from trainer.models.transformer import build_model
+    from trainer.worker import TrainerWorker
+
+    lora_model = MODEL.model_copy(update={"lora": LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))})
+    torch.manual_seed(7)
+    save_hf_checkpoint(build_model(MODEL), str(tmp_path / "base"))
+    cfg = TrainerConfig(optimizer=dict(lr=3e-3), micro_batch_tokens=64, checkpoint=dict(dir=str(tmp_path / "ckpt")))
+    torch.set_num_threads(1)
+
+    first = TrainerWorker(0, cfg, lora_model, ALGO, init_path=str(tmp_path / "base"))
+    first.setup("127.0.0.1", free_port())
+    try:
+        for step in range(2):
+            first.train_step(_batch(step))
+        first.save_checkpoint(data_cursor={"next": 2})
+        expected = [first.train_step(_batch(step)) for step in (2, 3)]
+        expected_policy = full_weights(first.state.policy)
+    finally:
+        first.shutdown()
+
+    resumed = TrainerWorker(0, cfg, lora_model, ALGO, init_path=str(tmp_path / "base"))
+    with mock.patch.object(trainer.initial_weights, "load_hf_checkpoint",
+                           wraps=trainer.initial_weights.load_hf_checkpoint) as hf_loads:  # fmt: skip
+        state = resumed.setup("127.0.0.1", free_port(), resume=True)
+    try:
+        assert hf_loads.call_count == 1
+        assert state == {"step": 2, "policy_version": 2, "data_cursor": {"next": 2}}
+        got = [resumed.train_step(_batch(step)) for step in (2, 3)]
+        for a, b in zip(expected, got, strict=True):
+            assert {k: v for k, v in a.items() if not is_timing(k)} == {k: v for k, v in b.items() if not is_timing(k)}
+        for name, tensor in full_weights(resumed.state.policy).items():
+            assert torch.equal(tensor, expected_policy[name]), name
+    finally:
+        resumed.shutdown()
