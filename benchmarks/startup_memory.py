@@ -85,9 +85,9 @@ def _rank(rank: int, world: int, port: int, how: str, model_dir: str, out: str) 
         while not done.wait(SAMPLE_S):
             peak[0] = max(peak[0], rss_bytes("RssAnon"))
 
+    checkpoints = CheckpointManager(Path(model_dir).parent / "checkpoint", num_keep=1)
     threading.Thread(target=sample, daemon=True).start()
     start = time.perf_counter()
-    checkpoints = CheckpointManager(Path(model_dir).parent / "checkpoint", num_keep=1)
     loaded_s = None
     if how == "whole":
         policy, reference = _whole_build(cfg, model_cfg, mesh, model_dir)
