@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/python rl_align.py --recipe recipes/grpo_tiny.toml
 
+# -X faulthandler: a crash in native code, even after the last test (interpreter shutdown), prints every thread's stack.
 test: $(STAMP) lint
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -X faulthandler -m pytest -q
 
 # Lint and type-check the packages (settings in pyproject.toml); part of `make test`.
 lint: $(STAMP)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,7 +26,8 @@ _PROGRESS_KEYS = (
 
 
 class MetricsLogger:
-    """Fan out step metrics to JSONL (``<out>/metrics.jsonl``) and the optional sinks; close() flushes everything."""
+    """Fan out step metrics to JSONL (``<out>/metrics.jsonl``) and the optional sinks; close() flushes everything and
+    stops the Prometheus endpoint (its port is free again once close() returns)."""
 
     def __init__(
         self,
@@ -52,11 +54,12 @@ class MetricsLogger:
             self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
         self._gauges: dict[str, Any] = {}
         self._prometheus = prometheus_port is not None
+        self._http: tuple[Any, threading.Thread] | None = None
         if prometheus_port is not None:
             import prometheus_client
 
             self._registry = prometheus_client.CollectorRegistry()
-            prometheus_client.start_http_server(prometheus_port, addr="127.0.0.1", registry=self._registry)
+            self._http = prometheus_client.start_http_server(prometheus_port, addr="127.0.0.1", registry=self._registry)
 
     def log(self, step: int, metrics: Mapping[str, float], phase: str = "rl") -> None:
         """Record ``metrics`` for ``step`` in every sink; non-finite values are kept in JSONL as null."""
@@ -121,6 +124,12 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._http is not None:
+            server, thread = self._http
+            server.shutdown()
+            server.server_close()
+            thread.join()
+            self._http = None
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

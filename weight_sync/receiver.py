@@ -103,6 +103,7 @@ class WeightReceiver:
         self._writers_lock = threading.Lock()
         self._reaper: threading.Thread | None = None
         self._server: grpc.Server | None = None
+        self._handlers: futures.ThreadPoolExecutor | None = None
         self._data: DataPlaneServer | None = None
         self._shm: ShmPlaneServer | None = None
         self._port: int | None = None
@@ -118,7 +119,8 @@ class WeightReceiver:
                     f"bind_host={cfg.bind_host!r} is not loopback: configure TLS (tls_cert_path/tls_key_path) and a "
                     "token, or set allow_insecure_remote=true on a trusted network"
                 )
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.num_server_threads), options=grpc_options(cfg))
+        self._handlers = futures.ThreadPoolExecutor(max_workers=cfg.num_server_threads, thread_name_prefix="ws-rpc")
+        server = grpc.server(self._handlers, options=grpc_options(cfg))
         # Requests arrive as bytes and are parsed in `_parsed`: gRPC's own deserializers answer INTERNAL for bad bytes.
         handlers = {
             "Describe": grpc.unary_unary_rpc_method_handler(
@@ -183,6 +185,9 @@ class WeightReceiver:
         if self._server is not None:
             self._server.stop(grace_s).wait()
             self._server = None
+        if self._handlers is not None:  # gRPC leaves the handler threads it was given idling
+            self._handlers.shutdown(wait=False)
+            self._handlers = None
         if self._reaper is not None:
             self._reaper.join(timeout=5)
             self._reaper = None

@@ -1,9 +1,16 @@
 """The run's metric sinks: JSONL always, TensorBoard, Prometheus on loopback, and the curves PNG at the end."""
 
+import urllib.error
 import urllib.request
+
+import pytest
 
 from common.net import free_port
 from driver.metrics import MetricsLogger, plot_curves, read_jsonl
+
+
+def _scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
 
 
 def test_metrics_go_to_jsonl_tensorboard_prometheus_and_png(tmp_path, capsys):
@@ -12,7 +19,7 @@ def test_metrics_go_to_jsonl_tensorboard_prometheus_and_png(tmp_path, capsys):
     logger.log(0, {"sft_loss": 1.5}, phase="sft")
     for step in range(3):
         logger.log(step, {"reward/mean": 0.1 * step, "train/kl": 0.01, "perf/tokens_per_s": 100.0, "bad": float("nan")})
-    scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    scraped = _scrape(port)
     logger.close()
 
     records = read_jsonl(tmp_path / "metrics.jsonl")
@@ -23,6 +30,20 @@ def test_metrics_go_to_jsonl_tensorboard_prometheus_and_png(tmp_path, capsys):
     assert "step 3/3" in capsys.readouterr().err
     png = plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_close_stops_the_prometheus_endpoint_and_frees_its_port(tmp_path):
+    port = free_port()
+    logger = MetricsLogger(tmp_path, num_steps=1, tensorboard=False, progress=False, prometheus_port=port)
+    logger.log(0, {"reward/mean": 1.0})
+    assert "rl_align_reward_mean 1.0" in _scrape(port)
+    logger.close()
+    with pytest.raises(urllib.error.URLError):
+        _scrape(port)
+    nxt = MetricsLogger(tmp_path / "next", num_steps=1, tensorboard=False, progress=False, prometheus_port=port)
+    nxt.log(0, {"reward/mean": 2.0})  # the next run in this process takes the port
+    assert "rl_align_reward_mean 2.0" in _scrape(port)
+    nxt.close()
 
 
 def test_resumed_logger_appends(tmp_path):
