@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/python rl_align.py --recipe recipes/grpo_tiny.toml
 
-# -X faulthandler: a crash in native code, even after the last test (interpreter shutdown), prints every thread's stack.
+# -X faulthandler: a crash in native code during the tests prints every thread's stack (tests/conftest.py ends the
+# process with the session's status once pytest has reported, skipping the native teardown of interpreter shutdown).
 test: $(STAMP) lint
 	$(VENV)/bin/python -X faulthandler -m pytest -q
 
