@@ -41,7 +41,8 @@ class RunResult:
     first_step_begin: float
     last_step_end: float
     steps: list[dict[str, float]]
-    """Per step: phase seconds (``step_s`` the whole step), ``cpu_s``, ``tokens``, ``completion_tokens``."""
+    """Per step: phase seconds (``step_s`` the whole step), ``cpu_s``, ``cores_busy`` (CPU seconds per second and
+    core), ``tokens``, ``completion_tokens``."""
     checkpoints: dict[int, tuple[Path, float]] = field(default_factory=dict)
     """step -> (HF directory, seconds from process start to its weights file)."""
     accuracy: dict[int, tuple[float, float]] = field(default_factory=dict)
@@ -91,9 +92,11 @@ def print_phases(runs: list[RunResult]) -> dict[str, dict[str, list[float]]]:
     print("s/step by phase (median over steps 2.., then median [range] over reps):")
     for side, phases in by_side.items():
         parts = [f"{k.strip()} {med_range(v)}" if not k.startswith(" ") else f"(of it {k.strip()} {med_range(v)})"
-                 for k, v in phases.items() if k not in ("tokens", "completion_tokens", "step_s", "cpu_s")]
+                 for k, v in phases.items()
+                 if k not in ("tokens", "completion_tokens", "step_s", "cpu_s", "cores_busy")]  # fmt: skip
         print(f"  {side:5s} " + "  ".join(parts))
-        print(f"  {'':5s} step {med_range(phases['step_s'])} s, CPU {med_range(phases['cpu_s'])} CPU-s")
+        print(f"  {'':5s} step {med_range(phases['step_s'])} s, CPU {med_range(phases['cpu_s'])} CPU-s, cores busy "
+              f"{med_range(phases['cores_busy'])}")
     return by_side
 
 

@@ -34,11 +34,12 @@ What happens, in order:
 Printed, in one report: the CPU model, ``uptime`` load before and after (and around every run), per run the start-up
 and RL seconds; wall clock from process start to the first checkpoint whose sampled held-out accuracy reaches
 ``--threshold`` (the checkpoint's weights-file mtime), median and range over reps, and the ratio TRL / ours (target:
-ours >= 1.5x faster); s/step and CPU-s/step by phase (median over a run's steps after the first; median and range over
-reps); accuracy at equal steps and at equal seconds. ``--completion long`` runs the same task with 128-token
-completions (ours ``rollout.sampling.max_tokens = 128``, ``ignore_eos = true``; TRL ``max_completion_length = 128``,
-``generation_kwargs = {"min_new_tokens": 128}``); accuracy is meaningless there, so it reports s/step by phase and
-tokens/s (prompt + completion tokens per step second; completion tokens per second of the generation phase).
+ours >= 1.5x faster); s/step and CPU-s/step by phase and the cores busy (CPU seconds per second and core; median
+over a run's steps after the first; median and range over reps); accuracy at equal steps and at equal seconds.
+``--completion long`` runs the same task with 128-token completions (ours ``rollout.sampling.max_tokens = 128``,
+``ignore_eos = true``; TRL ``max_completion_length = 128``, ``generation_kwargs = {"min_new_tokens": 128}``); accuracy
+is meaningless there, so it reports s/step by phase and tokens/s (prompt + completion tokens per step second;
+completion tokens per second of the generation phase).
 
 Phases. Ours (``metrics.jsonl``): generate ``time/generate_s`` (the driver's view: submit to collect, scoring
 included; of it the engine's own ``rollout/generate_s``), train ``time/train_s`` (of it the trainer's own
@@ -209,6 +210,7 @@ def run_ours(setting: Setting, rep: int, model_dir: Path, work: Path, threads: i
         "  trainer step": r["train/step_s"], "export": r["time/checkpoint_s"], "push": r["time/push_s"],
         # perf/cores_busy starts at a run's second step (the phase medians skip the first)
         "step_s": r["time/step_s"], "cpu_s": r.get("perf/cores_busy", math.nan) * r["time/step_s"] * threads,
+        "cores_busy": r.get("perf/cores_busy", math.nan),
         "tokens": r["perf/tokens_per_s"] * r["time/step_s"], "completion_tokens": r["rollout/num_completion_tokens"],
         "reward": r["reward/mean"],
     } for r in rl]  # fmt: skip
@@ -259,6 +261,7 @@ def run_trl(setting: Setting, rep: int, cmd: list[str], out: Path, work: Path, t
             "generate": generate, "  HF generate": s.get("generate_s", 0.0),
             "train": s["t_end"] - s["t_begin"] - generate, "save/log/data": nxt["t_begin"] - s["t_end"],
             "step_s": nxt["t_begin"] - s["t_begin"], "cpu_s": nxt["cpu_begin"] - s["cpu_begin"],
+            "cores_busy": (nxt["cpu_begin"] - s["cpu_begin"]) / (nxt["t_begin"] - s["t_begin"]) / threads,
             "tokens": s["num_prompt_tokens"] + s["num_completion_tokens"],
             "completion_tokens": s["num_completion_tokens"], "reward": s["reward_sum"] / s["num_samples"],
         })  # fmt: skip
