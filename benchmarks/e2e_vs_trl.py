@@ -4,7 +4,7 @@ Run (once: ``benchmarks/trl_venv.sh`` creates ``.venv-trl``, TRL's own venv)::
 
     .venv/bin/python benchmarks/e2e_vs_trl.py                       # short and long completions, 300 steps, 2 reps
     .venv/bin/python benchmarks/e2e_vs_trl.py --completion short --steps 300 --reps 2 --threshold 0.6
-    .venv/bin/python benchmarks/e2e_vs_trl.py --steps 4 --save-every 2 --reps 1 --long-steps 2   # a smoke
+    .venv/bin/python benchmarks/e2e_vs_trl.py --steps 12 --save-every 6 --reps 1 --long-steps 2   # a smoke
     [--warm-start-model DIR]  skip step 1 and start both sides from DIR (an earlier run's warm_start_model)
     [--work-dir DIR | --keep]  keep checkpoints, logs and metrics (default: a temp dir, removed)   [--threads N]
     [--engines N]  our side with N vLLM engines sharing the cores (``rollout.num_workers``; default 1, the recipe's)
