@@ -52,10 +52,13 @@ class ParallelismConfig(Config):
     reshard_after_forward: bool = True
     """Free the gathered parameters of a block after its forward (less memory, one more all-gather in backward)."""
     vocab_parallel: bool = False
-    """Split the token embedding and output head by vocabulary rows over the data-parallel ranks instead of letting
-    FSDP gather them (``trainer.vocab_parallel``): each rank keeps only its rows, and the ranks exchange activations
-    (``ranks x tokens x dim`` per micro-batch) instead of the ``vocab x dim`` matrix and its gradient. Pays for large
-    vocabularies on few ranks; with one data-parallel rank it changes nothing. Needs the ``chunked`` output head."""
+    """Split the token embedding and output head by vocabulary rows (``trainer.vocab_parallel``; needs the ``chunked``
+    output head). Without tensor parallelism: over the data-parallel ranks instead of letting FSDP gather them; each
+    rank keeps only its rows, and the ranks exchange activations (``ranks x tokens x dim`` per micro-batch) instead of
+    the ``vocab x dim`` matrix and its gradient. Pays for large vocabularies on few ranks; with one data-parallel rank
+    it changes nothing. With tensor parallelism: over each TP group, whose ranks then compute the head on their own
+    rows only instead of each computing all of it (Megatron's vocabulary-parallel embedding and loss); FSDP shards
+    each rank's rows over the data-parallel ranks."""
     tensor_parallel_degree: int = pydantic.Field(default=1, ge=1)
     """Ranks per tensor-parallel group (DTensor Colwise/Rowwise); 1 turns tensor parallelism off."""
     expert_parallel_degree: int = pydantic.Field(default=1, ge=1)
@@ -257,12 +260,6 @@ class TrainerConfig(Config):
                     "parallelism.expert_parallel_degree > 1 needs parallelism.fsdp = true (the weights other than the "
                     "experts are FSDP-sharded over all ranks)"
                 )
-        if self.parallelism.vocab_parallel and tp > 1:
-            raise ValueError(
-                "parallelism.vocab_parallel splits the vocabulary over data-parallel ranks and is not built with "
-                "tensor parallelism (which keeps the embedding and head replicated on its ranks): set one of "
-                "vocab_parallel = false or tensor_parallel_degree = 1"
-            )
         if not self.parallelism.fsdp and self.num_ranks // tp > 1:
             raise ValueError(
                 f"{self.num_ranks // tp} data-parallel ranks need parallelism.fsdp = true (the only data-parallel "

@@ -10,7 +10,8 @@ figures.
   With expert parallelism a rank gathers only its own experts (``trainer.expert_parallel``);
 - the gathered root: FSDP2's root unit (token embedding, final norm, an untied output head) stays unsharded from a
   micro-batch's forward to the end of its backward, where its gradient joins it, again in the reduction dtype. With
-  the vocabulary split (``trainer.parallelism.vocab_parallel``) the matrices stay sharded instead;
+  the vocabulary split (``trainer.parallelism.vocab_parallel``) the matrices stay sharded instead (under tensor
+  parallelism FSDP gathers this rank's rows of them only);
 - activations: what autograd keeps from one micro-batch's forward for its backward. A block without checkpointing
   keeps its normalised inputs, the query/key/value projections before and after their norms and RoPE, the attention
   output and the feed-forward's four hidden-width tensors (dense SwiGLU, or the ``top_k`` experts' per routed token);
@@ -73,13 +74,20 @@ def gathered_block_bytes(
 
 
 def gathered_root_bytes(
-    model: ModelConfig, vocab_parallel: bool = False, param_dtype: str = "float32", reduce_dtype: str = "float32"
+    model: ModelConfig,
+    vocab_parallel: bool = False,
+    param_dtype: str = "float32",
+    reduce_dtype: str = "float32",
+    tensor_parallel_degree: int = 1,
 ) -> float:
     """Bytes of FSDP2's unsharded root unit at the end of a backward (see the module docstring): its parameters (the
-    token embedding, the untied output head, the final norm; the norm alone when ``vocab_parallel``) in
-    ``param_dtype``, and unless ``model.lora`` freezes them their gradients in ``param_dtype`` and ``reduce_dtype``."""
+    token embedding, the untied output head, the final norm; with ``vocab_parallel`` the norm alone, or under tensor
+    parallelism the norm and this rank's ``1 / tensor_parallel_degree`` of the matrices' rows) in ``param_dtype``, and
+    unless ``model.lora`` freezes them their gradients in ``param_dtype`` and ``reduce_dtype``."""
     matrices = (1 if model.tie_embeddings else 2) * model.vocab_size * model.dim
-    params = model.dim + (0 if vocab_parallel else matrices)
+    if vocab_parallel:
+        matrices = matrices // tensor_parallel_degree if tensor_parallel_degree > 1 else 0
+    params = model.dim + matrices
     grads = 0 if model.lora is not None else params
     return params * _BYTES[param_dtype] + grads * (_BYTES[param_dtype] + _BYTES[reduce_dtype])
 

@@ -119,14 +119,20 @@ def parallelize_model(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> Mo
     (when :func:`uses_fsdp`): ``fully_shard`` on every block of ``model.layers``, then the root.
 
     The root unit keeps embeddings, final norm and output head together, so tied embeddings stay tied; with
-    ``parallelism.vocab_parallel`` (and more than one data-parallel rank) the embedding and output matrices are split by
-    vocabulary rows instead and FSDP leaves them alone (``trainer.vocab_parallel``). With EP each
+    ``parallelism.vocab_parallel`` (``trainer.vocab_parallel``) the embedding and output matrices are split by
+    vocabulary rows: over the tensor-parallel group when TP is on (FSDP then shards each rank's rows over the
+    data-parallel ranks, as it does the blocks' TP weights), else over the data-parallel ranks (when more than one),
+    where FSDP leaves them alone. With EP each
     MoE layer's experts are their own FSDP unit over ``efsdp``, inside the block's unit over all ranks. Returns
     ``model`` (now an ``FSDPModule`` when FSDP is on).
     """
     expert_parallel = cfg.parallelism.expert_parallel_degree > 1
-    if cfg.parallelism.tensor_parallel_degree > 1:
+    tensor_parallel = cfg.parallelism.tensor_parallel_degree > 1
+    compute_dtype = _DTYPES[cfg.mixed_precision.param_dtype]
+    if tensor_parallel:
         _apply_tensor_parallel(model, mesh["tp"])
+        if cfg.parallelism.vocab_parallel:
+            _split_vocabulary(model, mesh["tp"], compute_dtype, shared_tokens=True)
     if expert_parallel:
         apply_expert_parallel(model, mesh["ep"])
     # Inside each block's FSDP unit, as torchtitan orders them: backward's recompute runs on the gathered parameters.
@@ -134,10 +140,7 @@ def parallelize_model(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> Mo
     if not uses_fsdp(mesh, cfg):
         return model
     dp_mesh = data_parallel_mesh(mesh)
-    mp = MixedPrecisionPolicy(
-        param_dtype=_DTYPES[cfg.mixed_precision.param_dtype],
-        reduce_dtype=_DTYPES[cfg.mixed_precision.reduce_dtype],
-    )
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=_DTYPES[cfg.mixed_precision.reduce_dtype])
     reshard = cfg.parallelism.reshard_after_forward
     blocks = list(model.layers)
     for block in blocks:
@@ -152,8 +155,8 @@ def parallelize_model(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> Mo
                     fully_shard(adapter, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
             fully_shard(unit, mesh=mesh["efsdp"], mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
-    split = cfg.parallelism.vocab_parallel and dp_mesh.size() > 1
-    ignored = _split_vocabulary(model, dp_mesh, _DTYPES[cfg.mixed_precision.param_dtype]) if split else None
+    split = cfg.parallelism.vocab_parallel and not tensor_parallel and dp_mesh.size() > 1
+    ignored = _split_vocabulary(model, dp_mesh, compute_dtype) if split else None
     # The root's parameters are needed right after the last block's forward: keep them gathered.
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
     for module in model.modules():
@@ -164,19 +167,22 @@ def parallelize_model(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> Mo
     return model
 
 
-def _split_vocabulary(model: ModelT, dp_mesh: DeviceMesh, compute_dtype: torch.dtype) -> set[nn.Parameter]:
-    """Split the embedding and output matrices by vocabulary rows over ``dp_mesh`` (``trainer.vocab_parallel``) and
-    install the lookup and head that work on the split; returns those parameters, which FSDP must leave alone."""
+def _split_vocabulary(
+    model: ModelT, mesh: DeviceMesh, compute_dtype: torch.dtype, shared_tokens: bool = False
+) -> set[nn.Parameter]:
+    """Split the embedding and output matrices by vocabulary rows over the 1-D ``mesh`` (``trainer.vocab_parallel``)
+    and install the lookup and head that work on the split; returns those parameters (over data-parallel ranks FSDP
+    must leave them alone). ``shared_tokens``: ``mesh`` is a tensor-parallel group, whose ranks hold the same tokens."""
     body = model.body if isinstance(model, Critic) else model
-    weight = shard_vocabulary_rows(body.tok_embeddings.weight, dp_mesh)
+    weight = shard_vocabulary_rows(body.tok_embeddings.weight, mesh)
     first = local_shard_place(weight)[1][0]
     # The same lookup contract and `weight` name as the nn.Embedding it replaces.
-    body.tok_embeddings = VocabParallelEmbedding(weight, first, compute_dtype)  # type: ignore[assignment]
+    body.tok_embeddings = VocabParallelEmbedding(weight, first, compute_dtype, shared_tokens)  # type: ignore[assignment]
     split = {weight}
     if body.output is not None:  # untied: the same [V, D] shape, so the same rows on this rank
-        body.output.weight = shard_vocabulary_rows(body.output.weight, dp_mesh)
+        body.output.weight = shard_vocabulary_rows(body.output.weight, mesh)
         split.add(body.output.weight)
-    body.set_output_head(VocabParallelHead(first))
+    body.set_output_head(VocabParallelHead(first, shared_tokens))
     return split
 
 

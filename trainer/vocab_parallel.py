@@ -1,5 +1,8 @@
-"""The token embedding and output head with their ``[V, D]`` matrix split by vocabulary rows over the data-parallel
-ranks: each rank keeps its own block of rows (the same dim-0 shard FSDP would keep) and never gathers the matrix.
+"""The token embedding and output head with their ``[V, D]`` matrix split by vocabulary rows over a group of ranks:
+each rank keeps its own block of rows and never gathers the matrix. The group is either the data-parallel ranks (each
+holds its own tokens; the rows are the dim-0 shard FSDP would keep) or a tensor-parallel group (every rank holds the
+same tokens, as TP's replicated activations are; FSDP then shards each rank's rows over the data-parallel ranks like
+any TP weight).
 
 Why: FSDP's root unit holds the embedding (and the output head, tied or not) gathered for the whole forward and
 backward of every micro-batch, then its unsharded gradient and the buffer it reduce-scatters: at Qwen3-0.6B's
@@ -22,6 +25,13 @@ activations; the gathered activations grow with the rank count (``ranks x tokens
 stays small beside ``V x D``. Ranks may hold different numbers of tokens (each exchange pads to the longest). Every
 rank must make the same calls in the same order, as FSDP's own collectives already require of the step.
 Gradients are summed over ranks, as ``trainer.parallelize`` sets FSDP's reductions.
+
+Over a tensor-parallel group (``shared_tokens``) there is nothing to gather: every rank already holds every token and
+its hidden state, and the gradients arriving from the (identical) loss are the same on every rank. The lookup sums the
+ranks' pieces with an all-reduce; the head exchanges only the four numbers per token, and its backward sums the
+ranks' partial hidden gradients with an all-reduce. Each rank then computes the head on ``1 / ranks`` of the
+vocabulary instead of all of it, and holds ``1 / ranks`` of the matrix and its gradient (Megatron's vocabulary-parallel
+embedding and cross entropy, with the entropy term as well).
 """
 
 from __future__ import annotations
@@ -87,6 +97,33 @@ def _own_rows(x: torch.Tensor, counts: list[int], group: dist.ProcessGroup) -> t
     return x[start : start + counts[dist.get_rank(group)]]
 
 
+class _Exchange:
+    """How the ranks of ``group`` hold one call's ``n`` tokens: each its own (``shared`` False, the data-parallel split:
+    gather every rank's, a reduce-scatter sums back to the owner) or all the same ones (``shared``, a tensor-parallel
+    group: nothing to gather, an all-reduce sums). Constructing it is collective when not ``shared``."""
+
+    def __init__(self, group: dist.ProcessGroup, shared: bool, n: int, device: torch.device) -> None:
+        self.group, self.shared = group, shared
+        self.counts = [n] * dist.get_world_size(group) if shared else _counts(n, group, device)
+        self.empty = max(self.counts) == 0
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of ``x`` (:func:`_gather_rows`); ``x`` itself when shared."""
+        return x if self.shared else _gather_rows(x, self.counts, self.group)
+
+    def sum_own(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of gathered ``x``, this rank's own rows of it (:func:`_sum_own_rows`); all of it, summed
+        in place, when shared."""
+        if not self.shared:
+            return _sum_own_rows(x, self.counts, self.group)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def own(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's own rows of gathered ``x`` (:func:`_own_rows`); ``x`` itself when shared."""
+        return x if self.shared else _own_rows(x, self.counts, self.group)
+
+
 def _local_ids(ids: torch.Tensor, first: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids as row indices of this rank's shard, 0 where not held; whether it holds them)."""
     local = ids - first
@@ -96,27 +133,26 @@ def _local_ids(ids: torch.Tensor, first: int, rows: int) -> tuple[torch.Tensor, 
 
 class _Lookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, ids, first, group):  # noqa: ANN001 (autograd signature)
+    def forward(ctx, rows, ids, first, group, shared):  # noqa: ANN001 (autograd signature)
         flat = ids.reshape(-1)
-        counts = _counts(flat.numel(), group, ids.device)
-        if max(counts) == 0:
-            ctx.empty = True
+        exchange = ctx.exchange = _Exchange(group, shared, flat.numel(), ids.device)
+        if exchange.empty:
             return rows.new_zeros((*ids.shape, rows.shape[1]))
-        local, held = _local_ids(_gather_rows(flat, counts, group), first, rows.shape[0])
+        local, held = _local_ids(exchange.gather(flat), first, rows.shape[0])
         looked_up = F.embedding(local, rows).masked_fill_(~held[:, None], 0)
         ctx.save_for_backward(local, held)
-        ctx.counts, ctx.group, ctx.rows_shape, ctx.empty = counts, group, rows.shape, False
-        return _sum_own_rows(looked_up, counts, group).reshape(*ids.shape, rows.shape[1])
+        ctx.rows_shape = rows.shape
+        return exchange.sum_own(looked_up).reshape(*ids.shape, rows.shape[1])
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001
-        if ctx.empty:
-            return None, None, None, None
+        if ctx.exchange.empty:
+            return None, None, None, None, None
         local, held = ctx.saved_tensors
-        grads = _gather_rows(grad.reshape(-1, grad.shape[-1]).contiguous(), ctx.counts, ctx.group)
+        grads = ctx.exchange.gather(grad.reshape(-1, grad.shape[-1]).contiguous())
         grad_rows = grads.new_zeros(ctx.rows_shape)
         grad_rows.index_add_(0, local[held], grads[held])
-        return grad_rows, None, None, None
+        return grad_rows, None, None, None, None
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -126,32 +162,35 @@ class VocabParallelEmbedding(nn.Module):
     ``compute_dtype`` (FSDP's mixed-precision parameter dtype). Collective: every rank of ``mesh`` calls ``forward``.
     """
 
-    def __init__(self, weight: nn.Parameter, first: int, compute_dtype: torch.dtype) -> None:
-        """``weight``: from :func:`shard_vocabulary_rows`; ``first``: the vocabulary id of this rank's first row."""
+    def __init__(
+        self, weight: nn.Parameter, first: int, compute_dtype: torch.dtype, shared_tokens: bool = False
+    ) -> None:
+        """``weight``: from :func:`shard_vocabulary_rows`; ``first``: the vocabulary id of this rank's first row;
+        ``shared_tokens``: every rank of the mesh looks up the same tokens (a tensor-parallel group)."""
         super().__init__()
         self.weight, self.first, self.compute_dtype = weight, first, compute_dtype
+        self.shared_tokens = shared_tokens
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens [...]`` int64 -> ``[..., D]`` in ``compute_dtype``."""
         weight = self.weight
         assert isinstance(weight, DTensor), "shard_vocabulary_rows made it a DTensor"
         rows = weight.to_local().to(self.compute_dtype)
-        return _Lookup.apply(rows, tokens, self.first, weight.device_mesh.get_group())
+        return _Lookup.apply(rows, tokens, self.first, weight.device_mesh.get_group(), self.shared_tokens)
 
 
 class _Logprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, rows, targets, first, chunk_size, group):  # noqa: ANN001 (autograd signature)
+    def forward(ctx, hidden, rows, targets, first, chunk_size, group, shared):  # noqa: ANN001 (autograd signature)
         ctx.set_materialize_grads(False)
         flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-        counts = _counts(flat_targets.numel(), group, hidden.device)
+        exchange = ctx.exchange = _Exchange(group, shared, flat_targets.numel(), hidden.device)
         logprobs = hidden.new_empty(targets.shape, dtype=torch.float32)
         entropy = hidden.new_empty(targets.shape, dtype=torch.float32)
-        ctx.empty = max(counts) == 0
-        if ctx.empty:
+        if exchange.empty:
             return logprobs, entropy
-        all_hidden = _gather_rows(flat_hidden.contiguous(), counts, group)
-        local_targets, held = _local_ids(_gather_rows(flat_targets, counts, group), first, rows.shape[0])
+        all_hidden = exchange.gather(flat_hidden.contiguous())
+        local_targets, held = _local_ids(exchange.gather(flat_targets), first, rows.shape[0])
         n, chunk = all_hidden.shape[0], even_chunk(all_hidden.shape[0], chunk_size)
         stats = hidden.new_empty((n, 4), dtype=torch.float32)
         logits_buf = hidden.new_empty((min(chunk, n), rows.shape[0]), dtype=torch.float32)
@@ -164,23 +203,24 @@ class _Logprobs(torch.autograd.Function):
         every = hidden.new_empty((dist.get_world_size(group) * n, 4), dtype=torch.float32)
         _all_gather(every, stats, group=group)
         all_logprobs, lse, all_entropy = _combine(every.view(-1, n, 4))
-        logprobs.view(-1).copy_(_own_rows(all_logprobs, counts, group))
-        entropy.view(-1).copy_(_own_rows(all_entropy, counts, group))
+        logprobs.view(-1).copy_(exchange.own(all_logprobs))
+        entropy.view(-1).copy_(exchange.own(all_entropy))
         ctx.save_for_backward(all_hidden, rows, local_targets, held, lse, all_entropy)
-        ctx.counts, ctx.group, ctx.chunk, ctx.hidden_shape = counts, group, chunk, hidden.shape
+        ctx.chunk, ctx.hidden_shape = chunk, hidden.shape
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):  # noqa: ANN001
-        if ctx.empty or (grad_logprobs is None and grad_entropy is None):
-            return None, None, None, None, None, None
+        exchange = ctx.exchange
+        if exchange.empty or (grad_logprobs is None and grad_entropy is None):
+            return None, None, None, None, None, None, None
         all_hidden, rows, local_targets, held, lse, entropy = ctx.saved_tensors
-        counts, group, chunk = ctx.counts, ctx.group, ctx.chunk
-        n = all_hidden.shape[0]
+        chunk, n = ctx.chunk, all_hidden.shape[0]
+        own_count = exchange.counts[dist.get_rank(exchange.group)]
 
         def gathered(g: torch.Tensor | None) -> torch.Tensor:
-            own = torch.zeros(counts[dist.get_rank(group)], device=lse.device) if g is None else g.reshape(-1).float()
-            return _gather_rows(own.contiguous(), counts, group)
+            own = torch.zeros(own_count, device=lse.device) if g is None else g.reshape(-1).float()
+            return exchange.gather(own.contiguous())
 
         g_lp = gathered(grad_logprobs)
         g_ent = None if grad_entropy is None else gathered(grad_entropy)
@@ -205,9 +245,9 @@ class _Logprobs(torch.autograd.Function):
             elif grad_rows is not None:  # each chunk's product in the parameters' dtype, summed in float32
                 grad_rows.add_(torch.mm(grad_logits.t(), h))
         del buf, probs_buf
-        own_grad_hidden = _sum_own_rows(grad_hidden, counts, group).to(all_hidden.dtype).view(ctx.hidden_shape)
+        own_grad_hidden = exchange.sum_own(grad_hidden).to(all_hidden.dtype).view(ctx.hidden_shape)
         grad_rows = None if grad_rows is None else grad_rows.to(rows.dtype)
-        return own_grad_hidden, grad_rows, None, None, None, None
+        return own_grad_hidden, grad_rows, None, None, None, None, None
 
 
 def _shard_stats(
@@ -245,11 +285,12 @@ class VocabParallelHead:
     entropy)``) for a ``weight`` split by vocabulary rows (:func:`shard_vocabulary_rows`); see the module doc.
 
     Computes in ``hidden``'s dtype, the softmax in float32; collective over the weight's mesh. ``first``: the vocabulary
-    id of this rank's first row.
+    id of this rank's first row; ``shared_tokens``: every rank of the mesh passes the same hidden states and targets
+    and gets every token's results (a tensor-parallel group), else each rank its own tokens'.
     """
 
-    def __init__(self, first: int) -> None:
-        self.first = first
+    def __init__(self, first: int, shared_tokens: bool = False) -> None:
+        self.first, self.shared_tokens = first, shared_tokens
 
     def __call__(
         self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_size: int = 1024
@@ -259,4 +300,5 @@ class VocabParallelHead:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         rows = weight.to_local().to(hidden.dtype)
-        return _Logprobs.apply(hidden, rows, targets, self.first, chunk_size, weight.device_mesh.get_group())
+        group = weight.device_mesh.get_group()
+        return _Logprobs.apply(hidden, rows, targets, self.first, chunk_size, group, self.shared_tokens)

@@ -356,7 +356,8 @@ def test_hardware_recipe_fits_its_chips(ref):
         model, trainer.parallelism.expert_parallel_degree, precision.param_dtype, precision.reduce_dtype
     ) / 2**30
     root = gathered_root_bytes(
-        model, trainer.parallelism.vocab_parallel, precision.param_dtype, precision.reduce_dtype
+        model, trainer.parallelism.vocab_parallel, precision.param_dtype, precision.reduce_dtype,
+        trainer.parallelism.tensor_parallel_degree,
     ) / 2**30
     assert state + gathered + root + activations <= 0.9 * hbm, (
         f"{state:.1f} GiB of training state + {gathered:.1f} GiB of gathered blocks + {root:.1f} GiB of the root "

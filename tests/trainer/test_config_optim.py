@@ -39,8 +39,6 @@ def test_defaults_and_backend() -> None:
         ({"num_ranks": 6, "parallelism": {"expert_parallel_degree": 4}}, "multiple of parallelism.expert_parallel"),
         ({"num_ranks": 4, "parallelism": {"expert_parallel_degree": 2, "tensor_parallel_degree": 2}}, "not built"),
         ({"num_ranks": 2, "parallelism": {"expert_parallel_degree": 2, "fsdp": False}}, "needs parallelism.fsdp"),
-        ({"num_ranks": 2, "parallelism": {"vocab_parallel": True, "tensor_parallel_degree": 2}},
-         "vocab_parallel .* not built with tensor parallelism"),
         ({"optimizer": {"betas": [0.9, 1.0]}}, "betas"),
         ({"optimizer": {"lr": "1e-3"}}, "optimizer.lr"),
         ({"micro_batch_tokns": 10}, "unknown key"),

@@ -1,5 +1,6 @@
-"""1 rank vs 2 FSDP ranks (gloo, spawned processes; with and without activation checkpointing): same losses and
-resume from a checkpoint reproduces the uninterrupted trajectory bit for bit (on each world size)."""
+"""1 rank vs 2 FSDP ranks, 2 tensor-parallel ranks and 2 x 2 (gloo, spawned processes; with and without activation
+checkpointing, with the vocabulary split over the TP group): same losses and weights, and resume from a checkpoint
+reproduces the uninterrupted trajectory bit for bit (on each layout)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _batch(step: int) -> RolloutBatch:
     return random_batch(100 + step, num_groups=4, completion_len=(1, 24), logprob=(-3.8, -3.5))
 
 
-def _configs(ckpt_dir: str, world: int, tp: int, ac: str):
+def _configs(ckpt_dir: str, world: int, tp: int, ac: str, vocab: bool):
     from trainer.config import TrainerConfig
     from trainer.models.config import ModelConfig
     from trainer.rl.config import GRPOConfig, KLConfig
@@ -34,7 +35,8 @@ def _configs(ckpt_dir: str, world: int, tp: int, ac: str):
         ffn_hidden_dim=64, qk_norm=True, tie_embeddings=True, output_chunk_size=16,
     )  # fmt: skip
     cfg = TrainerConfig(
-        num_ranks=world, parallelism=dict(tensor_parallel_degree=tp), micro_batch_tokens=96, num_minibatches=2,
+        num_ranks=world, parallelism=dict(tensor_parallel_degree=tp, vocab_parallel=vocab), micro_batch_tokens=96,
+        num_minibatches=2,
         max_grad_norm=0.5,
         optimizer=dict(lr=3e-3, weight_decay=0.01),
         schedule=dict(kind="cosine", num_warmup_steps=2, num_total_steps=12, min_lr_ratio=0.1),
@@ -45,7 +47,7 @@ def _configs(ckpt_dir: str, world: int, tp: int, ac: str):
 
 
 
-def _worker(rank: int, world: int, tp: int, ac: str, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, tp: int, ac: str, vocab: bool, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from trainer.checkpoint import CheckpointManager, TrainProgress
@@ -53,13 +55,14 @@ def _worker(rank: int, world: int, tp: int, ac: str, port: int, out_dir: str) ->
     from trainer.state import build_train_state
     from trainer.step import rl_step
 
-    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world, tp, ac)
+    cfg, model_cfg, algo = _configs(os.path.join(out_dir, "ckpt"), world, tp, ac, vocab)
 
     def fresh():
         return build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
 
     state = fresh()
-    result: dict = {"init_shards": [(n, t.clone(), s, o) for n, t, s, o in local_shards(state.policy)]}
+    result: dict = {"init_shards": [(n, t.clone(), s, o) for n, t, s, o in local_shards(state.policy)],
+                    "embedding": type(state.policy.tok_embeddings).__name__}
     manager = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.num_keep)
     losses = []
     for step in range(NUM_STEPS):
@@ -81,19 +84,27 @@ def _worker(rank: int, world: int, tp: int, ac: str, port: int, out_dir: str) ->
 
 
 
-def _run(world: int, tp: int, ac: str, out_dir: Path) -> list[dict]:
+def _run(world: int, tp: int, ac: str, vocab: bool, out_dir: Path) -> list[dict]:
     out_dir.mkdir(parents=True)
-    mp.start_processes(_worker, args=(world, tp, ac, free_port(), str(out_dir)), nprocs=world, start_method="spawn")
+    args = (world, tp, ac, vocab, free_port(), str(out_dir))
+    mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+RUNS = {  # name: (ranks, tensor-parallel degree, activation checkpointing, vocabulary split)
+    "1": (1, 1, "none", False), "2": (2, 1, "none", False), "tp2": (2, 2, "none", False),
+    "2ac": (2, 1, "selective", False), "tp2v": (2, 2, "none", True), "dp2tp2v": (4, 2, "none", True),
+}  # fmt: skip
+"""'1': one rank; '2': two FSDP ranks; 'tp2': two tensor-parallel ranks (FSDP over a data-parallel mesh of 1); '2ac':
+two FSDP ranks, the first of the two blocks activation-checkpointed (recomputed inside its FSDP unit); 'tp2v': 'tp2'
+with the vocabulary split over the TP group; 'dp2tp2v': 2 data-parallel x 2 tensor-parallel ranks, the vocabulary split
+over each TP group and each TP rank's rows sharded by FSDP over the data-parallel ranks."""
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    """'1': one rank; '2': two FSDP ranks; 'tp2': two tensor-parallel ranks (FSDP over a data-parallel mesh of 1);
-    '2ac': two FSDP ranks, the first of the two blocks activation-checkpointed (recomputed inside its FSDP unit)."""
     root = tmp_path_factory.mktemp("fsdp")
-    runs = (("1", 1, 1, "none"), ("2", 2, 1, "none"), ("tp2", 2, 2, "none"), ("2ac", 2, 1, "selective"))
-    return {name: _run(world, tp, ac, root / name) for name, world, tp, ac in runs}
+    return {name: _run(*layout, root / name) for name, layout in RUNS.items()}
 
 
 
@@ -105,16 +116,38 @@ def test_first_step_is_exactly_on_policy(runs) -> None:
     assert first["kl"] >= 0
 
 
-@pytest.mark.parametrize("name", ["2", "tp2", "2ac"])
+@pytest.mark.parametrize("name", ["2", "tp2", "2ac", "tp2v", "dp2tp2v"])
 def test_two_ranks_match_one_rank(runs, name: str) -> None:
-    one, two = runs["1"][0], runs[name]
-    for m1, m2a, m2b in zip(one["metrics"], two[0]["metrics"], two[1]["metrics"]):
-        assert {k: v for k, v in m2a.items() if not is_timing(k)} == {k: v for k, v in m2b.items() if not is_timing(k)}
+    one, many = runs["1"][0], runs[name]
+    for step, m1 in enumerate(one["metrics"]):
+        m2a = many[0]["metrics"][step]
+        for other in many[1:]:
+            m2b = other["metrics"][step]
+            assert {k: v for k, v in m2a.items() if not is_timing(k)} == {
+                k: v for k, v in m2b.items() if not is_timing(k)
+            }
         for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm", "lr", "ratio_mean", "clip_frac_high"):
             assert m1[key] == pytest.approx(m2a[key], rel=1e-5, abs=1e-6), key
     for name, w in one["weights"].items():
         # Adam turns fp32 reduction-order noise in near-zero gradients into up to ~1e-3 of an lr-sized step.
-        torch.testing.assert_close(two[0]["weights"][name], w, rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(many[0]["weights"][name], w, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["tp2v", "dp2tp2v"])
+def test_the_vocabulary_split_over_tensor_parallel_ranks(runs, name: str) -> None:
+    """Each rank holds ``vocab / ranks`` rows of the (tied) matrix: the TP group splits it, FSDP splits each TP rank's
+    rows again; every rank's pieces reassemble the weights exactly, as a push sends them."""
+    many = runs[name]
+    assert {r["embedding"] for r in many} == {"VocabParallelEmbedding"}
+    assert runs["tp2"][0]["embedding"] == "Embedding"  # without the flag TP keeps the matrix whole on each rank
+    rows = [{n: t.shape[0] for n, t, _, _ in r["init_shards"]}["tok_embeddings.weight"] for r in many]
+    assert rows == [64 // len(many)] * len(many)
+    for key in ("init_shards", "final_shards"):
+        whole = reassemble([r[key] for r in many])
+        expected = reassemble([runs["1"][0]["init_shards"]]) if key == "init_shards" else many[0]["weights"]
+        assert whole.keys() == expected.keys()
+        for n, w in expected.items():
+            assert torch.equal(whole[n], w), (key, n)
 
 
 def test_local_shards_reassemble_exactly(runs) -> None:
@@ -132,7 +165,7 @@ def test_local_shards_reassemble_exactly(runs) -> None:
     assert sizes["tok_embeddings.weight"] < init_one["tok_embeddings.weight"].numel()
 
 
-@pytest.mark.parametrize("name", ["1", "2", "tp2", "2ac"])
+@pytest.mark.parametrize("name", list(RUNS))
 def test_resume_is_bit_identical(runs, name: str) -> None:
     for rank_result in runs[name]:
         tail = rank_result["metrics"][2:]

@@ -26,6 +26,7 @@ CASES = {
     # name: (family, trainer parallelism, algorithm, lora)
     "fsdp-vocab-split-ppo": ("qwen3", {"vocab_parallel": True}, "ppo", None),
     "tensor-parallel-lora": ("qwen3", {"tensor_parallel_degree": 2}, "grpo", ADAPTERS),
+    "tensor-parallel-vocab-split-ppo": ("qwen3", {"tensor_parallel_degree": 2, "vocab_parallel": True}, "ppo", None),
     "expert-parallel-expert-lora": ("qwen3_moe", {"expert_parallel_degree": 2}, "grpo",
                                     {**ADAPTERS, "target_parameters": ("mlp.experts.gate_up_proj",
                                                                        "mlp.experts.down_proj")}),

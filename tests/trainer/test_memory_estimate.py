@@ -100,6 +100,9 @@ def test_gathered_root_counts_the_parameters_outside_the_blocks(tied: bool) -> N
     assert gathered_root_bytes(cfg, param_dtype="bfloat16") == (2 + 2 + 4) * root
     # The split keeps the embedding and head sharded: the final norm is all the root gathers.
     assert gathered_root_bytes(cfg, vocab_parallel=True) == 12 * model.norm.weight.numel()
+    # Split over a TP group of 2, FSDP gathers this rank's half of the rows (over the data-parallel ranks).
+    norm = model.norm.weight.numel()
+    assert gathered_root_bytes(cfg, vocab_parallel=True, tensor_parallel_degree=2) == 12 * (norm + (root - norm) // 2)
     # A LoRA base is frozen: the root's parameters are gathered, no gradient joins them.
     lora_cfg = cfg.model_copy(update={"lora": LoRAConfig(rank=4, alpha=8, target_modules=("q_proj",))})
     assert gathered_root_bytes(lora_cfg) == 4 * root

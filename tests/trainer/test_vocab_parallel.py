@@ -1,8 +1,10 @@
 """The vocabulary-parallel embedding and head (``trainer.vocab_parallel``) on 2 gloo ranks: against the whole-matrix
 reference (plain ``log_softmax`` and ``F.embedding`` on the full weight), with ranks holding different numbers of
-tokens (one none), an uneven vocabulary split and several chunks; and whole training runs (GRPO with a KL reference
+tokens (one none) or the same ones (a tensor-parallel group), an uneven vocabulary split and several chunks; and whole
+training runs (GRPO with a KL reference
 and tied embeddings, PPO with a critic and untied embeddings, an expert-parallel MoE with LoRA) on 2 split ranks
-equal to 1 rank, resuming bit for bit.
+equal to 1 rank, resuming bit for bit. The split over tensor-parallel groups in whole runs:
+``tests/trainer/test_fsdp_parity.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ VOCAB, DIM = 51, 16  # 51 rows over 2 ranks: 26 + 25
 CASES = ("grpo", "ppo", "moe_ep_lora")
 """Training runs: GRPO with a KL reference, tied embeddings; PPO with a critic, untied; an MoE with expert parallelism
 on the 2 ranks and LoRA on attention (embedding and head frozen, the reference is the policy with adapters off)."""
-TOKENS = {"uneven": (7, 3), "one_empty": (5, 0), "both_empty": (0, 0)}
+TOKENS = {"uneven": (7, 3), "one_empty": (5, 0), "both_empty": (0, 0), "shared": (6, 6)}
+"""Tokens per rank. 'shared': both ranks hold the same 6 tokens (a tensor-parallel group, ``shared_tokens``)."""
 
 
 def _reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +36,7 @@ def _reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     return logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
 
 
-def _math_worker(rank: int, port: int, counts: tuple[int, int], use_entropy: bool, out_dir: str) -> None:
+def _math_worker(rank: int, port: int, counts: tuple[int, int], shared: bool, use_entropy: bool, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     from torch.distributed.device_mesh import init_device_mesh
@@ -47,29 +50,34 @@ def _math_worker(rank: int, port: int, counts: tuple[int, int], use_entropy: boo
     # Each rank's own tokens; the same draws on both ranks, so every rank can compute every reference.
     hiddens = [torch.randn(n, DIM, generator=gen) for n in counts]
     targets = [torch.randint(0, VOCAB, (n,), generator=gen) for n in counts]
+    if shared:  # the same tokens on both ranks, whose (identical) losses are one loss
+        hiddens, targets = hiddens[:1] * 2, targets[:1] * 2
     coefs = torch.randn(2, max(counts), generator=gen)
 
     split = shard_vocabulary_rows(weight.clone().requires_grad_(True), mesh)
     first = local_shard_place(split)[1][0]
     hidden = hiddens[rank].clone().requires_grad_(True)
-    logprobs, entropy = VocabParallelHead(first)(hidden, split, targets[rank], chunk_size=4)
+    logprobs, entropy = VocabParallelHead(first, shared)(hidden, split, targets[rank], chunk_size=4)
     n = counts[rank]
     loss = (logprobs * coefs[0, :n]).sum() + ((entropy * coefs[1, :n]).sum() if use_entropy else 0.0)
     loss.backward()
 
     embedding = VocabParallelEmbedding(
-        shard_vocabulary_rows(weight.clone().requires_grad_(True), mesh), first, torch.float32
+        shard_vocabulary_rows(weight.clone().requires_grad_(True), mesh), first, torch.float32, shared
     )
     looked_up = embedding(targets[rank].view(1, -1))
     (looked_up * 0.5).sum().backward()
 
     ref_weight = weight.clone().requires_grad_(True)
     ref_hidden = [h.clone().requires_grad_(True) for h in hiddens]
-    for r, m in enumerate(counts):
+    losses = 1 if shared else 2
+    for r, m in enumerate(counts[:losses]):
         lp, ent = _reference(ref_hidden[r], ref_weight, targets[r])
         ((lp * coefs[0, :m]).sum() + ((ent * coefs[1, :m]).sum() if use_entropy else 0.0)).backward()
+    if shared:
+        ref_hidden[1] = ref_hidden[0]
     emb_weight = weight.clone().requires_grad_(True)
-    for r in range(2):
+    for r in range(losses):
         (F.embedding(targets[r], emb_weight) * 0.5).sum().backward()
     rows = slice(first, first + split.to_local().shape[0])
     try:  # one row over two ranks would leave one without rows
@@ -96,7 +104,8 @@ def _math_worker(rank: int, port: int, counts: tuple[int, int], use_entropy: boo
 def test_split_head_and_lookup_equal_the_whole_matrix(tmp_path: Path, case: str, use_entropy: bool) -> None:
     counts = TOKENS[case]
     mp.start_processes(
-        _math_worker, args=(free_port(), counts, use_entropy, str(tmp_path)), nprocs=2, start_method="spawn"
+        _math_worker, args=(free_port(), counts, case == "shared", use_entropy, str(tmp_path)), nprocs=2,
+        start_method="spawn",
     )
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["rows"] for r in results] == [26, 25]
@@ -109,7 +118,8 @@ def test_split_head_and_lookup_equal_the_whole_matrix(tmp_path: Path, case: str,
             continue
         if r["ref_grad_hidden"] is not None and r["ref_grad_hidden"].numel():
             torch.testing.assert_close(r["grad_hidden"], r["ref_grad_hidden"], rtol=1e-5, atol=1e-5)
-        # Every rank's rows get the gradient of both ranks' tokens (the reference sums the two losses).
+        # Every rank's rows get the gradient of both ranks' tokens (the reference sums the two losses; shared: of the
+        # one loss both ranks compute).
         torch.testing.assert_close(r["grad_rows"], r["ref_grad_rows"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r["emb_grad_rows"], r["ref_emb_grad_rows"])
 
