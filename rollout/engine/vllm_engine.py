@@ -40,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 import threading
@@ -180,6 +181,11 @@ class VLLMEngine:
     def _start(self, model_path: str, tokenizer_path: str | None) -> Any:
         from vllm import LLM
 
+        # vLLM freezes the garbage collector's heap once the engine is built (gc.freeze: the objects alive then are
+        # static) but runs several full collections while building it, each walking every object the imports made.
+        # Freezing what is alive now, after one collection, spares those walks: the same policy, applied earlier.
+        gc.collect()
+        gc.freeze()
         llm = LLM(**vllm_engine_args(self.config, model_path, tokenizer_path))
         llm.update_weight_version("0")
         self._engine = llm.llm_engine
