@@ -2,7 +2,11 @@
 (``trainer.parallelism.vocab_parallel``), side by side in one run, and where in the step each peak falls.
 
     python -m benchmarks.rank_memory [--shape Qwen3-0.6B] [--tokens 4096] [--steps 2] [--release-freed on,off]
-                                     [--live-memory] [--export]
+                                     [--live-memory] [--export] [--tensor-parallel]
+
+``--tensor-parallel`` adds 2 tensor-parallel ranks (one TP group; FSDP over a data-parallel mesh of 1), without and
+with the vocabulary split, which then splits the matrices over the TP group: each TP rank holds and computes the head
+on half of the vocabulary instead of all of it.
 
 Each setting is a fresh process group of its own (gloo, one thread a rank): the production update
 (``trainer.state.build_train_state`` + ``trainer.step.rl_step``, float32, GRPO, ``full`` activation checkpointing,
@@ -47,7 +51,7 @@ PROMPT, COMPLETION = 192, 64
 
 def _rank(
     rank: int, world: int, port: int, shape: str, tokens: int, steps: int, vocab_parallel: bool, release: bool,
-    export: bool, out: str,
+    export: bool, out: str, tensor_parallel: int = 1,
 ) -> None:
     """One rank of one setting; writes its training peak, the label of the peak, its step times and (``export``) the
     peak of each export to ``out.<rank>``."""
@@ -85,7 +89,8 @@ def _rank(
     )
     cfg = TrainerConfig(
         num_ranks=world, micro_batch_tokens=2048, optimizer={"lr": 1e-6}, activation_checkpoint={"mode": "full"},
-        parallelism={"vocab_parallel": vocab_parallel}, release_freed_memory=release,
+        parallelism={"vocab_parallel": vocab_parallel, "tensor_parallel_degree": tensor_parallel},
+        release_freed_memory=release,
     )  # fmt: skip
     state = build_train_state(cfg, model_cfg, GRPOConfig(group_size=4), torch.device("cpu"), build_mesh(cfg, "cpu"))
     for i, block in enumerate(state.policy.layers):
@@ -167,6 +172,7 @@ def main() -> None:
                         "memory (see the docstring)")  # fmt: skip
     parser.add_argument("--live-memory", action="store_true", help="return freed memory at once (see the docstring)")
     parser.add_argument("--export", action="store_true", help="measure the HF export after training (docstring)")
+    parser.add_argument("--tensor-parallel", action="store_true", help="add 2 TP ranks without and with the split")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the optimizer state appears in the first step)")
@@ -174,32 +180,35 @@ def main() -> None:
     if args.live_memory:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "1048576"  # read by each spawned rank's glibc at start
     releases = [{"on": True, "off": False}[v] for v in args.release_freed.split(",")]
-    settings = [(world, split, release) for release in releases for world, split in [(1, False), (2, False), (2, True)]]
+    layouts = [(1, 1, False), (2, 1, False), (2, 1, True)]  # (ranks, tensor-parallel degree, vocabulary split)
+    layouts += [(2, 2, False), (2, 2, True)] if args.tensor_parallel else []
+    settings = [(world, tp, split, release) for release in releases for world, tp, split in layouts]
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench-rank-memory-") as tmp:
-        for world, split, release in settings:
-            out = os.path.join(tmp, f"{world}-{split}-{release}")
+        for world, tp, split, release in settings:
+            out = os.path.join(tmp, f"{world}-{tp}-{split}-{release}")
             port = free_port()
-            args_ = (world, port, args.shape, args.tokens, args.steps, split, release, args.export, out)
+            args_ = (world, port, args.shape, args.tokens, args.steps, split, release, args.export, out, tp)
             mp.start_processes(_rank, args=args_, nprocs=world, start_method="spawn")
-            rows[world, split, release] = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+            rows[world, tp, split, release] = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
     memory = "live (MALLOC_MMAP_THRESHOLD_=1048576)" if args.live_memory else "resident"
     print(f"{args.shape}, {args.tokens} tokens a step ({PROMPT} + {COMPLETION} a sample), 2,048-token micro-batches, "
           f"full checkpointing, float32, 1 thread a rank; peak {memory} memory of steps 1-{args.steps}")  # fmt: skip
     exports = ("export streamed", "export whole") if args.export else ()
     if exports:
         print("export columns: the export's peak GiB (+ its rise over the resident set at rest just before it)")
-    print(f"{'setting':<48}{'peak GiB a rank':>18}{'x 1 rank':>10}{'step s':>10}"
+    print(f"{'setting':<52}{'peak GiB a rank':>18}{'x 1 rank':>10}{'step s':>10}"
           + "".join(f"{name:>22}" for name in exports) + "   peak at")  # fmt: skip
-    for (world, split, release), ranks in rows.items():
-        base = max(r["peak"] for r in rows[1, False, release])
-        name = f"{world} rank{'s' if world > 1 else ''}" + (" vocabulary split" if split else " FSDP" * (world > 1))
+    for (world, tp, split, release), ranks in rows.items():
+        base = max(r["peak"] for r in rows[1, 1, False, release])
+        name = f"{world} rank{'s' if world > 1 else ''}" + (" TP" if tp > 1 else " FSDP" * (world > 1))
+        name += " vocabulary split" if split else ""
         name += ", release " + ("on" if release else "off")
         for rank, r in enumerate(ranks):
             label = f"{name} (rank {rank})" if world > 1 else name
             step_s = r["step_s"][-1]
             export_cols = "".join(f"{_export_cell(r['export'][e], r['rest'][e]):>22}" for e in exports)
-            print(f"{label:<48}{r['peak'] / 2**30:>18.2f}{r['peak'] / base:>10.2f}{step_s:>10.1f}{export_cols}"
+            print(f"{label:<52}{r['peak'] / 2**30:>18.2f}{r['peak'] / base:>10.2f}{step_s:>10.1f}{export_cols}"
                   f"   {r['at']}")  # fmt: skip
     print(f"load after: {load_avg()}")
 
