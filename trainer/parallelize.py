@@ -205,15 +205,32 @@ def piece_slices(offsets: Sequence[int], shape: Sequence[int]) -> tuple[slice, .
     return tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))
 
 
-def local_shards(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+def local_shards(
+    model: nn.Module, mesh: DeviceMesh | None = None
+) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
     """Yield ``(name, local_tensor, global_shape, global_offsets)`` for every parameter piece this rank holds.
 
     Names are the model's own (FSDP2 keeps them); tied parameters appear once. Local tensors are detached views of
-    the stored (full-precision) shards: copy before mutating. With replicated placements (TP-only or no FSDP) every
-    rank of the replica group yields the same piece; a receiver treats duplicates as identical coverage.
+    the stored (full-precision) shards: copy before mutating. Every rank of a tensor-parallel group holds the same
+    pieces of the parameters TP does not split (norms, an embedding the vocabulary split leaves whole, replicated LoRA
+    factors). Given the run's ``mesh``, those come from the group's first rank only, so the ranks together yield each
+    piece of the model exactly once, as a push must send it (a receiver refuses a piece pushed twice); without it every
+    rank yields all it holds.
     """
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    first_of_group = "tp" not in names or mesh is None or mesh["tp"].get_local_rank() == 0
     for name, p in model.named_parameters():
+        if not first_of_group and not _split_over_tensor_parallel(p):
+            continue
         local = p.to_local() if isinstance(p, DTensor) else p
         shape, offsets = local_shard_place(p)
         assert tuple(local.shape) == shape, f"{name}: local piece {tuple(local.shape)} vs computed {shape}"
         yield name, local.detach(), tuple(p.shape), offsets
+
+
+def _split_over_tensor_parallel(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a DTensor split (``Shard``) along a mesh dimension named ``"tp"``."""
+    if not isinstance(param, DTensor):
+        return False
+    dims = param.device_mesh.mesh_dim_names or ()
+    return any(dim == "tp" and placement.is_shard() for dim, placement in zip(dims, param.placements, strict=True))

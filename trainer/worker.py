@@ -328,7 +328,7 @@ class TrainerWorker:
         )
         places = [
             (hf_name, cast(hf_name, piece), hf_shape, hf_offsets)
-            for name, local, shape, offsets in local_shards(state.policy)
+            for name, local, shape, offsets in local_shards(state.policy, state.mesh)
             if not adapters_only or is_adapter(name)
             for hf_name, piece, hf_shape, hf_offsets in hf_shards(self.model_cfg, name, local, shape, offsets)
         ]

@@ -72,6 +72,7 @@ def _worker(rank: int, world: int, tp: int, ac: str, vocab: bool, port: int, out
     result["metrics"] = losses
     result["weights"] = full_weights(state.policy)
     result["final_shards"] = [(n, t.clone(), s, o) for n, t, s, o in local_shards(state.policy)]
+    result["pushed_shards"] = [(n, t.clone(), s, o) for n, t, s, o in local_shards(state.policy, state.mesh)]
 
     resumed = fresh()
     progress = manager.load(resumed.checkpointables())
@@ -163,6 +164,22 @@ def test_local_shards_reassemble_exactly(runs) -> None:
     # FSDP really shards: each rank holds part of every 2-D parameter.
     sizes = {n: t.numel() for n, t, _, _ in two[0]["init_shards"]}
     assert sizes["tok_embeddings.weight"] < init_one["tok_embeddings.weight"].numel()
+
+
+@pytest.mark.parametrize("name", ["2", "tp2", "tp2v", "dp2tp2v"])
+def test_the_ranks_push_every_piece_exactly_once(runs, name: str) -> None:
+    """What a push sends (``local_shards`` given the mesh): a piece the TP group's ranks all hold (the norms; the whole
+    embedding without the vocabulary split) comes from one of them, as the receiver refuses a piece pushed twice, and
+    the pieces of all ranks still make up every parameter."""
+    many = runs[name]
+    keys = [(n, o) for r in many for n, _, _, o in r["pushed_shards"]]
+    assert len(keys) == len(set(keys))
+    held = [(n, o) for r in many for n, _, _, o in r["final_shards"]]
+    assert (len(held) > len(keys)) == name.startswith(("tp", "dp2tp")), "TP groups hold replicated pieces"
+    whole = reassemble([r["pushed_shards"] for r in many])
+    assert whole.keys() == many[0]["weights"].keys()
+    for n, w in many[0]["weights"].items():
+        assert torch.equal(whole[n], w), n
 
 
 @pytest.mark.parametrize("name", list(RUNS))
