@@ -75,5 +75,12 @@ class WeightPublisher:
 
 def push_failures(outcomes: list[dict[str, Any]]) -> dict[str, str]:
     """Receiver address -> error for every receiver whose push (on any rank) or commit failed, from the per-rank
-    outcomes of ``TrainerGroup.push_weights``."""
-    return {a: e for o in outcomes for a, e in {**o["push_errors"], **o.get("commit_errors", {})}.items() if e}
+    outcomes of ``TrainerGroup.push_weights``: each distinct message once, in rank order, joined by "; ". A receiver
+    that refuses one rank's stream fails the update, and the other ranks' streams then read as cut: the refusal that
+    says why must not be lost among them."""
+    errors: dict[str, list[str]] = {}
+    for outcome in outcomes:
+        for address, error in (*outcome["push_errors"].items(), *outcome.get("commit_errors", {}).items()):
+            if error and error not in errors.setdefault(address, []):
+                errors[address].append(error)
+    return {address: "; ".join(messages) for address, messages in errors.items() if messages}
