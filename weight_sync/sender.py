@@ -10,15 +10,17 @@ runs the barrier)::
         version = step + 1
         # every rank, in parallel: Begin (idempotent per (session_id, version): each rank joins the same update and
         # announces the tensors it holds shards of), then one Push stream per receiver with this rank's shards
-        report = sender.push(version, local_shards(model))   # Iterable[Shard(hf_name, local, global_shape, offsets)]
+        report = sender.push(version, local_shards(model, mesh))  # Iterable[Shard(hf_name, local, shape, offsets)]
         dist.barrier()                                       # every rank's streams have been answered
         if dist.get_rank() == 0:
             sender.commit(version)                           # receivers check coverage + checksums, apply, move on
         # a rank that failed: any rank may call sender.abort(version, reason); receivers keep the old version
 
 `local_shards` for FSDP2/TP parameters yields `Shard(name, p.to_local(), tuple(p.shape), global_offset)`, with the
-offset from `torch.distributed.tensor._utils.compute_local_shape_and_global_offset`. `push` never raises for one bad
-receiver: the report lists per-receiver outcomes, and a receiver that missed a version gets a full push next time.
+offset from `torch.distributed.tensor._utils.compute_local_shape_and_global_offset`; given the mesh, a piece that
+every rank of a tensor-parallel group holds comes from one of them (a receiver refuses a piece pushed twice). `push`
+never raises for one bad receiver: the report lists per-receiver outcomes, and a receiver that missed a version gets a
+full push next time.
 
 Receivers on this host that offer the shared-memory plane (Describe's `shm_plane` with this host's identity) get every
 stream through memfds (`weight_sync.shm_push`), outside relay trees, fed from their own threads while this loop feeds
