@@ -212,10 +212,10 @@ def local_shards(
 
     Names are the model's own (FSDP2 keeps them); tied parameters appear once. Local tensors are detached views of
     the stored (full-precision) shards: copy before mutating. Every rank of a tensor-parallel group holds the same
-    pieces of the parameters TP does not split (norms, an embedding the vocabulary split leaves whole, replicated LoRA
-    factors). Given the run's ``mesh``, those come from the group's first rank only, so the ranks together yield each
-    piece of the model exactly once, as a push must send it (a receiver refuses a piece pushed twice); without it every
-    rank yields all it holds.
+    pieces of the parameters TP does not split (the norms; the embedding and head unless the vocabulary is split;
+    replicated LoRA factors). Given the run's ``mesh``, those come from the group's first rank only, so the ranks
+    together yield each piece of the model exactly once, as a push must send it (a receiver refuses a piece pushed
+    twice); without it every rank yields all it holds.
     """
     names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
     first_of_group = "tp" not in names or mesh is None or mesh["tp"].get_local_rank() == 0
