@@ -24,7 +24,7 @@ from recipe import Recipe, write_resolved
 if TYPE_CHECKING:
     from trainer.models.config import ModelConfig
 
-__all__ = ["run"]
+__all__ = ["ensure_model", "run"]
 
 log = logging.getLogger("rl_align")
 
@@ -49,7 +49,7 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
     from trainer.models.hf_config import model_config_from_hf
 
     try:  # a model that cannot be created, or a sharding it cannot take, fails before Ray starts
-        _ensure_model(recipe)
+        ensure_model(recipe)
         check_tokenizer_dir(recipe.rollout.tokenizer_path or recipe.model.path)  # loaded while the actors start
         model_cfg = model_config_from_hf(recipe.model.path, **recipe.model.block_overrides(), lora=recipe.model.lora)
         recipe.trainer.check_model(model_cfg)
@@ -116,7 +116,9 @@ def _with_env(env_vars: dict[str, str], py_executable: str | None = None) -> dic
     return runtime_env or None
 
 
-def _ensure_model(recipe: Recipe) -> None:
+def ensure_model(recipe: Recipe) -> None:
+    """Create the recipe's model at ``model.path`` (``[model.create_tiny]`` / ``[model.create_published]``) unless the
+    directory already holds one; nothing for a recipe that creates none."""
     path = Path(recipe.model.path)
     tiny, published = recipe.model.create_tiny, recipe.model.create_published
     if (tiny is None and published is None) or (path / "config.json").is_file():
