@@ -48,7 +48,11 @@ def build_mesh(cfg: TrainerConfig, device_type: str) -> DeviceMesh:
     tp = cfg.parallelism.tensor_parallel_degree
     ep = cfg.parallelism.expert_parallel_degree
     if tp > 1:
-        return init_device_mesh(device_type, (cfg.num_ranks // tp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device_type, (cfg.num_ranks // tp, tp), mesh_dim_names=("dp", "tp"))
+        # DTensor reduces (the gradient norm) and gathers (the HF export) over both dimensions at once through a
+        # flattened mesh when one exists, instead of one collective per dimension in turn.
+        mesh._flatten("dp_tp")
+        return mesh
     if ep > 1:
         mesh = init_device_mesh(device_type, (cfg.num_ranks // ep, ep), mesh_dim_names=("efsdp", "ep"))
         mesh._flatten("dp")  # private but stable since torch 2.4; torchtitan builds its flattened dims the same way
