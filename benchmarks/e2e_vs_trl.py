@@ -9,6 +9,9 @@ Run (once: ``benchmarks/trl_venv.sh`` creates ``.venv-trl``, TRL's own venv)::
     [--work-dir DIR | --keep]  keep checkpoints, logs and metrics (default: a temp dir, removed)   [--threads N]
     [--engines N]  our side with N vLLM engines sharing the cores (``rollout.num_workers``; default 1, the recipe's)
     [--compile-engine]  our engines compiled (``rollout.engine.enforce_eager = false``; the recipe runs eager)
+    [--async]  our side runs ``recipes/grpo_tiny_async.toml`` instead: the same recipe in async mode (the next batch
+               generates while the trainer trains, one version behind, with truncated importance sampling; trainer and
+               engine on separate cores)
 
 What happens, in order:
 
@@ -92,7 +95,13 @@ long --reps 2``, TRL 1.16): 1.01-1.03x with one engine (3.59-3.65 vs 3.69-3.70 s
 s/step 0.50 vs 0.63 (1.25x: generation 0.28 vs 0.18 s, train 0.16 vs 0.43 s, push 0.06 s, of it 0.04 s the engine's
 reload), start-up 17-24 vs 7 s; long, ``--engines 2``: eager 1.08x (4.82 vs 5.19 s/step: generation 2.41 vs 2.65 s,
 train 2.27 vs 2.35 s; load 1.6 -> 2.0), ``--compile-engine`` 1.23x (4.23 vs 5.22 s/step: generation 2.03 s, train
-2.25 s; load 1.7 -> 1.9; start-up 38-67 s against 21-24 s eager, the first with vLLM's compile cache cold).
+2.25 s; load 1.7 -> 1.9; start-up 38-67 s against 21-24 s eager, the first with vLLM's compile cache cold). The
+same machine kind on a later day (short, ``--threshold 0.8 --reps 2 --warm-start-model DIR``): 72.8 [62.8-82.8] vs
+96.3 [89.3-103.4] s (1.32x; load 0.7 -> 2.1), s/step 0.31 vs 0.49 (1.61x), start-up 13.5 vs 3.8-4.7 s; with
+``--async`` (load 0.9 -> 2.2): 87.1 [82.6-91.5] vs 93.8 [92.8-94.8] s (1.08x): the same 0.31 s a step (push 0.14 s:
+it waits for the batch in flight; train 0.15 s on one core), and the version lag at this learning rate costs held-out
+accuracy early (0.33-0.35 at steps 25-75 against the warm start's 0.49), so 0.8 came at steps 225 and 250 instead of
+150-200.
 """
 
 from __future__ import annotations
@@ -121,6 +130,8 @@ from recipe import Recipe, load_recipe  # noqa: E402
 from rollout.tasks import Problem, build_dataset  # noqa: E402
 
 RECIPE = _REPO / "recipes" / "grpo_tiny.toml"
+ASYNC_RECIPE = _REPO / "recipes" / "grpo_tiny_async.toml"
+"""``RECIPE`` in async mode (``base = "grpo_tiny.toml"``), for ``--async``."""
 OUR_PYTHON = _REPO / ".venv" / "bin" / "python"
 TRL_PYTHON = _REPO / ".venv-trl" / "bin" / "python"
 TRL_SIDE = _REPO / "benchmarks" / "trl_e2e_side.py"
@@ -193,11 +204,11 @@ def run_warm_start(work: Path, threads: int, cpus: set[int]) -> Path:
 
 
 def run_ours(setting: Setting, rep: int, model_dir: Path, work: Path, threads: int, cpus: set[int],
-             max_model_len: int, engines: int, compile_engine: bool) -> RunResult:  # fmt: skip
+             max_model_len: int, engines: int, compile_engine: bool, recipe: Path = RECIPE) -> RunResult:  # fmt: skip
     out = work / f"ours_{setting.name}_{rep}"
     # Each rep samples its own random stream (the engine's seed), over the same prompts in the same order.
     overrides = our_overrides(setting, model_dir, out, max_model_len, engines, compile_engine)
-    cmd = [str(OUR_PYTHON), "rl_align.py", "--recipe", str(RECIPE), *overrides, "--rollout.engine.seed", str(rep)]
+    cmd = [str(OUR_PYTHON), "rl_align.py", "--recipe", str(recipe), *overrides, "--rollout.engine.seed", str(rep)]
     before, start = load_avg(), time.time()
     run_logged(cmd, work / f"ours_{setting.name}_{rep}.log", child_env(threads), cpus)
     end, after = time.time(), load_avg()
@@ -371,6 +382,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="cores for both sides")
     parser.add_argument("--engines", type=int, default=1, help="our vLLM engines (rollout.num_workers), colocated")
     parser.add_argument("--compile-engine", action="store_true", help="rollout.engine.enforce_eager = false (ours)")
+    parser.add_argument("--async", dest="async_mode", action="store_true", help=f"ours: {ASYNC_RECIPE.name}")
     parser.add_argument("--seed", type=int, default=0, help="torch seed of the evaluator's sampling")
     parser.add_argument("--warm-start-model", type=Path, default=None, help="reuse this warm start instead")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep everything here (default: a temp dir)")
@@ -440,7 +452,7 @@ def main() -> None:
         for rep in range(args.reps):
             print(f"[{setting.name} rep {rep}] ours ...", flush=True)
             runs.append(run_ours(setting, rep, model_dir, work, args.threads, cpus, max_model_len, args.engines,
-                                 args.compile_engine))
+                                 args.compile_engine, ASYNC_RECIPE if args.async_mode else RECIPE))
             print(f"[{setting.name} rep {rep}] TRL ...", flush=True)
             out = work / f"trl_{setting.name}_{rep}"
             cmd = trl_command(setting, model_dir, train_path, out, recipe, args.threads, longest, rep)
@@ -468,7 +480,8 @@ def main() -> None:
           f"{base.trainer.optimizer.lr} cosine to {base.trainer.schedule.min_lr_ratio}x, clip {base.algorithm.clip_low}"
           f"/{base.algorithm.clip_high}, no KL, T={base.rollout.sampling.temperature}, grad clip "
           f"{base.trainer.max_grad_norm}; ours {args.engines} vLLM engine(s), "
-          f"{'compiled' if args.compile_engine else 'eager'}; {args.reps} rep(s) interleaved ours/TRL; "
+          f"{'compiled' if args.compile_engine else 'eager'}, {'async' if args.async_mode else 'sync'}; "
+          f"{args.reps} rep(s) interleaved ours/TRL; "
           f"held-out: {len(held_out)} problems")  # fmt: skip
     if "short" in results:
         report_short(results["short"], args.threshold, warm_acc)
