@@ -221,8 +221,7 @@ def local_shards(
     together yield each piece of the model exactly once, as a push must send it (a receiver refuses a piece pushed
     twice); without it every rank yields all it holds.
     """
-    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
-    first_of_group = "tp" not in names or mesh is None or mesh["tp"].get_local_rank() == 0
+    first_of_group = mesh is None or "tp" not in (mesh.mesh_dim_names or ()) or mesh["tp"].get_local_rank() == 0
     for name, p in model.named_parameters():
         if not first_of_group and not _split_over_tensor_parallel(p):
             continue
