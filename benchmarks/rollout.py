@@ -158,9 +158,11 @@ def measure_update_pause(pool, model_dir: str) -> dict[str, float]:
             "push_bytes": float(report.payload_bytes)}  # fmt: skip
 
 
-def _bare_llm_child(engine: dict, model_dir: str, prompts: list[list[int]], sampling: dict, n: int, go, out) -> None:
+def _bare_llm_child(
+    engine: dict, model_dir: str, prompts: list[list[int]], sampling: dict, n: int, overrides: dict, go, out
+) -> None:
     """In a spawned process: after a warm-up batch, time one ``LLM.generate`` of ``prompts`` (n samples each) per item
-    put on ``go`` (``None`` ends it)."""
+    put on ``go`` (``None`` ends it). ``overrides`` replace ``vllm.LLM`` arguments of the engine settings."""
     from rollout.config import EngineConfig, SamplingConfig
     from rollout.engine.platform import configure_vllm_environment
     from rollout.engine.vllm_engine import vllm_engine_args
@@ -171,7 +173,7 @@ def _bare_llm_child(engine: dict, model_dir: str, prompts: list[list[int]], samp
     from vllm import LLM
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(**vllm_engine_args(config, model_dir))
+    llm = LLM(**{**vllm_engine_args(config, model_dir), **overrides})
     params = to_vllm_sampling_params(SamplingConfig(**sampling), n)
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     llm.generate(requests[:2], params, use_tqdm=False)
@@ -181,14 +183,19 @@ def _bare_llm_child(engine: dict, model_dir: str, prompts: list[list[int]], samp
         outputs = llm.generate(requests, params, use_tqdm=False)
         seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        out.put({"bare_tokens_per_s": tokens / seconds, "bare_tokens_per_cpu_s": tokens / cpu_s})
+        out.put({"bare_tokens_per_s": tokens / seconds, "bare_tokens_per_cpu_s": tokens / cpu_s,
+                 "bare_seconds": seconds})  # fmt: skip
 
 
 class BareLLM:
     """A bare ``vllm.LLM`` with the pool's engine settings and threads on the same prompts (see the docstring), in a
-    process of its own that stays up so its batches interleave with the pool's."""
+    process of its own that stays up so its batches interleave with the pool's (or another bare engine's).
+    ``overrides``: ``vllm.LLM`` arguments that replace those of the engine settings."""
 
-    def __init__(self, config, model_dir: str, problems, sampling, group_size: int, num_threads: int) -> None:
+    def __init__(
+        self, config, model_dir: str, problems, sampling, group_size: int, num_threads: int,
+        overrides: dict | None = None,
+    ) -> None:  # fmt: skip
         import multiprocessing
 
         from rollout.tokenizer import load_tokenizer, render_prompt
@@ -199,7 +206,8 @@ class BareLLM:
         self._go, self._out = context.Queue(), context.Queue()
         os.environ["OMP_NUM_THREADS"] = str(num_threads)  # inherited by the child, read before torch starts there
         self._child = context.Process(target=_bare_llm_child, args=(
-            config.engine.model_dump(), model_dir, prompts, sampling.model_dump(), group_size, self._go, self._out,
+            config.engine.model_dump(), model_dir, prompts, sampling.model_dump(), group_size, overrides or {},
+            self._go, self._out,
         ))  # fmt: skip
         self._child.start()
         if self._out.get(timeout=900) != "ready":

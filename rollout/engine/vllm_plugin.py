@@ -3,7 +3,8 @@
 Two entry points under one name, ``rl_align`` (``pyproject.toml``), so ``VLLM_PLUGINS=rl_align`` enables both:
 
 - ``vllm.general_plugins`` -> :func:`register`: in every vLLM process, registers the ``rl_align`` weight-transfer
-  backend (:mod:`rollout.engine.transfer`) that ``--weight-transfer-config '{"backend": "rl_align"}'`` selects;
+  backend (:mod:`rollout.engine.transfer`) that ``--weight-transfer-config '{"backend": "rl_align"}'`` selects, and on
+  CPU vLLM's C++ RMSNorm kernels as IR-op provider ``rl_align_cpu`` (:mod:`rollout.engine.cpu_kernels`);
 - ``vllm.endpoint_plugins`` -> :class:`RLAlignEndpointPlugin`: in the API-server process, opens a weight-sync
   receiver whose sink (:class:`rollout.engine.server_sink.ServerWeightSink`) applies each committed version through
   the server's ``EngineClient`` at a safe point, and serves ``GET /rl_align/weight_sync`` and Prometheus gauges on
@@ -41,9 +42,13 @@ log = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """Register the ``rl_align`` weight-transfer backend with vLLM (idempotent; imports no model code)."""
+    """Register the ``rl_align`` weight-transfer backend with vLLM, and on CPU the RMSNorm kernels of
+    :mod:`rollout.engine.cpu_kernels` (idempotent; imports no model code)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    from rollout.engine.cpu_kernels import register_cpu_norms
+
+    register_cpu_norms()
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, "rollout.engine.transfer", "RLAlignWeightTransferEngine")
 

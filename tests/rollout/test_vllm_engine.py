@@ -1,13 +1,13 @@
 """The vLLM engine adapter and its weight sink on a tiny Qwen3, checked against HF transformers (one engine per module).
 
-Covers: log-probs of vLLM's own samples equal a teacher-forced HF forward pass, and the trainer's own log-probs of them
-at temperatures other than 1 (training sees the distribution it sampled: float32 engine, processed log-probs, the
-first step's importance ratio 1; the untempered computation is checked to be far off, so the test has teeth); an
-applied update serves the new weights (HF parity) and differs from the old, by reference and through a file (the
-served engine's form); an update waits for the running batch, or in mode "keep" moves it onto the new weights;
-refused updates change nothing; an engine shut down leaves the next engine of the process working; requests of one
-prompt join into one vLLM request without changing any seeded sample, and a cancelled or refused caller affects no
-other.
+Covers: on CPU the engine's RMSNorm runs on vLLM's C++ kernels (``rollout.engine.cpu_kernels``); log-probs of vLLM's own
+samples equal a teacher-forced HF forward pass, and the trainer's own log-probs of them at temperatures other than 1
+(training sees the distribution it sampled: float32 engine, processed log-probs, the first step's importance ratio 1;
+the untempered computation is checked to be far off, so the test has teeth); an applied update serves the new weights
+(HF parity) and differs from the old, by reference and through a file (the served engine's form); an update waits for
+the running batch, or in mode "keep" moves it onto the new weights; refused updates change nothing; an engine shut down
+leaves the next engine of the process working; requests of one prompt join into one vLLM request without changing any
+seeded sample, and a cancelled or refused caller affects no other.
 """
 
 from __future__ import annotations
@@ -81,6 +81,19 @@ def _push(receiver, policy_version: int, state: dict[str, torch.Tensor]) -> dict
 def _sampled(engine: VLLMEngine) -> list:
     sampling = SamplingConfig(temperature=1.0, max_tokens=12, seed=0)
     return [group[0] for group in engine.generate(PROMPTS, sampling, n=1, seeds=[0, 1, 2, 3])]
+
+
+def test_on_cpu_the_engine_runs_rmsnorm_on_vllms_kernels(engine):
+    """The HF parity of every test here then covers them: the engine's norms all go through these kernels."""
+    from vllm import ir
+
+    from rollout.engine.cpu_kernels import PROVIDER
+    from rollout.engine.platform import is_cpu_platform
+
+    if not is_cpu_platform():
+        pytest.skip("vLLM's CPU build only")
+    assert ir.ops.rms_norm.get_priority()[0] == PROVIDER
+    assert ir.ops.fused_add_rms_norm.get_priority()[0] == PROVIDER
 
 
 def test_sampled_logprobs_match_hf_teacher_forcing(engine, model_dir):
