@@ -5,7 +5,7 @@ implementation of a priority list that supports it. The CPU build ships ``torch.
 ``torch.ops._C.fused_add_rms_norm`` (one vectorised pass per row), but the implementation that calls them (provider
 ``vllm_c``) is marked supported on GPUs only and the CPU platform's default priority is ``native``: half a dozen
 elementwise torch ops, each a pass over memory and an allocation. Per layer a Qwen 3 block runs four of them (input,
-post-attention, and per-head query and key norms), so on CPU they are a large share of a prefill.
+post-attention, and per-head query and key norms) on every token of every forward pass.
 
 :func:`register_cpu_norms` registers the same kernels as provider :data:`PROVIDER` (supported on CPU only), and
 :func:`cpu_norm_priority` is the ``ir_op_priority`` engine argument that selects them, falling back to ``native`` for
@@ -59,13 +59,15 @@ def _fused_add_rms_norm(
 def register_cpu_norms() -> bool:
     """Register the kernels as provider :data:`PROVIDER` of vLLM's RMSNorm IR ops (idempotent). Returns whether they
     are usable here: a CPU platform whose vLLM build has them."""
-    from vllm import ir
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return False
-    import vllm._C  # noqa: F401  (loads the kernels into torch.ops._C)
-
+    try:  # a vLLM build without the kernels or without IR ops: nothing to register
+        import vllm._C  # noqa: F401  (loads the kernels into torch.ops._C)
+        from vllm import ir
+    except ImportError:
+        return False
     if not (hasattr(torch.ops._C, "rms_norm") and hasattr(torch.ops._C, "fused_add_rms_norm")):
         return False
     if PROVIDER not in ir.ops.rms_norm.impls:
