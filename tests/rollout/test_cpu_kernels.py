@@ -52,10 +52,12 @@ def test_rms_norm_equals_vllms_native_and_the_formula(case):
     torch.testing.assert_close(ours, _reference(x, weight), **tol)
 
 
-def test_fused_add_rms_norm_updates_both_in_place_like_native():
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_fused_add_rms_norm_updates_both_in_place_like_native(with_weight):
     _, fused = _ops()
     torch.manual_seed(1)
-    x, residual, weight = torch.randn(29, 128), torch.randn(29, 128), torch.randn(128)
+    x, residual = torch.randn(29, 128), torch.randn(29, 128)
+    weight = torch.randn(128) if with_weight else None
     want_out, want_residual = fused.impls["native"].impl_fn(x.clone(), residual.clone(), weight, EPS)
     x_in, residual_in = x.clone(), residual.clone()
     out, new_residual = fused.impls[PROVIDER].impl_fn(x_in, residual_in, weight, EPS)
