@@ -32,33 +32,35 @@ from benchmarks.rollout import BareLLM  # noqa: E402
 NATIVE = {"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}}
 
 
-def _shapes(tmp: Path) -> list[tuple[str, object, list, object, int]]:
-    """(name, rollout config, problems, sampling, group size) of each shape; the models are written under ``tmp``."""
+def _shapes(tmp: Path, names: set[str]) -> list[tuple[str, object, list, object, int]]:
+    """(name, rollout config, problems, sampling, group size) of each shape in ``names``; the models they need are
+    written under ``tmp``."""
+    from driver.run import ensure_model
     from recipe import load_recipe
     from rollout.config import SamplingConfig
     from rollout.tasks import build_dataset
     from rollout.tasks.problem import Problem
     from tools.make_tiny_model import make_tiny_model
 
-    recipe = load_recipe(_REPO / "recipes" / "grpo_tiny.toml", check_paths=False)
-    tiny = recipe.model.create_tiny
-    assert tiny is not None
-    demo_dir = make_tiny_model(tmp / "demo", family=tiny.family, hidden_size=tiny.hidden_size,
-                               num_layers=tiny.num_layers, num_heads=tiny.num_heads)  # fmt: skip
-    demo = recipe.rollout.model_copy(update={"model_path": str(demo_dir)})
-    problems = build_dataset(recipe.task).next_batch(recipe.run.num_prompts_per_step)
-    group = recipe.algorithm.group_size
-    big_dir = make_tiny_model(tmp / "40m", family="qwen3", hidden_size=512, num_layers=10, num_heads=8,
-                              intermediate_size=2048)  # fmt: skip
-    big = recipe.rollout.model_copy(update={"model_path": str(big_dir), "engine": recipe.rollout.engine.model_copy(
-        update={"max_model_len": 512, "max_num_seqs": 64})})  # fmt: skip
-    big_problems = [Problem(prompt=f"Compute {i} plus {2 * i}, then think.", answer=str(3 * i), problem_id=str(i))
-                    for i in range(16)]  # fmt: skip
-    return [
-        ("demo", demo, problems, recipe.rollout.sampling, group),
-        ("prefill", demo, problems, recipe.rollout.sampling.model_copy(update={"max_tokens": 1}), group),
-        ("40m", big, big_problems, SamplingConfig(temperature=1.0, max_tokens=128, ignore_eos=True), 4),
-    ]
+    shapes: list[tuple[str, object, list, object, int]] = []
+    if names & {"demo", "prefill"}:
+        recipe = load_recipe(_REPO / "recipes" / "grpo_tiny.toml", {"model.path": str(tmp / "demo")},
+                             check_paths=False)  # fmt: skip
+        ensure_model(recipe)  # the recipe's own tiny Qwen 3, as a run creates it
+        problems = build_dataset(recipe.task).next_batch(recipe.run.num_prompts_per_step)
+        group, sampling = recipe.algorithm.group_size, recipe.rollout.sampling
+        shapes += [("demo", recipe.rollout, problems, sampling, group),
+                   ("prefill", recipe.rollout, problems, sampling.model_copy(update={"max_tokens": 1}), group)]
+    if "40m" in names:
+        base = load_recipe(_REPO / "recipes" / "grpo_tiny.toml", check_paths=False).rollout
+        big_dir = make_tiny_model(tmp / "40m", family="qwen3", hidden_size=512, num_layers=10, num_heads=8,
+                                  intermediate_size=2048)  # fmt: skip
+        big = base.model_copy(update={"model_path": str(big_dir), "engine": base.engine.model_copy(
+            update={"max_model_len": 512, "max_num_seqs": 64})})  # fmt: skip
+        big_problems = [Problem(prompt=f"Compute {i} plus {2 * i}, then think.", answer=str(3 * i),
+                                problem_id=str(i)) for i in range(16)]  # fmt: skip
+        shapes.append(("40m", big, big_problems, SamplingConfig(temperature=1.0, max_tokens=128, ignore_eos=True), 4))
+    return [shape for shape in shapes if shape[0] in names]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -72,9 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     before = load_avg()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-norms-") as tmp:
-        for name, config, problems, sampling, group in _shapes(Path(tmp)):
-            if name not in args.shapes.split(","):
-                continue
+        for name, config, problems, sampling, group in _shapes(Path(tmp), set(args.shapes.split(","))):
             engines = {"kernels": BareLLM(config, config.model_path, problems, sampling, group, args.threads),
                        "native": BareLLM(config, config.model_path, problems, sampling, group, args.threads, NATIVE)}
             times: dict[str, list[float]] = {"kernels": [], "native": []}

@@ -87,6 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     print(machine_line(), flush=True)
 
+    from driver.placement import threads_env
     from driver.run import ensure_model
     from driver.session import worker_env_vars
     from recipe import load_recipe
@@ -97,8 +98,7 @@ def main() -> None:
         recipe = load_recipe(args.recipe, {"model.path": model}, check_paths=False)
         ensure_model(recipe)
         base = {"RAY_AUTH_MODE": "disabled", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
-        actor_env = {**base, **worker_env_vars(recipe.trainer.device), "OMP_NUM_THREADS": cores,
-                     "MKL_NUM_THREADS": cores}  # fmt: skip
+        actor_env = {**base, **worker_env_vars(recipe.trainer.device), **threads_env(int(cores))}
         hf_env = {**base, "OMP_NUM_THREADS": cores, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         parts: dict[str, list[float]] = {}
         for _ in range(args.reps):
