@@ -7,7 +7,8 @@ Run (once: ``benchmarks/trl_venv.sh`` creates ``.venv-trl``, TRL's own venv)::
     .venv/bin/python benchmarks/e2e_vs_trl.py --steps 12 --save-every 6 --reps 1 --long-steps 2   # a smoke
     [--warm-start-model DIR]  skip step 1 and start both sides from DIR (an earlier run's warm_start_model)
     [--work-dir DIR | --keep]  keep checkpoints, logs and metrics (default: a temp dir, removed)   [--threads N]
-    [--engines N]  our side with N vLLM engines sharing the cores (``rollout.num_workers``; default 1, the recipe's)
+    [--engines N]  our side with N vLLM engines sharing the cores (``rollout.num_workers``; default: the recipe's
+               'auto', two colocated engines on two cores or more)
     [--compile-engine]  our engines compiled (``rollout.engine.enforce_eager = false``; the recipe runs eager)
     [--async]  our side runs ``recipes/grpo_tiny_async.toml`` instead: the same recipe in async mode (the next batch
                generates while the trainer trains, one version behind, with truncated importance sampling; trainer and
@@ -126,6 +127,7 @@ if sys.path and Path(sys.path[0]).resolve() == _REPO / "benchmarks":
 from benchmarks.e2e_report import RunResult, Setting, report_long, report_short  # noqa: E402
 from benchmarks.machine import cpu_isa, cpu_model, load_avg  # noqa: E402
 from common.config import parse_overrides  # noqa: E402
+from driver.placement import num_rollout_workers  # noqa: E402
 from recipe import Recipe, load_recipe  # noqa: E402
 from rollout.tasks import Problem, build_dataset  # noqa: E402
 
@@ -167,12 +169,13 @@ def child_env(threads: int) -> dict[str, str]:
 
 # -- our side -------------------------------------------------------------------------------------------------------
 def our_overrides(
-    setting: Setting, model_dir: Path, out_dir: Path, max_model_len: int, engines: int = 1, compile_engine: bool = False
+    setting: Setting, model_dir: Path, out_dir: Path, max_model_len: int, engines: int | None = None,
+    compile_engine: bool = False,
 ) -> list[str]:
     """Command-line overrides of ``recipes/grpo_tiny.toml`` for one of our timed runs (``engines``: vLLM engines
-    sharing the cores with the trainer, ``rollout.num_workers``; ``compile_engine``: not eager)."""
+    sharing the cores with the trainer, ``rollout.num_workers``, None: the recipe's; ``compile_engine``: not eager)."""
     args = {
-        "rollout.num_workers": str(engines),
+        **({"rollout.num_workers": str(engines)} if engines is not None else {}),
         "model.path": str(model_dir), "run.output_dir": str(out_dir), "run.warm_start.num_steps": "0",
         "run.num_steps": str(setting.num_steps), "trainer.schedule.num_total_steps": str(setting.num_steps),
         "run.eval.num_problems": "0", "run.eval.every_num_steps": "0",
@@ -203,8 +206,8 @@ def run_warm_start(work: Path, threads: int, cpus: set[int]) -> Path:
     return model
 
 
-def run_ours(setting: Setting, rep: int, model_dir: Path, work: Path, threads: int, cpus: set[int],
-             max_model_len: int, engines: int, compile_engine: bool, recipe: Path = RECIPE) -> RunResult:  # fmt: skip
+def run_ours(setting: Setting, rep: int, model_dir: Path, work: Path, threads: int, cpus: set[int], max_model_len: int,
+             engines: int | None, compile_engine: bool, recipe: Path = RECIPE) -> RunResult:  # fmt: skip
     out = work / f"ours_{setting.name}_{rep}"
     # Each rep samples its own random stream (the engine's seed), over the same prompts in the same order.
     overrides = our_overrides(setting, model_dir, out, max_model_len, engines, compile_engine)
@@ -380,7 +383,8 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=0.6, help="sampled held-out accuracy to reach")
     parser.add_argument("--eval-problems", type=int, default=500, help="held-out problems per checkpoint")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="cores for both sides")
-    parser.add_argument("--engines", type=int, default=1, help="our vLLM engines (rollout.num_workers), colocated")
+    parser.add_argument("--engines", type=int, default=None,
+                        help="our vLLM engines (rollout.num_workers; default: the recipe's)")
     parser.add_argument("--compile-engine", action="store_true", help="rollout.engine.enforce_eager = false (ours)")
     parser.add_argument("--async", dest="async_mode", action="store_true", help=f"ours: {ASYNC_RECIPE.name}")
     parser.add_argument("--seed", type=int, default=0, help="torch seed of the evaluator's sampling")
@@ -473,13 +477,16 @@ def main() -> None:
     import transformers
     import vllm
 
+    ran = load_recipe(ASYNC_RECIPE if args.async_mode else RECIPE,
+                      {} if args.engines is None else {"rollout.num_workers": args.engines}, check_paths=False)
+    engines = num_rollout_workers(ran, args.threads)  # the cores our runs had (their affinity)
     print(f"versions: ours torch {torch.__version__}, vllm {vllm.__version__}, transformers "
           f"{transformers.__version__}; TRL side {trl_run.versions if trl_run else '?'}; TRL micro-batches "
           f"{trl_run.layout if trl_run else '?'} ({trl_run.setting.name if trl_run else '-'})")  # fmt: skip
     print(f"settings: {base.run.num_prompts_per_step} prompts x {base.algorithm.group_size} samples, lr "
           f"{base.trainer.optimizer.lr} cosine to {base.trainer.schedule.min_lr_ratio}x, clip {base.algorithm.clip_low}"
           f"/{base.algorithm.clip_high}, no KL, T={base.rollout.sampling.temperature}, grad clip "
-          f"{base.trainer.max_grad_norm}; ours {args.engines} vLLM engine(s), "
+          f"{base.trainer.max_grad_norm}; ours {engines} vLLM engine(s), "
           f"{'compiled' if args.compile_engine else 'eager'}, {'async' if args.async_mode else 'sync'}; "
           f"{args.reps} rep(s) interleaved ours/TRL; "
           f"held-out: {len(held_out)} problems")  # fmt: skip

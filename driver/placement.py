@@ -27,7 +27,7 @@ from rollout.config import RolloutConfig
 from rollout.engine.platform import engine_process_env
 from weight_sync.config import WeightSyncConfig
 
-__all__ = ["Placement", "host_cores", "plan_placement", "threads_env"]
+__all__ = ["Placement", "host_cores", "num_rollout_workers", "plan_placement", "threads_env"]
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,10 @@ class Placement:
     """Ray CPUs each trainer rank reserves."""
     trainer_env: dict[str, str]
     """Environment of every trainer rank (``OMP_NUM_THREADS``: its torch intra-op threads)."""
+    num_rollout_workers: int
+    """Rollout workers (engines): :func:`num_rollout_workers`, also the pool config's ``num_workers``."""
     rollout: RolloutConfig
-    """The pool's config with the reservation and the engine's threads of this placement."""
+    """The pool's config with the worker count, the reservation and the engine's threads of this placement."""
     rollout_env: dict[str, str]
     """Environment of every rollout worker (``OMP_NUM_THREADS``: the engine's threads when unpinned; what the engine's
     process needs from the start, ``rollout.engine.platform.engine_process_env``)."""
@@ -71,14 +73,30 @@ def host_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def num_rollout_workers(recipe: Any, num_cores: int) -> int:
+    """``rollout.num_workers`` of a resolved recipe on a host of ``num_cores`` cores: its number, or for 'auto' two
+    engines in a colocated run on a host of two cores or more and one otherwise.
+
+    Why two: about half of a short batch is the engine's own Python (vLLM's scheduler, input preparation, sampling,
+    output processing), which runs on one thread, so with one engine the other cores idle through it; a second engine
+    runs its half of the batch's Python at the same time. The cost is a second process, KV cache and vLLM import.
+    Measured on 2-core hosts (README, "end to end vs TRL"); more engines on bigger hosts are not measured, so 'auto'
+    stays at two. A separate run reserves each engine's CPUs, so more engines are the cluster's call: one."""
+    workers = recipe.rollout.num_workers
+    if workers != "auto":
+        return int(workers)
+    return 2 if recipe.run.placement == "colocated" and num_cores >= 2 else 1
+
+
 def plan_placement(recipe: Any, num_cores: int) -> Placement:
     """The placement ``recipe.run.placement`` asks for on a host of ``num_cores`` cores (a resolved recipe:
     'colocated' or 'separate')."""
-    rollout, ranks, workers = recipe.rollout, recipe.trainer.num_ranks, recipe.rollout.num_workers
+    ranks, workers = recipe.trainer.num_ranks, num_rollout_workers(recipe, num_cores)
+    rollout = recipe.rollout.model_copy(update={"num_workers": workers})
     if recipe.run.placement == "separate":
         return Placement(
             num_cores=max(1, ranks + int(round(workers * rollout.num_cpus_per_worker))),
-            trainer_cpus=1.0, trainer_env=threads_env(1), rollout=rollout,
+            trainer_cpus=1.0, trainer_env=threads_env(1), num_rollout_workers=workers, rollout=rollout,
             rollout_env=engine_process_env(rollout.engine),
             receiver_sync=recipe.weight_sync, trainer_strategy=recipe.run.placement_groups.trainer,
             rollout_strategy=recipe.run.placement_groups.rollout, shared_group=False,
@@ -94,6 +112,7 @@ def plan_placement(recipe: Any, num_cores: int) -> Placement:
         num_cores=num_cores,
         trainer_cpus=share,
         trainer_env=threads_env(max(1, num_cores // ranks)),
+        num_rollout_workers=workers,
         rollout=rollout.model_copy(update={"num_cpus_per_worker": share, "engine": engine}),
         rollout_env={**engine_process_env(engine), **threads_env(engine_threads)},
         # Same-host pushes carry raw tensors over shared memory: a delta base would be one more model copy per engine.

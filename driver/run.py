@@ -194,7 +194,7 @@ class _Run:
         # The engines first: on accelerator clusters a rollout bundle is a whole host (deploy/*.yaml), and trainer
         # ranks placed before them could take a part of one.
         roles = [
-            Role("rollout", worker_resources(rollout_cfg), r.rollout.num_workers, plan.rollout_strategy),
+            Role("rollout", worker_resources(rollout_cfg), plan.num_rollout_workers, plan.rollout_strategy),
             Role("trainer", rank_resources(r.trainer, plan.trainer_cpus), r.trainer.num_ranks, plan.trainer_strategy),
         ]  # fmt: skip
         try:  # every actor goes into a bundle of these groups; none starts before all are placed
@@ -236,7 +236,7 @@ class _Run:
             self.__exit__(None, None, None)
             raise failures[0]
         log.info("rollout pool (%d worker(s), torch threads %s) and trainer (%d rank(s)) ready in %.1f s",
-                 r.rollout.num_workers, [h["num_threads"] for h in self.pool.health()], r.trainer.num_ranks,
+                 plan.num_rollout_workers, [h["num_threads"] for h in self.pool.health()], r.trainer.num_ranks,
                  time.perf_counter() - t0)  # fmt: skip
         self.publisher = WeightPublisher(self.trainer, self.pool, external=r.weight_sync.endpoints)
         return self

@@ -6,7 +6,7 @@ of a recipe; the group size (samples per prompt) is not here: the RL algorithm o
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import pydantic
 
@@ -111,8 +111,9 @@ class RolloutConfig(Config):
     """Local tokenizer directory when it differs from ``model_path``."""
     use_chat_template: bool | None = None
     """Render prompts with the tokenizer's chat template: ``None`` when it has one, ``True`` requires it."""
-    num_workers: int = pydantic.Field(default=1, ge=1)
-    """Rollout workers (Ray actors), each one engine."""
+    num_workers: Annotated[int, pydantic.Field(ge=1)] | Literal["auto"] = 1
+    """Rollout workers (Ray actors), each one engine. 'auto' (in a recipe): as many as the run's placement makes
+    best use of, decided by ``driver.placement.plan_placement``; a pool is always given a number."""
     num_cpus_per_worker: float = pydantic.Field(default=1.0, ge=0.0)
     """Ray CPUs reserved per worker."""
     num_gpus_per_worker: float = pydantic.Field(default=0.0, ge=0.0)

@@ -103,16 +103,20 @@ class RolloutPool:
 
         from rollout.worker import RolloutWorker
 
+        num_workers = config.num_workers
+        if not isinstance(num_workers, int):
+            raise ValueError("rollout.num_workers = 'auto' is decided by the run's placement "
+                             "(driver.placement.plan_placement): give the pool its resolved config or a number")
         self.config = config
         # Threaded actors: health/version calls answer while a generation batch runs; the engine loop orders the rest.
         options = {**actor_options(worker_resources(config)), "max_concurrency": 4}
         if runtime_env is not None:
             options["runtime_env"] = runtime_env
-        if placement is not None and len(placement) != config.num_workers:
-            raise ValueError(f"placement has {len(placement)} entries for {config.num_workers} worker(s)")
-        per_slot = [{**options, **(placement[i] if placement else {})} for i in range(config.num_workers)]
+        if placement is not None and len(placement) != num_workers:
+            raise ValueError(f"placement has {len(placement)} entries for {num_workers} worker(s)")
+        per_slot = [{**options, **(placement[i] if placement else {})} for i in range(num_workers)]
         self.fleet = WorkerFleet(
-            ray.remote(RolloutWorker), (config, reward, weight_sync, environment), config.num_workers,
+            ray.remote(RolloutWorker), (config, reward, weight_sync, environment), num_workers,
             config.num_worker_restarts, on_replaced=self._hand_on, startup_timeout_s=startup_timeout_s,
             options=per_slot,
         )  # fmt: skip

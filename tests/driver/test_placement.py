@@ -28,13 +28,37 @@ def test_colocation_where_phases_do_not_take_turns_on_cpu_is_refused(overrides, 
 
 
 def test_colocated_phases_get_every_core():
-    plan = plan_placement(_recipe(), num_cores=8)
+    plan = plan_placement(_recipe(**{"rollout.num_workers": 1}), num_cores=8)
     assert plan.trainer_env == {"OMP_NUM_THREADS": "8", "MKL_NUM_THREADS": "8"}
     assert plan.rollout_env["OMP_NUM_THREADS"] == plan.rollout_env["MKL_NUM_THREADS"] == "8"
     assert plan.trainer_cpus + plan.rollout.num_cpus_per_worker == 8 and plan.num_cores == 8
     assert plan.rollout.engine.cpu_threads_bind == "auto"  # one engine: vLLM pins a thread to every core
     assert plan.receiver_sync.offers_shm  # the handover stays on the host
     assert not plan.receiver_sync.delta  # raw tensors over shared memory: no base copy of the model in each engine
+
+
+@pytest.mark.parametrize(("overrides", "num_cores", "workers"), [
+    ({}, 2, 2),  # colocated on two cores: the second engine runs its share of vLLM's Python beside the first
+    ({}, 8, 2),
+    ({}, 1, 1),  # one core: a second engine would only take turns with the first
+    ({"run.mode": "async"}, 8, 1),  # separate: each engine reserves its CPUs
+    ({"rollout.num_workers": 3}, 2, 3),  # a number is kept
+])  # fmt: skip
+def test_auto_rollout_workers_follow_the_placement(overrides, num_cores, workers):
+    recipe = _recipe(**overrides)
+    plan = plan_placement(recipe, num_cores)
+    assert plan.num_rollout_workers == plan.rollout.num_workers == workers
+    if plan.shared_group:  # every colocated actor fits on the host, whatever the count
+        assert recipe.trainer.num_ranks * plan.trainer_cpus + workers * plan.rollout.num_cpus_per_worker == (
+            pytest.approx(num_cores))
+
+
+def test_a_pool_refuses_an_unresolved_worker_count():
+    from rollout.config import RolloutConfig
+    from rollout.pool import RolloutPool
+
+    with pytest.raises(ValueError, match="num_workers = 'auto'.*plan_placement"):
+        RolloutPool(RolloutConfig(model_path="unused", num_workers="auto"))
 
 
 def test_colocated_actors_of_one_role_split_the_cores():
