@@ -1,4 +1,4 @@
-"""vLLM's own C++ RMSNorm and SwiGLU kernels for its CPU platform, which vLLM 0.32 builds but does not call on x86.
+"""vLLM's own C++ RMSNorm kernels for its CPU platform, which vLLM 0.32 builds but does not dispatch to.
 
 vLLM routes RMSNorm through its IR ops (``vllm.ir.ops.rms_norm``, ``fused_add_rms_norm``): each call runs the first
 implementation of a priority list that supports it. The CPU build ships ``torch.ops._C.rms_norm`` and
@@ -11,21 +11,13 @@ post-attention, and per-head query and key norms) on every token of every forwar
 :func:`cpu_norm_priority` is the ``ir_op_priority`` engine argument that selects them, falling back to ``native`` for
 any call they do not support. The plugin (:mod:`rollout.engine.vllm_plugin`) registers them in every vLLM process, so
 a served ``vllm serve --ir-op-priority`` can name them too.
-
-The SwiGLU activation of every MLP (vLLM's ``SiluAndMul``, ``silu(gate) * up``) is a custom op, not an IR op: on x86
-CPUs its ``forward_cpu`` runs the native pair of torch ops (two passes and a temporary) although the build has
-``torch.ops._C.silu_and_mul`` (one pass; vLLM calls it on POWER CPUs only). :func:`register_cpu_silu_and_mul` registers
-a subclass that calls it as vLLM's out-of-tree replacement for ``SiluAndMul`` (``CustomOp.register_oot``), in effect for
-every model built afterwards in the process; the plugin registers it in every vLLM process before any model is built.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-__all__ = ["PROVIDER", "cpu_norm_priority", "register_cpu_norms", "register_cpu_silu_and_mul"]
+__all__ = ["PROVIDER", "cpu_norm_priority", "register_cpu_norms"]
 
 PROVIDER = "rl_align_cpu"
 
@@ -85,47 +77,6 @@ def register_cpu_norms() -> bool:
             _fused_add_rms_norm
         )
     return True
-
-
-def register_cpu_silu_and_mul() -> bool:
-    """Make vLLM build its ``SiluAndMul`` as one that runs the C++ kernel on CPU (idempotent; the CPU forward only:
-    ``custom_ops = ["-silu_and_mul"]`` still selects the native form, and compiled engines keep vLLM's default of
-    native ops inside the graph). Returns whether it is in effect: a CPU platform whose vLLM build has the kernel and
-    where no other out-of-tree ``SiluAndMul`` is registered."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False
-    try:
-        import vllm._C  # noqa: F401  (loads the kernels into torch.ops._C)
-        from vllm.model_executor.custom_op import op_registry_oot
-        from vllm.model_executor.layers.activation import SiluAndMul
-    except ImportError:
-        return False
-    if not hasattr(torch.ops._C, "silu_and_mul"):
-        return False
-    registered = op_registry_oot.get(SiluAndMul.__name__)
-    if registered is None:
-        cls = _cpu_silu_and_mul_class(SiluAndMul)
-        name = cls.name
-        SiluAndMul.register_oot(cls)
-        cls.name = name  # register_oot renames it after the class; vLLM's custom_ops flags use the op's own name
-        return True
-    return getattr(registered, "__module__", None) == __name__
-
-
-def _cpu_silu_and_mul_class(base: Any) -> Any:
-    class CpuSiluAndMul(base):
-        """vLLM's ``SiluAndMul`` with its CPU forward on the C++ kernel."""
-
-        def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-            # The kernel reads each row's gate and up halves back to back: a strided input must be made dense first.
-            x = x.contiguous()
-            out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
-            torch.ops._C.silu_and_mul(out, x)
-            return out
-
-    return CpuSiluAndMul
 
 
 def cpu_norm_priority() -> dict[str, list[str]]:

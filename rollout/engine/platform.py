@@ -60,14 +60,12 @@ def platform_engine_args() -> dict[str, object]:
     - CPU: KV blocks of 32 tokens unless the recipe sets ``block_size``: vLLM's CPU default of 128 leaves every prefix
       shorter than 128 tokens uncached (a group's shared prompt, an episode's earlier turns), and 32 is the smallest
       block its attention kernel takes.
-    - CPU: RMSNorm and SwiGLU on vLLM's own C++ kernels (:mod:`rollout.engine.cpu_kernels`), not chains of torch ops
-      (the SwiGLU kernel is registered for the process here: no engine argument selects it).
+    - CPU: RMSNorm on vLLM's own C++ kernels (:mod:`rollout.engine.cpu_kernels`), not its chain of torch ops.
     """
     if not is_cpu_platform():
         return {}
-    from rollout.engine.cpu_kernels import cpu_norm_priority, register_cpu_silu_and_mul
+    from rollout.engine.cpu_kernels import cpu_norm_priority
 
-    register_cpu_silu_and_mul()
     args: dict[str, object] = {"enable_chunked_prefill": False, "block_size": 32}
     priority = cpu_norm_priority()
     if priority:

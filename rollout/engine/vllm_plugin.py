@@ -42,14 +42,13 @@ log = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """Register the ``rl_align`` weight-transfer backend with vLLM, and on CPU the RMSNorm and SwiGLU kernels of
+    """Register the ``rl_align`` weight-transfer backend with vLLM, and on CPU the RMSNorm kernels of
     :mod:`rollout.engine.cpu_kernels` (idempotent; imports no model code)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from rollout.engine.cpu_kernels import register_cpu_norms, register_cpu_silu_and_mul
+    from rollout.engine.cpu_kernels import register_cpu_norms
 
     register_cpu_norms()
-    register_cpu_silu_and_mul()
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, "rollout.engine.transfer", "RLAlignWeightTransferEngine")
 

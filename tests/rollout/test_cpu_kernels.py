@@ -1,6 +1,5 @@
-"""vLLM's C++ RMSNorm and SwiGLU kernels as registered by ``rollout.engine.cpu_kernels``: equal to vLLM's native
-implementation (and to the formula in plain torch) on every input shape a model gives them, and dispatched to only where
-they apply."""
+"""vLLM's C++ RMSNorm kernels as registered by ``rollout.engine.cpu_kernels``: equal to vLLM's native implementation
+(and to the formula in plain torch) on every input shape a model gives them, and dispatched to only where they apply."""
 
 from __future__ import annotations
 
@@ -9,12 +8,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from rollout.engine.cpu_kernels import (  # noqa: E402
-    PROVIDER,
-    cpu_norm_priority,
-    register_cpu_norms,
-    register_cpu_silu_and_mul,
-)
+from rollout.engine.cpu_kernels import PROVIDER, cpu_norm_priority, register_cpu_norms  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not register_cpu_norms(), reason="needs vLLM's CPU build (its C++ RMSNorm kernels)")
 
@@ -92,56 +86,3 @@ def test_dispatch_runs_the_kernels_where_they_apply_and_native_elsewhere():
         assert fused.dispatch(strided, residual, weight, EPS).provider == "native"
         out, new_residual = fused(strided, residual, weight, EPS)
         torch.testing.assert_close(out, _reference(wide[:, :128] + residual, weight), rtol=1e-5, atol=1e-5)
-
-
-def _silu_and_mul(custom_ops: list[str]):
-    """vLLM's ``SiluAndMul`` as a model constructs it, in an eager engine's config with ``custom_ops``."""
-    from vllm.config import CompilationConfig, CompilationMode, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.activation import SiluAndMul
-
-    config = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.NONE, custom_ops=custom_ops))
-    with set_current_vllm_config(config):
-        return SiluAndMul()
-
-
-@pytest.mark.parametrize("case", ["rows", "batch-seq", "strided", "bfloat16"])
-def test_silu_and_mul_equals_vllms_native_and_the_formula(case):
-    assert register_cpu_silu_and_mul() and register_cpu_silu_and_mul()  # idempotent
-    op = _silu_and_mul([])
-    assert type(op).__module__ == "rollout.engine.cpu_kernels" and op.name == "silu_and_mul"
-    torch.manual_seed(3)
-    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
-    x = {"batch-seq": lambda: torch.randn(3, 7, 256), "strided": lambda: torch.randn(256, 41)[:, :20].T}.get(
-        case, lambda: torch.randn(41, 256, dtype=dtype))()
-    if case == "strided":
-        assert not x.is_contiguous()
-    d = x.shape[-1] // 2
-    ours, native = op(x), type(op).forward_native(x)
-    reference = (torch.nn.functional.silu(x[..., :d].double()) * x[..., d:].double()).to(dtype)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
-    assert ours.shape == (*x.shape[:-1], d) and ours.dtype == dtype
-    torch.testing.assert_close(ours, native, **tol)
-    torch.testing.assert_close(ours, reference, **tol)
-
-
-def test_silu_and_mul_runs_the_kernel_unless_custom_ops_turn_it_off(monkeypatch):
-    register_cpu_silu_and_mul()
-    calls: list[tuple] = []
-    kernel = torch.ops._C.silu_and_mul
-
-    class Recording:  # torch.ops._C with the kernel's calls recorded
-        def __getattr__(self, name):
-            return getattr(torch.ops._C, name)
-
-        @staticmethod
-        def silu_and_mul(out, x):
-            calls.append(tuple(x.shape))
-            return kernel(out, x)
-
-    monkeypatch.setattr(torch.ops, "_C", Recording(), raising=False)
-    x = torch.randn(5, 64)
-    _silu_and_mul([])(x)
-    assert calls == [(5, 64)]
-    off = _silu_and_mul(["-silu_and_mul"])  # vLLM's switch for this op still selects the native form
-    torch.testing.assert_close(off(x), type(off).forward_native(x))
-    assert calls == [(5, 64)]

@@ -1,20 +1,17 @@
-"""vLLM on CPU with RMSNorm and SwiGLU on its C++ kernels (``rollout.engine.cpu_kernels``, our default) against its
-native paths.
+"""vLLM on CPU with RMSNorm on its C++ kernels (``rollout.engine.cpu_kernels``, our default) against its native path.
 
-Run: ``.venv/bin/python benchmarks/engine_kernels.py [--reps 15] [--threads 2]``. For each shape, three bare
-``vllm.LLM`` engines with the production settings (``rollout.engine.vllm_engine.vllm_engine_args``): ``kernels`` (as
-served), ``norms`` (SwiGLU set back to native with ``custom_ops = ["-silu_and_mul"]``) and ``native`` (that and
-``ir_op_priority`` set back to ``native`` too: vLLM 0.32's CPU defaults), each in a process of its own that stays up;
-their batches alternate (kernels, norms, native, kernels, ...), so a drift of the machine hits all three. It prints per
-shape the median [range] seconds of a batch on each and the speed-ups over ``native`` (median of the per-round
-ratios). Shapes:
+Run: ``.venv/bin/python benchmarks/engine_norms.py [--reps 15] [--threads 2]``. For each shape, two bare ``vllm.LLM``
+engines with the production settings (``rollout.engine.vllm_engine.vllm_engine_args``), one of them with
+``ir_op_priority`` set back to ``native`` (vLLM 0.32's CPU default), each in a process of its own that stays up; their
+batches alternate (kernels, native, kernels, ...), so a drift of the machine hits both. It prints per shape the median
+[range] seconds of a batch on each and the speed-up (native / kernels, median of the per-pair ratios). Shapes:
 
 - ``demo``: the default recipe (``recipes/grpo_tiny.toml``): its tiny Qwen 3 (float32), 32 of its arithmetic chat
   prompts x 8 samples, at most 8 tokens (the recipe's sampling): one RL step's generation;
 - ``prefill``: the same batch, 1 token: the prefill alone (256 prompts of ~25 tokens);
 - ``40m``: the rollout benchmark's model (hidden 512, 10 layers, float32), 16 prompts x 4 samples x 128 tokens.
 
-Parity of the kernels with vLLM's native implementations: ``tests/rollout/test_cpu_kernels.py``.
+Parity of the kernels with vLLM's native implementation: ``tests/rollout/test_cpu_kernels.py``.
 """
 
 from __future__ import annotations
@@ -32,10 +29,7 @@ if sys.path and Path(sys.path[0]).resolve() == _REPO / "benchmarks":
 from benchmarks.machine import load_avg, machine_line, med_range  # noqa: E402
 from benchmarks.rollout import BareLLM  # noqa: E402
 
-NATIVE_SWIGLU = {"compilation_config": {"custom_ops": ["-silu_and_mul"]}}
-NATIVE = {**NATIVE_SWIGLU, "ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}}
-VARIANTS = {"kernels": None, "norms": NATIVE_SWIGLU, "native": NATIVE}
-"""Engine-argument overrides of each variant (None: the production settings)."""
+NATIVE = {"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}}
 
 
 def _shapes(tmp: Path, names: set[str]) -> list[tuple[str, object, list, object, int]]:
@@ -79,28 +73,29 @@ def main(argv: list[str] | None = None) -> None:
     print(machine_line(), flush=True)
     before = load_avg()
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-kernels-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-norms-") as tmp:
         for name, config, problems, sampling, group in _shapes(Path(tmp), set(args.shapes.split(","))):
-            engines = {variant: BareLLM(config, config.model_path, problems, sampling, group, args.threads, overrides)
-                       for variant, overrides in VARIANTS.items()}  # fmt: skip
-            times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+            engines = {"kernels": BareLLM(config, config.model_path, problems, sampling, group, args.threads),
+                       "native": BareLLM(config, config.model_path, problems, sampling, group, args.threads, NATIVE)}
+            times: dict[str, list[float]] = {"kernels": [], "native": []}
             try:
                 for _ in range(args.reps):
-                    for variant, engine in engines.items():
-                        times[variant].append(engine.batch()["bare_seconds"])
+                    for side, engine in engines.items():
+                        times[side].append(engine.batch()["bare_seconds"])
             finally:
                 for engine in engines.values():
                     engine.close()
-            rows.append((name, times))
-            print(f"{name}: " + ", ".join(f"{v} {med_range(t, '{:.4f}')} s" for v, t in times.items()), flush=True)
-    print(f"\nengine_kernels: {args.reps} alternating rounds per shape, {args.threads} thread(s) per engine; "
+            ratios = [n / k for k, n in zip(times["kernels"], times["native"])]
+            rows.append((name, times, ratios))
+            print(f"{name}: kernels {med_range(times['kernels'], '{:.4f}')} s, native "
+                  f"{med_range(times['native'], '{:.4f}')} s", flush=True)  # fmt: skip
+    print(f"\nengine_norms: {args.reps} alternating batch pairs per shape, {args.threads} thread(s) per engine; "
           f"load (1/5/15 min) before {before}, after {load_avg()}")  # fmt: skip
-    print(f"{'shape':8s} " + " ".join(f"{v + ' s/batch':>22s}" for v in VARIANTS)
-          + f" {'native / kernels':>20s} {'native / norms':>20s}")  # fmt: skip
-    for name, times in rows:
-        over = {v: [n / t for t, n in zip(times[v], times["native"])] for v in ("kernels", "norms")}
-        print(f"{name:8s} " + " ".join(f"{med_range(times[v], '{:.4f}'):>22s}" for v in VARIANTS)
-              + f" {med_range(over['kernels'], '{:.2f}x'):>20s} {med_range(over['norms'], '{:.2f}x'):>20s}")
+    print(f"{'shape':10s} {'kernels s/batch':>22s} {'native s/batch':>22s} {'native / kernels':>22s}")
+    for name, times, ratios in rows:
+        print(f"{name:10s} {med_range(times['kernels'], '{:.4f}'):>22s} {med_range(times['native'], '{:.4f}'):>22s} "
+              f"{med_range(ratios, '{:.2f}x'):>22s}")  # fmt: skip
+
 
 if __name__ == "__main__":
     main()
