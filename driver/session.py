@@ -67,6 +67,9 @@ def ray_session(address: str | None, device: str = "cpu") -> Iterator[str]:
         _temp_dir=temp_dir,
         runtime_env=runtime_env,
         log_to_driver=True,
+        # Ray would start a worker process per CPU for this driver's plain tasks while the actors start; every actor
+        # of a run brings its own runtime environment (its threads), so none could use them: CPU taken from start-up.
+        _system_config={"prestart_worker_first_driver": False},
     )
     try:
         yield "embedded"
