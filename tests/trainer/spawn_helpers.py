@@ -36,8 +36,10 @@ def end_rank() -> NoReturn:
     torch's gloo process group can outlive ``destroy_process_group`` (the mesh and DTensors still refer to it) until the
     interpreter's final garbage collection frees it; a gloo worker thread that then takes the GIL to free a tensor is
     cancelled, and the process aborts ("terminate called without an active exception"; about one spawn in 40 on
-    this machine, its core dump showing ``ProcessGroupGloo::runLoop`` beside ``Py_FinalizeEx``'s collection)."""
-    dist.destroy_process_group()
+    this machine, its core dump showing ``ProcessGroupGloo::runLoop`` beside ``Py_FinalizeEx``'s collection). A
+    rank whose ``TrainerWorker.shutdown`` already left the group ends here too."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.multiprocessing as mp
-from spawn_helpers import full_weights
+from spawn_helpers import end_rank, full_weights
 from torch import nn
 from trainer_batches import random_batch
 
@@ -127,6 +127,7 @@ def _resume_flow(rank: int, world: int, ports: tuple[int, int], root: Path, at_s
 
 def _spawned_rank(rank: int, world: int, ports: tuple[int, int], root: str, at_setup: bool) -> None:
     torch.save(_resume_flow(rank, world, ports, Path(root), at_setup), Path(root) / f"rank{rank}.pt")
+    end_rank()
 
 
 @pytest.mark.parametrize("world, at_setup", [(1, False), (2, True), pytest.param(2, False, marks=pytest.mark.slow)])

@@ -112,6 +112,7 @@ def _warm_start_worker(rank: int, world: int, port: int, out_dir: str, model: st
     result["after_rl"] = full_weights(worker.state.policy)
     torch.save(result, os.path.join(out_dir, f"warm{rank}.pt"))
     worker.shutdown()
+    end_rank()
 
 
 
