@@ -42,17 +42,16 @@ def _shapes(tmp: Path, names: set[str]) -> list[tuple[str, object, list, object,
     from rollout.tasks.problem import Problem
     from tools.make_tiny_model import make_tiny_model
 
+    recipe = load_recipe(_REPO / "recipes" / "grpo_tiny.toml", {"model.path": str(tmp / "demo")}, check_paths=False)
+    base = recipe.rollout
     shapes: list[tuple[str, object, list, object, int]] = []
     if names & {"demo", "prefill"}:
-        recipe = load_recipe(_REPO / "recipes" / "grpo_tiny.toml", {"model.path": str(tmp / "demo")},
-                             check_paths=False)  # fmt: skip
         ensure_model(recipe)  # the recipe's own tiny Qwen 3, as a run creates it
         problems = build_dataset(recipe.task).next_batch(recipe.run.num_prompts_per_step)
-        group, sampling = recipe.algorithm.group_size, recipe.rollout.sampling
-        shapes += [("demo", recipe.rollout, problems, sampling, group),
-                   ("prefill", recipe.rollout, problems, sampling.model_copy(update={"max_tokens": 1}), group)]
+        group, sampling = recipe.algorithm.group_size, base.sampling
+        shapes += [("demo", base, problems, sampling, group),
+                   ("prefill", base, problems, sampling.model_copy(update={"max_tokens": 1}), group)]
     if "40m" in names:
-        base = load_recipe(_REPO / "recipes" / "grpo_tiny.toml", check_paths=False).rollout
         big_dir = make_tiny_model(tmp / "40m", family="qwen3", hidden_size=512, num_layers=10, num_heads=8,
                                   intermediate_size=2048)  # fmt: skip
         big = base.model_copy(update={"model_path": str(big_dir), "engine": base.engine.model_copy(

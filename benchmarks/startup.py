@@ -92,14 +92,14 @@ def main() -> None:
     from driver.session import worker_env_vars
     from recipe import load_recipe
 
-    cores = str(len(os.sched_getaffinity(0)))
+    threads = threads_env(len(os.sched_getaffinity(0)))
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         model = str(Path(tmp) / "model")
         recipe = load_recipe(args.recipe, {"model.path": model}, check_paths=False)
         ensure_model(recipe)
         base = {"RAY_AUTH_MODE": "disabled", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
-        actor_env = {**base, **worker_env_vars(recipe.trainer.device), **threads_env(int(cores))}
-        hf_env = {**base, "OMP_NUM_THREADS": cores, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        actor_env = {**base, **worker_env_vars(recipe.trainer.device), **threads}
+        hf_env = {**base, **threads, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         parts: dict[str, list[float]] = {}
         for _ in range(args.reps):
             for part, env in ((_driver_part, base), (_engine_part, actor_env), (_hf_part, hf_env)):

@@ -41,8 +41,6 @@ class Placement:
     """Ray CPUs each trainer rank reserves."""
     trainer_env: dict[str, str]
     """Environment of every trainer rank (``OMP_NUM_THREADS``: its torch intra-op threads)."""
-    num_rollout_workers: int
-    """Rollout workers (engines): :func:`num_rollout_workers`, also the pool config's ``num_workers``."""
     rollout: RolloutConfig
     """The pool's config with the worker count, the reservation and the engine's threads of this placement."""
     rollout_env: dict[str, str]
@@ -57,6 +55,13 @@ class Placement:
     """Ray placement-group strategy of the rollout workers' bundles."""
     shared_group: bool
     """Both roles' bundles in one group (colocated: one STRICT_PACK group, so one host)."""
+
+    @property
+    def num_rollout_workers(self) -> int:
+        """Rollout workers (engines): the pool config's ``num_workers``, resolved by :func:`num_rollout_workers`."""
+        workers = self.rollout.num_workers
+        assert isinstance(workers, int), "plan_placement resolves 'auto'"
+        return workers
 
 
 def threads_env(num_threads: int) -> dict[str, str]:
@@ -96,7 +101,7 @@ def plan_placement(recipe: Any, num_cores: int) -> Placement:
     if recipe.run.placement == "separate":
         return Placement(
             num_cores=max(1, ranks + int(round(workers * rollout.num_cpus_per_worker))),
-            trainer_cpus=1.0, trainer_env=threads_env(1), num_rollout_workers=workers, rollout=rollout,
+            trainer_cpus=1.0, trainer_env=threads_env(1), rollout=rollout,
             rollout_env=engine_process_env(rollout.engine),
             receiver_sync=recipe.weight_sync, trainer_strategy=recipe.run.placement_groups.trainer,
             rollout_strategy=recipe.run.placement_groups.rollout, shared_group=False,
@@ -112,7 +117,6 @@ def plan_placement(recipe: Any, num_cores: int) -> Placement:
         num_cores=num_cores,
         trainer_cpus=share,
         trainer_env=threads_env(max(1, num_cores // ranks)),
-        num_rollout_workers=workers,
         rollout=rollout.model_copy(update={"num_cpus_per_worker": share, "engine": engine}),
         rollout_env={**engine_process_env(engine), **threads_env(engine_threads)},
         # Same-host pushes carry raw tensors over shared memory: a delta base would be one more model copy per engine.

@@ -71,7 +71,7 @@ def test_killed_rollout_worker_is_replaced_and_run_finishes(tmp_path: Path, reci
     assert redispatched >= 1 or "failed (it keeps serving its old version)" in log.read_text(), tail(log)
     # Every step, the one hit by the kill included, trains on samples of the expected versions: sync, the current
     # policy (the version before this step's update); async, no more than max_staleness versions behind it.
-    max_staleness = load_recipe(recipe).run.max_staleness if "async" in recipe else 0
+    max_staleness = resolved.run.max_staleness if "async" in recipe else 0
     for r in rl:
         current = r["train/policy_version"] - 1
         assert current - max_staleness <= r["rollout/min_policy_version"], (r["step"], r)
