@@ -47,11 +47,11 @@ completion tokens per second of the generation phase).
 
 Phases. Ours (``metrics.jsonl``): generate ``time/generate_s`` (the driver's view: submit to collect, scoring
 included; of it the engine's own ``rollout/generate_s``), train ``time/train_s`` (of it the trainer's own
-``train/step_s``), export ``time/checkpoint_s`` (the HF export every k steps), push ``time/push_s``, step
-``time/step_s``. TRL (``trl_e2e_side.py`` timers): generate = ``_generate_and_score_completions`` (prompt tokens,
-``generate``, decoding, rewards, advantages; of it ``generate`` itself), train = the rest of the optimizer step
-(forward/backward per micro-batch, clipping, AdamW), save/log = from a step's end to the next step's begin
-(checkpointing, logging, the data loader), step = begin to next begin.
+``train/step_s``), export ``time/checkpoint_s`` (the previous step's HF export every k steps), push
+``time/push_s``, step ``time/step_s``. TRL (``trl_e2e_side.py`` timers): generate =
+``_generate_and_score_completions`` (prompt tokens, ``generate``, decoding, rewards, advantages; of it ``generate``
+itself), train = the rest of the optimizer step (forward/backward per micro-batch, clipping, AdamW), save/log = from a
+step's end to the next step's begin (checkpointing, logging, the data loader), step = begin to next begin.
 
 Matched: the warm-started weights and tokenizer, the prompts and their token ids, the training order, 32 prompts x 8
 samples per step, peak lr 5e-4 after the recipe's linear warmup, with a cosine decay over ``--steps`` to 0.1 of it

@@ -9,7 +9,9 @@ the weights, so ``--resume`` regenerates exactly the batches that were in flight
 
 Every push goes through the :class:`driver.publisher.WeightPublisher`, which also tells the pool the committed
 ``policy_version`` and catches up replaced workers, so a death never makes a batch older than the mode allows. The
-loop decides when to checkpoint (``trainer.checkpoint.every_num_steps``); training itself has no side effects.
+loop decides when to checkpoint (``trainer.checkpoint.every_num_steps``); training itself has no side effects. A step's
+checkpoint (and HF export) is written after the step's metrics record, at the start of the next step while the engines
+generate its batch: a job killed at any moment resumes from a checkpoint whose steps all have their records.
 """
 
 from __future__ import annotations
@@ -112,18 +114,16 @@ class RLLoop:
                 num_submitted += 1
 
         top_up(1)
+        owed: tuple[int, dict] | None = None  # the last step and its cursor, whose checkpoint/export may be due
         for step in range(start_step, run.num_steps):
             t0 = time.perf_counter()
-            batch, cursor, metrics = self._collect()
+            if owed is not None:
+                self._save(*owed)
             t1 = time.perf_counter()
+            batch, cursor, metrics = self._collect()
+            t2 = time.perf_counter()
             top_up(ahead)  # async: later batches generate with the current weights while this one trains
             train = self.trainer.train_step(batch)
-            t2 = time.perf_counter()
-            if _checkpoint_due(self.recipe, step):
-                self.trainer.save_checkpoint(data_cursor=cursor)
-            if run.export.every_num_steps and (step + 1) % run.export.every_num_steps == 0:
-                out = run.resolved_output_dir / "hf" / f"step_{step + 1}"
-                self.trainer.export_hf(str(out), self.recipe.model.path, run.export.dtype)
             t3 = time.perf_counter()
             version = int(train["policy_version"])
             metrics.update(self.publisher.publish())
@@ -139,17 +139,30 @@ class RLLoop:
             if every and (step + 1) % every == 0 and step + 1 < run.num_steps:
                 metrics.update(self._evaluate())
             self._log(step, metrics)
+            owed = (step, cursor)
+        if owed is not None:
+            self._save(*owed)
+
+    def _save(self, step: int, cursor: dict) -> None:
+        """The checkpoint and HF export due after ``step`` (0-based), of the trainer's state after that step."""
+        run = self.recipe.run
+        if _checkpoint_due(self.recipe, step):
+            self.trainer.save_checkpoint(data_cursor=cursor)
+        if run.export.every_num_steps and (step + 1) % run.export.every_num_steps == 0:
+            out = run.resolved_output_dir / "hf" / f"step_{step + 1}"
+            self.trainer.export_hf(str(out), self.recipe.model.path, run.export.dtype)
 
 
 def _phase_metrics(metrics: dict[str, float], marks: tuple[float, ...], num_tokens: int) -> dict[str, float]:
     """Where a step's wall time went: ``time/*`` per phase as the driver saw it, and the part of training spent
     outside the trainer's step (actor round trips, batch serialisation; the engines' own share of generation is
-    ``rollout/generate_s``)."""
+    ``rollout/generate_s``). ``time/checkpoint_s`` is the previous step's checkpoint and export, which this step's
+    generation overlaps (its wait for the batch is ``time/generate_s``)."""
     t0, t1, t2, t3, t4, end = marks
     return {
-        "time/generate_s": t1 - t0, "time/train_s": t2 - t1, "time/checkpoint_s": t3 - t2, "time/push_s": t4 - t3,
+        "time/checkpoint_s": t1 - t0, "time/generate_s": t2 - t1, "time/train_s": t3 - t2, "time/push_s": t4 - t3,
         "time/step_s": end - t0,
-        "time/train_overhead_s": max(0.0, t2 - t1 - metrics["train/step_s"]),
+        "time/train_overhead_s": max(0.0, t3 - t2 - metrics["train/step_s"]),
         "perf/tokens_per_s": num_tokens / max(end - t0, 1e-9),
     }  # fmt: skip
 
