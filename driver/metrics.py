@@ -2,6 +2,9 @@
 
 One :class:`MetricsLogger` per run; ``log(step, metrics)`` fans a flat ``{name: float}`` dict out to every sink the
 recipe turned on. Names are slash-separated groups (``reward/mean``, ``time/train_s``) so TensorBoard groups them.
+TensorBoard gets two runs under ``<out>/tensorboard``: the RL steps and evaluations at its top, the warm start's SFT
+steps in ``sft/`` (their step numbers are their own, and a resumed run purges the RL steps it trains again, which
+TensorBoard does by step for every tag of a run).
 """
 
 from __future__ import annotations
@@ -47,11 +50,14 @@ class MetricsLogger:
         self._progress = progress
         self._started = time.monotonic()
         self._first_step: int | None = None
-        self._tb = None
+        self._writer_class: Any = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+            self._writer_class = SummaryWriter
+        self._writers: dict[str, Any] = {}
+        """TensorBoard writers by run ("" for RL and eval, "sft"), opened at their first record."""
+        self._purge_step: int | None = None
         self._gauges: dict[str, Any] = {}
         self._prometheus = prometheus_port is not None
         self._http: tuple[Any, threading.Thread] | None = None
@@ -66,10 +72,11 @@ class MetricsLogger:
         clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()}
         self._file.write(json.dumps({"step": step, "phase": phase, "time": time.time(), **clean}) + "\n")
         self._file.flush()
-        if self._tb is not None:
+        if self._writer_class is not None:
+            writer = self._tensorboard("sft" if phase == "sft" else "")
             for name, value in clean.items():
                 if value is not None:
-                    self._tb.add_scalar(f"{phase}/{name}" if phase != "rl" else name, value, step)
+                    writer.add_scalar(f"{phase}/{name}" if phase != "rl" else name, value, step)
         if self._prometheus:
             self._export_prometheus(clean)
         if self._progress and phase == "rl":
@@ -80,7 +87,13 @@ class MetricsLogger:
 
         A resumed run calls this with its checkpoint's step: the killed run may have logged steps past its last
         checkpoint, which the resumed run trains again, and the curve must hold each step once. SFT records stay.
+        TensorBoard's RL run gets the same cut: its next writer marks ``step`` as a restart, and TensorBoard hides the
+        earlier events from ``step`` on (its ``purge_step``).
         """
+        self._purge_step = step
+        old = self._writers.pop("", None)
+        if old is not None:
+            old.close()
         self._file.close()
         lines = self.path.read_text().splitlines()
         kept = []
@@ -96,6 +109,16 @@ class MetricsLogger:
         tmp.replace(self.path)
         self._file = self.path.open("a")
         return len(lines) - len(kept)
+
+    def _tensorboard(self, run: str) -> Any:
+        """The TensorBoard writer of ``run`` ("" or "sft"), opened now if it is not yet (with the purge step of a
+        resumed run for the RL run)."""
+        writer = self._writers.get(run)
+        if writer is None:
+            purge = self._purge_step if run == "" else None
+            writer = self._writer_class(str(self.out_dir / "tensorboard" / run), purge_step=purge)
+            self._writers[run] = writer
+        return writer
 
     def _export_prometheus(self, metrics: Mapping[str, float | None]) -> None:
         import prometheus_client
@@ -122,8 +145,9 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for writer in self._writers.values():
+            writer.close()
+        self._writers = {}
         if self._http is not None:
             server, thread = self._http
             server.shutdown()

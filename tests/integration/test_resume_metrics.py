@@ -1,4 +1,5 @@
-"""A resumed run's metrics file holds each step once: records past the checkpoint are dropped (fast, no Ray)."""
+"""A resumed run's metrics hold each step once: records past the checkpoint are dropped from the JSONL file and purged
+from TensorBoard (fast, no Ray)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,29 @@ def test_drop_from_keeps_sft_and_steps_before_checkpoint(tmp_path: Path) -> None
         *[("sft", s) for s in range(3)], ("eval", -1), *[("rl", s) for s in range(6)]
     ]
     assert [r["reward/mean"] for r in records if r["phase"] == "rl"] == [0.0, 1.0, 12.0, 13.0, 14.0, 15.0]
+
+
+def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsLogger(tmp_path, 6, tensorboard=True, progress=False)
+    for step in range(6):  # a warm start longer than the RL steps the resume trains again
+        first.log(step, {"loss": float(step)}, phase="sft")
+    for step in range(5):
+        first.log(step, {"reward/mean": float(step)})
+    first.close()
+
+    resumed = MetricsLogger(tmp_path, 6, tensorboard=True, progress=False, append=True)
+    resumed.drop_from(2)
+    for step in range(2, 6):
+        resumed.log(step, {"reward/mean": 10.0 + step})
+    resumed.close()
+
+    def scalars(run: Path, tag: str) -> list[tuple[int, float]]:
+        events = EventAccumulator(str(run))
+        events.Reload()
+        return [(e.step, e.value) for e in events.Scalars(tag)]
+
+    board = tmp_path / "tensorboard"
+    assert scalars(board, "reward/mean") == [(0, 0.0), (1, 1.0), *[(s, 10.0 + s) for s in range(2, 6)]]
+    assert scalars(board / "sft", "sft/loss") == [(s, float(s)) for s in range(6)]  # the purge leaves the warm start
