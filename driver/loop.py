@@ -10,8 +10,8 @@ the weights, so ``--resume`` regenerates exactly the batches that were in flight
 Every push goes through the :class:`driver.publisher.WeightPublisher`, which also tells the pool the committed
 ``policy_version`` and catches up replaced workers, so a death never makes a batch older than the mode allows. The
 loop decides when to checkpoint (``trainer.checkpoint.every_num_steps``); training itself has no side effects. A step's
-checkpoint (and HF export) is written after the step's metrics record, at the start of the next step while the engines
-generate its batch: a job killed at any moment resumes from a checkpoint whose steps all have their records.
+HF export and checkpoint are written after the step's metrics record, at the start of the next step while the engines
+generate its batch: a job killed at any moment resumes from a checkpoint whose steps all have their records and exports.
 """
 
 from __future__ import annotations
@@ -144,13 +144,14 @@ class RLLoop:
             self._save(*owed)
 
     def _save(self, step: int, cursor: dict) -> None:
-        """The checkpoint and HF export due after ``step`` (0-based), of the trainer's state after that step."""
+        """The HF export and checkpoint due after ``step`` (0-based), of the trainer's state after that step; the
+        checkpoint last, so that a committed checkpoint implies every output of the steps it covers is written."""
         run = self.recipe.run
-        if _checkpoint_due(self.recipe, step):
-            self.trainer.save_checkpoint(data_cursor=cursor)
         if run.export.every_num_steps and (step + 1) % run.export.every_num_steps == 0:
             out = run.resolved_output_dir / "hf" / f"step_{step + 1}"
             self.trainer.export_hf(str(out), self.recipe.model.path, run.export.dtype)
+        if _checkpoint_due(self.recipe, step):
+            self.trainer.save_checkpoint(data_cursor=cursor)
 
 
 def _phase_metrics(metrics: dict[str, float], marks: tuple[float, ...], num_tokens: int) -> dict[str, float]:

@@ -161,13 +161,16 @@ def test_checkpoints_when_due_with_the_cursor_of_the_trained_batch():
     assert events.index(("log", 3)) < events.index(("checkpoint", 4, 8))
 
 
-def test_every_step_before_a_checkpoint_is_logged_before_it_commits():
+def test_every_step_before_a_checkpoint_is_logged_and_exported_before_it_commits():
     events, _ = _run({"trainer.checkpoint.every_num_steps": 1, "run.export.every_num_steps": 2}, num_steps=4)
     for i, event in enumerate(events):
         if event[0] in ("checkpoint", "export"):
             steps_done = event[1]  # the trainer's version counts the steps trained
             logged = {e for e in events[:i] if e[0] == "log"}
             assert {("log", s) for s in range(steps_done)} <= logged, (event, events[:i])
+        if event[0] == "checkpoint":
+            exported = {e[1] for e in events[:i] if e[0] == "export"}
+            assert {s for s in (2, 4) if s <= event[1]} <= exported, (event, events[:i])
     assert [e[:2] for e in events if e[0] == "export"] == [("export", 2), ("export", 4)]
 
 
