@@ -306,11 +306,14 @@ def test_a_trainer_push_is_served(server, dirs):
 
 
 def test_a_restarted_server_resumes_its_version_and_refuses_older(server, dirs):
-    """Last in the module: it stops the module's server and starts one on the persisted directory."""
+    """Last in the module: it stops the module's server and starts one on the persisted directory. Its receiver has
+    short hello and stream idle timeouts (options of the plugin), so the conformance cases that wait for them take
+    seconds instead of the defaults' ~100."""
     version = _describe_version(server.endpoint)
     served = {tuple(p): server.prompt_logprobs(p) for p in PROMPTS}
     server.stop()
-    restarted = Server(str(dirs["persist"]), dirs["root"] / "restarted.log", str(dirs["persist"]))
+    restarted = Server(str(dirs["persist"]), dirs["root"] / "restarted.log", str(dirs["persist"]),
+                       options={"hello_timeout_s": 1, "stream_idle_timeout_s": 3})  # fmt: skip
     try:
         assert _describe_version(restarted.endpoint) == version
         for prompt in PROMPTS:
