@@ -44,7 +44,6 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    write_resolved(recipe, out_dir)
     from rollout.tokenizer import check_tokenizer_dir
     from trainer.models.hf_config import model_config_from_hf
 
@@ -53,9 +52,12 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
         check_tokenizer_dir(recipe.rollout.tokenizer_path or recipe.model.path)  # loaded while the actors start
         model_cfg = model_config_from_hf(recipe.model.path, **recipe.model.block_overrides(), lora=recipe.model.lora)
         recipe.trainer.check_model(model_cfg)
+        if resuming:
+            _check_resumable(recipe, model_cfg, out_dir)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    write_resolved(recipe, out_dir)  # after the checks: a refused recipe leaves the run's record as it was
 
     import ray
 
@@ -105,6 +107,26 @@ def _resolve_resume(ckpt_dir: Path, resume: str | None) -> bool:
         ckpt_dir.rename(aside)
         log.warning("fresh start: moved the earlier checkpoints of this run directory to %s", aside)
     return False
+
+
+def _check_resumable(recipe: Recipe, model_cfg: ModelConfig, out_dir: Path) -> None:
+    """Raise ``ValueError`` when the checkpoint this run would resume from holds another policy than ``model_cfg``
+    (names, shapes; a LoRA run's adapters), read from its metadata: such a resume would fail only once the actors had
+    started, with the trainer's error."""
+    from trainer.checkpoint import saved_policy_params
+    from trainer.checkpoint_dirs import latest_checkpoint
+    from trainer.models.transformer import build_model
+
+    ckpt = latest_checkpoint(Path(recipe.trainer.checkpoint.dir or out_dir / "checkpoints"))
+    assert ckpt is not None  # resuming: _resolve_resume found it
+    try:
+        saved_policy_params(ckpt, build_model(model_cfg, device="meta"))
+    except ValueError as e:
+        raise ValueError(
+            f"--resume: {e}. The run in {out_dir} trained another model than this recipe's {recipe.model.path}: "
+            f"resume with the recipe it started with (python rl_align.py --recipe {out_dir / 'recipe.resolved.toml'} "
+            "--resume), or start afresh without --resume"
+        ) from e
 
 
 def _with_env(env_vars: dict[str, str], py_executable: str | None = None) -> dict[str, Any] | None:

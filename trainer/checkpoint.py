@@ -47,6 +47,7 @@ __all__ = [
     "read_model_tensors",
     "saved_model_params",
     "saved_parts",
+    "saved_policy_params",
     "saved_policy_version",
 ]
 
@@ -246,6 +247,19 @@ def saved_model_params(
             raise ValueError(f"checkpoint {path}: {key} has shape {tuple(meta.size)}, the model {tuple(shape)}")
         out.append((name, tuple(shape), meta.properties.dtype))
     return out
+
+
+def saved_policy_params(path: str | Path, model: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """What the checkpoint at ``path`` holds of the policy ``model`` (built on any device, ``meta`` included), as
+    :func:`saved_model_params` returns it: every parameter, or with LoRA adapters in ``model`` the adapters alone (a
+    LoRA run checkpoints those only). Raises ``ValueError`` naming the first difference when it was written for
+    another model."""
+    from trainer.models.lora import is_adapter
+
+    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    if any(is_adapter(name) for name, _ in shapes):
+        shapes = [(name, shape) for name, shape in shapes if is_adapter(name)]
+    return saved_model_params(path, "policy", shapes)
 
 
 def read_model_tensors(

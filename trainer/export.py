@@ -151,7 +151,7 @@ def export_checkpoint(
     """
     import torch
 
-    from trainer.checkpoint import read_model_tensors, saved_model_params, saved_policy_version
+    from trainer.checkpoint import read_model_tensors, saved_policy_params, saved_policy_version
     from trainer.checkpoint_dirs import COMPLETE
     from trainer.models.hf_config import model_config_from_hf
     from trainer.models.hf_io import read_hf_parameters, write_hf_checkpoint
@@ -170,12 +170,12 @@ def export_checkpoint(
     meta = build_model(model_cfg, device="meta")  # names and shapes only
     shapes = [(name, tuple(p.shape)) for name, p in meta.named_parameters()]
     base_shapes = [(name, shape) for name, shape in shapes if not is_adapter(name)]
+    saved = saved_policy_params(ckpt, meta)
     if model_cfg.lora is None:
-        params = saved_model_params(ckpt, "policy", base_shapes)
+        params = saved
         tensors = read_model_tensors(ckpt, "policy", params)
         adapters = None
     else:  # the run trained adapters only: the base weights are the run's model directory's, in the trainer's float32
-        saved = saved_model_params(ckpt, "policy", [(name, shape) for name, shape in shapes if is_adapter(name)])
         adapters = dict(read_model_tensors(ckpt, "policy", saved))
         params = [(name, shape, torch.float32) for name, shape in base_shapes]
         base = ((name, t.float()) for name, t in read_hf_parameters(model_cfg, source, base_shapes))
