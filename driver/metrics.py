@@ -30,7 +30,11 @@ _PROGRESS_KEYS = (
 
 class MetricsLogger:
     """Fan out step metrics to JSONL (``<out>/metrics.jsonl``) and the optional sinks; close() flushes everything and
-    stops the Prometheus endpoint (its port is free again once close() returns)."""
+    stops the Prometheus endpoint (its port is free again once close() returns).
+
+    ``append=False`` (a fresh start) replaces an earlier run's metrics in ``out_dir``: the JSONL file is rewritten and
+    its TensorBoard event files are removed, which TensorBoard would otherwise show beside the new ones.
+    """
 
     def __init__(
         self,
@@ -46,6 +50,9 @@ class MetricsLogger:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
         self._file = self.path.open("a" if append else "w")
+        if not append:
+            for stale in (self.out_dir / "tensorboard").glob("**/events.out.tfevents.*"):
+                stale.unlink()
         self._num_steps = num_steps
         self._progress = progress
         self._started = time.monotonic()

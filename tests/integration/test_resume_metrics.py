@@ -56,3 +56,18 @@ def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path: Path) -> None
     board = tmp_path / "tensorboard"
     assert scalars(board, "reward/mean") == [(0, 0.0), (1, 1.0), *[(s, 10.0 + s) for s in range(2, 6)]]
     assert scalars(board / "sft", "sft/loss") == [(s, float(s)) for s in range(6)]  # the purge leaves the warm start
+
+
+def test_a_fresh_start_replaces_the_earlier_runs_tensorboard_events(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for reward in (1.0, 2.0):  # the same run directory started twice without --resume
+        logger = MetricsLogger(tmp_path, 2, tensorboard=True, progress=False)
+        logger.log(0, {"loss": reward}, phase="sft")
+        for step in range(2):
+            logger.log(step, {"reward/mean": reward})
+        logger.close()
+    for run_dir, tag in ((tmp_path / "tensorboard", "reward/mean"), (tmp_path / "tensorboard" / "sft", "sft/loss")):
+        events = EventAccumulator(str(run_dir))
+        events.Reload()
+        assert {e.value for e in events.Scalars(tag)} == {2.0}, run_dir
