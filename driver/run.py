@@ -16,6 +16,7 @@ import concurrent.futures
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,8 @@ log = logging.getLogger("rl_align")
 def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -> int:
     """Run ``recipe`` to the end; return the process exit code (0 success, 1 failure, 2 bad input, 130 interrupted).
 
-    ``resume``: None starts fresh (older checkpoints of the same run directory are moved aside, never mixed in);
+    ``resume``: None starts fresh (an earlier run's checkpoints and models in the run directory are moved aside,
+    never mixed in);
     "required" continues from the newest checkpoint and fails if there is none; "auto" continues when one exists.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
@@ -40,7 +42,9 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
     out_dir.mkdir(parents=True, exist_ok=True)
     recipe = _with_run_defaults(recipe, out_dir)
     try:
-        resuming = _resolve_resume(Path(recipe.trainer.checkpoint.dir or out_dir / "checkpoints"), resume)
+        ckpt_dir = Path(recipe.trainer.checkpoint.dir or out_dir / "checkpoints")
+        inputs = [p for p in (recipe.model.path, recipe.rollout.tokenizer_path) if p]
+        resuming = _resolve_resume(out_dir, ckpt_dir, resume, inputs)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -93,8 +97,11 @@ def _with_run_defaults(recipe: Recipe, out_dir: Path) -> Recipe:
     return recipe
 
 
-def _resolve_resume(ckpt_dir: Path, resume: str | None) -> bool:
-    """Whether this run continues from a checkpoint; move a fresh run's stale checkpoints aside."""
+def _resolve_resume(out_dir: Path, ckpt_dir: Path, resume: str | None, inputs: Sequence[str] = ()) -> bool:
+    """Whether this run continues from a checkpoint in ``ckpt_dir``. A fresh start moves an earlier run's checkpoints
+    and models aside (``<name>.previous-<time>``, nothing deleted): none is mixed into this run's outputs, and none is
+    taken for this run's own on a later ``--resume`` (a resumed run starts from ``warm_start_model`` when there is
+    one). A directory that holds one of ``inputs`` (the recipe's model or tokenizer) stays where it is."""
     from trainer.checkpoint_dirs import latest_checkpoint
 
     latest = latest_checkpoint(ckpt_dir)
@@ -102,10 +109,15 @@ def _resolve_resume(ckpt_dir: Path, resume: str | None) -> bool:
         raise ValueError(f"--resume: no complete checkpoint under {ckpt_dir}; run without --resume (or --resume auto)")
     if resume is not None and latest is not None:
         return True
-    if ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
-        aside = ckpt_dir.with_name(f"{ckpt_dir.name}.previous-{time.strftime('%Y%m%d-%H%M%S')}")
-        ckpt_dir.rename(aside)
-        log.warning("fresh start: moved the earlier checkpoints of this run directory to %s", aside)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    read = [Path(p).resolve() for p in inputs]
+    for earlier in (ckpt_dir, out_dir / "warm_start_model", out_dir / "hf", out_dir / "final_model"):
+        if any(p.is_relative_to(earlier.resolve()) for p in read):
+            continue
+        if earlier.is_dir() and any(earlier.iterdir()):
+            aside = earlier.with_name(f"{earlier.name}.previous-{stamp}")
+            earlier.rename(aside)
+            log.warning("fresh start: moved the earlier run's %s to %s", earlier.name, aside)
     return False
 
 

@@ -60,3 +60,27 @@ def test_the_checkpoint_of_the_same_model_passes_the_check(tmp_path, lora):
         cfg = model_config_from_hf(recipe.model.path, lora=recipe.model.lora)
         with pytest.raises(ValueError, match="holds tensors this model has not .*written for another model"):
             _check_resumable(recipe, cfg, out)
+
+
+def test_a_fresh_start_moves_the_earlier_runs_checkpoints_and_models_aside(tmp_path):
+    from driver.run import _resolve_resume
+
+    out = tmp_path / "out"
+    earlier = {"checkpoints/step_00000002/COMPLETE", "warm_start_model/config.json", "hf/step_25/config.json",
+               "final_model/config.json"}  # fmt: skip
+    for name in earlier:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("x")
+    assert _resolve_resume(out, out / "checkpoints", "auto")  # a checkpoint to continue from: nothing moves
+    assert all((out / name).exists() for name in earlier)
+    assert not _resolve_resume(out, out / "checkpoints", None)
+    assert not any((out / name.split("/")[0]).exists() for name in earlier)
+    for name in earlier:  # each kept whole under <name>.previous-<time>
+        top, rest = name.split("/", 1)
+        assert len(list(out.glob(f"{top}.previous-*/{rest}"))) == 1, name
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        _resolve_resume(out, out / "checkpoints", "required")
+    (out / "final_model").mkdir()
+    (out / "final_model" / "config.json").write_text("x")
+    assert not _resolve_resume(out, out / "checkpoints", None, [str(out / "final_model")])  # the recipe's model
+    assert (out / "final_model" / "config.json").exists()
