@@ -92,7 +92,7 @@ def test_killed_rollout_worker_is_replaced_and_run_finishes(tmp_path: Path, reci
 
 
 def test_killed_job_resumes_from_checkpoint_and_continues_curve(tmp_path: Path) -> None:
-    num_steps = 8
+    num_steps = 12  # a step takes ~0.15 s here: room for the kill to land well before the end on a faster machine
     args = small_run_args(tmp_path, num_steps, "--trainer.checkpoint.every_num_steps", "2")
     out = tmp_path / "out"
     ckpt_dir = out / "checkpoints"
