@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.cpu import CpuClock
+from common.run_dir import HF_EXPORTS
 from rollout.metrics import sample_metrics
 from rollout.types import RolloutBatch
 
@@ -88,8 +89,8 @@ class RLLoop:
             sampled += extra.samples
             kept += _informative_groups(extra, term)
             num_rounds += 1
-        # A cursor taken now also covers the extra prompts; the prompts of batches still in flight are redrawn on
-        # resume, which is harmless (they were never trained on).
+        # A cursor taken now also covers the extra prompts, and the prompts of batches still in flight (drawn before
+        # them): a resume skips those, which is harmless (they were never trained on).
         cursor = self.dataset.state_dict() if num_rounds > 1 else item.cursor
         metrics.update(sample_metrics(sampled))
         metrics["rollout/dynamic_sampling_rounds"] = float(num_rounds)
@@ -148,7 +149,7 @@ class RLLoop:
         checkpoint last, so that a committed checkpoint implies every output of the steps it covers is written."""
         run = self.recipe.run
         if run.export.every_num_steps and (step + 1) % run.export.every_num_steps == 0:
-            out = run.resolved_output_dir / "hf" / f"step_{step + 1}"
+            out = run.resolved_output_dir / HF_EXPORTS / f"step_{step + 1}"
             self.trainer.export_hf(str(out), self.recipe.model.path, run.export.dtype)
         if _checkpoint_due(self.recipe, step):
             self.trainer.save_checkpoint(data_cursor=cursor)

@@ -3,8 +3,9 @@
 One :class:`MetricsLogger` per run; ``log(step, metrics)`` fans a flat ``{name: float}`` dict out to every sink the
 recipe turned on. Names are slash-separated groups (``reward/mean``, ``time/train_s``) so TensorBoard groups them.
 TensorBoard gets two runs under ``<out>/tensorboard``: the RL steps and evaluations at its top, the warm start's SFT
-steps in ``sft/`` (their step numbers are their own, and a resumed run purges the RL steps it trains again, which
-TensorBoard does by step for every tag of a run).
+steps in ``sft/`` (their step numbers are their own). The JSONL file is the record: a resumed run cuts it at its
+checkpoint and rebuilds the TensorBoard events from what it kept (TensorBoard's own ``purge_step`` is honoured by its
+Python loader only, not by the default Rust one).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from common.run_dir import METRICS, TENSORBOARD
 
 __all__ = ["MetricsLogger", "plot_curves", "read_jsonl"]
 
@@ -32,8 +35,8 @@ class MetricsLogger:
     """Fan out step metrics to JSONL (``<out>/metrics.jsonl``) and the optional sinks; close() flushes everything and
     stops the Prometheus endpoint (its port is free again once close() returns).
 
-    ``append=False`` (a fresh start) replaces an earlier run's metrics in ``out_dir``: the JSONL file is rewritten and
-    its TensorBoard event files are removed, which TensorBoard would otherwise show beside the new ones.
+    ``append=False`` starts the JSONL file afresh (a fresh run's driver first moves an earlier run's outputs aside:
+    ``common.run_dir.set_aside_earlier_run``).
     """
 
     def __init__(
@@ -48,11 +51,8 @@ class MetricsLogger:
     ) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.out_dir / "metrics.jsonl"
+        self.path = self.out_dir / METRICS
         self._file = self.path.open("a" if append else "w")
-        if not append:
-            for stale in (self.out_dir / "tensorboard").glob("**/events.out.tfevents.*"):
-                stale.unlink()
         self._num_steps = num_steps
         self._progress = progress
         self._started = time.monotonic()
@@ -64,7 +64,6 @@ class MetricsLogger:
             self._writer_class = SummaryWriter
         self._writers: dict[str, Any] = {}
         """TensorBoard writers by run ("" for RL and eval, "sft"), opened at their first record."""
-        self._purge_step: int | None = None
         self._gauges: dict[str, Any] = {}
         self._prometheus = prometheus_port is not None
         self._http: tuple[Any, threading.Thread] | None = None
@@ -79,11 +78,7 @@ class MetricsLogger:
         clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()}
         self._file.write(json.dumps({"step": step, "phase": phase, "time": time.time(), **clean}) + "\n")
         self._file.flush()
-        if self._writer_class is not None:
-            writer = self._tensorboard("sft" if phase == "sft" else "")
-            for name, value in clean.items():
-                if value is not None:
-                    writer.add_scalar(f"{phase}/{name}" if phase != "rl" else name, value, step)
+        self._to_tensorboard(step, phase, clean)
         if self._prometheus:
             self._export_prometheus(clean)
         if self._progress and phase == "rl":
@@ -94,13 +89,9 @@ class MetricsLogger:
 
         A resumed run calls this with its checkpoint's step: the killed run may have logged steps past its last
         checkpoint, which the resumed run trains again, and the curve must hold each step once. SFT records stay.
-        TensorBoard's RL run gets the same cut: its next writer marks ``step`` as a restart, and TensorBoard hides the
-        earlier events from ``step`` on (its ``purge_step``).
+        With TensorBoard on, its event files are written anew from the records kept (every loader then shows each
+        step once).
         """
-        self._purge_step = step
-        old = self._writers.pop("", None)
-        if old is not None:
-            old.close()
         self._file.close()
         lines = self.path.read_text().splitlines()
         kept = []
@@ -115,17 +106,31 @@ class MetricsLogger:
         tmp.write_text("".join(f"{line}\n" for line in kept))
         tmp.replace(self.path)
         self._file = self.path.open("a")
+        if self._writer_class is not None:
+            for writer in self._writers.values():
+                writer.close()
+            self._writers = {}
+            for stale in (self.out_dir / TENSORBOARD).glob("**/events.out.tfevents.*"):
+                stale.unlink()
+            for line in kept:
+                record = json.loads(line)
+                step_of, phase = record.pop("step"), record.pop("phase")
+                record.pop("time", None)
+                self._to_tensorboard(step_of, phase, record)
         return len(lines) - len(kept)
 
-    def _tensorboard(self, run: str) -> Any:
-        """The TensorBoard writer of ``run`` ("" or "sft"), opened now if it is not yet (with the purge step of a
-        resumed run for the RL run)."""
+    def _to_tensorboard(self, step: int, phase: str, metrics: Mapping[str, float | None]) -> None:
+        """Scalars of one record: RL ones under their names in the top run, others as ``<phase>/<name>``, SFT in the
+        ``sft`` run."""
+        if self._writer_class is None:
+            return
+        run = "sft" if phase == "sft" else ""
         writer = self._writers.get(run)
         if writer is None:
-            purge = self._purge_step if run == "" else None
-            writer = self._writer_class(str(self.out_dir / "tensorboard" / run), purge_step=purge)
-            self._writers[run] = writer
-        return writer
+            writer = self._writers[run] = self._writer_class(str(self.out_dir / TENSORBOARD / run))
+        for name, value in metrics.items():
+            if value is not None:
+                writer.add_scalar(f"{phase}/{name}" if phase != "rl" else name, value, step)
 
     def _export_prometheus(self, metrics: Mapping[str, float | None]) -> None:
         import prometheus_client

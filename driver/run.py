@@ -16,10 +16,18 @@ import concurrent.futures
 import logging
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.run_dir import (
+    CHECKPOINTS,
+    CURVES,
+    FINAL_MODEL,
+    METRICS,
+    RESOLVED_RECIPE,
+    WARM_START_MODEL,
+    set_aside_earlier_run,
+)
 from recipe import Recipe, write_resolved
 
 if TYPE_CHECKING:
@@ -33,34 +41,39 @@ log = logging.getLogger("rl_align")
 def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -> int:
     """Run ``recipe`` to the end; return the process exit code (0 success, 1 failure, 2 bad input, 130 interrupted).
 
-    ``resume``: None starts fresh (an earlier run's checkpoints and models in the run directory are moved aside,
-    never mixed in);
-    "required" continues from the newest checkpoint and fails if there is none; "auto" continues when one exists.
+    ``resume``: None starts fresh (an earlier run's outputs in the run directory are moved to its ``previous-<time>/``,
+    never mixed in: ``common.run_dir``); "required" continues from the newest checkpoint and fails if there is none;
+    "auto" continues when one exists.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     out_dir = recipe.run.resolved_output_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     recipe = _with_run_defaults(recipe, out_dir)
-    try:
-        ckpt_dir = Path(recipe.trainer.checkpoint.dir or out_dir / "checkpoints")
-        inputs = [p for p in (recipe.model.path, recipe.rollout.tokenizer_path) if p]
-        resuming = _resolve_resume(out_dir, ckpt_dir, resume, inputs)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # _with_run_defaults set it
     from rollout.tokenizer import check_tokenizer_dir
+    from trainer.checkpoint_dirs import latest_checkpoint
     from trainer.models.hf_config import model_config_from_hf
 
-    try:  # a model that cannot be created, or a sharding it cannot take, fails before Ray starts
+    resume_from = latest_checkpoint(ckpt_dir) if resume is not None else None
+    try:  # a model that cannot be created, or a sharding it cannot take, fails before Ray starts (and moves nothing)
+        if resume == "required" and resume_from is None:
+            raise ValueError(f"--resume: no complete checkpoint under {ckpt_dir}; run without --resume (or --resume "
+                             "auto)")  # fmt: skip
         ensure_model(recipe)
         check_tokenizer_dir(recipe.rollout.tokenizer_path or recipe.model.path)  # loaded while the actors start
         model_cfg = model_config_from_hf(recipe.model.path, **recipe.model.block_overrides(), lora=recipe.model.lora)
         recipe.trainer.check_model(model_cfg)
-        if resuming:
-            _check_resumable(recipe, model_cfg, out_dir)
+        if resume_from is not None:
+            _check_resumable(resume_from, model_cfg, recipe, out_dir)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if resume_from is None:
+        inputs = [p for p in (recipe.model.path, recipe.rollout.tokenizer_path, recipe.rollout.model_path) if p]
+        moved = set_aside_earlier_run(out_dir, ckpt_dir, keep=inputs)
+        if moved:
+            log.warning("fresh start: moved the earlier run's %s to %s", ", ".join(p.name for p in moved),
+                        ", ".join(sorted({str(p.parent) for p in moved})))  # fmt: skip
     write_resolved(recipe, out_dir)  # after the checks: a refused recipe leaves the run's record as it was
 
     import ray
@@ -71,7 +84,7 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
     try:
         with ray_session(address, recipe.trainer.device) as where:
             log.info("Ray: %s; outputs in %s", where, out_dir)
-            with _Run(recipe, model_cfg, out_dir, resuming, can_grow=where != "embedded") as job:
+            with _Run(recipe, model_cfg, out_dir, resume_from is not None, can_grow=where != "embedded") as job:
                 job.execute()
         return 0
     except KeyboardInterrupt:
@@ -92,51 +105,27 @@ def _with_run_defaults(recipe: Recipe, out_dir: Path) -> Recipe:
     """Put checkpoints under the run directory unless the recipe says where."""
     ckpt = recipe.trainer.checkpoint
     if ckpt.dir is None:
-        ckpt = ckpt.model_copy(update={"dir": str(out_dir / "checkpoints")})
+        ckpt = ckpt.model_copy(update={"dir": str(out_dir / CHECKPOINTS)})
         recipe = recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"checkpoint": ckpt})})
     return recipe
 
 
-def _resolve_resume(out_dir: Path, ckpt_dir: Path, resume: str | None, inputs: Sequence[str] = ()) -> bool:
-    """Whether this run continues from a checkpoint in ``ckpt_dir``. A fresh start moves an earlier run's checkpoints
-    and models aside (``<name>.previous-<time>``, nothing deleted): none is mixed into this run's outputs, and none is
-    taken for this run's own on a later ``--resume`` (a resumed run starts from ``warm_start_model`` when there is
-    one). A directory that holds one of ``inputs`` (the recipe's model or tokenizer) stays where it is."""
-    from trainer.checkpoint_dirs import latest_checkpoint
-
-    latest = latest_checkpoint(ckpt_dir)
-    if resume == "required" and latest is None:
-        raise ValueError(f"--resume: no complete checkpoint under {ckpt_dir}; run without --resume (or --resume auto)")
-    if resume is not None and latest is not None:
-        return True
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    read = [Path(p).resolve() for p in inputs]
-    for earlier in (ckpt_dir, out_dir / "warm_start_model", out_dir / "hf", out_dir / "final_model"):
-        if any(p.is_relative_to(earlier.resolve()) for p in read):
-            continue
-        if earlier.is_dir() and any(earlier.iterdir()):
-            aside = earlier.with_name(f"{earlier.name}.previous-{stamp}")
-            earlier.rename(aside)
-            log.warning("fresh start: moved the earlier run's %s to %s", earlier.name, aside)
-    return False
-
-
-def _check_resumable(recipe: Recipe, model_cfg: ModelConfig, out_dir: Path) -> None:
-    """Raise ``ValueError`` when the checkpoint this run would resume from holds another policy than ``model_cfg``
-    (names, shapes; a LoRA run's adapters), read from its metadata: such a resume would fail only once the actors had
-    started, with the trainer's error."""
+def _check_resumable(ckpt: Path, model_cfg: ModelConfig, recipe: Recipe, out_dir: Path) -> None:
+    """Raise ``ValueError`` when the checkpoint ``ckpt`` holds another policy than ``model_cfg`` (names, shapes; a LoRA
+    run's adapters), read from its metadata: such a resume would fail only once the actors had started, with the
+    trainer's error. Built with the default blocks: the recipe's kernels name the same parameters and may not even
+    import here (a Pallas kernel on a driver without JAX)."""
     from trainer.checkpoint import saved_policy_params
-    from trainer.checkpoint_dirs import latest_checkpoint
+    from trainer.models.config import BlockChoices
     from trainer.models.transformer import build_model
 
-    ckpt = latest_checkpoint(Path(recipe.trainer.checkpoint.dir or out_dir / "checkpoints"))
-    assert ckpt is not None  # resuming: _resolve_resume found it
+    meta = build_model(model_cfg.model_copy(update=BlockChoices().model_dump()), device="meta")
     try:
-        saved_policy_params(ckpt, build_model(model_cfg, device="meta"))
+        saved_policy_params(ckpt, meta)
     except ValueError as e:
         raise ValueError(
             f"--resume: {e}. The run in {out_dir} trained another model than this recipe's {recipe.model.path}: "
-            f"resume with the recipe it started with (python rl_align.py --recipe {out_dir / 'recipe.resolved.toml'} "
+            f"resume with the recipe it started with (python rl_align.py --recipe {out_dir / RESOLVED_RECIPE} "
             "--resume), or start afresh without --resume"
         ) from e
 
@@ -216,7 +205,7 @@ class _Run:
         # A resumed run starts from the warm-started weights (its checkpoint then restores policy and reference). With
         # LoRA the checkpoint holds the adapters alone: the base is the model directory, or the warm-started model
         # when the warm start trained the base (the engines then start from it too).
-        warm = self.out_dir / "warm_start_model"
+        warm = self.out_dir / WARM_START_MODEL
         base_trained = r.model.lora is None or r.run.warm_start.parameters == "all"
         resume_warm = self.resume and base_trained and (warm / "config.json").is_file()
         init_path = str(warm) if resume_warm else r.model.path
@@ -322,7 +311,7 @@ class _Run:
                                  r.rollout.use_chat_template, lambda step, m: self.logger.log(step, m, phase="sft"),
                                  publish_and_evaluate, r.environment)  # fmt: skip
             self.trainer.finish_warm_start()
-            self.trainer.export_hf(str(self.out_dir / "warm_start_model"), r.model.path, r.run.export.dtype)
+            self.trainer.export_hf(str(self.out_dir / WARM_START_MODEL), r.model.path, r.run.export.dtype)
             log.info("warm start: %d SFT steps in %.1f s", num_sft, time.perf_counter() - t0)
         # A warm start that stopped at an accuracy check has already published its last version.
         if (start_step > 0 or r.run.warm_start.num_steps > 0) and (
@@ -338,14 +327,14 @@ class _Run:
         every = r.trainer.checkpoint.every_num_steps
         if every and r.run.num_steps % every:  # the loop saved the last step when it was due
             self.trainer.save_checkpoint(data_cursor=self.dataset.state_dict())
-        final = self.out_dir / "final_model"
+        final = self.out_dir / FINAL_MODEL
         self.trainer.export_hf(str(final), r.model.path, r.run.export.dtype)
         log.info("trained model: %s (from_pretrained-ready: weights, config, tokenizer, generation config)", final)
         _print_report(before, after, self.out_dir)
         if r.run.logging.plot:
             self.logger.close()
             self.logger = None
-            plot_curves(self.out_dir / "metrics.jsonl", self.out_dir / "curves.png")
+            plot_curves(self.out_dir / METRICS, self.out_dir / CURVES)
 
 
 def _print_report(before: dict[str, float], after: dict[str, float], out_dir: Path) -> None:
@@ -353,6 +342,6 @@ def _print_report(before: dict[str, float], after: dict[str, float], out_dir: Pa
     lines = ["", "held-out problems      start of RL    end of RL    change", "-" * 58]
     for key in rows:
         lines.append(f"{key[5:]:<22} {before[key]:>11.3f} {after[key]:>12.3f} {after[key] - before[key]:>+9.3f}")
-    lines.append(f"\nmetrics: {out_dir / 'metrics.jsonl'}   curves: {out_dir / 'curves.png'}")
+    lines.append(f"\nmetrics: {out_dir / METRICS}   curves: {out_dir / CURVES}")
     lines.append(f"trained model (AutoModelForCausalLM.from_pretrained): {out_dir / 'final_model'}")
     print("\n".join(lines), flush=True)

@@ -32,6 +32,7 @@ from typing import Any
 import pydantic
 
 from common.config import Config, FieldError, config_error, read_toml_with_sources, to_toml, validate_config
+from common.run_dir import RESOLVED_RECIPE
 from recipe.sections import ModelSection, PlacementGroupsConfig, RunConfig
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.envs.config import AgentEnvConfig, CustomEnvConfig, EnvironmentConfig, SingleTurnEnvConfig
@@ -379,6 +380,6 @@ def write_resolved(recipe: Recipe, out_dir: str | Path) -> Path:
     """Write the fully resolved recipe as ``<out_dir>/recipe.resolved.toml``; return its path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "recipe.resolved.toml"
+    path = out / RESOLVED_RECIPE
     path.write_text(to_toml(recipe))
     return path

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from common.run_dir import RESOLVED_RECIPE
+
 if TYPE_CHECKING:
     import torch
 
@@ -191,7 +193,7 @@ def _run_model_section(ckpt: Path) -> dict | None:
     """The ``[model]`` section of the resolved recipe of the run that wrote ``ckpt`` (None when there is none)."""
     import tomllib
 
-    for resolved in (ckpt.parent.parent / "recipe.resolved.toml", ckpt.parent / "recipe.resolved.toml"):
+    for resolved in (ckpt.parent.parent / RESOLVED_RECIPE, ckpt.parent / RESOLVED_RECIPE):
         if resolved.is_file():
             return tomllib.loads(resolved.read_text())["model"]
     return None

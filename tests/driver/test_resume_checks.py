@@ -1,5 +1,6 @@
-"""``--resume`` with a recipe whose model is not the one the run's checkpoints hold fails before Ray starts, with a
-message that names the tensor and the way out, and leaves the run's resolved recipe as it was (fast: no actors)."""
+"""What the driver does with a run directory before Ray starts (fast: no actors): ``--resume`` with a recipe whose
+model is not the one the run's checkpoints hold is refused, naming the tensor and the way out; a refused recipe
+changes nothing in the directory; a fresh start moves an earlier run's outputs into ``previous-<time>/``."""
 
 from __future__ import annotations
 
@@ -7,80 +8,110 @@ from pathlib import Path
 
 import pytest
 
-from driver.run import run
-from recipe import load_recipe
+import driver.session
+from common.run_dir import set_aside_earlier_run
+from driver.run import _check_resumable, ensure_model, run
+from recipe import load_recipe, write_resolved
 from trainer.checkpoint import Checkpointable, CheckpointManager, TrainProgress
+from trainer.config import OptimizerConfig
 from trainer.models.hf_config import model_config_from_hf
 from trainer.models.transformer import build_model
+from trainer.optim import build_optimizer
 
 
-def _recipe(tmp_path: Path, model: str, hidden_size: int):
-    return load_recipe("recipes/grpo_tiny.toml", {
+def _recipe(tmp_path: Path, model: str, hidden_size: int, base: str = "recipes/grpo_tiny.toml"):
+    return load_recipe(base, {
         "model.path": str(tmp_path / model), "model.create_tiny.hidden_size": hidden_size,
         "run.output_dir": str(tmp_path / "out"), "run.num_steps": 4,
     })  # fmt: skip
 
 
-def _checkpointed_run(tmp_path: Path) -> Path:
-    """A run directory as a killed run of the 128-wide model leaves it: its resolved recipe and a step-2 checkpoint."""
-    from driver.run import ensure_model
-    from recipe import write_resolved
-
-    started = _recipe(tmp_path, "model", 128)
+def _checkpointed_run(tmp_path: Path, base: str = "recipes/grpo_tiny.toml") -> Path:
+    """A run directory as a killed run of the 128-wide model leaves it: its resolved recipe and a step-2 checkpoint
+    written as the trainer writes it (a LoRA run: adapters and their optimizer state only)."""
+    started = _recipe(tmp_path, "model", 128, base)
     ensure_model(started)
     out = tmp_path / "out"
     write_resolved(started, out)
-    policy = build_model(model_config_from_hf(started.model.path))
-    CheckpointManager(out / "checkpoints").save({"policy": Checkpointable(policy)}, TrainProgress(2, 2, {}))
+    policy = build_model(model_config_from_hf(started.model.path, lora=started.model.lora))
+    lora = started.model.lora is not None
+    part = Checkpointable(policy, build_optimizer(policy, OptimizerConfig()), trainable_only=lora)
+    CheckpointManager(out / "checkpoints").save({"policy": part}, TrainProgress(2, 2, {}))
     return out
 
 
-def test_a_resume_with_another_model_fails_before_ray_and_keeps_the_runs_recipe(tmp_path, capsys):
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Fail the test if the driver gets as far as starting (or joining) Ray."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(driver.session, "ray_session", refuse)
+
+
+def test_a_resume_with_another_model_fails_before_ray_and_changes_nothing(tmp_path, capsys, no_ray):
     out = _checkpointed_run(tmp_path)
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
     resolved = (out / "recipe.resolved.toml").read_text()
     assert run(_recipe(tmp_path, "other", 64), resume="required") == 2
     err = capsys.readouterr().err
     assert "--resume: checkpoint" in err and "tok_embeddings.weight has shape (448, 128), the model (448, 64)" in err
     assert f"--recipe {out / 'recipe.resolved.toml'} --resume" in err and "without --resume" in err
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
     assert (out / "recipe.resolved.toml").read_text() == resolved
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_the_checkpoint_of_the_same_model_passes_the_check(tmp_path, lora):
-    from driver.run import _check_resumable
-
+def test_a_refused_fresh_start_moves_nothing_aside(tmp_path, capsys, no_ray):
     out = _checkpointed_run(tmp_path)
-    recipe = _recipe(tmp_path, "model", 128)
-    cfg = model_config_from_hf(recipe.model.path)
-    _check_resumable(recipe, cfg, out)  # what the run's trainer saved: accepted (adapter-only checkpoints pass the
-    # same function in tests/trainer/test_export.py)
-    if lora:  # a LoRA run checkpoints its adapters alone: a full-model checkpoint is not one of its checkpoints
-        recipe = load_recipe("recipes/grpo_tiny_lora.toml", {"model.path": recipe.model.path,
-                                                             "run.output_dir": str(out)})  # fmt: skip
-        cfg = model_config_from_hf(recipe.model.path, lora=recipe.model.lora)
-        with pytest.raises(ValueError, match="holds tensors this model has not .*written for another model"):
-            _check_resumable(recipe, cfg, out)
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    bad = load_recipe("recipes/grpo_tiny.toml", {"model.path": str(tmp_path / "nothing_here"),
+                                                 "run.output_dir": str(out)}, check_paths=False)  # fmt: skip
+    bad = bad.model_copy(update={"model": bad.model.model_copy(update={"create_tiny": None})})
+    assert run(bad) == 2
+    assert "error:" in capsys.readouterr().err
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
 
-def test_a_fresh_start_moves_the_earlier_runs_checkpoints_and_models_aside(tmp_path):
-    from driver.run import _resolve_resume
+@pytest.mark.parametrize("base", ["recipes/grpo_tiny.toml", "recipes/grpo_tiny_lora.toml"], ids=["full", "lora"])
+def test_the_checkpoint_of_the_runs_own_model_passes(tmp_path, base):
+    out = _checkpointed_run(tmp_path, base)
+    recipe = _recipe(tmp_path, "model", 128, base)
+    cfg = model_config_from_hf(recipe.model.path, **recipe.model.block_overrides(), lora=recipe.model.lora)
+    _check_resumable(CheckpointManager(out / "checkpoints").latest(), cfg, recipe, out)
 
+
+def test_a_lora_recipe_refuses_a_full_models_checkpoint(tmp_path):
+    out = _checkpointed_run(tmp_path)
+    recipe = _recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml")
+    cfg = model_config_from_hf(recipe.model.path, lora=recipe.model.lora)
+    with pytest.raises(ValueError, match="holds tensors this model has not .*written for another model"):
+        _check_resumable(CheckpointManager(out / "checkpoints").latest(), cfg, recipe, out)
+
+
+def test_a_fresh_start_moves_the_earlier_runs_outputs_aside_whole(tmp_path):
     out = tmp_path / "out"
-    earlier = {"checkpoints/step_00000002/COMPLETE", "warm_start_model/config.json", "hf/step_25/config.json",
-               "final_model/config.json"}  # fmt: skip
+    earlier = ["recipe.resolved.toml", "metrics.jsonl", "curves.png", "tensorboard/events.out.tfevents.1",
+               "tensorboard/sft/events.out.tfevents.2", "checkpoints/step_00000002/COMPLETE",
+               "warm_start_model/config.json", "hf/step_25/config.json", "final_model/config.json"]  # fmt: skip
     for name in earlier:
         (out / name).parent.mkdir(parents=True, exist_ok=True)
-        (out / name).write_text("x")
-    assert _resolve_resume(out, out / "checkpoints", "auto")  # a checkpoint to continue from: nothing moves
-    assert all((out / name).exists() for name in earlier)
-    assert not _resolve_resume(out, out / "checkpoints", None)
-    assert not any((out / name.split("/")[0]).exists() for name in earlier)
-    for name in earlier:  # each kept whole under <name>.previous-<time>
-        top, rest = name.split("/", 1)
-        assert len(list(out.glob(f"{top}.previous-*/{rest}"))) == 1, name
-    with pytest.raises(ValueError, match="no complete checkpoint"):
-        _resolve_resume(out, out / "checkpoints", "required")
-    (out / "final_model").mkdir()
-    (out / "final_model" / "config.json").write_text("x")
-    assert not _resolve_resume(out, out / "checkpoints", None, [str(out / "final_model")])  # the recipe's model
-    assert (out / "final_model" / "config.json").exists()
+        (out / name).write_text(name)
+    (out / "notes.txt").write_text("the user's")  # not a run output: stays
+    moved = set_aside_earlier_run(out, out / "checkpoints")
+    (aside,) = {p.parent for p in moved}
+    assert aside.name.startswith("previous-")
+    for name in earlier:  # the same layout under previous-<time>/: a moved checkpoint finds its run's recipe
+        assert not (out / name).exists() and (aside / name).read_text() == name, name
+    assert (out / "notes.txt").exists()
+    assert set_aside_earlier_run(out, out / "checkpoints") == []  # nothing left to move
+
+
+def test_a_fresh_start_keeps_the_recipes_model_and_moves_outside_checkpoints_beside_themselves(tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "elsewhere" / "ckpts"
+    for path in (out / "final_model" / "config.json", out / "hf" / "step_1" / "config.json", ckpt / "step_1" / "x"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    moved = set_aside_earlier_run(out, ckpt, keep=[str(out / "final_model")])  # a recipe that starts from it
+    assert (out / "final_model" / "config.json").exists() and not (out / "hf").exists()
+    assert not ckpt.exists() and any(p.name.startswith("ckpts.previous-") and p.parent == ckpt.parent for p in moved)

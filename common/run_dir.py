@@ -1,0 +1,63 @@
+"""A run's output directory (``run.output_dir``): the names of what a run writes there, spelt in this one place, and
+what a fresh start does with an earlier run's outputs.
+
+Layout: ``recipe.resolved.toml`` (every setting used), ``metrics.jsonl``, ``tensorboard/`` (with ``sft/``: the warm
+start), ``curves.png``, ``checkpoints/step_<n>/`` (unless ``trainer.checkpoint.dir`` says elsewhere),
+``warm_start_model/``, ``hf/step_<n>/`` (``run.export.every_num_steps``), ``final_model/``; and
+``previous-<time>/``, each holding an earlier run's outputs in the same layout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = [
+    "CHECKPOINTS", "CURVES", "FINAL_MODEL", "HF_EXPORTS", "METRICS", "OUTPUTS", "RESOLVED_RECIPE", "TENSORBOARD",
+    "WARM_START_MODEL", "set_aside_earlier_run",
+]  # fmt: skip
+
+RESOLVED_RECIPE = "recipe.resolved.toml"
+METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
+CURVES = "curves.png"
+CHECKPOINTS = "checkpoints"
+WARM_START_MODEL = "warm_start_model"
+HF_EXPORTS = "hf"
+FINAL_MODEL = "final_model"
+OUTPUTS = (RESOLVED_RECIPE, METRICS, TENSORBOARD, CURVES, CHECKPOINTS, WARM_START_MODEL, HF_EXPORTS, FINAL_MODEL)
+"""Everything a run writes in its output directory."""
+
+
+def set_aside_earlier_run(out_dir: Path, checkpoint_dir: Path, keep: Sequence[str | Path] = ()) -> list[Path]:
+    """Move what an earlier run left in ``out_dir`` into ``out_dir/previous-<time>/`` (nothing is deleted), so a fresh
+    start neither mixes it into its own outputs nor takes it for its own on a later resume; return the new paths.
+
+    The moved outputs keep their layout (a moved checkpoint still finds its run's ``recipe.resolved.toml`` two levels
+    up). ``checkpoint_dir`` outside ``out_dir`` moves beside itself, to ``<name>.previous-<time>``. An output that
+    holds one of ``keep`` (the recipe's model or tokenizer directory) stays where it is; empty directories stay.
+    """
+    out, ckpt = out_dir.resolve(), checkpoint_dir.resolve()
+    kept = [Path(p).resolve() for p in keep]
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = out / f"previous-{stamp}"
+    for n in range(1, 1000):  # two fresh starts within a second
+        if not aside.exists():
+            break
+        aside = out / f"previous-{stamp}-{n}"
+    inside = ckpt.is_relative_to(out)
+    moved = []
+    for path in [out / name for name in OUTPUTS if name != CHECKPOINTS] + [ckpt]:
+        if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+            continue
+        if any(p.is_relative_to(path) for p in kept):
+            continue
+        if path == ckpt and not inside:
+            target = ckpt.with_name(f"{ckpt.name}.previous-{stamp}")
+        else:
+            target = aside / path.relative_to(out)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        path.rename(target)
+        moved.append(target)
+    return moved
