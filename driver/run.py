@@ -112,19 +112,27 @@ def _with_run_defaults(recipe: Recipe, out_dir: Path) -> Recipe:
 
 def _check_resumable(ckpt: Path, model_cfg: ModelConfig, recipe: Recipe, out_dir: Path) -> None:
     """Raise ``ValueError`` when the checkpoint ``ckpt`` holds another policy than ``model_cfg`` (names, shapes; a LoRA
-    run's adapters), read from its metadata: such a resume would fail only once the actors had started, with the
-    trainer's error. Built with the default blocks: the recipe's kernels name the same parameters and may not even
-    import here (a Pallas kernel on a driver without JAX)."""
-    from trainer.checkpoint import saved_policy_params
+    run's adapters) or a critic where the recipe's algorithm has none (or none where it trains one), read from its
+    metadata: such a resume would fail only once the actors had started, with the trainer's error (or, for a critic
+    the recipe does not use, go on without it). The model is built with the default blocks: the recipe's kernels name
+    the same parameters and may not even import here (a Pallas kernel on a driver without JAX)."""
+    from trainer.checkpoint import saved_parts, saved_policy_params
     from trainer.models.config import BlockChoices
     from trainer.models.transformer import build_model
+    from trainer.rl.algorithms import ALGORITHMS
 
     meta = build_model(model_cfg.model_copy(update=BlockChoices().model_dump()), device="meta")
     try:
         saved_policy_params(ckpt, meta)
+        critic = ALGORITHMS[recipe.algorithm.type].needs_critic
+        if critic != ("critic" in saved_parts(ckpt)):
+            holds, has = ("no", "trains one") if critic else ("a", "has none")
+            raise ValueError(f"checkpoint {ckpt} holds {holds} critic, and algorithm {recipe.algorithm.type!r} {has}: "
+                             "it was written by a run of another algorithm")  # fmt: skip
     except ValueError as e:
         raise ValueError(
-            f"--resume: {e}. The run in {out_dir} trained another model than this recipe's {recipe.model.path}: "
+            f"--resume: {e}. The run in {out_dir} trained another model than this recipe's ({recipe.model.path}, "
+            f"{recipe.algorithm.type}): "
             f"resume with the recipe it started with (python rl_align.py --recipe {out_dir / RESOLVED_RECIPE} "
             "--resume), or start afresh without --resume"
         ) from e

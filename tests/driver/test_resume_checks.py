@@ -115,3 +115,19 @@ def test_a_fresh_start_keeps_the_recipes_model_and_moves_outside_checkpoints_bes
     moved = set_aside_earlier_run(out, ckpt, keep=[str(out / "final_model")])  # a recipe that starts from it
     assert (out / "final_model" / "config.json").exists() and not (out / "hf").exists()
     assert not ckpt.exists() and any(p.name.startswith("ckpts.previous-") and p.parent == ckpt.parent for p in moved)
+
+
+def test_a_resume_refuses_a_checkpoint_of_another_algorithm(tmp_path):
+    out = _checkpointed_run(tmp_path)  # GRPO: no critic
+    ppo = _recipe(tmp_path, "model", 128, "recipes/ppo_tiny.toml")
+    cfg = model_config_from_hf(ppo.model.path)
+    ckpt = CheckpointManager(out / "checkpoints").latest()
+    with pytest.raises(ValueError, match="holds no critic, and algorithm 'ppo' trains one"):
+        _check_resumable(ckpt, cfg, ppo, out)
+    critic = build_model(cfg)  # what a PPO run adds to its checkpoints (the saved names are what counts here)
+    CheckpointManager(out / "checkpoints").save({"policy": Checkpointable(build_model(cfg)), "critic":
+                                                 Checkpointable(critic)}, TrainProgress(3, 3, {}))  # fmt: skip
+    ckpt = CheckpointManager(out / "checkpoints").latest()
+    _check_resumable(ckpt, cfg, ppo, out)
+    with pytest.raises(ValueError, match="holds a critic, and algorithm 'grpo' has none"):
+        _check_resumable(ckpt, cfg, _recipe(tmp_path, "model", 128), out)
