@@ -58,10 +58,10 @@ class MetricsLogger:
         self._started = time.monotonic()
         self._first_step: int | None = None
         self._writer_class: Any = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        if tensorboard:  # TensorBoard's own writer: torch's would import torch into the driver (~1 s of a busy core)
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-            self._writer_class = SummaryWriter
+            self._writer_class = EventFileWriter
         self._writers: dict[str, Any] = {}
         """TensorBoard writers by run ("" for RL and eval, "sft"), opened at their first record."""
         self._gauges: dict[str, Any] = {}
@@ -76,9 +76,10 @@ class MetricsLogger:
     def log(self, step: int, metrics: Mapping[str, float], phase: str = "rl") -> None:
         """Record ``metrics`` for ``step`` in every sink; non-finite values are kept in JSONL as null."""
         clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()}
-        self._file.write(json.dumps({"step": step, "phase": phase, "time": time.time(), **clean}) + "\n")
+        now = time.time()
+        self._file.write(json.dumps({"step": step, "phase": phase, "time": now, **clean}) + "\n")
         self._file.flush()
-        self._to_tensorboard(step, phase, clean)
+        self._to_tensorboard(step, phase, now, clean)
         if self._prometheus:
             self._export_prometheus(clean)
         if self._progress and phase == "rl":
@@ -114,23 +115,25 @@ class MetricsLogger:
                 stale.unlink()
             for line in kept:
                 record = json.loads(line)
-                step_of, phase = record.pop("step"), record.pop("phase")
-                record.pop("time", None)
-                self._to_tensorboard(step_of, phase, record)
+                step_of, phase, wall_time = record.pop("step"), record.pop("phase"), record.pop("time", 0.0)
+                self._to_tensorboard(step_of, phase, wall_time, record)
         return len(lines) - len(kept)
 
-    def _to_tensorboard(self, step: int, phase: str, metrics: Mapping[str, float | None]) -> None:
-        """Scalars of one record: RL ones under their names in the top run, others as ``<phase>/<name>``, SFT in the
-        ``sft`` run."""
+    def _to_tensorboard(self, step: int, phase: str, wall_time: float, metrics: Mapping[str, float | None]) -> None:
+        """One event holding the record's scalars: RL ones under their names in the top run, others as
+        ``<phase>/<name>``, SFT in the ``sft`` run."""
         if self._writer_class is None:
             return
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
         run = "sft" if phase == "sft" else ""
         writer = self._writers.get(run)
         if writer is None:
             writer = self._writers[run] = self._writer_class(str(self.out_dir / TENSORBOARD / run))
-        for name, value in metrics.items():
-            if value is not None:
-                writer.add_scalar(f"{phase}/{name}" if phase != "rl" else name, value, step)
+        values = [Summary.Value(tag=f"{phase}/{name}" if phase != "rl" else name, simple_value=value)
+                  for name, value in metrics.items() if value is not None]  # fmt: skip
+        writer.add_event(Event(wall_time=wall_time, step=step, summary=Summary(value=values)))
 
     def _export_prometheus(self, metrics: Mapping[str, float | None]) -> None:
         import prometheus_client
