@@ -351,5 +351,5 @@ def _print_report(before: dict[str, float], after: dict[str, float], out_dir: Pa
     for key in rows:
         lines.append(f"{key[5:]:<22} {before[key]:>11.3f} {after[key]:>12.3f} {after[key] - before[key]:>+9.3f}")
     lines.append(f"\nmetrics: {out_dir / METRICS}   curves: {out_dir / CURVES}")
-    lines.append(f"trained model (AutoModelForCausalLM.from_pretrained): {out_dir / 'final_model'}")
+    lines.append(f"trained model (AutoModelForCausalLM.from_pretrained): {out_dir / FINAL_MODEL}")
     print("\n".join(lines), flush=True)
