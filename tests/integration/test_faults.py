@@ -82,7 +82,12 @@ def test_killed_rollout_worker_is_replaced_and_run_finishes(tmp_path: Path, reci
     threads = len(os.sched_getaffinity(0)) if "async" not in recipe else 1
     assert {r["train/num_threads"] for r in rl} == {threads}, f"trainer threads, expected {threads}"
     busy = [r["perf/cores_busy"] for r in rl[1:]]  # from the second step: the first laps hold the start-up
-    assert "perf/cores_busy" not in rl[0] and all(0 < b <= 1.5 for b in busy), busy
+    assert "perf/cores_busy" not in rl[0] and all(b > 0 for b in busy), busy
+    # Each process's CPU window runs from its previous report, so around the kill one step reads the replacement's
+    # first work (catch-up push, first batch) that another step waited for (seen: 0.05, 2.08, 0.02): the run's
+    # CPU over its wall time and cores is the figure that must stay within the cores.
+    seconds = [r["time/step_s"] for r in rl[1:]]
+    assert 0 < sum(b * t for b, t in zip(busy, seconds)) / sum(seconds) <= 1.5, list(zip(busy, seconds))
     logged = set(re.findall(r"\(RolloutWorker pid=(\d+)", log.read_text()))
     assert str(victim.pid) in logged, logged
     if expected == 1:  # with more, the others may carry the run to its end before the replacement takes work
