@@ -334,7 +334,7 @@ class Attention(nn.Module):
         shared = {} if prefix_ids is None else {"prefix_ids": prefix_ids}
         out = self.kernel(q, k, v, segment_ids=segment_ids, scale=self.scale, **shared)
         out = out.transpose(1, 2).reshape(b, t, -1)
-        return self.wo(out if keep is None else out.reshape(b * t, -1)[keep])
+        return self.wo(out if keep is None else out.reshape(b * t, -1).index_select(0, keep))
 
     def init_weights(self, std: float) -> None:
         for lin in (self.wq, self.wk, self.wv, self.wo):

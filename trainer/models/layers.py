@@ -1,13 +1,18 @@
 """Small building blocks shared by every family: RMSNorm and the dense SwiGLU feed-forward, plus their elementwise
 ops as plain functions and, opt-in, ``torch.compile``-d copies of them.
 
-Eager PyTorch runs RMSNorm, SwiGLU and RoPE as chains of elementwise kernels, each a full pass over memory in forward
-and again in backward; inductor fuses each op into one or two loops (on one CPU core, fwd + bwd for 4096 tokens:
-RMSNorm 22 -> 5 ms, SwiGLU 29 -> 14 ms, RoPE 12 -> 7 ms). Only these functions are compiled, not whole blocks: the
-attention kernel loops over packed segments of data-dependent lengths, and FSDP2's hooks stay eager. Each compiled op
-is shared by every layer and compiled once per dtype and grad mode (``dynamic=True``: any token count, no
-recompiles); :meth:`trainer.models.transformer.Transformer.compile_elementwise` switches a model over (every module
-with a ``use_compiled`` flag: RMSNorm and FeedForward here; ``compiled(apply_rope)`` is parity-tested for attention).
+Op by op, eager PyTorch runs RMSNorm and RoPE as chains of elementwise kernels, each a full pass over memory in
+forward and more in backward, each keeping its own intermediate for autograd. :func:`rms_norm` and
+:func:`trainer.models.rope.apply_rope` are therefore autograd Functions with their backward written out: fewer
+passes, buffers reused in place, only the inputs kept (on a small model's CPU step these ops take about as long as the
+matmuls). SwiGLU's op-by-op graph is already minimal (``silu``, ``mul``; their two backward kernels).
+
+Inductor fuses each of these ops into one or two loops; ``trainer.compile`` runs their compiled copies. Only these
+functions are compiled, not whole blocks: the attention kernel loops over packed segments of data-dependent lengths,
+and FSDP2's hooks stay eager. Each compiled op is shared by every layer and compiled once per dtype and grad mode
+(``dynamic=True``: any token count, no recompiles); :meth:`trainer.models.transformer.Transformer.compile_elementwise`
+switches a model over (every module with a ``use_compiled`` flag: RMSNorm and FeedForward here;
+``compiled(apply_rope)`` is parity-tested for attention).
 """
 
 from __future__ import annotations
@@ -26,10 +31,49 @@ _Fn = TypeVar("_Fn", bound=Callable[..., torch.Tensor])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Root-mean-square norm over the last dim, computed in float32 and cast back before the scale (as HF does)."""
-    x32 = x.to(torch.float32)
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    """Root-mean-square norm over the last dim, computed in float32 (or ``x``'s dtype if wider) and cast back before the
+    scale (as HF does): ``weight * (x / sqrt(mean(x^2) + eps)).to(x.dtype)``. Differentiable in ``x`` and ``weight``."""
+    out = _RMSNorm.apply(x, weight, eps)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """:func:`rms_norm` with its backward written out: it keeps ``x`` and the per-row ``1 / rms`` only (autograd of the
+    plain expression keeps the normed copy too) and makes about half the passes over memory that the op-by-op graph
+    makes, reusing its buffers in place."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # noqa: ANN001 (autograd signature)
+        x32 = x.to(_compute_dtype(x))
+        # HF's ops in HF's order: in float32 the forward equals Qwen3RMSNorm / LlamaRMSNorm bitwise.
+        rstd = x32.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+        normed = (x32 * rstd).to(x.dtype)
+        ctx.save_for_backward(x, weight, rstd)
+        if normed.dtype == torch.promote_types(normed.dtype, weight.dtype):
+            return normed.mul_(weight)
+        return normed * weight
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: ANN001
+        x, weight, rstd = ctx.saved_tensors
+        need_x, need_weight, _ = ctx.needs_input_grad
+        xhat = x.to(rstd.dtype) * rstd
+        grad_weight = None
+        if need_weight:
+            leading = tuple(range(grad_out.dim() - weight.dim()))
+            grad_weight = (grad_out * xhat.to(x.dtype)).sum(leading).to(weight.dtype)
+        if not need_x:
+            return None, grad_weight, None
+        # d/dx of x * rstd(x): rstd * (g - xhat * mean(g * xhat)), with g the gradient at the normed value.
+        g = (grad_out * weight).to(rstd.dtype)
+        coef = (g * xhat).sum(-1, keepdim=True).mul_(rstd).div_(x.shape[-1])
+        grad_x = g.mul_(rstd).addcmul_(xhat, coef, value=-1)
+        return grad_x.to(x.dtype), grad_weight, None
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

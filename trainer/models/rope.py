@@ -48,7 +48,35 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, H, T, Dh]`` by the tables of :func:`rope_cos_sin`."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Rotate ``x [B, H, T, Dh]`` by the tables of :func:`rope_cos_sin`: ``x * cos + rotate_half(x) * sin`` with
+    ``rotate_half(x) = cat(-x[..., Dh/2:], x[..., :Dh/2])``. Differentiable in ``x``; the tables are constants (a
+    table that requires a gradient is refused)."""
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError("apply_rope: the cos/sin tables are constants; compute them without autograd history")
+    out = _Rotate.apply(x, cos, sin)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+class _Rotate(torch.autograd.Function):
+    """:func:`apply_rope` in three passes each way (the op-by-op graph makes about twice as many: a negated half, a
+    concatenation, slice gradients), writing each half's sine term into the cosine product in place. The backward is
+    the transposed rotation and needs only the tables."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):  # noqa: ANN001 (autograd signature)
+        half = x.shape[-1] // 2
+        out = x * cos
+        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: ANN001
+        cos, sin = ctx.saved_tensors
+        half = grad_out.shape[-1] // 2
+        grad = grad_out * cos
+        grad[..., :half].addcmul_(grad_out[..., half:], sin[..., half:])
+        grad[..., half:].addcmul_(grad_out[..., :half], sin[..., :half], value=-1)
+        return grad, None, None

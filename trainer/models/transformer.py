@@ -101,10 +101,11 @@ class TransformerBlock(nn.Module):
         # MoE: route every token, so the router's load-balancing statistics match an untrimmed forward.
         trim = keep if dense else None
         attn = self.attention(self.attention_norm(x), rope, segment_ids, keep=trim, prefix_ids=prefix_ids)
-        h = (x if trim is None else x.reshape(-1, x.shape[-1])[trim]) + attn
+        # index_select, not x[...]: its backward is an index_add, ~5x faster on CPU than indexing's accumulating put.
+        h = (x if trim is None else x.reshape(-1, x.shape[-1]).index_select(0, trim)) + attn
         out = h + (self.feed_forward if dense else self.moe)(self.ffn_norm(h))
         if keep is not None and trim is None:
-            out = out.reshape(-1, out.shape[-1])[keep]
+            out = out.reshape(-1, out.shape[-1]).index_select(0, keep)
         return out
 
     def init_weights(self, std: float) -> None:
