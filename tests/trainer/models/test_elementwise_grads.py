@@ -48,19 +48,22 @@ def test_rms_norm_matches_hf_in_float32(shape: tuple[int, ...]) -> None:
     torch.testing.assert_close(got_dw, want_dw, rtol=1e-5, atol=1e-5)
 
 
-def test_rms_norm_matches_hf_in_bfloat16() -> None:
-    """Computed in float32 and cast back before the scale, gradients returned in the inputs' dtypes."""
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_matches_hf_in_bfloat16(weight_dtype: torch.dtype) -> None:
+    """Computed in float32 and cast back before the scale; the output in the promoted dtype of input and scale (a
+    float32 scale on bfloat16 activations gives float32, as HF's), gradients in the inputs' own dtypes."""
     torch.manual_seed(1)
     x = torch.randn(3, 11, 32, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(32, dtype=torch.bfloat16)
-    g = torch.randn(3, 11, 32, dtype=torch.bfloat16)
+    w = torch.randn(32, dtype=weight_dtype)
+    out_dtype = torch.promote_types(torch.bfloat16, weight_dtype)
+    g = torch.randn(3, 11, 32, dtype=out_dtype)
     hf = _hf_norm(w)
     want = hf(x)
     want_dx, want_dw = _grads(want, [x, hf.weight], g)
     ours_w = w.clone().requires_grad_(True)
     got = rms_norm(x, ours_w, EPS)
     got_dx, got_dw = _grads(got, [x, ours_w], g)
-    assert (got.dtype, got_dx.dtype, got_dw.dtype) == (torch.bfloat16,) * 3
+    assert (got.dtype, got_dx.dtype, got_dw.dtype) == (out_dtype, torch.bfloat16, weight_dtype)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(got_dx, want_dx, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got_dw, want_dw, rtol=2e-2, atol=5e-2)
