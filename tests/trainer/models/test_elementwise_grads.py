@@ -31,18 +31,23 @@ def _grads(out: torch.Tensor, inputs: list[torch.Tensor], grad_out: torch.Tensor
     return torch.autograd.grad(out, inputs, grad_out)
 
 
+def _norm_ours_and_hf(
+    x: torch.Tensor, w: torch.Tensor, g: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(output, d/dx, d/dw) of :func:`rms_norm` and of HF's module on the same ``x`` (a leaf that requires grad),
+    scale ``w`` and output gradient ``g``."""
+    hf = _hf_norm(w)
+    want = hf(x)
+    ours_w = w.clone().requires_grad_(True)
+    got = rms_norm(x, ours_w, EPS)
+    return (got, *_grads(got, [x, ours_w], g)), (want, *_grads(want, [x, hf.weight], g))
+
+
 @pytest.mark.parametrize("shape", [(2, 7, 32), (1, 9, 4, 16)])  # hidden states; per-head q/k
 def test_rms_norm_matches_hf_in_float32(shape: tuple[int, ...]) -> None:
     torch.manual_seed(0)
     x = torch.randn(shape, requires_grad=True)
-    w = torch.randn(shape[-1])
-    g = torch.randn(shape)
-    hf = _hf_norm(w)
-    want = hf(x)
-    want_dx, want_dw = _grads(want, [x, hf.weight], g)
-    ours_w = w.clone().requires_grad_(True)
-    got = rms_norm(x, ours_w, EPS)
-    got_dx, got_dw = _grads(got, [x, ours_w], g)
+    (got, got_dx, got_dw), (want, want_dx, want_dw) = _norm_ours_and_hf(x, torch.randn(shape[-1]), torch.randn(shape))
     torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same float32 ops in the same order
     torch.testing.assert_close(got_dx, want_dx, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_dw, want_dw, rtol=1e-5, atol=1e-5)
@@ -54,15 +59,9 @@ def test_rms_norm_matches_hf_in_bfloat16(weight_dtype: torch.dtype) -> None:
     float32 scale on bfloat16 activations gives float32, as HF's), gradients in the inputs' own dtypes."""
     torch.manual_seed(1)
     x = torch.randn(3, 11, 32, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(32, dtype=weight_dtype)
     out_dtype = torch.promote_types(torch.bfloat16, weight_dtype)
     g = torch.randn(3, 11, 32, dtype=out_dtype)
-    hf = _hf_norm(w)
-    want = hf(x)
-    want_dx, want_dw = _grads(want, [x, hf.weight], g)
-    ours_w = w.clone().requires_grad_(True)
-    got = rms_norm(x, ours_w, EPS)
-    got_dx, got_dw = _grads(got, [x, ours_w], g)
+    (got, got_dx, got_dw), (want, want_dx, want_dw) = _norm_ours_and_hf(x, torch.randn(32, dtype=weight_dtype), g)
     assert (got.dtype, got_dx.dtype, got_dw.dtype) == (out_dtype, torch.bfloat16, weight_dtype)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(got_dx, want_dx, rtol=2e-2, atol=2e-2)
