@@ -4,7 +4,8 @@ what a fresh start does with an earlier run's outputs.
 Layout: ``recipe.resolved.toml`` (every setting used), ``metrics.jsonl``, ``tensorboard/`` (with ``sft/``: the warm
 start), ``curves.png``, ``checkpoints/step_<n>/`` (unless ``trainer.checkpoint.dir`` says elsewhere),
 ``warm_start_model/``, ``hf/step_<n>/`` (``run.export.every_num_steps``), ``final_model/``; and
-``previous-<time>/``, each holding an earlier run's outputs in the same layout.
+``previous-<time>/``, each holding an earlier run's outputs in the same layout (the driver points its resolved recipe
+at it, so that run can be resumed there).
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ OUTPUTS = (RESOLVED_RECIPE, METRICS, TENSORBOARD, CURVES, CHECKPOINTS, WARM_STAR
 """Everything a run writes in its output directory."""
 
 
-def set_aside_earlier_run(out_dir: Path, checkpoint_dir: Path, keep: Sequence[str | Path] = ()) -> list[Path]:
+def set_aside_earlier_run(
+    out_dir: Path, checkpoint_dir: Path, keep: Sequence[str | Path] = ()
+) -> dict[Path, Path]:
     """Move what an earlier run left in ``out_dir`` into ``out_dir/previous-<time>/`` (nothing is deleted), so a fresh
-    start neither mixes it into its own outputs nor takes it for its own on a later resume; return the new paths.
+    start neither mixes it into its own outputs nor takes it for its own on a later resume; return each moved path
+    (absolute) with its new one.
 
     The moved outputs keep their layout (a moved checkpoint still finds its run's ``recipe.resolved.toml`` two levels
     up). ``checkpoint_dir`` outside ``out_dir`` moves beside itself, to ``<name>.previous-<time>``. An output that
@@ -47,7 +51,7 @@ def set_aside_earlier_run(out_dir: Path, checkpoint_dir: Path, keep: Sequence[st
             break
         aside = out / f"previous-{stamp}-{n}"
     inside = ckpt.is_relative_to(out)
-    moved = []
+    moved: dict[Path, Path] = {}
     for path in [out / name for name in OUTPUTS if name != CHECKPOINTS] + [ckpt]:
         if not path.exists() or (path.is_dir() and not any(path.iterdir())):
             continue
@@ -59,5 +63,5 @@ def set_aside_earlier_run(out_dir: Path, checkpoint_dir: Path, keep: Sequence[st
             target = aside / path.relative_to(out)
         target.parent.mkdir(parents=True, exist_ok=True)
         path.rename(target)
-        moved.append(target)
+        moved[path] = target
     return moved

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.config import ConfigError
 from common.run_dir import (
     CHECKPOINTS,
     CURVES,
@@ -28,7 +29,7 @@ from common.run_dir import (
     WARM_START_MODEL,
     set_aside_earlier_run,
 )
-from recipe import Recipe, write_resolved
+from recipe import Recipe, load_recipe, write_resolved
 
 if TYPE_CHECKING:
     from trainer.models.config import ModelConfig
@@ -73,7 +74,10 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
         moved = set_aside_earlier_run(out_dir, ckpt_dir, keep=inputs)
         if moved:
             log.warning("fresh start: moved the earlier run's %s to %s", ", ".join(p.name for p in moved),
-                        ", ".join(sorted({str(p.parent) for p in moved})))  # fmt: skip
+                        ", ".join(sorted({str(p.parent) for p in moved.values()})))  # fmt: skip
+            earlier = _point_moved_run_at_itself(moved, out_dir, ckpt_dir)
+            if earlier is not None:
+                log.warning("to continue the earlier run instead: python rl_align.py --recipe %s --resume", earlier)
     write_resolved(recipe, out_dir)  # after the checks: a refused recipe leaves the run's record as it was
 
     import ray
@@ -145,6 +149,26 @@ def _with_env(env_vars: dict[str, str], py_executable: str | None = None) -> dic
     if py_executable is not None:
         runtime_env["py_executable"] = str(Path(py_executable).absolute())
     return runtime_env or None
+
+
+def _point_moved_run_at_itself(moved: dict[Path, Path], out_dir: Path, ckpt_dir: Path) -> Path | None:
+    """Rewrite the ``recipe.resolved.toml`` a fresh start moved aside (``moved``: old path -> new path) so that it
+    names where that run's outputs now are (``run.output_dir``, ``trainer.checkpoint.dir``): ``--recipe <it>
+    --resume`` then continues the earlier run in its new directory instead of the live one. Return its path, or None
+    when no resolved recipe moved, or when this code cannot read it (an older schema: left untouched, with a
+    warning)."""
+    recipe_path = moved.get(out_dir.resolve() / RESOLVED_RECIPE)
+    if recipe_path is None:
+        return None
+    earlier_ckpts = moved.get(ckpt_dir.resolve(), recipe_path.parent / CHECKPOINTS)
+    try:
+        earlier = load_recipe(recipe_path, {"run.output_dir": str(recipe_path.parent),
+                                            "trainer.checkpoint.dir": str(earlier_ckpts)}, check_paths=False)
+    except ConfigError as e:
+        log.warning("fresh start: the earlier run's %s does not load with this code (%s); it still names %s",
+                    recipe_path, str(e).splitlines()[0], out_dir)  # fmt: skip
+        return None
+    return write_resolved(earlier, recipe_path.parent)
 
 
 def ensure_model(recipe: Recipe) -> None:

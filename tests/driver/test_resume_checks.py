@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 
 import driver.session
+from common.config import ConfigError
 from common.run_dir import set_aside_earlier_run
 from driver.run import _check_resumable, ensure_model, run
 from recipe import load_recipe, write_resolved
 from trainer.checkpoint import Checkpointable, CheckpointManager, TrainProgress
+from trainer.checkpoint_dirs import latest_checkpoint
 from trainer.config import OptimizerConfig
 from trainer.models.hf_config import model_config_from_hf
 from trainer.models.transformer import build_model
@@ -99,12 +101,12 @@ def test_a_fresh_start_moves_the_earlier_runs_outputs_aside_whole(tmp_path):
         (out / name).write_text(name)
     (out / "notes.txt").write_text("the user's")  # not a run output: stays
     moved = set_aside_earlier_run(out, out / "checkpoints")
-    (aside,) = {p.parent for p in moved}
+    (aside,) = {p.parent for p in moved.values()}
     assert aside.name.startswith("previous-")
     for name in earlier:  # the same layout under previous-<time>/: a moved checkpoint finds its run's recipe
         assert not (out / name).exists() and (aside / name).read_text() == name, name
     assert (out / "notes.txt").exists()
-    assert set_aside_earlier_run(out, out / "checkpoints") == []  # nothing left to move
+    assert set_aside_earlier_run(out, out / "checkpoints") == {}  # nothing left to move
 
 
 def test_a_fresh_start_keeps_the_recipes_model_and_moves_outside_checkpoints_beside_themselves(tmp_path):
@@ -114,7 +116,44 @@ def test_a_fresh_start_keeps_the_recipes_model_and_moves_outside_checkpoints_bes
         path.write_text("x")
     moved = set_aside_earlier_run(out, ckpt, keep=[str(out / "final_model")])  # a recipe that starts from it
     assert (out / "final_model" / "config.json").exists() and not (out / "hf").exists()
-    assert not ckpt.exists() and any(p.name.startswith("ckpts.previous-") and p.parent == ckpt.parent for p in moved)
+    assert not ckpt.exists() and moved[ckpt].name.startswith("ckpts.previous-") and moved[ckpt].parent == ckpt.parent
+
+
+def test_a_fresh_start_leaves_the_earlier_run_resumable_where_it_moved(tmp_path, no_ray, caplog):
+    """The moved ``recipe.resolved.toml`` names the run's new directory and checkpoints (nothing else changes), and
+    the driver says how to continue that run: ``--recipe`` it with ``--resume``."""
+    out = _checkpointed_run(tmp_path)
+    record = (out / "recipe.resolved.toml").read_text()
+    with pytest.raises(AssertionError, match="Ray was started"):  # the fresh start got past its checks and moves
+        run(_recipe(tmp_path, "model", 128))
+    (aside,) = out.glob("previous-*")
+    moved = aside / "recipe.resolved.toml"
+    assert f"--recipe {moved} --resume" in caplog.text
+    earlier = load_recipe(moved)
+    assert earlier.run.resolved_output_dir == aside
+    assert earlier.trainer.checkpoint.dir == str(aside / "checkpoints")
+    assert latest_checkpoint(Path(earlier.trainer.checkpoint.dir)) == aside / "checkpoints" / "step_00000002"
+    unchanged = load_recipe(out / "recipe.resolved.toml", {  # the new run's record, pointed back: the same settings
+        "run.output_dir": str(aside), "trainer.checkpoint.dir": str(aside / "checkpoints")})  # fmt: skip
+    assert earlier == unchanged
+    assert f'output_dir = "{out}"' in record and earlier != load_recipe(out / "recipe.resolved.toml")
+    live = sorted(p.relative_to(out) for p in out.rglob("*") if aside not in p.parents and p != aside)
+    with pytest.raises(AssertionError, match="Ray was started"):  # the resume's checks pass on the moved run
+        run(earlier, resume="required")
+    assert sorted(p.relative_to(out) for p in out.rglob("*") if aside not in p.parents and p != aside) == live
+
+
+def test_an_earlier_record_this_code_cannot_read_moves_untouched(tmp_path, no_ray, caplog):
+    out = _checkpointed_run(tmp_path)
+    old = (out / "recipe.resolved.toml").read_text() + "\n[run.retired_table]\nsetting = 1\n"
+    (out / "recipe.resolved.toml").write_text(old)
+    with pytest.raises(ConfigError):
+        load_recipe(out / "recipe.resolved.toml")
+    with pytest.raises(AssertionError, match="Ray was started"):
+        run(_recipe(tmp_path, "model", 128))
+    (aside,) = out.glob("previous-*")
+    assert (aside / "recipe.resolved.toml").read_text() == old
+    assert "does not load with this code" in caplog.text and "--resume" not in caplog.text
 
 
 def test_a_resume_refuses_a_checkpoint_of_another_algorithm(tmp_path):
