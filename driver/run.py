@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.config import ConfigError
 from common.run_dir import (
     CHECKPOINTS,
     CURVES,
@@ -75,7 +74,7 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
         if moved:
             log.warning("fresh start: moved the earlier run's %s to %s", ", ".join(p.name for p in moved),
                         ", ".join(sorted({str(p.parent) for p in moved.values()})))  # fmt: skip
-            earlier = _point_moved_run_at_itself(moved, out_dir, ckpt_dir)
+            earlier = _point_moved_run_at_itself(moved, out_dir)
             if earlier is not None:
                 log.warning("to continue the earlier run instead: python rl_align.py --recipe %s --resume", earlier)
     write_resolved(recipe, out_dir)  # after the checks: a refused recipe leaves the run's record as it was
@@ -151,24 +150,39 @@ def _with_env(env_vars: dict[str, str], py_executable: str | None = None) -> dic
     return runtime_env or None
 
 
-def _point_moved_run_at_itself(moved: dict[Path, Path], out_dir: Path, ckpt_dir: Path) -> Path | None:
-    """Rewrite the ``recipe.resolved.toml`` a fresh start moved aside (``moved``: old path -> new path) so that it
-    names where that run's outputs now are (``run.output_dir``, ``trainer.checkpoint.dir``): ``--recipe <it>
-    --resume`` then continues the earlier run in its new directory instead of the live one. Return its path, or None
-    when no resolved recipe moved, or when this code cannot read it (an older schema: left untouched, with a
-    warning)."""
-    recipe_path = moved.get(out_dir.resolve() / RESOLVED_RECIPE)
-    if recipe_path is None:
+def _point_moved_run_at_itself(moved: dict[Path, Path], out_dir: Path) -> Path | None:
+    """Edit the ``recipe.resolved.toml`` a fresh start moved aside (``moved``: old path -> new path) so that it names
+    where that run's outputs now are: ``run.output_dir`` and, when its checkpoints moved too, ``trainer.checkpoint.dir``
+    (its own, read from it; relative paths resolve against this process's directory, as every recipe path does).
+    Nothing else in the record changes (the two keys are set in its TOML, not re-serialised through today's schema).
+    Return the record's path when ``--recipe <it> --resume`` can continue that run (it loads with this code and its
+    checkpoint directory holds a complete checkpoint), else None; a record that cannot be read or written is left as
+    it is, with a warning."""
+    import tomllib
+
+    import tomli_w
+
+    from trainer.checkpoint_dirs import latest_checkpoint
+
+    record = moved.get(out_dir.resolve() / RESOLVED_RECIPE)
+    if record is None:
         return None
-    earlier_ckpts = moved.get(ckpt_dir.resolve(), recipe_path.parent / CHECKPOINTS)
     try:
-        earlier = load_recipe(recipe_path, {"run.output_dir": str(recipe_path.parent),
-                                            "trainer.checkpoint.dir": str(earlier_ckpts)}, check_paths=False)
-    except ConfigError as e:
-        log.warning("fresh start: the earlier run's %s does not load with this code (%s); it still names %s",
-                    recipe_path, str(e).splitlines()[0], out_dir)  # fmt: skip
+        data = tomllib.loads(record.read_text())
+        run_table, trainer = data.setdefault("run", {}), data.setdefault("trainer", {})
+        ckpt_table = trainer.setdefault("checkpoint", {})
+        own = Path(ckpt_table.get("dir") or Path(run_table.get("output_dir") or out_dir) / CHECKPOINTS).resolve()
+        ckpts = moved.get(own, own)
+        run_table["output_dir"], ckpt_table["dir"] = str(record.parent), str(ckpts)
+        record.write_text(tomli_w.dumps(data))
+        if latest_checkpoint(ckpts) is None:
+            return None
+        load_recipe(record, check_paths=False)
+    except (ValueError, OSError) as e:  # undecodable, unparsable, or a schema this code no longer reads
+        log.warning("fresh start: the earlier run's %s cannot be resumed with this code (%s)", record,
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)  # fmt: skip
         return None
-    return write_resolved(earlier, recipe_path.parent)
+    return record
 
 
 def ensure_model(recipe: Recipe) -> None:

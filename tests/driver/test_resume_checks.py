@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 import driver.session
-from common.config import ConfigError
 from common.run_dir import set_aside_earlier_run
 from driver.run import _check_resumable, ensure_model, run
 from recipe import load_recipe, write_resolved
@@ -143,17 +142,47 @@ def test_a_fresh_start_leaves_the_earlier_run_resumable_where_it_moved(tmp_path,
     assert sorted(p.relative_to(out) for p in out.rglob("*") if aside not in p.parents and p != aside) == live
 
 
-def test_an_earlier_record_this_code_cannot_read_moves_untouched(tmp_path, no_ray, caplog):
+def test_the_moved_record_keeps_its_own_checkpoint_directory(tmp_path, no_ray, caplog):
+    """An earlier run that checkpointed outside its run directory: its checkpoints stay where they are (the new
+    recipe's directory is another), and its moved record still names them."""
     out = _checkpointed_run(tmp_path)
-    old = (out / "recipe.resolved.toml").read_text() + "\n[run.retired_table]\nsetting = 1\n"
-    (out / "recipe.resolved.toml").write_text(old)
-    with pytest.raises(ConfigError):
-        load_recipe(out / "recipe.resolved.toml")
+    outside = tmp_path / "kept" / "ckpts"
+    outside.parent.mkdir()
+    (out / "checkpoints").rename(outside)
+    write_resolved(load_recipe(out / "recipe.resolved.toml", {"trainer.checkpoint.dir": str(outside)}), out)
+    with pytest.raises(AssertionError, match="Ray was started"):
+        run(_recipe(tmp_path, "model", 128))  # its checkpoints default to out/checkpoints
+    (aside,) = out.glob("previous-*")
+    earlier = load_recipe(aside / "recipe.resolved.toml")
+    assert earlier.trainer.checkpoint.dir == str(outside) and latest_checkpoint(outside) is not None
+    assert f"--recipe {aside / 'recipe.resolved.toml'} --resume" in caplog.text
+
+
+@pytest.mark.parametrize("case", ["no checkpoint", "retired setting", "not text"])
+def test_no_resume_is_offered_for_an_earlier_run_that_cannot_resume(tmp_path, no_ray, caplog, case):
+    """No checkpoint: the record is pointed at its new place, nothing to resume. A setting this code no longer has:
+    pointed there too (two keys set, the rest as written), but this code cannot resume it. Not TOML: moved as it is."""
+    out = _checkpointed_run(tmp_path)
+    record = out / "recipe.resolved.toml"
+    if case == "no checkpoint":
+        for step in (out / "checkpoints").iterdir():
+            (step / "COMPLETE").unlink()
+    elif case == "retired setting":
+        record.write_text(record.read_text() + "\n[run.retired_table]\nsetting = 1\n")
+    else:
+        record.write_bytes(b"\xff\xfe not a recipe")
+    before = record.read_bytes()
     with pytest.raises(AssertionError, match="Ray was started"):
         run(_recipe(tmp_path, "model", 128))
     (aside,) = out.glob("previous-*")
-    assert (aside / "recipe.resolved.toml").read_text() == old
-    assert "does not load with this code" in caplog.text and "--resume" not in caplog.text
+    moved = (aside / "recipe.resolved.toml").read_bytes()
+    assert "--resume" not in caplog.text
+    if case == "not text":
+        assert moved == before and "cannot be resumed with this code" in caplog.text
+    else:
+        assert f'output_dir = "{aside}"'.encode() in moved
+        assert (b"retired_table" in moved) == (case == "retired setting")  # the rest as written
+        assert ("cannot be resumed with this code" in caplog.text) == (case == "retired setting")
 
 
 def test_a_resume_refuses_a_checkpoint_of_another_algorithm(tmp_path):
