@@ -24,6 +24,7 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 __all__ = ["FeedForward", "RMSNorm", "compiled", "rms_norm", "swiglu"]
 
@@ -59,6 +60,7 @@ class _RMSNorm(torch.autograd.Function):
         return normed * weight
 
     @staticmethod
+    @once_differentiable  # the backward is not itself differentiable: a double backward gets a clear error
     def backward(ctx, grad_out):  # noqa: ANN001
         x, weight, rstd = ctx.saved_tensors
         need_x, need_weight, _ = ctx.needs_input_grad

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from trainer.models.config import ModelConfig, RopeScalingConfig
 
@@ -73,6 +74,7 @@ class _Rotate(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the backward is not itself differentiable: a double backward gets a clear error
     def backward(ctx, grad_out):  # noqa: ANN001
         cos, sin = ctx.saved_tensors
         half = grad_out.shape[-1] // 2

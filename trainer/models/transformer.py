@@ -101,7 +101,8 @@ class TransformerBlock(nn.Module):
         # MoE: route every token, so the router's load-balancing statistics match an untrimmed forward.
         trim = keep if dense else None
         attn = self.attention(self.attention_norm(x), rope, segment_ids, keep=trim, prefix_ids=prefix_ids)
-        # index_select, not x[...]: its backward is an index_add, ~5x faster on CPU than indexing's accumulating put.
+        # index_select, not x[...]: its backward is an index_add, ~5x faster on CPU than indexing's accumulating put
+        # (on CUDA, like the embedding's backward, bitwise repeatable only under torch.use_deterministic_algorithms).
         h = (x if trim is None else x.reshape(-1, x.shape[-1]).index_select(0, trim)) + attn
         out = h + (self.feed_forward if dense else self.moe)(self.ffn_norm(h))
         if keep is not None and trim is None:
