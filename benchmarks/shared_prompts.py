@@ -7,6 +7,7 @@ seconds median [range] of each, and the speed-up (whole / shared, median of the 
 
 - ``demo``: the default recipe's (``recipes/grpo_tiny.toml``): tiny Qwen 3 (dim 128, 4 blocks, vocab 448), 32 prompts
   x 8 samples, prompts of 25 tokens (its arithmetic chat prompts), completions of 2-6 tokens;
+- ``long``: the same model and batch with 128-token completions (``benchmarks/e2e_vs_trl.py --completion long``);
 - ``40m``: ``benchmarks/trainer.py``'s model (8 x 512 Llama, vocab 16k), 4 prompts of 64-192 tokens x
   8 samples, completions 8-256 tokens.
 
@@ -51,6 +52,7 @@ MODEL_40M = ModelConfig(
 SHAPES: dict[str, tuple[ModelConfig, int, int, tuple[int, int], tuple[int, int]]] = {
     # name: (model, prompts, group size, prompt tokens [low, high), completion tokens [low, high))
     "demo": (DEMO, 32, 8, (25, 26), (2, 7)),
+    "long": (DEMO, 32, 8, (25, 26), (128, 129)),
     "40m": (MODEL_40M, 4, 8, (64, 193), (8, 257)),
 }
 
