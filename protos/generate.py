@@ -2,11 +2,17 @@
 
 Stubs are generated with ``-I <repo root>`` so that they import each other as ``protos.<name>_pb2``. A test regenerates
 into a temporary folder and fails when the checked-in files drift from the ``.proto`` sources.
+
+The gRPC stubs stamp the grpcio release that generated them as the oldest runtime they accept
+(``GRPC_GENERATED_VERSION``); the stamp is set to the generator's minor series (``1.85.4`` -> ``1.85.0``), the series
+``pyproject.toml`` pins, so a patch release of grpcio-tools neither changes the checked-in stubs nor makes them refuse
+an older patch of grpcio.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -43,7 +49,21 @@ def generate(out_dir: Path) -> list[Path]:
         if code != 0:
             raise RuntimeError(f"protoc failed on {rel} with exit code {code}")
         written += [out_dir / rel.parent / name for name in generated_names(proto)]
+    for path in written:
+        if path.name.endswith("_pb2_grpc.py"):
+            _stamp_minor_series(path)
     return written
+
+
+def _stamp_minor_series(stub: Path) -> None:
+    """Set the stub's ``GRPC_GENERATED_VERSION`` to ``<major>.<minor>.0`` of the release it names; raise if it names
+    none (a generator whose stubs this module does not know)."""
+    pattern = re.compile(r"^GRPC_GENERATED_VERSION = '(\d+)\.(\d+)\.[^']*'$", re.MULTILINE)
+    text = stub.read_text()
+    stamped, count = pattern.subn(lambda m: f"GRPC_GENERATED_VERSION = '{m[1]}.{m[2]}.0'", text)
+    if count != 1:
+        raise RuntimeError(f"{stub}: expected one GRPC_GENERATED_VERSION line, found {count}")
+    stub.write_text(stamped)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ import warnings
 
 from protos import weight_sync_pb2 as protos_dot_weight__sync__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
