@@ -18,6 +18,24 @@ def test_checked_in_stubs_match_a_fresh_generation(tmp_path, monkeypatch):
             assert fresh == checked_in, f"protos/{name} is stale: run `python -m protos.generate` (make protos)"
 
 
+def test_the_protobuf_floor_admits_no_runtime_older_than_the_stubs():
+    """The generated messages refuse a protobuf runtime older than the protoc that generated them (a 6.x runtime under
+    7.x code fails at import): ``pyproject.toml``'s floor must be at least that version, so an install resolves a
+    runtime the stubs accept."""
+    import re
+    import tomllib
+
+    from packaging.version import Version
+
+    stub = (PROTOS_DIR / "weight_sync_pb2.py").read_text()
+    match = re.search(r"ValidateProtobufRuntimeVersion\(\s*\S+PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", stub)
+    assert match, "protos/weight_sync_pb2.py names no protobuf gencode version"
+    generated = Version(".".join(match.groups()))
+    deps = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (floor,) = [d.split(">=", 1)[1].split(",")[0] for d in deps if d.replace(" ", "").startswith("protobuf>=")]
+    assert Version(floor) >= generated, f"pyproject.toml: protobuf>={floor}, the stubs need >= {generated}"
+
+
 def test_config_and_cli_help_import_no_torch():
     code = "import sys, weight_sync.config, weight_sync.__main__; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([PY, "-c", code], cwd=REPO_ROOT, check=True)
