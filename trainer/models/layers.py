@@ -34,13 +34,7 @@ _Fn = TypeVar("_Fn", bound=Callable[..., torch.Tensor])
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Root-mean-square norm over the last dim, computed in float32 (or ``x``'s dtype if wider) and cast back before the
     scale (as HF does): ``weight * (x / sqrt(mean(x^2) + eps)).to(x.dtype)``. Differentiable in ``x`` and ``weight``."""
-    out = _RMSNorm.apply(x, weight, eps)
-    assert isinstance(out, torch.Tensor)
-    return out
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
+    return _RMSNorm.apply(x, weight, eps)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -50,7 +44,7 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):  # noqa: ANN001 (autograd signature)
-        x32 = x.to(_compute_dtype(x))
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         # HF's ops in HF's order: in float32 the forward equals Qwen3RMSNorm / LlamaRMSNorm bitwise.
         rstd = x32.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
         normed = (x32 * rstd).to(x.dtype)

@@ -54,9 +54,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     table that requires a gradient is refused)."""
     if cos.requires_grad or sin.requires_grad:
         raise ValueError("apply_rope: the cos/sin tables are constants; compute them without autograd history")
-    out = _Rotate.apply(x, cos, sin)
-    assert isinstance(out, torch.Tensor)
-    return out
+    return _Rotate.apply(x, cos, sin)
 
 
 class _Rotate(torch.autograd.Function):
