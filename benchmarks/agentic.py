@@ -118,7 +118,7 @@ def call_latency(runner, engine, tokenizer, sampling, num_calls: int = 40) -> tu
     messages = [{"role": "user", "content": "Compute 3 times 7."}, {"role": "assistant", "content": "21"},
                 {"role": "tool", "content": "result 1: 12 * 34 = 408"}]  # fmt: skip
     one = sampling.model_copy(update={"max_tokens": 1, "stop_token_ids": []})
-    episode = engine.run(runner.endpoint.open(one, EpisodeLimits(max_turns=num_calls + 1), lambda t: None))
+    episode = engine.run(runner.endpoint.open(one, EpisodeLimits(max_turns=num_calls + 1), lambda t, n: None))
 
     async def through_endpoint():
         async with openai.AsyncOpenAI(base_url=episode.base_url, api_key="x", max_retries=0) as client:
