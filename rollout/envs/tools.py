@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import operator
-import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -25,7 +25,7 @@ from rollout.envs.config import PythonToolConfig, ToolName
 
 __all__ = ["Tool", "ToolCall", "ToolOutput", "build_tool", "calculate", "parse_tool_calls"]
 
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _MAX_EXPRESSION_CHARS = 200
 _MAX_EXPONENT = 64
 _MAX_DIGITS = 60
@@ -65,9 +65,17 @@ class Tool:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every ``<tool_call>`` block of ``text``, in order; an unclosed ``<tool_call>`` is one malformed call."""
-    calls = [_parse_one(body) for body in _CALL.findall(text)]
-    if text.count("<tool_call>") > len(calls):
+    """Every ``<tool_call>`` block of ``text``, in order (each from its opening tag to the next closing one); an
+    unclosed ``<tool_call>`` is one malformed call. Never raises, and takes time linear in ``text``."""
+    bodies, pos = [], 0
+    while (start := text.find(_OPEN, pos)) >= 0:
+        end = text.find(_CLOSE, start + len(_OPEN))
+        if end < 0:
+            break
+        bodies.append(text[start + len(_OPEN) : end])
+        pos = end + len(_CLOSE)
+    calls = [_parse_one(body) for body in bodies]
+    if text.count(_OPEN) > len(calls):
         calls.append(ToolCall("", {}, "a <tool_call> is not closed by </tool_call>"))
     return calls
 
@@ -77,13 +85,15 @@ def _parse_one(body: str) -> ToolCall:
         value = json.loads(body)
     except json.JSONDecodeError as e:
         return ToolCall("", {}, f"the tool call is not valid JSON ({e.msg} at character {e.pos})")
+    except (ValueError, RecursionError) as e:  # valid JSON beyond what Python reads: a 5,000-digit number, deep nesting
+        return ToolCall("", {}, f"the tool call cannot be read ({str(e)[:100] or type(e).__name__})")
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return ToolCall("", {}, 'a tool call must be a JSON object with a string "name"')
     arguments = value.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             pass
     if not isinstance(arguments, dict):
         return ToolCall(value["name"], {}, '"arguments" must be a JSON object')
@@ -99,7 +109,8 @@ _BINARY: dict[type, Callable[[Any, Any], Any]] = {
 
 def calculate(expression: str) -> str:
     """The value of an arithmetic ``expression`` as text (integers exactly, fractions as decimals); ``ValueError``
-    with a reason the model can read when it is not one or is out of bounds."""
+    with a reason the model can read when it is not one or is out of bounds. Every intermediate value (numerator and
+    denominator) is bounded, so no expression takes long."""
     if len(expression) > _MAX_EXPRESSION_CHARS:
         raise ValueError(f"the expression is longer than {_MAX_EXPRESSION_CHARS} characters")
     try:
@@ -116,6 +127,8 @@ def calculate(expression: str) -> str:
 
 def _evaluate(node: ast.AST) -> int | Fraction:
     if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
+        if isinstance(node.value, float) and not math.isfinite(node.value):  # 1e999
+            raise ValueError(f"a value has more than {_MAX_DIGITS} digits")
         value = Fraction(node.value) if isinstance(node.value, float) else node.value
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd | ast.USub):
         inner = _evaluate(node.operand)
@@ -124,17 +137,18 @@ def _evaluate(node: ast.AST) -> int | Fraction:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and (not isinstance(right, int) or abs(right) > _MAX_EXPONENT):
             raise ValueError(f"exponents must be whole numbers of at most {_MAX_EXPONENT}")
-        if isinstance(node.op, ast.Div | ast.FloorDiv | ast.Mod) and right == 0:
+        if (isinstance(node.op, ast.Div | ast.FloorDiv | ast.Mod) and right == 0) or (
+            isinstance(node.op, ast.Pow) and left == 0 and right < 0
+        ):
             raise ValueError("division by zero")
-        if isinstance(node.op, ast.Div):
-            left = Fraction(left)
+        if isinstance(node.op, ast.Div) or isinstance(node.op, ast.Pow) and right < 0:
+            left = Fraction(left)  # exact, never a float
         value = _BINARY[type(node.op)](left, right)
-        if isinstance(value, float):  # a negative exponent of an int
-            value = Fraction(left) ** int(right)
     else:
         raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
-    magnitude = abs(value.numerator if isinstance(value, Fraction) else value)
-    if magnitude.bit_length() > _MAX_DIGITS * 3.33:
+    # Denominators too: a tiny fraction raised to powers grows without bound while its numerator stays 1.
+    parts = (value.numerator, value.denominator) if isinstance(value, Fraction) else (value,)
+    if max(abs(p).bit_length() for p in parts) > _MAX_DIGITS * 3.33:
         raise ValueError(f"a value has more than {_MAX_DIGITS} digits")
     return value
 
@@ -163,10 +177,12 @@ def _python_tool(config: PythonToolConfig) -> Callable[[Mapping[str, Any]], Awai
         if not isinstance(code, str):
             return ToolOutput('python needs "code": the program to run (print what you want to see)', error=True)
         result = await run_python(code, limits)
-        if result.outcome == "ok":
-            return ToolOutput(result.stdout)
+        out, err = result.stdout, result.stderr[-500:]
+        sep = "\n" if out and err and not out.endswith("\n") else ""
+        if result.outcome == "ok":  # what it wrote to stderr (warnings, logging) follows its output, labelled
+            return ToolOutput(out + (f"{sep}[stderr]\n{err}" if err else ""))
         # How it ended comes first: a long output may be cut to fit the observation.
-        return ToolOutput(f"[the program {result.describe()}]\n{result.stdout}{result.stderr[-500:]}", error=True)
+        return ToolOutput(f"[the program {result.describe()}]\n{out}{sep}{err}", error=True)
 
     return run
 

@@ -31,6 +31,10 @@ def test_calculator_is_exact(expression, value):
     ("__import__('os').system('ls')", "only numbers"), ("2 ** 100", "at most 64"), ("1 / 0", "division by zero"),
     ("9 ** 64 * 9 ** 64", "more than 60 digits"), ("1 +", "cannot read"), ("x * 2", "only numbers"),
     ("1" * 300, "longer than 200"),
+    # Model-written edge cases that raised other errors (and failed the whole batch) or ran for minutes on the loop:
+    ("0 ** -1", "division by zero"), ("(1 - 1) ** -2", "division by zero"), ("0.0 ** -1", "division by zero"),
+    ("1e999", "more than 60 digits"), ("(10 ** 59) ** -64", "more than 60 digits"),
+    ("(((1 / 10 ** 59) ** 64) ** 64) ** 64", "more than 60 digits"),  # its denominator grew unbounded: 12 s
 ])  # fmt: skip
 def test_calculator_refuses_what_is_not_bounded_arithmetic(expression, reason):
     with pytest.raises(ValueError, match=reason):
@@ -47,6 +51,21 @@ def test_tool_calls_are_parsed_and_malformed_ones_named():
     assert "string \"name\"" in calls[2].error and "not valid JSON" in calls[3].error
     assert "not closed" in calls[4].error and len(calls) == 5
     assert parse_tool_calls("The answer is 408.") == []
+
+
+@pytest.mark.parametrize("body", [
+    '{"name": "calculator", "arguments": {"expression": ' + "9" * 5000 + "}}",  # past Python's int-string limit
+    "[" * 3000 + "]" * 3000,  # nesting past the recursion limit
+    '{"name": "calculator", "arguments": "' + "[" * 3000 + '"}',  # the same in string-encoded arguments
+])
+def test_tool_calls_python_cannot_read_are_malformed_calls_not_errors(body):
+    [call] = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert call.error is not None and not call.arguments
+
+
+def test_many_unclosed_tool_calls_are_one_malformed_call():
+    calls = parse_tool_calls("<tool_call>" * 20_000)  # a lazy regex rescanned the rest from every tag: minutes
+    assert len(calls) == 1 and "not closed" in calls[0].error
 
 
 def _step(env, text):

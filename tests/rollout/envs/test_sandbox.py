@@ -242,3 +242,16 @@ def test_missing_isolation_raises_naming_what_failed():
         pytest.skip(f"no user namespaces here: {proc.stderr.strip()}")
     assert "SandboxUnavailableError: sandbox isolation (userns mode) failed" in proc.stderr
     assert "unshare(" in proc.stderr and "isolation='none'" in proc.stderr
+
+
+def test_the_python_tool_shows_stderr_after_stdout():
+    from rollout.envs.config import PythonToolConfig
+    from rollout.envs.tools import build_tool
+
+    tool = build_tool("python", PythonToolConfig())
+    logged = asyncio.run(tool.run({"code": 'import logging\nprint("partial", end="")\nlogging.warning("it is 42")'}))
+    assert not logged.error and logged.text == "partial\n[stderr]\nWARNING:root:it is 42\n"  # was "partial" alone
+    failed = asyncio.run(tool.run({"code": 'print("partial", end="")\n1 / 0'}))
+    assert failed.error and "\npartial\nTraceback (most recent call last)" in failed.text  # was "partialTraceback"
+    quiet = asyncio.run(tool.run({"code": "print(408)"}))
+    assert quiet.text == "408\n" and not quiet.error
