@@ -89,7 +89,8 @@ def parse_chat_request(body: object) -> ChatRequest:
     if not isinstance(body, Mapping):
         raise ProtocolError(f"the request body must be a JSON object, got {type(body).__name__}")
     for name, why in _REFUSED.items():
-        if body.get(name):
+        value = body.get(name)
+        if value and not (name == "response_format" and value == {"type": "text"}):  # plain text: the default
             raise ProtocolError(f"{name}: {why}", param=name, code="unsupported_parameter")
     n = body.get("n")
     if n is None:

@@ -107,7 +107,13 @@ class AgentRunner:
         """One episode per ``(problem, group_id, sample_index)``, all at once; outcomes in job order."""
 
         async def batch() -> list[AgentOutcome]:
-            return list(await asyncio.gather(*(self._episode(p, g, k, sampling) for p, g, k in jobs)))
+            tasks = [asyncio.ensure_future(self._episode(p, g, k, sampling)) for p, g, k in jobs]
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:  # one failed: the others stop too (their calls are cancelled as their episodes close)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
         return asyncio.run_coroutine_threadsafe(batch(), self._loop).result()
 
@@ -127,6 +133,8 @@ class AgentRunner:
                 raise self._failed(problem, "raised TimeoutError") from None
             timed_out = True
         except Exception as e:
+            if episode.engine_error is not None:  # the agent failed because the engine did: the worker is replaced
+                raise episode.engine_error from e
             if not episode.num_limit_refusals:
                 raise self._failed(problem, f"raised {e!r}") from e
         finally:

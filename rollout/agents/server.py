@@ -65,6 +65,9 @@ class EpisodeCalls:
     """Calls that sent sampling parameters the recipe's override."""
     closed: bool = False
     in_flight: set[asyncio.Future[Any]] = field(default_factory=set)
+    engine_error: BaseException | None = None
+    """Why the engine could not serve a call of this episode (answered 503): the runner raises it, so the pool
+    replaces the worker as it does for any other episode, instead of failing the run on the agent's error."""
 
 
 class AgentEndpoint:
@@ -138,6 +141,8 @@ class AgentEndpoint:
             body = json.loads(await request.read())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return _error(400, f"the request body is not JSON: {e}")
+        except (ValueError, RecursionError) as e:  # valid JSON Python cannot read: a 5,000-digit number, deep nesting
+            return _error(400, f"the request body cannot be read: {str(e)[:200] or type(e).__name__}")
         try:
             chat = protocol.parse_chat_request(body)
             prompt = self._render(chat)
@@ -228,6 +233,7 @@ class AgentEndpoint:
             return protocol.ProtocolError("the episode ended (its timeout passed) while this call was in flight",
                                           code="episode_closed", status=409)  # fmt: skip
         except (EngineBrokenError, RuntimeError) as e:
+            episode.engine_error = episode.engine_error or e
             return protocol.ProtocolError(f"the rollout engine cannot serve: {e}", code="engine_unavailable",
                                           status=503)  # fmt: skip
         if episode.closed:

@@ -71,8 +71,14 @@ class _Segment:
 
 def assemble(calls: Sequence[AgentCall]) -> list[Episode]:
     """The episode's segments, each as an :class:`~rollout.envs.episode.Episode` (``env_reward`` 0, finish reason of
-    its last call); empty without calls. A call extends the longest open segment its prompt starts with."""
+    its last call); empty without calls. A call extends the longest open segment its prompt starts with.
+
+    The last segment is the one holding the agent's last call (its first choice when that call sampled several): the
+    episode's final answer, which rewards score. The others follow in the order they began. So an agent that sampled
+    two choices and went on with the first, or made a side call (a summary) before its last turn, is scored on the
+    conversation it finished, not on the segment begun last."""
     segments: list[_Segment] = []
+    final: _Segment | None = None
     for call in sorted(calls, key=lambda c: (c.index, c.choice)):
         extended = [s for s in segments if s.is_prefix_of(call.prompt_ids)]
         segment = max(extended, key=len) if extended else None
@@ -80,7 +86,10 @@ def assemble(calls: Sequence[AgentCall]) -> list[Episode]:
             segment = _Segment(list(call.prompt_ids), [], [], [], [])
             segments.append(segment)
         segment.add(call.prompt_ids[len(segment):], call)
-    return [_episode(s) for s in segments]
+        if call.choice == 0:
+            final = segment
+    ordered = [s for s in segments if s is not final] + ([final] if final is not None else [])
+    return [_episode(s) for s in ordered]
 
 
 def _episode(segment: _Segment) -> Episode:

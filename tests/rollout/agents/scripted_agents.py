@@ -104,6 +104,32 @@ async def best_of_two(ctx: AgentContext) -> float:
     return 0.5
 
 
+LAST_REPLY: dict[int, str | None] = {}
+"""The last reply each sample index's ``best_of_two_first`` got."""
+
+
+async def best_of_two_first(ctx: AgentContext) -> float:
+    """Two choices, then a second call that continues the first one (the usual pattern)."""
+    client = _client(ctx)
+    messages = _first_messages(ctx)
+    response = await client.chat.completions.create(model=ctx.model, messages=messages, n=2)
+    messages += [response.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+    final = await client.chat.completions.create(model=ctx.model, messages=messages)
+    await client.close()
+    LAST_REPLY[ctx.sample_index] = final.choices[0].message.content
+    return float(final.choices[0].message.content == "408")
+
+
+async def fail_first_else_keep_calling(ctx: AgentContext) -> float:
+    """Sample 0: one call, then an error; any other sample calls until stopped from outside (the failed batch)."""
+    client = _client(ctx)
+    await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
+    if ctx.sample_index == 0:
+        raise ValueError("the agent's own bug")
+    while True:
+        await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
+
+
 async def no_call(ctx: AgentContext) -> float:
     return 1.0
 

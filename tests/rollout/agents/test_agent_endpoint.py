@@ -223,6 +223,54 @@ def test_a_failing_agent_fails_the_batch_naming_it(worker, function, match):
         runner.shutdown()
 
 
+def test_an_engine_that_cannot_serve_reaches_the_pool_as_a_broken_engine(worker, monkeypatch):
+    from rollout.engine.errors import EngineBrokenError
+
+    async def broken(*args, **kwargs):
+        raise EngineBrokenError("a generation step failed")
+
+    monkeypatch.setattr(worker.engine, "generate_async", broken)
+    runner = _runner(worker, "tool_loop")
+    try:  # the client sees 503 (and retries); the pool must see the engine's error to replace the worker
+        with pytest.raises(EngineBrokenError, match="a generation step failed"):
+            runner.run([(PROBLEM, 0, 0)], SAMPLING)
+    finally:
+        runner.shutdown()
+
+
+def test_when_one_agent_fails_the_others_stop(worker, monkeypatch):
+    import time
+
+    calls = []
+    generate = worker.engine.generate_async
+
+    def counted(*args, **kwargs):
+        calls.append(time.monotonic())
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(worker.engine, "generate_async", counted)
+    runner = _runner(worker, "fail_first_else_keep_calling", max_turns=1000)
+    try:
+        with pytest.raises(RuntimeError, match="the agent's own bug"):
+            runner.run([(PROBLEM, 0, 0), (PROBLEM, 0, 1)], SAMPLING)
+        made = len(calls)
+        time.sleep(0.5)
+        assert len(calls) == made  # the other agent was stopped, not left calling the engine
+    finally:
+        runner.shutdown()
+
+
+def test_an_agent_that_goes_on_with_its_first_choice_is_scored_on_it(worker):
+    runner = _runner(worker, "best_of_two_first")
+    try:
+        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
+    finally:
+        runner.shutdown()
+    # The unused choice is a sample of its own; the last, which rewards score, ends with the agent's last reply (the
+    # segment logic itself: tests/rollout/agents/test_protocol.py).
+    assert len(outcome.episodes) >= 2 and outcome.episodes[-1].final_text == scripted_agents.LAST_REPLY[0]
+
+
 def test_agent_functions_are_checked_when_loaded():
     with pytest.raises(ValueError, match="not an async function"):
         load_agent_function(f"{AGENTS}:not_async")
@@ -248,6 +296,8 @@ def test_requests_the_endpoint_cannot_serve_exactly_are_refused_by_name(worker):
                                            stream_options={"include_usage": "yes"})  # fmt: skip
         with pytest.raises(openai.BadRequestError, match=r"messages\[0\].role"):
             client.chat.completions.create(model="policy", messages=[{"role": "robot", "content": "hi"}])
+        for body in ('{"n": ' + "1" * 5000 + "}", '{"messages": ' + "[" * 200_000 + "]" * 200_000 + "}"):
+            assert _post(f"{episode.base_url}/chat/completions", body) == 400  # JSON Python cannot read: was a 500
         reply = client.chat.completions.create(model="any", messages=messages, max_tokens=3)
         assert reply.usage.completion_tokens <= 3 and reply.model == "policy"
         assert len(episode.calls) == 1  # refusals record nothing
@@ -259,6 +309,18 @@ def test_requests_the_endpoint_cannot_serve_exactly_are_refused_by_name(worker):
         runner.shutdown()
     with pytest.raises(openai.APIConnectionError):
         client.chat.completions.create(model="policy", messages=messages)
+
+
+def _post(url: str, body: str) -> int:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, body.encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def test_a_streamed_reply_arrives_in_pieces_and_adds_up_to_the_recorded_completions(worker):

@@ -82,9 +82,13 @@ def test_replies_carry_well_formed_tool_calls_and_the_text_outside_them():
     assert assistant_reply(broken, True, "c") == ({"role": "assistant", "content": broken}, False)
 
 
-def _call(index, prompt, completion, version=0, choice=0):
+def test_plain_text_response_format_is_the_default_and_accepted():
+    assert parse_chat_request({"messages": USER, "response_format": {"type": "text"}}).n == 1
+
+
+def _call(index, prompt, completion, version=0, choice=0, text=""):
     return AgentCall(index, list(prompt), np.asarray(completion, np.int64), np.full(len(completion), -1.0, np.float32),
-                     version, "stop", "", choice)  # fmt: skip
+                     version, "stop", text, choice)  # fmt: skip
 
 
 def test_calls_whose_prompts_extend_the_trajectory_make_one_sample_with_observations_masked():
@@ -123,6 +127,22 @@ def test_the_choices_of_one_call_become_samples_and_the_agent_continues_the_one_
     # The other choice's prompt is the whole conversation: the earlier turns are trained once, in the first sample.
     assert other.prompt_ids == [1, 2, 3, 9] and other.completion_ids.tolist() == [4, 8, 6]
     assert other.loss_mask.tolist() == [1, 0, 1] and other.num_turns == 2
+
+
+@pytest.mark.parametrize("calls", [
+    [  # two choices, the agent goes on with the first: the other choice's segment begins later
+        _call(0, [1, 2], [3], text="first reply"),
+        _call(1, [1, 2, 3, 9], [4], text="chosen"), _call(1, [1, 2, 3, 9], [5], choice=1, text="dropped"),
+        _call(2, [1, 2, 3, 9, 4, 8], [6], text="final answer"),
+    ],
+    [  # a side call (another prompt) before the last turn
+        _call(0, [1, 2], [3], text="first reply"), _call(1, [7, 7], [8], text="a summary"),
+        _call(2, [1, 2, 3, 9], [6], text="final answer"),
+    ],
+])  # fmt: skip
+def test_the_last_sample_is_the_conversation_the_agent_finished(calls):
+    *others, final = assemble(calls)
+    assert final.final_text == "final answer" and final.prompt_ids == [1, 2] and len(others) == 1
 
 
 def test_a_stream_sends_growing_text_and_never_what_the_reply_would_contradict():
