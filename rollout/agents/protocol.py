@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "MAX_CHOICES", "ChatRequest", "ProtocolError", "assistant_reply", "chat_chunk", "chat_completion", "error_body",
-    "parse_chat_request", "token_logprobs",
+    "MAX_CHOICES", "ChatRequest", "ProtocolError", "assistant_reply", "chat_chunk", "chat_completion", "cut_at_stop",
+    "error_body", "parse_chat_request", "token_logprobs",
 ]  # fmt: skip
 
 MAX_CHOICES = 16
@@ -233,6 +233,14 @@ def _stop(value: object) -> list[str]:
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise ProtocolError("stop must be a non-empty string or a list of them", param="stop")
     return list(stops)
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to the first of the ``stop`` strings (all of it when none occurs): as in OpenAI's API, a reply does
+    not include the stop sequence that ended it, nor the rest of the token it ended in. Generation ends at the first
+    occurrence, so the first one found is where it stopped."""
+    found = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return text[: min(found)] if found else text
 
 
 def assistant_reply(text: str, parse_tool_calls: bool, call_id: str) -> tuple[dict[str, Any], bool]:

@@ -160,13 +160,13 @@ class AgentEndpoint:
         episode.in_flight.add(generation)
         try:
             if progress is not None:
-                return await self._stream(request, episode, chat, prompt, index, generation, progress)
+                return await self._stream(request, episode, chat, prompt, index, generation, progress, sampling.stop)
             outcome = await self._outcome(episode, generation)
         finally:
             episode.in_flight.discard(generation)
         if isinstance(outcome, protocol.ProtocolError):
             return _error(outcome.status, str(outcome), code=outcome.code)
-        choices = self._record(episode, chat, prompt, index, outcome)
+        choices = self._record(episode, chat, prompt, index, outcome, sampling.stop)
         return web.json_response(protocol.chat_completion(
             f"chatcmpl-{episode.episode_id}-{index}", self.model_name, choices, len(prompt),
             sum(len(c.token_ids) for c in outcome), min(c.policy_version for c in outcome),
@@ -174,7 +174,7 @@ class AgentEndpoint:
 
     async def _stream(
         self, request: web.Request, episode: EpisodeCalls, chat: protocol.ChatRequest, prompt: list[int], index: int,
-        generation: asyncio.Future[list[Completion]], progress: _Progress,
+        generation: asyncio.Future[list[Completion]], progress: _Progress, stop: Sequence[str],
     ) -> web.StreamResponse:  # fmt: skip
         """Send the reply as server-sent chunks while it is generated (:mod:`rollout.agents.streaming`); a client
         that goes away stops the sending, not the call (it is recorded like any other)."""
@@ -188,7 +188,7 @@ class AgentEndpoint:
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             return protocol.chat_chunk(completion_id, self.model_name, created, choices, **extra)
 
-        streams = [ChoiceStream(chat.parse_tool_calls) for _ in range(chat.n)]
+        streams = [ChoiceStream(chat.parse_tool_calls, stop) for _ in range(chat.n)]
         texts = [IncrementalText(self._decode) for _ in range(chat.n)]
         await send(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}} for j in range(chat.n)]))
         while not generation.done():
@@ -208,7 +208,7 @@ class AgentEndpoint:
         if isinstance(outcome, protocol.ProtocolError):
             await send(protocol.error_body(str(outcome), code=outcome.code))
         else:
-            choices = self._record(episode, chat, prompt, index, outcome)
+            choices = self._record(episode, chat, prompt, index, outcome, stop)
             await send(chunk(
                 [{"index": j, "delta": streams[j].finish(m), "finish_reason": f, "logprobs": lp}
                  for j, (m, f, lp) in enumerate(choices)],
@@ -243,13 +243,14 @@ class AgentEndpoint:
 
     def _record(
         self, episode: EpisodeCalls, chat: protocol.ChatRequest, prompt: list[int], index: int,
-        completions: list[Completion],
+        completions: list[Completion], stop: Sequence[str],
     ) -> list[tuple[dict[str, Any], str, dict[str, Any] | None]]:  # fmt: skip
         """Record the call's completions for training; their reply messages, finish reasons and log-probs (when
-        asked for)."""
+        asked for). A reply's text ends before the stop string that ended it (the recorded ids keep every generated
+        token: the next call's prompt, built from the text, then starts a new sample)."""
         choices = []
         for j, completion in enumerate(completions):
-            text = self._decode(completion.token_ids.tolist())
+            text = protocol.cut_at_stop(self._decode(completion.token_ids.tolist()), stop)
             episode.calls.append(AgentCall(index, prompt, completion.token_ids, completion.logprobs,
                                            completion.policy_version, completion.finish_reason, text, j))  # fmt: skip
             call_id = f"call_{episode.episode_id[:8]}_{index}" + (f"_{j}" if chat.n > 1 else "")

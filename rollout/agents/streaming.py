@@ -6,6 +6,8 @@ reply is the same as an unstreamed one (:func:`protocol.assistant_reply` of the 
 accumulates must be a prefix of it at every moment:
 
 - a trailing U+FFFD (the ids so far end inside a multi-byte character) is held back until the character is whole;
+- a stop string is never sent (the reply ends before it, :func:`protocol.cut_at_stop`), nor a tail of the text that
+  may become one, until the next step shows it does not;
 - when the request offers tools, text from the first ``<tool_call>`` on (or from a tail that may become one) is held
   back until the choice ends: only then is it known whether the calls parse (they go out as ``tool_calls`` deltas and
   the text outside them as content) or not (the whole text is the content). Content is also held back while it is
@@ -54,20 +56,26 @@ class IncrementalText:
 class ChoiceStream:
     """What has been sent of one choice; :meth:`update` while it grows, :meth:`finish` once, with the final reply."""
 
-    def __init__(self, parse_tool_calls: bool) -> None:
+    def __init__(self, parse_tool_calls: bool, stop: Sequence[str] = ()) -> None:
         self._parse = parse_tool_calls
+        self._stop = [s for s in stop if s]
         self.sent = ""
         """The content sent so far."""
 
     def update(self, text: str) -> str:
         """The content to send now that the choice decodes to ``text`` ('' for nothing)."""
+        from rollout.agents.protocol import cut_at_stop
+
         visible = text.rstrip("\ufffd")
+        if self._stop:  # never send a stop string, nor a tail that may become one
+            cut = cut_at_stop(visible, self._stop)
+            visible = cut if len(cut) < len(visible) else visible[: len(visible) - _held_tail(visible, self._stop)]
         if self._parse:
             start = visible.find(_CALL_OPEN)
             if start >= 0:
                 visible = visible[:start]
             else:
-                visible = visible[: len(visible) - _open_tail(visible)]
+                visible = visible[: len(visible) - _held_tail(visible, (_CALL_OPEN,))]
             if not visible.strip():
                 return ""
         if len(visible) <= len(self.sent) or not visible.startswith(self.sent):
@@ -89,9 +97,10 @@ class ChoiceStream:
         return delta
 
 
-def _open_tail(text: str) -> int:
-    """Length of the longest tail of ``text`` that ``<tool_call>`` starts with (it may become a call)."""
-    for length in range(min(len(text), len(_CALL_OPEN) - 1), 0, -1):
-        if _CALL_OPEN.startswith(text[-length:]):
+def _held_tail(text: str, prefixes_of: Sequence[str]) -> int:
+    """Length of the longest tail of ``text`` that one of ``prefixes_of`` starts with (it may become that string)."""
+    longest = max((len(s) for s in prefixes_of), default=1) - 1
+    for length in range(min(len(text), longest), 0, -1):
+        if any(s.startswith(text[-length:]) for s in prefixes_of):
             return length
     return 0

@@ -311,6 +311,25 @@ def test_requests_the_endpoint_cannot_serve_exactly_are_refused_by_name(worker):
         client.chat.completions.create(model="policy", messages=messages)
 
 
+def test_replies_end_before_the_stop_string_streamed_or_not(worker):
+    runner = _runner(worker, "no_call")
+    endless = SAMPLING.model_copy(update={"stop_token_ids": [], "max_tokens": 24})
+    episode = worker.engine.run(runner.endpoint.open(endless, EpisodeLimits(max_turns=8), lambda t, n: 11))
+    client = openai.OpenAI(base_url=episode.base_url, api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        whole = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content
+        stop = whole.strip()[len(whole.strip()) // 2 :][:2]  # two characters from its middle: the same seed meets them
+        cut = client.chat.completions.create(model="policy", messages=messages, stop=[stop]).choices[0]
+        assert cut.finish_reason == "stop" and cut.message.content == whole[: whole.find(stop)], (whole, stop)
+        chunks = client.chat.completions.create(model="policy", messages=messages, stop=[stop], stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == cut.message.content
+        assert [c.text for c in episode.calls][1:] == [cut.message.content] * 2  # what rewards score: the reply
+    finally:
+        worker.engine.run(runner.endpoint.close(episode))
+        runner.shutdown()
+
+
 def _post(url: str, body: str) -> int:
     import urllib.error
     import urllib.request

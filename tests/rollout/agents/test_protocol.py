@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from rollout.agents.protocol import ProtocolError, assistant_reply, parse_chat_request
+from rollout.agents.protocol import ProtocolError, assistant_reply, cut_at_stop, parse_chat_request
 from rollout.agents.streaming import ChoiceStream, IncrementalText
 from rollout.agents.trajectory import AgentCall, assemble
 
@@ -171,6 +171,17 @@ def test_a_stream_sends_growing_text_and_never_what_the_reply_would_contradict()
     assert broken.update("ok <tool_call>{not json") == "ok "
     message, parsed = assistant_reply("ok <tool_call>{not json</tool_call>", True, "c")
     assert not parsed and broken.finish(message) == {"content": "<tool_call>{not json</tool_call>"}
+
+
+def test_a_reply_ends_before_its_stop_string_and_a_stream_never_sends_one():
+    assert cut_at_stop("Subtractue", ["e"]) == "Subtractu"  # the rest of the token it ended in goes too
+    assert cut_at_stop("x Observation: 4", ["Obs", "Observation:"]) == "x "
+    assert cut_at_stop("no stop here", ["STOP", ""]) == "no stop here"
+    react = ChoiceStream(parse_tool_calls=False, stop=["Observation:"])
+    sent = [react.update(t) for t in ["Thought: add\nObs", "Thought: add\nObject", "Thought: add\nObject\nObser",
+                                       "Thought: add\nObject\nObservation: 4"]]
+    assert sent == ["Thought: add\n", "Object", "\n", ""]  # a tail that may become the stop string waits
+    assert react.finish({"role": "assistant", "content": "Thought: add\nObject\n"}) == {}
 
 
 def test_incremental_text_decodes_only_new_ids_and_ends_as_the_whole_decode():
