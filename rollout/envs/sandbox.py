@@ -37,7 +37,11 @@ Limits (``SandboxLimits``) and how each ending is detected (``SandboxResult.outc
 - ``killed``: died of any other signal (``signal`` says which); ``error``: any other non-zero exit; ``ok``: exit 0.
 
 ``disk_bytes`` caps the writable tmpfs and each file (``RLIMIT_FSIZE``); ``RLIMIT_CORE`` is 0. Limits apply per
-process: a tool may hold ``max_processes * memory_bytes`` of address space at most.
+process: a tool may hold ``max_processes * memory_bytes`` of address space at most. System V shared memory (memory
+no rlimit counts, which outlives its process) is bounded to ``memory_bytes`` in all through the new IPC namespace's
+own ``kernel.shm*`` settings, and its message queues to 16. Not bounded by ``memory_bytes``: anonymous files
+(``memfd_create``), each capped by ``RLIMIT_FSIZE`` and their number by ``RLIMIT_NOFILE`` (256); only a memory cgroup
+would bound those in sum.
 
 Isolation needs root or unprivileged user namespaces. ``isolation="auto"`` picks root mode as root and user-namespace
 mode otherwise (no uid of its own there: ``RLIMIT_NPROC`` then counts the caller's user in that namespace, which is
@@ -240,6 +244,7 @@ def _launch_config(mode: str, limits: SandboxLimits, python: str, host_dir: str,
         "argv": [python, *flags, "main.py"],
         "rlimits": _rlimits(limits, mode),
         "disk_bytes": limits.disk_bytes,
+        "ipc_bytes": limits.memory_bytes,
     }
 
 

@@ -122,7 +122,22 @@ def _enter_namespaces(libc: _Libc, config: dict[str, Any]) -> None:
                 raise OSError(e.errno, f"writing {text!r} to /proc/self/{path}: {e.strerror}") from e
     else:
         libc.unshare(flags, "|".join(names))
+    _bound_ipc(config["ipc_bytes"])
     libc.mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing below propagates back to the host
+
+
+def _bound_ipc(total_bytes: int) -> None:
+    """Bound System V shared memory and message queues in the tool's new IPC namespace (its kernel.shm*/msgmni
+    sysctls are this namespace's own): a segment or queue is memory no rlimit counts and outlives its process, so with
+    the defaults a tool could hold host memory without limit. Shared memory in all: ``total_bytes``."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    for name, value in (("shmmax", total_bytes), ("shmall", max(1, total_bytes // page)), ("shmmni", 16),
+                        ("msgmni", 16)):  # fmt: skip
+        try:
+            with open(f"/proc/sys/kernel/{name}", "w") as f:
+                f.write(str(value))
+        except OSError as e:
+            raise OSError(e.errno, f"bounding the tool's System V IPC (kernel.{name} = {value}): {e.strerror}") from e
 
 
 def _build_root(libc: _Libc, config: dict[str, Any], code: bytes, uid: int | None) -> None:

@@ -255,3 +255,25 @@ def test_the_python_tool_shows_stderr_after_stdout():
     assert failed.error and "\npartial\nTraceback (most recent call last)" in failed.text  # was "partialTraceback"
     quiet = asyncio.run(tool.run({"code": "print(408)"}))
     assert quiet.text == "408\n" and not quiet.error
+
+
+def test_system_v_shared_memory_counts_against_the_memory_limit():
+    # A segment is memory no rlimit counts and outlives its process: with the IPC namespace's defaults eight 60 MiB
+    # segments were filled under a 128 MiB limit (and the host held them until the namespace ended).
+    code = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+made = 0
+for _ in range(8):
+    sid = libc.shmget(0, 60 << 20, 0o1000 | 0o600)
+    if sid < 0:
+        break
+    addr = libc.shmat(sid, None, 0)
+    ctypes.memset(addr, 1, 60 << 20)
+    libc.shmdt(ctypes.c_void_p(addr))
+    made += 1
+print(made, os.strerror(ctypes.get_errno()))
+"""
+    result = run(code, SandboxLimits(memory_bytes=128 << 20))
+    assert result.outcome == "ok" and result.stdout.split(maxsplit=1) == ["2", "No space left on device\n"], result
