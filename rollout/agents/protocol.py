@@ -262,10 +262,11 @@ def assistant_reply(text: str, parse_tool_calls: bool, call_id: str) -> tuple[di
     }, True
 
 
-def token_logprobs(tokens: Sequence[str], logprobs: Sequence[float]) -> dict[str, Any]:
-    """A choice's ``logprobs`` object: one entry per generated token (its text, log-prob and UTF-8 bytes)."""
+def token_logprobs(tokens: Sequence[bytes], logprobs: Sequence[float]) -> dict[str, Any]:
+    """A choice's ``logprobs`` object: one entry per generated token, given as its bytes (``rollout.tokenizer.
+    token_bytes``): its text (U+FFFD for a part of a character), log-prob and bytes."""
     return {"content": [
-        {"token": t, "logprob": float(lp), "bytes": list(t.encode("utf-8", errors="replace")), "top_logprobs": []}
+        {"token": t.decode("utf-8", errors="replace"), "logprob": float(lp), "bytes": list(t), "top_logprobs": []}
         for t, lp in zip(tokens, logprobs, strict=True)
     ]}  # fmt: skip
 

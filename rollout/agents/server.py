@@ -31,7 +31,7 @@ from rollout.agents.streaming import ChoiceStream, IncrementalText
 from rollout.agents.trajectory import AgentCall
 from rollout.config import SamplingConfig
 from rollout.envs.episode import EpisodeLimits
-from rollout.tokenizer import PromptRenderer
+from rollout.tokenizer import PromptRenderer, token_bytes
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -258,8 +258,7 @@ class AgentEndpoint:
             finish = "length" if completion.finish_reason == "length" else ("tool_calls" if calls_tools else "stop")
             logprobs = None
             if chat.logprobs:
-                ids = completion.token_ids.tolist()
-                tokens = [str(self.tokenizer.decode([i])) for i in ids]
+                tokens = token_bytes(self.tokenizer, completion.token_ids.tolist())
                 logprobs = protocol.token_logprobs(tokens, completion.logprobs.tolist())
             choices.append((message, finish, logprobs))
         return choices

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from rollout.tokenizer import PromptRenderer, has_chat_template, load_tokenizer, messages_to_text, render_prompt
+from rollout.tokenizer import (
+    PromptRenderer,
+    has_chat_template,
+    load_tokenizer,
+    messages_to_text,
+    render_prompt,
+    token_bytes,
+)
 from tools.make_tiny_model import make_tiny_model
 
 QUESTION = [{"role": "user", "content": "What is 12 + 345?"}]
@@ -128,3 +135,12 @@ def test_prompt_renderer_renders_as_render_prompt_and_remembers(tokenizer, monke
     assert len(calls) == 5
     with pytest.raises(ValueError, match="chat message 0"):
         render([{"content": "no role"}])
+
+
+def test_token_bytes_are_each_tokens_own_bytes(tokenizer):
+    text = "caf\u00e9 \U0001f642 12*34=408\n"  # 2- and 4-byte characters, split over several byte-level tokens
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = token_bytes(tokenizer, ids + [tokenizer.eos_token_id])
+    assert b"".join(pieces[:-1]) == text.encode() and pieces[-1] == b"<|im_end|>"
+    assert len(pieces[:-1]) > len(text) - 2  # the emoji's bytes are tokens of their own, none is U+FFFD's bytes
+    assert all(p != "\ufffd".encode() for p in pieces)

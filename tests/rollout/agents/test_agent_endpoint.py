@@ -383,6 +383,8 @@ def test_a_streamed_reply_arrives_in_pieces_and_adds_up_to_the_recorded_completi
         assert streamed_logprobs[j] == pytest.approx(recorded[j].logprobs.tolist(), abs=1e-6)
         ids = whole_episode.calls[j].completion_ids.tolist()
         assert [t.token for t in served] == [worker.tokenizer.decode([i]) for i in ids]
+        # Each token's bytes are its own (a part of a character too): together they decode as the whole completion.
+        assert bytes(b for t in served for b in t.bytes).decode("utf-8", "replace") == worker.tokenizer.decode(ids)
     assert max(len(p) for p in pieces.values()) > 3  # sent while generated, not at the end
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 48 == whole.usage.completion_tokens
 
