@@ -7,7 +7,9 @@ shares continuous batching with every other episode. Routes, under ``/episodes/<
 ``POST /chat/completions`` and ``GET /models``. A call renders the messages with the tokenizer's chat template (tools
 described), samples ``n`` completions (default 1) with the recipe's sampling (seeded per call, like an environment's
 turns) and records each as an :class:`~rollout.agents.trajectory.AgentCall`. The reply's text is the decoded generated
-ids, so the recorded ids reproduce it exactly (a stop string that ended a completion stays in its text). A ``stream``
+ids, so the recorded ids reproduce it exactly, except that it ends before a stop string that ended it (OpenAI's
+contract; the ids keep every generated token). A call whose client goes away before the reply (its timeout, a
+disconnect) is aborted and not recorded: no one received it. A ``stream``
 request gets the same reply as server-sent chunks while it is generated (:mod:`rollout.agents.streaming`; asked-for
 log-probs come whole with each choice's last chunk); an error after the stream began comes as an ``error`` event.
 
@@ -93,7 +95,8 @@ class AgentEndpoint:
         app = web.Application(client_max_size=_MAX_BODY_BYTES)
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
         app.router.add_get("/episodes/{episode}/v1/models", self._models)
-        runner = web.AppRunner(app, access_log=None)
+        # A client that goes away (its timeout, a disconnect) cancels its handler: the call is aborted, not recorded.
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, self.host, 0)
         await site.start()
@@ -162,6 +165,9 @@ class AgentEndpoint:
             if progress is not None:
                 return await self._stream(request, episode, chat, prompt, index, generation, progress, sampling.stop)
             outcome = await self._outcome(episode, generation)
+        except asyncio.CancelledError:  # the client went away: its reply would reach no one, so nothing is trained on
+            generation.cancel()
+            raise
         finally:
             episode.in_flight.discard(generation)
         if isinstance(outcome, protocol.ProtocolError):
@@ -177,7 +183,7 @@ class AgentEndpoint:
         generation: asyncio.Future[list[Completion]], progress: _Progress, stop: Sequence[str],
     ) -> web.StreamResponse:  # fmt: skip
         """Send the reply as server-sent chunks while it is generated (:mod:`rollout.agents.streaming`); a client
-        that goes away stops the sending, not the call (it is recorded like any other)."""
+        that goes away aborts the call like an unstreamed one (nothing is recorded)."""
         from aiohttp import web
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -228,8 +234,9 @@ class AgentEndpoint:
         try:
             completions = await generation
         except asyncio.CancelledError:
-            if not generation.cancelled():
-                raise  # this handler itself is being cancelled (server shutdown)
+            handler = asyncio.current_task()
+            if not generation.cancelled() or (handler is not None and handler.cancelling()):
+                raise  # this handler itself is being cancelled (its client went away, server shutdown)
             return protocol.ProtocolError("the episode ended (its timeout passed) while this call was in flight",
                                           code="episode_closed", status=409)  # fmt: skip
         except (EngineBrokenError, RuntimeError) as e:

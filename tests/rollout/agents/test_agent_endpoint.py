@@ -205,6 +205,41 @@ def test_a_call_in_flight_at_the_timeout_is_aborted(worker, monkeypatch):
         runner.shutdown()
 
 
+def test_a_call_whose_client_went_away_is_aborted_and_not_recorded(worker, monkeypatch):
+    import time
+
+    engine = worker.engine._engine
+    step = engine.step
+
+    def slow_step():  # a 450-token completion then takes >= 22 s
+        time.sleep(0.05)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    runner = _runner(worker, "no_call")
+    long = SAMPLING.model_copy(update={"max_tokens": 450, "ignore_eos": True, "stop_token_ids": []})
+    episode = worker.engine.run(runner.endpoint.open(long, EpisodeLimits(max_turns=4), lambda t, n: None))
+    try:
+        client = openai.OpenAI(base_url=episode.base_url, api_key="x", max_retries=0, timeout=1.0)
+        messages = [{"role": "user", "content": "hi"}]
+        for stream in (False, True):
+            if stream:  # the client reads a few chunks and hangs up
+                chunks = client.chat.completions.create(model="policy", messages=messages, stream=True)
+                for _, _ in zip(range(3), chunks, strict=False):
+                    pass
+                chunks.close()
+            else:  # the client's timeout passes first
+                with pytest.raises(openai.APITimeoutError):
+                    client.chat.completions.create(model="policy", messages=messages)
+            deadline = time.monotonic() + 5
+            while worker.engine.run(_unfinished(worker.engine)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert worker.engine.run(_unfinished(worker.engine)) == 0 and episode.calls == []
+    finally:
+        worker.engine.run(runner.endpoint.close(episode))
+        runner.shutdown()
+
+
 async def _unfinished(engine) -> int:
     return engine._engine.get_num_unfinished_requests()
 
