@@ -2,8 +2,9 @@
 per running episode, every call recorded for training.
 
 It is an aiohttp server on the engine's event loop (loopback only; an episode's URL holds a random id, so another
-local process cannot write into it), so a request goes from the socket to ``generate_async`` without a thread hop and
-shares continuous batching with every other episode. Routes, under ``/episodes/<id>/v1`` (an episode's base URL):
+local process cannot write into it), so a request goes to ``generate_async`` on the loop and shares continuous
+batching with every other episode; only reading it (JSON, chat template, tokenisation: seconds for a long body) runs on
+a thread of its own. Routes, under ``/episodes/<id>/v1`` (an episode's base URL):
 ``POST /chat/completions`` and ``GET /models``. A call renders the messages with the tokenizer's chat template (tools
 described), samples ``n`` completions (default 1) with the recipe's sampling (seeded per call, like an environment's
 turns) and records each as an :class:`~rollout.agents.trajectory.AgentCall`. The reply's text is the decoded generated
@@ -21,10 +22,12 @@ flight when its episode ends (a timeout) with 409 ``episode_closed``; an engine 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import secrets
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -80,7 +83,11 @@ class AgentEndpoint:
         self, engine: VLLMEngine, tokenizer: PreTrainedTokenizerBase, model_name: str, host: str = "127.0.0.1"
     ) -> None:
         self.engine, self.tokenizer, self.model_name, self.host = engine, tokenizer, model_name, host
-        self._prompts = PromptRenderer(tokenizer, use_chat_template=True)
+        # A request's JSON, chat template and tokenisation run on a thread of their own, so a long conversation (or a
+        # 16 MB body) takes its time there instead of stopping the engine loop's generation for every episode; with a
+        # tokenizer of its own, since a tokenizer is not safe to use from two threads at once.
+        self._prompts = PromptRenderer(copy.deepcopy(tokenizer), use_chat_template=True)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="agent-requests")
         self._episodes: dict[str, EpisodeCalls] = {}
         self._runner, self.port = engine.run(self._start())
 
@@ -123,6 +130,7 @@ class AgentEndpoint:
     def shutdown(self) -> None:
         """Stop the server (from any thread but the engine's)."""
         self.engine.run(self._runner.cleanup())
+        self._reader.shutdown(cancel_futures=True)
 
     # -- routes ----------------------------------------------------------------------------------------------------
     async def _models(self, request: web.Request) -> web.Response:
@@ -140,15 +148,9 @@ class AgentEndpoint:
         episode = self._episodes.get(request.match_info["episode"])
         if episode is None:
             return _not_found()
+        raw = await request.read()
         try:
-            body = json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(400, f"the request body is not JSON: {e}")
-        except (ValueError, RecursionError) as e:  # valid JSON Python cannot read: a 5,000-digit number, deep nesting
-            return _error(400, f"the request body cannot be read: {str(e)[:200] or type(e).__name__}")
-        try:
-            chat = protocol.parse_chat_request(body)
-            prompt = self._render(chat)
+            chat, prompt = await asyncio.get_running_loop().run_in_executor(self._reader, self._read, raw)
             sampling = self._call_sampling(episode, chat, len(prompt))
         except protocol.ProtocolError as e:
             return _error(e.status, str(e), e.param, e.code)
@@ -274,9 +276,18 @@ class AgentEndpoint:
         """A reply's text from generated ids: special tokens dropped."""
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    def _render(self, chat: protocol.ChatRequest) -> list[int]:
+    def _read(self, raw: bytes) -> tuple[protocol.ChatRequest, list[int]]:
+        """A request body as a checked request and its prompt ids (on the reader thread); ``ProtocolError`` (400)
+        for anything wrong with it."""
         try:
-            return self._prompts(chat.messages, chat.tools)
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise protocol.ProtocolError(f"the request body is not JSON: {e}") from e
+        except (ValueError, RecursionError) as e:  # valid JSON Python cannot read: a 5,000-digit number, deep nesting
+            raise protocol.ProtocolError(f"the request body cannot be read: {str(e)[:200] or type(e).__name__}") from e
+        chat = protocol.parse_chat_request(body)
+        try:
+            return chat, self._prompts(chat.messages, chat.tools)
         except Exception as e:  # the template is the model's (jinja): any of its errors is the request's fault here
             why = f"the chat template cannot render these messages: {e}"
             raise protocol.ProtocolError(why, param="messages") from e

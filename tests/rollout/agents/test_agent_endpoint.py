@@ -365,6 +365,32 @@ def test_replies_end_before_the_stop_string_streamed_or_not(worker):
         runner.shutdown()
 
 
+def test_the_engine_loop_goes_on_while_a_long_request_is_read(worker):
+    import json
+    import threading
+    import time
+    import urllib.request
+
+    runner = _runner(worker, "no_call")
+    episode = worker.engine.run(runner.endpoint.open(SAMPLING, EpisodeLimits(max_turns=4), lambda t, n: None))
+    done: list[float] = []
+    try:
+        body = json.dumps({"messages": [{"role": "user", "content": "word " * 800_000}]})  # 4 MB: seconds to render
+        big = threading.Thread(target=lambda: done.append(_post(f"{episode.base_url}/chat/completions", body)))
+        big.start()
+        answered_meanwhile = 0
+        while big.is_alive():  # the loop (here its model list) answers while the body is parsed, rendered, encoded
+            with urllib.request.urlopen(f"{episode.base_url}/models", timeout=30) as response:
+                assert response.status == 200
+            answered_meanwhile += big.is_alive()
+            time.sleep(0.05)
+        big.join()
+    finally:
+        worker.engine.run(runner.endpoint.close(episode))
+        runner.shutdown()
+    assert done == [400] and answered_meanwhile >= 3, answered_meanwhile  # past the context; the loop was never held
+
+
 def _post(url: str, body: str) -> int:
     import urllib.error
     import urllib.request
