@@ -151,6 +151,9 @@ class AgentEndpoint:
         raw = await request.read()
         try:
             chat, prompt = await asyncio.get_running_loop().run_in_executor(self._reader, self._read, raw)
+            if episode.closed:  # it ended while the request was read: nothing may start for it now
+                raise protocol.ProtocolError("the episode ended while this call was read", code="episode_closed",
+                                             status=409)  # fmt: skip
             sampling = self._call_sampling(episode, chat, len(prompt))
         except protocol.ProtocolError as e:
             return _error(e.status, str(e), e.param, e.code)

@@ -391,6 +391,26 @@ def test_the_engine_loop_goes_on_while_a_long_request_is_read(worker):
     assert done == [400] and answered_meanwhile >= 3, answered_meanwhile  # past the context; the loop was never held
 
 
+def test_a_call_read_while_its_episode_ends_starts_nothing(worker):
+    import json
+    import threading
+    import time
+
+    runner = _runner(worker, "no_call")
+    episode = worker.engine.run(runner.endpoint.open(SAMPLING, EpisodeLimits(max_turns=4), lambda t, n: None))
+    done: list[int] = []
+    try:
+        body = json.dumps({"messages": [{"role": "user", "content": "word " * 800_000}]})  # seconds to read
+        big = threading.Thread(target=lambda: done.append(_post(f"{episode.base_url}/chat/completions", body)))
+        big.start()
+        time.sleep(0.5)
+        worker.engine.run(runner.endpoint.close(episode))  # the episode's timeout, while the call is read
+        big.join()
+    finally:
+        runner.shutdown()
+    assert done == [409] and episode.calls == [] and episode.num_limit_refusals == 0
+
+
 def _post(url: str, body: str) -> int:
     import urllib.error
     import urllib.request
