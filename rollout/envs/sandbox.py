@@ -37,11 +37,12 @@ Limits (``SandboxLimits``) and how each ending is detected (``SandboxResult.outc
 - ``killed``: died of any other signal (``signal`` says which); ``error``: any other non-zero exit; ``ok``: exit 0.
 
 ``disk_bytes`` caps the writable tmpfs and each file (``RLIMIT_FSIZE``); ``RLIMIT_CORE`` is 0. Limits apply per
-process: a tool may hold ``max_processes * memory_bytes`` of address space at most. System V shared memory (memory
-no rlimit counts, which outlives its process) is bounded to ``memory_bytes`` in all through the new IPC namespace's
-own ``kernel.shm*`` settings, and its message queues to 16. Not bounded by ``memory_bytes``: anonymous files
+process: a tool may hold ``max_processes * memory_bytes`` of address space at most. System V IPC (memory no rlimit
+counts, which outlives its process) is bounded through the new IPC namespace's own settings where the launcher may
+write them (root with a writable ``/proc/sys``; a mapped root in a user namespace from Linux 6.9): shared memory to
+``memory_bytes`` in all, 16 message queues, 16 semaphore arrays of 32. Not bounded by ``memory_bytes``: anonymous files
 (``memfd_create``), each capped by ``RLIMIT_FSIZE`` and their number by ``RLIMIT_NOFILE`` (256); only a memory cgroup
-would bound those in sum.
+or a seccomp filter would bound those, and System V IPC where the settings cannot be written.
 
 Isolation needs root or unprivileged user namespaces. ``isolation="auto"`` picks root mode as root and user-namespace
 mode otherwise (no uid of its own there: ``RLIMIT_NPROC`` then counts the caller's user in that namespace, which is

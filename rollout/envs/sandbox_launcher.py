@@ -127,17 +127,20 @@ def _enter_namespaces(libc: _Libc, config: dict[str, Any]) -> None:
 
 
 def _bound_ipc(total_bytes: int) -> None:
-    """Bound System V shared memory and message queues in the tool's new IPC namespace (its kernel.shm*/msgmni
-    sysctls are this namespace's own): a segment or queue is memory no rlimit counts and outlives its process, so with
-    the defaults a tool could hold host memory without limit. Shared memory in all: ``total_bytes``."""
+    """Bound System V shared memory, message queues and semaphores in the tool's new IPC namespace (its kernel.shm*,
+    msgmni and sem sysctls are this namespace's own): they are memory no rlimit counts and outlive their process, so
+    with the defaults a tool could hold host memory without limit. Shared memory in all: ``total_bytes``.
+
+    Best effort: only a process privileged over the namespace may write them (root with a writable ``/proc/sys``; in a
+    user namespace, from Linux 6.9 on, a mapped root), and the sandbox works without them as it did before."""
     page = os.sysconf("SC_PAGE_SIZE")
     for name, value in (("shmmax", total_bytes), ("shmall", max(1, total_bytes // page)), ("shmmni", 16),
-                        ("msgmni", 16)):  # fmt: skip
+                        ("msgmni", 16), ("sem", "32 512 32 16")):  # fmt: skip
         try:
             with open(f"/proc/sys/kernel/{name}", "w") as f:
                 f.write(str(value))
-        except OSError as e:
-            raise OSError(e.errno, f"bounding the tool's System V IPC (kernel.{name} = {value}): {e.strerror}") from e
+        except OSError:  # unprivileged user namespace, read-only /proc/sys (a container): the defaults stay
+            return
 
 
 def _build_root(libc: _Libc, config: dict[str, Any], code: bytes, uid: int | None) -> None:
