@@ -219,17 +219,22 @@ def _tool_list(tools: Tools | None) -> list[dict[Any, Any] | Callable[..., Any]]
 def token_bytes(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> list[bytes]:
     """The bytes each of ``ids`` stands for: a token inside a multi-byte character has only its own bytes, which no
     decode of it alone shows (it decodes to U+FFFD). Byte-level BPE pieces (Qwen, Llama 3, GPT-2) map character by
-    character to bytes; byte-fallback pieces (``<0xE9>``, SentencePiece) are that byte; special tokens and any other
-    piece are their text's UTF-8."""
+    character to bytes; byte-fallback pieces (``<0xE9>``, SentencePiece) are that byte; tiktoken-style pieces are bytes
+    already; special tokens and any other piece are their text's UTF-8."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
     special = {int(i) for i in tokenizer.added_tokens_decoder}
     backend = getattr(tokenizer, "backend_tokenizer", None)
     byte_level = backend is not None and "ByteLevel" in repr(backend.decoder)
-    out = []
+    out: list[bytes] = []
     for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(list(ids)), strict=True):
-        if int(i) in special or not isinstance(piece, str):
+        if isinstance(piece, bytes):  # tiktoken-style tokenizers: the piece is its bytes
+            out.append(piece)
+        elif int(i) in special or not isinstance(piece, str):
             out.append(str(tokenizer.decode([int(i)])).encode())
-        elif byte_level and all(c in _BYTE_OF for c in piece):
-            out.append(bytes(_BYTE_OF[c] for c in piece))
+        elif byte_level and all(c in byte_of for c in piece):
+            out.append(bytes(byte_of[c] for c in piece))
         elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             out.append(bytes([int(piece[3:5], 16)]))
         else:
@@ -237,21 +242,6 @@ def token_bytes(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> list[
     return out
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's character for each byte, inverted: printable Latin-1 bytes stand for themselves, the other 68
-    for the characters from U+0100 on, in byte order."""
-    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
-    out, shifted = {}, 0
-    for b in range(256):
-        if b in printable:
-            out[chr(b)] = b
-        else:
-            out[chr(0x100 + shifted)] = b
-            shifted += 1
-    return out
-
-
-_BYTE_OF = _byte_level_alphabet()
 
 
 def messages_to_text(messages: Messages) -> str:

@@ -236,9 +236,10 @@ def _stop(value: object) -> list[str]:
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:
-    """``text`` up to the first of the ``stop`` strings (all of it when none occurs): as in OpenAI's API, a reply does
-    not include the stop sequence that ended it, nor the rest of the token it ended in. Generation ends at the first
-    occurrence, so the first one found is where it stopped."""
+    """``text`` up to the first of the ``stop`` strings (all of it when none occurs): what a stream may send so far,
+    since a reply does not include the stop sequence that ended it, nor the rest of its token (OpenAI's API). The
+    finished reply is cut where generation did stop (``Completion.stop_string``), which ``min_tokens`` may put
+    past an earlier occurrence."""
     found = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     return text[: min(found)] if found else text
 

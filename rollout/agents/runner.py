@@ -121,7 +121,8 @@ class AgentRunner:
         self, problem: Problem, group_id: int, sample_index: int, sampling: SamplingConfig
     ) -> AgentOutcome:
         seed_of_call = functools.partial(turn_seed, sampling, group_id, sample_index)
-        episode = await self._on_engine(self.endpoint.open(sampling, self._limits, seed_of_call))
+        # Shielded: a batch cancelled meanwhile must not leave an episode registered (its URL answering) unclosed.
+        episode = await asyncio.shield(self._on_engine(self.endpoint.open(sampling, self._limits, seed_of_call)))
         context = AgentContext(episode.base_url, "rl-align", self.endpoint.model_name, problem, sample_index)
         value: object = None
         timed_out = False
@@ -133,12 +134,12 @@ class AgentRunner:
                 raise self._failed(problem, "raised TimeoutError") from None
             timed_out = True
         except Exception as e:
-            if episode.engine_error is not None:  # the agent failed because the engine did: the worker is replaced
-                raise episode.engine_error from e
-            if not episode.num_limit_refusals:
+            if episode.engine_error is None and not episode.num_limit_refusals:
                 raise self._failed(problem, f"raised {e!r}") from e
         finally:
-            await self._on_engine(self.endpoint.close(episode))
+            await asyncio.shield(self._on_engine(self.endpoint.close(episode)))
+        if episode.engine_error is not None:  # however the agent ended, the engine failed it: the worker is replaced
+            raise episode.engine_error
         return self._outcome(problem, episode, value, timed_out)
 
     def _outcome(self, problem: Problem, episode: EpisodeCalls, value: object, timed_out: bool) -> AgentOutcome:

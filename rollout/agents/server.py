@@ -4,7 +4,8 @@ per running episode, every call recorded for training.
 It is an aiohttp server on the engine's event loop (loopback only; an episode's URL holds a random id, so another
 local process cannot write into it), so a request goes to ``generate_async`` on the loop and shares continuous
 batching with every other episode; only reading it (JSON, chat template, tokenisation: seconds for a long body) runs on
-a thread of its own. Routes, under ``/episodes/<id>/v1`` (an episode's base URL):
+the endpoint's reader thread (one, shared by its requests: a long body delays other calls' reading, never generation).
+Routes, under ``/episodes/<id>/v1`` (an episode's base URL):
 ``POST /chat/completions`` and ``GET /models``. A call renders the messages with the tokenizer's chat template (tools
 described), samples ``n`` completions (default 1) with the recipe's sampling (seeded per call, like an environment's
 turns) and records each as an :class:`~rollout.agents.trajectory.AgentCall`. The reply's text is the decoded generated
@@ -177,7 +178,7 @@ class AgentEndpoint:
             episode.in_flight.discard(generation)
         if isinstance(outcome, protocol.ProtocolError):
             return _error(outcome.status, str(outcome), code=outcome.code)
-        choices = self._record(episode, chat, prompt, index, outcome, sampling.stop)
+        choices = self._record(episode, chat, prompt, index, outcome)
         return web.json_response(protocol.chat_completion(
             f"chatcmpl-{episode.episode_id}-{index}", self.model_name, choices, len(prompt),
             sum(len(c.token_ids) for c in outcome), min(c.policy_version for c in outcome),
@@ -219,7 +220,7 @@ class AgentEndpoint:
         if isinstance(outcome, protocol.ProtocolError):
             await send(protocol.error_body(str(outcome), code=outcome.code))
         else:
-            choices = self._record(episode, chat, prompt, index, outcome, stop)
+            choices = self._record(episode, chat, prompt, index, outcome)
             await send(chunk(
                 [{"index": j, "delta": streams[j].finish(m), "finish_reason": f, "logprobs": lp}
                  for j, (m, f, lp) in enumerate(choices)],
@@ -245,7 +246,8 @@ class AgentEndpoint:
             return protocol.ProtocolError("the episode ended (its timeout passed) while this call was in flight",
                                           code="episode_closed", status=409)  # fmt: skip
         except (EngineBrokenError, RuntimeError) as e:
-            episode.engine_error = episode.engine_error or e
+            if isinstance(e, EngineBrokenError):
+                episode.engine_error = episode.engine_error or e
             return protocol.ProtocolError(f"the rollout engine cannot serve: {e}", code="engine_unavailable",
                                           status=503)  # fmt: skip
         if episode.closed:
@@ -255,16 +257,19 @@ class AgentEndpoint:
 
     def _record(
         self, episode: EpisodeCalls, chat: protocol.ChatRequest, prompt: list[int], index: int,
-        completions: list[Completion], stop: Sequence[str],
+        completions: list[Completion],
     ) -> list[tuple[dict[str, Any], str, dict[str, Any] | None]]:  # fmt: skip
         """Record the call's completions for training; their reply messages, finish reasons and log-probs (when
-        asked for). A reply's text ends before the stop string that ended it (the recorded ids keep every generated
-        token: the next call's prompt, built from the text, then starts a new sample)."""
+        asked for). A reply's text ends before the stop string that ended it (the recorded call keeps every generated
+        token, and the whole text for rewards, as an environment's turn does: the next call's prompt, built from the
+        reply, then starts a new sample)."""
         choices = []
         for j, completion in enumerate(completions):
-            text = protocol.cut_at_stop(self._decode(completion.token_ids.tolist()), stop)
+            text = self._decode(completion.token_ids.tolist())
             episode.calls.append(AgentCall(index, prompt, completion.token_ids, completion.logprobs,
                                            completion.policy_version, completion.finish_reason, text, j))  # fmt: skip
+            if completion.stop_string:  # the occurrence that completed last stopped it (earlier ones: min_tokens)
+                text = text[: text.rfind(completion.stop_string)] if completion.stop_string in text else text
             call_id = f"call_{episode.episode_id[:8]}_{index}" + (f"_{j}" if chat.n > 1 else "")
             message, calls_tools = protocol.assistant_reply(text, chat.parse_tool_calls, call_id)
             finish = "length" if completion.finish_reason == "length" else ("tool_calls" if calls_tools else "stop")
@@ -342,7 +347,8 @@ class _Progress:
 
 
 class _EventSender:
-    """Writes server-sent events; once the client is gone, writes nothing more (the call still completes)."""
+    """Writes server-sent events; once the client is gone, writes nothing more (its handler is then cancelled, and
+    the call with it)."""
 
     def __init__(self, response: web.StreamResponse) -> None:
         self._response, self._gone = response, False

@@ -4,7 +4,8 @@ Every call the endpoint served is recorded as the exact prompt ids the engine sa
 generated. Calls are taken in the order they arrived. A call whose prompt starts with everything of an earlier
 segment (its first prompt, then its model and observation tokens) extends that segment: the prompt's remaining ids are
 observation tokens (loss mask 0), the completion model tokens (mask 1). Otherwise (a chat template that rewrites
-history, a re-tokenisation that differs from what was generated, an agent that edits or branches its conversation)
+history, a re-tokenisation that differs from what was generated, a reply cut before the stop string that ended it,
+an agent that edits or branches its conversation)
 the call starts a new segment, and each segment is one training sample. A call that sampled several choices
 (``n`` > 1) is taken choice by choice: the first extends the segment its prompt extends; each other one no longer
 finds that segment a prefix (it now holds the first choice), so it starts a segment whose prompt is the whole
@@ -42,7 +43,8 @@ class AgentCall:
     finish_reason: str
     """'stop' or 'length' (the engine's)."""
     text: str
-    """The completion decoded as the reply's text was (special tokens dropped)."""
+    """The completion decoded (special tokens dropped), a stop string that ended it included: what rewards score, as
+    for an environment's turn. The reply's content ends before that stop string."""
     choice: int = 0
     """Which of the call's choices (``n`` > 1) this completion is."""
 

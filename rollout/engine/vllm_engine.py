@@ -86,6 +86,9 @@ class Completion:
     """Weights version the completion was generated with (the oldest of its tokens' after an update in mode 'keep')."""
     token_versions: np.ndarray | None = None
     """int64 [len]: each token's weights version, when the completion spans versions (mode 'keep'); else ``None``."""
+    stop_string: str | None = None
+    """The stop string that ended the completion (vLLM's ``stop_reason``), or ``None``: its text ends with it, and with
+    the rest of the token it completed in."""
 
 
 def vllm_engine_args(config: EngineConfig, model_path: str, tokenizer_path: str | None = None) -> dict[str, Any]:
@@ -524,8 +527,9 @@ def _completion(output, version: int, spans_apply: bool = True) -> Completion:
                            f"{len(ids)} tokens; the engine must be asked for sampled-token log-probs")
     logprobs = _sampled_logprobs(output.logprobs, ids)
     reason = "length" if output.finish_reason == "length" else "stop"
+    stop = output.stop_reason if isinstance(output.stop_reason, str) else None
     return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason, policy_version=version,
-                      token_versions=token_versions)  # fmt: skip
+                      token_versions=token_versions, stop_string=stop)  # fmt: skip
 
 
 def _sampled_logprobs(logprobs: Any, ids: np.ndarray) -> np.ndarray:

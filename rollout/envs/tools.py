@@ -129,7 +129,7 @@ def _evaluate(node: ast.AST) -> int | Fraction:
     if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
         if isinstance(node.value, float) and not math.isfinite(node.value):  # 1e999
             raise ValueError(f"a value has more than {_MAX_DIGITS} digits")
-        value = Fraction(node.value) if isinstance(node.value, float) else node.value
+        value = Fraction(repr(node.value)) if isinstance(node.value, float) else node.value  # 1e-50 is 10 ** -50
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd | ast.USub):
         inner = _evaluate(node.operand)
         value = -inner if isinstance(node.op, ast.USub) else inner

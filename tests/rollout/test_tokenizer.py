@@ -144,3 +144,13 @@ def test_token_bytes_are_each_tokens_own_bytes(tokenizer):
     assert b"".join(pieces[:-1]) == text.encode() and pieces[-1] == b"<|im_end|>"
     assert len(pieces[:-1]) > len(text) - 2  # the emoji's bytes are tokens of their own, none is U+FFFD's bytes
     assert all(p != "\ufffd".encode() for p in pieces)
+
+
+def test_token_bytes_of_a_tokenizer_whose_pieces_are_bytes():
+    class Tiktoken:  # the interface of tiktoken-style remote-code tokenizers (Qwen 1): pieces are bytes
+        added_tokens_decoder: dict = {}
+
+        def convert_ids_to_tokens(self, ids):
+            return [b"\xc3", b"\xa9"][: len(ids)]
+
+    assert token_bytes(Tiktoken(), [0, 1]) == [b"\xc3", b"\xa9"]

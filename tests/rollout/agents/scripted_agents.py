@@ -130,6 +130,15 @@ async def fail_first_else_keep_calling(ctx: AgentContext) -> float:
         await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
 
 
+async def swallows_errors(ctx: AgentContext) -> float | None:
+    """Catches the client's errors and returns no reward (an agent framework's usual handling)."""
+    try:
+        await _client(ctx).chat.completions.create(model=ctx.model, messages=_first_messages(ctx))
+    except openai.APIError:
+        return None
+    return 1.0
+
+
 async def no_call(ctx: AgentContext) -> float:
     return 1.0
 

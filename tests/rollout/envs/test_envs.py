@@ -21,7 +21,7 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]
 
 @pytest.mark.parametrize("expression, value", [
     ("123 * 456", "56088"), ("7 / 2", "3.5"), ("2 ** -2", "0.25"), ("-(3 + 4) * 2", "-14"), ("10 // 3", "3"),
-    ("10 % 4", "2"), ("1.5 * 4", "6"), ("999999 * 999999", "999998000001"),
+    ("10 % 4", "2"), ("1.5 * 4", "6"), ("999999 * 999999", "999998000001"), ("1e-50", "1e-50"), ("0.1 + 0.2", "0.3"),
 ])  # fmt: skip
 def test_calculator_is_exact(expression, value):
     assert calculate(expression) == value
