@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rollout.agents.protocol import cut_at_stop
+
 __all__ = ["ChoiceStream", "IncrementalText"]
 
 _CALL_OPEN = "<tool_call>"
@@ -64,8 +66,6 @@ class ChoiceStream:
 
     def update(self, text: str) -> str:
         """The content to send now that the choice decodes to ``text`` ('' for nothing)."""
-        from rollout.agents.protocol import cut_at_stop
-
         visible = text.rstrip("\ufffd")
         if self._stop:  # never send a stop string, nor a tail that may become one
             cut = cut_at_stop(visible, self._stop)
