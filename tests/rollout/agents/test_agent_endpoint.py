@@ -367,66 +367,58 @@ def test_replies_end_before_the_stop_string_streamed_or_not(worker):
         runner.shutdown()
 
 
-def _held_reads(monkeypatch, endpoint):
-    """Make the endpoint's request reading wait for the returned event (as a long body's would take its time)."""
+def _status_of_a_call_held_in_reading(worker, monkeypatch, body: str, meanwhile) -> int:
+    """Post ``body`` to a fresh episode with the endpoint's request reading held (as a long body's would take its
+    time), run ``meanwhile(runner, episode)`` while it is held, release it, and return the call's status."""
     import threading
 
+    runner = _runner(worker, "no_call")
     release, started = threading.Event(), threading.Event()
-    read = endpoint._read
+    read = runner.endpoint._read
 
     def held(raw):
         started.set()
         assert release.wait(30)
         return read(raw)
 
-    monkeypatch.setattr(endpoint, "_read", held)
-    return release, started
-
-
-def test_the_engine_loop_goes_on_while_a_request_is_read(worker, monkeypatch):
-    import threading
-    import urllib.request
-
-    runner = _runner(worker, "no_call")
-    release, started = _held_reads(monkeypatch, runner.endpoint)
+    monkeypatch.setattr(runner.endpoint, "_read", held)
     episode = worker.engine.run(runner.endpoint.open(SAMPLING, EpisodeLimits(max_turns=4), lambda t, n: None))
     done: list[int] = []
-    body = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
     call = threading.Thread(target=lambda: done.append(_post(f"{episode.base_url}/chat/completions", body)))
     try:
         call.start()
         assert started.wait(30)
-        for _ in range(3):  # the loop answers (here its model list) while the call is read; it was held before
-            with urllib.request.urlopen(f"{episode.base_url}/models", timeout=10) as response:
-                assert response.status == 200
+        meanwhile(runner, episode)
         release.set()
         call.join()
     finally:
         release.set()
         worker.engine.run(runner.endpoint.close(episode))
         runner.shutdown()
-    assert done == [200]
+    return done[0]
+
+
+def test_the_engine_loop_goes_on_while_a_request_is_read(worker, monkeypatch):
+    import urllib.request
+
+    def models(runner, episode):  # the loop answers (here its model list) while the call is read; it was held before
+        for _ in range(3):
+            with urllib.request.urlopen(f"{episode.base_url}/models", timeout=10) as response:
+                assert response.status == 200
+
+    body = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    assert _status_of_a_call_held_in_reading(worker, monkeypatch, body, models) == 200
 
 
 def test_a_call_read_while_its_episode_ends_starts_nothing(worker, monkeypatch):
-    import threading
+    ended = []
 
-    runner = _runner(worker, "no_call")
-    release, started = _held_reads(monkeypatch, runner.endpoint)
-    episode = worker.engine.run(runner.endpoint.open(SAMPLING, EpisodeLimits(max_turns=4), lambda t, n: None))
-    done: list[int] = []
+    def end(runner, episode):  # the episode's timeout, while the call is read
+        worker.engine.run(runner.endpoint.close(episode))
+        ended.append(episode)
+
     body = '{"messages": [{"role": "user", "content": "hi"}]}'
-    call = threading.Thread(target=lambda: done.append(_post(f"{episode.base_url}/chat/completions", body)))
-    try:
-        call.start()
-        assert started.wait(30)
-        worker.engine.run(runner.endpoint.close(episode))  # the episode's timeout, while the call is read
-        release.set()
-        call.join()
-    finally:
-        release.set()
-        runner.shutdown()
-    assert done == [409] and episode.calls == []
+    assert _status_of_a_call_held_in_reading(worker, monkeypatch, body, end) == 409 and ended[0].calls == []
 
 
 def _post(url: str, body: str) -> int:
