@@ -242,8 +242,6 @@ def token_bytes(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> list[
     return out
 
 
-
-
 def messages_to_text(messages: Messages) -> str:
     """Plain-text rendering of chat messages for tokenizers without a template: contents joined by blank lines."""
     return "\n\n".join(m["content"] or "" for m in messages)
