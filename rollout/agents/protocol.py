@@ -2,7 +2,8 @@
 
 Only what a training endpoint can honour exactly is accepted. Messages (text content, assistant ``tool_calls``,
 ``tool`` results), ``tools`` with ``tool_choice`` "auto" or "none", ``max_tokens`` / ``max_completion_tokens``
-(capped by the recipe), ``stop``, ``n`` (up to :data:`MAX_CHOICES` completions of one prompt, each trained on) and
+(capped by the recipe), ``stop`` (up to :data:`MAX_STOP_STRINGS` strings of :data:`MAX_STOP_CHARS` characters),
+``n`` (up to :data:`MAX_CHOICES` completions of one prompt, each trained on) and
 ``logprobs`` (each generated token's log-prob under the sampling distribution, the one the trainer is given; no
 ``top_logprobs`` alternatives, which the engine does not keep) are honoured. The sampling distribution is the
 recipe's, so the trainer computes the log-probs of the distribution the tokens came from: ``temperature``, ``top_p``,
@@ -22,19 +23,22 @@ renders a call back as the model wrote it when the model wrote standard JSON.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "MAX_CHOICES", "ChatRequest", "ProtocolError", "assistant_reply", "chat_chunk", "chat_completion", "cut_at_stop",
-    "error_body", "parse_chat_request", "token_logprobs",
+    "MAX_CHOICES", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "ChatRequest", "ProtocolError", "assistant_reply",
+    "chat_chunk", "chat_completion", "cut_at_stop", "error_body", "parse_chat_request", "token_logprobs",
 ]  # fmt: skip
 
 MAX_CHOICES = 16
 """The most completions one call may ask for (``n``): each is a training sample."""
+MAX_STOP_STRINGS = 16
+"""The most ``stop`` strings one call may give (OpenAI's API takes 4)."""
+MAX_STOP_CHARS = 256
+"""The longest ``stop`` string: a stream checks every step whether its text ends in the start of one."""
 
 _ROLES = ("system", "user", "assistant", "tool")
 _SAMPLING_PARAMS = (
@@ -47,7 +51,6 @@ _REFUSED = {
     "guided_regex": "guided decoding constrains sampling, so the trainer could not reproduce its log-probs",
     "functions": "the legacy 'functions' parameter is not served; pass 'tools' instead",
 }
-_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
 
 class ProtocolError(ValueError):
@@ -232,6 +235,12 @@ def _stop(value: object) -> list[str]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise ProtocolError("stop must be a non-empty string or a list of them", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ProtocolError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are served", param="stop")
+    if too_long := [s for s in stops if len(s) > MAX_STOP_CHARS]:
+        raise ProtocolError(
+            f"a stop string has {len(too_long[0])} characters; at most {MAX_STOP_CHARS} are served", param="stop"
+        )
     return list(stops)
 
 
@@ -247,11 +256,12 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> str:
 def assistant_reply(text: str, parse_tool_calls: bool, call_id: str) -> tuple[dict[str, Any], bool]:
     """The reply message for the model's ``text`` and whether it calls tools; calls get ids ``{call_id}_{k}``."""
     from rollout.envs.tools import parse_tool_calls as parse
+    from rollout.envs.tools import strip_tool_calls
 
     calls = parse(text) if parse_tool_calls else []
     if not calls or any(c.error is not None for c in calls):
         return {"role": "assistant", "content": text}, False
-    content = _CALL_BLOCK.sub("", text)
+    content = strip_tool_calls(text)
     return {
         "role": "assistant",
         "content": content if content.strip() else None,

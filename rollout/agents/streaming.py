@@ -24,10 +24,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rollout.agents.protocol import cut_at_stop
+from rollout.envs.tools import TOOL_CALL_OPEN
 
 __all__ = ["ChoiceStream", "IncrementalText"]
-
-_CALL_OPEN = "<tool_call>"
 
 
 class IncrementalText:
@@ -71,11 +70,11 @@ class ChoiceStream:
             cut = cut_at_stop(visible, self._stop)
             visible = cut if len(cut) < len(visible) else visible[: len(visible) - _held_tail(visible, self._stop)]
         if self._parse:
-            start = visible.find(_CALL_OPEN)
+            start = visible.find(TOOL_CALL_OPEN)
             if start >= 0:
                 visible = visible[:start]
             else:
-                visible = visible[: len(visible) - _held_tail(visible, (_CALL_OPEN,))]
+                visible = visible[: len(visible) - _held_tail(visible, (TOOL_CALL_OPEN,))]
             if not visible.strip():
                 return ""
         if len(visible) <= len(self.sent) or not visible.startswith(self.sent):

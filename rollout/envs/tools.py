@@ -23,9 +23,13 @@ from typing import Any
 
 from rollout.envs.config import PythonToolConfig, ToolName
 
-__all__ = ["Tool", "ToolCall", "ToolOutput", "build_tool", "calculate", "parse_tool_calls"]
+__all__ = [
+    "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "Tool", "ToolCall", "ToolOutput", "build_tool", "calculate",
+    "format_tool_call", "parse_tool_calls", "strip_tool_calls",
+]  # fmt: skip
 
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+"""The tags around one call in the Qwen / Hermes format (the one place they are spelled)."""
 _MAX_EXPRESSION_CHARS = 200
 _MAX_EXPONENT = 64
 _MAX_DIGITS = 60
@@ -64,20 +68,43 @@ class Tool:
         }}  # fmt: skip
 
 
+def format_tool_call(name: str, arguments: Mapping[str, Any]) -> str:
+    """The block a model writes to call ``name`` with ``arguments`` (what :func:`parse_tool_calls` reads back, even
+    when an argument holds ``</tool_call>``: JSON's ``<\\/`` escape keeps the closing tag out of the body)."""
+    body = json.dumps({"name": name, "arguments": dict(arguments)}).replace("</", "<\\/")
+    return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
+
+
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """Every ``<tool_call>`` block of ``text``, in order (each from its opening tag to the next closing one); an
     unclosed ``<tool_call>`` is one malformed call. Never raises, and takes time linear in ``text``."""
-    bodies, pos = [], 0
-    while (start := text.find(_OPEN, pos)) >= 0:
-        end = text.find(_CLOSE, start + len(_OPEN))
+    spans = _blocks(text)
+    calls = [_parse_one(text[start + len(TOOL_CALL_OPEN) : end - len(TOOL_CALL_CLOSE)]) for start, end in spans]
+    if text.count(TOOL_CALL_OPEN) > len(calls):
+        calls.append(ToolCall("", {}, f"a {TOOL_CALL_OPEN} is not closed by {TOOL_CALL_CLOSE}"))
+    return calls
+
+
+def strip_tool_calls(text: str) -> str:
+    """``text`` without its closed ``<tool_call>`` blocks (the blocks :func:`parse_tool_calls` reads): what the model
+    wrote outside its calls."""
+    kept, pos = [], 0
+    for start, end in _blocks(text):
+        kept.append(text[pos:start])
+        pos = end
+    return "".join(kept) + text[pos:]
+
+
+def _blocks(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each closed block, tags included, scanning once from left to right."""
+    spans, pos = [], 0
+    while (start := text.find(TOOL_CALL_OPEN, pos)) >= 0:
+        end = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN))
         if end < 0:
             break
-        bodies.append(text[start + len(_OPEN) : end])
-        pos = end + len(_CLOSE)
-    calls = [_parse_one(body) for body in bodies]
-    if text.count(_OPEN) > len(calls):
-        calls.append(ToolCall("", {}, "a <tool_call> is not closed by </tool_call>"))
-    return calls
+        pos = end + len(TOOL_CALL_CLOSE)
+        spans.append((start, pos))
+    return spans
 
 
 def _parse_one(body: str) -> ToolCall:

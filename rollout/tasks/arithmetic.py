@@ -74,11 +74,9 @@ def _problem(config: ArithmeticTaskConfig, key: tuple[int, str, int], problem_id
 
 def calculator_transcript(expression: str) -> list[dict[str, str]]:
     """An ideal tool-use transcript: call the calculator on ``expression``, then answer with what it returned."""
-    import json
+    from rollout.envs.tools import calculate, format_tool_call
 
-    from rollout.envs.tools import calculate
-
-    call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
     result = calculate(expression)
-    return [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"}, {"role": "tool", "content": result},
+    call = format_tool_call("calculator", {"expression": expression})
+    return [{"role": "assistant", "content": call}, {"role": "tool", "content": result},
             {"role": "assistant", "content": result}]  # fmt: skip

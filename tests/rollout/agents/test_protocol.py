@@ -8,7 +8,14 @@ import json
 import numpy as np
 import pytest
 
-from rollout.agents.protocol import ProtocolError, assistant_reply, cut_at_stop, parse_chat_request
+from rollout.agents.protocol import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    ProtocolError,
+    assistant_reply,
+    cut_at_stop,
+    parse_chat_request,
+)
 from rollout.agents.streaming import ChoiceStream, IncrementalText
 from rollout.agents.trajectory import AgentCall, assemble
 
@@ -62,6 +69,8 @@ def test_content_parts_tool_calls_and_tool_results_are_normalised_for_the_templa
     ({"messages": USER, "tools": [{"type": "retrieval"}]}, "tools[0]"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens"),
     ({"messages": USER, "stop": ["", "x"]}, "stop"),
+    ({"messages": USER, "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+    ({"messages": USER, "stop": ["x" * (MAX_STOP_CHARS + 1)]}, "stop"),
 ])  # fmt: skip
 def test_requests_that_cannot_be_served_exactly_are_refused_naming_the_parameter(body, param):
     with pytest.raises(ProtocolError) as error:
@@ -80,6 +89,11 @@ def test_replies_carry_well_formed_tool_calls_and_the_text_outside_them():
     assert assistant_reply(call, False, "c") == ({"role": "assistant", "content": call}, False)
     broken = call + "<tool_call>{not json</tool_call>"
     assert assistant_reply(broken, True, "c") == ({"role": "assistant", "content": broken}, False)
+
+
+def test_the_most_and_longest_stop_strings_served_are_accepted():
+    stops = ["x" * MAX_STOP_CHARS] + [f"s{i}" for i in range(MAX_STOP_STRINGS - 1)]
+    assert parse_chat_request({"messages": USER, "stop": stops}).stop == stops
 
 
 def test_plain_text_response_format_is_the_default_and_accepted():

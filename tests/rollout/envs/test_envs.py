@@ -11,7 +11,7 @@ from recipe import load_recipe
 from rollout.envs import build_environment
 from rollout.envs.builtin import FeedbackEnvironment, ToolEnvironment
 from rollout.envs.config import CustomEnvConfig, FeedbackEnvConfig, ToolEnvConfig
-from rollout.envs.tools import calculate, parse_tool_calls
+from rollout.envs.tools import calculate, format_tool_call, parse_tool_calls, strip_tool_calls
 from rollout.tasks.problem import Problem
 from rollout.tokenizer import end_of_turn_id, render_continuation, render_prompt
 from tools.tiny_tokenizer import build_tokenizer
@@ -61,6 +61,14 @@ def test_tool_calls_are_parsed_and_malformed_ones_named():
 def test_tool_calls_python_cannot_read_are_malformed_calls_not_errors(body):
     [call] = parse_tool_calls(f"<tool_call>{body}</tool_call>")
     assert call.error is not None and not call.arguments
+
+
+def test_a_formatted_call_parses_back_and_stripping_keeps_the_text_outside_closed_calls():
+    call = format_tool_call("python", {"code": "print('</tool_call>')"})
+    [parsed] = parse_tool_calls(f"Run it. {call}")
+    assert (parsed.name, parsed.arguments, parsed.error) == ("python", {"code": "print('</tool_call>')"}, None)
+    assert strip_tool_calls(f"a{call}b{call}c<tool_call>open") == "abc<tool_call>open"
+    assert strip_tool_calls("<tool_call>x</tool_call></tool_call>") == "</tool_call>"
 
 
 def test_many_unclosed_tool_calls_are_one_malformed_call():
