@@ -2,13 +2,17 @@
 
 Prompts are rendered the way vLLM's own chat entry point does it: the chat template produces text (with
 ``add_generation_prompt=True``), and that text is encoded without adding special tokens again, since a template writes
-its own BOS and turn markers. Nothing is ever downloaded: the directory must hold the tokenizer files.
+its own BOS and turn markers. One difference: a message's content is text, never markup. Where it holds a special
+token's text (``<|im_end|>`` printed by a tool, pasted by a user), that text is encoded as ordinary characters, so
+no message can end its turn early or forge another; only the template writes special tokens (as OpenAI's API does).
+Nothing is ever downloaded: the directory must hold the tokenizer files.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -30,6 +34,7 @@ Tools = Sequence[Mapping[str, object]]
 """Tool descriptions in the JSON-schema form chat templates take (``{"type": "function", "function": {...}}``)."""
 
 _SENTINEL = "\u2063rl-align turn\u2063"  # an assistant turn's text that no template rewrites or meets elsewhere
+_CONTENT = "\u2063rl-align content\u2063"  # stands in for a content holding special-token text (to find its place)
 PromptLike = str | Messages
 """A prompt is plain text or a list of chat messages."""
 
@@ -178,9 +183,13 @@ def render_continuation(
     """
     _check_prompt(messages)
     eot = str(tokenizer.decode([end_of_turn_id(tokenizer)]))
-    after = _after_sentinel(tokenizer, messages, tools)
-    assert after.startswith(eot)
-    return list(tokenizer.encode(after[len(eot):], add_special_tokens=False))
+
+    def render(chat: list[dict[str, Any]]) -> str:
+        after = _after_sentinel(tokenizer, chat, tools)
+        assert after.startswith(eot)
+        return after[len(eot) :]
+
+    return _encode_chat(tokenizer, [dict(m) for m in messages], render)
 
 
 def _after_sentinel(tokenizer: PreTrainedTokenizerBase, messages: Messages, tools: Tools | None) -> str:
@@ -205,11 +214,62 @@ def _after_sentinel(tokenizer: PreTrainedTokenizerBase, messages: Messages, tool
 def _encode_rendered(
     tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, Any]], tools: Tools | None, add_generation_prompt: bool
 ) -> list[int]:
-    rendered = tokenizer.apply_chat_template(
-        chat, tools=_tool_list(tools), tokenize=False, add_generation_prompt=add_generation_prompt
-    )
-    assert isinstance(rendered, str)
-    return list(tokenizer.encode(rendered, add_special_tokens=False))
+    def render(chat: list[dict[str, Any]]) -> str:
+        text = tokenizer.apply_chat_template(
+            chat, tools=_tool_list(tools), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        assert isinstance(text, str)
+        return text
+
+    return _encode_chat(tokenizer, chat, render)
+
+
+def _encode_chat(
+    tokenizer: PreTrainedTokenizerBase, chat: list[dict[str, Any]], render: Callable[[list[dict[str, Any]]], str]
+) -> list[int]:
+    """Ids of ``render(chat)`` (the template's text for ``chat``), with each message content that holds a special
+    token's text encoded as ordinary text (``split_special_tokens``) and the rest as the template wrote it.
+
+    A content's place in the text is found by rendering once more with a stand-in for it: the text before and after
+    the stand-in is the template's, and what lies between them in the real rendering is the content as the template
+    wrote it (escaped, trimmed). ``ValueError`` when the template's own text depends on the content (its text around
+    the stand-in is not around the content), so the content's place cannot be told."""
+    text = render(chat)
+    specials = _special_pattern(tokenizer)
+    spans = []
+    for i, message in enumerate(chat):
+        content = message.get("content")
+        if not (isinstance(content, str) and specials is not None and specials.search(content)):
+            continue  # the usual case: no special-token text, encoded as the template wrote it
+        stood = render([*chat[:i], {**message, "content": _CONTENT}, *chat[i + 1 :]])
+        before, stand_in, after = stood.partition(_CONTENT)
+        if not stand_in or _CONTENT in after or not (
+            text.startswith(before) and text.endswith(after) and len(before) + len(after) <= len(text)
+        ):
+            raise ValueError(
+                f"the chat template of {getattr(tokenizer, 'name_or_path', '?')} writes a message holding a special "
+                f"token's text ({content[:60]!r}) in a way that cannot be told apart from its own markup; remove the "
+                "special token's text from the message"
+            )
+        spans.append((len(before), len(text) - len(after)))
+    ids: list[int] = []
+    pos = 0
+    for start, end in sorted(spans):
+        if start < pos:
+            raise ValueError("two messages holding special-token text overlap in the rendered chat")
+        ids += tokenizer.encode(text[pos:start], add_special_tokens=False)
+        ids += tokenizer.encode(text[start:end], add_special_tokens=False, split_special_tokens=True)
+        pos = end
+    return ids + list(tokenizer.encode(text[pos:], add_special_tokens=False))
+
+
+@functools.lru_cache(maxsize=8)
+def _special_pattern(tokenizer: PreTrainedTokenizerBase) -> re.Pattern[str] | None:
+    """Matches the text of any special token (what an encode turns into that token wherever the text occurs)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    texts = [t.content for t in added.values() if getattr(t, "special", False)] or list(tokenizer.all_special_tokens)
+    texts = sorted({t for t in texts if t}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, texts))) if texts else None
 
 
 def _tool_list(tools: Tools | None) -> list[dict[Any, Any] | Callable[..., Any]] | None:
