@@ -40,9 +40,11 @@ Limits (``SandboxLimits``) and how each ending is detected (``SandboxResult.outc
 process: a tool may hold ``max_processes * memory_bytes`` of address space at most. System V IPC (memory no rlimit
 counts, which outlives its process) is bounded through the new IPC namespace's own settings where the launcher may
 write them (root with a writable ``/proc/sys``; a mapped root in a user namespace from Linux 6.9): shared memory to
-``memory_bytes`` in all, 16 message queues, 16 semaphore arrays of 32. Not bounded by ``memory_bytes``: anonymous files
-(``memfd_create``), each capped by ``RLIMIT_FSIZE`` and their number by ``RLIMIT_NOFILE`` (256); only a memory cgroup
-or a seccomp filter would bound those, and System V IPC where the settings cannot be written.
+``memory_bytes`` in all, 16 message queues, 16 semaphore arrays of 32; where they cannot be written, System V IPC is
+not bounded. Anonymous files, memory no rlimit counts either (``RLIMIT_FSIZE`` caps one, ``RLIMIT_NOFILE`` their
+number: 16 GiB with the defaults), are refused: a seccomp filter makes ``memfd_create`` and ``memfd_secret`` fail with
+EPERM (on x86_64, aarch64 and riscv64; it also refuses system calls of another ABI, such as 32-bit ones on x86_64).
+The tool runs at niceness 10, below the engine: many tools starting at once take the CPU the engine's loop needs.
 
 Isolation needs root or unprivileged user namespaces. ``isolation="auto"`` picks root mode as root and user-namespace
 mode otherwise (no uid of its own there: ``RLIMIT_NPROC`` then counts the caller's user in that namespace, which is
@@ -82,6 +84,7 @@ Outcome = Literal["ok", "error", "timeout", "cpu_limit", "memory_limit", "output
 Isolation = Literal["auto", "userns", "none"]
 
 _FLOOD_FACTOR = 4  # kill once this many times max_output_bytes have been printed
+_NICENESS = 10  # tools run below the engine's priority: 32 starting at once starved the engine's loop for 0.7 s
 _KILL_GRACE_S = 2.0  # how long the launcher may take to kill the namespace before its group is SIGKILLed
 
 
@@ -246,6 +249,7 @@ def _launch_config(mode: str, limits: SandboxLimits, python: str, host_dir: str,
         "rlimits": _rlimits(limits, mode),
         "disk_bytes": limits.disk_bytes,
         "ipc_bytes": limits.memory_bytes,
+        "niceness": _NICENESS,
     }
 
 

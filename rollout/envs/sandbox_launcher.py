@@ -29,8 +29,13 @@ _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x4000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
 _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE, _MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
 _MNT_DETACH = 2
-_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
+_PR_SET_PDEATHSIG, _PR_SET_SECCOMP, _PR_SET_NO_NEW_PRIVS = 1, 22, 38
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41}
+# Seccomp: (AUDIT_ARCH_*, [memfd_create, memfd_secret]) per machine; x86_64's x32 calls (nr >= 2**30) are refused too.
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, [319, 447]), "aarch64": (0xC00000B7, [279, 447]),
+                 "riscv64": (0xC00000F3, [279, 447])}  # fmt: skip
+_SECCOMP_MODE_FILTER, _SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO = 2, 0x7FFF0000, 0x00050000
+_BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_JGE_K, _BPF_RET_K = 0x20, 0x15, 0x35, 0x06
 # Mount flags a bind remount must repeat (the kernel refuses to clear them in a user namespace).
 _LOCKED_FLAGS = ((os.ST_NOEXEC, _MS_NOEXEC), (os.ST_NOATIME, _MS_NOATIME), (os.ST_NODIRATIME, _MS_NODIRATIME),
                  (os.ST_RELATIME, _MS_RELATIME))  # fmt: skip
@@ -71,6 +76,37 @@ class _Libc:
     def prctl(self, option: int, value: int) -> None:
         self._check(self._libc.prctl(option, value, 0, 0, 0), f"prctl({option})")
 
+    def refuse_anonymous_files(self) -> bool:
+        """Install a seccomp filter under which ``memfd_create`` and ``memfd_secret`` fail with EPERM (and system calls
+        of another ABI than this machine's with ENOSYS), for this process and all it execs or forks. Needs
+        ``PR_SET_NO_NEW_PRIVS`` first. ``False`` on a machine whose numbers are not known here (nothing installed)."""
+        known = _SECCOMP_ARCH.get(os.uname().machine)
+        if known is None:
+            return False
+        arch, numbers = known
+        ctypes = self._ctypes
+
+        class Filter(ctypes.Structure):
+            _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                        ("k", ctypes.c_uint32)]  # fmt: skip
+
+        class Program(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+        enosys, eperm = _SECCOMP_RET_ERRNO | 38, _SECCOMP_RET_ERRNO | 1
+        # (code, jump if true, jump if false, k); a jump skips that many instructions. The arch, then the number
+        # (x32's have bit 30 set), then each listed number jumps to the EPERM at the end; the rest are allowed.
+        code = [(_BPF_LD_W_ABS, 0, 0, 4), (_BPF_JEQ_K, 1, 0, arch), (_BPF_RET_K, 0, 0, enosys),
+                (_BPF_LD_W_ABS, 0, 0, 0), (_BPF_JGE_K, 0, 1, 0x40000000), (_BPF_RET_K, 0, 0, enosys)]  # fmt: skip
+        for i, number in enumerate(numbers):
+            code.append((_BPF_JEQ_K, len(numbers) - i, 0, number))
+        code += [(_BPF_RET_K, 0, 0, _SECCOMP_RET_ALLOW), (_BPF_RET_K, 0, 0, eperm)]
+        filters = (Filter * len(code))(*[Filter(*c) for c in code])
+        program = Program(len(code), filters)
+        ret = self._libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(program), 0, 0)
+        self._check(ret, "prctl(PR_SET_SECCOMP)")
+        return True
+
 
 def _report(fd: int, **fields: Any) -> None:
     os.write(fd, (json.dumps(fields) + "\n").encode())
@@ -78,6 +114,7 @@ def _report(fd: int, **fields: Any) -> None:
 
 def _launcher_main(config_json: str) -> None:
     config = json.loads(config_json)
+    os.nice(config["niceness"])  # the tool and all it starts yield the CPU to the engine that waits on no tool
     status_fd: int = config["status_fd"]
     os.set_inheritable(status_fd, False)  # the reaper inherits it by fork; the tool's exec closes it
     os.umask(0o022)
@@ -245,6 +282,7 @@ def _exec_tool(libc: _Libc, config: dict[str, Any], status_fd: int, uid: int | N
             os.setgid(uid)
             os.setuid(uid)
         libc.prctl(_PR_SET_NO_NEW_PRIVS, 1)
+        libc.refuse_anonymous_files()  # memory no rlimit counts (RLIMIT_FSIZE caps one file, not how many)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/sandbox", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
         os.execve(config["argv"][0], config["argv"], env)

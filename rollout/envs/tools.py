@@ -7,15 +7,18 @@ is an async callable ``arguments -> ToolOutput`` with a JSON-schema description 
 - ``calculator``: arithmetic on numbers (``+ - * / // % **``, parentheses), evaluated from the syntax tree without
   ``eval``; bounded (exponents, magnitudes and expression length), so it is a pure function and runs in process.
 - ``python``: a program run by :func:`rollout.envs.sandbox.run_python` out of process, with CPU, memory, output,
-  process and wall-clock limits, no network and none of the host's files; its stdout is the result.
+  process and wall-clock limits, no network and none of the host's files; its stdout is the result. At most
+  ``max_concurrent`` programs run at once in a process; more calls wait for a slot.
 """
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import json
 import math
 import operator
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -203,7 +206,8 @@ def _python_tool(config: PythonToolConfig) -> Callable[[Mapping[str, Any]], Awai
         code = arguments.get("code")
         if not isinstance(code, str):
             return ToolOutput('python needs "code": the program to run (print what you want to see)', error=True)
-        result = await run_python(code, limits)
+        async with _slots(config.max_concurrent):
+            result = await run_python(code, limits)
         out, err = result.stdout, result.stderr[-500:]
         sep = "\n" if out and err and not out.endswith("\n") else ""
         if result.outcome == "ok":  # what it wrote to stderr (warnings, logging) follows its output, labelled
@@ -212,6 +216,17 @@ def _python_tool(config: PythonToolConfig) -> Callable[[Mapping[str, Any]], Awai
         return ToolOutput(f"[the program {result.describe()}]\n{out}{sep}{err}", error=True)
 
     return run
+
+
+_SLOTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, asyncio.Semaphore]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _slots(size: int) -> asyncio.Semaphore:
+    """The running loop's semaphore of ``size`` slots, shared by every environment of the process (one a worker)."""
+    by_size = _SLOTS.setdefault(asyncio.get_running_loop(), {})
+    return by_size.setdefault(size, asyncio.Semaphore(size))
 
 
 def build_tool(name: ToolName, python: PythonToolConfig | None = None) -> Tool:

@@ -277,3 +277,61 @@ print(made, os.strerror(ctypes.get_errno()))
 """
     result = run(code, SandboxLimits(memory_bytes=128 << 20))
     assert result.outcome == "ok" and result.stdout.split(maxsplit=1) == ["2", "No space left on device\n"], result
+
+
+def test_anonymous_files_are_refused_so_memory_stays_within_the_limits():
+    # memfd_create memory counts against no rlimit: four 60 MiB files were held under a 128 MiB limit.
+    code = """
+import os
+try:
+    for i in range(4):
+        fd = os.memfd_create(f"x{i}")
+        os.write(fd, b"x" * (60 << 20))
+    print("held 240 MiB")
+except OSError as e:
+    print(e.strerror)
+"""
+    result = run(code, SandboxLimits(memory_bytes=128 << 20))
+    assert result.outcome == "ok" and result.stdout == "Operation not permitted\n", result
+    # The ordinary ways to use memory and files still work: tmpfs files, threads, subprocesses, shared memory.
+    ordinary = """
+import multiprocessing.shared_memory, subprocess, sys, tempfile, threading
+with tempfile.TemporaryFile() as f:
+    f.write(b"x" * 1000)
+t = threading.Thread(target=print, args=("thread",)); t.start(); t.join()
+subprocess.run([sys.executable, "-c", "print('child')"], check=True)
+m = multiprocessing.shared_memory.SharedMemory(create=True, size=4096); m.close(); m.unlink()
+print("ok")
+"""
+    result = run(ordinary)
+    assert result.outcome == "ok" and sorted(result.stdout.split()) == ["child", "ok", "thread"], result
+
+
+def test_tools_run_below_the_callers_cpu_priority():
+    result = run("import os\nprint(os.nice(0))")
+    assert result.outcome == "ok" and int(result.stdout) >= os.nice(0) + 10, result
+
+
+def test_the_python_tool_runs_at_most_max_concurrent_programs_at_once(monkeypatch):
+    from rollout.envs import tools
+    from rollout.envs.config import PythonToolConfig
+
+    running, most = 0, 0
+
+    async def counting_run_python(code, limits):  # the real sandbox's concurrency is what is under test elsewhere
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.01)
+        running -= 1
+        return SandboxResult("", "", "ok", 0, None, False, 0.01, 0.0, limits)
+
+    monkeypatch.setattr("rollout.envs.sandbox.run_python", counting_run_python)
+    tool = tools.build_tool("python", PythonToolConfig(max_concurrent=3))
+    other = tools.build_tool("python", PythonToolConfig(max_concurrent=3))  # another episode's: the same slots
+
+    async def calls() -> None:
+        await asyncio.gather(*[t.run({"code": "pass"}) for t in [tool, other] * 5])
+
+    asyncio.run(calls())
+    assert most == 3
