@@ -83,8 +83,9 @@ class _Libc:
         known = _SECCOMP_ARCH.get(os.uname().machine)
         if known is None:
             return False
+        import ctypes
+
         arch, numbers = known
-        ctypes = self._ctypes
 
         class Filter(ctypes.Structure):
             _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
