@@ -64,10 +64,12 @@ def register_cpu_norms() -> bool:
     if not current_platform.is_cpu():
         return False
     try:  # a vLLM build without the kernels or without IR ops: nothing to register
-        import vllm._C  # noqa: F401  (loads the kernels into torch.ops._C)
         from vllm import ir
     except ImportError:
         return False
+    # vLLM's own loader picks the build this CPU can run (AVX-512 with BF16, AVX-512, AVX2); importing ``vllm._C``
+    # directly loads the AVX-512 BF16 one, which dies of SIGILL on an AVX2-only CPU.
+    current_platform.import_kernels()
     if not (hasattr(torch.ops._C, "rms_norm") and hasattr(torch.ops._C, "fused_add_rms_norm")):
         return False
     if PROVIDER not in ir.ops.rms_norm.impls:
