@@ -207,7 +207,6 @@ def main(argv: list[str] | None = None) -> None:
 
     from rollout.agents import AgentRunner
     from rollout.config import EngineConfig, SamplingConfig
-    from rollout.engine.platform import platform_engine_args
     from rollout.engine.vllm_engine import VLLMEngine
     from rollout.envs.config import AgentEnvConfig
     from rollout.tasks.problem import Problem
@@ -247,8 +246,8 @@ def main(argv: list[str] | None = None) -> None:
             per_turn = tokens / sum(e.num_turns for e in episodes)
             first = sum(len(e.prompt_ids) for e in episodes)
             observed = sum(int((e.loss_mask == 0).sum()) for e in episodes)
-            recomputed = recomputed_context_tokens(episodes, platform_engine_args().get("block_size", 16)
-                                                   if args.block_size is None else args.block_size)  # fmt: skip
+            block_size = engine.block_size
+            recomputed = recomputed_context_tokens(episodes, block_size)
             prefill = run_prefill(engine, args.num_episodes, max(1, observed // len(episodes)), sampling)
             pauses, with_updates_s, plain_s = measure_update_pause(
                 engine, tokenizer, problems, sampling, args, model_dir
@@ -263,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
           f"after {load_after[0]:.2f}")
     print(f"model: {args.hidden_size}x{args.num_layers} Qwen3 ({args.dtype}); {args.num_episodes} episodes x "
           f"{turns:.2f} turns (of {args.turns}) x {per_turn:.1f} tokens per turn; tool latency "
-          f"{args.tool_latency_ms:.0f} ms; KV block size {args.block_size or 'the platform default'}; "
+          f"{args.tool_latency_ms:.0f} ms; KV block size {block_size}; "
           f"{args.reps} reps, median [min-max]")
     print(f"{'':<34}{'median':>10}{'range':>22}")
     for name, values, fmt in (("episodes: episodes/s", eps, ".2f"), ("episodes: model tokens/s", multi, ".0f"),

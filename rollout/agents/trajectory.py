@@ -78,7 +78,8 @@ def assemble(calls: Sequence[AgentCall]) -> list[Episode]:
     The last segment is the one holding the agent's last call (its first choice when that call sampled several): the
     episode's final answer, which rewards score. The others follow in the order they began. So an agent that sampled
     two choices and went on with the first, or made a side call (a summary) before its last turn, is scored on the
-    conversation it finished, not on the segment begun last."""
+    conversation it finished, not on the segment begun last. "Last" is arrival order: of two calls made at once, either
+    may arrive last, so an agent that scores on reward terms awaits its side calls before its final one."""
     segments: list[_Segment] = []
     final: _Segment | None = None
     for call in sorted(calls, key=lambda c: (c.index, c.choice)):

@@ -210,6 +210,11 @@ class VLLMEngine:
         return self._broken
 
     @property
+    def block_size(self) -> int:
+        """Tokens a KV-cache block holds, as vLLM settled it (the prefix cache reuses whole blocks only)."""
+        return int(self._engine.vllm_config.cache_config.block_size)
+
+    @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The engine thread's event loop: :meth:`generate_async` must be awaited on it (see :meth:`submit`)."""
         return self._loop

@@ -96,6 +96,13 @@ def test_on_cpu_the_engine_runs_rmsnorm_on_vllms_kernels(engine):
     assert ir.ops.fused_add_rms_norm.get_priority()[0] == PROVIDER
 
 
+def test_the_engine_reports_the_kv_block_size_vllm_settled(engine):
+    from rollout.engine.platform import is_cpu_platform, platform_engine_args
+
+    expected = platform_engine_args().get("block_size") if is_cpu_platform() else engine.block_size
+    assert engine.block_size == expected and engine.block_size > 1
+
+
 def test_sampled_logprobs_match_hf_teacher_forcing(engine, model_dir):
     sampling = SamplingConfig(temperature=1.0, max_tokens=16, seed=7)
     groups = engine.generate(PROMPTS, sampling, n=3, seeds=[7, 8, 9, 10])
