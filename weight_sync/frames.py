@@ -88,8 +88,9 @@ def recv_message(
     (n,) = U32.unpack(received + recv(4 - len(received)))
     if n > limit:
         raise SyncError(Code.INVALID_ARGUMENT, f"{message_type.__name__} frame of {n} bytes exceeds {limit}")
+    body = recv(n)  # a stall or a close here is the caller's to answer, as one before the length
     try:
-        return message_type.FromString(recv(n))
+        return message_type.FromString(body)
     except Exception as e:  # protobuf's DecodeError types
         raise SyncError(Code.INVALID_ARGUMENT, f"malformed {message_type.__name__} frame: {e}") from None
 

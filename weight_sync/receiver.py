@@ -262,11 +262,14 @@ class WeightReceiver:
         self._authorize(context)
         md = dict(context.invocation_metadata())
         try:
-            session, version, rank = md["x-ws-session"], int(md["x-ws-version"]), int(md["x-ws-rank"])
+            session = md["x-ws-session"]
+            version, rank = _metadata_int(md, "x-ws-version"), _metadata_int(md, "x-ws-rank")
             targets = [t for t in md.get("x-ws-relay", "").split(",") if t]
-            fanout = int(md.get("x-ws-fanout", "2"))
-        except (KeyError, ValueError):
+            fanout = _metadata_int(md, "x-ws-fanout", "2")
+        except KeyError:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Push needs metadata x-ws-session, x-ws-version, x-ws-rank")
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not self._push_slots.acquire(blocking=False) and not (
             self._cut_streams_running() and self._push_slots.acquire(timeout=PUSH_SLOT_WAIT_S)
         ):
@@ -361,11 +364,7 @@ class WeightReceiver:
         return pb.CommitReply(policy_version=self.area.policy_version, apply_seconds=seconds)
 
     def _apply(self, version: int, buffers: Mapping[str, tuple[np.ndarray, TensorSpec]]) -> None:
-        tensors = {
-            name: torch.from_numpy(buf).view(getattr(torch, spec.dtype)).reshape(spec.shape)
-            for name, (buf, spec) in buffers.items()
-        }
-        self.sink.apply(version, tensors)
+        self.sink.apply(version, {name: _as_tensor(buf, spec) for name, (buf, spec) in buffers.items()})
 
     def _abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortReply:
         return pb.AbortReply(aborted=self.area.abort(request.session_id, request.policy_version, request.reason))
@@ -398,3 +397,20 @@ class WeightReceiver:
                     yield pb.VersionEvent(policy_version=current)
         finally:
             self._watch_slots.release()
+
+
+def _metadata_int(md: Mapping[str, str], key: str, default: str | None = None) -> int:
+    """A Push metadata value that must be a decimal number (digits only: no sign, spaces or underscores)."""
+    text = md[key] if default is None else md.get(key, default)
+    if not (isinstance(text, str) and text.isascii() and text.isdigit() and len(text) <= 20):
+        raise ValueError(f"Push metadata {key} = {text[:40]!r} is not a decimal number")
+    return int(text)
+
+
+def _as_tensor(buf: np.ndarray, spec: TensorSpec) -> torch.Tensor:
+    """The staged bytes of one tensor as that tensor, without a copy (a tensor of 0 elements: a new empty one, since
+    torch cannot view 0 bytes as a wider dtype)."""
+    dtype = getattr(torch, spec.dtype)
+    if buf.size == 0:
+        return torch.empty(spec.shape, dtype=dtype)
+    return torch.from_numpy(buf).view(dtype).reshape(spec.shape)

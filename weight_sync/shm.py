@@ -130,12 +130,15 @@ class MemfdMappings:
 
     A first read of a fresh mapping takes a page fault per page, which costs more than the copy itself; senders reuse
     their memfds from push to push, so a mapping is kept for the next stream that brings the same file (the same
-    (device, inode): a file cannot be reused while mapped). At most `max_bytes` stay mapped while no stream uses them,
-    the least recently used going first. The pages are the senders' memory, not more of the receiver's.
+    (device, inode): a file cannot be reused while mapped). At most `max_bytes` in at most `max_entries` mappings stay
+    mapped while no stream uses them, the least recently used going first: each mapping holds a descriptor, so a bound
+    on bytes alone let a client of tiny memfds use up the receiver's descriptors. The pages are the senders' memory,
+    not more of the receiver's.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, max_entries: int = 256) -> None:
         self.max_bytes = max_bytes
+        self.max_entries = max_entries
         self._entries: collections.OrderedDict[tuple[int, int], _Mapping] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
@@ -185,15 +188,15 @@ class MemfdMappings:
                     entry.unmap()
 
     def _trim(self) -> None:
-        """Drop the least recently used idle mappings past `max_bytes` (caller holds the lock)."""
-        total = sum(e.size for e in self._entries.values())
+        """Drop the least recently used idle mappings past `max_bytes` or `max_entries` (caller holds the lock)."""
+        total, count = sum(e.size for e in self._entries.values()), len(self._entries)
         for key, entry in list(self._entries.items()):
-            if total <= self.max_bytes:
+            if total <= self.max_bytes and count <= self.max_entries:
                 return
             if entry.users == 0:
                 del self._entries[key]
                 entry.unmap()
-                total -= entry.size
+                total, count = total - entry.size, count - 1
 
 
 class MemfdFrames:

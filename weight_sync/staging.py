@@ -15,7 +15,8 @@ Promises kept against any client:
   (`StreamWriter.set_cancel`) and its buffers return to the pool when the last of them has stopped writing; a new
   update waits for that (up to `RELEASE_WAIT_S`) instead of allocating more;
 - checks in time linear in shards (exact tiling by signed box corners, `layout.add_box_corners`);
-- relays only where the rank's Begin said (`BeginRequest.relay_targets`, at most `MAX_RELAY_TARGETS`);
+- relays only where the rank's Begin said (`BeginRequest.relay_targets`, at most `MAX_RELAY_TARGETS`; ranks that
+  announce the same targets share one copy, and an update holds at most `MAX_UPDATE_RELAY_TARGETS` in all);
 - no client starves the others: an update that waits for data and got none for `stream_idle_s` gives way to another
   session's Begin, the trainer's session (the one of the last commit) preempts any other session's update that is not
   being applied, a newer version of a session supersedes its older open update, and at most `MAX_COMMIT_WAITERS`
@@ -38,7 +39,7 @@ from protos import weight_sync_pb2 as pb
 from weight_sync.config import MAX_COMMIT_WAITERS
 from weight_sync.layout import tiles_exactly
 from weight_sync.spec import TensorSpec
-from weight_sync.update import StagedUpdate, StreamWriter, SyncError
+from weight_sync.update import StagedUpdate, StreamWriter, SyncError, shown
 
 __all__ = ["StagedUpdate", "StagingArea", "StreamWriter", "SyncError"]
 
@@ -46,6 +47,7 @@ MAX_RANKS = 65536
 MAX_STREAMS_PER_RANK = 64
 MAX_POLICY_VERSION = 2**53 - 1  # exact in a double: JSON and JavaScript clients read it without rounding
 MAX_RELAY_TARGETS = 1024  # relay targets one rank's Begin may announce to one receiver
+MAX_UPDATE_RELAY_TARGETS = 16 * MAX_RELAY_TARGETS  # distinct (rank's set) relay targets all Begins of an update hold
 MAX_RELAY_FANOUT = 64  # children a relay node opens per stream (WeightSyncConfig.relay_fanout's bound)
 RELEASE_WAIT_S = 5.0  # how long a new update waits for the cut streams of a dropped one to stop writing
 NUM_REMEMBERED_COMMITS = 64  # Commit outcomes kept to answer repeated Commits alike
@@ -70,14 +72,20 @@ def _relay_targets(req: pb.BeginRequest) -> tuple[dict[str, int], int]:
     targets: dict[str, int] = {}
     for target in req.relay_targets:
         host, sep, port = target.address.rpartition(":")
-        if not sep or not host or not port.isdigit() or len(target.address) > 300:
-            raise SyncError(Code.INVALID_ARGUMENT, f"relay target {target.address[:300]!r} is not HOST:PORT")
+        if not sep or not host or not _is_port(port) or len(target.address) > 300:
+            raise SyncError(Code.INVALID_ARGUMENT, f"relay target {shown(target.address)} is not HOST:PORT")
+        if target.data_port and not 1 <= target.data_port <= 65535:
+            raise SyncError(Code.INVALID_ARGUMENT, f"relay target {target.address}: data_port {target.data_port}")
         if target.ticket:
             raise SyncError(Code.INVALID_ARGUMENT, "relay targets in Begin carry no ticket (tickets travel in hellos)")
         targets[target.address] = target.data_port
     if targets and not 1 <= req.relay_fanout <= MAX_RELAY_FANOUT:
         raise SyncError(Code.INVALID_ARGUMENT, f"relay_fanout {req.relay_fanout} is outside [1, {MAX_RELAY_FANOUT}]")
     return targets, req.relay_fanout if targets else 0
+
+
+def _is_port(text: str) -> bool:
+    return text.isascii() and text.isdigit() and 1 <= int(text) <= 65535
 
 
 class StagingArea:
@@ -133,13 +141,18 @@ class StagingArea:
     # -- Begin ---------------------------------------------------------------------------------------------------
     def begin(self, req: pb.BeginRequest) -> tuple[StagedUpdate, bool]:
         """Open or join the update (idempotent per rank); return it and whether this rank may send delta chunks."""
-        if not req.session_id or len(req.session_id) > 256:
-            raise SyncError(Code.INVALID_ARGUMENT, "session_id must be 1-256 characters")
+        session = req.session_id
+        if not 1 <= len(session) <= 256 or not (session.isascii() and session.isprintable()):
+            raise SyncError(
+                Code.INVALID_ARGUMENT, f"session_id {shown(session)} must be 1-256 printable ASCII characters"
+            )
         if not 1 <= req.num_ranks <= MAX_RANKS or not 0 <= req.rank < req.num_ranks:
             raise SyncError(Code.INVALID_ARGUMENT, f"rank {req.rank} of num_ranks {req.num_ranks} is out of range")
+        if not 0 <= req.num_streams <= MAX_STREAMS_PER_RANK:
+            raise SyncError(
+                Code.INVALID_ARGUMENT, f"num_streams {req.num_streams} is outside [0, {MAX_STREAMS_PER_RANK}]"
+            )
         num_streams = max(req.num_streams, 1)
-        if num_streams > MAX_STREAMS_PER_RANK:
-            raise SyncError(Code.INVALID_ARGUMENT, f"num_streams {num_streams} exceeds {MAX_STREAMS_PER_RANK}")
         specs = tuple(self._check_spec(s) for s in req.tensors)
         if len({s.name for s in specs}) != len(specs):
             raise SyncError(Code.INVALID_ARGUMENT, "Begin lists a tensor twice")
@@ -165,6 +178,7 @@ class StagingArea:
                             f"rank {req.rank} called Begin again with other tensors, streams or relay targets",
                         )
                 else:
+                    relay_targets = self._shared_targets(update, relay_targets)
                     self._add_specs(update, specs)
                     update.rank_specs[req.rank] = specs
                     update.rank_names[req.rank] = frozenset(s.name for s in specs)
@@ -184,14 +198,35 @@ class StagingArea:
                 update.drop_base = update.drop_base or req.drop_base
             return update, delta
 
+    @staticmethod
+    def _shared_targets(update: StagedUpdate, targets: dict[str, int]) -> dict[str, int]:
+        """One copy of each distinct set of relay targets per update (ranks usually announce the same receivers);
+        INVALID_ARGUMENT past `MAX_UPDATE_RELAY_TARGETS` in all (the caller holds the update's lock)."""
+        if not targets:
+            return targets
+        key = frozenset(targets.items())
+        shared = update.relay_sets.get(key)
+        if shared is not None:
+            return shared
+        held = sum(len(t) for t in update.relay_sets.values())
+        if held + len(targets) > MAX_UPDATE_RELAY_TARGETS:
+            raise SyncError(
+                Code.INVALID_ARGUMENT,
+                f"the Begins of {update.update_id} announce more than {MAX_UPDATE_RELAY_TARGETS} distinct relay "
+                "targets in all; ranks of one update announce the same receivers",
+            )
+        update.relay_sets[key] = targets
+        return targets
+
     def _check_spec(self, msg: pb.TensorSpec) -> TensorSpec:
         spec = self.manifest.get(msg.name)
         if spec is None:
-            raise SyncError(Code.NOT_FOUND, f"tensor {msg.name!r} is not in this receiver's manifest")
+            raise SyncError(Code.NOT_FOUND, f"tensor {shown(msg.name)} is not in this receiver's manifest")
         if tuple(msg.shape) != spec.shape or msg.dtype != spec.dtype:
             raise SyncError(
                 Code.INVALID_ARGUMENT,
-                f"tensor {msg.name}: pushed {tuple(msg.shape)} {msg.dtype}, receiver expects {spec.shape} {spec.dtype}",
+                f"tensor {msg.name}: pushed {tuple(msg.shape)} {shown(msg.dtype)}, receiver expects {spec.shape} "
+                f"{spec.dtype}",
             )
         return spec
 
@@ -226,6 +261,7 @@ class StagingArea:
                 self._drop(current, SyncError(Code.ABORTED, self._give_way(current, req)))
             if not self._zombies:
                 self._update = StagedUpdate(req.session_id, req.policy_version, req.num_ranks)
+                self._outcomes.pop(self._update.key, None)  # a refused earlier update of this key answers no more
                 return self._update
             left = deadline - time.monotonic()
             if left <= 0:

@@ -34,7 +34,7 @@ from weight_sync.spec import TensorSpec, element_dtype
 if TYPE_CHECKING:
     from weight_sync.staging import StagingArea
 
-__all__ = ["MAX_SHARDS_PER_TENSOR", "StagedUpdate", "StreamWriter", "SyncError"]
+__all__ = ["MAX_SHARDS_PER_TENSOR", "StagedUpdate", "StreamWriter", "SyncError", "shown"]
 
 MAX_SHARDS_PER_TENSOR = 4096
 Code = grpc.StatusCode
@@ -47,6 +47,14 @@ class SyncError(Exception):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+
+
+def shown(text: str, limit: int = 200) -> str:
+    """A client's string as an error message quotes it: at most `limit` characters (a status message travels in gRPC
+    metadata, whose size limit would otherwise replace the status with RESOURCE_EXHAUSTED)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r} (+{len(text) - limit} characters)"
 
 
 @dataclasses.dataclass
@@ -72,6 +80,7 @@ class StagedUpdate:
     rank_specs: dict[int, tuple[TensorSpec, ...]] = dataclasses.field(default_factory=dict)
     rank_names: dict[int, frozenset[str]] = dataclasses.field(default_factory=dict)
     relay_targets: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)  # rank -> {address: data port}
+    relay_sets: dict[frozenset[tuple[str, int]], dict[str, int]] = dataclasses.field(default_factory=dict)  # shared
     relay_fanout: dict[int, int] = dataclasses.field(default_factory=dict)
     delta_ranks: set[int] = dataclasses.field(default_factory=set)
     drop_base: bool = False  # some rank's Begin said it sends no delta against this version: keep no base of it
@@ -176,7 +185,8 @@ class StreamWriter:
         if n * elem.itemsize > self.area.max_chunk_bytes or payload_bytes > self.area.max_chunk_bytes:
             raise SyncError(
                 Code.RESOURCE_EXHAUSTED,
-                f"{shard.name}: chunk of {n * elem.itemsize} bytes exceeds {self.area.max_chunk_bytes}",
+                f"{shard.name}: chunk of {n * elem.itemsize} bytes (payload {payload_bytes}) exceeds "
+                f"{self.area.max_chunk_bytes}",
             )
         self._pending = header
         if header.encoding == pb.ENCODING_RAW:
@@ -255,7 +265,7 @@ class StreamWriter:
             spec = update.specs.get(msg.name)
             if spec is None:
                 if msg.name not in self.area.manifest:
-                    raise SyncError(Code.NOT_FOUND, f"tensor {msg.name!r} is not in this receiver's manifest")
+                    raise SyncError(Code.NOT_FOUND, f"tensor {shown(msg.name)} is not in this receiver's manifest")
                 raise SyncError(Code.FAILED_PRECONDITION, f"tensor {msg.name} was not announced in Begin")
             if msg.name not in update.rank_names[self.rank]:
                 raise SyncError(Code.FAILED_PRECONDITION, f"rank {self.rank} did not announce {msg.name} in Begin")

@@ -492,3 +492,89 @@ def test_relays_beyond_what_begin_announced_are_refused(one_receiver, listener):
     request = pb.BeginRequest(session_id="t", policy_version=2, rank=0, num_ranks=1, tensors=spec_msgs(SD),
                               base_version=-1, relay_targets=too_many, relay_fanout=2)
     assert status_of(lambda: client.begin(request)) == C.INVALID_ARGUMENT
+
+
+# -- outside review (hostile clients), 2026-12 -------------------------------------------------------------------------
+def test_a_model_with_a_tensor_of_no_elements_is_pushed_and_committed(receivers):
+    # Every Commit failed INTERNAL (torch cannot view 0 bytes as float): such a model could never be updated.
+    sd = {**SD, "empty": torch.zeros(0, 4)}
+    with receiver_with_client(receivers, sd) as (receiver, sink, client):
+        with WeightSender([receiver.address], WeightSyncConfig(num_retries=0)) as sender:
+            new = {k: v + 1 for k, v in sd.items()}
+            report = sender.push(1, [Shard(n, t, tuple(t.shape), (0,) * t.dim()) for n, t in new.items()])
+            assert not report.failed, report.failed
+            assert sender.commit(1) == {receiver.address: None}
+        assert receiver.policy_version == 1 and sink.state_dict["empty"].shape == (0, 4)
+        assert torch.equal(sink.state_dict["w"], new["w"])
+
+
+def test_long_client_strings_are_quoted_short_so_the_status_survives(one_receiver):
+    # A 50,000-character name went back whole in the status message, past gRPC's metadata limit: the client saw
+    # RESOURCE_EXHAUSTED ("retry") instead of NOT_FOUND.
+    receiver, sink, client = one_receiver
+    request = pb.BeginRequest(session_id="s", policy_version=1, rank=0, num_ranks=1, base_version=-1,
+                              tensors=[pb.TensorSpec(name="n" * 50_000, shape=[1], dtype="float32")])  # fmt: skip
+    with pytest.raises(grpc.RpcError) as error:
+        client.begin(request)
+    assert error.value.code() == C.NOT_FOUND and "(+49800 characters)" in error.value.details()
+    stage(client, 1, values(1))
+    assert commit(client, 1).policy_version == 1
+
+
+@pytest.mark.parametrize("field, value", [
+    ("session_id", "a\nb"), ("session_id", "caf\u00e9"), ("num_streams", -1),
+])  # fmt: skip
+def test_begin_fields_outside_the_spec_are_refused(one_receiver, field, value):
+    receiver, sink, client = one_receiver
+    request = pb.BeginRequest(session_id="s", policy_version=1, rank=0, num_ranks=1, base_version=-1,
+                              tensors=spec_msgs(SD))  # fmt: skip
+    setattr(request, field, value)
+    assert status_of(lambda: client.begin(request)) == C.INVALID_ARGUMENT
+    port_99999 = pb.RelayTarget(address="127.0.0.1:99999", data_port=1)
+    request = pb.BeginRequest(session_id="s", policy_version=1, rank=0, num_ranks=1, base_version=-1,
+                              tensors=spec_msgs(SD), relay_targets=[port_99999], relay_fanout=1)  # fmt: skip
+    assert status_of(lambda: client.begin(request)) == C.INVALID_ARGUMENT
+
+
+def test_push_metadata_numbers_are_plain_decimals_and_a_bad_one_is_named(one_receiver):
+    receiver, sink, client = one_receiver
+    begin(client, SD, 1)
+    for key, value in (("x-ws-fanout", "abc"), ("x-ws-version", "+1"), ("x-ws-rank", " 0")):
+        md = [(k, value if k == key else v) for k, v in client.metadata + stream_metadata("s", 1, 0, [], 0)]
+        if key not in dict(md):
+            md.append((key, value))
+        with pytest.raises(grpc.RpcError) as error:
+            client.push(iter([]), timeout=10, metadata=md)
+        assert error.value.code() == C.INVALID_ARGUMENT and key in error.value.details(), error.value.details()
+
+
+def test_ranks_announcing_the_same_relay_targets_share_them_and_distinct_ones_are_bounded(one_receiver):
+    # 65,536 ranks of 1,024 targets of 300 characters each were all kept: ~25 GB from one client.
+    from weight_sync.staging import MAX_RELAY_TARGETS, MAX_UPDATE_RELAY_TARGETS
+
+    receiver, sink, client = one_receiver
+
+    def announce(rank: int, prefix: str) -> grpc.StatusCode:
+        targets = [pb.RelayTarget(address=f"{prefix}{i}.example:1", data_port=1) for i in range(MAX_RELAY_TARGETS)]
+        request = pb.BeginRequest(session_id="r", policy_version=1, rank=rank, num_ranks=1024, base_version=-1,
+                                  tensors=spec_msgs(SD) if rank == 0 else [], relay_targets=targets,
+                                  relay_fanout=2)  # fmt: skip
+        return status_of(lambda: client.begin(request))
+
+    assert all(announce(rank, "same") == C.OK for rank in range(40))  # one shared copy
+    distinct = MAX_UPDATE_RELAY_TARGETS // MAX_RELAY_TARGETS - 1  # the shared set holds one share already
+    assert all(announce(100 + k, f"own{k}-") == C.OK for k in range(distinct))
+    assert announce(200, "one-too-many-") == C.INVALID_ARGUMENT
+
+
+def test_a_commit_answers_for_the_update_of_its_key_not_for_an_earlier_refused_one(one_receiver):
+    receiver, sink, client = one_receiver
+    begin(client, SD, 1)
+    assert status_of(lambda: commit(client, 1)) == C.FAILED_PRECONDITION  # nothing pushed: refused, remembered
+    begin(client, SD, 1)  # the same key again, then dropped by a bad checksum
+    bad = shard_messages("w", SD["w"], (0, 0))
+    header = pb.PushChunk.FromString(bad[0])
+    header.header.shard.xxh3_64 ^= 1
+    assert status_of(lambda: raw_push(client, "s", 1, 0, [header.SerializeToString(), *bad[1:]])) == C.DATA_LOSS
+    assert status_of(lambda: commit(client, 1)) == C.NOT_FOUND  # was the first update's FAILED_PRECONDITION
+    assert receiver.policy_version == 0

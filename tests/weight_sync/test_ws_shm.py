@@ -378,3 +378,19 @@ def test_mappings_are_kept_per_memfd_and_bounded_while_unused():
         for fd in fds:
             os.close(fd)
 
+
+
+def test_mappings_of_many_tiny_memfds_are_bounded_in_count_too():
+    # Each mapping holds a descriptor: a client pushing 64-byte memfds filled the receiver's descriptor table while
+    # the byte bound (the manifest's size) allowed ~131,000 of them.
+    mappings = MemfdMappings(max_bytes=1 << 30, max_entries=8)
+    before = len(os.listdir("/proc/self/fd"))
+    try:
+        for i in range(40):
+            fd = memfd(bytes([i]) * 64)
+            mappings.release(mappings.acquire(fd, 64))
+            os.close(fd)  # the stream's own descriptor goes; the cached mapping keeps its own
+        assert len(os.listdir("/proc/self/fd")) - before <= 8
+    finally:
+        mappings.close()
+    assert len(os.listdir("/proc/self/fd")) <= before

@@ -293,6 +293,17 @@ def test_a_silent_or_trickling_connection_is_closed_at_the_hello_timeout(serve):
         trickle.close()
 
 
+def test_a_hello_that_stalls_inside_its_body_is_a_deadline_not_a_malformed_hello(serve):
+    # Answered INVALID_ARGUMENT before: a sender falls back to gRPC only on DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED.
+    receiver, _ = serve(WeightSyncConfig(hello_timeout_s=0.5))
+    port = WeightSyncClient(receiver.address, QUICK).describe().data_port
+    hello = frame(pb.DataHello(session_id="s", policy_version=1, rank=0, ticket=b"x" * 32))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(hello[:7])  # the length and 3 bytes of the body, then nothing
+        reply = read_reply(sock)
+    assert reply is not None and reply.code == C.DEADLINE_EXCEEDED.value[0] and reply.unopened, reply
+
+
 def test_a_data_stream_that_stalls_after_its_hello_is_cut_and_its_update_dropped(serve):
     receiver, _ = serve(WeightSyncConfig(stream_idle_timeout_s=0.5))
     client = WeightSyncClient(receiver.address, QUICK)
