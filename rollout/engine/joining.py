@@ -11,6 +11,10 @@ Seeds: an unseeded request joins any other unseeded one. vLLM seeds child ``i`` 
 completion is sampled with exactly the seed it asked for, and a seeded batch is reproducible however its requests
 were joined. :func:`rollout.sampling.turn_seed` numbers the samples of a group that way.
 
+Greedy requests (temperature 0) of one prompt all join, seeded or not, and vLLM is asked for one completion: the
+argmax path is the same for every caller (and vLLM refuses ``n`` > 1 at temperature 0), so each caller gets a copy of
+it, as many as it asked for. A held-out set with two problems of the same text evaluates them this way.
+
 A caller that follows its completions token by token (``on_tokens``: a streamed reply) never joins: its request is
 its own, asked of vLLM with cumulative outputs after every step, and the request keeps each child's latest output,
 since vLLM then reports children one by one rather than all ``n`` together at the end.
@@ -21,6 +25,7 @@ This module is the bookkeeping alone (no vLLM): who waits for which completions,
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +55,8 @@ class Joined:
     sampling: Any
     adapter: Any
     waiters: list[Waiter]
+    greedy: bool = False
+    """Sampled at temperature 0: vLLM samples one completion, and every one asked for is a copy of it."""
     request_id: str = ""
     version: int = 0
     """The weights version when it was added."""
@@ -67,12 +74,18 @@ class Joined:
         assert on_tokens is not None
         for child in children:
             self.latest[child.index] = child
-            on_tokens(child.index, child.token_ids)
+            for index in range(self.n) if self.greedy else (child.index,):
+                on_tokens(index, child.token_ids)
 
     @property
     def n(self) -> int:
         """Completions asked for in all."""
         return sum(w.n for w in self.waiters)
+
+    @property
+    def num_sampled(self) -> int:
+        """Completions to ask vLLM for: ``n``, or 1 for a greedy request."""
+        return 1 if self.greedy else self.n
 
     @property
     def seed(self) -> int | None:
@@ -84,10 +97,13 @@ class Joined:
         return any(not w.future.done() for w in self.waiters)
 
     def deliver(self, completions: Sequence[Any]) -> None:
-        """Hand ``completions`` (``n`` of them, in child order) out: each waiter its own slice."""
-        if len(completions) != self.n:
-            self.fail(RuntimeError(f"vLLM returned {len(completions)} completions for a request of {self.n}"))
+        """Hand ``completions`` (``num_sampled`` of them, in child order) out: each waiter its own slice (of copies of
+        the one completion, for a greedy request)."""
+        if len(completions) != self.num_sampled:
+            self.fail(RuntimeError(f"vLLM returned {len(completions)} completions for a request of {self.num_sampled}"))
             return
+        if self.greedy:
+            completions = [completions[0], *(copy.deepcopy(completions[0]) for _ in range(self.n - 1))]
         start = 0
         for w in self.waiters:
             if not w.future.done():
@@ -110,15 +126,19 @@ class Joiner:
     def __bool__(self) -> bool:
         return bool(self._pending)
 
-    def add(self, prompt: Sequence[int], sampling: Any, sampling_key: Hashable, adapter: Any, waiter: Waiter) -> None:
-        """Let ``waiter`` join the requests of the same prompt, sampling and adapter that wait for the next step."""
+    def add(
+        self, prompt: Sequence[int], sampling: Any, sampling_key: Hashable, adapter: Any, waiter: Waiter,
+        greedy: bool = False,
+    ) -> None:
+        """Let ``waiter`` join the requests of the same prompt, sampling and adapter that wait for the next step;
+        ``greedy``: ``sampling`` is at temperature 0 (part of ``sampling_key``, so a gathering is greedy or not)."""
         ids = tuple(map(int, prompt))
         key: tuple[Hashable, ...] = (ids, sampling_key, None if adapter is None else adapter.lora_int_id)
         if waiter.on_tokens is not None:
             key += (waiter,)  # a streamed request is its own
         gathering = self._pending.get(key)
         if gathering is None:
-            self._pending[key] = Joined(list(ids), sampling, adapter, [waiter])
+            self._pending[key] = Joined(list(ids), sampling, adapter, [waiter], greedy=greedy)
         else:
             gathering.waiters.append(waiter)
 
@@ -133,10 +153,13 @@ class Joiner:
 
     def take(self) -> list[Joined]:
         """Everything gathered, as the requests to add: per gathering, the unseeded waiters as one request and the
-        seeded ones as one request per run of consecutive seeds."""
+        seeded ones as one request per run of consecutive seeds (a greedy gathering: all of them as one request)."""
         gatherings, self._pending = list(self._pending.values()), {}
         requests = []
         for g in gatherings:
+            if g.greedy:
+                requests.append(g)
+                continue
             unseeded = [w for w in g.waiters if w.seed is None]
             if unseeded:
                 requests.append(Joined(g.prompt, g.sampling, g.adapter, unseeded))

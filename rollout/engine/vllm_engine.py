@@ -242,7 +242,8 @@ class VLLMEngine:
         adapter = self._adapters.acquire() if self._adapters is not None else None
         waiter = Waiter(self._loop.create_future(), n, seed, on_tokens=on_tokens)
         try:
-            self._joiner.add(prompt_token_ids, sampling, sampling.model_dump_json(), adapter, waiter)
+            greedy = sampling.temperature == 0
+            self._joiner.add(prompt_token_ids, sampling, sampling.model_dump_json(), adapter, waiter, greedy=greedy)
             self._has_work.set()
             return await waiter.future
         except asyncio.CancelledError:
@@ -271,7 +272,7 @@ class VLLMEngine:
             for w in joined.waiters:
                 w.joined = joined
             try:
-                params = to_vllm_sampling_params(joined.sampling, joined.n, joined.seed)
+                params = to_vllm_sampling_params(joined.sampling, joined.num_sampled, joined.seed)
                 params.output_kind = RequestOutputKind.CUMULATIVE if joined.streamed else RequestOutputKind.FINAL_ONLY
                 self._engine.add_request(
                     joined.request_id, TokensPrompt(prompt_token_ids=joined.prompt), params, lora_request=joined.adapter

@@ -86,6 +86,27 @@ def test_joiner_gathers_by_prompt_sampling_and_adapter_and_keeps_seed_runs():
         loop.close()
 
 
+def test_greedy_waiters_of_one_prompt_are_one_request_of_one_completion_handed_out_as_copies():
+    import asyncio
+
+    from rollout.engine.joining import Joiner, Waiter
+
+    loop = asyncio.new_event_loop()
+    try:
+        joiner = Joiner()
+        waiters = [Waiter(loop.create_future(), n, seed) for n, seed in ((1, None), (2, 7), (1, 3))]
+        for w in waiters:
+            joiner.add([1, 2], "T=0", "T=0", None, w, greedy=True)
+        [request] = joiner.take()
+        assert (request.n, request.num_sampled, request.greedy) == (4, 1, True)
+        request.deliver([["argmax path"]])
+        results = [w.future.result() for w in waiters]
+        assert results == [[["argmax path"]], [["argmax path"]] * 2, [["argmax path"]]]
+        assert results[1][0] is not results[1][1]  # copies: a caller may change its own
+    finally:
+        loop.close()
+
+
 def test_sampled_token_logprobs_read_alike_from_flat_and_per_position_logprobs():
     pytest.importorskip("vllm")
     from vllm.logprobs import FlatLogprobs, Logprob

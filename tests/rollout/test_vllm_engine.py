@@ -166,6 +166,29 @@ def test_requests_of_one_prompt_join_and_each_keeps_its_own_seed(engine, monkeyp
     assert sorted(added) == [1, 6] and [len(o) for o in outs] == [2, 2, 2, 1]
 
 
+def test_greedy_callers_of_one_prompt_share_one_completion_each_gets_a_copy(engine, monkeypatch):
+    """vLLM refuses n > 1 at temperature 0: two held-out problems of the same text failed the run's evaluation."""
+    import asyncio
+
+    greedy = SamplingConfig(temperature=0.0, max_tokens=8)
+    alone = engine.generate([PROMPTS[0]], greedy, 1)[0][0]
+    added = _added_requests(engine, monkeypatch)
+    seen: dict[int, list[int]] = {}
+
+    async def together():
+        return await asyncio.gather(
+            engine.generate_async(PROMPTS[0], greedy, 1), engine.generate_async(PROMPTS[0], greedy, 2, 5),
+            engine.generate_async(PROMPTS[0], greedy, 2, on_tokens=lambda i, ids: seen.__setitem__(i, list(ids))),
+        )  # fmt: skip
+
+    outs = engine.run(together())
+    assert sorted(added) == [1, 1] and [len(o) for o in outs] == [1, 2, 2]  # the streamed one is its own request
+    for completion in (c for out in outs for c in out):
+        assert completion.token_ids.tolist() == alone.token_ids.tolist()
+        np.testing.assert_allclose(completion.logprobs, alone.logprobs, atol=1e-5)
+    assert outs[1][0] is not outs[1][1] and seen == {0: alone.token_ids.tolist(), 1: alone.token_ids.tolist()}
+
+
 def test_a_streamed_request_reports_its_choices_as_they_grow_and_ends_as_an_unstreamed_one(engine, monkeypatch):
     """``on_tokens`` sees each choice's ids grow step by step up to the final completion, which is token for token
     what the same seeded request gives unstreamed; a streamed request joins no other caller."""
