@@ -17,6 +17,8 @@ turns complete before it.
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rollout.config import SamplingConfig
-from rollout.envs.base import Environment, Message
+from rollout.envs.base import Environment, Message, StepResult
 from rollout.tasks.problem import Problem
 
 if TYPE_CHECKING:
@@ -85,11 +87,18 @@ async def run_episode(
 ) -> Episode:
     """Run ``env`` on ``problem`` to the end on ``engine`` (awaited on the engine loop) and return the episode;
     ``render`` turns the environment's first messages into the prompt (its tokenizer renders the rest);
-    ``seed_of_turn(t)`` seeds model turn ``t``. The environment is closed whatever happens; its errors propagate."""
+    ``seed_of_turn(t)`` seeds model turn ``t``. The environment is closed whatever happens; its errors propagate, and
+    so does a ``ValueError`` for a prompt the engine's context cannot hold or a malformed ``StepResult``."""
     tokenizer = render.tokenizer
     try:
         messages = await env.reset(problem)
         prompt = render(messages, env.tools)
+        if len(prompt) >= engine.config.max_model_len:
+            raise ValueError(
+                f"problem {problem.problem_id!r}: its prompt is {len(prompt)} tokens, and the engine holds "
+                f"rollout.engine.max_model_len = {engine.config.max_model_len} (prompt and completion); raise "
+                "max_model_len or leave such prompts out of the dataset"
+            )
         budget = limits.max_total_tokens or (engine.config.max_model_len - len(prompt))
         trajectory = _Trajectory(prompt)
         try:
@@ -159,7 +168,7 @@ async def _turns(
         if completion.finish_reason == "length":
             trajectory.finish_reason = "length"
             return
-        result = await env.step(trajectory.final_text)
+        result = _checked(env, await env.step(trajectory.final_text))
         trajectory.env_reward += result.reward
         for name, value in result.info.items():
             trajectory.info[name] = trajectory.info.get(name, 0.0) + value
@@ -174,6 +183,25 @@ async def _turns(
             observation = [eot, *observation]  # stopped on another stop token: the template closes the turn
 
 
+def _checked(env: Environment, result: object) -> StepResult:
+    """``result`` if it is a well-formed :class:`StepResult` (finite number reward and info values, a list of
+    observation messages), else a ``TypeError``/``ValueError`` naming the environment: a NaN reward would otherwise
+    reach the loss and turn every weight into NaN."""
+    name = f"environment {type(env).__module__}:{type(env).__qualname__}"
+    if not isinstance(result, StepResult):
+        raise TypeError(f"{name}: step() returned {type(result).__name__}; it must return rollout.envs.StepResult")
+    if not isinstance(result.reward, numbers.Real) or isinstance(result.reward, bool):
+        raise TypeError(f"{name}: StepResult.reward is {result.reward!r}; it must be a number")
+    if not math.isfinite(result.reward):
+        raise ValueError(f"{name}: StepResult.reward is {result.reward}; a reward must be finite")
+    for key, value in result.info.items():
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"{name}: StepResult.info[{key!r}] is {value!r}; info values must be finite numbers")
+    if not isinstance(result.observation, list):
+        raise TypeError(f"{name}: StepResult.observation is {type(result.observation).__name__}; it must be a list of "
+                        "chat messages")  # fmt: skip
+    result.reward = float(result.reward)
+    return result
 
 
 def render_transcript(

@@ -41,3 +41,20 @@ class ScriptedToolCalls(ToolEnvironment):
     async def step(self, text: str) -> StepResult:
         turn, self._turn = self._turn, self._turn + 1
         return await super().step(self._script[turn] if turn < len(self._script) else text)
+
+
+class Returns(Environment):
+    """Answers the first model turn with ``value``, whatever it is (a malformed ``StepResult`` for the checks)."""
+
+    def __init__(self, value: object) -> None:
+        self._value = value
+        self.closed = False
+
+    async def reset(self, problem: Problem) -> list[Message]:
+        return problem_messages(problem)
+
+    async def step(self, text: str) -> StepResult:
+        return self._value  # type: ignore[return-value]
+
+    async def close(self) -> None:
+        self.closed = True

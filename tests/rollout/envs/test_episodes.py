@@ -10,13 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from tests.rollout.envs.scripted_env import EchoObservations, ScriptedToolCalls
+from tests.rollout.envs.scripted_env import EchoObservations, Returns, ScriptedToolCalls
 from tests.rollout.vllm_helpers import tiny_rollout_config, trainer_logprobs
 
 pytest.importorskip("vllm")
 
 from rollout.config import SamplingConfig  # noqa: E402
-from rollout.envs import EpisodeLimits, run_episode  # noqa: E402
+from rollout.envs import EpisodeLimits, StepResult, run_episode  # noqa: E402
 from rollout.envs.config import CustomEnvConfig, PythonToolConfig, ToolEnvConfig  # noqa: E402
 from rollout.rewards.config import ExactMatchRewardConfig, RewardConfig  # noqa: E402
 from rollout.tasks.problem import Problem  # noqa: E402
@@ -145,6 +145,32 @@ def test_a_timeout_keeps_the_turns_complete_before_it(worker):
     [e] = _run(worker, [env], EpisodeLimits(max_turns=3, timeout_s=1.0))
     assert time.monotonic() - start < 5.0
     assert e.timed_out and e.finish_reason == "length" and e.num_turns == 1 and e.loss_mask.all()
+
+
+@pytest.mark.parametrize("value, error", [
+    (StepResult(reward=float("nan"), done=True), "reward is nan; a reward must be finite"),
+    (StepResult(reward="1", done=True), "reward is '1'; it must be a number"),
+    (StepResult(done=True, info={"x": float("inf")}), "info\\['x'\\] is inf"),
+    ({"reward": 1.0, "done": True}, "step\\(\\) returned dict; it must return rollout.envs.StepResult"),
+])  # fmt: skip
+def test_a_malformed_step_result_is_an_error_naming_the_environment(worker, value, error):
+    # A NaN reward went into the advantages and the loss: every weight of the trained model became NaN, exit 0.
+    env = Returns(value)
+    with pytest.raises((ValueError, TypeError), match=error) as raised:
+        _run(worker, [env], EpisodeLimits(max_turns=2))
+    assert "scripted_env:Returns" in str(raised.value) and env.closed
+
+
+def test_a_prompt_the_engine_cannot_hold_is_an_error_naming_the_problem(worker):
+    # It was an episode of no tokens, finish reason "length": trained on nothing, with no word said.
+    long = Problem(prompt="12 * 34 " * 400, answer="408", problem_id="long-one")
+
+    async def one():
+        return await run_episode(worker.engine, PromptRenderer(worker.tokenizer), EchoObservations(), long, SAMPLING,
+                                 THREE_TURNS, lambda t: None)  # fmt: skip
+
+    with pytest.raises(ValueError, match="problem 'long-one': its prompt is [0-9]+ tokens.*max_model_len = 512"):
+        worker.engine.run(one())
 
 
 def test_token_and_turn_limits_end_episodes_as_length(worker):
