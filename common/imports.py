@@ -13,7 +13,7 @@ def resolve_object(spec: str, what: str) -> Any:
     and which part is missing.
 
     An ``ImportError`` raised *inside* the user's module (a missing dependency of it) is reported as such, not as a
-    missing module.
+    missing module; any other error its import raises (a syntax error, a name error) is a ``ValueError`` naming it.
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -29,6 +29,11 @@ def resolve_object(spec: str, what: str) -> Any:
         raise ValueError(f"{what} {spec!r}: importing module {module_name!r} failed: {e}") from e
     except ImportError as e:
         raise ValueError(f"{what} {spec!r}: importing module {module_name!r} failed: {e}") from e
+    except Exception as e:  # noqa: BLE001  (user code run at import: a SyntaxError, a NameError, a raise)
+        where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
+        raise ValueError(
+            f"{what} {spec!r}: importing module {module_name!r} raised {type(e).__name__}: {e}{where}"
+        ) from e
     try:
         return getattr(module, attr)
     except AttributeError:

@@ -9,24 +9,15 @@ import numpy as np
 
 from rollout.config import SamplingConfig
 
-__all__ = ["accuracy_term", "evaluate"]
-
-_CORRECTNESS_TYPES = ("math", "exact_match")
-
-
-def accuracy_term(reward_cfg: Any) -> str | None:
-    """Name of the reward term that says whether an answer is correct (the first 'math' or 'exact_match' term)."""
-    for term in reward_cfg.terms:
-        if term.type in _CORRECTNESS_TYPES:
-            return term.term_name
-    return None
+__all__ = ["evaluate"]
 
 
 def evaluate(pool: Any, problems: Sequence[Any], sampling: SamplingConfig, term: str | None) -> dict[str, float]:
     """Generate one completion per held-out problem at ``sampling`` and at temperature 0; return eval metrics.
 
-    ``eval/accuracy`` is the fraction of sampled completions whose ``term`` scores 1 (``eval/greedy_accuracy`` the same
-    for greedy decoding); ``eval/reward`` is the mean total reward of the sampled completions.
+    ``eval/accuracy`` is the fraction of sampled completions whose ``term`` (``RewardConfig.accuracy_term``) scores 1
+    (``eval/greedy_accuracy`` the same for greedy decoding); ``eval/reward`` is the mean total reward of the sampled
+    completions.
     """
     if not problems:
         return {}

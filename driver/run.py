@@ -31,6 +31,7 @@ from common.run_dir import (
 from recipe import Recipe, load_recipe, write_resolved
 
 if TYPE_CHECKING:
+    from rollout.tasks.dataset import PromptDataset
     from trainer.models.config import ModelConfig
 
 __all__ = ["ensure_model", "run"]
@@ -47,24 +48,34 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     out_dir = recipe.run.resolved_output_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"error: run.output_dir {str(out_dir)!r} cannot be the run's directory: {e}", file=sys.stderr)
+        return 2
     recipe = _with_run_defaults(recipe, out_dir)
     ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # _with_run_defaults set it
+    from rollout.tasks import build_dataset
     from rollout.tokenizer import check_tokenizer_dir
+    from trainer.checkpoint import saved_data_cursor
     from trainer.checkpoint_dirs import latest_checkpoint
     from trainer.models.hf_config import model_config_from_hf
 
     resume_from = latest_checkpoint(ckpt_dir) if resume is not None else None
-    try:  # a model that cannot be created, or a sharding it cannot take, fails before Ray starts (and moves nothing)
+    # A model that cannot be created, a sharding it cannot take, a task file with a bad row, or a checkpoint of
+    # another model or task fails before Ray starts (and moves nothing).
+    try:
         if resume == "required" and resume_from is None:
             raise ValueError(f"--resume: no complete checkpoint under {ckpt_dir}; run without --resume (or --resume "
                              "auto)")  # fmt: skip
+        dataset = build_dataset(recipe.task)
         ensure_model(recipe)
         check_tokenizer_dir(recipe.rollout.tokenizer_path or recipe.model.path)  # loaded while the actors start
         model_cfg = model_config_from_hf(recipe.model.path, **recipe.model.block_overrides(), lora=recipe.model.lora)
         recipe.trainer.check_model(model_cfg)
         if resume_from is not None:
             _check_resumable(resume_from, model_cfg, recipe, out_dir)
+            dataset.load_state_dict(saved_data_cursor(resume_from))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -87,7 +98,8 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
     try:
         with ray_session(address, recipe.trainer.device) as where:
             log.info("Ray: %s; outputs in %s", where, out_dir)
-            with _Run(recipe, model_cfg, out_dir, resume_from is not None, can_grow=where != "embedded") as job:
+            resumed = resume_from is not None
+            with _Run(recipe, model_cfg, dataset, out_dir, resumed, can_grow=where != "embedded") as job:
                 job.execute()
         return 0
     except KeyboardInterrupt:
@@ -209,10 +221,13 @@ def ensure_model(recipe: Recipe) -> None:
 class _Run:
     """The actors and sinks of one run, as a context manager that always closes them."""
 
-    def __init__(self, recipe: Recipe, model_cfg: ModelConfig, out_dir: Path, resume: bool, can_grow: bool) -> None:
-        """``model_cfg``: the trainer's view of the recipe's model directory; ``can_grow``: the Ray cluster may add
-        nodes (a joined cluster), so a placement may wait for them."""
-        self.recipe, self.model_cfg, self.out_dir = recipe, model_cfg, out_dir
+    def __init__(
+        self, recipe: Recipe, model_cfg: ModelConfig, dataset: PromptDataset, out_dir: Path, resume: bool,
+        can_grow: bool,
+    ) -> None:
+        """``model_cfg``: the trainer's view of the recipe's model directory; ``dataset``: the task's problems;
+        ``can_grow``: the Ray cluster may add nodes (a joined cluster), so a placement may wait for them."""
+        self.recipe, self.model_cfg, self.dataset, self.out_dir = recipe, model_cfg, dataset, out_dir
         self.resume, self.can_grow = resume, can_grow
         self.reservations: dict[str, Any] = {}
         self.pool: Any = None
@@ -231,7 +246,6 @@ class _Run:
         from driver.publisher import WeightPublisher
         from driver.reservation import Role, reserve
         from rollout.pool import RolloutPool, worker_resources
-        from rollout.tasks import build_dataset
         from rollout.tokenizer import load_tokenizer
         from trainer.group import TrainerGroup, rank_resources
 
@@ -240,7 +254,6 @@ class _Run:
             self.out_dir, r.run.num_steps, tensorboard=r.run.logging.tensorboard, progress=r.run.logging.progress,
             prometheus_port=r.run.logging.prometheus_port, append=self.resume,
         )  # fmt: skip
-        self.dataset = build_dataset(r.task)
         model_cfg = self.model_cfg
         self.placement = plan_placement(r, host_cores())
         log.info("placement: %s on %d core(s); trainer ranks run %s thread(s), engines %s", r.run.placement,
@@ -326,14 +339,14 @@ class _Run:
 
     # -- the run ---------------------------------------------------------------------------------------------------
     def execute(self) -> None:
-        from driver.evaluate import accuracy_term, evaluate
+        from driver.evaluate import evaluate
         from driver.loop import RLLoop
         from driver.metrics import plot_curves
         from driver.warm_start import warm_start
 
         r = self.recipe
         eval_problems = self.dataset.eval_problems()[: r.run.eval.num_problems]
-        eval_sampling, term = r.eval_sampling, accuracy_term(r.reward)
+        eval_sampling, term = r.eval_sampling, r.reward.accuracy_term
         do_eval = lambda: evaluate(self.pool, eval_problems, eval_sampling, term)  # noqa: E731
 
         start_step = 0

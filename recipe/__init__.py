@@ -31,7 +31,15 @@ from typing import Any
 
 import pydantic
 
-from common.config import Config, FieldError, config_error, read_toml_with_sources, to_toml, validate_config
+from common.config import (
+    Config,
+    FieldError,
+    Sources,
+    config_error,
+    read_toml_with_sources,
+    to_toml,
+    validate_config,
+)
 from common.run_dir import RESOLVED_RECIPE
 from recipe.sections import ModelSection, PlacementGroupsConfig, RunConfig
 from rollout.config import RolloutConfig, SamplingConfig
@@ -93,6 +101,7 @@ class Recipe(Config):
         _check_placement(self)
         _check_lora(self)
         _check_environment(self)
+        _check_warm_start_target(self)
         term = self.run.dynamic_sampling.filter_term
         names = [t.term_name for t in self.reward.terms] + (["overlong"] if self.reward.overlong else [])
         if term is not None and term not in names:
@@ -215,6 +224,31 @@ def _served_adapter(lora: LoRAConfig) -> AdapterSpec:
     return AdapterSpec(**{field: getattr(lora, field) for field in AdapterSpec.model_fields})
 
 
+def _check_warm_start_target(recipe: Recipe) -> None:
+    """``warm_start.stop_at_accuracy`` is read off the held-out evaluation: the task must set problems aside and a
+    reward term must say which answers are right, else the accuracy is never measured and the target never met."""
+    warm = recipe.run.warm_start
+    if warm.num_steps == 0 or warm.stop_at_accuracy is None:
+        return
+    task = recipe.task
+    held_out = task.eval_path is not None or task.num_eval_problems > 0 if isinstance(task, JsonlTaskConfig) else (
+        task.num_eval_problems > 0
+    )
+    if not held_out:
+        raise FieldError(
+            "run.warm_start.stop_at_accuracy",
+            f"stop_at_accuracy = {warm.stop_at_accuracy} is measured on held-out problems, and the task sets none "
+            "aside: give task.eval_path or task.num_eval_problems, or stop the warm start by num_steps (or "
+            "stop_at_loss) and set stop_at_accuracy = false",
+        )
+    if recipe.reward.accuracy_term is None:
+        raise FieldError(
+            "run.warm_start.stop_at_accuracy",
+            "stop_at_accuracy needs a reward term that says whether an answer is right ('exact_match' or 'math'), and "
+            "reward.terms has none: add one, or stop the warm start by num_steps (or stop_at_loss)",
+        )
+
+
 def _check_environment(recipe: Recipe) -> None:
     """A multi-turn environment renders observations with the chat template and fits the engine's context."""
     env = recipe.environment
@@ -274,10 +308,29 @@ def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None, ch
     """
     data, sources = read_toml_with_sources(path, overrides)
     recipe = validate_config(Recipe, data, source=str(path), sources=sources)
-    problems = _host_problems(recipe) if check_paths else []
+    problems = [*_inherited_creator(recipe, sources), *_host_problems(recipe)] if check_paths else []
     if problems:
         raise config_error(problems, data, source=str(path), sources=sources)
     return recipe
+
+
+def _inherited_creator(recipe: Recipe, sources: Sources) -> list[tuple[tuple[str | int, ...], str]]:
+    """A model directory that does not exist, named in one recipe file while the table that would create it comes from
+    a base file: a user's own model path (perhaps misspelt) under ``base = "grpo_tiny.toml"`` must not silently become
+    a random tiny model. Repeating the table header in the file that sets the path says it is meant."""
+    creator = "create_tiny" if recipe.model.create_tiny is not None else "create_published"
+    if getattr(recipe.model, creator) is None or (Path(recipe.model.path) / "config.json").is_file():
+        return []
+    path_from, creator_from = sources.get(("model", "path"), ""), sources.get(("model", creator), "")
+    if path_from == creator_from or path_from.startswith("command-line"):
+        return []
+    return [(
+        ("model", "path"),
+        f"{recipe.model.path!r} has no config.json, and the [model.{creator}] that would create a random model there "
+        f"comes from {creator_from}, not from {path_from}, which sets the path: point model.path at your model "
+        f"directory (set model.{creator} = false to drop the inherited table), or write [model.{creator}] in "
+        f"{path_from} too if a random model is what you want",
+    )]  # fmt: skip
 
 
 def _probe_interpreter(python: str) -> dict[str, Any] | str:

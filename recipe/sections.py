@@ -76,12 +76,19 @@ class ModelSection(BlockChoices):
     path: str = pydantic.Field(min_length=1)
     """Local HF model directory (config.json, safetensors, tokenizer): the trainer loads it, every engine serves it."""
     create_tiny: TinyModelSpec | None = None
-    """Create a tiny random model at ``path`` first when the directory does not exist (the embedded demo)."""
+    """Create a tiny random model at ``path`` first when the directory does not exist (the embedded demo); ``false``
+    drops one a base recipe set. A recipe that sets ``path`` under an inherited table repeats its header."""
     create_published: PublishedModelSpec | None = None
-    """Create a random model of a published architecture at ``path`` first when the directory does not exist."""
+    """Create a random model of a published architecture at ``path`` first when the directory does not exist
+    (``false``: drop the base recipe's)."""
     lora: LoRAConfig | None = None
     """Train LoRA adapters on the frozen checkpoint instead of every weight (``trainer.models.lora``): each step pushes
     only the adapters, and the engines serve them through vLLM's LoRA path. None: full-parameter training."""
+
+    @pydantic.field_validator("create_tiny", "create_published", mode="before")
+    @classmethod
+    def _false_is_none(cls, value: object) -> object:
+        return None if value is False else value  # `create_tiny = false` drops a table a base recipe set
 
     @pydantic.model_validator(mode="after")
     def _one_creator(self) -> ModelSection:
@@ -100,14 +107,20 @@ class WarmStartConfig(Config):
     lr: float = pydantic.Field(3e-3, gt=0)
     """Peak SFT learning rate (own AdamW, discarded before RL starts)."""
     stop_at_loss: float | None = pydantic.Field(None, gt=0)
-    """Stop once the mean SFT loss of the last 10 steps is at most this; None: no loss target."""
+    """Stop once the mean SFT loss of the last 10 steps is at most this; None (``false``): no loss target."""
     stop_at_accuracy: float | None = pydantic.Field(None, gt=0, le=1)
     """Stop once held-out accuracy (``run.eval``'s problems and temperature, checked every
-    ``check_every_num_steps`` SFT steps through the rollout pool) reaches this; None: no accuracy target. A new task
+    ``check_every_num_steps`` SFT steps through the rollout pool) reaches this; None (``false``): no accuracy target
+    (it needs the task's held-out problems and an 'exact_match' or 'math' reward term). A new task
     then needs no trial runs to find the warm start's length: aim for RL's sweet spot (enough reward signal, room to
     climb), e.g. 0.3-0.5."""
     check_every_num_steps: int = pydantic.Field(50, ge=1)
     """SFT steps between two checks of ``stop_at_accuracy``."""
+
+    @pydantic.field_validator("stop_at_loss", "stop_at_accuracy", mode="before")
+    @classmethod
+    def _false_is_none(cls, value: object) -> object:
+        return None if value is False else value  # `= false` drops a target a base recipe set
     parameters: Literal["trainable", "all"] = "trainable"
     """What the warm start trains: 'trainable', what RL trains (with ``[model.lora]``: the adapters); 'all', every
     weight: with LoRA the base itself is fine-tuned first and RL then trains fresh adapters on it (the engines get the

@@ -46,6 +46,7 @@ __all__ = [
     "TrainProgress",
     "read_model_tensors",
     "saved_model_params",
+    "saved_data_cursor",
     "saved_parts",
     "saved_policy_params",
     "saved_policy_version",
@@ -217,6 +218,11 @@ class CheckpointManager:
         _set_rng_states(small["rng"])
         _barrier()
         return TrainProgress(small["step"], small["policy_version"], small["data_cursor"])
+
+
+def saved_data_cursor(path: str | Path) -> dict[str, Any]:
+    """The caller's ``data_cursor`` a checkpoint was saved with (from its rank-0 trainer state)."""
+    return dict(torch.load(_rank_state_file(Path(path), 0), weights_only=False)["data_cursor"])
 
 
 def saved_policy_version(path: str | Path) -> int:

@@ -3,6 +3,7 @@ token-in-token-out by :func:`rollout.envs.episode.run_episode` on the rollout wo
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,15 @@ def build_environment(config: EnvironmentConfig) -> Callable[[], Environment]:
     if missing:
         raise ValueError(f"environment class {config.class_path!r} has no {' or '.join(missing)} method")
     options = dict(config.options)
+    try:
+        inspect.signature(cls).bind(**options)
+    except TypeError as e:
+        raise ValueError(
+            f"environment class {config.class_path!r} cannot take environment.options {sorted(options)}: {e} "
+            f"(its signature: {cls.__name__}{inspect.signature(cls)})"
+        ) from None
+    except ValueError:  # no signature to read (a class built in C): constructed as it is
+        pass
     return lambda: cls(**options)
 
 

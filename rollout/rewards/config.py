@@ -178,6 +178,12 @@ class RewardConfig(Config):
     overlong: OverlongPenaltyConfig | None = None
     """DAPO's soft overlong punishment by completion length (term ``overlong``); None: off."""
 
+    @property
+    def accuracy_term(self) -> str | None:
+        """Name of the term that says whether an answer is right (the first 'math' or 'exact_match' term): held-out
+        accuracy is the fraction of completions it scores 1. ``None`` when no term does."""
+        return next((t.term_name for t in self.terms if t.type in ("math", "exact_match")), None)
+
     @pydantic.model_validator(mode="after")
     def _check_names(self) -> RewardConfig:
         names = [t.term_name for t in self.terms] + (["overlong"] if self.overlong is not None else [])

@@ -8,6 +8,7 @@ and the error is counted.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -34,6 +35,16 @@ def resolve_function(spec: str) -> RewardFunction:
     if not callable(function):
         raise ValueError(f"reward function {spec!r}: {spec.partition(':')[2]!r} is a {type(function).__name__}, not "
                          "a function")
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a callable Python cannot introspect (a C builtin): called as it is
+        return function
+    try:
+        signature.bind("completion", "problem")
+    except TypeError as e:
+        raise ValueError(
+            f"reward function {spec!r}{signature}: it is called as f(completion, problem) and cannot be ({e})"
+        ) from None
     return function
 
 

@@ -47,11 +47,17 @@ def read_jsonl_problems(path: str, config: JsonlTaskConfig) -> list[Problem]:
     if not file.is_file():
         raise FileNotFoundError(f"task file {path!r} does not exist")
     problems = []
-    with file.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with file.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:

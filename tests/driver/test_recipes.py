@@ -61,6 +61,59 @@ def test_missing_model_dir_without_create_tiny_is_rejected(tmp_path):
         load_recipe(path, {"model.path": str(tmp_path / "nowhere")})
 
 
+def test_a_users_model_path_under_an_inherited_create_tiny_is_refused_unless_said(tmp_path):
+    # A misspelt path of the user's own model under base = "grpo_tiny.toml" trained a random tiny model, exit 0.
+    base = (ROOT / "recipes" / "grpo_tiny.toml").resolve()
+    child = tmp_path / "mine.toml"
+    child.write_text(f'base = "{base}"\n[model]\npath = "{tmp_path / "Qwen3-0.6B-instrct"}"\n')
+    msg = _error(child)
+    assert f"- model.path: '{tmp_path / 'Qwen3-0.6B-instrct'}' has no config.json, and the [model.create_tiny]" in msg
+    assert "set model.create_tiny = false to drop the inherited table" in msg, msg
+    child.write_text(child.read_text() + "[model.create_tiny]\n")  # said: a random model is meant
+    assert load_recipe(child).model.create_tiny == load_recipe(base).model.create_tiny
+    child.write_text(child.read_text().replace("[model.create_tiny]\n", "create_tiny = false\n"))
+    assert "has no config.json: point it at a local HF model directory" in _error(child)
+
+
+def test_user_code_that_fails_at_import_or_has_the_wrong_signature_is_refused_at_load(tmp_path, monkeypatch):
+    (tmp_path / "syntax_rewards.py").write_text("def score(completion, problem)\n    return 1.0\n")
+    (tmp_path / "raising_rewards.py").write_text("raise RuntimeError('no GPU here')\n")
+    (tmp_path / "one_arg_rewards.py").write_text("def score(completion):\n    return 1.0\n")
+    (tmp_path / "my_envs.py").write_text(
+        "from rollout.envs import Environment\n"
+        "class Good(Environment):\n"
+        "    def __init__(self, bonus=1.0):\n        self.bonus = bonus\n"
+        "    async def reset(self, problem):\n        return []\n"
+        "    async def step(self, text):\n        return None\n"
+    )  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = _broken(tmp_path, lambda t: t.replace("stop_at_accuracy = 0.4", "stop_at_accuracy = false"))
+    term = lambda spec: {"reward.terms": [{"type": "function", "function": spec}]}  # noqa: E731
+    assert "importing module 'syntax_rewards' raised SyntaxError" in _error(path, term("syntax_rewards:score"))
+    assert "raised RuntimeError: no GPU here" in _error(path, term("raising_rewards:score"))
+    assert "called as f(completion, problem) and cannot be" in _error(path, term("one_arg_rewards:score"))
+    env = {"environment.type": "custom", "environment.class_path": "my_envs:Good"}
+    msg = _error(path, {**env, "environment.options": {"bonnus": 2.0}})
+    assert "cannot take environment.options ['bonnus']" in msg and "Good(bonus=1.0)" in msg, msg
+    load_recipe(path, {**env, "environment.options": {"bonus": 2.0}})
+
+
+def test_a_warm_start_accuracy_target_needs_held_out_problems_and_a_correctness_term(tmp_path):
+    # A JSONL task with no held-out split logged warm_start/eval_accuracy 0.0 (nothing was evaluated) and ran every
+    # SFT step: the inherited target could never be met.
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(f'{{"prompt": "p{i}", "answer": "{i}"}}\n' for i in range(20)))
+    path = _broken(tmp_path, lambda t: t)
+    jsonl = {"task": {"type": "jsonl", "path": str(data)}}
+    msg = _error(path, jsonl)
+    assert "- run.warm_start.stop_at_accuracy: stop_at_accuracy = 0.4 is measured on held-out problems" in msg, msg
+    assert load_recipe(path, {**jsonl, "task.num_eval_problems": 5}).task.num_eval_problems == 5
+    unset = load_recipe(path, {**jsonl, "run.warm_start.stop_at_accuracy": False})
+    assert unset.run.warm_start.stop_at_accuracy is None
+    no_correctness = {"reward.terms": [{"type": "format", "pattern": "[0-9]+"}]}
+    assert "needs a reward term that says whether an answer is right" in _error(path, no_correctness)
+
+
 def test_cli_overrides_and_resolved_config_round_trip(tmp_path):
     recipe = load_recipe(ROOT / "recipes" / "grpo_tiny.toml", parse_overrides(["--trainer.optimizer.lr", "2e-5"]))
     assert recipe.trainer.optimizer.lr == 2e-5
@@ -144,6 +197,8 @@ def test_pallas_kernel_with_device_cuda_fails_at_check(tmp_path):
 
 
 def _with_function_reward(text, spec):
+    # No correctness term is left, so no held-out accuracy: the warm start stops by its step count alone.
+    text = text.replace("stop_at_accuracy = 0.4", "stop_at_accuracy = false")
     return text.replace('type = "exact_match"', f'type = "function"\nfunction = "{spec}"')
 
 
@@ -310,7 +365,8 @@ def test_tempered_sampling_trains():
 
 def test_missing_jsonl_file_fails_at_load_saying_what_relative_paths_resolve_against(tmp_path):
     recipe = tmp_path / "mine.toml"
-    recipe.write_text(f'base = "{ROOT / "recipes" / "grpo_tiny.toml"}"\n[task]\ntype = "jsonl"\npath = "nope.jsonl"\n')
+    task = '[task]\ntype = "jsonl"\npath = "nope.jsonl"\nnum_eval_problems = 5\n'
+    recipe.write_text(f'base = "{ROOT / "recipes" / "grpo_tiny.toml"}"\n{task}')
     with pytest.raises(ConfigError) as err:
         load_recipe(recipe)
     assert "task.path: 'nope.jsonl': no such file" in str(err.value) and str(Path.cwd()) in str(err.value)

@@ -12,6 +12,7 @@ import driver.session
 from common.run_dir import set_aside_earlier_run
 from driver.run import _check_resumable, ensure_model, run
 from recipe import load_recipe, write_resolved
+from rollout.tasks import build_dataset
 from trainer.checkpoint import Checkpointable, CheckpointManager, TrainProgress
 from trainer.checkpoint_dirs import latest_checkpoint
 from trainer.config import OptimizerConfig
@@ -37,7 +38,8 @@ def _checkpointed_run(tmp_path: Path, base: str = "recipes/grpo_tiny.toml") -> P
     policy = build_model(model_config_from_hf(started.model.path, lora=started.model.lora))
     lora = started.model.lora is not None
     part = Checkpointable(policy, build_optimizer(policy, OptimizerConfig()), trainable_only=lora)
-    CheckpointManager(out / "checkpoints").save({"policy": part}, TrainProgress(2, 2, {}))
+    cursor = build_dataset(started.task).state_dict()  # the task's own cursor, as the driver saves it
+    CheckpointManager(out / "checkpoints").save({"policy": part}, TrainProgress(2, 2, cursor))
     return out
 
 
@@ -199,3 +201,47 @@ def test_a_resume_refuses_a_checkpoint_of_another_algorithm(tmp_path):
     _check_resumable(ckpt, cfg, ppo, out)
     with pytest.raises(ValueError, match="holds a critic, and algorithm 'grpo' has none"):
         _check_resumable(ckpt, cfg, _recipe(tmp_path, "model", 128), out)
+
+
+def _jsonl_recipe(tmp_path: Path, data: Path, out: Path):
+    return load_recipe("recipes/grpo_tiny.toml", {
+        "model.path": str(tmp_path / "model"), "run.output_dir": str(out), "run.warm_start.num_steps": 0,
+        "task": {"type": "jsonl", "path": str(data), "num_eval_problems": 2},
+    })  # fmt: skip
+
+
+def test_a_task_file_with_a_bad_row_fails_before_ray_and_moves_nothing(tmp_path, capsys, no_ray):
+    # Found once Ray and the actors had started (a traceback), after the earlier run's outputs were moved aside.
+    out = _checkpointed_run(tmp_path)
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n' * 5 + '{"prompt": "2+2", "answer"\n')
+    assert run(_jsonl_recipe(tmp_path, data, out)) == 2
+    assert f"error: {data}:6: not valid JSON" in capsys.readouterr().err
+    data.write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')  # Latin-1, not UTF-8
+    assert run(_jsonl_recipe(tmp_path, data, out)) == 2
+    assert f"error: {data}:1: not UTF-8 (byte 0xe9 at column 16)" in capsys.readouterr().err
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
+def test_a_resume_on_other_problems_fails_before_ray(tmp_path, capsys, no_ray):
+    out = tmp_path / "out"
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+1", "answer": "{i + 1}"}}\n' for i in range(8)))
+    recipe = _jsonl_recipe(tmp_path, data, out)
+    ensure_model(recipe)
+    write_resolved(recipe, out)
+    policy = build_model(model_config_from_hf(recipe.model.path))
+    part = Checkpointable(policy, build_optimizer(policy, OptimizerConfig()))
+    cursor = build_dataset(recipe.task).state_dict()
+    CheckpointManager(out / "checkpoints").save({"policy": part}, TrainProgress(2, 2, cursor))
+    data.write_text(data.read_text().replace('"answer": "3"', '"answer": "4"'))  # one answer edited
+    assert run(recipe, resume="required") == 2
+    assert "prompt dataset state does not match this dataset" in capsys.readouterr().err
+
+
+def test_an_output_dir_that_is_a_file_is_a_clear_error(tmp_path, capsys, no_ray):
+    (tmp_path / "afile").write_text("x")
+    recipe = load_recipe("recipes/grpo_tiny.toml", {"run.output_dir": str(tmp_path / "afile")})
+    assert run(recipe) == 2
+    assert f"error: run.output_dir '{tmp_path / 'afile'}' cannot be the run's directory" in capsys.readouterr().err
