@@ -8,15 +8,24 @@ else a user needs to load and generate that training does not change, taken from
 from: the tokenizer files, ``generation_config.json`` (written from the token ids when the source has none) and the
 special-token ids of the source ``config.json`` (``eos_token_id``, ``pad_token_id``, ``bos_token_id``), so HF
 ``generate`` stops where the trained policy learnt to stop.
+
+An export is written into a temporary sibling directory and renamed into place when complete, so a reader finds the
+whole export under its name or nothing new; a failure removes the temporary directory and leaves the output as it was.
+The output must be a new or empty directory or an earlier export (which is replaced whole), and neither be nor hold
+the model directory or the checkpoint it is made from.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import pickle
+import re
 import shutil
 import sys
-from collections.abc import Iterable
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,6 +49,13 @@ TOKENIZER_FILES = (
 )  # fmt: skip
 """Files of an HF model directory that make up its tokenizer (those present are copied)."""
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_EXPORT_FILES = frozenset({
+    *TOKENIZER_FILES, ADAPTER_DIR, "config.json", "generation_config.json", "policy_version.json", "model.safetensors",
+    "model.safetensors.index.json",
+})  # fmt: skip
+"""Names an export writes (with ``model-0000i-of-0000n.safetensors``): a directory holding only these (and a killed
+writer's hidden ``*.partial`` files) is an earlier export, which a new one replaces whole."""
+_SHARD_FILE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 
 
 def complete_from_source(out_dir: str | Path, source_dir: str | Path) -> list[str]:
@@ -50,10 +66,7 @@ def complete_from_source(out_dir: str | Path, source_dir: str | Path) -> list[st
     without one cannot be used by the person it is exported for.
     """
     out, src = Path(out_dir), Path(source_dir)
-    copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
-    if not {"tokenizer.json", "tokenizer.model"} & set(copied):
-        raise ValueError(f"{src} has no tokenizer (tokenizer.json or tokenizer.model): export needs the model "
-                         "directory the run started from, with its tokenizer files")  # fmt: skip
+    copied = _tokenizer_files(src)
     for name in copied:
         shutil.copyfile(src / name, out / name)
     source_config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
@@ -67,6 +80,15 @@ def complete_from_source(out_dir: str | Path, source_dir: str | Path) -> list[st
     else:
         (out / "generation_config.json").write_text(json.dumps(ids, indent=2, sort_keys=True) + "\n")
     return [*copied, "generation_config.json"]
+
+
+def _tokenizer_files(source_dir: Path) -> list[str]:
+    """The :data:`TOKENIZER_FILES` that ``source_dir`` holds; raises ``ValueError`` when they make no tokenizer."""
+    names = [name for name in TOKENIZER_FILES if (source_dir / name).is_file()]
+    if not {"tokenizer.json", "tokenizer.model"} & set(names):
+        raise ValueError(f"{source_dir} has no tokenizer (tokenizer.json or tokenizer.model): export needs the model "
+                         "directory the run started from, with its tokenizer files")  # fmt: skip
+    return names
 
 
 def export_policy(
@@ -84,22 +106,30 @@ def export_policy(
     out_dir / "adapter")``, or a vLLM ``LoRARequest`` over the base).
     ``policy_version`` is recorded as ``policy_version.json``, so a
     weight-sync receiver serving the directory (``vllm serve`` with the rl_align plugin, ``python -m weight_sync
-    serve``) starts at that version and refuses older pushes."""
+    serve``) starts at that version and refuses older pushes.
+
+    The directory appears whole or not at all (:func:`_write_whole`). Raises ``ValueError`` on rank 0, after the
+    gathers and before ``out_dir`` is touched, when ``out_dir`` is or holds ``source_dir``, is a file, or holds files
+    an export does not write."""
     import torch
 
     from trainer.models.hf_io import save_hf_checkpoint
     from trainer.models.lora import adapter_state_dict
 
-    files = save_hf_checkpoint(policy, str(out_dir), dtype=getattr(torch, dtype) if dtype is not None else None)
-    model_cfg = getattr(policy, "cfg")  # noqa: B009 (save_hf_checkpoint checked that it is a ModelConfig)
-    adapter = None
-    if model_cfg.lora is not None:  # gathered on every rank (a collective when sharded)
-        adapter = list(adapter_state_dict(policy, model_cfg))
-    if not files:
-        return files  # [] on the ranks that do not write
-    if adapter is not None:
-        files = [*files, *_write_adapter(out_dir, model_cfg, adapter, source_dir, dtype)]
-    return _complete(out_dir, files, source_dir, policy_version)
+    def write(stage: Path) -> list[str]:
+        files = save_hf_checkpoint(policy, str(stage), dtype=getattr(torch, dtype) if dtype is not None else None)
+        model_cfg = getattr(policy, "cfg")  # noqa: B009 (save_hf_checkpoint checked that it is a ModelConfig)
+        adapter = None
+        if model_cfg.lora is not None:  # gathered on every rank (a collective when sharded)
+            adapter = list(adapter_state_dict(policy, model_cfg))
+        if not files:
+            return files  # [] on the ranks that do not write
+        if adapter is not None:
+            files = [*files, *_write_adapter(stage, model_cfg, adapter, source_dir, dtype)]
+        return _complete(stage, files, source_dir, policy_version)
+
+    source = Path(source_dir) if source_dir is not None else None
+    return _write_whole(out_dir, write, source)
 
 
 def _write_adapter(
@@ -137,6 +167,130 @@ def _complete(
     return [*files, *complete_from_source(out_dir, source_dir)]
 
 
+def _write_whole(
+    out_dir: str | Path, write: Callable[[Path], list[str]], source: Path | None, checkpoint: Path | None = None
+) -> list[str]:
+    """Run ``write`` into a new temporary sibling directory of ``out_dir`` (it writes the export into the directory it
+    is given and returns the file names, ``[]`` on a rank that writes nothing) and put that directory in place of
+    ``out_dir``, once :func:`_check_out` passes. On any failure the temporary directory is removed and ``out_dir``
+    is as it was; a rank whose ``write`` returns ``[]`` touches nothing. Returns what ``write`` returned."""
+    out = Path(out_dir).resolve()
+    stage = out.parent / f".{out.name}.{uuid.uuid4().hex[:12]}.partial"  # same filesystem: the rename is atomic
+    try:
+        files = write(stage)
+        if files:
+            _check_out(Path(out_dir), source, checkpoint)  # again (callers may check first): now, just before
+            _replace(out, stage)
+        return files
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _replace(out: Path, stage: Path) -> None:
+    """Rename the complete export ``stage`` to ``out``; an earlier export there is moved aside first and removed."""
+    if not out.exists():
+        stage.rename(out)
+        return
+    old = stage.with_suffix(".old")
+    out.rename(old)
+    try:
+        stage.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old)
+
+
+def _check_out(out_dir: Path, source: Path | None, checkpoint: Path | None = None) -> None:
+    """Raise ``ValueError`` unless an export may be put in place of ``out_dir``: a new path, an empty directory or an
+    earlier export (replaced whole), that is neither the model directory ``source`` nor holds it, and neither lies in
+    nor holds ``checkpoint``. Paths are compared resolved (symbolic links, ``..``, relative paths)."""
+    out = out_dir.resolve()
+    if source is not None:
+        src = source.resolve()
+        if out == src or out in src.parents:
+            what = "is" if out == src else "holds"
+            raise ValueError(f"output {out_dir} {what} the model directory {source} ({out}): the export would "
+                             "replace the weights and tokenizer it is made from; pass another output "
+                             "directory")  # fmt: skip
+    if checkpoint is not None:
+        ckpt = checkpoint.resolve()
+        if out == ckpt or ckpt in out.parents or out in ckpt.parents:
+            what = "holds" if out in ckpt.parents else "lies in"
+            raise ValueError(f"output {out_dir} {what} the checkpoint {checkpoint} ({out}): pass an output directory "
+                             "outside the checkpoint (it holds only what the trainer wrote, and an old one is removed "
+                             "whole)")  # fmt: skip
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {out_dir} exists and is not a directory: pass a new directory path")
+    if out.is_dir():
+        other = sorted(p.name for p in out.iterdir() if not _is_export_file(p.name))
+        if other:
+            raise ValueError(f"output {out_dir} holds files an export does not write ({', '.join(other[:3])}"
+                             f"{', ...' if len(other) > 3 else ''}), which replacing it would delete: pass a new or "
+                             "empty directory, or an earlier export")  # fmt: skip
+
+
+def _is_export_file(name: str) -> bool:
+    killed_writer = name.startswith(".") and name.endswith(".partial")
+    return name in _EXPORT_FILES or bool(_SHARD_FILE.match(name)) or killed_writer
+
+
+def _check_checkpoint(ckpt: Path) -> int:
+    """The policy version of the complete checkpoint ``ckpt``, once its trainer state reads and every file its DCP
+    metadata names is there and long enough; raises ``ValueError`` naming what is damaged otherwise."""
+    from trainer.checkpoint import saved_policy_version
+
+    what_to_do = "export another checkpoint of the run (its checkpoints directory keeps the newest ones)"
+    state = ckpt / "trainer_state_rank0.pt"
+    if not state.is_file():
+        raise ValueError(f"checkpoint {ckpt} is damaged (no {state.name}, which records its policy version): "
+                         f"{what_to_do}")  # fmt: skip
+    try:
+        version = saved_policy_version(ckpt)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, KeyError) as e:
+        raise ValueError(f"checkpoint {ckpt} is damaged ({state.name} does not read: {e}): {what_to_do}") from e
+    problem = _dcp_files_problem(ckpt)
+    if problem is not None:
+        raise ValueError(f"checkpoint {ckpt} is damaged ({problem}): {what_to_do}")
+    return version
+
+
+def _dcp_files_problem(ckpt: Path) -> str | None:
+    """What is wrong with the DCP files of ``ckpt`` as its metadata describes them (a file missing or shorter than
+    the bytes it should hold), or None; nothing is read beyond the metadata."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        metadata = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    except FileNotFoundError:
+        return "no .metadata, the index of its tensor files"
+    except (EOFError, pickle.UnpicklingError, AttributeError) as e:
+        return f".metadata does not read: {e!r}"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = ckpt / name
+        if not path.is_file():
+            return f"no {name}"
+        if path.stat().st_size < size:
+            return f"{name} holds {path.stat().st_size} bytes, its tensors end at {size}: it was cut short"
+    return None
+
+
+@contextlib.contextmanager
+def _reads_of(ckpt: Path) -> Iterator[None]:
+    """Report a DCP read of ``ckpt`` failing inside (damage :func:`_check_checkpoint` cannot see) as ``ValueError``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:  # a BaseException: it carries each rank's exception and traceback
+        errors = [exc for exc, _ in e.failures.values()] or [e]
+        raise ValueError(f"checkpoint {ckpt} is damaged (reading it failed: {errors[0]!r}): export another "
+                         "checkpoint of the run") from e  # fmt: skip
+
+
 def export_checkpoint(
     checkpoint: str | Path, out_dir: str | Path, model_dir: str | Path | None = None, dtype: str | None = None
 ) -> list[str]:
@@ -150,10 +304,15 @@ def export_checkpoint(
     ``model_dir`` as it is written and its adapter's update merged in, and the adapters are also written as a PEFT
     adapter directory (``adapter/``), as :func:`export_policy` writes a live LoRA policy.
     The export records the checkpoint's policy version (``policy_version.json``).
+
+    Everything that can be checked is checked before anything is written, each failing with ``ValueError``: the
+    output (a new or empty directory or an earlier export, neither the model directory nor holding it, neither in nor
+    holding the checkpoint), the checkpoint (its trainer state, the files its metadata names), the model directory's
+    tokenizer and that the checkpoint holds this model. The directory then appears whole or not at all.
     """
     import torch
 
-    from trainer.checkpoint import read_model_tensors, saved_policy_params, saved_policy_version
+    from trainer.checkpoint import read_model_tensors, saved_policy_params
     from trainer.checkpoint_dirs import COMPLETE
     from trainer.models.hf_config import model_config_from_hf
     from trainer.models.hf_io import read_hf_parameters, write_hf_checkpoint
@@ -168,6 +327,9 @@ def export_checkpoint(
         raise ValueError(f"no recipe.resolved.toml next to {ckpt.parent}: pass --model-dir (the HF model directory the "
                          "run started from)")  # fmt: skip
     source = Path(model_dir) if model_dir is not None else Path((recipe_model or {})["path"])
+    _check_out(Path(out_dir), source, ckpt)
+    policy_version = _check_checkpoint(ckpt)
+    _tokenizer_files(source)
     model_cfg = model_config_from_hf(str(source), lora=(recipe_model or {}).get("lora"))
     meta = build_model(model_cfg, device="meta")  # names and shapes only
     shapes = [(name, tuple(p.shape)) for name, p in meta.named_parameters()]
@@ -178,15 +340,22 @@ def export_checkpoint(
         tensors = read_model_tensors(ckpt, "policy", params)
         adapters = None
     else:  # the run trained adapters only: the base weights are the run's model directory's, in the trainer's float32
-        adapters = dict(read_model_tensors(ckpt, "policy", saved))
+        with _reads_of(ckpt):
+            adapters = dict(read_model_tensors(ckpt, "policy", saved))
         params = [(name, shape, torch.float32) for name, shape in base_shapes]
         base = ((name, t.float()) for name, t in read_hf_parameters(model_cfg, source, base_shapes))
         tensors = merged_parameters(meta, base, adapters)
-    files = write_hf_checkpoint(model_cfg, out_dir, params, tensors, dtype=getattr(torch, dtype) if dtype else None)
-    if adapters is not None:
-        pairs = [(peft_name(model_cfg, name), t) for name, t in adapters.items()]
-        files = [*files, *_write_adapter(out_dir, model_cfg, pairs, source, dtype)]
-    return _complete(out_dir, files, source, saved_policy_version(ckpt))
+
+    def write(stage: Path) -> list[str]:
+        cast = getattr(torch, dtype) if dtype else None
+        with _reads_of(ckpt):
+            files = write_hf_checkpoint(model_cfg, stage, params, tensors, dtype=cast)
+        if adapters is not None:
+            pairs = [(peft_name(model_cfg, name), t) for name, t in adapters.items()]
+            files = [*files, *_write_adapter(stage, model_cfg, pairs, source, dtype)]
+        return _complete(stage, files, source, policy_version)
+
+    return _write_whole(out_dir, write, source, ckpt)
 
 
 def _run_model_section(ckpt: Path) -> dict | None:
@@ -209,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         files = export_checkpoint(args.checkpoint, args.out, args.model_dir, args.dtype)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: what the system refused (permissions, space), as it says it
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}: {', '.join(files)}")

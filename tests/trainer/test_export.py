@@ -213,3 +213,147 @@ def test_an_adapter_checkpoint_over_another_base_is_refused_before_writing(sourc
     assert main([str(ckpt), str(tmp_path / "out"), "--model-dir", str(short)]) == 2
     assert "layers.1.attention" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+# Regression tests of an outside review of ``python -m trainer.export``: an output that was the model directory
+# overwrote its weights, then crashed (SameFileError); an output that was a file, or a checkpoint missing a file or
+# holding a cut-short one, gave a traceback; a checkpoint without its trainer state left weights without a tokenizer.
+
+
+def _own_source(source: Path, tmp_path: Path) -> Path:
+    """A copy of the model directory ``source`` that a test may see damaged without harming the others."""
+    import shutil
+
+    return Path(shutil.copytree(source, tmp_path / "model"))
+
+
+def _save_run(run: Path, model_dir: Path, step: int = 7) -> Path:
+    """A full checkpoint (step ``step``) of a trained model of ``model_dir`` in a run directory naming it."""
+    from trainer.checkpoint import Checkpointable, CheckpointManager, TrainProgress
+
+    (run / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (run / "recipe.resolved.toml").write_text(f'[model]\npath = "{model_dir}"\n')
+    return CheckpointManager(run / "checkpoints", num_keep=5).save(
+        {"policy": Checkpointable(_trained(model_dir))}, TrainProgress(step, step, {})
+    )
+
+
+def _error(capsys) -> str:
+    """The command's own last line on stderr (a library's warning may come before it)."""
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+def _contents(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("out", ["model", "model-by-link", "model-relative", "in-checkpoint", "run"])
+def test_an_output_that_is_holds_or_lies_in_an_input_is_refused_before_writing(source, tmp_path, capsys, monkeypatch,
+                                                                                out):  # fmt: skip
+    from trainer.export import main
+
+    model_dir = _own_source(source, tmp_path)
+    ckpt = _save_run(tmp_path / "run", model_dir)
+    (tmp_path / "link").symlink_to(model_dir)
+    monkeypatch.chdir(tmp_path / "run")
+    out_path, named = {
+        "model": (str(model_dir), model_dir), "model-by-link": (str(tmp_path / "link"), model_dir),
+        "model-relative": ("../run/../model/", model_dir), "in-checkpoint": (str(ckpt / "hf"), ckpt),
+        "run": (str(tmp_path / "run"), ckpt),
+    }[out]  # fmt: skip
+    before = {d: _contents(d) for d in (tmp_path / "run", model_dir)}
+    assert main([str(ckpt), out_path, "--model-dir", str(model_dir)]) == 2
+    err = _error(capsys)
+    assert err.startswith("error: output ") and str(named) in err and out_path.rstrip("/") in err, err
+    assert {d: _contents(d) for d in before} == before  # nothing written, nothing removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "model", "run"]
+
+
+def test_the_live_export_refuses_the_model_directory_as_its_output(source, tmp_path):
+    from trainer.export import export_policy
+
+    model_dir = _own_source(source, tmp_path)
+    before = _contents(model_dir)
+    with pytest.raises(ValueError, match="is the model directory"):
+        export_policy(_trained(model_dir), model_dir, model_dir)
+    assert _contents(model_dir) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_an_output_that_is_a_file_or_holds_other_files_is_refused(source, tmp_path, capsys):
+    from trainer.export import main
+
+    ckpt = _save_run(tmp_path / "run", source)
+    (tmp_path / "a_file").write_text("mine\n")
+    assert main([str(ckpt), str(tmp_path / "a_file")]) == 2
+    assert _error(capsys) == f"error: output {tmp_path / 'a_file'} exists and is not a directory: pass a new " \
+                             "directory path"  # fmt: skip
+    assert (tmp_path / "a_file").read_text() == "mine\n"
+    # The export replaces its output whole: a directory holding anything else is not taken (an earlier export is).
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine\n")
+    assert main([str(ckpt), str(tmp_path / "mine")]) == 2
+    assert "holds files an export does not write (notes.txt)" in _error(capsys)
+    assert _contents(tmp_path / "mine") == {"notes.txt": b"mine\n"}
+
+
+def _damage(ckpt: Path, how: str) -> None:
+    if how == "no-trainer-state":
+        (ckpt / "trainer_state_rank0.pt").unlink()
+    elif how == "trainer-state-cut-short":
+        (ckpt / "trainer_state_rank0.pt").write_bytes((ckpt / "trainer_state_rank0.pt").read_bytes()[:100])
+    elif how == "no-metadata":
+        (ckpt / ".metadata").unlink()
+    else:
+        (distcp,) = ckpt.glob("*.distcp")
+        if how == "no-distcp":
+            distcp.unlink()
+        else:
+            distcp.write_bytes(distcp.read_bytes()[: distcp.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("how", ["no-trainer-state", "trainer-state-cut-short", "no-metadata", "no-distcp",
+                                 "distcp-cut-short"])  # fmt: skip
+def test_a_damaged_checkpoint_is_refused_before_writing(source, tmp_path, capsys, how):
+    from trainer.export import main
+
+    ckpt = _save_run(tmp_path / "run", source)
+    _damage(ckpt, how)
+    assert main([str(ckpt), str(tmp_path / "out")]) == 2
+    assert _error(capsys).startswith(f"error: checkpoint {ckpt} is damaged (")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no output, no temporary directory left
+
+
+def test_a_read_that_fails_midway_leaves_the_earlier_export_as_it_was(source, tmp_path, capsys, monkeypatch):
+    """Damage the up-front checks cannot see fails while the tensors are written: the earlier export at the output
+    is untouched and the partial one removed; a complete export then replaces the earlier one whole."""
+    import trainer.export
+    from trainer.export import main
+
+    earlier = _save_run(tmp_path / "run", source, step=3)
+    assert main([str(earlier), str(tmp_path / "out")]) == 0
+    (tmp_path / "out" / "model.safetensors.index.json").write_text("{}")  # another layout, as a larger model writes
+    before = _contents(tmp_path / "out")
+    ckpt = _save_run(tmp_path / "run", source, step=5)
+    _damage(ckpt, "distcp-cut-short")
+    monkeypatch.setattr(trainer.export, "_dcp_files_problem", lambda ckpt: None, raising=False)
+    assert main([str(ckpt), str(tmp_path / "out")]) == 2
+    assert _error(capsys).startswith(f"error: checkpoint {ckpt} is damaged (reading it failed: ")
+    assert _contents(tmp_path / "out") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+    later = _save_run(tmp_path / "run", source, step=6)
+    assert main([str(later), str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "policy_version.json").read_text())["policy_version"] == 6
+    assert not (tmp_path / "out" / "model.safetensors.index.json").exists()  # replaced whole, not written into
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+
+
+def test_a_model_directory_without_tokenizer_is_refused_before_writing(source, tmp_path, capsys):
+    from trainer.export import main
+
+    model_dir = _own_source(source, tmp_path)
+    ckpt = _save_run(tmp_path / "run", model_dir)
+    (model_dir / "tokenizer.json").unlink()
+    assert main([str(ckpt), str(tmp_path / "out")]) == 2
+    assert "has no tokenizer" in _error(capsys)
+    assert not (tmp_path / "out").exists()
