@@ -159,8 +159,7 @@ class WorkerFleet:
         try:
             result = ray.get(ref)
         except ray.exceptions.RayError as e:
-            log.warning("rollout worker %s failed while %s (%s); replacing it", slot.address, slot.state.value, e)
-            self.replace(slot)
+            self.replace(slot, f"failed while {slot.state.value} ({e})")
             return True
         if slot.state is WorkerState.STARTING:
             slot.address, version = result, 0  # a new engine serves the model directory: version 0
@@ -193,11 +192,12 @@ class WorkerFleet:
                 "RolloutPool.set_weight_publisher"
             )
 
-    def replace(self, slot: WorkerSlot) -> None:
-        """Kill the slot's actor and start a new one there (it catches up before it takes work); raises
-        ``RuntimeError`` once the fleet has used up its restarts."""
+    def replace(self, slot: WorkerSlot, why: str) -> None:
+        """Kill the slot's actor and start a new one there (it catches up before it takes work), logging ``why`` (what
+        happened to the worker); raises ``RuntimeError`` once the fleet has used up its restarts."""
         import ray
 
+        log.warning("rollout worker %s %s; replacing it", slot.address, why)
         if self._num_restarts_left <= 0:
             raise RuntimeError(
                 f"rollout workers died {self._num_restarts + 1} times (num_worker_restarts={self._num_restarts}); "
@@ -240,8 +240,7 @@ class WorkerFleet:
         try:
             pushed = self._publisher([slot.address])
         except Exception as e:  # noqa: BLE001 (whatever broke the push, this worker cannot get the weights)
-            log.warning("the trainer could not push to rollout worker %s (%s); replacing it", slot.address, e)
-            self.replace(slot)
+            self.replace(slot, f"could not be pushed to by the trainer ({e})")
             return
         if pushed < target:
             raise RuntimeError(

@@ -204,7 +204,7 @@ class RolloutPool:
         except (RayActorError, ActorDiedError, ActorUnavailableError, RayTaskError) as e:
             if isinstance(e, RayTaskError) and not isinstance(e.cause, EngineBrokenError):
                 raise  # the worker's own error (reward function, prompt): retrying elsewhere would fail the same way
-            self.fleet.replace(worker)  # hands this piece on too (_hand_on)
+            self.fleet.replace(worker, f"died while generating ({type(e).__name__}: {e})")  # hands the piece on too
             return
         worker.num_inflight_groups -= len(piece.group_ids)
         # What a worker serves was committed: the pool learns versions pushed without its driver saying so.
