@@ -111,8 +111,10 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
     except ray.exceptions.RayActorError as e:
         unreachable = isinstance(e, ray.exceptions.ActorUnavailableError)
         what = "became unreachable (its process or node is gone)" if unreachable else "died and could not be replaced"
-        print(f"error: a trainer or rollout actor {what}: {e}\n"
-              f"continue from the last checkpoint with: python rl_align.py --recipe ... --resume", file=sys.stderr)
+        saved = latest_checkpoint(ckpt_dir)
+        hint = (f"continue from the last checkpoint ({saved.name}) with: python rl_align.py --recipe ... --resume"
+                if saved is not None else "no checkpoint was saved: fix the cause and start the run again")  # fmt: skip
+        print(f"error: a trainer or rollout actor {what}: {e}\n{hint}", file=sys.stderr)
         return 1
 
 

@@ -44,7 +44,7 @@ from common.run_dir import RESOLVED_RECIPE
 from recipe.sections import ModelSection, PlacementGroupsConfig, RunConfig
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.envs.config import AgentEnvConfig, CustomEnvConfig, EnvironmentConfig, SingleTurnEnvConfig
-from rollout.rewards.config import FunctionRewardConfig, RewardConfig
+from rollout.rewards.config import FunctionRewardConfig, RewardConfig, RewardModelConfig
 from rollout.tasks.config import JsonlTaskConfig, TaskConfig
 from trainer.config import TrainerConfig
 from trainer.models.config import LoRAConfig
@@ -412,6 +412,12 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
                 term.check_importable()
             except ValueError as e:
                 problems.append((("reward", "terms", i, "function"), str(e)))
+        if isinstance(term, RewardModelConfig) and not (Path(term.path) / "config.json").is_file():
+            problems.append((
+                ("reward", "terms", i, "path"),
+                f"{term.path!r} has no config.json: point it at a local HF sequence-classification model directory "
+                f"(relative paths resolve against {Path.cwd()})",
+            ))  # fmt: skip
     if isinstance(recipe.environment, CustomEnvConfig):
         from rollout.envs import build_environment
 

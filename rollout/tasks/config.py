@@ -127,21 +127,29 @@ class JsonlTaskConfig(Config):
     id_field: str | None = None
     """Optional key of a stable problem id; by default the id is ``<file name>:<line number>``."""
     solution_field: str | None = None
-    """Optional key of an ideal completion for a supervised warm start; by default the answer is used."""
+    """Optional key of an ideal completion for a supervised warm start (text, or a transcript: chat messages from the
+    first assistant turn to the last, tool turns between); by default the answer is used."""
     system_prompt: str | None = None
     """Optional system message put before text prompts (ignored for prompts that already are message lists)."""
     eval_path: str | None = None
-    """Optional held-out file with the same fields; exclusive with ``num_eval_problems``."""
+    """Optional held-out file with the same fields; exclusive with ``num_eval_problems`` (``false`` drops a base
+    recipe's, so a ``num_eval_problems`` split can replace it)."""
     num_eval_problems: int = pydantic.Field(default=0, ge=0)
     """Lines of ``path`` set aside (after a seeded shuffle) as the held-out set when there is no ``eval_path``."""
     seed: int = pydantic.Field(default=0, ge=0)
     """Seed of the held-out split and of the per-epoch shuffle."""
 
+    @pydantic.field_validator("eval_path", mode="before")
+    @classmethod
+    def _false_is_none(cls, value: object) -> object:
+        return None if value is False else value
+
     @pydantic.model_validator(mode="after")
     def _check_split(self) -> JsonlTaskConfig:
         if self.eval_path is not None and self.num_eval_problems > 0:
             raise ValueError(
-                "set either eval_path (a separate held-out file) or num_eval_problems (split from path), not both"
+                "set either eval_path (a separate held-out file) or num_eval_problems (split from path), not both "
+                "(eval_path = false drops one a base recipe set)"
             )
         return self
 

@@ -72,7 +72,7 @@ def read_jsonl_problems(path: str, config: JsonlTaskConfig) -> list[Problem]:
 
 def _problem(record: dict[str, Any], where: str, default_id: str, config: JsonlTaskConfig) -> Problem:
     prompt = _field(record, config.prompt_field, where)
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and prompt.strip():
         messages = [{"role": "user", "content": prompt}]
         if config.system_prompt is not None:
             messages.insert(0, {"role": "system", "content": config.system_prompt})
@@ -80,18 +80,32 @@ def _problem(record: dict[str, Any], where: str, default_id: str, config: JsonlT
         messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
     else:
         raise ValueError(
-            f"{where}: {config.prompt_field!r} must be text or a non-empty list of "
-            '{"role": str, "content": str} messages'
+            f"{where}: {config.prompt_field!r} must be non-empty text or a non-empty list of "
+            f'{{"role": str, "content": str}} messages (roles: {", ".join(_ROLES)}), got {str(prompt)[:100]!r}'
         )
     answer = _field(record, config.answer_field, where)
-    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
-        raise ValueError(f"{where}: {config.answer_field!r} must be a string or a number, got {answer!r}")
-    problem_id = str(_field(record, config.id_field, where)) if config.id_field else default_id
-    solution = None
+    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool) or not str(answer).strip():
+        raise ValueError(f"{where}: {config.answer_field!r} must be a non-empty string or a number, got {answer!r}")
+    problem_id = default_id
+    if config.id_field:
+        value = _field(record, config.id_field, where)
+        if not isinstance(value, (str, int)) or isinstance(value, bool) or not str(value):
+            raise ValueError(f"{where}: {config.id_field!r} must be a non-empty string or an integer, got {value!r}")
+        problem_id = str(value)
+    solution: str | list[dict[str, str]] | None = None
     if config.solution_field is not None:
-        solution = _field(record, config.solution_field, where)
-        if not isinstance(solution, str):
-            raise ValueError(f"{where}: {config.solution_field!r} must be a string")
+        value = _field(record, config.solution_field, where)
+        if isinstance(value, str):
+            solution = value
+        elif isinstance(value, list) and value and all(_is_message(m) for m in value) and (
+            value[0]["role"] == value[-1]["role"] == "assistant"
+        ):
+            solution = [{"role": m["role"], "content": m["content"]} for m in value]  # a transcript (tool turns)
+        else:
+            raise ValueError(
+                f"{where}: {config.solution_field!r} must be a string (the ideal completion) or a transcript: a list "
+                'of {"role", "content"} messages that starts and ends with an assistant turn'
+            )
     return Problem(prompt=messages, answer=str(answer), problem_id=problem_id, solution=solution, metadata={})
 
 
@@ -101,5 +115,10 @@ def _field(record: dict[str, Any], key: str, where: str) -> Any:
     return record[key]
 
 
+_ROLES = ("system", "user", "assistant", "tool")
+
+
 def _is_message(message: Any) -> bool:
-    return isinstance(message, dict) and all(isinstance(message.get(k), str) for k in ("role", "content"))
+    return (
+        isinstance(message, dict) and message.get("role") in _ROLES and isinstance(message.get("content"), str)
+    )

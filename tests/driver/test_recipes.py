@@ -114,6 +114,14 @@ def test_a_warm_start_accuracy_target_needs_held_out_problems_and_a_correctness_
     assert "needs a reward term that says whether an answer is right" in _error(path, no_correctness)
 
 
+def test_a_reward_model_that_is_not_there_is_refused_at_load(tmp_path):
+    # It failed once the actors had started, blamed a tokenizer directory, and advised a --resume with no checkpoint.
+    path = _broken(tmp_path, lambda t: t)
+    terms = {"reward.terms": [{"type": "exact_match"}, {"type": "reward_model", "path": str(tmp_path / "no_rm")}]}
+    msg = _error(path, terms)
+    assert f"- reward.terms[1].path: '{tmp_path / 'no_rm'}' has no config.json" in msg, msg
+
+
 def test_cli_overrides_and_resolved_config_round_trip(tmp_path):
     recipe = load_recipe(ROOT / "recipes" / "grpo_tiny.toml", parse_overrides(["--trainer.optimizer.lr", "2e-5"]))
     assert recipe.trainer.optimizer.lr == 2e-5

@@ -245,3 +245,23 @@ def test_an_output_dir_that_is_a_file_is_a_clear_error(tmp_path, capsys, no_ray)
     recipe = load_recipe("recipes/grpo_tiny.toml", {"run.output_dir": str(tmp_path / "afile")})
     assert run(recipe) == 2
     assert f"error: run.output_dir '{tmp_path / 'afile'}' cannot be the run's directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["no-checkpoint", "checkpoint"])
+def test_an_actor_death_offers_a_resume_only_when_there_is_a_checkpoint(tmp_path, capsys, monkeypatch, saved):
+    import ray
+
+    out = _checkpointed_run(tmp_path) if saved else tmp_path / "out"
+
+    def actor_died(*args, **kwargs):
+        raise ray.exceptions.RayActorError()
+
+    monkeypatch.setattr(driver.session, "ray_session", actor_died)
+    recipe = _recipe(tmp_path, "model", 128)
+    assert run(recipe, resume="auto" if saved else None) == 1
+    err = capsys.readouterr().err
+    if saved:
+        assert "continue from the last checkpoint (step_00000002) with: python rl_align.py" in err, err
+    else:  # the advice was to --resume from a checkpoint that did not exist
+        assert "--resume" not in err and "no checkpoint was saved" in err, err
+    assert out.is_dir()

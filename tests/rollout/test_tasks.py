@@ -198,9 +198,13 @@ def test_jsonl_eval_file_and_default_ids(tmp_path):
         (['{"prompt": "p"}'], r"data.jsonl:1: missing key 'answer'"),
         (['{"prompt": "p", "answer": "1"}', "{oops"], r"data.jsonl:2: not valid JSON"),
         (['["p", "1"]'], r"data.jsonl:1: expected a JSON object"),
-        (['{"prompt": 5, "answer": "1"}'], r"'prompt' must be text or a non-empty list"),
-        (['{"prompt": "p", "answer": null}'], r"must be a string or a number"),
+        (['{"prompt": 5, "answer": "1"}'], r"'prompt' must be non-empty text or a non-empty list"),
+        (['{"prompt": "p", "answer": null}'], r"must be a non-empty string or a number"),
         ([""], r"holds no problems"),
+        # Accepted before: an empty prompt or answer, a role no template knows.
+        (['{"prompt": "  ", "answer": "1"}'], r"data.jsonl:1: 'prompt' must be non-empty text"),
+        (['{"prompt": "p", "answer": ""}'], r"data.jsonl:1: 'answer' must be a non-empty string"),
+        (['{"prompt": [{"role": "robot", "content": "p"}], "answer": "1"}'], r"roles: system, user, assistant, tool"),
     ],
 )
 def test_jsonl_errors_name_file_and_line(tmp_path, lines, message):
@@ -219,6 +223,25 @@ def test_jsonl_missing_file_and_duplicate_ids(tmp_path):
         build_dataset(JsonlTaskConfig(path=path, id_field="id"))
     with pytest.raises(ValueError, match="leave some for training"):
         build_dataset(JsonlTaskConfig(path=path, num_eval_problems=2))
+
+
+def test_jsonl_ids_must_be_given_and_solutions_may_be_transcripts(tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "answer": "1", "id": None}])
+    with pytest.raises(ValueError, match="d.jsonl:1: 'id' must be a non-empty string or an integer, got None"):
+        build_dataset(JsonlTaskConfig(path=path, id_field="id"))  # was the id "None"
+    transcript = [{"role": "assistant", "content": '<tool_call>{"name": "calculator"}</tool_call>'},
+                  {"role": "tool", "content": "1"}, {"role": "assistant", "content": "1"}]  # fmt: skip
+    path = _write_jsonl(tmp_path / "t.jsonl", [{"prompt": "p", "answer": "1", "solution": transcript}])
+    [problem] = build_dataset(JsonlTaskConfig(path=path, solution_field="solution")).sft_examples(1, "</s>")
+    assert problem[1] == transcript  # README promised transcripts; the reader refused anything but a string
+    path = _write_jsonl(tmp_path / "u.jsonl", [{"prompt": "p", "answer": "1", "solution": transcript[1:]}])
+    with pytest.raises(ValueError, match="starts and ends with an assistant turn"):
+        build_dataset(JsonlTaskConfig(path=path, solution_field="solution"))
+
+
+def test_an_inherited_eval_path_can_be_dropped_for_a_split():
+    config = JsonlTaskConfig.model_validate({"path": "x.jsonl", "eval_path": False, "num_eval_problems": 3})
+    assert config.eval_path is None and config.num_eval_problems == 3
 
 
 def test_task_config_round_trips_through_toml():
