@@ -79,6 +79,16 @@ def test_config_flags_reach_the_config_and_aliases_work():
     assert config_of(args, extra).endpoints == ["a:1"]
 
 
+def test_text_fields_take_their_flag_as_given():
+    # "--auth_token 123456" was read as a TOML integer and refused ("Input should be a valid string").
+    parser, _ = build_parser()
+    args, extra = parser.parse_known_args(["serve", "--dir", "d", "--auth_token", "123456", "--host", "0"])
+    config = config_of(args, extra)
+    assert (config.auth_token, config.bind_host) == ("123456", "0")
+    args, extra = parser.parse_known_args(["serve", "--dir", "d", "--auth_token", "true", "--chunk_bytes", "4096"])
+    assert (config_of(args, extra).auth_token, config_of(args, extra).chunk_bytes) == ("true", 4096)
+
+
 def test_the_describe_reply_name_of_the_chunk_limit_points_at_the_field(capsys):
     assert main(["describe", "--to", "127.0.0.1:1", "--max_chunk_bytes", "5"]) == 2
     assert "did you mean chunk_bytes" in capsys.readouterr().err
