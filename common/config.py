@@ -38,6 +38,7 @@ __all__ = [
     "Sources",
     "apply_overrides",
     "config_error",
+    "false_is_none",
     "load_toml_config",
     "parse_overrides",
     "read_toml",
@@ -86,6 +87,12 @@ class FieldError(ValueError):
 
 ConfigT = TypeVar("ConfigT", bound=Config)
 Loc = tuple[str | int, ...]
+
+
+def false_is_none(value: object) -> object:
+    """A field validator's rule (``mode="before"``) for an optional value or table a base recipe may set: ``false``
+    drops it (TOML has no null), so ``create_tiny = false`` removes an inherited ``[model.create_tiny]``."""
+    return None if value is False else value
 
 
 def parse_overrides(args: Sequence[str]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Literal
 
 import pydantic
 
-from common.config import Config, DType
+from common.config import Config, DType, false_is_none
 from common.published import published_fields
 from trainer.models.config import BlockChoices, Family, LoRAConfig
 
@@ -85,10 +85,7 @@ class ModelSection(BlockChoices):
     """Train LoRA adapters on the frozen checkpoint instead of every weight (``trainer.models.lora``): each step pushes
     only the adapters, and the engines serve them through vLLM's LoRA path. None: full-parameter training."""
 
-    @pydantic.field_validator("create_tiny", "create_published", mode="before")
-    @classmethod
-    def _false_is_none(cls, value: object) -> object:
-        return None if value is False else value  # `create_tiny = false` drops a table a base recipe set
+    _false_is_none = pydantic.field_validator("create_tiny", "create_published", mode="before")(false_is_none)
 
     @pydantic.model_validator(mode="after")
     def _one_creator(self) -> ModelSection:
@@ -116,15 +113,12 @@ class WarmStartConfig(Config):
     climb), e.g. 0.3-0.5."""
     check_every_num_steps: int = pydantic.Field(50, ge=1)
     """SFT steps between two checks of ``stop_at_accuracy``."""
-
-    @pydantic.field_validator("stop_at_loss", "stop_at_accuracy", mode="before")
-    @classmethod
-    def _false_is_none(cls, value: object) -> object:
-        return None if value is False else value  # `= false` drops a target a base recipe set
     parameters: Literal["trainable", "all"] = "trainable"
     """What the warm start trains: 'trainable', what RL trains (with ``[model.lora]``: the adapters); 'all', every
     weight: with LoRA the base itself is fine-tuned first and RL then trains fresh adapters on it (the engines get the
     new base once, then adapters only; the KL reference is that base)."""
+
+    _false_is_none = pydantic.field_validator("stop_at_loss", "stop_at_accuracy", mode="before")(false_is_none)
 
 
 class DynamicSamplingConfig(Config):

@@ -11,7 +11,15 @@ from rollout.config import SamplingConfig
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
-__all__ = ["turn_seed", "to_vllm_sampling_params"]
+__all__ = ["GREEDY_BELOW", "is_greedy", "turn_seed", "to_vllm_sampling_params"]
+
+GREEDY_BELOW = 1e-5
+"""vLLM decodes greedily (argmax) at temperatures below this (its ``_SAMPLING_EPS``)."""
+
+
+def is_greedy(sampling: SamplingConfig) -> bool:
+    """Whether vLLM decodes ``sampling`` greedily: one completion per prompt, the same for every caller."""
+    return sampling.temperature < GREEDY_BELOW
 
 
 def turn_seed(sampling: SamplingConfig, group_id: int, sample_index: int, turn: int, n: int = 1) -> int | None:

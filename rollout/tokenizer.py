@@ -2,9 +2,11 @@
 
 Prompts are rendered the way vLLM's own chat entry point does it: the chat template produces text (with
 ``add_generation_prompt=True``), and that text is encoded without adding special tokens again, since a template writes
-its own BOS and turn markers. One difference: a message's content is text, never markup. Where it holds a special
-token's text (``<|im_end|>`` printed by a tool, pasted by a user), that text is encoded as ordinary characters, so
-no message can end its turn early or forge another; only the template writes special tokens (as OpenAI's API does).
+its own BOS and turn markers. One difference: a message's ``content`` is text, never markup. Where it holds a
+special token's text (``<|im_end|>`` printed by a tool, pasted by a user), that text is encoded as ordinary characters,
+so no message content can end its turn early or forge another (as in OpenAI's API). What else the template writes
+(an assistant message's structured ``tool_calls``, the tool descriptions) is encoded as the template wrote it: those
+come from the model's own parsed calls and the recipe or agent, not from a tool's output.
 Nothing is ever downloaded: the directory must hold the tokenizer files.
 """
 

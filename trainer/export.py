@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from common.run_dir import RESOLVED_RECIPE
+from weight_sync.peft import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +57,9 @@ _EXPORT_FILES = frozenset({
 """Names an export writes (with ``model-0000i-of-0000n.safetensors``): a directory holding only these (and a killed
 writer's hidden ``*.partial`` files) is an earlier export, which a new one replaces whole."""
 _SHARD_FILE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+_VERSION_FILE = "policy_version.json"
+"""Every export of this project writes it (:func:`_complete`): what tells an earlier export from another model."""
+_ADAPTER_FILES = frozenset({ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE})
 
 
 def complete_from_source(out_dir: str | Path, source_dir: str | Path) -> list[str]:
@@ -222,12 +226,19 @@ def _check_out(out_dir: Path, source: Path | None, checkpoint: Path | None = Non
                              "whole)")  # fmt: skip
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {out_dir} exists and is not a directory: pass a new directory path")
-    if out.is_dir():
+    if out.is_dir() and any(out.iterdir()):
         other = sorted(p.name for p in out.iterdir() if not _is_export_file(p.name))
+        adapter = out / ADAPTER_DIR
+        if adapter.is_dir():
+            other += [f"{ADAPTER_DIR}/{p.name}" for p in adapter.iterdir() if p.name not in _ADAPTER_FILES]
         if other:
             raise ValueError(f"output {out_dir} holds files an export does not write ({', '.join(other[:3])}"
                              f"{', ...' if len(other) > 3 else ''}), which replacing it would delete: pass a new or "
                              "empty directory, or an earlier export")  # fmt: skip
+        if not (out / _VERSION_FILE).is_file():  # the names alone are any HF model directory's
+            raise ValueError(f"output {out_dir} is a model directory, not an earlier export of this project (those "
+                             f"hold {_VERSION_FILE}), and replacing it would delete it: pass a new or empty "
+                             "directory")  # fmt: skip
 
 
 def _is_export_file(name: str) -> bool:

@@ -11,9 +11,10 @@ Seeds: an unseeded request joins any other unseeded one. vLLM seeds child ``i`` 
 completion is sampled with exactly the seed it asked for, and a seeded batch is reproducible however its requests
 were joined. :func:`rollout.sampling.turn_seed` numbers the samples of a group that way.
 
-Greedy requests (temperature 0) of one prompt all join, seeded or not, and vLLM is asked for one completion: the
-argmax path is the same for every caller (and vLLM refuses ``n`` > 1 at temperature 0), so each caller gets a copy of
-it, as many as it asked for. A held-out set with two problems of the same text evaluates them this way.
+Greedy requests (temperature below :data:`rollout.sampling.GREEDY_BELOW`) of one prompt all join, seeded or not, and
+vLLM is asked for one completion: the argmax path is the same for every caller (and vLLM refuses ``n`` > 1 when
+greedy), so each caller gets a copy of it, as many as it asked for. A held-out set with two problems of the same text
+evaluates them this way.
 
 A caller that follows its completions token by token (``on_tokens``: a streamed reply) never joins: its request is
 its own, asked of vLLM with cumulative outputs after every step, and the request keeps each child's latest output,
@@ -56,7 +57,7 @@ class Joined:
     adapter: Any
     waiters: list[Waiter]
     greedy: bool = False
-    """Sampled at temperature 0: vLLM samples one completion, and every one asked for is a copy of it."""
+    """Decoded greedily: vLLM samples one completion, and every one asked for is a copy of it."""
     request_id: str = ""
     version: int = 0
     """The weights version when it was added."""
@@ -131,7 +132,7 @@ class Joiner:
         greedy: bool = False,
     ) -> None:
         """Let ``waiter`` join the requests of the same prompt, sampling and adapter that wait for the next step;
-        ``greedy``: ``sampling`` is at temperature 0 (part of ``sampling_key``, so a gathering is greedy or not)."""
+        ``greedy``: vLLM decodes ``sampling`` greedily (``sampling_key`` tells, so a gathering is greedy or not)."""
         ids = tuple(map(int, prompt))
         key: tuple[Hashable, ...] = (ids, sampling_key, None if adapter is None else adapter.lora_int_id)
         if waiter.on_tokens is not None:

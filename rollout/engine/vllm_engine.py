@@ -59,7 +59,7 @@ from rollout.engine.joining import Joined, Joiner, Waiter
 from rollout.engine.platform import configure_vllm_environment, is_cpu_platform, lora_serving, platform_engine_args
 from rollout.engine.transfer import REFUSED, default_stage_dir, write_update_file
 from rollout.engine.vllm_plugin import BACKEND, register
-from rollout.sampling import to_vllm_sampling_params
+from rollout.sampling import is_greedy, to_vllm_sampling_params
 from weight_sync.checkpoint import read_checkpoint_manifest
 from weight_sync.peft import adapter_manifest
 
@@ -242,8 +242,9 @@ class VLLMEngine:
         adapter = self._adapters.acquire() if self._adapters is not None else None
         waiter = Waiter(self._loop.create_future(), n, seed, on_tokens=on_tokens)
         try:
-            greedy = sampling.temperature == 0
-            self._joiner.add(prompt_token_ids, sampling, sampling.model_dump_json(), adapter, waiter, greedy=greedy)
+            self._joiner.add(
+                prompt_token_ids, sampling, sampling.model_dump_json(), adapter, waiter, greedy=is_greedy(sampling)
+            )
             self._has_work.set()
             return await waiter.future
         except asyncio.CancelledError:

@@ -74,8 +74,9 @@ class PythonToolConfig(Config):
     max_processes: int = pydantic.Field(default=16, ge=1)
     """Processes the program may have at once (``RLIMIT_NPROC``)."""
     max_concurrent: int = pydantic.Field(default=4, ge=1)
-    """Programs one rollout worker runs at once; more calls wait for a slot (the wait is not part of ``wall_s``), so
-    a batch of episodes calling together cannot start more processes (and memory) than this many calls' limits."""
+    """Programs one rollout worker runs at once; more calls wait for a slot (the wait is not part of ``wall_s``, but is
+    of the episode's ``timeout_s``), so a batch of episodes calling together cannot start more processes (and memory)
+    than this many calls' limits."""
 
 
 class ToolEnvConfig(_MultiTurnConfig):

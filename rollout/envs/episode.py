@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -184,9 +184,9 @@ async def _turns(
 
 
 def _checked(env: Environment, result: object) -> StepResult:
-    """``result`` if it is a well-formed :class:`StepResult` (finite number reward and info values, a list of
-    observation messages), else a ``TypeError``/``ValueError`` naming the environment: a NaN reward would otherwise
-    reach the loss and turn every weight into NaN."""
+    """``result`` if it is a well-formed :class:`StepResult` (a finite number reward, a mapping of finite info
+    numbers, and unless ``done`` a list of observation messages), else a ``TypeError``/``ValueError`` naming the
+    environment: a NaN reward would otherwise reach the loss and turn every weight into NaN."""
     name = f"environment {type(env).__module__}:{type(env).__qualname__}"
     if not isinstance(result, StepResult):
         raise TypeError(f"{name}: step() returned {type(result).__name__}; it must return rollout.envs.StepResult")
@@ -194,12 +194,14 @@ def _checked(env: Environment, result: object) -> StepResult:
         raise TypeError(f"{name}: StepResult.reward is {result.reward!r}; it must be a number")
     if not math.isfinite(result.reward):
         raise ValueError(f"{name}: StepResult.reward is {result.reward}; a reward must be finite")
+    if not isinstance(result.info, Mapping):
+        raise TypeError(f"{name}: StepResult.info is {type(result.info).__name__}; it must map names to numbers")
     for key, value in result.info.items():
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise ValueError(f"{name}: StepResult.info[{key!r}] is {value!r}; info values must be finite numbers")
-    if not isinstance(result.observation, list):
-        raise TypeError(f"{name}: StepResult.observation is {type(result.observation).__name__}; it must be a list of "
-                        "chat messages")  # fmt: skip
+    if not result.done and (isinstance(result.observation, str) or not isinstance(result.observation, Sequence)):
+        raise TypeError(f"{name}: StepResult.observation is {type(result.observation).__name__}; it must be a list "
+                        "of chat messages")  # fmt: skip
     result.reward = float(result.reward)
     return result
 

@@ -218,15 +218,19 @@ def _python_tool(config: PythonToolConfig) -> Callable[[Mapping[str, Any]], Awai
     return run
 
 
-_SLOTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, asyncio.Semaphore]] = (
+_SLOTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[int, asyncio.Semaphore]] = (
     weakref.WeakKeyDictionary()
 )
 
 
 def _slots(size: int) -> asyncio.Semaphore:
-    """The running loop's semaphore of ``size`` slots, shared by every environment of the process (one a worker)."""
-    by_size = _SLOTS.setdefault(asyncio.get_running_loop(), {})
-    return by_size.setdefault(size, asyncio.Semaphore(size))
+    """The running loop's semaphore of ``size`` slots, shared by every environment of the process (one recipe, so one
+    ``max_concurrent``: a second size is refused rather than run beside the first)."""
+    held, slots = _SLOTS.setdefault(asyncio.get_running_loop(), (size, asyncio.Semaphore(size)))
+    if held != size:
+        raise ValueError(f"python.max_concurrent = {size}, but this worker's tools already run {held} at a time: one "
+                         "worker runs one python tool configuration")  # fmt: skip
+    return slots
 
 
 def build_tool(name: ToolName, python: PythonToolConfig | None = None) -> Tool:

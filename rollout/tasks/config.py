@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 import pydantic
 
-from common.config import Config
+from common.config import Config, false_is_none
 
 __all__ = ["ArithmeticTaskConfig", "JsonlTaskConfig", "Operator", "TaskConfig", "arithmetic_capacity"]
 
@@ -139,10 +139,7 @@ class JsonlTaskConfig(Config):
     seed: int = pydantic.Field(default=0, ge=0)
     """Seed of the held-out split and of the per-epoch shuffle."""
 
-    @pydantic.field_validator("eval_path", mode="before")
-    @classmethod
-    def _false_is_none(cls, value: object) -> object:
-        return None if value is False else value
+    _false_is_none = pydantic.field_validator("eval_path", mode="before")(false_is_none)
 
     @pydantic.model_validator(mode="after")
     def _check_split(self) -> JsonlTaskConfig:

@@ -84,8 +84,8 @@ def _problem(record: dict[str, Any], where: str, default_id: str, config: JsonlT
             f'{{"role": str, "content": str}} messages (roles: {", ".join(_ROLES)}), got {str(prompt)[:100]!r}'
         )
     answer = _field(record, config.answer_field, where)
-    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool) or not str(answer).strip():
-        raise ValueError(f"{where}: {config.answer_field!r} must be a non-empty string or a number, got {answer!r}")
+    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):  # "" for tasks no answer scores
+        raise ValueError(f"{where}: {config.answer_field!r} must be a string or a number, got {answer!r}")
     problem_id = default_id
     if config.id_field:
         value = _field(record, config.id_field, where)

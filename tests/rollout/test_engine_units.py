@@ -86,6 +86,16 @@ def test_joiner_gathers_by_prompt_sampling_and_adapter_and_keeps_seed_runs():
         loop.close()
 
 
+def test_greedy_is_vllms_rule_below_its_temperature_epsilon():
+    from rollout.config import SamplingConfig
+    from rollout.sampling import is_greedy
+
+    assert is_greedy(SamplingConfig(temperature=0.0)) and is_greedy(SamplingConfig(temperature=1e-6))
+    assert not is_greedy(SamplingConfig(temperature=1e-4))
+    vllm_sampling = pytest.importorskip("vllm.sampling_params")
+    assert vllm_sampling._SAMPLING_EPS == pytest.approx(1e-5)  # the rule mirrored
+
+
 def test_greedy_waiters_of_one_prompt_are_one_request_of_one_completion_handed_out_as_copies():
     import asyncio
 

@@ -99,8 +99,9 @@ def test_on_cpu_the_engine_runs_rmsnorm_on_vllms_kernels(engine):
 def test_the_engine_reports_the_kv_block_size_vllm_settled(engine):
     from rollout.engine.platform import is_cpu_platform, platform_engine_args
 
-    expected = platform_engine_args().get("block_size") if is_cpu_platform() else engine.block_size
-    assert engine.block_size == expected and engine.block_size > 1
+    if not is_cpu_platform():
+        pytest.skip("only the CPU platform sets the block size; elsewhere vLLM picks it")
+    assert engine.block_size == platform_engine_args()["block_size"] == 32
 
 
 def test_sampled_logprobs_match_hf_teacher_forcing(engine, model_dir):

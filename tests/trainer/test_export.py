@@ -5,6 +5,7 @@ end-of-sequence token, and any DCP checkpoint converts to the same directory (``
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -295,6 +296,18 @@ def test_an_output_that_is_a_file_or_holds_other_files_is_refused(source, tmp_pa
     assert main([str(ckpt), str(tmp_path / "mine")]) == 2
     assert "holds files an export does not write (notes.txt)" in _error(capsys)
     assert _contents(tmp_path / "mine") == {"notes.txt": b"mine\n"}
+    # Another HF model directory has only names an export writes too: without the export's policy_version.json it is
+    # not an earlier export, and it is not deleted (nor is an adapter/ folder of other files).
+    other = tmp_path / "other_model"
+    shutil.copytree(source, other)
+    before = _contents(other)
+    assert main([str(ckpt), str(other)]) == 2
+    assert "is a model directory, not an earlier export of this project" in _error(capsys)
+    assert _contents(other) == before
+    (tmp_path / "with_adapter" / "adapter").mkdir(parents=True)
+    (tmp_path / "with_adapter" / "adapter" / "notes.txt").write_text("mine\n")
+    assert main([str(ckpt), str(tmp_path / "with_adapter")]) == 2
+    assert "holds files an export does not write (adapter/notes.txt)" in _error(capsys)
 
 
 def _damage(ckpt: Path, how: str) -> None:

@@ -152,6 +152,8 @@ def test_a_timeout_keeps_the_turns_complete_before_it(worker):
     (StepResult(reward="1", done=True), "reward is '1'; it must be a number"),
     (StepResult(done=True, info={"x": float("inf")}), "info\\['x'\\] is inf"),
     ({"reward": 1.0, "done": True}, "step\\(\\) returned dict; it must return rollout.envs.StepResult"),
+    (StepResult(done=True, info=[1.0]), "info is list; it must map names to numbers"),
+    (StepResult(observation="more?"), "observation is str; it must be a list of chat messages"),
 ])  # fmt: skip
 def test_a_malformed_step_result_is_an_error_naming_the_environment(worker, value, error):
     # A NaN reward went into the advantages and the loss: every weight of the trained model became NaN, exit 0.
@@ -159,6 +161,11 @@ def test_a_malformed_step_result_is_an_error_naming_the_environment(worker, valu
     with pytest.raises((ValueError, TypeError), match=error) as raised:
         _run(worker, [env], EpisodeLimits(max_turns=2))
     assert "scripted_env:Returns" in str(raised.value) and env.closed
+
+
+def test_a_final_step_may_carry_any_observation(worker):
+    [episode] = _run(worker, [Returns(StepResult(reward=1, done=True, observation=None))], EpisodeLimits(max_turns=2))
+    assert episode.env_reward == 1.0 and episode.num_turns == 1
 
 
 def test_a_prompt_the_engine_cannot_hold_is_an_error_naming_the_problem(worker):

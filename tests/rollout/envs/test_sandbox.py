@@ -332,6 +332,9 @@ def test_the_python_tool_runs_at_most_max_concurrent_programs_at_once(monkeypatc
 
     async def calls() -> None:
         await asyncio.gather(*[t.run({"code": "pass"}) for t in [tool, other] * 5])
+        larger = tools.build_tool("python", PythonToolConfig(max_concurrent=5))
+        with pytest.raises(ValueError, match="already run 3 at a time"):  # not 5 more beside the first 3
+            await larger.run({"code": "pass"})
 
     asyncio.run(calls())
     assert most == 3
