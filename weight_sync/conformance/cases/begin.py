@@ -33,10 +33,10 @@ def _set(field: str, value: object) -> Mutation:
     return lambda kit, r: setattr(r, field, value)
 
 
-def _relay(n: int, fanout: int, ticket: bytes = b"") -> Mutation:
+def _relay(n: int, fanout: int, ticket: bytes = b"", port: int = 10000) -> Mutation:
     def mutate(kit: Kit, request: pb.BeginRequest) -> None:
         request.relay_targets.extend(
-            pb.RelayTarget(address=f"127.0.0.1:{10000 + i}", data_port=20000 + i, ticket=ticket) for i in range(n)
+            pb.RelayTarget(address=f"127.0.0.1:{port + i}", data_port=20000 + i, ticket=ticket) for i in range(n)
         )
         request.relay_fanout = fanout
 
@@ -67,6 +67,8 @@ _begin_refusal("OUT_OF_RANGE", _set("policy_version", 2**53), "begin_version_pas
 _begin_refusal("OUT_OF_RANGE", _set("policy_version", 2**63 - 1), "begin_version_int64_max: policy_version 2^63 - 1")
 _begin_refusal("INVALID_ARGUMENT", _set("session_id", ""), "begin_empty_session: an empty session_id")
 _begin_refusal("INVALID_ARGUMENT", _set("session_id", "s" * 257), "begin_long_session: a 257-character session_id")
+_begin_refusal("INVALID_ARGUMENT", _set("session_id", "a\nb"), "begin_unprintable_session: a session_id with a newline")
+_begin_refusal("INVALID_ARGUMENT", _set("num_streams", -1), "begin_negative_streams: num_streams -1")
 _begin_refusal("INVALID_ARGUMENT", _set("rank", 1), "begin_rank_out_of_range: rank 1 of num_ranks 1")
 _begin_refusal("INVALID_ARGUMENT", _set("num_ranks", 0), "begin_no_ranks: num_ranks 0")
 _begin_refusal("INVALID_ARGUMENT", _set("num_streams", 65), "begin_too_many_streams: num_streams 65")
@@ -80,6 +82,8 @@ _begin_refusal("INVALID_ARGUMENT", _relay(1025, 2), "begin_too_many_relay_target
 _begin_refusal("INVALID_ARGUMENT", _relay(1, 2, b"t"), "begin_relay_target_with_ticket: a relay target with a ticket")
 _begin_refusal("INVALID_ARGUMENT", _relay(1, 0), "begin_relay_fanout_zero: relay targets with relay_fanout 0")
 _begin_refusal("INVALID_ARGUMENT", _relay(1, 65), "begin_relay_fanout_65: relay targets with relay_fanout 65")
+_begin_refusal("INVALID_ARGUMENT", _relay(1, 2, port=99999), "begin_relay_port_out_of_range: a relay target on port "
+               "99999")
 
 
 @GROUP.case("OK")
