@@ -120,9 +120,43 @@ def parse_overrides(args: Sequence[str]) -> dict[str, Any]:
 
 def _parse_value(raw: str) -> Any:
     try:
-        return tomllib.loads(f"v = {raw}")["v"]
+        value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
+    if type(value) is int:  # noqa: E721  (not bool)
+        return _IntFlag(value, raw)
+    if type(value) is float:  # noqa: E721
+        return _FloatFlag(value, raw)
+    return value
+
+
+class _IntFlag(int):
+    """An integer read from a command-line flag, keeping the flag's text: a text field gets the text back
+    (``--run.name 123`` names the run "123"; :func:`validate_config`)."""
+
+    text: str
+
+    def __new__(cls, value: int, text: str) -> _IntFlag:
+        self = super().__new__(cls, value)
+        self.text = text
+        return self
+
+    def __getnewargs__(self) -> tuple[int, str]:  # type: ignore[override]  # copies and pickles keep the text
+        return int(self), self.text
+
+
+class _FloatFlag(float):
+    """A float read from a command-line flag, keeping the flag's text (``1e3`` stays "1e3" in a text field)."""
+
+    text: str
+
+    def __new__(cls, value: float, text: str) -> _FloatFlag:
+        self = super().__new__(cls, value)
+        self.text = text
+        return self
+
+    def __getnewargs__(self) -> tuple[float, str]:  # type: ignore[override]
+        return float(self), self.text
 
 
 def _override_source(dotted: str) -> str:
@@ -246,6 +280,9 @@ def validate_config(
         # JSON-mode validation: TOML arrays validate as tuples, strings as paths, while "0.1" stays no float.
         return cls.model_validate_json(json.dumps(data, default=str))
     except pydantic.ValidationError as e:
+        as_text = _flag_numbers_as_text(e, data)
+        if as_text is not None:  # a number typed on the command line for a text field: the flag's text
+            return validate_config(cls, as_text, source, sources)
         problems = []
         for err in e.errors():
             loc, reason = tuple(err["loc"]), _reason(err, cls, data)
@@ -254,6 +291,29 @@ def validate_config(
                 loc = (*loc, _Blamed(blamed.field))
             problems.append((loc, reason))
         raise config_error(problems, data, source, sources) from None
+
+
+def _flag_numbers_as_text(error: pydantic.ValidationError, data: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A copy of ``data`` with each command-line number that a text field refused replaced by the flag's text, or
+    ``None`` when there is none (numbers from a TOML file stay refused: there the quotes say what is text)."""
+    fixed: dict[str, Any] | None = None
+    for err in error.errors():
+        if err["type"] != "string_type":
+            continue
+        parent: Any = data
+        loc = list(err["loc"])
+        for key in loc[:-1]:
+            parent = parent.get(key) if isinstance(parent, Mapping) else None
+        value = parent.get(loc[-1]) if isinstance(parent, Mapping) and loc else None
+        if not isinstance(value, _IntFlag | _FloatFlag):
+            continue  # a tagged union's location (the tag in it) or a file's number: reported as it is
+        if fixed is None:
+            fixed = copy.deepcopy(dict(data))
+        target: Any = fixed
+        for key in loc[:-1]:
+            target = target[key]
+        target[loc[-1]] = value.text
+    return fixed
 
 
 class _Blamed(str):

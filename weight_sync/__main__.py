@@ -84,22 +84,12 @@ def config_of(args: argparse.Namespace, extra: list[str], **fields: object) -> W
     """The config from the generated flags, then `fields` (command options that set config fields); `extra` (flags
     argparse did not know) is validated too, so a misspelt field fails naming the field it probably meant."""
     flags: list[str] = []
-    text_fields: dict[str, str] = {}
     for dest, raw in vars(args).items():
         if dest.startswith(_FIELD):
-            name = dest.removeprefix(_FIELD)
-            if _is_text(WeightSyncConfig.model_fields[name].annotation):
-                text_fields[name] = raw  # as given: a token "123456" or a host "0" is text, not a TOML number
-            else:
-                flags += [f"--{name}", raw]
-    overrides = {**parse_overrides(flags + extra), **text_fields}
+            flags += [f"--{dest.removeprefix(_FIELD)}", raw]
+    overrides = parse_overrides(flags + extra)
     overrides.update({k: v for k, v in fields.items() if v is not None})
     return validate_config(WeightSyncConfig, overrides, source="command line")
-
-
-def _is_text(annotation: object) -> bool:
-    """Whether a field holds text (``str`` or ``str | None``)."""
-    return annotation is str or set(typing.get_args(annotation)) == {str, type(None)}
 
 
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:

@@ -85,8 +85,8 @@ def test_text_fields_take_their_flag_as_given():
     args, extra = parser.parse_known_args(["serve", "--dir", "d", "--auth_token", "123456", "--host", "0"])
     config = config_of(args, extra)
     assert (config.auth_token, config.bind_host) == ("123456", "0")
-    args, extra = parser.parse_known_args(["serve", "--dir", "d", "--auth_token", "true", "--chunk_bytes", "4096"])
-    assert (config_of(args, extra).auth_token, config_of(args, extra).chunk_bytes) == ("true", 4096)
+    args, extra = parser.parse_known_args(["serve", "--dir", "d", "--auth_token", "1e3", "--chunk_bytes", "4096"])
+    assert (config_of(args, extra).auth_token, config_of(args, extra).chunk_bytes) == ("1e3", 4096)
 
 
 def test_the_describe_reply_name_of_the_chunk_limit_points_at_the_field(capsys):
