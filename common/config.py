@@ -298,21 +298,12 @@ def _flag_numbers_as_text(error: pydantic.ValidationError, data: Mapping[str, An
     ``None`` when there is none (numbers from a TOML file stay refused: there the quotes say what is text)."""
     fixed: dict[str, Any] | None = None
     for err in error.errors():
-        if err["type"] != "string_type":
-            continue
-        parent: Any = data
-        loc = list(err["loc"])
-        for key in loc[:-1]:
-            parent = parent.get(key) if isinstance(parent, Mapping) else None
-        value = parent.get(loc[-1]) if isinstance(parent, Mapping) and loc else None
+        loc = tuple(err["loc"])
+        value = _value_at(loc, data) if err["type"] == "string_type" and loc else None
         if not isinstance(value, _IntFlag | _FloatFlag):
-            continue  # a tagged union's location (the tag in it) or a file's number: reported as it is
-        if fixed is None:
-            fixed = copy.deepcopy(dict(data))
-        target: Any = fixed
-        for key in loc[:-1]:
-            target = target[key]
-        target[loc[-1]] = value.text
+            continue  # another error, or a file's number: reported as it is
+        fixed = fixed if fixed is not None else copy.deepcopy(dict(data))
+        _value_at(loc[:-1], fixed)[loc[-1]] = value.text
     return fixed
 
 
