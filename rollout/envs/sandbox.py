@@ -44,7 +44,8 @@ write them (root with a writable ``/proc/sys``; a mapped root in a user namespac
 not bounded. Anonymous files, memory no rlimit counts either (``RLIMIT_FSIZE`` caps one, ``RLIMIT_NOFILE`` their
 number: 16 GiB with the defaults), are refused: a seccomp filter makes ``memfd_create`` and ``memfd_secret`` fail with
 EPERM (on x86_64, aarch64 and riscv64; it also refuses system calls of another ABI, such as 32-bit ones on x86_64).
-The tool runs at niceness 10, below the engine: many tools starting at once take the CPU the engine's loop needs.
+The tool runs at niceness 10, so a busy tool yields the CPU to the engine (the launcher's own start-up runs before it
+lowers its priority: how many start at once is bounded by the caller, :mod:`rollout.envs.tools`' slots).
 
 Isolation needs root or unprivileged user namespaces. ``isolation="auto"`` picks root mode as root and user-namespace
 mode otherwise (no uid of its own there: ``RLIMIT_NPROC`` then counts the caller's user in that namespace, which is
@@ -84,7 +85,7 @@ Outcome = Literal["ok", "error", "timeout", "cpu_limit", "memory_limit", "output
 Isolation = Literal["auto", "userns", "none"]
 
 _FLOOD_FACTOR = 4  # kill once this many times max_output_bytes have been printed
-_NICENESS = 10  # tools run below the engine's priority: 32 starting at once starved the engine's loop for 0.7 s
+_NICENESS = 10  # a tool's compute yields to the engine's; a burst of start-ups is bounded by the tools' slots instead
 _KILL_GRACE_S = 2.0  # how long the launcher may take to kill the namespace before its group is SIGKILLed
 
 
