@@ -159,9 +159,12 @@ class _FloatFlag(float):
         return float(self), self.text
 
 
+_FLAG_SOURCE = "command-line flag --"
+
+
 def _override_source(dotted: str) -> str:
     """How an error names the command-line flag ``--<dotted>`` as the source of a value."""
-    return f"command-line flag --{dotted}"
+    return f"{_FLAG_SOURCE}{dotted}"
 
 
 def apply_overrides(
@@ -280,8 +283,8 @@ def validate_config(
         # JSON-mode validation: TOML arrays validate as tuples, strings as paths, while "0.1" stays no float.
         return cls.model_validate_json(json.dumps(data, default=str))
     except pydantic.ValidationError as e:
-        as_text = _flag_numbers_as_text(e, data)
-        if as_text is not None:  # a number typed on the command line for a text field: the flag's text
+        as_text = _flag_values_as_text(e, data, sources or {})
+        if as_text is not None:  # a number or boolean typed on the command line for a text field: the flag's text
             return validate_config(cls, as_text, source, sources)
         problems = []
         for err in e.errors():
@@ -293,17 +296,23 @@ def validate_config(
         raise config_error(problems, data, source, sources) from None
 
 
-def _flag_numbers_as_text(error: pydantic.ValidationError, data: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A copy of ``data`` with each command-line number that a text field refused replaced by the flag's text, or
-    ``None`` when there is none (numbers from a TOML file stay refused: there the quotes say what is text)."""
+def _flag_values_as_text(
+    error: pydantic.ValidationError, data: Mapping[str, Any], sources: Sources
+) -> dict[str, Any] | None:
+    """A copy of ``data`` with each command-line number or boolean that a text field refused replaced by the flag's
+    text, or ``None`` when there is none (values from a TOML file stay refused: there the quotes say what is text)."""
     fixed: dict[str, Any] | None = None
     for err in error.errors():
         loc = tuple(err["loc"])
         value = _value_at(loc, data) if err["type"] == "string_type" and loc else None
-        if not isinstance(value, _IntFlag | _FloatFlag):
-            continue  # another error, or a file's number: reported as it is
+        if isinstance(value, _IntFlag | _FloatFlag):
+            text = value.text
+        elif isinstance(value, bool) and _source_of(_field_name(loc, data)[1], sources, "").startswith(_FLAG_SOURCE):
+            text = "true" if value else "false"  # TOML's only spellings of a boolean: what was typed
+        else:
+            continue  # another error, or a file's value: reported as it is
         fixed = fixed if fixed is not None else copy.deepcopy(dict(data))
-        _value_at(loc[:-1], fixed)[loc[-1]] = value.text
+        _value_at(loc[:-1], fixed)[loc[-1]] = text
     return fixed
 
 

@@ -40,13 +40,17 @@ def test_overrides_parse_toml_values_and_bare_strings():
     assert got == {"inner.lr": 1e-6, "name": "run one", "inner.betas": [0.8, 0.9], "flag": True}
 
 
-def test_a_number_typed_on_the_command_line_for_a_text_field_is_that_text(tmp_path):
-    # "--run.name 123" was refused: the flag's value read as a TOML integer, and text fields are strict.
+def test_a_number_or_boolean_typed_on_the_command_line_for_a_text_field_is_that_text(tmp_path):
+    # "--run.name 123" and "--run.name true" were refused: read as TOML values, and text fields are strict.
     f = tmp_path / "r.toml"
     f.write_text("[inner]\nlr = 0.1\n")
     cfg = load_toml_config(Root, f, parse_overrides(["--name", "123", "--inner.lr", "1e-6"]))
     assert (cfg.name, cfg.inner.lr) == ("123", 1e-6)
     assert load_toml_config(Root, f, parse_overrides(["--name=1e3"])).name == "1e3"  # as typed, not "1000.0"
+    assert load_toml_config(Root, f, parse_overrides(["--name", "true"])).name == "true"
+    f.write_text("name = true\n")  # in a file, the quotes say what is text: a boolean or number there is refused
+    with pytest.raises(ConfigError, match="- name: Input should be a valid string"):
+        load_toml_config(Root, f)
     f.write_text("name = 123\n")  # in a file, the quotes say what is text: a number there is still refused
     with pytest.raises(ConfigError, match="- name: Input should be a valid string"):
         load_toml_config(Root, f)
