@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from safetensors.torch import save_file
 from ws_helpers import begin, rank_shards, spec_msgs, status_of, tiny_state_dict
 
@@ -31,9 +32,12 @@ TOKEN = "conformance-token"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A `serve` subprocess on loopback and its directory: a token, 256-byte chunks (some tensors take several), short
-    hello and stream idle timeouts so the cases that wait for them take seconds, and the shared-memory plane."""
+    hello and stream idle timeouts so the cases that wait for them take seconds, the shared-memory plane, and a
+    0-element tensor in its checkpoint."""
     directory = tmp_path_factory.mktemp("served")
-    save_file(tiny_state_dict(3), str(directory / "model.safetensors"))
+    state = tiny_state_dict(3)
+    state["model.layers.0.empty_buffer"] = torch.zeros(0, 4)  # a 0-element tensor: push_commit_empty_tensor runs
+    save_file(state, str(directory / "model.safetensors"))
     env = {**os.environ, "RL_ALIGN_WEIGHT_SYNC_TOKEN": TOKEN, "PYTHONPATH": os.getcwd()}
     proc = subprocess.Popen(
         [sys.executable, "-m", "weight_sync", "serve", "--dir", str(directory), "--port", "0", "--chunk_bytes", "256",

@@ -101,6 +101,24 @@ def push_commit_two_ranks_two_streams(kit: Kit) -> str:
 
 
 @GROUP.case("OK")
+def push_commit_empty_tensor(kit: Kit) -> str:
+    """A tensor with 0 elements commits beside the probe, its empty shard sent by each of two ranks."""
+    empty = need(next((s for s in kit.manifest.values() if s.numel == 0), None), "tensor with 0 elements")
+    probe = kit.need_probe()
+    version, values, half = kit.version + 1, kit.values(probe), probe.shape[0] // 2
+    for rank in (0, 1):
+        kit.begin(kit.begin_request(version, [probe, empty], rank=rank, num_ranks=2))
+    for rank, box in ((0, rows(probe, 0, half)), (1, rows(probe, half, probe.shape[0]))):
+        messages = kit.chunks(probe, values, box) + kit.chunks(empty, kit.values(empty))
+        got = kit.stream(version, rank=rank).send(*messages).close()
+        require(got == "OK", f"rank {rank}'s stream with the empty shard answered {got}")
+    reply = kit.commit(version)
+    require(reply.policy_version == version, f"CommitReply.policy_version {reply.policy_version}")
+    kit.remember(version, {probe.name: values})
+    return "OK"
+
+
+@GROUP.case("OK")
 def commit_repeated(kit: Kit) -> str:
     """A repeated Commit of a committed update answers as the first did (same apply_seconds): no second apply."""
     version = kit.version + 1
