@@ -42,6 +42,12 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+ONE_ENGINE = ("--rollout.num_workers", "1")
+"""For a test whose point is not the engines: one vLLM import at start-up instead of the recipe's two ('auto' on two
+cores), ~10 s less on a 2-core machine. The recipe's two colocated engines are run by ``test_threads``, a lost one
+beside a live one by ``test_multi_node``."""
+
+
 def small_run_args(tmp: Path, num_steps: int, *extra: str) -> list[str]:
     """Overrides for a quick run of the default recipe whose outputs (and tiny model) live under ``tmp``."""
     return [

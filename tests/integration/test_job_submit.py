@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from it_helpers import RAY, RECIPE, REPO, RayNode, clean_env, read_metrics, rl_steps, small_run_args
+from it_helpers import ONE_ENGINE, RAY, RECIPE, REPO, RayNode, clean_env, read_metrics, rl_steps, small_run_args
 
 # Never upload the venv, run outputs, caches or git objects (most are in .gitignore too, which Ray also honours).
 EXCLUDES = [".git", ".venv", "/runs", "/artifacts", ".hypothesis", ".pytest_cache", "__pycache__", "*.egg-info"]
@@ -29,7 +29,7 @@ def ray_cluster(tmp_path: Path):
 def test_ray_job_submit_runs_recipe_to_success(ray_cluster: tuple[str, Path], tmp_path: Path) -> None:
     url, ray_temp_dir = ray_cluster
     submission_id = f"rl-align-it-{int(time.time())}"
-    overrides = small_run_args(tmp_path, 2, "--run.logging.plot", "false")
+    overrides = small_run_args(tmp_path, 2, "--run.logging.plot", "false", *ONE_ENGINE)
     cmd = [RAY, "job", "submit", "--address", url, "--submission-id", submission_id, "--working-dir", ".",
            "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
            "--", "python", "rl_align.py", "--recipe", RECIPE, *overrides]  # fmt: skip

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from it_helpers import RECIPE, read_metrics, run_to_end, small_run_args, tail
+from it_helpers import ONE_ENGINE, RECIPE, read_metrics, run_to_end, small_run_args, tail
 
 NUM_STEPS = 3
 
@@ -15,7 +15,7 @@ NUM_STEPS = 3
 def test_tensor_parallel_ranks_with_the_vocabulary_split_train_through_the_service(tmp_path: Path) -> None:
     log = tmp_path / "run.log"
     args = small_run_args(
-        tmp_path, NUM_STEPS, "--run.logging.plot", "false", "--trainer.num_ranks", "2",
+        tmp_path, NUM_STEPS, "--run.logging.plot", "false", "--trainer.num_ranks", "2", *ONE_ENGINE,
         "--trainer.parallelism.tensor_parallel_degree", "2", "--trainer.parallelism.vocab_parallel", "true",
     )  # fmt: skip
     assert run_to_end(args, log, RECIPE, timeout_s=600) == 0, tail(log)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from spawn_helpers import end_rank, full_weights, reassemble
+from spawn_helpers import end_rank, full_weights, reassemble, spawn_runs
 from trainer_batches import random_batch
 
 from common.net import free_port
@@ -73,11 +73,8 @@ def _probe(model, rank: int, world: int) -> tuple[torch.Tensor, list[torch.Tenso
     return hidden, loads
 
 
-def _worker(
-    rank: int, world: int, ep: int, kernel: str, ac: str, bf16_ppo: bool, lora: bool, port: int, out_dir: str
-) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _run_layout(rank: int, world: int, ep: int, kernel: str, ac: str, bf16_ppo: bool, lora: bool, out_dir: str) -> None:
+    """One run of :data:`RUNS` / :data:`SLOW_RUNS` on this rank (:func:`spawn_helpers.spawn_runs`)."""
     from trainer.checkpoint import CheckpointManager, TrainProgress
     from trainer.parallelize import build_mesh, local_shards
     from trainer.state import build_train_state
@@ -106,7 +103,6 @@ def _worker(
     result["resumed_metrics"] = [rl_step(resumed, _batch(s)) for s in range(progress.data_cursor["next"], NUM_STEPS)]
     result["resumed_weights"] = full_weights(resumed.policy)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    end_rank()
 
 
 def _dispatch_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -170,25 +166,18 @@ def test_dispatch_equals_the_kernel_on_all_tokens(dispatch, kernel: str, routing
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
-def _run(out_dir: Path, world: int, ep: int, kernel: str, ac: str, bf16_ppo: bool, lora: bool = False) -> list[dict]:
-    out_dir.mkdir(parents=True)
-    args = (world, ep, kernel, ac, bf16_ppo, lora, free_port(), str(out_dir))
-    mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
-RUNS = {  # name: (world, ep, expert kernel, activation checkpointing, PPO in bfloat16[, LoRA])
-    "1": (1, 1, "grouped", "none", False),
-    "ep2": (2, 2, "grouped", "none", False),
-    "ep2_loop_ac": (2, 2, "loop", "full", False),
+RUNS = {  # name: (world, ep, expert kernel, activation checkpointing, PPO in bfloat16, LoRA)
+    "1": (1, 1, "grouped", "none", False, False),
+    "ep2": (2, 2, "grouped", "none", False, False),
+    "ep2_loop_ac": (2, 2, "loop", "full", False, False),
     "1_lora": (1, 1, "grouped", "none", False, True),
     "ep2_lora": (2, 2, "grouped", "full", False, True),  # expert adapters under EP, with the recompute
 }
 SLOW_RUNS = {  # ~1 min more: `make test-slow`
-    "4": (4, 1, "grouped", "none", False),
-    "ep2x2": (4, 2, "grouped", "none", False),  # experts split over ep = 2, each half FSDP-sharded over efsdp = 2
-    "2_bf16_ppo": (2, 1, "grouped", "none", True),
-    "ep2_bf16_ppo": (2, 2, "grouped", "none", True),
+    "4": (4, 1, "grouped", "none", False, False),
+    "ep2x2": (4, 2, "grouped", "none", False, False),  # experts over ep = 2, each half FSDP-sharded over efsdp = 2
+    "2_bf16_ppo": (2, 1, "grouped", "none", True, False),
+    "ep2_bf16_ppo": (2, 2, "grouped", "none", True, False),
 }
 
 
@@ -207,14 +196,12 @@ def _load_worker(rank: int, ckpt_dir: str, port: int, out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    root = tmp_path_factory.mktemp("ep")
-    return {name: _run(root / name, *spec) for name, spec in RUNS.items()}
+    return spawn_runs(_run_layout, RUNS, tmp_path_factory.mktemp("ep"))
 
 
 @pytest.fixture(scope="module")
 def slow_runs(tmp_path_factory) -> dict[str, list[dict]]:
-    root = tmp_path_factory.mktemp("ep_slow")
-    return {name: _run(root / name, *spec) for name, spec in SLOW_RUNS.items()}
+    return spawn_runs(_run_layout, SLOW_RUNS, tmp_path_factory.mktemp("ep_slow"))
 
 
 def _runs(request: pytest.FixtureRequest, name: str) -> dict[str, list[dict]]:

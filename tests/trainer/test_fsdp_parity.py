@@ -5,16 +5,12 @@ reproduces the uninterrupted trajectory bit for bit (on each layout)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from spawn_helpers import end_rank, full_weights, reassemble
+from spawn_helpers import full_weights, reassemble, spawn_runs
 from trainer_batches import random_batch
 
-from common.net import free_port
 from rollout.types import RolloutBatch
 from trainer.metrics import is_timing
 
@@ -47,9 +43,8 @@ def _configs(ckpt_dir: str, world: int, tp: int, ac: str, vocab: bool):
 
 
 
-def _worker(rank: int, world: int, tp: int, ac: str, vocab: bool, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _run_layout(rank: int, world: int, tp: int, ac: str, vocab: bool, out_dir: str) -> None:
+    """One run of :data:`RUNS` on this rank (:func:`spawn_helpers.spawn_runs`)."""
     from trainer.checkpoint import CheckpointManager, TrainProgress
     from trainer.parallelize import build_mesh, local_shards
     from trainer.state import build_train_state
@@ -81,15 +76,6 @@ def _worker(rank: int, world: int, tp: int, ac: str, vocab: bool, port: int, out
     result["resumed_metrics"] = [rl_step(resumed, _batch(step)) for step in range(first, NUM_STEPS)]
     result["resumed_weights"] = full_weights(resumed.policy)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    end_rank()
-
-
-
-def _run(world: int, tp: int, ac: str, vocab: bool, out_dir: Path) -> list[dict]:
-    out_dir.mkdir(parents=True)
-    args = (world, tp, ac, vocab, free_port(), str(out_dir))
-    mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 RUNS = {  # name: (ranks, tensor-parallel degree, activation checkpointing, vocabulary split)
@@ -104,8 +90,7 @@ over each TP group and each TP rank's rows sharded by FSDP over the data-paralle
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    root = tmp_path_factory.mktemp("fsdp")
-    return {name: _run(*layout, root / name) for name, layout in RUNS.items()}
+    return spawn_runs(_run_layout, RUNS, tmp_path_factory.mktemp("fsdp"))
 
 
 

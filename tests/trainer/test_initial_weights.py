@@ -62,20 +62,23 @@ def _configs(case: str, path: Path):
     return cfg, model_config_from_hf(str(path), lora=lora), algorithm
 
 
-def _worker(rank: int, case: str, path: str, port: int, out_dir: str) -> None:
+def _worker(rank: int, paths: dict[str, str], port: int, out_dir: str) -> None:
+    """Every case in one process group (a spawn of two ranks costs more than a case): ``<case>.pt`` each."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     from trainer.parallelize import build_mesh
     from trainer.state import build_train_state
 
-    cfg, model_cfg, algo = _configs(case, Path(path))
-    state = build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"), init_path=path)
-    result = {"policy": full_weights(state.policy)}
-    for part in ("reference", "critic"):
-        if getattr(state, part) is not None:
-            result[part] = full_weights(getattr(state, part))
-    if rank == 0:
-        torch.save(result, os.path.join(out_dir, "weights.pt"))
+    for case, (family, *_) in CASES.items():
+        path = paths[family]
+        cfg, model_cfg, algo = _configs(case, Path(path))
+        state = build_train_state(cfg, model_cfg, algo, torch.device("cpu"), build_mesh(cfg, "cpu"), init_path=path)
+        result = {"policy": full_weights(state.policy)}
+        for part in ("reference", "critic"):
+            if getattr(state, part) is not None:
+                result[part] = full_weights(getattr(state, part))
+        if rank == 0:
+            torch.save(result, os.path.join(out_dir, f"{case}.pt"))
     end_rank()
 
 
@@ -85,15 +88,23 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     return {family: _hf_dir(root / family, family) for family in ("qwen3", "qwen3_moe")}
 
 
+@pytest.fixture(scope="module")
+def started(hf_dirs, tmp_path_factory) -> Path:
+    """Where the ranks' weights of every case are, as :func:`_worker` wrote them."""
+    out = tmp_path_factory.mktemp("started")
+    paths = {family: str(path) for family, path in hf_dirs.items()}
+    mp.spawn(_worker, args=(paths, free_port(), str(out)), nprocs=2, join=True)
+    return out
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_sharded_models_start_from_the_checkpoint_a_piece_a_rank(hf_dirs, tmp_path, case):
+def test_sharded_models_start_from_the_checkpoint_a_piece_a_rank(hf_dirs, started, case):
     from trainer.models.hf_io import load_hf_checkpoint
     from trainer.models.lora import is_adapter
     from trainer.models.transformer import build_model
 
     path = hf_dirs[CASES[case][0]]
-    mp.spawn(_worker, args=(case, str(path), free_port(), str(tmp_path)), nprocs=2, join=True)
-    got = torch.load(tmp_path / "weights.pt")
+    got = torch.load(started / f"{case}.pt")
     _, model_cfg, _ = _configs(case, path)
     expected = build_model(model_cfg, dtype=torch.float32)
     load_hf_checkpoint(expected, str(path))

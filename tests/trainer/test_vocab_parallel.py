@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from spawn_helpers import end_rank, full_weights, reassemble
+from torch.distributed.device_mesh import DeviceMesh
 from trainer_batches import random_batch
 
 from common.net import free_port
@@ -36,15 +37,25 @@ def _reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     return logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
 
 
-def _math_worker(rank: int, port: int, counts: tuple[int, int], shared: bool, use_entropy: bool, out_dir: str) -> None:
+def _math_worker(rank: int, port: int, out_dir: str) -> None:
+    """Every (tokens, entropy) case of :func:`test_split_head_and_lookup_equal_the_whole_matrix` in one process group
+    (a spawn of two ranks costs more than all the cases): ``<case>-<entropy>-rank<r>.pt`` each."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     from torch.distributed.device_mesh import init_device_mesh
 
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    for case, counts in TOKENS.items():
+        for use_entropy in (True, False):
+            result = _math_case(rank, mesh, counts, case == "shared", use_entropy)
+            torch.save(result, os.path.join(out_dir, f"{case}-{use_entropy}-rank{rank}.pt"))
+    end_rank()
+
+
+def _math_case(rank: int, mesh: DeviceMesh, counts: tuple[int, int], shared: bool, use_entropy: bool) -> dict:
     from trainer.parallelize import local_shard_place
     from trainer.vocab_parallel import VocabParallelEmbedding, VocabParallelHead, shard_vocabulary_rows
 
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(VOCAB, DIM, generator=gen)
     # Each rank's own tokens; the same draws on both ranks, so every rank can compute every reference.
@@ -85,7 +96,7 @@ def _math_worker(rank: int, port: int, counts: tuple[int, int], shared: bool, us
         refusal = ""
     except ValueError as e:
         refusal = str(e)
-    torch.save({
+    return {
         "logprobs": logprobs.detach(), "entropy": entropy.detach(),
         "ref": _reference(hiddens[rank], weight, targets[rank]),
         "grad_hidden": hidden.grad, "ref_grad_hidden": ref_hidden[rank].grad,
@@ -95,19 +106,21 @@ def _math_worker(rank: int, port: int, counts: tuple[int, int], shared: bool, us
         "emb_grad_rows": embedding.weight.grad.to_local() if embedding.weight.grad is not None else None,
         "ref_emb_grad_rows": emb_weight.grad[rows] if emb_weight.grad is not None else None,
         "rows": split.to_local().shape[0], "refusal": refusal,
-    }, os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
-    end_rank()
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def math_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("vocab_math")
+    mp.start_processes(_math_worker, args=(free_port(), str(out)), nprocs=2, start_method="spawn")
+    return out
 
 
 @pytest.mark.parametrize("use_entropy", [True, False], ids=["entropy", "logprobs_only"])
 @pytest.mark.parametrize("case", list(TOKENS))
-def test_split_head_and_lookup_equal_the_whole_matrix(tmp_path: Path, case: str, use_entropy: bool) -> None:
+def test_split_head_and_lookup_equal_the_whole_matrix(math_results: Path, case: str, use_entropy: bool) -> None:
     counts = TOKENS[case]
-    mp.start_processes(
-        _math_worker, args=(free_port(), counts, case == "shared", use_entropy, str(tmp_path)), nprocs=2,
-        start_method="spawn",
-    )
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    results = [torch.load(math_results / f"{case}-{use_entropy}-rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["rows"] for r in results] == [26, 25]
     assert all("1 rows split over 2 ranks leaves a rank without rows" in r["refusal"] for r in results)
     for r in results:
