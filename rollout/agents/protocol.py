@@ -1,15 +1,19 @@
 """The OpenAI chat-completions wire form the agent endpoint speaks: requests read and checked, replies built.
 
-Only what a training endpoint can honour exactly is accepted. Messages (text content, assistant ``tool_calls``,
-``tool`` results), ``tools`` with ``tool_choice`` "auto" or "none", ``max_tokens`` / ``max_completion_tokens``
-(capped by the recipe), ``stop`` (up to :data:`MAX_STOP_STRINGS` strings of :data:`MAX_STOP_CHARS` characters),
+Only what a training endpoint can honour exactly is accepted. Messages (text content, text parts joined by
+newlines as vLLM joins them, assistant ``tool_calls``, ``tool`` results; the ``developer`` role is ``system``),
+``tools`` with ``tool_choice`` "auto" or "none", ``max_tokens`` / ``max_completion_tokens`` (capped by the recipe),
+``stop`` (up to :data:`MAX_STOP_STRINGS` strings of :data:`MAX_STOP_CHARS` characters), vLLM's ``stop_token_ids``,
 ``n`` (up to :data:`MAX_CHOICES` completions of one prompt, each trained on) and
 ``logprobs`` (each generated token's log-prob under the sampling distribution, the one the trainer is given; no
 ``top_logprobs`` alternatives, which the engine does not keep) are honoured. The sampling distribution is the
 recipe's, so the trainer computes the log-probs of the distribution the tokens came from: ``temperature``, ``top_p``,
 ``seed`` and the penalties a client sends are not applied (each request that sends one counts in
 ``agent/ignored_sampling_params``). What cannot be served as asked is refused with status 400 and an OpenAI error body
-naming the parameter: forced tool choices, ``top_logprobs``, structured output, non-text content parts. ``stream``
+naming the parameter (:data:`_REFUSED`): forced tool choices, ``parallel_tool_calls = false`` (the model may write
+several calls in a turn), ``top_logprobs``, structured output and vLLM's constrained decoding, ``min_tokens``, prompt
+shaping the endpoint does not apply (``chat_template_kwargs``, ``continue_final_message``, ``add_generation_prompt =
+false``), vLLM's reply options (``echo``, ``include_stop_str_in_output``, ...), non-text content parts. ``stream``
 replies come as server-sent ``chat.completion.chunk`` events (:mod:`rollout.agents.streaming`), with a usage chunk
 when ``stream_options.include_usage`` is set.
 
@@ -17,7 +21,9 @@ Tool calls in the reply are read from the model's text in the Qwen / Hermes form
 :func:`rollout.envs.tools.parse_tool_calls`) when the request offers tools; the reply's ``content`` is the text
 outside the calls. A turn whose calls do not all parse is returned as plain text, so the agent sees what the model
 wrote. Arguments are returned as ``json.dumps`` writes them (the spacing of a template's ``tojson``), so a template
-renders a call back as the model wrote it when the model wrote standard JSON.
+renders a call back as the model wrote it when the model wrote standard JSON; a call the client sends back has its
+``arguments`` string parsed into an object for the template (as vLLM does), since templates that write ``arguments |
+tojson`` would otherwise render the JSON as a quoted string the model never wrote.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from typing import Any
 
 __all__ = [
     "MAX_CHOICES", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "ChatRequest", "ProtocolError", "assistant_reply",
-    "chat_chunk", "chat_completion", "cut_at_stop", "error_body", "parse_chat_request", "token_logprobs",
+    "chat_chunk", "chat_completion", "cut_at_ending_stop", "cut_at_stop", "error_body", "parse_chat_request",
+    "token_logprobs",
 ]  # fmt: skip
 
 MAX_CHOICES = 16
@@ -40,17 +47,38 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 """The longest ``stop`` string: a stream checks every step whether its text ends in the start of one."""
 
-_ROLES = ("system", "user", "assistant", "tool")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 _SAMPLING_PARAMS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "logit_bias",
 )  # fmt: skip
-_REFUSED = {
-    "response_format": "structured output constrains sampling, so the trainer could not reproduce its log-probs",
-    "guided_json": "guided decoding constrains sampling, so the trainer could not reproduce its log-probs",
-    "guided_regex": "guided decoding constrains sampling, so the trainer could not reproduce its log-probs",
-    "functions": "the legacy 'functions' parameter is not served; pass 'tools' instead",
+_CONSTRAINED = "constrained decoding changes the sampled distribution, so the trainer could not reproduce its log-probs"
+_NOT_APPLIED = "the endpoint renders every call with the model's chat template as it is, and does not apply it"
+_REFUSED: dict[str, tuple[object, str]] = {
+    # name: (the one value that is served as asked, why any other is refused)
+    "response_format": ({"type": "text"}, _CONSTRAINED),
+    "structured_outputs": (None, _CONSTRAINED),
+    "guided_json": (None, _CONSTRAINED),
+    "guided_regex": (None, _CONSTRAINED),
+    "guided_choice": (None, _CONSTRAINED),
+    "guided_grammar": (None, _CONSTRAINED),
+    "allowed_token_ids": (None, _CONSTRAINED),
+    "bad_words": (None, _CONSTRAINED),
+    "min_tokens": (0, "it bans the end of a turn, changing the sampled distribution; rollout.sampling.min_tokens in "
+                      "the recipe applies one to every call"),
+    "parallel_tool_calls": (True, "the model may write several calls in one turn, and stopping it would change the "
+                                  "sampled distribution; handle every call of a reply"),
+    "chat_template_kwargs": ({}, _NOT_APPLIED),
+    "continue_final_message": (False, _NOT_APPLIED + " (every call ends with a new assistant turn)"),
+    "add_generation_prompt": (True, _NOT_APPLIED + " (every call ends with a new assistant turn)"),
+    "echo": (False, "replies hold the generated text only"),
+    "include_stop_str_in_output": (False, "replies end before the stop string, as OpenAI's do"),
+    "skip_special_tokens": (True, "replies drop special tokens"),
+    "prompt_logprobs": (None, "the engine does not compute prompt log-probs"),
+    "functions": (None, "the legacy 'functions' parameter is not served; pass 'tools' instead"),
+    "function_call": (None, "the legacy 'function_call' parameter is not served; pass 'tool_choice' instead"),
 }
+"""Parameters served only at one value (unset is that value too); any other is refused with 400 naming it."""
 
 
 class ProtocolError(ValueError):
@@ -75,6 +103,8 @@ class ChatRequest:
     """The client's cap on generated tokens (the recipe's applies too)."""
     stop: list[str]
     """The client's stop strings (added to the recipe's)."""
+    stop_token_ids: list[int]
+    """The client's stop token ids (vLLM's parameter; added to the recipe's)."""
     ignored_sampling_params: list[str]
     """Sampling parameters the client sent that the recipe's settings override."""
     n: int = 1
@@ -91,10 +121,10 @@ def parse_chat_request(body: object) -> ChatRequest:
     """Check a decoded JSON request body; ``ProtocolError`` names the first thing wrong."""
     if not isinstance(body, Mapping):
         raise ProtocolError(f"the request body must be a JSON object, got {type(body).__name__}")
-    for name, why in _REFUSED.items():
+    for name, (served, why) in _REFUSED.items():
         value = body.get(name)
-        if value and not (name == "response_format" and value == {"type": "text"}):  # plain text: the default
-            raise ProtocolError(f"{name}: {why}", param=name, code="unsupported_parameter")
+        if value is not None and value != served:
+            raise ProtocolError(f"{name} = {_shown(value)}: {why}", param=name, code="unsupported_parameter")
     n = body.get("n")
     if n is None:
         n = 1
@@ -118,6 +148,7 @@ def parse_chat_request(body: object) -> ChatRequest:
         parse_tool_calls=bool(tools) and choice != "none",
         max_tokens=_max_tokens(body),
         stop=_stop(body.get("stop")),
+        stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
         ignored_sampling_params=[p for p in _SAMPLING_PARAMS if body.get(p) is not None],
         n=n,
         logprobs=_logprobs(body),
@@ -156,7 +187,9 @@ def _messages(value: object) -> list[dict[str, Any]]:
             raise ProtocolError(f"{where} must be an object, got {type(message).__name__}", param=where)
         role = message.get("role")
         if role not in _ROLES:
-            raise ProtocolError(f"{where}.role = {role!r}: expected one of {', '.join(_ROLES)}", param=f"{where}.role")
+            raise ProtocolError(f"{where}.role = {_shown(role)}: expected one of {', '.join(_ROLES)}",
+                                param=f"{where}.role")  # fmt: skip
+        role = "system" if role == "developer" else role  # OpenAI's newer name for system instructions
         checked: dict[str, Any] = {"role": role, "content": _content(message.get("content"), f"{where}.content")}
         if role == "assistant" and message.get("tool_calls"):
             checked["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
@@ -181,7 +214,7 @@ def _content(value: object, where: str) -> str | None:
                     param=f"{where}[{j}]", code="unsupported_parameter",
                 )  # fmt: skip
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)
     raise ProtocolError(f"{where} must be text or a list of text parts, got {type(value).__name__}", param=where)
 
 
@@ -199,8 +232,20 @@ def _tool_calls(value: object, where: str) -> list[dict[str, Any]]:
                 param=f"{where}[{j}]",
             )  # fmt: skip
         calls.append({"id": call.get("id"), "type": "function",
-                      "function": {"name": function["name"], "arguments": function["arguments"]}})  # fmt: skip
+                      "function": {"name": function["name"], "arguments": _arguments(function["arguments"])}})
     return calls
+
+
+def _arguments(value: str | Mapping[str, Any]) -> object:
+    """A call's arguments as the chat template gets them: a JSON object string (what OpenAI clients echo back) parsed,
+    anything else as sent."""
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except (ValueError, RecursionError):
+            return value
+        return parsed if isinstance(parsed, dict) else value
+    return value
 
 
 def _tools(value: object) -> list[dict[str, Any]] | None:
@@ -241,7 +286,31 @@ def _stop(value: object) -> list[str]:
         raise ProtocolError(
             f"a stop string has {len(too_long[0])} characters; at most {MAX_STOP_CHARS} are served", param="stop"
         )
+    for s in stops:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate ("\\ud800" in the JSON): no generated text can hold it
+            raise ProtocolError(f"stop string {_shown(s)} is not valid Unicode text", param="stop") from None
     return list(stops)
+
+
+def _stop_token_ids(value: object) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):  # fmt: skip
+        raise ProtocolError("stop_token_ids must be a list of token ids (non-negative integers)",
+                            param="stop_token_ids")  # fmt: skip
+    if len(value) > MAX_STOP_STRINGS * 16:
+        raise ProtocolError(f"stop_token_ids has {len(value)} ids; at most {MAX_STOP_STRINGS * 16} are served",
+                            param="stop_token_ids")  # fmt: skip
+    return list(value)
+
+
+def _shown(value: object) -> str:
+    """A client's value as an error message quotes it: its repr, at most 200 characters."""
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:
@@ -251,6 +320,14 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> str:
     past an earlier occurrence."""
     found = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     return text[: min(found)] if found else text
+
+
+def cut_at_ending_stop(text: str, stop: str, checked_from: int = 0) -> str:
+    """A finished reply's text: ``text`` before the occurrence of ``stop`` that ended generation, which is the first
+    one to end past ``checked_from`` characters (the text of the ``min_tokens`` tokens, where the engine checks no stop
+    string, as vLLM does); all of ``text`` when there is none."""
+    i = text.find(stop, max(0, checked_from - len(stop) + 1))
+    return text[:i] if i >= 0 else text
 
 
 def assistant_reply(text: str, parse_tool_calls: bool, call_id: str) -> tuple[dict[str, Any], bool]:

@@ -8,8 +8,11 @@ the recorded calls become the episode's samples (:func:`rollout.agents.trajector
 An agent's returned number is the episode's environment reward (added to the recipe's reward terms, which score the
 last call's text, as for any environment); ``None`` adds nothing. A timeout (``environment.timeout_s``) keeps the calls
 finished by then, adds nothing, and ends the episode with finish reason ``length``, as does an agent that raised after
-the endpoint refused it for an episode limit. Any other error of the agent fails the batch, naming the function and
-the problem: it is a bug to fix, not a sample to learn from.
+the endpoint refused it for an episode limit. Such an episode without a finished call (its first call refused for the
+context, or still in flight at the timeout) is a sample with no model tokens (the problem's prompt, rendered as the
+endpoint renders calls) whose reward counts in its group, as a built-in environment's episode that timed out before
+its first turn. Any other error of the agent fails the batch, naming the function and the problem, as does an agent
+that returns without a call: it is a bug to fix, not a sample to learn from.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from common.imports import resolve_object
 from rollout.agents.server import AgentEndpoint, EpisodeCalls
@@ -140,17 +145,25 @@ class AgentRunner:
             await asyncio.shield(self._on_engine(self.endpoint.close(episode)))
         if episode.engine_error is not None:  # however the agent ended, the engine failed it: the worker is replaced
             raise episode.engine_error
-        return self._outcome(problem, episode, value, timed_out)
+        stopped = bool(episode.num_limit_refusals)
+        empty = None
+        if not episode.calls and (timed_out or stopped):
+            empty = _no_call_episode(await self.endpoint.render(problem.prompt), timed_out)
+        return self._outcome(problem, episode, value, timed_out, empty)
 
-    def _outcome(self, problem: Problem, episode: EpisodeCalls, value: object, timed_out: bool) -> AgentOutcome:
+    def _outcome(
+        self, problem: Problem, episode: EpisodeCalls, value: object, timed_out: bool, empty: Episode | None
+    ) -> AgentOutcome:
         number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
         if value is not None and not number:
             raise self._failed(problem, f"returned {value!r}; return a finite number (the reward) or None")
-        if not episode.calls:
-            raise self._failed(problem, "made no chat completion" + (
-                f" before its timeout of {self._limits.timeout_s} s (raise environment.timeout_s)" if timed_out else ""
-            ) + "; every episode must call the model at least once")  # fmt: skip
-        segments = assemble(episode.calls)
+        if episode.calls:
+            segments = assemble(episode.calls)
+        elif empty is not None:
+            segments = [empty]
+        else:
+            raise self._failed(problem, "returned without a chat completion; every episode must call the model at "
+                                        "least once")  # fmt: skip
         stopped = bool(episode.num_limit_refusals)
         if timed_out or stopped:
             segments[-1].finish_reason = "length"
@@ -170,6 +183,15 @@ class AgentRunner:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
+
+
+def _no_call_episode(prompt: list[int], timed_out: bool) -> Episode:
+    """The sample of an episode that a timeout or an episode limit ended before any call finished."""
+    return Episode(
+        prompt_ids=prompt, completion_ids=np.zeros(0, np.int64), loss_mask=np.zeros(0, np.uint8),
+        logprobs=np.zeros(0, np.float32), final_text="", final_turn_tokens=0, env_reward=0.0, finish_reason="length",
+        num_turns=0, policy_versions=[], timed_out=timed_out,
+    )  # fmt: skip
 
 
 def agent_metrics(outcomes: Sequence[AgentOutcome]) -> dict[str, float]:

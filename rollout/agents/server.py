@@ -17,7 +17,8 @@ log-probs come whole with each choice's last chunk); an error after the stream b
 
 Limits of the episode (``environment.max_turns`` calls, ``max_total_tokens`` of growth after the first call's prompt,
 the engine's context) are answered with status 400 (codes ``episode_limit``, ``context_length_exceeded``); a call in
-flight when its episode ends (a timeout) with 409 ``episode_closed``; an engine that cannot serve with 503.
+flight when its episode ends (a timeout) with 409 ``episode_closed``; an engine that cannot serve with 503. Every error
+has OpenAI's JSON form, aiohttp's own (404, 405, 413) and an unexpected one (500, logged) included.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,7 +39,7 @@ from rollout.agents.streaming import ChoiceStream, IncrementalText
 from rollout.agents.trajectory import AgentCall
 from rollout.config import SamplingConfig
 from rollout.envs.episode import EpisodeLimits
-from rollout.tokenizer import PromptRenderer, token_bytes
+from rollout.tokenizer import PromptLike, PromptRenderer, token_bytes
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -46,6 +48,8 @@ if TYPE_CHECKING:
     from rollout.engine.vllm_engine import Completion, VLLMEngine
 
 __all__ = ["AgentEndpoint", "EpisodeCalls"]
+
+log = logging.getLogger(__name__)
 
 _MAX_BODY_BYTES = 16 << 20
 
@@ -100,7 +104,7 @@ class AgentEndpoint:
     async def _start(self) -> tuple[web.AppRunner, int]:
         from aiohttp import web
 
-        app = web.Application(client_max_size=_MAX_BODY_BYTES)
+        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[web.middleware(_openai_errors)])
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
         app.router.add_get("/episodes/{episode}/v1/models", self._models)
         # A client that goes away (its timeout, a disconnect) cancels its handler: the call is aborted, not recorded.
@@ -127,6 +131,11 @@ class AgentEndpoint:
         self._episodes.pop(episode.episode_id, None)
         for task in list(episode.in_flight):
             task.cancel()
+
+    async def render(self, prompt: PromptLike) -> list[int]:
+        """``prompt`` (text or messages) as the endpoint renders a call's messages (on its reader thread; awaited on
+        any loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._reader, self._prompts, prompt)
 
     def shutdown(self) -> None:
         """Stop the server (from any thread but the engine's)."""
@@ -169,7 +178,7 @@ class AgentEndpoint:
         episode.in_flight.add(generation)
         try:
             if progress is not None:
-                return await self._stream(request, episode, chat, prompt, index, generation, progress, sampling.stop)
+                return await self._stream(request, episode, chat, prompt, index, generation, progress, sampling)
             outcome = await self._outcome(episode, generation)
         except asyncio.CancelledError:  # the client went away: its reply would reach no one, so nothing is trained on
             generation.cancel()
@@ -178,15 +187,15 @@ class AgentEndpoint:
             episode.in_flight.discard(generation)
         if isinstance(outcome, protocol.ProtocolError):
             return _error(outcome.status, str(outcome), code=outcome.code)
-        choices = self._record(episode, chat, prompt, index, outcome)
+        choices = self._record(episode, chat, prompt, index, outcome, sampling.min_tokens)
         return web.json_response(protocol.chat_completion(
-            f"chatcmpl-{episode.episode_id}-{index}", self.model_name, choices, len(prompt),
+            _completion_id(), self.model_name, choices, len(prompt),
             sum(len(c.token_ids) for c in outcome), min(c.policy_version for c in outcome),
         ))  # fmt: skip
 
     async def _stream(
         self, request: web.Request, episode: EpisodeCalls, chat: protocol.ChatRequest, prompt: list[int], index: int,
-        generation: asyncio.Future[list[Completion]], progress: _Progress, stop: Sequence[str],
+        generation: asyncio.Future[list[Completion]], progress: _Progress, sampling: SamplingConfig,
     ) -> web.StreamResponse:  # fmt: skip
         """Send the reply as server-sent chunks while it is generated (:mod:`rollout.agents.streaming`); a client
         that goes away aborts the call like an unstreamed one (nothing is recorded)."""
@@ -195,12 +204,12 @@ class AgentEndpoint:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         send = _EventSender(response)
-        completion_id, created = f"chatcmpl-{episode.episode_id}-{index}", int(time.time())
+        completion_id, created = _completion_id(), int(time.time())
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             return protocol.chat_chunk(completion_id, self.model_name, created, choices, **extra)
 
-        streams = [ChoiceStream(chat.parse_tool_calls, stop) for _ in range(chat.n)]
+        streams = [ChoiceStream(chat.parse_tool_calls, sampling.stop) for _ in range(chat.n)]
         texts = [IncrementalText(self._decode) for _ in range(chat.n)]
         await send(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}} for j in range(chat.n)]))
         while not generation.done():
@@ -220,7 +229,7 @@ class AgentEndpoint:
         if isinstance(outcome, protocol.ProtocolError):
             await send(protocol.error_body(str(outcome), code=outcome.code))
         else:
-            choices = self._record(episode, chat, prompt, index, outcome)
+            choices = self._record(episode, chat, prompt, index, outcome, sampling.min_tokens)
             await send(chunk(
                 [{"index": j, "delta": streams[j].finish(m), "finish_reason": f, "logprobs": lp}
                  for j, (m, f, lp) in enumerate(choices)],
@@ -250,6 +259,10 @@ class AgentEndpoint:
                 episode.engine_error = episode.engine_error or e
             return protocol.ProtocolError(f"the rollout engine cannot serve: {e}", code="engine_unavailable",
                                           status=503)  # fmt: skip
+        except Exception as e:  # a request the checks let through that the engine cannot take: this endpoint's bug
+            log.exception("agent endpoint: a call failed in the engine")
+            return protocol.ProtocolError(f"internal error: {type(e).__name__}: {str(e)[:200]}", code="internal_error",
+                                          status=500)  # fmt: skip
         if episode.closed:
             return protocol.ProtocolError("the episode ended while this call was in flight", code="episode_closed",
                                           status=409)  # fmt: skip
@@ -257,20 +270,23 @@ class AgentEndpoint:
 
     def _record(
         self, episode: EpisodeCalls, chat: protocol.ChatRequest, prompt: list[int], index: int,
-        completions: list[Completion],
+        completions: list[Completion], min_tokens: int,
     ) -> list[tuple[dict[str, Any], str, dict[str, Any] | None]]:  # fmt: skip
         """Record the call's completions for training; their reply messages, finish reasons and log-probs (when
         asked for). A reply's text ends before the stop string that ended it (the recorded call keeps every generated
         token, and the whole text for rewards, as an environment's turn does: the next call's prompt, built from the
-        reply, then starts a new sample)."""
+        reply, then starts a new sample); ``min_tokens``: the call's, within which no stop string ends a reply."""
         choices = []
+        call_ids = f"call_{secrets.token_hex(6)}"  # not the episode's id: that is its URL's secret, and ids get logged
         for j, completion in enumerate(completions):
-            text = self._decode(completion.token_ids.tolist())
+            ids = completion.token_ids.tolist()
+            text = self._decode(ids)
             episode.calls.append(AgentCall(index, prompt, completion.token_ids, completion.logprobs,
                                            completion.policy_version, completion.finish_reason, text, j))  # fmt: skip
-            if completion.stop_string:  # the occurrence that completed last stopped it (earlier ones: min_tokens)
-                text = text[: text.rfind(completion.stop_string)] if completion.stop_string in text else text
-            call_id = f"call_{episode.episode_id[:8]}_{index}" + (f"_{j}" if chat.n > 1 else "")
+            if completion.stop_string:
+                checked_from = len(self._decode(ids[:min_tokens])) if min_tokens else 0
+                text = protocol.cut_at_ending_stop(text, completion.stop_string, checked_from)
+            call_id = call_ids + (f"_{j}" if chat.n > 1 else "")
             message, calls_tools = protocol.assistant_reply(text, chat.parse_tool_calls, call_id)
             finish = "length" if completion.finish_reason == "length" else ("tool_calls" if calls_tools else "stop")
             logprobs = None
@@ -325,6 +341,7 @@ class AgentEndpoint:
         max_tokens = min(base.max_tokens, room, chat.max_tokens or base.max_tokens)
         return base.model_copy(update={
             "max_tokens": max_tokens, "min_tokens": min(base.min_tokens, max_tokens), "stop": [*base.stop, *chat.stop],
+            "stop_token_ids": [*base.stop_token_ids, *chat.stop_token_ids],
         })  # fmt: skip
 
 
@@ -368,6 +385,37 @@ class _EventSender:
             await self._response.write(data)
         except ConnectionError:
             self._gone = True
+
+
+def _completion_id() -> str:
+    """A reply's id: random, not the episode's id (its URL's secret; reply ids get logged)."""
+    return f"chatcmpl-{secrets.token_hex(12)}"
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+async def _openai_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every error in OpenAI's JSON form, aiohttp's own too (a route or method not served, a body over
+    ``_MAX_BODY_BYTES``), and an unexpected one as a 500 with that form instead of aiohttp's plain-text page."""
+    from aiohttp import web
+
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = e.text or e.reason
+        if e.status in (404, 405):
+            message = (f"{request.method} {request.path} is not served: an episode's base URL serves POST "
+                       "<base_url>/chat/completions and GET <base_url>/models")  # fmt: skip
+        return _error(e.status, message, code=_HTTP_CODES.get(e.status, "invalid_request"))
+    except Exception:
+        log.exception("agent endpoint: %s %s failed", request.method, request.path)
+        return _error(500, "internal error of the agent endpoint (the rollout worker's log has it)",
+                      code="internal_error")  # fmt: skip
 
 
 def _error(status: int, message: str, param: str | None = None, code: str = "invalid_request") -> web.Response:

@@ -143,6 +143,19 @@ async def no_call(ctx: AgentContext) -> float:
     return 1.0
 
 
+async def too_long_first_call(ctx: AgentContext) -> float:
+    """A first call whose prompt the engine's context cannot hold (refused 400, unhandled): no call is recorded."""
+    client = _client(ctx)
+    await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "word " * 2000}])
+    return 1.0
+
+
+async def sleeps_before_its_call(ctx: AgentContext) -> float:
+    """Work that outlasts the episode's timeout before the first call."""
+    await asyncio.sleep(3600)
+    return 1.0
+
+
 async def broken(ctx: AgentContext) -> float:
     raise KeyError("the agent's own bug")
 

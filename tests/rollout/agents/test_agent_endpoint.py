@@ -247,7 +247,7 @@ async def _unfinished(engine) -> int:
 @pytest.mark.parametrize(("function", "match"), [
     ("broken", r"agent function '.*:broken' raised KeyError.*on problem 'p0'"),
     ("bad_return", r"returned '1.0'; return a finite number"),
-    ("no_call", r"made no chat completion"),
+    ("no_call", r"returned without a chat completion"),
 ])  # fmt: skip
 def test_a_failing_agent_fails_the_batch_naming_it(worker, function, match):
     runner = _runner(worker, function)
@@ -256,6 +256,23 @@ def test_a_failing_agent_fails_the_batch_naming_it(worker, function, match):
             runner.run([(PROBLEM, 0, 0)], SAMPLING)
     finally:
         runner.shutdown()
+
+
+@pytest.mark.parametrize(("function", "limits"), [
+    ("too_long_first_call", {}),  # failed the run ("made no chat completion") before
+    ("sleeps_before_its_call", {"timeout_s": 0.5}),
+])  # fmt: skip
+def test_an_episode_a_limit_ends_before_any_call_is_a_sample_without_model_tokens(worker, function, limits):
+    runner = _runner(worker, function, max_turns=4, **limits)
+    try:
+        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
+    finally:
+        runner.shutdown()
+    [episode] = outcome.episodes
+    assert outcome.num_calls == 0 and outcome.reward == 0.0 and episode.finish_reason == "length"
+    assert outcome.timed_out == ("timeout_s" in limits) and outcome.stopped_at_limit == ("timeout_s" not in limits)
+    assert len(episode.completion_ids) == 0 and episode.policy_versions == []
+    assert episode.prompt_ids == render_prompt(worker.tokenizer, PROBLEM.prompt, True)
 
 
 @pytest.mark.parametrize("function", ["tool_loop", "swallows_errors"])
@@ -336,7 +353,13 @@ def test_requests_the_endpoint_cannot_serve_exactly_are_refused_by_name(worker):
             assert _post(f"{episode.base_url}/chat/completions", body) == 400  # JSON Python cannot read: was a 500
         reply = client.chat.completions.create(model="any", messages=messages, max_tokens=3)
         assert reply.usage.completion_tokens <= 3 and reply.model == "policy"
+        assert episode.episode_id not in reply.id  # the id is the URL's secret; reply ids get logged
         assert len(episode.calls) == 1  # refusals record nothing
+        # aiohttp's own answers (a route or method not served, a body over the limit) in OpenAI's error form too
+        for method, path, body, status in [("POST", "/completions", b"{}", 404), ("GET", "/chat/completions", b"", 405),
+                                           ("POST", "/chat/completions", b" " * (16 << 20) + b"{}", 413)]:  # fmt: skip
+            got, answer = _request(method, f"{episode.base_url}{path}", body)
+            assert got == status and set(answer["error"]) == {"message", "type", "param", "code"}, answer
         gone = openai.OpenAI(base_url=episode.base_url.replace(episode.episode_id, "nope"), api_key="x", max_retries=0)
         with pytest.raises(openai.NotFoundError):
             gone.chat.completions.create(model="policy", messages=messages)
@@ -419,6 +442,20 @@ def test_a_call_read_while_its_episode_ends_starts_nothing(worker, monkeypatch):
 
     body = '{"messages": [{"role": "user", "content": "hi"}]}'
     assert _status_of_a_call_held_in_reading(worker, monkeypatch, body, end) == 409 and ended[0].calls == []
+
+
+def _request(method: str, url: str, body: bytes) -> tuple[int, dict]:
+    """Status and decoded JSON answer of a raw request."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, body or None, {"Content-Type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def _post(url: str, body: str) -> int:

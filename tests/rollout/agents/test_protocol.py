@@ -13,6 +13,7 @@ from rollout.agents.protocol import (
     MAX_STOP_STRINGS,
     ProtocolError,
     assistant_reply,
+    cut_at_ending_stop,
     cut_at_stop,
     parse_chat_request,
 )
@@ -42,10 +43,36 @@ def test_content_parts_tool_calls_and_tool_results_are_normalised_for_the_templa
         {"role": "tool", "tool_call_id": "c1", "content": "1"},
     ]  # fmt: skip
     chat = parse_chat_request({"messages": messages, "tools": [{"type": "function", "function": {"name": "calc"}}]})
-    assert chat.messages[0] == {"role": "user", "content": "ab"}
-    assert chat.messages[1]["tool_calls"][0]["function"] == {"name": "calc", "arguments": '{"x": 1}'}
+    assert chat.messages[0] == {"role": "user", "content": "a\nb"}  # vLLM's join of text parts
+    # The arguments string an OpenAI client echoes back goes to the template as the object it encodes.
+    assert chat.messages[1]["tool_calls"][0]["function"] == {"name": "calc", "arguments": {"x": 1}}
     assert chat.messages[2] == {"role": "tool", "content": "1", "tool_call_id": "c1"} and chat.parse_tool_calls
     assert not parse_chat_request({"messages": USER, "tools": chat.tools, "tool_choice": "none"}).parse_tool_calls
+    for arguments in ("not json", "[1, 2]", {"x": 2}):  # what is no JSON object stays as sent
+        call = {"id": "c", "type": "function", "function": {"name": "calc", "arguments": arguments}}
+        sent = parse_chat_request({"messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]})
+        assert sent.messages[0]["tool_calls"][0]["function"]["arguments"] == arguments
+    developer = parse_chat_request({"messages": [{"role": "developer", "content": "be brief"}, *USER]})
+    assert developer.messages[0] == {"role": "system", "content": "be brief"}
+
+
+def test_a_served_tool_call_sent_back_renders_as_the_model_wrote_it_under_a_tojson_template():
+    """Qwen2.5 / Hermes / Llama 3.1 templates write ``arguments | tojson``: a JSON string there would be rendered
+    quoted, a form the model never wrote (and the next call's prompt would not extend the recorded ids)."""
+    import jinja2
+
+    written = '<tool_call>\n{"name": "calc", "arguments": {"x": "12 * 34"}}\n</tool_call>'
+    message, _ = assistant_reply(written, True, "c")
+    template = jinja2.Environment().from_string(  # the part of such a template that renders a call
+        "{% for c in m.tool_calls %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments}"
+        " | tojson }}\n</tool_call>{% endfor %}"
+    )
+    jinja_json = json.dumps  # HF's chat templates' tojson: json.dumps with its default separators
+    env = template.environment
+    env.policies["json.dumps_function"] = jinja_json
+    env.policies["json.dumps_kwargs"] = {"ensure_ascii": False}
+    chat = parse_chat_request({"messages": [message]})
+    assert template.render(m=chat.messages[0]) == written
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -71,6 +98,19 @@ def test_content_parts_tool_calls_and_tool_results_are_normalised_for_the_templa
     ({"messages": USER, "stop": ["", "x"]}, "stop"),
     ({"messages": USER, "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
     ({"messages": USER, "stop": ["x" * (MAX_STOP_CHARS + 1)]}, "stop"),
+    ({"messages": USER, "stop": ["\ud800"]}, "stop"),  # a lone surrogate: valid JSON, no text; was a 500
+    ({"messages": USER, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"messages": USER, "structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+    ({"messages": USER, "guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"messages": USER, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ({"messages": USER, "bad_words": ["x"]}, "bad_words"),
+    ({"messages": USER, "min_tokens": 4}, "min_tokens"),
+    ({"messages": USER, "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"messages": USER, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"messages": USER, "continue_final_message": True}, "continue_final_message"),
+    ({"messages": USER, "add_generation_prompt": False}, "add_generation_prompt"),
+    ({"messages": USER, "echo": True}, "echo"),
+    ({"messages": USER, "include_stop_str_in_output": True}, "include_stop_str_in_output"),
 ])  # fmt: skip
 def test_requests_that_cannot_be_served_exactly_are_refused_naming_the_parameter(body, param):
     with pytest.raises(ProtocolError) as error:
@@ -96,8 +136,11 @@ def test_the_most_and_longest_stop_strings_served_are_accepted():
     assert parse_chat_request({"messages": USER, "stop": stops}).stop == stops
 
 
-def test_plain_text_response_format_is_the_default_and_accepted():
-    assert parse_chat_request({"messages": USER, "response_format": {"type": "text"}}).n == 1
+def test_parameters_at_the_values_served_as_asked_are_accepted():
+    served = {"response_format": {"type": "text"}, "parallel_tool_calls": True, "min_tokens": 0,
+              "chat_template_kwargs": {}, "add_generation_prompt": True, "continue_final_message": False, "echo": False}
+    assert parse_chat_request({"messages": USER, **served}).n == 1
+    assert parse_chat_request({"messages": USER, "stop_token_ids": [7, 9]}).stop_token_ids == [7, 9]
 
 
 def _call(index, prompt, completion, version=0, choice=0, text=""):
@@ -191,6 +234,12 @@ def test_a_reply_ends_before_its_stop_string_and_a_stream_never_sends_one():
     assert cut_at_stop("Subtractue", ["e"]) == "Subtractu"  # the rest of the token it ended in goes too
     assert cut_at_stop("x Observation: 4", ["Obs", "Observation:"]) == "x "
     assert cut_at_stop("no stop here", ["STOP", ""]) == "no stop here"
+    # A finished reply: the first occurrence ended generation (a last token "\n\n\n" holds two), except within the
+    # min_tokens' text, where the engine checks none.
+    assert cut_at_ending_stop("42\n\n\n", "\n\n") == "42"
+    assert cut_at_ending_stop("a. b. c", ". ", checked_from=3) == "a. b"
+    assert cut_at_ending_stop("a. b. c", ". ", checked_from=2) == "a"  # it ends past the min_tokens' text
+    assert cut_at_ending_stop("abc", "x") == "abc"
     react = ChoiceStream(parse_tool_calls=False, stop=["Observation:"])
     sent = [react.update(t) for t in ["Thought: add\nObs", "Thought: add\nObject", "Thought: add\nObject\nObser",
                                        "Thought: add\nObject\nObservation: 4"]]
