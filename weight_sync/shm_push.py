@@ -25,7 +25,7 @@ import xxhash
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.chunking import Piece
-from weight_sync.frames import answered, chunk_prefix, framed, read_reply, reply_result
+from weight_sync.frames import HASH_STEP, answered, chunk_prefix, framed, read_reply, reply_result
 from weight_sync.relay import StreamFailure
 from weight_sync.shm import peer_credentials, unmap
 from weight_sync.staging import SyncError
@@ -35,7 +35,6 @@ __all__ = ["BLOCK_BYTES", "Segment", "SegmentPool", "ShmPush", "ShmStream"]
 Code = grpc.StatusCode
 BLOCK_BYTES = 4 << 20  # a receiver starts copying once the first block of a stream is written
 MAX_BLOCKS_PER_PIECE = 8  # keeps the shards per tensor far below the receiver's 4096
-HASH_STEP = 256 << 10  # copied, then hashed while still in cache
 SEND_BUFFER = 4096  # small: a receiver that stops reading frames blocks the writes, so a stall is noticed
 
 
