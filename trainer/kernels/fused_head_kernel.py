@@ -27,9 +27,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from trainer.kernels.tpu_layout import LANES
+
 __all__ = ["HeadBlockSizes", "fused_head_backward_jax", "fused_head_forward_jax", "fused_head_jax"]
 
-_LANES = 128
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 _Semantics = Literal["parallel", "arbitrary"]  # Mosaic grid dimension semantics (pltpu.CompilerParams)
@@ -139,7 +140,7 @@ def _dweight_kernel(h_ref, w_ref, *refs, vocab_size, block_vocab):
 
 def _lanes(x: jax.Array) -> jax.Array:
     """``[N]`` -> lane-replicated ``[N, 128]``."""
-    return jnp.broadcast_to(x[:, None], (x.shape[0], _LANES))
+    return jnp.broadcast_to(x[:, None], (x.shape[0], LANES))
 
 
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -158,8 +159,8 @@ def fused_head_forward_jax(
     (num_tokens, dim), vocab_size = hidden.shape, weight.shape[0]
     bn, bv = blocks.block_tokens, blocks.block_vocab
     padded = pl.cdiv(num_tokens, bn) * bn
-    row_spec = pl.BlockSpec((bn, _LANES), lambda i, j: (i, 0))
-    stat = jax.ShapeDtypeStruct((padded, _LANES), jnp.float32)
+    row_spec = pl.BlockSpec((bn, LANES), lambda i, j: (i, 0))
+    stat = jax.ShapeDtypeStruct((padded, LANES), jnp.float32)
     outs = pl.pallas_call(
         functools.partial(_forward_kernel, vocab_size=vocab_size, block_vocab=bv),
         grid=(padded // bn, pl.cdiv(vocab_size, bv)),
@@ -170,7 +171,7 @@ def fused_head_forward_jax(
         ],
         out_specs=[row_spec, row_spec, row_spec],
         out_shape=[stat, stat, stat],
-        scratch_shapes=[pltpu.VMEM((bn, _LANES), jnp.float32) for _ in range(4)],
+        scratch_shapes=[pltpu.VMEM((bn, LANES), jnp.float32) for _ in range(4)],
         **_params(interpret, ("parallel", "arbitrary")),
     )(_pad_rows(hidden, padded), weight, _lanes(_pad_rows(targets, padded)))
     return tuple(o[:num_tokens, 0] for o in outs)
@@ -195,7 +196,7 @@ def fused_head_backward_jax(
     kernel_args = dict(vocab_size=vocab_size, block_vocab=bv)
     num_row_blocks, num_vocab_blocks = padded // bn, pl.cdiv(vocab_size, bv)
 
-    row_spec = pl.BlockSpec((bn, _LANES), lambda i, j: (i, 0))
+    row_spec = pl.BlockSpec((bn, LANES), lambda i, j: (i, 0))
     dh = pl.pallas_call(
         functools.partial(_dhidden_kernel, **kernel_args),
         grid=(num_row_blocks, num_vocab_blocks),
@@ -207,7 +208,7 @@ def fused_head_backward_jax(
         **_params(interpret, ("parallel", "arbitrary")),
     )(h, weight, *rows)
 
-    row_spec_t = pl.BlockSpec((bn, _LANES), lambda j, i: (i, 0))
+    row_spec_t = pl.BlockSpec((bn, LANES), lambda j, i: (i, 0))
     dw = pl.pallas_call(
         functools.partial(_dweight_kernel, **kernel_args),
         grid=(num_vocab_blocks, num_row_blocks),

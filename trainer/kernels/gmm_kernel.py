@@ -29,10 +29,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from trainer.kernels.tpu_layout import LANES
+
 __all__ = ["GmmTiling", "gmm_backward_jax", "gmm_forward_jax", "gmm_jax"]
 
 _megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
-_LANE = 128
 _NN = (((1,), (0,)), ((), ()))
 
 
@@ -46,11 +47,11 @@ class GmmTiling:
 
 
 def _tile(dim: int, largest: int) -> int:
-    return next((t for t in range(largest - largest % _LANE, 0, -_LANE) if dim % t == 0), dim)
+    return next((t for t in range(largest - largest % LANES, 0, -LANES) if dim % t == 0), dim)
 
 
 def _m_tile(num_rows: int, largest: int) -> int:
-    return min(largest, -(-num_rows // _LANE) * _LANE)
+    return min(largest, -(-num_rows // LANES) * LANES)
 
 
 def _pad_rows(x: jax.Array, tile_m: int) -> jax.Array:

@@ -31,13 +31,13 @@ from trainer.kernels.bridge import (
     torch_to_jax,
     tpu_jax_op,
 )
+from trainer.kernels.tpu_layout import LANES
 from trainer.models.registry import ATTENTION_BLOCKS
 
 __all__ = ["FLAG", "check_supported", "splash_attention", "splash_attention_block", "splash_attention_jax"]
 
 FLAG = 'attention = "splash"'
 _ALTERNATIVE = 'attention = "sdpa" (torch scaled_dot_product_attention)'
-_LANE = 128  # splash block sizes must be multiples of the TPU lane width
 _PAD_SEGMENT = -1
 
 
@@ -47,7 +47,7 @@ def check_supported(device: torch.device | str) -> None:
 
 
 def _block_size(padded_len: int) -> int:
-    return next(b for b in (512, 256, _LANE) if padded_len % b == 0)
+    return next(b for b in (512, 256, LANES) if padded_len % b == 0)
 
 
 @functools.cache
@@ -69,7 +69,7 @@ def splash_attention_jax(
 ) -> jax.Array:
     """JAX entry point: same contract as :func:`splash_attention`; differentiable (splash's custom_vjp)."""
     seq_len = q.shape[2]
-    pad = -seq_len % _LANE
+    pad = -seq_len % LANES
     if pad:
         q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
         if segment_ids is not None:
