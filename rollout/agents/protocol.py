@@ -136,6 +136,9 @@ def parse_chat_request(body: object) -> ChatRequest:
     messages = _messages(body.get("messages"))
     tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
+    if choice is not None and not tools:
+        raise ProtocolError("tool_choice is set but no tools are offered: pass tools, or leave tool_choice unset",
+                            param="tool_choice")  # fmt: skip
     if choice not in (None, "auto", "none"):
         raise ProtocolError(
             f"tool_choice = {choice!r}: the engine cannot force a call without changing the sampled distribution; "
@@ -153,8 +156,18 @@ def parse_chat_request(body: object) -> ChatRequest:
         n=n,
         logprobs=_logprobs(body),
         stream=_flag(body, "stream"),
-        include_usage=_flag(body.get("stream_options") or {}, "include_usage", "stream_options."),
+        include_usage=_stream_options(body),
     )
+
+
+def _stream_options(body: Mapping[str, Any]) -> bool:
+    """``stream_options.include_usage``; the options belong to a streamed reply only (OpenAI and vLLM refuse them
+    otherwise)."""
+    options = body.get("stream_options")
+    if options is not None and not _flag(body, "stream"):
+        raise ProtocolError("stream_options is set for a reply that is not streamed: set stream = true, or leave "
+                            "stream_options unset", param="stream_options")  # fmt: skip
+    return _flag(options or {}, "include_usage", "stream_options.")
 
 
 def _logprobs(body: Mapping[str, Any]) -> bool:

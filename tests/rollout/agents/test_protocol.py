@@ -98,6 +98,8 @@ def test_a_served_tool_call_sent_back_renders_as_the_model_wrote_it_under_a_tojs
     ({"messages": USER, "stop": ["", "x"]}, "stop"),
     ({"messages": USER, "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
     ({"messages": USER, "stop": ["x" * (MAX_STOP_CHARS + 1)]}, "stop"),
+    ({"messages": USER, "tool_choice": "auto"}, "tool_choice"),  # no tools offered
+    ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),  # not streamed
     ({"messages": USER, "stop": ["\ud800"]}, "stop"),  # a lone surrogate: valid JSON, no text; was a 500
     ({"messages": USER, "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"messages": USER, "structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
