@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import secrets
 import signal
 import sys
 import threading
@@ -121,14 +123,36 @@ def _push(args: argparse.Namespace, extra: list[str]) -> int:
     from weight_sync.sender import WeightSender
 
     config = config_of(args, extra)
-    with WeightSender(args.to, config, session_id=args.session) as sender:
-        report = sender.push(args.version, checkpoint_shards(args.checkpoint))
-        committed = sender.commit(args.version)
+    version = args.version if args.version is not None else _next_version(args.to, config)
+    session = args.session or f"cli-{os.getpid()}-{secrets.token_hex(3)}"  # two users' pushes never share an update
+    with WeightSender(args.to, config, session_id=session) as sender:
+        report = sender.push(version, checkpoint_shards(args.checkpoint))
+        if report.failed:  # all or nothing: a receiver that took the push must not commit what another refused
+            sender.abort(version, "the push failed on another receiver")
+            for address, error in report.errors.items():
+                print(f"{address}: {'pushed, then aborted' if error is None else f'push failed: {error}'}")
+            print(f"nothing committed: v{version} was aborted on every receiver", flush=True)
+            return 1
+        committed = sender.commit(version)
     failed = {a: e for a, e in committed.items() if e}
     for address, error in committed.items():
-        print(f"{address}: {f'committed v{args.version}' if error is None else error}")
+        print(f"{address}: {f'committed v{version}' if error is None else f'commit failed: {error}'}")
     print(f"{report.payload_bytes / 1e6:.1f} MB in {report.seconds:.2f} s", flush=True)
     return 1 if failed else 0
+
+
+def _next_version(addresses: list[str], config: WeightSyncConfig) -> int:
+    """One above the highest version the receivers serve (Describe)."""
+    from weight_sync.channel import WeightSyncClient
+
+    versions = []
+    for address in addresses:
+        client = WeightSyncClient(address, config)
+        try:
+            versions.append(client.describe().policy_version)
+        finally:
+            client.close()
+    return max(versions) + 1
 
 
 def _describe(args: argparse.Namespace, extra: list[str]) -> int:
@@ -196,8 +220,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     push = command("push", "push an HF checkpoint to receivers")
     push.add_argument("--checkpoint", required=True, help="directory with *.safetensors")
     push.add_argument("--to", required=True, action="append", help="receiver HOST:PORT (repeatable)")
-    push.add_argument("--version", type=int, default=1, help="policy_version to commit (must exceed the receiver's)")
-    push.add_argument("--session", default="cli", help="session id of this push")
+    push.add_argument("--version", type=int, default=None,
+                      help="policy_version to commit (must exceed the receivers'; default: one above the highest "
+                           "they serve)")  # fmt: skip
+    push.add_argument("--session", default=None, help="session id of this push (default: one of its own)")
     add_config_flags(push)
     describe = command("describe", "print a receiver's version and manifest")
     describe.add_argument("--to", required=True, help="receiver HOST:PORT")

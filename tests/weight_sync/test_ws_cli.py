@@ -38,13 +38,23 @@ def test_serve_and_push_a_checkpoint_with_a_token_from_the_environment(tmp_path,
         assert main(["describe", "--to", address]) == 0
         described = capsys.readouterr().out
         assert "policy_version 3" in described and "shared-memory plane" in described, described
+        # A refused push commits nothing and says why (it printed "committed v3" and exited 0 before).
+        other = tmp_path / "other"
+        other.mkdir()
+        newer = {k: v + 1 for k, v in sd.items()}
+        save_file(newer, str(other / "model.safetensors"))
+        assert main(["push", "--checkpoint", str(other), "--to", address, "--version", "3"]) == 1
+        out = capsys.readouterr().out
+        assert "push failed" in out and "not newer" in out and "nothing committed" in out, out
+        assert main(["push", "--checkpoint", str(other), "--to", address]) == 0  # the next version by default
+        assert "committed v4" in capsys.readouterr().out
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     assert proc.returncode == 0
     got = load_file(str(served / "model.safetensors"))
-    assert sorted(got) == sorted(sd) and all(torch.equal(got[k], v) for k, v in sd.items())
-    assert json.loads((served / "policy_version.json").read_text()) == {"policy_version": 3}
+    assert sorted(got) == sorted(newer) and all(torch.equal(got[k], v) for k, v in newer.items())
+    assert json.loads((served / "policy_version.json").read_text()) == {"policy_version": 4}
     assert not (served / "model-00001-of-00002.safetensors").exists()
 
 
