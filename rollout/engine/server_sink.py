@@ -230,16 +230,39 @@ def _requests_with_output(engine: Any) -> list[str]:
 
 
 def _persist_sink(model_dir: str, persist_dir: str | None, manifest: list[TensorSpec]) -> SafetensorsDirSink | None:
-    """The directory each version is kept in for a restart; on first use it starts as a copy of the served model."""
+    """The directory each version is kept in for a restart; on first use it starts as a copy of the served model.
+
+    Raises ``ValueError`` when ``persist_dir`` already holds another checkpoint than the one served: another version
+    (a restart on the base model instead of on ``persist_dir``: the server would claim the persisted version while
+    serving the base weights) or another model."""
     if persist_dir is None:
         return None
     import shutil
     from pathlib import Path
 
     target = Path(persist_dir)
-    target.mkdir(parents=True, exist_ok=True)
-    if os.path.realpath(model_dir) != os.path.realpath(persist_dir) and not any(target.glob("*.safetensors")):
-        for item in Path(model_dir).iterdir():
-            if item.is_file():
-                shutil.copy2(item, target / item.name)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"persist_dir {persist_dir!r} cannot be used: {e}") from None
+    if os.path.realpath(model_dir) != os.path.realpath(persist_dir):
+        if any(target.glob("*.safetensors")):
+            _check_persisted_is_served(model_dir, persist_dir, manifest)
+        else:
+            for item in Path(model_dir).iterdir():
+                if item.is_file():
+                    shutil.copy2(item, target / item.name)
     return SafetensorsDirSink(persist_dir, manifest)
+
+
+def _check_persisted_is_served(model_dir: str, persist_dir: str, manifest: list[TensorSpec]) -> None:
+    persisted, served = read_policy_version(persist_dir), read_policy_version(model_dir)
+    start_there = (f"start the server with --model {persist_dir} to serve what it holds, or give persist_dir an "
+                   f"empty directory to start from --model {model_dir}")  # fmt: skip
+    if read_checkpoint_manifest(persist_dir) != manifest:
+        raise ValueError(f"persist_dir {persist_dir!r} holds another model than --model {model_dir!r} (other tensors, "
+                         f"shapes or dtypes): {start_there}")  # fmt: skip
+    if persisted != served:
+        raise ValueError(f"persist_dir {persist_dir!r} holds version {persisted}, but this server loads --model "
+                         f"{model_dir!r} (version {served}): it would report version {persisted} while serving "
+                         f"version {served}'s weights; {start_there}")  # fmt: skip

@@ -19,6 +19,7 @@ the bearer token only from ``$RL_ALIGN_WEIGHT_SYNC_TOKEN`` (vLLM logs its whole 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from argparse import Namespace
@@ -99,11 +100,15 @@ def served_receiver_config(additional: Mapping[str, Any] | None, environ: Mappin
     if "auth_token" in data:
         raise ValueError(f"additional_config[{BACKEND!r}] must not hold auth_token: vLLM logs its config; export "
                          f"${DEFAULT_TOKEN_ENV} instead")
-    known = _PLUGIN_FIELDS | set(WeightSyncConfig.model_fields)
+    token_envs = {DEFAULT_TOKEN_ENV, str(data.get("auth_token_env") or environ.get(f"{ENV_PREFIX}AUTH_TOKEN_ENV"))}
     for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in token_envs:
+            continue
         field = name.removeprefix(ENV_PREFIX).lower()
-        if name.startswith(ENV_PREFIX) and field in known and field != "auth_token":
-            data.update(parse_overrides([f"--{field}", raw]))
+        if field == "auth_token":  # the documented pattern would otherwise open a receiver without a token, silently
+            raise ValueError(f"${name}: the bearer token is read from ${DEFAULT_TOKEN_ENV} (or the variable "
+                             "auth_token_env names); rename the variable")  # fmt: skip
+        data.update(parse_overrides([f"--{field}", raw]))  # a misspelt name is refused below, as a misspelt key is
     plugin = {k: v for k, v in data.items() if k in _PLUGIN_FIELDS}
     plugin["weight_sync"] = {k: v for k, v in data.items() if k not in _PLUGIN_FIELDS}
     return validate_config(ServedReceiverConfig, plugin, source=f"additional_config[{BACKEND!r}] and ${ENV_PREFIX}*")
@@ -136,13 +141,23 @@ class RLAlignEndpointPlugin:
         """Open the receiver when the engine uses the ``rl_align`` backend; refuse set-ups it cannot serve."""
         if engine_client is None:
             return
+        _log_through_vllm()
         vllm_config = engine_client.vllm_config
         transfer = vllm_config.weight_transfer_config
+        section = (vllm_config.additional_config or {}).get(BACKEND)
         if transfer is None or transfer.backend != BACKEND:
+            if section is not None:  # configured for pushes that could never arrive: refuse to start, naming the fix
+                backend = json.dumps({"backend": BACKEND})
+                raise ValueError(f"--additional-config has an {BACKEND!r} section but --weight-transfer-config does "
+                                 f"not select the backend: add --weight-transfer-config '{backend}' (or drop the "
+                                 "section to serve without a weight-sync receiver)")  # fmt: skip
             log.warning("rl_align plugin loaded but --weight-transfer-config does not select backend %r: no receiver "
                         "opened", BACKEND)
             return
-        config = served_receiver_config((vllm_config.additional_config or {}).get(BACKEND), os.environ)
+        if section is not None and not isinstance(section, Mapping):
+            raise ValueError(f"--additional-config's {BACKEND!r} section must be a JSON object of options, got "
+                             f"{type(section).__name__}")  # fmt: skip
+        config = served_receiver_config(section, os.environ)
         if getattr(args, "api_server_count", 1) not in (None, 1):
             raise ValueError("the rl_align receiver needs --api-server-count 1 (each API process would open one)")
         model_dir = vllm_config.model_config.model
@@ -164,12 +179,41 @@ class RLAlignEndpointPlugin:
         REGISTRY.register(_StateCollector(self.sink))
         self.receiver = WeightReceiver(self.sink, config.weight_sync)
         self.receiver.start()
-        import atexit
-
-        atexit.register(self.receiver.stop)
+        _stop_at_shutdown(self.receiver.stop)
         state.rl_align_receiver = self.receiver
         log.info("rl_align weight-sync receiver on %s serving version %d of %s", self.receiver.address,
                  self.sink.committed_version(), model_dir)
+
+
+def _log_through_vllm() -> None:
+    """Send the project's log records (this plugin's, the receiver's, the sink's) to the handlers of vLLM's logger, in
+    the server's log with vLLM's own lines (vLLM configures its ``vllm`` logger only: ours reached no handler)."""
+    vllm_logger = logging.getLogger("vllm")
+    for name in ("rollout", "weight_sync"):
+        logger = logging.getLogger(name)
+        if logger.handlers or not vllm_logger.handlers:
+            continue
+        for handler in vllm_logger.handlers:
+            logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def _stop_at_shutdown(stop: Any) -> None:
+    """Run ``stop`` when the interpreter shuts down, before it waits for the threads of ``concurrent.futures`` pools.
+
+    ``atexit`` runs after that wait, and the receiver's gRPC handlers run on such a pool: one blocked in a
+    ``WatchVersion`` stream kept a stopped server's process alive, its port bound, until SIGKILL.
+    ``threading._register_atexit`` hooks run before that wait, newest first (Python 3.9+)."""
+    import threading
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # another Python: stop at exit as before
+        import atexit
+
+        atexit.register(stop)
+        return
+    register(stop)
 
 
 class _StateCollector:

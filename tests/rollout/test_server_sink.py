@@ -156,6 +156,14 @@ def test_persisted_versions_are_what_a_restart_serves(loop, model_dir, tmp_path)
     assert torch.equal(kept["model.norm.weight"], torch.full((4,), 7.0)) and set(kept) == set(STATE)
     restarted = _sink(RecordingEngine(), loop, str(persist), tmp_path, persist_dir=str(persist))
     assert restarted.committed_version() == 4
+    # A restart on the base model with the same persist_dir would report version 4 while serving version 0's weights.
+    with pytest.raises(ValueError, match=r"holds version 4, but this server loads --model .* \(version 0\).*--model"):
+        _sink(RecordingEngine(), loop, model_dir, tmp_path, persist_dir=str(persist))
+    other = tmp_path / "other_model"
+    other.mkdir()
+    save_file({"model.norm.weight": torch.ones(8)}, str(other / "model.safetensors"))
+    with pytest.raises(ValueError, match="holds another model"):
+        _sink(RecordingEngine(), loop, model_dir, tmp_path, persist_dir=str(other))
 
 
 def test_the_plugin_config_reads_additional_config_then_the_environment(tmp_path):
@@ -169,6 +177,29 @@ def test_the_plugin_config_reads_additional_config_then_the_environment(tmp_path
         served_receiver_config({"auth_token": "x"}, {})
     with pytest.raises(ConfigError, match="prot"):
         served_receiver_config({"prot": 1}, {})
+    # Misspelt variables are refused as misspelt keys are (they were ignored: the token's most of all).
+    with pytest.raises(ConfigError, match="prot"):
+        served_receiver_config({}, {"RL_ALIGN_WEIGHT_SYNC_PROT": "50051"})
+    with pytest.raises(ValueError, match="RL_ALIGN_WEIGHT_SYNC_TOKEN"):
+        served_receiver_config({}, {"RL_ALIGN_WEIGHT_SYNC_AUTH_TOKEN": "secret"})
+    named = {"RL_ALIGN_WEIGHT_SYNC_AUTH_TOKEN_ENV": "RL_ALIGN_WEIGHT_SYNC_SECRET", "RL_ALIGN_WEIGHT_SYNC_SECRET": "s"}
+    assert served_receiver_config({}, named).weight_sync.auth_token_env == "RL_ALIGN_WEIGHT_SYNC_SECRET"
+
+
+def test_an_rl_align_section_without_the_backend_stops_the_server_at_start():
+    """Pushes could never arrive: the server used to start healthy with no receiver and only a warning."""
+    from types import SimpleNamespace
+
+    from rollout.engine.vllm_plugin import RLAlignEndpointPlugin
+
+    def engine(additional: dict) -> SimpleNamespace:
+        return SimpleNamespace(vllm_config=SimpleNamespace(weight_transfer_config=None, additional_config=additional))
+
+    plugin = RLAlignEndpointPlugin()
+    with pytest.raises(ValueError, match="--weight-transfer-config"):
+        asyncio.run(plugin.init_state(engine({"rl_align": {"port": 50051}}), SimpleNamespace(), SimpleNamespace()))
+    asyncio.run(plugin.init_state(engine({}), SimpleNamespace(), SimpleNamespace()))  # no section: serve without one
+    assert plugin.receiver is None
 
 
 def test_the_plugin_is_installed_and_registers_its_backend():
@@ -213,3 +244,42 @@ def test_a_lora_sink_stages_adapters_merged_into_the_base_and_keeps_the_served_a
     with pytest.raises(ConfigError, match="persist_dir with lora"):
         served_receiver_config({"lora": {"rank": 2}, "persist_dir": "/x"}, {})
     assert served_receiver_config({"lora": {"rank": 2, "target_modules": ["q_proj"]}}, {}).lora.rank == 2
+
+
+_SERVER_WITH_A_WATCHER = """
+import subprocess, sys, time
+from safetensors.torch import save_file
+import torch
+from rollout.engine.vllm_plugin import _stop_at_shutdown
+from weight_sync.config import WeightSyncConfig
+from weight_sync.receiver import WeightReceiver
+from weight_sync.sink import SafetensorsDirSink
+
+save_file({"w": torch.zeros(4)}, sys.argv[1] + "/model.safetensors")
+receiver = WeightReceiver(SafetensorsDirSink(sys.argv[1]), WeightSyncConfig(watch_timeout_s=600))
+receiver.start()
+_stop_at_shutdown(receiver.stop)
+watch = (
+    "import sys; from protos import weight_sync_pb2 as pb; from weight_sync.channel import WeightSyncClient; "
+    "from weight_sync.config import WeightSyncConfig; c = WeightSyncClient(sys.argv[1], WeightSyncConfig()); "
+    "print('watching', flush=True); list(c.watch(pb.WatchVersionRequest(after_version=0), timeout=600))"
+)
+watcher = subprocess.Popen([sys.executable, "-c", watch, receiver.address], stdout=subprocess.PIPE, text=True)
+assert watcher.stdout.readline().startswith("watching")
+time.sleep(1.0)  # the stream is open on a handler thread
+print("returning", flush=True)
+"""
+
+
+def test_a_served_receiver_with_an_open_watch_stream_lets_the_process_exit(tmp_path):
+    """The plugin stops its receiver before Python waits for the gRPC handler threads (at ``atexit`` it ran after that
+    wait: a ``WatchVersion`` stream kept a SIGTERMed vLLM server alive, its port bound, until SIGKILL)."""
+    import subprocess
+    import sys
+    import time
+
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _SERVER_WITH_A_WATCHER, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})  # fmt: skip
+    assert done.returncode == 0 and "returning" in done.stdout, done.stderr[-3000:]
+    assert time.monotonic() - start < 60, "the process waited for the watch stream"
