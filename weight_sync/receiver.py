@@ -210,6 +210,7 @@ class WeightReceiver:
     def _authorize(self, context: grpc.ServicerContext) -> None:
         problem = check_token(self._token, context.invocation_metadata())
         if problem:
+            log.warning("refused a call from %s: %s", context.peer(), problem)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
 
     def _parsed(
@@ -249,6 +250,7 @@ class WeightReceiver:
         try:
             update, delta = self.area.begin(request)
         except SyncError as e:
+            log.warning("refused Begin of version %d from %s: %s", request.policy_version, context.peer(), e.message)
             context.abort(e.code, e.message)
         ticket = update.tickets[request.rank] if self._data is not None or self._shm is not None else b""
         return pb.BeginReply(
@@ -359,6 +361,7 @@ class WeightReceiver:
         try:
             seconds = self.area.commit(request.session_id, request.policy_version, self._apply, context.is_active)
         except SyncError as e:
+            log.warning("refused Commit of version %d from %s: %s", request.policy_version, context.peer(), e.message)
             context.abort(e.code, e.message)
         log.info("committed policy_version %d (sink apply %.3f s)", request.policy_version, seconds)
         return pb.CommitReply(policy_version=self.area.policy_version, apply_seconds=seconds)

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rollout.engine.adapters import AdapterVersions, MergedAdapters
 from rollout.engine.sink import check_update
-from rollout.engine.transfer import REFUSED, write_update_file
+from rollout.engine.transfer import REFUSED, check_fused_groups, write_update_file
 from weight_sync.checkpoint import read_checkpoint_manifest
 from weight_sync.peft import AdapterSpec, adapter_manifest
 from weight_sync.sink import SafetensorsDirSink, read_policy_version
@@ -105,6 +105,7 @@ class ServerWeightSink:
         self._merged = None if lora is None else MergedAdapters(model_dir, base, lora)
         self._stage_dir = stage_dir
         self._persist = _persist_sink(model_dir, persist_dir, base)
+        self._packed_modules = _packed_modules(engine)
         self._drain_timeout_s = drain_timeout_s
         self._update_timeout_s = update_timeout_s
         self._on_drain_timeout = on_drain_timeout
@@ -130,7 +131,13 @@ class ServerWeightSink:
         start = time.perf_counter()
         if self.state.broken is not None:
             raise RuntimeError(f"this server stopped taking updates: {self.state.broken}; restart it")
-        check_update(self._specs, tensors)
+        try:
+            check_update(self._specs, tensors)
+            if len(tensors) < len(self._specs):  # a partial fused group is refused here, before any worker sees it
+                check_fused_groups(tensors, self._packed_modules)
+        except ValueError as e:
+            self._refused(e)
+            raise
         weights, full, adapter = tensors, len(tensors) == len(self._specs), None
         base: dict[str, torch.Tensor] = {}
         if self._versions is not None and self._merged is not None:  # an adapter version, merged into the base
@@ -143,8 +150,7 @@ class ServerWeightSink:
             future = asyncio.run_coroutine_threadsafe(self._serve(policy_version, path, full), self._loop)
             pause_s = future.result(timeout=self._drain_timeout_s + self._update_timeout_s)
         except (ValueError, TimeoutError) as e:
-            self.state.num_refused += 1
-            self.state.last_error = str(e)
+            self._refused(e)
             raise
         finally:
             os.unlink(path)
@@ -179,7 +185,17 @@ class ServerWeightSink:
 
         engine = self._engine
         paused_at = time.perf_counter()
-        await self._drain()
+        try:
+            await self._drain()
+        except TimeoutError:
+            raise  # refused, generation resumed (the drain-timeout policy)
+        except Exception as e:  # a failed pause must not leave generation paused behind a healthy-looking server
+            try:
+                await engine.resume_generation()
+            except Exception as again:
+                raise self._break(policy_version, f"pausing generation failed ({e}), and resuming it ({again})") from e
+            raise ValueError(f"weight update to version {policy_version} refused: pausing generation failed: {e}") \
+                from e
         try:
             await engine.start_weight_update()
             await engine.update_weights(WeightTransferUpdateRequest(
@@ -188,17 +204,27 @@ class ServerWeightSink:
             if REFUSED in str(e):
                 await engine.resume_generation()
                 raise ValueError(f"weight update to version {policy_version} refused by the engine: {e}") from e
-            self.state.broken = f"weight update to version {policy_version} failed midway: {e}"
-            log.error("%s; generation stays paused and the server exits so that it restarts on a known version",
-                      self.state.broken)
-            self._exit_process()
-            raise RuntimeError(self.state.broken) from e
+            raise self._break(policy_version, f"failed midway: {e}") from e
         try:
             await engine.finish_weight_update(weight_version=str(policy_version))
             await engine.reset_prefix_cache()
         finally:
             await engine.resume_generation()
         return time.perf_counter() - paused_at
+
+    def _refused(self, error: Exception) -> None:
+        self.state.num_refused += 1
+        self.state.last_error = str(error)
+        log.warning("weight update refused, the served version stays %d: %s", self.state.policy_version, error)
+
+    def _break(self, policy_version: int, what: str) -> RuntimeError:
+        """Mark the server broken after an update left the engine in an unknown state, make it exit (its orchestrator
+        restarts it on a known version) and return the error to raise."""
+        self.state.broken = f"weight update to version {policy_version}: {what}"
+        log.error("%s; generation stays paused and the server exits so that it restarts on a known version",
+                  self.state.broken)  # fmt: skip
+        self._exit_process()
+        return RuntimeError(self.state.broken)
 
     async def _drain(self) -> None:
         """Pause with in-flight requests finishing on the old weights; apply the drain-timeout policy; abort the
@@ -220,6 +246,20 @@ class ServerWeightSink:
             await engine.abort(partial, internal=True)
             self.state.num_aborted_requests += len(partial)
             log.warning("aborted %d preempted request(s) that would have resumed on new weights", len(partial))
+
+
+def _packed_modules(engine: Any) -> dict[str, list[str]]:
+    """The served model class's fused groups (vLLM's ``packed_modules_mapping``), read in this process: a partial group
+    is refused here, before the workers. Each worker refuses it too, but with tensor parallelism vLLM's executor
+    answered a call with the first worker's refusal and the next call (the next update's pause) with the second's.
+    Empty when the engine client names no model class (the workers' check remains)."""
+    model_config = getattr(getattr(engine, "vllm_config", None), "model_config", None)
+    if model_config is None:
+        return {}
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    model_class, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
+    return {name: list(members) for name, members in (getattr(model_class, "packed_modules_mapping", {}) or {}).items()}
 
 
 def _requests_with_output(engine: Any) -> list[str]:

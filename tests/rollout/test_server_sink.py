@@ -92,6 +92,37 @@ def test_an_update_drains_loads_labels_resets_and_resumes_in_that_order(loop, mo
     assert not os.listdir(tmp_path / "stage")  # the stage file lives for the update only
 
 
+def test_a_pause_that_fails_resumes_generation_and_refuses_the_update(loop, model_dir, tmp_path):
+    """With tensor parallelism vLLM's executor once answered the next update's pause with a worker's refusal of the
+    update before it: the pause failed and generation stayed paused behind a healthy-looking server."""
+    engine = RecordingEngine()
+    pause = engine.pause_generation
+    failures = [Exception(f"Call to pause_scheduler method failed: {REFUSED} update has q_proj but not k_proj")]
+
+    async def failing_once(mode: str = "abort", clear_cache: bool = True) -> None:
+        if failures:
+            engine.calls.append("pause failed")
+            raise failures.pop()
+        await pause(mode, clear_cache)
+
+    engine.pause_generation = failing_once
+    sink = _sink(engine, loop, model_dir, tmp_path)
+    with pytest.raises(ValueError, match="pausing generation failed"):
+        sink.apply(1, {"model.norm.weight": torch.full((4,), 2.0)})
+    assert engine.calls == ["pause failed", "resume"] and sink.state.broken is None and sink.state.num_refused == 1
+    sink.apply(2, {"model.norm.weight": torch.full((4,), 3.0)})  # the next update goes through
+    assert sink.committed_version() == 2
+
+
+def test_a_partial_fused_group_is_refused_before_any_engine_call(loop, model_dir, tmp_path):
+    engine = RecordingEngine()
+    sink = _sink(engine, loop, model_dir, tmp_path)
+    sink._packed_modules = {"gate_up_proj": ["gate_proj", "up_proj"]}  # what the served model class declares
+    with pytest.raises(ValueError, match="gate_proj"):
+        sink.apply(1, {"model.layers.0.mlp.up_proj.weight": torch.zeros(8, 4)})
+    assert engine.calls == [] and sink.state.num_refused == 1 and sink.committed_version() == 0
+
+
 def test_a_refusal_by_the_worker_resumes_on_the_old_version(loop, model_dir, tmp_path):
     engine = RecordingEngine(fail_update=f"{REFUSED} update has q_proj but not k_proj")
     sink = _sink(engine, loop, model_dir, tmp_path)

@@ -121,7 +121,7 @@ def test_missing_coverage_fails_commit_and_keeps_the_old_version(one):
     assert receiver.policy_version == 3
 
 
-def test_wrong_or_missing_token_is_unauthenticated(receivers):
+def test_wrong_or_missing_token_is_unauthenticated(receivers, caplog):
     config = WeightSyncConfig(auth_token="s3cret", chunk_bytes=4096)
     (receiver, sink), = receivers(1, config=config, sd=SD)
     for token in (None, "wrong", "s3cret-but-longer"):
@@ -133,6 +133,11 @@ def test_wrong_or_missing_token_is_unauthenticated(receivers):
     good = WeightSyncClient(receiver.address, config)
     full_update(good, 1)
     assert receiver.policy_version == 1
+    assert status_of(partial(begin, good, SD, 1)) == C.FAILED_PRECONDITION  # not newer
+    # Refusals leave a line in the receiver's log, naming the peer (an operator saw no trace of them).
+    refused = [r.getMessage() for r in caplog.records if r.name == "weight_sync.receiver"]
+    assert sum("refused a call from" in m for m in refused) >= 9, refused
+    assert any("refused Begin of version 1" in m and "not newer" in m for m in refused), refused
 
 
 def test_concurrent_update_is_refused_until_the_first_ends(one):
