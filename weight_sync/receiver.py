@@ -144,9 +144,15 @@ class WeightReceiver:
         host = f"[{cfg.bind_host}]" if ":" in cfg.bind_host else cfg.bind_host
         creds = server_credentials(cfg)
         bind = f"{host}:{cfg.port}"
-        port = server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind)
+        try:  # gRPC raises RuntimeError for a taken port ("Failed to bind"), or returns 0
+            port = server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind)
+        except RuntimeError as e:
+            raise OSError(f"the weight-sync receiver cannot listen on {bind} ({e}): another process holds the port, "
+                          "or the address is not this host's; choose another `port` (0 picks a free one) or "
+                          "`bind_host`") from None  # fmt: skip
         if port == 0:
-            raise OSError(f"could not bind {bind}")
+            raise OSError(f"the weight-sync receiver cannot listen on {bind}: choose another `port` (0 picks a free "
+                          "one) or `bind_host`")  # fmt: skip
         if cfg.data_plane != "grpc" and creds is None:
             self._data = DataPlaneServer(self.area, cfg.bind_host, cfg.data_port, StreamLimits.of(cfg))
         if cfg.offers_shm:

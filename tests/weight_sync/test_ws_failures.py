@@ -315,3 +315,15 @@ def test_delta_is_verified_by_the_checksum_of_the_result(one):
     assert receiver.policy_version == 1 and torch.equal(sink.state_dict["w"], SD["w"])
     _sparse_update(client, 2, 1, new_w, SD["w"])
     assert receiver.policy_version == 2 and torch.equal(sink.state_dict["w"], new_w)
+
+
+def test_a_taken_port_is_named_with_the_option_to_change():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        receiver = WeightReceiver(StateDictSink(dict(SD)), WeightSyncConfig(port=port))
+        with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{port}.*choose another `port`"):
+            receiver.start()
