@@ -123,9 +123,17 @@ def _push(args: argparse.Namespace, extra: list[str]) -> int:
     from weight_sync.sender import WeightSender
 
     config = config_of(args, extra)
-    version = args.version if args.version is not None else _next_version(args.to, config)
     session = args.session or f"cli-{os.getpid()}-{secrets.token_hex(3)}"  # two users' pushes never share an update
     with WeightSender(args.to, config, session_id=session) as sender:
+        version = args.version
+        if version is None:  # one above the highest version the receivers serve
+            described = sender.describe()
+            if unreachable := {a: r for a, r in described.items() if isinstance(r, str)}:
+                for address, why in unreachable.items():
+                    print(f"{address}: cannot read its version: {why}")
+                print("nothing pushed: give --version, or reach every receiver", flush=True)
+                return 1
+            version = max(r.policy_version for r in described.values() if not isinstance(r, str)) + 1
         report = sender.push(version, checkpoint_shards(args.checkpoint))
         if report.failed:  # all or nothing: a receiver that took the push must not commit what another refused
             sender.abort(version, "the push failed on another receiver")
@@ -139,20 +147,6 @@ def _push(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"{address}: {f'committed v{version}' if error is None else f'commit failed: {error}'}")
     print(f"{report.payload_bytes / 1e6:.1f} MB in {report.seconds:.2f} s", flush=True)
     return 1 if failed else 0
-
-
-def _next_version(addresses: list[str], config: WeightSyncConfig) -> int:
-    """One above the highest version the receivers serve (Describe)."""
-    from weight_sync.channel import WeightSyncClient
-
-    versions = []
-    for address in addresses:
-        client = WeightSyncClient(address, config)
-        try:
-            versions.append(client.describe().policy_version)
-        finally:
-            client.close()
-    return max(versions) + 1
 
 
 def _describe(args: argparse.Namespace, extra: list[str]) -> int:

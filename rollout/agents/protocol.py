@@ -123,7 +123,7 @@ def parse_chat_request(body: object) -> ChatRequest:
         raise ProtocolError(f"the request body must be a JSON object, got {type(body).__name__}")
     for name, (served, why) in _REFUSED.items():
         value = body.get(name)
-        if value is not None and value != served:
+        if value is not None and value != served and not (served is None and value in ([], {})):  # empty: unset
             raise ProtocolError(f"{name} = {_shown(value)}: {why}", param=name, code="unsupported_parameter")
     n = body.get("n")
     if n is None:
@@ -136,7 +136,7 @@ def parse_chat_request(body: object) -> ChatRequest:
     messages = _messages(body.get("messages"))
     tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
-    if choice is not None and not tools:
+    if choice not in (None, "none") and not tools:  # "none" without tools says nothing wrong (vLLM takes it)
         raise ProtocolError("tool_choice is set but no tools are offered: pass tools, or leave tool_choice unset",
                             param="tool_choice")  # fmt: skip
     if choice not in (None, "auto", "none"):
@@ -164,7 +164,7 @@ def _stream_options(body: Mapping[str, Any]) -> bool:
     """``stream_options.include_usage``; the options belong to a streamed reply only (OpenAI and vLLM refuse them
     otherwise)."""
     options = body.get("stream_options")
-    if options is not None and not _flag(body, "stream"):
+    if options and not _flag(body, "stream"):
         raise ProtocolError("stream_options is set for a reply that is not streamed: set stream = true, or leave "
                             "stream_options unset", param="stream_options")  # fmt: skip
     return _flag(options or {}, "include_usage", "stream_options.")

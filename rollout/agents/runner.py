@@ -10,9 +10,10 @@ last call's text, as for any environment); ``None`` adds nothing. A timeout (``e
 finished by then, adds nothing, and ends the episode with finish reason ``length``, as does an agent that raised after
 the endpoint refused it for an episode limit. Such an episode without a finished call (its first call refused for the
 context, or still in flight at the timeout) is a sample with no model tokens (the problem's prompt, rendered as the
-endpoint renders calls) whose reward counts in its group, as a built-in environment's episode that timed out before
-its first turn. Any other error of the agent fails the batch, naming the function and the problem, as does an agent
-that returns without a call: it is a bug to fix, not a sample to learn from.
+endpoint renders calls; :func:`rollout.envs.unplayed_episode`) whose reward (the agent's number, if it returned one,
+and the reward terms of an empty text) counts in its group, as a built-in environment's episode that timed out
+before its first turn. Any other error of the agent fails the batch, naming the function and the problem, as does an
+agent that returns without a call: it is a bug to fix, not a sample to learn from.
 """
 
 from __future__ import annotations
@@ -26,12 +27,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from common.imports import resolve_object
 from rollout.agents.server import AgentEndpoint, EpisodeCalls
 from rollout.agents.trajectory import assemble
-from rollout.envs import Episode, episode_limits
+from rollout.envs import Episode, episode_limits, unplayed_episode
 from rollout.metrics import episode_metrics
 from rollout.sampling import turn_seed
 
@@ -148,7 +147,7 @@ class AgentRunner:
         stopped = bool(episode.num_limit_refusals)
         empty = None
         if not episode.calls and (timed_out or stopped):
-            empty = _no_call_episode(await self.endpoint.render(problem.prompt), timed_out)
+            empty = unplayed_episode(await self.endpoint.render(problem.prompt), timed_out)
         return self._outcome(problem, episode, value, timed_out, empty)
 
     def _outcome(
@@ -183,15 +182,6 @@ class AgentRunner:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
-
-
-def _no_call_episode(prompt: list[int], timed_out: bool) -> Episode:
-    """The sample of an episode that a timeout or an episode limit ended before any call finished."""
-    return Episode(
-        prompt_ids=prompt, completion_ids=np.zeros(0, np.int64), loss_mask=np.zeros(0, np.uint8),
-        logprobs=np.zeros(0, np.float32), final_text="", final_turn_tokens=0, env_reward=0.0, finish_reason="length",
-        num_turns=0, policy_versions=[], timed_out=timed_out,
-    )  # fmt: skip
 
 
 def agent_metrics(outcomes: Sequence[AgentOutcome]) -> dict[str, float]:

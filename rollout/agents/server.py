@@ -203,6 +203,7 @@ class AgentEndpoint:
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        request[_STREAMING] = True  # from here on an error cannot be a response of its own (the middleware knows)
         send = _EventSender(response)
         completion_id, created = _completion_id(), int(time.time())
 
@@ -211,32 +212,37 @@ class AgentEndpoint:
 
         streams = [ChoiceStream(chat.parse_tool_calls, sampling.stop) for _ in range(chat.n)]
         texts = [IncrementalText(self._decode) for _ in range(chat.n)]
-        await send(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}} for j in range(chat.n)]))
-        while not generation.done():
-            grew = asyncio.ensure_future(progress.grew.wait())
-            either: set[asyncio.Future[Any]] = {grew, generation}
-            try:
-                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                grew.cancel()
-            deltas = []
-            for j, ids in progress.take().items():
-                if content := streams[j].update(texts[j].update(ids)):
-                    deltas.append({"index": j, "delta": {"content": content}})
-            if deltas:
-                await send(chunk(deltas))
-        outcome = await self._outcome(episode, generation)
-        if isinstance(outcome, protocol.ProtocolError):
-            await send(protocol.error_body(str(outcome), code=outcome.code))
-        else:
-            choices = self._record(episode, chat, prompt, index, outcome, sampling.min_tokens)
-            await send(chunk(
-                [{"index": j, "delta": streams[j].finish(m), "finish_reason": f, "logprobs": lp}
-                 for j, (m, f, lp) in enumerate(choices)],
-                policy_version=min(c.policy_version for c in outcome),
-            ))  # fmt: skip
-            if chat.include_usage:
-                await send(chunk([], usage=(len(prompt), sum(len(c.token_ids) for c in outcome))))
+        try:
+            await send(chunk([{"index": j, "delta": {"role": "assistant", "content": ""}} for j in range(chat.n)]))
+            while not generation.done():
+                grew = asyncio.ensure_future(progress.grew.wait())
+                either: set[asyncio.Future[Any]] = {grew, generation}
+                try:
+                    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    grew.cancel()
+                deltas = []
+                for j, ids in progress.take().items():
+                    if content := streams[j].update(texts[j].update(ids)):
+                        deltas.append({"index": j, "delta": {"content": content}})
+                if deltas:
+                    await send(chunk(deltas))
+            outcome = await self._outcome(episode, generation)
+            if isinstance(outcome, protocol.ProtocolError):
+                await send(protocol.error_body(str(outcome), code=outcome.code))
+            else:
+                choices = self._record(episode, chat, prompt, index, outcome, sampling.min_tokens)
+                await send(chunk(
+                    [{"index": j, "delta": streams[j].finish(m), "finish_reason": f, "logprobs": lp}
+                     for j, (m, f, lp) in enumerate(choices)],
+                    policy_version=min(c.policy_version for c in outcome),
+                ))  # fmt: skip
+                if chat.include_usage:
+                    await send(chunk([], usage=(len(prompt), sum(len(c.token_ids) for c in outcome))))
+        except Exception:  # the reply began: an error now goes as an event (a second response would corrupt it)
+            log.exception("agent endpoint: a streamed call failed")
+            await send(protocol.error_body("internal error of the agent endpoint (the rollout worker's log has it)",
+                                           code="internal_error"))  # fmt: skip
         await send.done()
         return response
 
@@ -310,6 +316,10 @@ class AgentEndpoint:
         except (ValueError, RecursionError) as e:  # valid JSON Python cannot read: a 5,000-digit number, deep nesting
             raise protocol.ProtocolError(f"the request body cannot be read: {str(e)[:200] or type(e).__name__}") from e
         chat = protocol.parse_chat_request(body)
+        vocab = len(self._prompts.tokenizer)
+        if any(t >= vocab for t in chat.stop_token_ids):  # vLLM does not check them: one past the vocabulary broke it
+            raise protocol.ProtocolError(f"stop_token_ids: the vocabulary has {vocab} tokens (ids 0 to {vocab - 1})",
+                                         param="stop_token_ids")  # fmt: skip
         try:
             return chat, self._prompts(chat.messages, chat.tools)
         except Exception as e:  # the template is the model's (jinja): any of its errors is the request's fault here
@@ -393,6 +403,8 @@ def _completion_id() -> str:
 
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_STREAMING = "rl_align.streaming"
+"""Set on a request whose streamed reply has begun."""
 
 
 async def _openai_errors(
@@ -413,6 +425,8 @@ async def _openai_errors(
                        "<base_url>/chat/completions and GET <base_url>/models")  # fmt: skip
         return _error(e.status, message, code=_HTTP_CODES.get(e.status, "invalid_request"))
     except Exception:
+        if request.get(_STREAMING):
+            raise  # the reply began: aiohttp closes the connection (the stream sends its own error event first)
         log.exception("agent endpoint: %s %s failed", request.method, request.path)
         return _error(500, "internal error of the agent endpoint (the rollout worker's log has it)",
                       code="internal_error")  # fmt: skip

@@ -133,8 +133,6 @@ class ServerWeightSink:
             raise RuntimeError(f"this server stopped taking updates: {self.state.broken}; restart it")
         try:
             check_update(self._specs, tensors)
-            if len(tensors) < len(self._specs):  # a partial fused group is refused here, before any worker sees it
-                check_fused_groups(tensors, self._packed_modules)
         except ValueError as e:
             self._refused(e)
             raise
@@ -145,6 +143,12 @@ class ServerWeightSink:
             update = {name: t for name, t in tensors.items() if name in self._adapter_specs}
             adapter = self._versions.merge(policy_version, update)
             weights, full = self._merged.weights(adapter, base), False
+        if not full:  # a partial fused group is refused here, before any worker sees it (what the workers would load)
+            try:
+                check_fused_groups(weights, self._packed_modules)
+            except ValueError as e:
+                self._refused(e)
+                raise
         path = self._stage(policy_version, weights)
         try:
             future = asyncio.run_coroutine_threadsafe(self._serve(policy_version, path, full), self._loop)
@@ -258,7 +262,12 @@ def _packed_modules(engine: Any) -> dict[str, list[str]]:
         return {}
     from vllm.model_executor.models.registry import ModelRegistry
 
-    model_class, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
+    try:
+        model_class, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
+    except Exception as e:  # an unusual model (remote code, another backend): the workers' check remains
+        log.warning("fused groups of %s not read (%s): partial groups are refused by the workers only",
+                    model_config.architectures, e)  # fmt: skip
+        return {}
     return {name: list(members) for name, members in (getattr(model_class, "packed_modules_mapping", {}) or {}).items()}
 
 
@@ -286,12 +295,18 @@ def _persist_sink(model_dir: str, persist_dir: str | None, manifest: list[Tensor
     except OSError as e:
         raise ValueError(f"persist_dir {persist_dir!r} cannot be used: {e}") from None
     if os.path.realpath(model_dir) != os.path.realpath(persist_dir):
+        seeding = target / ".seeding"  # a first start that dies while copying leaves only this behind
         if any(target.glob("*.safetensors")):
             _check_persisted_is_served(model_dir, persist_dir, manifest)
         else:
-            for item in Path(model_dir).iterdir():
-                if item.is_file():
-                    shutil.copy2(item, target / item.name)
+            shutil.rmtree(seeding, ignore_errors=True)
+            seeding.mkdir()
+            files = [item for item in Path(model_dir).iterdir() if item.is_file()]
+            for item in files:
+                shutil.copy2(item, seeding / item.name)
+            for item in sorted(files, key=lambda f: f.suffix == ".safetensors"):  # the weights last
+                os.replace(seeding / item.name, target / item.name)
+        shutil.rmtree(seeding, ignore_errors=True)
     return SafetensorsDirSink(persist_dir, manifest)
 
 

@@ -207,13 +207,19 @@ def _stop_at_shutdown(stop: Any) -> None:
     ``threading._register_atexit`` hooks run before that wait, newest first (Python 3.9+)."""
     import threading
 
+    def stop_quietly() -> None:  # an error here would skip the hooks after it (the pools' own cleanup)
+        try:
+            stop()
+        except Exception:
+            log.exception("stopping the rl_align receiver at shutdown failed")
+
     register = getattr(threading, "_register_atexit", None)
     if register is None:  # another Python: stop at exit as before
         import atexit
 
-        atexit.register(stop)
+        atexit.register(stop_quietly)
         return
-    register(stop)
+    register(stop_quietly)
 
 
 class _StateCollector:

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 from common.imports import resolve_object
 from rollout.envs.base import Environment, Message, StepResult
-from rollout.envs.episode import Episode, EpisodeLimits, run_episode
+from rollout.envs.episode import Episode, EpisodeLimits, run_episode, unplayed_episode
 
 if TYPE_CHECKING:
     from rollout.envs.config import EnvironmentConfig
 
 __all__ = [
     "Environment", "Episode", "EpisodeLimits", "Message", "StepResult", "build_environment", "episode_limits",
-    "run_episode",
+    "run_episode", "unplayed_episode",
 ]  # fmt: skip
 
 

@@ -111,6 +111,14 @@ async def run_episode(
         await env.close()
 
 
+def unplayed_episode(prompt: list[int], timed_out: bool) -> Episode:
+    """The episode of ``prompt`` that a limit ended before any model turn (finish reason ``length``): no model
+    tokens, so it trains nothing, and its reward counts in its group."""
+    trajectory = _Trajectory(prompt)
+    trajectory.timed_out, trajectory.finish_reason = timed_out, "length"
+    return trajectory.episode()
+
+
 class _Trajectory:
     """The episode being built: committed model turns (each with the observation that led to it)."""
 

@@ -190,6 +190,12 @@ def test_persisted_versions_are_what_a_restart_serves(loop, model_dir, tmp_path)
     # A restart on the base model with the same persist_dir would report version 4 while serving version 0's weights.
     with pytest.raises(ValueError, match=r"holds version 4, but this server loads --model .* \(version 0\).*--model"):
         _sink(RecordingEngine(), loop, model_dir, tmp_path, persist_dir=str(persist))
+    # A first start that died while seeding left only its staging folder: the next one seeds again.
+    fresh = tmp_path / "fresh"
+    (fresh / ".seeding").mkdir(parents=True)
+    (fresh / ".seeding" / "model.safetensors").write_bytes(b"half a file")
+    assert _sink(RecordingEngine(), loop, model_dir, tmp_path, persist_dir=str(fresh)).committed_version() == 0
+    assert not (fresh / ".seeding").exists() and set(load_file(str(fresh / "model.safetensors"))) == set(STATE)
     other = tmp_path / "other_model"
     other.mkdir()
     save_file({"model.norm.weight": torch.ones(8)}, str(other / "model.safetensors"))
@@ -293,7 +299,8 @@ _stop_at_shutdown(receiver.stop)
 watch = (
     "import sys; from protos import weight_sync_pb2 as pb; from weight_sync.channel import WeightSyncClient; "
     "from weight_sync.config import WeightSyncConfig; c = WeightSyncClient(sys.argv[1], WeightSyncConfig()); "
-    "print('watching', flush=True); list(c.watch(pb.WatchVersionRequest(after_version=0), timeout=600))"
+    "events = c.watch(pb.WatchVersionRequest(after_version=-1), timeout=600); next(events); "
+    "print('watching', flush=True); list(events)"
 )
 watcher = subprocess.Popen([sys.executable, "-c", watch, receiver.address], stdout=subprocess.PIPE, text=True)
 assert watcher.stdout.readline().startswith("watching")
@@ -314,3 +321,23 @@ def test_a_served_receiver_with_an_open_watch_stream_lets_the_process_exit(tmp_p
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})  # fmt: skip
     assert done.returncode == 0 and "returning" in done.stdout, done.stderr[-3000:]
     assert time.monotonic() - start < 60, "the process waited for the watch stream"
+
+
+def test_an_adapter_over_part_of_a_fused_group_passes_the_servers_fused_check(loop, tmp_path):
+    """Adapters on q_proj and v_proj reach the workers merged, with k_proj's base weight beside them: the server's own
+    fused-group check reads what the workers will load, not the adapter names (it refused every such push)."""
+    from weight_sync.peft import AdapterSpec, peft_name
+
+    model = tmp_path / "qkv"
+    model.mkdir()
+    state = {f"model.layers.0.self_attn.{p}.weight": torch.randn(4, 4) for p in ("q_proj", "k_proj", "v_proj")}
+    save_file(state, str(model / "model.safetensors"))
+    (model / "config.json").write_text("{}")
+    engine = RecordingEngine()
+    sink = _sink(engine, loop, str(model), tmp_path, lora=AdapterSpec(rank=2, alpha=4.0,
+                                                                      target_modules=("q_proj", "v_proj")))
+    sink._packed_modules = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}  # what Qwen 3's vLLM class declares
+    push = {peft_name(f"model.layers.0.self_attn.{p}", part): torch.randn(*((2, 4) if part == "lora_A" else (4, 2)))
+            for p in ("q_proj", "v_proj") for part in ("lora_A", "lora_B")}  # fmt: skip
+    sink.apply(1, push)
+    assert set(engine.staged) == set(state) and sink.committed_version() == 1

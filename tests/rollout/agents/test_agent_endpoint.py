@@ -347,6 +347,8 @@ def test_requests_the_endpoint_cannot_serve_exactly_are_refused_by_name(worker):
         with pytest.raises(openai.BadRequestError, match="stream"):
             client.chat.completions.create(model="policy", messages=messages, stream=True,
                                            stream_options={"include_usage": "yes"})  # fmt: skip
+        with pytest.raises(openai.BadRequestError, match="stop_token_ids"):  # past the vocabulary: the engine broke
+            client.chat.completions.create(model="policy", messages=messages, extra_body={"stop_token_ids": [1 << 40]})
         with pytest.raises(openai.BadRequestError, match=r"messages\[0\].role"):
             client.chat.completions.create(model="policy", messages=[{"role": "robot", "content": "hi"}])
         for body in ('{"n": ' + "1" * 5000 + "}", '{"messages": ' + "[" * 200_000 + "]" * 200_000 + "}"):
@@ -534,6 +536,27 @@ def test_an_episode_that_ends_mid_stream_ends_the_stream_with_an_error_event(wor
         assert len(received) < 100 and not episode.calls  # an aborted call is not recorded
         assert worker.engine.run(_unfinished(worker.engine)) == 0
     finally:
+        runner.shutdown()
+
+
+def test_a_streamed_call_that_fails_after_it_began_ends_with_an_error_event(worker, monkeypatch):
+    """Not a second HTTP response written into the stream (the client saw a cut reply end as if complete)."""
+    runner = _runner(worker, "no_call")
+    episode = worker.engine.run(runner.endpoint.open(SAMPLING, EpisodeLimits(max_turns=4), lambda t, n: None))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug of the endpoint")
+
+    monkeypatch.setattr(runner.endpoint, "_record", broken)
+    client = openai.OpenAI(base_url=episode.base_url, api_key="x", max_retries=0)
+    try:
+        stream = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                                stream=True)  # fmt: skip
+        with pytest.raises(openai.APIError, match="internal error"):
+            for _ in stream:
+                pass
+    finally:
+        worker.engine.run(runner.endpoint.close(episode))
         runner.shutdown()
 
 

@@ -140,7 +140,9 @@ def test_the_most_and_longest_stop_strings_served_are_accepted():
 
 def test_parameters_at_the_values_served_as_asked_are_accepted():
     served = {"response_format": {"type": "text"}, "parallel_tool_calls": True, "min_tokens": 0,
-              "chat_template_kwargs": {}, "add_generation_prompt": True, "continue_final_message": False, "echo": False}
+              "chat_template_kwargs": {}, "add_generation_prompt": True, "continue_final_message": False, "echo": False,
+              "functions": [], "bad_words": [], "allowed_token_ids": [], "structured_outputs": None,
+              "tool_choice": "none", "stream_options": {}}  # empty or "none": nothing asked that is not served
     assert parse_chat_request({"messages": USER, **served}).n == 1
     assert parse_chat_request({"messages": USER, "stop_token_ids": [7, 9]}).stop_token_ids == [7, 9]
 
