@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rollout.engine.adapters import AdapterVersions, MergedAdapters
 from rollout.engine.sink import check_update
-from rollout.engine.transfer import REFUSED, check_fused_groups, write_update_file
+from rollout.engine.transfer import REFUSED, check_fused_groups, check_whole_expert_layers, write_update_file
 from weight_sync.checkpoint import read_checkpoint_manifest
-from weight_sync.peft import AdapterSpec, adapter_manifest
+from weight_sync.peft import AdapterSpec, adapter_manifest, expert_tensor
 from weight_sync.sink import SafetensorsDirSink, read_policy_version
 from weight_sync.spec import TensorSpec
 
@@ -106,6 +106,7 @@ class ServerWeightSink:
         self._stage_dir = stage_dir
         self._persist = _persist_sink(model_dir, persist_dir, base)
         self._packed_modules = _packed_modules(engine)
+        self._experts = _experts_per_module(base)
         self._drain_timeout_s = drain_timeout_s
         self._update_timeout_s = update_timeout_s
         self._on_drain_timeout = on_drain_timeout
@@ -143,9 +144,10 @@ class ServerWeightSink:
             update = {name: t for name, t in tensors.items() if name in self._adapter_specs}
             adapter = self._versions.merge(policy_version, update)
             weights, full = self._merged.weights(adapter, base), False
-        if not full:  # a partial fused group is refused here, before any worker sees it (what the workers would load)
+        if not full:  # a partial fused group or expert layer is refused here, before any worker sees it
             try:
                 check_fused_groups(weights, self._packed_modules)
+                check_whole_expert_layers(weights, self._experts)
             except ValueError as e:
                 self._refused(e)
                 raise
@@ -254,8 +256,9 @@ class ServerWeightSink:
 
 def _packed_modules(engine: Any) -> dict[str, list[str]]:
     """The served model class's fused groups (vLLM's ``packed_modules_mapping``), read in this process: a partial group
-    is refused here, before the workers. Each worker refuses it too, but with tensor parallelism vLLM's executor
-    answered a call with the first worker's refusal and the next call (the next update's pause) with the second's.
+    (and a partial expert layer) is refused here, before the workers. Each worker refuses it too, but with tensor
+    parallelism vLLM's executor answered a call with the first worker's refusal and the next call (the next update's
+    pause) with the second's.
     Empty when the engine client names no model class (the workers' check remains)."""
     model_config = getattr(getattr(engine, "vllm_config", None), "model_config", None)
     if model_config is None:
@@ -269,6 +272,15 @@ def _packed_modules(engine: Any) -> dict[str, list[str]]:
                     model_config.architectures, e)  # fmt: skip
         return {}
     return {name: list(members) for name, members in (getattr(model_class, "packed_modules_mapping", {}) or {}).items()}
+
+
+def _experts_per_module(manifest: list[TensorSpec]) -> dict[str, int]:
+    """Each MoE layer's experts module in the checkpoint (``model.layers.0.mlp.experts``) and its expert count."""
+    experts: dict[str, set[int]] = {}
+    for spec in manifest:
+        if (where := expert_tensor(spec.name)) is not None:
+            experts.setdefault(where.experts, set()).add(where.expert)
+    return {module: len(indices) for module, indices in experts.items()}
 
 
 def _requests_with_output(engine: Any) -> list[str]:

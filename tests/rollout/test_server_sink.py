@@ -341,3 +341,22 @@ def test_an_adapter_over_part_of_a_fused_group_passes_the_servers_fused_check(lo
             for p in ("q_proj", "v_proj") for part in ("lora_A", "lora_B")}  # fmt: skip
     sink.apply(1, push)
     assert set(engine.staged) == set(state) and sink.committed_version() == 1
+
+
+def test_a_partial_expert_layer_is_refused_before_any_engine_call(loop, tmp_path):
+    """The experts of a layer load together (vLLM stacks them): some of them alone is refused in this process, as a
+    partial fused group is, not by each worker (with tensor parallelism a worker's refusal answered the next call)."""
+    model = tmp_path / "moe"
+    model.mkdir()
+    state = {f"model.layers.0.mlp.experts.{e}.{p}_proj.weight": torch.zeros(4, 4) for e in range(2)
+             for p in ("gate", "up", "down")}  # fmt: skip
+    save_file(state, str(model / "model.safetensors"))
+    (model / "config.json").write_text("{}")
+    engine = RecordingEngine()
+    sink = _sink(engine, loop, str(model), tmp_path)
+    one_expert = {name: torch.ones(4, 4) for name in state if ".experts.0." in name}
+    with pytest.raises(ValueError, match="3 of the 6 expert weights of model.layers.0.mlp.experts"):
+        sink.apply(1, one_expert)
+    assert engine.calls == [] and sink.state.num_refused == 1
+    sink.apply(1, {name: torch.ones(4, 4) for name in state})
+    assert sink.committed_version() == 1
