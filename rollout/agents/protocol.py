@@ -9,13 +9,14 @@ newlines as vLLM joins them, assistant ``tool_calls``, ``tool`` results; the ``d
 ``top_logprobs`` alternatives, which the engine does not keep) are honoured. The sampling distribution is the
 recipe's, so the trainer computes the log-probs of the distribution the tokens came from: ``temperature``, ``top_p``,
 ``seed`` and the penalties a client sends are not applied (each request that sends one counts in
-``agent/ignored_sampling_params``). What cannot be served as asked is refused with status 400 and an OpenAI error body
-naming the parameter (:data:`_REFUSED`): forced tool choices, ``parallel_tool_calls = false`` (the model may write
-several calls in a turn), ``top_logprobs``, structured output and vLLM's constrained decoding, ``min_tokens``, prompt
-shaping the endpoint does not apply (``chat_template_kwargs``, ``continue_final_message``, ``add_generation_prompt =
-false``), vLLM's reply options (``echo``, ``include_stop_str_in_output``, ...), non-text content parts. ``stream``
-replies come as server-sent ``chat.completion.chunk`` events (:mod:`rollout.agents.streaming`), with a usage chunk
-when ``stream_options.include_usage`` is set.
+``agent/ignored_sampling_params``), though a value outside OpenAI's range is refused as OpenAI refuses it, so a client's
+bug shows. ``tools: []`` is no tools, as vLLM takes it. What cannot be served as asked is refused with status 400 and an
+OpenAI error body naming the parameter (:data:`_REFUSED`): forced tool choices, ``parallel_tool_calls = false`` (the
+model may write several calls in a turn), ``top_logprobs``, structured output and vLLM's constrained decoding,
+``min_tokens``, prompt shaping the endpoint does not apply (``chat_template_kwargs``, ``continue_final_message``,
+``add_generation_prompt = false``), vLLM's reply options (``echo``, ``include_stop_str_in_output``, ...), non-text
+content parts. ``stream`` replies come as server-sent ``chat.completion.chunk`` events
+(:mod:`rollout.agents.streaming`), with a usage chunk when ``stream_options.include_usage`` is set.
 
 Tool calls in the reply are read from the model's text in the Qwen / Hermes form (``<tool_call>{...}</tool_call>``,
 :func:`rollout.envs.tools.parse_tool_calls`) when the request offers tools; the reply's ``content`` is the text
@@ -48,10 +49,19 @@ MAX_STOP_CHARS = 256
 """The longest ``stop`` string: a stream checks every step whether its text ends in the start of one."""
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-_SAMPLING_PARAMS = (
-    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "logit_bias",
-)  # fmt: skip
+_SAMPLING_PARAMS: dict[str, tuple[type, float | None, float | None]] = {
+    # name: (type, lowest, highest), OpenAI's and vLLM's ranges; a value outside them is a client's bug, refused
+    # though the value itself is not applied
+    "temperature": (float, 0.0, 2.0),
+    "top_p": (float, 0.0, 1.0),
+    "top_k": (int, -1, None),
+    "min_p": (float, 0.0, 1.0),
+    "seed": (int, None, None),
+    "presence_penalty": (float, -2.0, 2.0),
+    "frequency_penalty": (float, -2.0, 2.0),
+    "repetition_penalty": (float, 0.0, None),
+    "logit_bias": (dict, None, None),
+}
 _CONSTRAINED = "constrained decoding changes the sampled distribution, so the trainer could not reproduce its log-probs"
 _NOT_APPLIED = "the endpoint renders every call with the model's chat template as it is, and does not apply it"
 _REFUSED: dict[str, tuple[object, str]] = {
@@ -152,12 +162,36 @@ def parse_chat_request(body: object) -> ChatRequest:
         max_tokens=_max_tokens(body),
         stop=_stop(body.get("stop")),
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
-        ignored_sampling_params=[p for p in _SAMPLING_PARAMS if body.get(p) is not None],
+        ignored_sampling_params=_ignored_sampling_params(body),
         n=n,
         logprobs=_logprobs(body),
         stream=_flag(body, "stream"),
         include_usage=_stream_options(body),
     )
+
+
+def _ignored_sampling_params(body: Mapping[str, Any]) -> list[str]:
+    """The sampling parameters the client sent (each checked against its type and range, as OpenAI and vLLM check
+    them), which the recipe's settings override."""
+    sent = []
+    for name, (kind, low, high) in _SAMPLING_PARAMS.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if kind is dict:
+            ok = isinstance(value, Mapping)
+        elif kind is int:
+            ok = number and float(value).is_integer()
+        else:
+            ok = number and value == value  # not NaN
+        ok = ok and (low is None or value >= low) and (high is None or value <= high)
+        if not ok:
+            kind_name = {dict: "an object", int: "an integer", float: "a number"}[kind]
+            bounds = "" if low is None else f" of at least {low:g}" if high is None else f" from {low:g} to {high:g}"
+            raise ProtocolError(f"{name} = {_shown(value)} must be {kind_name}{bounds}", param=name)
+        sent.append(name)
+    return sent
 
 
 def _stream_options(body: Mapping[str, Any]) -> bool:
