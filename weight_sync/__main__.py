@@ -15,8 +15,10 @@
         run the protocol's conformance cases (weight_sync/PROTOCOL.md) against a receiver and print a pass/fail table;
         it commits synthetic versions of a few small tensors, so point it at a receiver whose weights may change
 
-Every `WeightSyncConfig` field is a flag of every command (`--chunk_bytes 65536`, `--auth_token_env MY_TOKEN`,
-`--tls_ca_path ca.pem`); `<command> --help` lists them with their docs and defaults. Values are read as TOML values
+Every `WeightSyncConfig` field is a flag of `serve` (`--chunk_bytes 65536`, `--auth_token_env MY_TOKEN`,
+`--tls_ca_path ca.pem`), and every field a sender reads a flag of the client commands (`push`, `describe`,
+`conformance`: a receiver's own settings, such as `--port`, are refused there); `<command> --help` lists them with
+their docs and defaults. Values are read as TOML values
 (`true`, `[...]`, numbers), anything else as a string. The bearer token is read from $RL_ALIGN_WEIGHT_SYNC_TOKEN by
 default.
 """
@@ -36,9 +38,10 @@ from collections.abc import Callable
 from pydantic.fields import FieldInfo
 
 from common.config import ConfigError, parse_overrides, validate_config
-from weight_sync.config import WeightSyncConfig
+from weight_sync.config import RECEIVER_FIELDS, WeightSyncConfig
 
 _FIELD = "config."  # argparse dest prefix of the generated WeightSyncConfig flags
+_CLIENT = "config:client"  # argparse dest: the command takes no receiver settings
 
 
 def _metavar(name: str, annotation: object) -> str:
@@ -69,11 +72,17 @@ def _default_text(field: FieldInfo) -> str:
     return repr(value) if isinstance(value, list) else str(value)
 
 
-def add_config_flags(parser: argparse.ArgumentParser, aliases: dict[str, list[str]] | None = None) -> None:
+def add_config_flags(
+    parser: argparse.ArgumentParser, aliases: dict[str, list[str]] | None = None, client: bool = False
+) -> None:
     """One `--<field>` flag per `WeightSyncConfig` field, its help the field's docstring and default (the one source
-    of truth: a new field is a flag of every command). `aliases`: more flag names of a field (`--host`)."""
+    of truth: a new field is a flag of every command that reads it). `aliases`: more flag names of a field (`--host`).
+    `client`: a command that only talks to receivers, whose own settings (`RECEIVER_FIELDS`) it does not take."""
     group = parser.add_argument_group("WeightSyncConfig fields (weight_sync/config.py)")
+    parser.set_defaults(**{_CLIENT: client})
     for name, field in WeightSyncConfig.model_fields.items():
+        if client and name in RECEIVER_FIELDS:
+            continue
         doc = " ".join((field.description or "").split()).replace("%", "%%")
         flags = [f"--{name}", *(f"--{a}" for a in (aliases or {}).get(name, []))]
         group.add_argument(
@@ -90,6 +99,11 @@ def config_of(args: argparse.Namespace, extra: list[str], **fields: object) -> W
         if dest.startswith(_FIELD):
             flags += [f"--{dest.removeprefix(_FIELD)}", raw]
     overrides = parse_overrides(flags + extra)
+    if getattr(args, _CLIENT, False) and (settings := sorted(RECEIVER_FIELDS & overrides.keys())):
+        raise ValueError(
+            f"{', '.join('--' + s for s in settings)}: receiver settings, which {args.command} does not read (it "
+            "only talks to receivers); give it to the receiver (`serve`, or the rl_align plugin's config)"
+        )
     overrides.update({k: v for k, v in fields.items() if v is not None})
     return validate_config(WeightSyncConfig, overrides, source="command line")
 
@@ -218,10 +232,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
                       help="policy_version to commit (must exceed the receivers'; default: one above the highest "
                            "they serve)")  # fmt: skip
     push.add_argument("--session", default=None, help="session id of this push (default: one of its own)")
-    add_config_flags(push)
+    add_config_flags(push, client=True)
     describe = command("describe", "print a receiver's version and manifest")
     describe.add_argument("--to", required=True, help="receiver HOST:PORT")
-    add_config_flags(describe)
+    add_config_flags(describe, client=True)
     conformance = command("conformance", "run the protocol's conformance cases against a receiver")
     conformance.add_argument("--to", help="receiver HOST:PORT")
     conformance.add_argument("--token", default=None, help="bearer token (default: auth_token / $auth_token_env); "
@@ -234,7 +248,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     conformance.add_argument("--max_wait_s", type=float, default=60.0,
                              help="longest wait for a receiver timeout (hello, idle stream; default 60)")
     conformance.add_argument("--list", action="store_true", help="list the cases and what each expects, then exit")
-    add_config_flags(conformance)
+    add_config_flags(conformance, client=True)
     return parser, {"serve": _serve, "push": _push, "describe": _describe, "conformance": _conformance}
 
 

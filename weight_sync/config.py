@@ -9,11 +9,19 @@ import pydantic
 
 from common.config import Config
 
-__all__ = ["WeightSyncConfig"]
+__all__ = ["RECEIVER_FIELDS", "WeightSyncConfig"]
 
 DEFAULT_TOKEN_ENV = "RL_ALIGN_WEIGHT_SYNC_TOKEN"
 MAX_COMMIT_WAITERS = 16  # Commits that may wait at once for the one applying their update (each holds an RPC thread)
 RESERVED_SERVER_THREADS = MAX_COMMIT_WAITERS + 4  # + short calls: Describe, Begin, Abort, the applying Commit
+
+
+RECEIVER_FIELDS = frozenset({
+    "update_idle_timeout_s", "max_pending_data_connections", "max_watch_streams", "watch_timeout_s", "max_version_gap",
+    "tls_require_client_cert", "bind_host", "port", "allow_insecure_remote", "offer_shm", "data_port",
+    "num_server_threads",
+})  # fmt: skip
+"""The `WeightSyncConfig` fields only a receiver reads; a sender reads the rest (some both sides)."""
 
 
 class WeightSyncConfig(Config):

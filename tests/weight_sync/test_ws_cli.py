@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from ws_helpers import tiny_state_dict, zeros_like_dict
 
 from weight_sync.__main__ import build_parser, config_of, main
-from weight_sync.config import WeightSyncConfig
+from weight_sync.config import RECEIVER_FIELDS, WeightSyncConfig
 
 
 def test_serve_and_push_a_checkpoint_with_a_token_from_the_environment(tmp_path, monkeypatch, capsys):
@@ -71,11 +71,14 @@ def test_help_lists_every_config_field_with_its_doc_and_default(command):
     )
     text = " ".join(result.stdout.split())
     for name, field in WeightSyncConfig.model_fields.items():
+        if command != "serve" and name in RECEIVER_FIELDS:  # a client command lists no receiver setting
+            assert f"--{name} " not in text, f"{command} --help lists the receiver's --{name}"
+            continue
         assert f"--{name} " in text, f"{command} --help lacks --{name}"
         doc = " ".join((field.description or "").split())
         assert doc and doc in text, f"{command} --help lacks the doc of {name}"
     assert "--chunk_bytes INT Raw payload bytes per streamed chunk" in text
-    assert "(default: 1048576)" in text and "(default: RL_ALIGN_WEIGHT_SYNC_TOKEN)" in text
+    assert "(default: 4194304)" in text and "(default: RL_ALIGN_WEIGHT_SYNC_TOKEN)" in text
 
 
 def test_config_flags_reach_the_config_and_aliases_work():
@@ -87,6 +90,14 @@ def test_config_flags_reach_the_config_and_aliases_work():
     assert (config.bind_host, config.chunk_bytes, config.delta, config.port) == ("127.0.0.2", 4096, False, 7)
     args, extra = parser.parse_known_args(["push", "--checkpoint", "c", "--to", "h:1", "--endpoints", '["a:1"]'])
     assert config_of(args, extra).endpoints == ["a:1"]
+
+
+@pytest.mark.parametrize("command", [["push", "--checkpoint", "c"], ["describe"], ["conformance"]])
+def test_a_client_command_refuses_a_receivers_setting_naming_it(command, capsys):
+    # `push --port 5` was taken and did nothing: the push went to --to whatever the port said.
+    assert main([*command, "--to", "127.0.0.1:1", "--port", "5", "--num_server_threads=8"]) == 2
+    err = capsys.readouterr().err
+    assert "--num_server_threads, --port: receiver settings" in err and command[0] in err
 
 
 def test_text_fields_take_their_flag_as_given():
