@@ -30,6 +30,7 @@ the base without the adapter under the adapter's version.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import signal
@@ -158,6 +159,11 @@ class ServerWeightSink:
         except (ValueError, TimeoutError) as e:
             self._refused(e)
             raise
+        except concurrent.futures.CancelledError:  # the server's loop cancelled it: SIGTERM, shutdown
+            raise RuntimeError(
+                f"weight update to version {policy_version} was cut: the server is shutting down, still on version "
+                f"{self.state.policy_version}; push to it again once it is back"
+            ) from None
         finally:
             os.unlink(path)
         if adapter is not None and self._versions is not None and self._merged is not None:

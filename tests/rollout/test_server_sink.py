@@ -145,6 +145,16 @@ def test_a_failure_midway_stays_paused_marks_broken_and_exits(loop, model_dir, t
         sink.apply(2, STATE)
 
 
+def test_an_update_cut_by_the_servers_shutdown_says_so(loop, model_dir, tmp_path):
+    # A push cut by SIGTERM was reported as "sink failed to apply: CancelledError: " (no reason).
+    engine = RecordingEngine(drain_s=30.0)
+    sink = _sink(engine, loop, model_dir, tmp_path)
+    threading.Timer(0.3, loop.call_soon_threadsafe, [lambda: [t.cancel() for t in asyncio.all_tasks(loop)]]).start()
+    with pytest.raises(RuntimeError, match="was cut: the server is shutting down, still on version 0; push to it"):
+        sink.apply(1, STATE)
+    assert sink.committed_version() == 0 and not os.listdir(tmp_path / "stage")
+
+
 @pytest.mark.parametrize("policy", ["refuse", "abort"])
 def test_a_drain_past_its_timeout_refuses_or_aborts(loop, model_dir, tmp_path, policy):
     engine = RecordingEngine(drain_s=5.0)
