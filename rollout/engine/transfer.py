@@ -25,6 +25,8 @@ served engine, or tensor parallel: update infos cross a process boundary as msgp
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
@@ -213,7 +215,8 @@ class RLAlignWeightTransferEngine(WeightTransferEngine[RLAlignInitInfo, RLAlignU
                 initialize_layerwise_reload(model)
                 with disable_mtp_completeness_check():
                     loaded = set(model.load_weights(weights) or ())
-                finalize_layerwise_reload(model, self.model_config)
+                with _without_unloaded_layer_warnings():
+                    finalize_layerwise_reload(model, self.model_config)
                 _refresh_tied_modules(model, loaded)
                 if is_cpu_platform():
                     _repack_cpu_experts(model, loaded)
@@ -222,6 +225,27 @@ class RLAlignWeightTransferEngine(WeightTransferEngine[RLAlignInitInfo, RLAlignU
         if missing:
             raise RuntimeError(f"weight update to version {update_info.policy_version} did not load "
                                f"{len(missing)} parameter(s): {missing[:8]}")
+
+
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_UNLOADED_LAYER = "Failed to load weights"
+
+
+@contextlib.contextmanager
+def _without_unloaded_layer_warnings() -> Iterator[None]:
+    """vLLM's reload warns "<Layer>: Failed to load weights" for every layer an update did not cover: each layer of a
+    partial update's model but the few it changes, and on every full update the tied head and the rotary cache, which
+    no checkpoint holds. Step 4 is the check of what an update had to load (it names the parameters), so these go."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return _UNLOADED_LAYER not in record.getMessage()
+
+    logger = logging.getLogger(_LAYERWISE_LOGGER)
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 class _weights_of:

@@ -12,6 +12,7 @@ seeded sample, and a cancelled or refused caller affects no other.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -396,6 +397,25 @@ def test_an_update_through_a_file_serves_the_same_as_by_reference(engine, sink, 
         assert np.abs(group[0].logprobs - hf_logprobs(ref, prompt, group[0].token_ids)).mean() <= 1e-4
 
 
+def test_an_update_logs_no_warning_for_the_layers_it_did_not_cover(engine, sink, model_dir):
+    """vLLM's reload warned "<Layer>: Failed to load weights" for every layer a partial update left alone (19 per
+    push of one norm here), and for the tied head and the rotary cache on every full one."""
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    vllm_logger = logging.getLogger("vllm")  # vLLM's loggers hand records to its own handler, not to the root
+    vllm_logger.addHandler(handler)
+    try:
+        state = perturbed_state(model_dir, seed=21)
+        version = engine.policy_version
+        sink.apply(version + 1, state)
+        sink.apply(version + 2, {"model.norm.weight": state["model.norm.weight"]})
+    finally:
+        vllm_logger.removeHandler(handler)
+    assert engine.policy_version == version + 2
+    assert not [w for w in warnings if "load weights" in w], warnings
+
+
 def test_a_shut_down_engine_leaves_the_next_one_working(engine, receiver, model_dir):
     """Last in the module: it shuts the module's engine down. vLLM's parallel groups are process-global; an engine
     released only by the garbage collector tore them down under the next engine of the process."""
@@ -414,3 +434,5 @@ def test_a_shut_down_engine_leaves_the_next_one_working(engine, receiver, model_
         assert len(completion.token_ids) == GREEDY.max_tokens
     finally:
         successor.shutdown()
+
+
