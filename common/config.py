@@ -189,7 +189,7 @@ def apply_overrides(
                 where = ".".join(parts[: j + 1])
                 raise ConfigError(f"override --{dotted}: {where} is a value ({child!r}), not a table")
             node = child
-        node[parts[-1]] = value
+        node[parts[-1]] = _dropped_table(node.get(parts[-1]), value)
         if sources is not None:
             for key in [k for k in sources if k[: len(parts)] == parts]:
                 del sources[key]
@@ -261,8 +261,14 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
         ):
             out[key] = _merge(below, value)
         else:  # a value, or a table of another tagged-union type: replaces the base's
-            out[key] = value
+            out[key] = _dropped_table(below, value)
     return out
+
+
+def _dropped_table(below: object, value: object) -> object:
+    """``value`` as it replaces ``below``; ``false`` over a table drops the table (JSON null: the field's unset None),
+    so ``lora = false`` removes a base recipe's ``[model.lora]`` whatever the table's own field types."""
+    return None if value is False and isinstance(below, dict) else value
 
 
 def load_toml_config(cls: type[ConfigT], path: str | Path, overrides: Mapping[str, Any] | None = None) -> ConfigT:

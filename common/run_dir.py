@@ -11,12 +11,13 @@ at it, so that run can be resumed there).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "CHECKPOINTS", "CURVES", "FINAL_MODEL", "HF_EXPORTS", "METRICS", "OUTPUTS", "RESOLVED_RECIPE", "TENSORBOARD",
-    "WARM_START_MODEL", "set_aside_earlier_run",
+    "WARM_START_MODEL", "lora_base_dir", "set_aside_earlier_run",
 ]  # fmt: skip
 
 RESOLVED_RECIPE = "recipe.resolved.toml"
@@ -29,6 +30,21 @@ HF_EXPORTS = "hf"
 FINAL_MODEL = "final_model"
 OUTPUTS = (RESOLVED_RECIPE, METRICS, TENSORBOARD, CURVES, CHECKPOINTS, WARM_START_MODEL, HF_EXPORTS, FINAL_MODEL)
 """Everything a run writes in its output directory."""
+
+
+def lora_base_dir(resolved: Mapping[str, Any], run_dir: str | Path) -> Path | None:
+    """The HF model directory whose weights a LoRA run's adapters apply to, from the run's resolved recipe (its
+    ``recipe.resolved.toml`` record, or ``Recipe.model_dump()``) and its output directory ``run_dir``: the run's
+    warm-start export when a warm start fine-tuned the base first (``run.warm_start.parameters = "all"`` with
+    warm-start steps), else ``[model] path``. None for a run without ``[model.lora]``, whose checkpoints and exports
+    hold every weight. A LoRA run's checkpoints hold the adapters alone, so a resume, an export and a served adapter
+    all build on this directory."""
+    model, warm_start = resolved["model"], resolved.get("run", {}).get("warm_start", {})
+    if not model.get("lora"):
+        return None
+    if warm_start.get("num_steps", 0) > 0 and warm_start.get("parameters") == "all":
+        return Path(run_dir) / WARM_START_MODEL
+    return Path(model["path"])
 
 
 def set_aside_earlier_run(

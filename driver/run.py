@@ -26,6 +26,7 @@ from common.run_dir import (
     METRICS,
     RESOLVED_RECIPE,
     WARM_START_MODEL,
+    lora_base_dir,
     set_aside_earlier_run,
 )
 from recipe import Recipe, load_recipe, write_resolved
@@ -59,7 +60,6 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
     from rollout.tokenizer import check_tokenizer_dir
     from trainer.checkpoint import saved_data_cursor
     from trainer.checkpoint_dirs import latest_checkpoint
-    from trainer.models.hf_config import model_config_from_hf
 
     resume_from = latest_checkpoint(ckpt_dir) if resume is not None else None
     # A model that cannot be created, a sharding it cannot take, a task file with a bad row, or a checkpoint of
@@ -71,7 +71,7 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
         dataset = build_dataset(recipe.task)
         ensure_model(recipe)
         check_tokenizer_dir(recipe.rollout.tokenizer_path or recipe.model.path)  # loaded while the actors start
-        model_cfg = model_config_from_hf(recipe.model.path, **recipe.model.block_overrides(), lora=recipe.model.lora)
+        model_cfg = _policy_config(recipe)
         recipe.trainer.check_model(model_cfg)
         if resume_from is not None:
             _check_resumable(resume_from, model_cfg, recipe, out_dir)
@@ -118,6 +118,23 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
         return 1
 
 
+def _policy_config(recipe: Recipe) -> ModelConfig:
+    """The policy's model config: the recipe's model directory with its blocks and ``[model.lora]``. Adapters the
+    model cannot take (experts on a dense model) are blamed on ``[model.lora]``, not on the model's config.json."""
+    import pydantic
+
+    from trainer.models.hf_config import model_config_from_hf
+
+    model_cfg = model_config_from_hf(recipe.model.path, **recipe.model.block_overrides())
+    if recipe.model.lora is None:
+        return model_cfg
+    try:
+        return type(model_cfg).model_validate({**model_cfg.model_dump(), "lora": recipe.model.lora.model_dump()})
+    except pydantic.ValidationError as e:
+        problems = "; ".join(str(error["msg"]).removeprefix("Value error, ") for error in e.errors())
+        raise ValueError(f"[model.lora] does not fit the model in {recipe.model.path}: {problems}") from None
+
+
 def _with_run_defaults(recipe: Recipe, out_dir: Path) -> Recipe:
     """Put checkpoints under the run directory unless the recipe says where."""
     ckpt = recipe.trainer.checkpoint
@@ -153,6 +170,30 @@ def _check_resumable(ckpt: Path, model_cfg: ModelConfig, recipe: Recipe, out_dir
             f"resume with the recipe it started with (python rl_align.py --recipe {out_dir / RESOLVED_RECIPE} "
             "--resume), or start afresh without --resume"
         ) from e
+    _check_lora_base(recipe, out_dir)
+
+
+def _check_lora_base(recipe: Recipe, out_dir: Path) -> None:
+    """Raise ``ValueError`` when a LoRA run would resume its adapters over other base weights than the run trained
+    them on (``common.run_dir.lora_base_dir``: the model directory, or the warm-started model when the warm start
+    trained every weight), or over a base that is gone. Names and shapes match either way, so nothing later would
+    notice: the adapters would silently apply to another model."""
+    import tomllib
+
+    base = recipe.lora_base_dir
+    if base is None:
+        return
+    record = out_dir / RESOLVED_RECIPE
+    trained_on = lora_base_dir(tomllib.loads(record.read_text()), out_dir) if record.is_file() else None
+    if trained_on is not None and trained_on.resolve() != base.resolve():
+        raise ValueError(
+            f"--resume: the run in {out_dir} trained its adapters over {trained_on}, and this recipe would resume them "
+            f"over {base} (its [model] path or run.warm_start.parameters / num_steps differ): resume with the recipe "
+            f"it started with (python rl_align.py --recipe {record} --resume), or start afresh without --resume"
+        )
+    if not (base / "config.json").is_file():
+        raise ValueError(f"--resume: the adapters of the run in {out_dir} apply to the model in {base}, which is gone "
+                         f"(no config.json there): restore it, or start afresh without --resume")  # fmt: skip
 
 
 def _with_env(env_vars: dict[str, str], py_executable: str | None = None) -> dict[str, Any] | None:
@@ -261,18 +302,25 @@ class _Run:
         log.info("placement: %s on %d core(s); trainer ranks run %s thread(s), engines %s", r.run.placement,
                  self.placement.num_cores, self.placement.trainer_env["OMP_NUM_THREADS"],
                  self.placement.rollout_env.get("OMP_NUM_THREADS", r.rollout.engine.cpu_threads_bind))  # fmt: skip
+        if r.model.lora is not None:
+            lora, serving = r.model.lora, r.rollout.engine.lora_serving
+            log.info("LoRA: rank %d, alpha %g on %s; each version is pushed as adapters and served %s", lora.rank,
+                     lora.alpha, ", ".join([*lora.target_modules, *lora.target_parameters]),
+                     "'auto' (merged into the base on CPU, else through vLLM's LoRA path)" if serving == "auto"
+                     else repr(serving))  # fmt: skip
         # The publisher hands the trainer's ranks their receivers before every push.
         sync_cfg = r.weight_sync.model_copy(update={"endpoints": []})
         # A resumed run starts from the warm-started weights (its checkpoint then restores policy and reference). With
-        # LoRA the checkpoint holds the adapters alone: the base is the model directory, or the warm-started model
-        # when the warm start trained the base (the engines then start from it too).
-        warm = self.out_dir / WARM_START_MODEL
-        base_trained = r.model.lora is None or r.run.warm_start.parameters == "all"
-        resume_warm = self.resume and base_trained and (warm / "config.json").is_file()
-        init_path = str(warm) if resume_warm else r.model.path
-        rollout_cfg = self.placement.rollout
-        if resume_warm and r.model.lora is not None:
-            rollout_cfg = rollout_cfg.model_copy(update={"model_path": init_path})
+        # LoRA the checkpoint holds the adapters alone, over `lora_base_dir` (checked at resume): the model
+        # directory, or the warm-started model when the warm start trained the base (the engines then start from it).
+        warm, lora_base = self.out_dir / WARM_START_MODEL, r.lora_base_dir
+        init_path, rollout_cfg = r.model.path, self.placement.rollout
+        if self.resume and lora_base is not None:
+            init_path = str(lora_base)
+            if lora_base.resolve() == warm.resolve():
+                rollout_cfg = rollout_cfg.model_copy(update={"model_path": init_path})
+        elif self.resume and (warm / "config.json").is_file():
+            init_path = str(warm)
 
         plan = self.placement
         # The engines first: on accelerator clusters a rollout bundle is a whole host (deploy/*.yaml), and trainer
@@ -343,7 +391,7 @@ class _Run:
     def execute(self) -> None:
         from driver.evaluate import evaluate
         from driver.loop import RLLoop
-        from driver.metrics import plot_curves
+        from driver.metrics import plot_curves, read_jsonl
         from driver.warm_start import warm_start
 
         r = self.recipe
@@ -372,15 +420,23 @@ class _Run:
                                  r.rollout.use_chat_template, lambda step, m: self.logger.log(step, m, phase="sft"),
                                  publish_and_evaluate, r.environment)  # fmt: skip
             self.trainer.finish_warm_start()
-            self.trainer.export_hf(str(self.out_dir / WARM_START_MODEL), r.model.path, r.run.export.dtype)
+            # Adapters a warm start of every weight did not train (the base took it all) are not exported with it.
+            self.trainer.export_hf(str(self.out_dir / WARM_START_MODEL), r.model.path, r.run.export.dtype,
+                                   adapter=r.run.warm_start.parameters != "all")  # fmt: skip
             log.info("warm start: %d SFT steps in %.1f s", num_sft, time.perf_counter() - t0)
         # A warm start that stopped at an accuracy check has already published its last version.
         if (start_step > 0 or r.run.warm_start.num_steps > 0) and (
             self.publisher.published_version != self.trainer.policy_version()
         ):
             self.publisher.publish()
-        before = do_eval()
-        self.logger.log(start_step - 1, before, phase="eval")
+        # A resumed run compares its end with the start of RL (the first run's eval before step 0). An extended run
+        # resumes at its last step, whose eval is on record: it is not measured and logged a second time.
+        evals = {rec["step"]: rec for rec in read_jsonl(self.out_dir / METRICS) if rec["phase"] == "eval"} if (
+            self.resume) else {}  # fmt: skip
+        if start_step - 1 not in evals:
+            evals[start_step - 1] = do_eval()
+            self.logger.log(start_step - 1, evals[start_step - 1], phase="eval")
+        before = evals.get(-1, evals[start_step - 1])
         RLLoop(r, self.pool, self.trainer, self.dataset, self.publisher, self.logger.log, do_eval,
                num_cores=self.placement.num_cores).run(start_step)  # fmt: skip
         after = do_eval()
@@ -389,7 +445,7 @@ class _Run:
         if every and r.run.num_steps % every:  # the loop saved the last step when it was due
             self.trainer.save_checkpoint(data_cursor=self.dataset.state_dict())
         final = self.out_dir / FINAL_MODEL
-        self.trainer.export_hf(str(final), r.model.path, r.run.export.dtype)
+        self.trainer.export_hf(str(final), r.export_source_dir, r.run.export.dtype)
         log.info("trained model: %s (from_pretrained-ready: weights, config, tokenizer, generation config)", final)
         _print_report(before, after, self.out_dir)
         if r.run.logging.plot:

@@ -40,9 +40,9 @@ from common.config import (
     to_toml,
     validate_config,
 )
-from common.run_dir import RESOLVED_RECIPE
+from common.run_dir import RESOLVED_RECIPE, lora_base_dir
 from recipe.sections import ModelSection, PlacementGroupsConfig, RunConfig
-from rollout.config import RolloutConfig, SamplingConfig
+from rollout.config import MAX_SERVED_LORA_RANK, RolloutConfig, SamplingConfig
 from rollout.envs.config import AgentEnvConfig, CustomEnvConfig, EnvironmentConfig, SingleTurnEnvConfig
 from rollout.rewards.config import FunctionRewardConfig, RewardConfig, RewardModelConfig
 from rollout.tasks.config import JsonlTaskConfig, TaskConfig
@@ -154,6 +154,18 @@ class Recipe(Config):
         seed = self.run.seed if sampling.seed is None else sampling.seed
         return sampling.model_copy(update={"temperature": self.run.eval.temperature, "seed": seed})
 
+    @property
+    def lora_base_dir(self) -> Path | None:
+        """The model directory this run's adapters apply to (``common.run_dir.lora_base_dir``); None without LoRA."""
+        return lora_base_dir(self.model_dump(mode="json"), self.run.resolved_output_dir)
+
+    @property
+    def export_source_dir(self) -> str:
+        """The model directory an export of the policy takes its tokenizer, special-token ids and generation config
+        from, and that its adapter directory names as its base: :attr:`lora_base_dir`, else ``[model] path``."""
+        base = self.lora_base_dir
+        return str(base) if base is not None else self.model.path
+
 
 def _placement(recipe: Recipe) -> str:
     """``run.placement`` resolved: 'auto' is 'colocated' for sync runs on CPU, else 'separate'."""
@@ -209,6 +221,11 @@ def _check_lora(recipe: Recipe) -> None:
     if served is not None and served != _served_adapter(recipe.model.lora):
         raise FieldError("rollout.engine.lora", f"{served} differs from [model.lora] (rank, alpha, targets): "
                          "leave it unset, [model.lora] fills it in")  # fmt: skip
+    rank = recipe.model.lora.rank
+    if recipe.rollout.engine.lora_serving == "adapter" and rank > MAX_SERVED_LORA_RANK:
+        raise FieldError("rollout.engine.lora_serving", f"'adapter' serves through vLLM's LoRA path, which takes ranks "
+                         f"up to {MAX_SERVED_LORA_RANK}, and [model.lora] rank = {rank}: set it to 'merged' (or "
+                         "'auto'), or a smaller rank")  # fmt: skip
     warm = recipe.run.warm_start
     if recipe.algorithm.kl.needs_reference and warm.num_steps > 0 and warm.parameters == "trainable":
         raise FieldError(

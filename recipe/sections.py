@@ -83,7 +83,8 @@ class ModelSection(BlockChoices):
     (``false``: drop the base recipe's)."""
     lora: LoRAConfig | None = None
     """Train LoRA adapters on the frozen checkpoint instead of every weight (``trainer.models.lora``): each step pushes
-    only the adapters, and the engines serve them through vLLM's LoRA path. None: full-parameter training."""
+    only the adapters, and the engines serve them through vLLM's LoRA path. None (``false``: drop the base recipe's):
+    full-parameter training."""
 
     _false_is_none = pydantic.field_validator("create_tiny", "create_published", mode="before")(false_is_none)
 

@@ -13,7 +13,11 @@ import pydantic
 from common.config import Config, DType
 from weight_sync.peft import AdapterSpec
 
-__all__ = ["EngineConfig", "RolloutConfig", "SamplingConfig", "UpdateMode"]
+__all__ = ["MAX_SERVED_LORA_RANK", "EngineConfig", "RolloutConfig", "SamplingConfig", "UpdateMode"]
+
+MAX_SERVED_LORA_RANK = 512
+"""The largest adapter rank vLLM's LoRA path serves (the top of its ``max_lora_rank`` sizes, ``MaxLoRARanks``: a test
+checks it against the installed vLLM, which recipe checks must not import)."""
 
 UpdateMode = Literal["wait", "keep"]
 """How a weight update meets requests in flight (``EngineConfig.update_mode``)."""
@@ -91,7 +95,8 @@ class EngineConfig(Config):
     """How an engine with ``lora`` serves an adapter version: 'adapter' through vLLM's LoRA path (each request keeps
     the adapter it started on, so an update needs no drain; no reload of the base), 'merged' folded into the base
     weights and loaded as an ordinary weight update (drain per ``update_mode``, generation at the base model's
-    speed). 'auto': 'merged' on CPU, where vLLM's LoRA ops are slow (README "Measured"), 'adapter' elsewhere."""
+    speed). 'auto': 'merged' on CPU, where vLLM's LoRA ops are slow (README "Measured"), and for ranks above
+    :data:`MAX_SERVED_LORA_RANK`; 'adapter' elsewhere."""
     update_mode: UpdateMode = "wait"
     """How a weight update meets requests in flight: 'wait' lets them finish on the old weights first (every
     completion is of one version; the pause includes that drain), 'keep' swaps at the next step boundary and they go

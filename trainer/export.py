@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from common.run_dir import RESOLVED_RECIPE
+from common.run_dir import RESOLVED_RECIPE, lora_base_dir
 from weight_sync.peft import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
 if TYPE_CHECKING:
@@ -101,13 +101,15 @@ def export_policy(
     source_dir: str | Path | None,
     dtype: str | None = None,
     policy_version: int | None = None,
+    adapter: bool = True,
 ) -> list[str]:
     """Write ``policy`` (plain or sharded; collective when sharded: every rank calls it, rank 0 writes) as a
     complete HF directory at ``out_dir``; ``dtype`` casts the weights (e.g. ``"bfloat16"``). Returns the file names
     on rank 0, ``[]`` elsewhere. ``source_dir`` None writes the weights and ``config.json`` only (a model built from
     a config in a test has no tokenizer to copy). A LoRA policy is written merged (a plain model of its family), and
     its adapters alone as a PEFT adapter directory in ``out_dir/adapter`` (``PeftModel.from_pretrained(base,
-    out_dir / "adapter")``, or a vLLM ``LoRARequest`` over the base).
+    out_dir / "adapter")``, or a vLLM ``LoRARequest`` over the base), whose base is ``source_dir``; ``adapter`` False
+    writes the merged model only (adapters that were not trained: a warm start that fine-tuned every weight).
     ``policy_version`` is recorded as ``policy_version.json``, so a
     weight-sync receiver serving the directory (``vllm serve`` with the rl_align plugin, ``python -m weight_sync
     serve``) starts at that version and refuses older pushes.
@@ -123,13 +125,13 @@ def export_policy(
     def write(stage: Path) -> list[str]:
         files = save_hf_checkpoint(policy, str(stage), dtype=getattr(torch, dtype) if dtype is not None else None)
         model_cfg = getattr(policy, "cfg")  # noqa: B009 (save_hf_checkpoint checked that it is a ModelConfig)
-        adapter = None
-        if model_cfg.lora is not None:  # gathered on every rank (a collective when sharded)
-            adapter = list(adapter_state_dict(policy, model_cfg))
+        adapters = None
+        if model_cfg.lora is not None and adapter:  # gathered on every rank (a collective when sharded)
+            adapters = list(adapter_state_dict(policy, model_cfg))
         if not files:
             return files  # [] on the ranks that do not write
-        if adapter is not None:
-            files = [*files, *_write_adapter(stage, model_cfg, adapter, source_dir, dtype)]
+        if adapters is not None:
+            files = [*files, *_write_adapter(stage, model_cfg, adapters, source_dir, dtype)]
         return _complete(stage, files, source_dir, policy_version)
 
     source = Path(source_dir) if source_dir is not None else None
@@ -309,7 +311,9 @@ def export_checkpoint(
     complete HF directory at ``out_dir``, in this process.
 
     ``model_dir``: the HF model directory the run started from (architecture, tokenizer); default: the
-    ``[model] path`` of the run's ``recipe.resolved.toml`` next to the checkpoints directory. The checkpoint is read
+    ``[model] path`` of the run's ``recipe.resolved.toml`` next to the checkpoints directory (a LoRA run whose warm
+    start trained every weight: that run's ``warm_start_model``, the base its adapters apply to:
+    ``common.run_dir.lora_base_dir``). The checkpoint is read
     and written a few tensors at a time, no model built, so a model of any size converts in little memory. A LoRA
     run's checkpoint holds the adapters only (``[model.lora]`` of that recipe): each base weight is read from
     ``model_dir`` as it is written and its adapter's update merged in, and the adapters are also written as a PEFT
@@ -333,11 +337,17 @@ def export_checkpoint(
     ckpt = Path(checkpoint)
     if not (ckpt / COMPLETE).is_file():
         raise ValueError(f"{ckpt} is not a complete checkpoint (no COMPLETE marker): pass a .../step_<n> directory")
-    recipe_model = _run_model_section(ckpt)
-    if model_dir is None and recipe_model is None:
+    record = _run_record(ckpt)
+    if model_dir is None and record is None:
         raise ValueError(f"no recipe.resolved.toml next to {ckpt.parent}: pass --model-dir (the HF model directory the "
-                         "run started from)")  # fmt: skip
-    source = Path(model_dir) if model_dir is not None else Path((recipe_model or {})["path"])
+                         "run started from; a LoRA run's warm_start_model when its warm start trained every "
+                         "weight)")  # fmt: skip
+    recipe_model = record[0]["model"] if record is not None else None
+    if model_dir is not None:
+        source = Path(model_dir)
+    else:
+        assert record is not None
+        source = lora_base_dir(*record) or Path(record[0]["model"]["path"])
     _check_out(Path(out_dir), source, ckpt)
     policy_version = _check_checkpoint(ckpt)
     _tokenizer_files(source)
@@ -369,13 +379,13 @@ def export_checkpoint(
     return _write_whole(out_dir, write, source, ckpt)
 
 
-def _run_model_section(ckpt: Path) -> dict | None:
-    """The ``[model]`` section of the resolved recipe of the run that wrote ``ckpt`` (None when there is none)."""
+def _run_record(ckpt: Path) -> tuple[dict, Path] | None:
+    """The resolved recipe of the run that wrote ``ckpt`` and that run's directory (where the record is), or None."""
     import tomllib
 
     for resolved in (ckpt.parent.parent / RESOLVED_RECIPE, ckpt.parent / RESOLVED_RECIPE):
         if resolved.is_file():
-            return tomllib.loads(resolved.read_text())["model"]
+            return tomllib.loads(resolved.read_text()), resolved.parent
     return None
 
 

@@ -113,10 +113,13 @@ class TrainerGroup:
         """Restore every rank (default: the latest checkpoint); returns step, policy_version and data_cursor."""
         return self._all("load_checkpoint", path)[0]
 
-    def export_hf(self, path: str, source_dir: str | None, dtype: str | None = None) -> list[str]:
+    def export_hf(
+        self, path: str, source_dir: str | None, dtype: str | None = None, adapter: bool = True
+    ) -> list[str]:
         """Write the policy as a complete HF model directory at ``path`` (tokenizer and generation config from
-        ``source_dir``); returns the file names."""
-        return self._all("export_hf", path, source_dir, dtype)[0]
+        ``source_dir``, a LoRA policy's adapter base; ``adapter`` False: no adapter directory); returns the file
+        names."""
+        return self._all("export_hf", path, source_dir, dtype, adapter)[0]
 
     def push_weights(
         self, policy_version: int | None = None, dtype: str | None = None, endpoints: Sequence[str] | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from rollout.config import EngineConfig
+from rollout.config import MAX_SERVED_LORA_RANK, EngineConfig
 
 __all__ = [
     "configure_vllm_environment", "engine_process_env", "is_cpu_platform", "lora_serving", "platform_engine_args",
@@ -76,7 +76,9 @@ def platform_engine_args() -> dict[str, object]:
 def lora_serving(engine: EngineConfig) -> Literal["adapter", "merged"]:
     """How ``engine`` serves LoRA adapters: its ``lora_serving``, with 'auto' resolved for the platform. CPU: merged
     into the base weights, because vLLM's CPU LoRA ops (``vllm/lora/ops/torch_ops``) gather a copy of the adapter
-    weights for every token and slow generation down several-fold; elsewhere vLLM's LoRA kernels."""
+    weights for every token and slow generation down several-fold; elsewhere vLLM's LoRA kernels, unless the rank is
+    above what they serve."""
     if engine.lora_serving != "auto":
         return engine.lora_serving
-    return "merged" if is_cpu_platform() else "adapter"
+    too_large = engine.lora is not None and engine.lora.rank > MAX_SERVED_LORA_RANK
+    return "merged" if is_cpu_platform() or too_large else "adapter"

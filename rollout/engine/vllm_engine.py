@@ -133,7 +133,8 @@ def _vllm_lora_rank(rank: int) -> int:
 
     fits = [r for r in get_args(MaxLoRARanks) if r >= rank]
     if not fits:
-        raise ValueError(f"LoRA rank {rank} is above the largest vLLM serves ({max(get_args(MaxLoRARanks))})")
+        raise ValueError(f"LoRA rank {rank} is above the largest vLLM's LoRA path serves ({max(get_args(MaxLoRARanks))}"
+                         "): set rollout.engine.lora_serving = 'merged', or a smaller rank")  # fmt: skip
     return min(fits)
 
 

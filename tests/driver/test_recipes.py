@@ -446,6 +446,28 @@ def test_the_lora_recipe_resolves_the_engines_adapter_shape_from_model_lora():
     assert load_recipe(ROOT / "recipes" / "grpo_tiny.toml").rollout.engine.lora is None
 
 
+def test_a_derived_recipe_drops_the_bases_lora_with_false(tmp_path):
+    # "Input should be an object (got False)": README's `= false` did not reach [model.lora].
+    child = tmp_path / "full.toml"
+    child.write_text(f'base = "{ROOT / "recipes" / "grpo_tiny_lora.toml"}"\n\n[model]\nlora = false\n')
+    assert load_recipe(child).model.lora is None and load_recipe(child).rollout.engine.lora is None
+    assert load_recipe(ROOT / "recipes" / "grpo_tiny_lora.toml", {"model.lora": False}).model.lora is None
+
+
+def test_a_lora_runs_exports_name_the_base_its_adapters_apply_to():
+    """The final and hf/step_<n> exports' adapter directories named the random ``[model] path`` of a run whose warm
+    start trained the base (PeftModel over it: logits off by 10)."""
+    lora = load_recipe(ROOT / "recipes" / "grpo_tiny_lora.toml", {"run.output_dir": "/runs/x"})
+    assert lora.lora_base_dir == Path("/runs/x/warm_start_model")
+    assert lora.export_source_dir == "/runs/x/warm_start_model"
+    adapters_only = load_recipe(ROOT / "recipes" / "grpo_tiny_lora.toml", {"run.warm_start.parameters": "trainable"})
+    assert adapters_only.export_source_dir == adapters_only.model.path == str(adapters_only.lora_base_dir)
+    no_warm_start = load_recipe(ROOT / "recipes" / "grpo_tiny_lora.toml", {"run.warm_start.num_steps": 0})
+    assert no_warm_start.export_source_dir == no_warm_start.model.path
+    full = load_recipe(ROOT / "recipes" / "grpo_tiny.toml")
+    assert full.lora_base_dir is None and full.export_source_dir == full.model.path
+
+
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
@@ -453,6 +475,8 @@ def test_the_lora_recipe_resolves_the_engines_adapter_shape_from_model_lora():
         ({"rollout.engine.lora.rank": 8}, "leave it unset"),
         ({"model.lora.target_modules": []}, "at least one projection"),
         ({"model.lora.rank": 0}, "greater than 0"),
+        # Found 34 s into the run, in the rollout actor: vLLM's LoRA path serves ranks up to 512.
+        ({"model.lora.rank": 1024, "rollout.engine.lora_serving": "adapter"}, "set it to 'merged'"),
     ],
 )
 def test_lora_settings_that_cannot_run_fail_at_load(overrides, reason):

@@ -4,6 +4,7 @@ changes nothing in the directory; a fresh start moves an earlier run's outputs i
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,8 @@ def _checkpointed_run(tmp_path: Path, base: str = "recipes/grpo_tiny.toml") -> P
     ensure_model(started)
     out = tmp_path / "out"
     write_resolved(started, out)
+    if started.lora_base_dir == out / "warm_start_model":  # the base its warm start trained (the model, here)
+        shutil.copytree(started.model.path, out / "warm_start_model")
     policy = build_model(model_config_from_hf(started.model.path, lora=started.model.lora))
     lora = started.model.lora is not None
     part = Checkpointable(policy, build_optimizer(policy, OptimizerConfig()), trainable_only=lora)
@@ -90,6 +93,27 @@ def test_a_lora_recipe_refuses_a_full_models_checkpoint(tmp_path):
     cfg = model_config_from_hf(recipe.model.path, lora=recipe.model.lora)
     with pytest.raises(ValueError, match="holds tensors this model has not .*written for another model"):
         _check_resumable(CheckpointManager(out / "checkpoints").latest(), cfg, recipe, out)
+
+
+def test_a_lora_resume_over_another_base_or_a_missing_one_fails_before_ray(tmp_path, capsys, no_ray):
+    """The LoRA demo's warm start trains the base: its adapters apply to ``warm_start_model``. Resumed with
+    ``run.warm_start.parameters = "trainable"`` they were put over the random model directory (held-out accuracy
+    0.46 -> 0.0) and the run went on, overwriting ``final_model``."""
+    out = _checkpointed_run(tmp_path, "recipes/grpo_tiny_lora.toml")
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    other = _recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml")
+    other = load_recipe("recipes/grpo_tiny_lora.toml", {
+        "model.path": other.model.path, "run.output_dir": str(out), "run.num_steps": 4,
+        "run.warm_start.parameters": "trainable",
+    })  # fmt: skip
+    assert run(other, resume="required") == 2
+    err = capsys.readouterr().err
+    assert f"trained its adapters over {out / 'warm_start_model'}" in err and "run.warm_start.parameters" in err
+    assert f"--recipe {out / 'recipe.resolved.toml'} --resume" in err
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    shutil.rmtree(out / "warm_start_model")
+    assert run(_recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml"), resume="required") == 2
+    assert "warm_start_model, which is gone" in capsys.readouterr().err
 
 
 def test_a_fresh_start_moves_the_earlier_runs_outputs_aside_whole(tmp_path):
@@ -265,3 +289,20 @@ def test_an_actor_death_offers_a_resume_only_when_there_is_a_checkpoint(tmp_path
     else:  # the advice was to --resume from a checkpoint that did not exist
         assert "--resume" not in err and "no checkpoint was saved" in err, err
     assert out.is_dir()
+
+
+def test_adapters_the_model_cannot_take_fail_before_ray_naming_model_lora(tmp_path, capsys, no_ray):
+    """Expert adapters on a dense model were reported as "artifacts/tiny-qwen3/config.json: invalid recipe ... (whole
+    file)", blaming the model's config for the recipe's ``[model.lora]``."""
+    from driver.run import _policy_config
+
+    base = "recipes/grpo_tiny_lora.toml"
+    recipe = _recipe(tmp_path, "model", 128, base)
+    ensure_model(recipe)
+    assert _policy_config(recipe) == model_config_from_hf(recipe.model.path, lora=recipe.model.lora)
+    experts = load_recipe(base, {"model.path": recipe.model.path, "run.output_dir": str(tmp_path / "out"),
+                                 "model.lora.target_parameters": ["mlp.experts.down_proj"]})  # fmt: skip
+    assert run(experts) == 2
+    err = capsys.readouterr().err
+    assert f"[model.lora] does not fit the model in {recipe.model.path}: lora.target_parameters" in err, err
+    assert "config.json" not in err

@@ -196,3 +196,18 @@ def test_expert_adapters_are_served_merged_on_cpu_and_refused_through_vllms_lora
     on_attention = EngineConfig(lora=AdapterSpec(target_modules=("q_proj",)), lora_serving="adapter")
     attention = vllm_engine_args(on_attention, "m")
     assert attention["enable_lora"] and "enable_mixed_moe_lora_format" not in attention
+
+
+def test_adapters_above_vllms_largest_lora_rank_are_served_merged_by_auto(monkeypatch):
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    import rollout.engine.platform as platform
+    from rollout.config import MAX_SERVED_LORA_RANK, EngineConfig
+    from weight_sync.peft import AdapterSpec
+
+    assert max(get_args(MaxLoRARanks)) == MAX_SERVED_LORA_RANK  # the recipe checks' copy of vLLM's limit
+    monkeypatch.setattr(platform, "is_cpu_platform", lambda: False)  # where 'auto' would pick vLLM's LoRA path
+    assert platform.lora_serving(EngineConfig(lora=AdapterSpec(rank=MAX_SERVED_LORA_RANK))) == "adapter"
+    assert platform.lora_serving(EngineConfig(lora=AdapterSpec(rank=MAX_SERVED_LORA_RANK + 1))) == "merged"

@@ -204,6 +204,31 @@ def test_an_adapter_only_checkpoint_exports_over_the_runs_base(source, moe_sourc
     _assert_adapter_loads_in_peft(tmp_path / "out", model, base)
 
 
+def test_a_lora_run_whose_warm_start_trained_the_base_exports_over_its_warm_started_model(source, tmp_path):
+    """``run.warm_start.parameters = "all"`` (the LoRA demo): the adapters apply to the warm-started base. The
+    checkpoint's export merged them into the random ``[model] path`` instead (greedy output ' f f f f') and the
+    adapter directory named that model as its base."""
+    from trainer.export import export_policy, main
+
+    run = tmp_path / "run"
+    warm = run / "warm_start_model"
+    export_policy(_trained(source), warm, source, policy_version=1)  # a base that moved away from ``source``
+    model = _trained_lora(warm, DENSE_LORA)
+    ckpt = _save_lora_run(run, model, source, DENSE_LORA)
+    record = (run / "recipe.resolved.toml").read_text()
+    (run / "recipe.resolved.toml").write_text(f'[run.warm_start]\nnum_steps = 5\nparameters = "all"\n\n{record}')
+    assert main([str(ckpt), str(tmp_path / "out")]) == 0
+    export_policy(model, tmp_path / "live", warm, policy_version=2)
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors", "adapter/adapter_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "live" / name).read_bytes(), name
+    config = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(warm.resolve())
+    _assert_adapter_loads_in_peft(tmp_path / "out", model, warm)
+    # The warm start's own export writes no adapter directory: its adapters never trained.
+    assert "adapter/adapter_config.json" not in export_policy(model, tmp_path / "merged", source, adapter=False)
+    assert not (tmp_path / "merged" / "adapter").exists()
+
+
 def test_an_adapter_checkpoint_over_another_base_is_refused_before_writing(source, tmp_path, capsys):
     from trainer.export import main
 
