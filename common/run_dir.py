@@ -10,14 +10,17 @@ at it, so that run can be resumed there).
 
 from __future__ import annotations
 
+import fcntl
+import os
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "CHECKPOINTS", "CURVES", "FINAL_MODEL", "HF_EXPORTS", "METRICS", "OUTPUTS", "RESOLVED_RECIPE", "TENSORBOARD",
-    "WARM_START_MODEL", "lora_base_dir", "set_aside_earlier_run",
+    "CHECKPOINTS", "CURVES", "FINAL_MODEL", "HF_EXPORTS", "LOCK", "METRICS", "OUTPUTS", "RESOLVED_RECIPE",
+    "TENSORBOARD", "WARM_START_MODEL", "RunDirBusy", "RunDirLock", "lora_base_dir", "set_aside_earlier_run",
 ]  # fmt: skip
 
 RESOLVED_RECIPE = "recipe.resolved.toml"
@@ -30,6 +33,52 @@ HF_EXPORTS = "hf"
 FINAL_MODEL = "final_model"
 OUTPUTS = (RESOLVED_RECIPE, METRICS, TENSORBOARD, CURVES, CHECKPOINTS, WARM_START_MODEL, HF_EXPORTS, FINAL_MODEL)
 """Everything a run writes in its output directory."""
+LOCK = ".rl_align.lock"
+"""The run's lock (:class:`RunDirLock`); it stays where it is when an earlier run's outputs are moved aside."""
+
+
+class RunDirBusy(RuntimeError):
+    """Another process holds the run directory (:class:`RunDirLock`)."""
+
+
+class RunDirLock:
+    """``with RunDirLock(out_dir):`` this process alone runs in ``out_dir``. A second run there (a job submitted twice,
+    a retry while the first still runs) would move the live run's outputs aside or train into its checkpoints and
+    metrics; it gets :class:`RunDirBusy` naming the holder instead. An OS file lock (``flock``) on :data:`LOCK`: the
+    kernel releases it when the holder ends, however it ends, so a killed run leaves nothing to clean up. Local and
+    most network filesystems honour it."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.path = Path(out_dir) / LOCK
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunDirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        """Take the run directory, or raise :class:`RunDirBusy` naming the run that holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes (PEP 446)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunDirBusy(f"run directory {self.path.parent} is in use by another run ({holder}): wait for it to "
+                             "end or stop it, or give this run another run.output_dir") from None  # fmt: skip
+        os.ftruncate(fd, 0)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {stamp}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Let the run directory go (nothing when not held)."""
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock; the file stays (removing it could race a waiting run's open)
+            self._fd = None
 
 
 def lora_base_dir(resolved: Mapping[str, Any], run_dir: str | Path) -> Path | None:

@@ -63,9 +63,15 @@ class RLLoop:
         self._cpu = CpuClock()
 
     def _submit(self) -> None:
-        problems = self.dataset.next_batch(self.recipe.run.num_prompts_per_step)
-        handle = self.pool.submit(problems, self.recipe.algorithm.group_size)
+        handle = self._submit_next(self.recipe.run.num_prompts_per_step)
         self._queue.append(_InFlight(handle, self.dataset.state_dict()))
+
+    def _submit_next(self, num_prompts: int) -> Any:
+        """Submit the next ``num_prompts`` training problems; their group ids are their stream positions, so that a
+        seeded run resumed from a checkpoint (its cursor restored) samples what the run would have sampled."""
+        first = self.dataset.stream_position
+        problems = self.dataset.next_batch(num_prompts)
+        return self.pool.submit(problems, self.recipe.algorithm.group_size, first_group_id=first)
 
     def _collect(self) -> tuple[RolloutBatch, dict, dict[str, float]]:
         """The next step's batch (with DAPO dynamic sampling when on), its cursor, and rollout metrics.
@@ -84,8 +90,7 @@ class RLLoop:
         kept = _informative_groups(batch, term)
         num_rounds = 1
         while len(kept) < run.num_prompts_per_step and num_rounds < run.dynamic_sampling.max_num_rounds:
-            problems = self.dataset.next_batch(run.num_prompts_per_step - len(kept))
-            extra = self.pool.collect(self.pool.submit(problems, self.recipe.algorithm.group_size))
+            extra = self.pool.collect(self._submit_next(run.num_prompts_per_step - len(kept)))
             sampled += extra.samples
             kept += _informative_groups(extra, term)
             num_rounds += 1

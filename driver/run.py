@@ -13,9 +13,13 @@ that fails a push is reported and retried at the next step without stopping trai
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +30,8 @@ from common.run_dir import (
     METRICS,
     RESOLVED_RECIPE,
     WARM_START_MODEL,
+    RunDirBusy,
+    RunDirLock,
     lora_base_dir,
     set_aside_earlier_run,
 )
@@ -41,14 +47,20 @@ log = logging.getLogger("rl_align")
 
 
 def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -> int:
-    """Run ``recipe`` to the end; return the process exit code (0 success, 1 failure, 2 bad input, 130 interrupted).
+    """Run ``recipe`` to the end; return the process exit code (0 success, 1 failure, 2 bad input, 130 interrupted,
+    143 stopped by SIGTERM).
 
     ``resume``: None starts fresh (an earlier run's outputs in the run directory are moved to its ``previous-<time>/``,
     never mixed in: ``common.run_dir``); "required" continues from the newest checkpoint and fails if there is none;
-    "auto" continues when one exists.
+    "auto" continues when one exists. From its first write in the run directory to its end the run holds it
+    (``common.run_dir.RunDirLock``): a second run there is refused.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     out_dir = recipe.run.resolved_output_dir
+    problem = _outputs_lost_with_the_job(recipe)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -79,6 +91,67 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    lock = RunDirLock(out_dir)  # from the first write in the run directory to the end
+    try:
+        lock.acquire()
+    except RunDirBusy as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _start(recipe, out_dir, resume_from, model_cfg, dataset, address)
+    finally:
+        lock.release()
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM (``ray job stop``, ``kill``, an orchestrator): the run stops as on Ctrl-C, its actors shut down."""
+
+
+@contextlib.contextmanager
+def _sigterm_stops_the_run() -> Iterator[None]:
+    """Turn SIGTERM into :class:`_Stopped` in the main thread while Ray runs (set after ``ray.init``, which installs
+    a handler that only dumps a stack), so the actors are stopped and the operator told how to continue."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Stopped()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _outputs_lost_with_the_job(recipe: Recipe) -> str | None:
+    """Why the run's outputs would not outlive it, or None: a Ray job runs in Ray's copy of its working directory
+    (``driver.session.ray_job_working_dir``), so relative output paths land in that copy."""
+    from driver.session import ray_job_working_dir
+
+    job_dir = ray_job_working_dir()
+    if job_dir is None:
+        return None
+    for field, value in (("run.output_dir", str(recipe.run.resolved_output_dir)),
+                         ("trainer.checkpoint.dir", recipe.trainer.checkpoint.dir)):  # fmt: skip
+        if value is not None and not Path(value).is_absolute():
+            return (f"{field} = {value!r} is relative, and this Ray job runs in Ray's copy of its working directory "
+                    f"({job_dir}): checkpoints and models written there are lost with the cluster's session, and a "
+                    "--resume after any change to the code (a new copy) would not find them. Give an absolute path on "
+                    f"storage that outlives the job, e.g. --{field} /shared/runs/{recipe.run.name}")  # fmt: skip
+    return None
+
+
+def _start(
+    recipe: Recipe, out_dir: Path, resume_from: Path | None, model_cfg: ModelConfig, dataset: PromptDataset,
+    address: str | None,
+) -> int:
+    """:func:`run` once its checks passed and it holds the run directory: the earlier run's outputs set aside (fresh
+    start), the resolved recipe written, Ray joined or started, the run executed."""
+    from trainer.checkpoint_dirs import latest_checkpoint
+
+    ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # _with_run_defaults set it
     if resume_from is None:
         inputs = [p for p in (recipe.model.path, recipe.rollout.tokenizer_path, recipe.rollout.model_path) if p]
         moved = set_aside_earlier_run(out_dir, ckpt_dir, keep=inputs)
@@ -96,15 +169,16 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
     from driver.session import ray_session
 
     try:
-        with ray_session(address, recipe.trainer.device) as where:
-            log.info("Ray: %s; outputs in %s", where, out_dir)
+        with ray_session(address, recipe.trainer.device) as where, _sigterm_stops_the_run():
+            log.info("Ray: %s; outputs in %s", where, out_dir.resolve())
             resumed = resume_from is not None
             with _Run(recipe, model_cfg, dataset, out_dir, resumed, can_grow=where != "embedded") as job:
                 job.execute()
         return 0
-    except KeyboardInterrupt:
-        print("\ninterrupted: actors stopped; continue with --resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        how = "stopped (SIGTERM)" if isinstance(e, _Stopped) else "interrupted"
+        print(f"\n{how}: actors stopped; continue with --resume", file=sys.stderr)
+        return 143 if isinstance(e, _Stopped) else 130
     except PlacementError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

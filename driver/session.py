@@ -7,12 +7,16 @@ down when the run ends. Worker processes get the thread and engine settings the 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
-__all__ = ["ray_session", "worker_env_vars"]
+__all__ = ["ray_job_working_dir", "ray_session", "worker_env_vars"]
+
+_RAY_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a job's entrypoint
 
 # Settings every actor process inherits. vLLM on CPU: in-process engine (fast start), a small KV cache unless the
 # recipe says otherwise, no CPU reserved for a (non-existent) separate front-end process.
@@ -39,6 +43,17 @@ def worker_env_vars(device: str = "cpu") -> dict[str, str]:
     if device == "tpu":
         env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "1"
     return env
+
+
+def ray_job_working_dir() -> Path | None:
+    """The directory this process runs in when it is a Ray job's entrypoint with a ``working_dir`` (Ray's copy of the
+    uploaded directory, under the cluster's session directory, named after a hash of its contents), else None."""
+    try:
+        job = json.loads(os.environ.get(_RAY_JOB_CONFIG, "{}"))
+    except ValueError:
+        return None
+    runtime_env = job.get("runtime_env") if isinstance(job, dict) else None
+    return Path.cwd() if isinstance(runtime_env, dict) and runtime_env.get("working_dir") else None
 
 
 @contextlib.contextmanager

@@ -49,6 +49,12 @@ class PromptDataset:
         """Epoch the next problem comes from (0-based)."""
         return self._epoch
 
+    @property
+    def stream_position(self) -> int:
+        """How many training problems were drawn before the next one, over every epoch: the next problem's place in
+        the training stream, which a resumed run (its cursor restored) continues from."""
+        return self._epoch * len(self._train) + self._position
+
     def next_batch(self, num_prompts: int) -> list[Problem]:
         """The next ``num_prompts`` training problems; a batch may span two epochs (each epoch a new shuffle)."""
         if num_prompts < 1:

@@ -24,6 +24,10 @@ class FakeDataset:
     def state_dict(self):
         return {"position": self.position}
 
+    @property
+    def stream_position(self):
+        return self.position
+
 
 class FakePool:
     """Problem p's group scores 1,0,1,0.. when p is even and all 0 when p is odd (so odd groups are uninformative).
@@ -52,10 +56,11 @@ class FakePool:
     def hold_back(self, addresses):
         self.held_back.append(list(addresses))
 
-    def submit(self, problems, group_size, sampling=None):
+    def submit(self, problems, group_size, sampling=None, first_group_id=None):
         handle, self._num_submitted = self._num_submitted, self._num_submitted + 1
         self._handles[handle] = (list(problems), group_size, self.version)
         self.events.append(("submit", handle, self.version))
+        self.group_ids = [*getattr(self, "group_ids", []), (first_group_id, list(problems))]
         return handle
 
     def collect(self, handle):
@@ -250,3 +255,16 @@ def test_the_publisher_remembers_the_version_every_receiver_took():
     trainer.version = 5
     publisher.publish()
     assert publisher.published_version is None  # a receiver missed it: the next publish must go out
+
+
+def test_training_groups_are_numbered_by_their_place_in_the_data_stream():
+    """Group ids seed a seeded sampling's streams: numbered by the problems' stream positions (which a resume restores
+    with the cursor), a resumed run samples its steps as the uninterrupted run would have; the pool's own counter
+    (shared with evaluations, restarting at a resume) did not."""
+    pools = []
+    _run({"run.dynamic_sampling.enabled": True, "run.dynamic_sampling.max_num_rounds": 3}, num_steps=3,
+         pool_out=pools)  # fmt: skip
+    submitted = pools[0].group_ids
+    assert len(submitted) > 3  # dynamic sampling drew extra rounds
+    for first, problems in submitted:  # FakeDataset's problems are their own stream positions
+        assert first == problems[0] and problems == list(range(first, first + len(problems)))

@@ -4,7 +4,10 @@ changes nothing in the directory; a fresh start moves an earlier run's outputs i
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,8 @@ from trainer.config import OptimizerConfig
 from trainer.models.hf_config import model_config_from_hf
 from trainer.models.transformer import build_model
 from trainer.optim import build_optimizer
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _recipe(tmp_path: Path, model: str, hidden_size: int, base: str = "recipes/grpo_tiny.toml"):
@@ -306,3 +311,56 @@ def test_adapters_the_model_cannot_take_fail_before_ray_naming_model_lora(tmp_pa
     err = capsys.readouterr().err
     assert f"[model.lora] does not fit the model in {recipe.model.path}: lora.target_parameters" in err, err
     assert "config.json" not in err
+
+
+def test_a_second_run_in_a_held_run_directory_is_refused_before_anything_moves(tmp_path, capsys, no_ray):
+    """A job submitted twice: the second fresh start moved the live run's outputs aside (the first then died in
+    TensorBoard's writer); two resumes trained into one checkpoints directory and lost one run's metrics."""
+    from common.run_dir import LOCK, RunDirBusy, RunDirLock
+
+    out = _checkpointed_run(tmp_path)
+    before = sorted(p.relative_to(out) for p in out.rglob("*") if p.name != LOCK)
+    with RunDirLock(out):
+        for resume in (None, "required"):
+            assert run(_recipe(tmp_path, "model", 128), resume=resume) == 2
+            err = capsys.readouterr().err
+            assert f"run directory {out} is in use by another run (pid {os.getpid()} on " in err, err
+        with pytest.raises(RunDirBusy), RunDirLock(out):
+            pass
+    assert sorted(p.relative_to(out) for p in out.rglob("*") if p.name != LOCK) == before
+    with RunDirLock(out):  # released with its holder
+        pass
+
+
+def test_a_ray_job_with_relative_output_paths_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch,
+                                                                                    no_ray):  # fmt: skip
+    """A job's working directory is Ray's copy of the uploaded one (``_ray_pkg_<hash>`` under the session directory):
+    relative outputs went there, and a --resume after a code change (a new copy) started the run afresh."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_1.zip"}}))
+    relative = load_recipe(str(REPO / "recipes" / "grpo_tiny.toml"), {"model.path": str(tmp_path / "model")})
+    assert run(relative) == 2
+    err = capsys.readouterr().err
+    assert "run.output_dir = 'runs/grpo_tiny' is relative, and this Ray job runs in Ray's copy" in err, err
+    assert "--run.output_dir /shared/runs/grpo_tiny" in err and not (tmp_path / "runs").exists()
+    checkpoints = load_recipe(str(REPO / "recipes" / "grpo_tiny.toml"), {
+        "model.path": str(tmp_path / "model"), "run.output_dir": str(tmp_path / "out"),
+        "trainer.checkpoint.dir": "ckpts"})  # fmt: skip
+    assert run(checkpoints) == 2 and "trainer.checkpoint.dir = 'ckpts' is relative" in capsys.readouterr().err
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")  # embedded: relative paths are the run's own directory
+    from driver.run import _outputs_lost_with_the_job
+
+    assert _outputs_lost_with_the_job(relative) is None
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does():
+    """``ray job stop`` and ``kill`` ended the driver with exit 15 and a native stack dump, no word on resuming."""
+    import signal
+
+    from driver.run import _sigterm_stops_the_run, _Stopped
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(_Stopped), _sigterm_stops_the_run():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises in this thread first
+    assert signal.getsignal(signal.SIGTERM) is before

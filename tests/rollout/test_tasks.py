@@ -122,7 +122,9 @@ def test_resume_continues_exactly(cut):
     state = json.loads(json.dumps(first.state_dict()))  # must survive a checkpoint round trip
     resumed = build_dataset(config)
     resumed.load_state_dict(state)
+    assert resumed.stream_position == first.stream_position == sum(sizes[:cut])  # the group ids a resume goes on with
     assert head + _drain(resumed, sizes[cut:]) == uninterrupted
+    assert resumed.stream_position == sum(sizes)
 
 
 def test_resume_into_a_different_dataset_is_refused():
