@@ -50,7 +50,8 @@ class WeightPublisher:
         outcomes = self.trainer.push_weights()
         failed = push_failures(outcomes)
         for address, error in failed.items():
-            log.warning("weight push to %s failed (it keeps serving its old version): %s", address, error)
+            log.warning("weight push to %s failed (a live receiver keeps serving its old version; a pool worker gets "
+                        "no work until it is caught up or replaced): %s", address, error)  # fmt: skip
         self.pool.set_policy_version(int(outcomes[0]["policy_version"]))
         self.published_version = None if failed else int(outcomes[0]["policy_version"])
         self.pool.hold_back(list(failed))  # external addresses are not the pool's: it ignores them
