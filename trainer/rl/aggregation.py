@@ -94,10 +94,11 @@ def aggregate(
     mask = mask.to(x.dtype)
     masked = x * mask
     if mode == "token_mean":
-        token_denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+        # A mini-batch of samples without model tokens (agent episodes that made no call) counts 0: its loss is 0.
+        token_denom = mask.sum().clamp(min=1) if num_tokens is None else max(num_tokens, 1.0)
         return masked.sum() / token_denom
     row_tokens = mask.sum(dim=-1)  # [B]
-    seq_denom = (row_tokens > 0).sum().clamp(min=1) if num_seqs is None else num_seqs
+    seq_denom = (row_tokens > 0).sum().clamp(min=1) if num_seqs is None else max(num_seqs, 1.0)
     if mode == "seq_mean_token_mean":
         per_row = row_tokens if seq_tokens is None else seq_tokens.to(x.dtype)
         return (masked.sum(dim=-1) / per_row.clamp(min=1)).sum() / seq_denom

@@ -55,3 +55,14 @@ def test_rows_of_one_episode_make_one_sequence_mean():
     assert out.item() == pytest.approx((15 / 5 + 14 / 2) / 2)
     # Without the episode counts every row is a sequence of its own.
     assert aggregate(x, mask, "seq_mean_token_mean").item() == pytest.approx((6 / 3 + 9 / 2 + 14 / 2) / 3)
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "token_sum_norm"])
+def test_a_mini_batch_without_model_tokens_has_a_zero_loss(mode):
+    """Agent episodes that made no call are samples without model tokens; a mini-batch of only those got global
+    normalisers of 0 and a NaN loss (0 / 0)."""
+    x = X.clone().requires_grad_()
+    empty = torch.zeros_like(MASK)
+    loss = aggregate(x, empty, mode, norm_length=4, num_tokens=0.0, num_seqs=0.0)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(x.grad, torch.zeros_like(X))
