@@ -44,7 +44,9 @@ def _rollout_workers(proc) -> list[psutil.Process]:
     # is also what test_multi_node's lost rollout node is, in the default run.
     pytest.param("recipes/grpo_tiny.toml", (), marks=pytest.mark.slow),
     ("recipes/grpo_tiny.toml", ONE_ENGINE),  # the run cannot go on before the replacement
-    ("recipes/grpo_tiny_async.toml", ()),  # one engine on its own reservation
+    # One engine on its own reservation. Slow: an async run through a killed worker is also test_agent_runs' in the
+    # default run (its episodes in flight on the victim).
+    pytest.param("recipes/grpo_tiny_async.toml", (), marks=pytest.mark.slow),
 ])  # fmt: skip
 def test_killed_rollout_worker_is_replaced_and_run_finishes(tmp_path: Path, recipe: str, workers: tuple) -> None:
     num_steps = 12  # long enough that a replacement starts before the others finish the run
