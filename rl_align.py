@@ -2,7 +2,8 @@
 
     python rl_align.py --recipe recipes/grpo_tiny.toml                 # embedded Ray on this machine
     python rl_align.py --recipe recipes/grpo_tiny.toml --trainer.optimizer.lr 1e-5 --run.num_steps 50
-    ray job submit --working-dir . -- python rl_align.py --recipe recipes/ppo_tiny.toml   # on a cluster
+    ray job submit --working-dir . -- python rl_align.py --recipe recipes/ppo_tiny.toml \
+        --run.output_dir /shared/runs/ppo_tiny                          # on a cluster: outputs at an absolute path
     python rl_align.py --recipe recipes/grpo_tiny.toml --resume        # continue from the last checkpoint
     python rl_align.py --recipe recipes/grpo_tiny.toml --resume auto   # ... or start fresh if there is none
 

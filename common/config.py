@@ -38,7 +38,6 @@ __all__ = [
     "Sources",
     "apply_overrides",
     "config_error",
-    "false_is_none",
     "load_toml_config",
     "parse_overrides",
     "read_toml",
@@ -89,10 +88,25 @@ ConfigT = TypeVar("ConfigT", bound=Config)
 Loc = tuple[str | int, ...]
 
 
-def false_is_none(value: object) -> object:
-    """A field validator's rule (``mode="before"``) for an optional value or table a base recipe may set: ``false``
-    drops it (TOML has no null), so ``create_tiny = false`` removes an inherited ``[model.create_tiny]``."""
-    return None if value is False else value
+def _false_as_unset(cls: type[pydantic.BaseModel], data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with ``false`` given to an optional field (one that may be None and is no boolean) read as None (TOML
+    has no null): ``create_tiny = false`` or ``lora = false`` drops a table a base recipe set, ``stop_at_accuracy =
+    false`` a value. Tables of a section's own model are followed; free-form tables (``dict`` fields) are left as
+    they are."""
+    out = dict(data)
+    for name, field in cls.model_fields.items():
+        value = out.get(name)
+        args = typing.get_args(field.annotation)
+        if value is False and type(None) in args and bool not in args:
+            out[name] = None
+        elif isinstance(value, dict):
+            models = [a for a in (*args, field.annotation) if isinstance(a, type) and issubclass(a, pydantic.BaseModel)]
+            if len(models) > 1:  # a tagged union: the variant the table's `type` names
+                models = [m for m in models if "type" in m.model_fields and value.get("type") in typing.get_args(
+                    m.model_fields["type"].annotation)]  # fmt: skip
+            if len(models) == 1:
+                out[name] = _false_as_unset(models[0], value)
+    return out
 
 
 def parse_overrides(args: Sequence[str]) -> dict[str, Any]:
@@ -189,7 +203,7 @@ def apply_overrides(
                 where = ".".join(parts[: j + 1])
                 raise ConfigError(f"override --{dotted}: {where} is a value ({child!r}), not a table")
             node = child
-        node[parts[-1]] = _dropped_table(node.get(parts[-1]), value)
+        node[parts[-1]] = value
         if sources is not None:
             for key in [k for k in sources if k[: len(parts)] == parts]:
                 del sources[key]
@@ -261,14 +275,8 @@ def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
         ):
             out[key] = _merge(below, value)
         else:  # a value, or a table of another tagged-union type: replaces the base's
-            out[key] = _dropped_table(below, value)
+            out[key] = value
     return out
-
-
-def _dropped_table(below: object, value: object) -> object:
-    """``value`` as it replaces ``below``; ``false`` over a table drops the table (JSON null: the field's unset None),
-    so ``lora = false`` removes a base recipe's ``[model.lora]`` whatever the table's own field types."""
-    return None if value is False and isinstance(below, dict) else value
 
 
 def load_toml_config(cls: type[ConfigT], path: str | Path, overrides: Mapping[str, Any] | None = None) -> ConfigT:
@@ -287,7 +295,7 @@ def validate_config(
     """
     try:
         # JSON-mode validation: TOML arrays validate as tuples, strings as paths, while "0.1" stays no float.
-        return cls.model_validate_json(json.dumps(data, default=str))
+        return cls.model_validate_json(json.dumps(_false_as_unset(cls, data), default=str))
     except pydantic.ValidationError as e:
         as_text = _flag_values_as_text(e, data, sources or {})
         if as_text is not None:  # a number or boolean typed on the command line for a text field: the flag's text

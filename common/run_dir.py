@@ -11,6 +11,7 @@ at it, so that run can be resumed there).
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import socket
 import time
@@ -33,6 +34,8 @@ HF_EXPORTS = "hf"
 FINAL_MODEL = "final_model"
 OUTPUTS = (RESOLVED_RECIPE, METRICS, TENSORBOARD, CURVES, CHECKPOINTS, WARM_START_MODEL, HF_EXPORTS, FINAL_MODEL)
 """Everything a run writes in its output directory."""
+log = logging.getLogger(__name__)
+
 LOCK = ".rl_align.lock"
 """The run's lock (:class:`RunDirLock`); it stays where it is when an earlier run's outputs are moved aside."""
 
@@ -45,8 +48,10 @@ class RunDirLock:
     """``with RunDirLock(out_dir):`` this process alone runs in ``out_dir``. A second run there (a job submitted twice,
     a retry while the first still runs) would move the live run's outputs aside or train into its checkpoints and
     metrics; it gets :class:`RunDirBusy` naming the holder instead. An OS file lock (``flock``) on :data:`LOCK`: the
-    kernel releases it when the holder ends, however it ends, so a killed run leaves nothing to clean up. Local and
-    most network filesystems honour it."""
+    kernel releases it when the holder ends, however it ends, so a killed run leaves nothing to clean up. It keeps
+    runs apart on one host (and on network filesystems whose locks span hosts, e.g. NFSv4); on a volume whose locks
+    are per node (GCS FUSE) runs whose drivers are on different nodes are not kept apart. A filesystem without locks
+    gets a warning, and the run goes on unlocked."""
 
     def __init__(self, out_dir: str | Path) -> None:
         self.path = Path(out_dir) / LOCK
@@ -69,6 +74,11 @@ class RunDirLock:
             os.close(fd)
             raise RunDirBusy(f"run directory {self.path.parent} is in use by another run ({holder}): wait for it to "
                              "end or stop it, or give this run another run.output_dir") from None  # fmt: skip
+        except OSError as e:  # ENOLCK, EOPNOTSUPP: a filesystem without locks
+            os.close(fd)
+            log.warning("run directory %s cannot be locked (%s): nothing keeps a second run out of it",
+                        self.path.parent, e)  # fmt: skip
+            return
         os.ftruncate(fd, 0)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {stamp}\n".encode(), 0)
@@ -88,7 +98,7 @@ def lora_base_dir(resolved: Mapping[str, Any], run_dir: str | Path) -> Path | No
     warm-start steps), else ``[model] path``. None for a run without ``[model.lora]``, whose checkpoints and exports
     hold every weight. A LoRA run's checkpoints hold the adapters alone, so a resume, an export and a served adapter
     all build on this directory."""
-    model, warm_start = resolved["model"], resolved.get("run", {}).get("warm_start", {})
+    model, warm_start = resolved.get("model", {}), resolved.get("run", {}).get("warm_start", {})
     if not model.get("lora"):
         return None
     if warm_start.get("num_steps", 0) > 0 and warm_start.get("parameters") == "all":

@@ -21,12 +21,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.cpu import CpuClock
 from common.run_dir import HF_EXPORTS
 from rollout.metrics import sample_metrics
 from rollout.types import RolloutBatch
+
+if TYPE_CHECKING:
+    from rollout.pool import RolloutHandle
 
 __all__ = ["RLLoop"]
 
@@ -66,7 +69,7 @@ class RLLoop:
         handle = self._submit_next(self.recipe.run.num_prompts_per_step)
         self._queue.append(_InFlight(handle, self.dataset.state_dict()))
 
-    def _submit_next(self, num_prompts: int) -> Any:
+    def _submit_next(self, num_prompts: int) -> RolloutHandle:
         """Submit the next ``num_prompts`` training problems; their group ids are their stream positions, so that a
         seeded run resumed from a checkpoint (its cursor restored) samples what the run would have sampled."""
         first = self.dataset.stream_position

@@ -52,7 +52,7 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
 
     ``resume``: None starts fresh (an earlier run's outputs in the run directory are moved to its ``previous-<time>/``,
     never mixed in: ``common.run_dir``); "required" continues from the newest checkpoint and fails if there is none;
-    "auto" continues when one exists. From its first write in the run directory to its end the run holds it
+    "auto" continues when one exists. The run holds its directory from before its checks to its end
     (``common.run_dir.RunDirLock``): a second run there is refused.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
@@ -61,11 +61,22 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    lock = RunDirLock(out_dir)  # before anything reads the directory (another run may be writing or pruning it)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        print(f"error: run.output_dir {str(out_dir)!r} cannot be the run's directory: {e}", file=sys.stderr)
+        lock.acquire()
+    except (OSError, RunDirBusy) as e:
+        cannot = "" if isinstance(e, RunDirBusy) else f"run.output_dir {str(out_dir)!r} cannot be the run's directory: "
+        print(f"error: {cannot}{e}", file=sys.stderr)
         return 2
+    try:
+        return _checked_run(recipe, out_dir, resume, address)
+    finally:
+        lock.release()
+
+
+def _checked_run(recipe: Recipe, out_dir: Path, resume: str | None, address: str | None) -> int:
+    """:func:`run` while it holds the run directory: the checks that need no Ray, then :func:`_start`."""
     recipe = _with_run_defaults(recipe, out_dir)
     ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # _with_run_defaults set it
     from rollout.tasks import build_dataset
@@ -91,16 +102,7 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    lock = RunDirLock(out_dir)  # from the first write in the run directory to the end
-    try:
-        lock.acquire()
-    except RunDirBusy as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        return _start(recipe, out_dir, resume_from, model_cfg, dataset, address)
-    finally:
-        lock.release()
+    return _start(recipe, out_dir, resume_from, model_cfg, dataset, address)
 
 
 class _Stopped(KeyboardInterrupt):
@@ -109,8 +111,9 @@ class _Stopped(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def _sigterm_stops_the_run() -> Iterator[None]:
-    """Turn SIGTERM into :class:`_Stopped` in the main thread while Ray runs (set after ``ray.init``, which installs
-    a handler that only dumps a stack), so the actors are stopped and the operator told how to continue."""
+    """Turn SIGTERM into :class:`_Stopped` in the main thread while Ray runs (set after ``ray.init``, whose handler
+    exits at once: ``sys.exit(15)`` past a native stack dump), so the actors are stopped and the operator told how to
+    continue."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -139,7 +142,8 @@ def _outputs_lost_with_the_job(recipe: Recipe) -> str | None:
             return (f"{field} = {value!r} is relative, and this Ray job runs in Ray's copy of its working directory "
                     f"({job_dir}): checkpoints and models written there are lost with the cluster's session, and a "
                     "--resume after any change to the code (a new copy) would not find them. Give an absolute path on "
-                    f"storage that outlives the job, e.g. --{field} /shared/runs/{recipe.run.name}")  # fmt: skip
+                    f"storage that outlives the job, e.g. --{field} /shared/runs/{recipe.run.name}"
+                    f"{'/checkpoints' if field == 'trainer.checkpoint.dir' else ''}")  # fmt: skip
     return None
 
 
@@ -254,7 +258,7 @@ def _check_lora_base(recipe: Recipe, out_dir: Path) -> None:
     notice: the adapters would silently apply to another model."""
     import tomllib
 
-    base = recipe.lora_base_dir
+    base = recipe.lora_base
     if base is None:
         return
     record = out_dir / RESOLVED_RECIPE
@@ -385,14 +389,13 @@ class _Run:
         # The publisher hands the trainer's ranks their receivers before every push.
         sync_cfg = r.weight_sync.model_copy(update={"endpoints": []})
         # A resumed run starts from the warm-started weights (its checkpoint then restores policy and reference). With
-        # LoRA the checkpoint holds the adapters alone, over `lora_base_dir` (checked at resume): the model
+        # LoRA the checkpoint holds the adapters alone, over `Recipe.lora_base` (checked at resume): the model
         # directory, or the warm-started model when the warm start trained the base (the engines then start from it).
-        warm, lora_base = self.out_dir / WARM_START_MODEL, r.lora_base_dir
+        warm, lora_base = self.out_dir / WARM_START_MODEL, r.lora_base
         init_path, rollout_cfg = r.model.path, self.placement.rollout
         if self.resume and lora_base is not None:
             init_path = str(lora_base)
-            if lora_base.resolve() == warm.resolve():
-                rollout_cfg = rollout_cfg.model_copy(update={"model_path": init_path})
+            rollout_cfg = rollout_cfg.model_copy(update={"model_path": init_path})
         elif self.resume and (warm / "config.json").is_file():
             init_path = str(warm)
 
@@ -529,7 +532,8 @@ class _Run:
 
 
 def _print_report(before: dict[str, float], after: dict[str, float], out_dir: Path) -> None:
-    rows = [k for k in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward") if k in before and k in after]
+    rows = [k for k in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward")
+            if before.get(k) is not None and after.get(k) is not None]  # a record's non-finite value is null
     lines = ["", "held-out problems      start of RL    end of RL    change", "-" * 58]
     for key in rows:
         lines.append(f"{key[5:]:<22} {before[key]:>11.3f} {after[key]:>12.3f} {after[key] - before[key]:>+9.3f}")

@@ -17,6 +17,7 @@ from pathlib import Path
 __all__ = ["ray_job_working_dir", "ray_session", "worker_env_vars"]
 
 _RAY_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a job's entrypoint
+_RAY_WORKING_DIRS = "working_dir_files"  # where a node unpacks jobs' working directories (runtime_resources/...)
 
 # Settings every actor process inherits. vLLM on CPU: in-process engine (fast start), a small KV cache unless the
 # recipe says otherwise, no CPU reserved for a (non-existent) separate front-end process.
@@ -46,14 +47,18 @@ def worker_env_vars(device: str = "cpu") -> dict[str, str]:
 
 
 def ray_job_working_dir() -> Path | None:
-    """The directory this process runs in when it is a Ray job's entrypoint with a ``working_dir`` (Ray's copy of the
-    uploaded directory, under the cluster's session directory, named after a hash of its contents), else None."""
+    """The directory this process runs in when it is a Ray job's entrypoint running in its ``working_dir`` (Ray's
+    copy of the uploaded directory, ``<session>/runtime_resources/working_dir_files/_ray_pkg_<hash of the
+    contents>``), else None (also for an entrypoint that changed to another directory first)."""
     try:
         job = json.loads(os.environ.get(_RAY_JOB_CONFIG, "{}"))
     except ValueError:
         return None
     runtime_env = job.get("runtime_env") if isinstance(job, dict) else None
-    return Path.cwd() if isinstance(runtime_env, dict) and runtime_env.get("working_dir") else None
+    if not (isinstance(runtime_env, dict) and runtime_env.get("working_dir")):
+        return None
+    cwd = Path.cwd()
+    return cwd if _RAY_WORKING_DIRS in cwd.parts else None
 
 
 @contextlib.contextmanager

@@ -155,15 +155,15 @@ class Recipe(Config):
         return sampling.model_copy(update={"temperature": self.run.eval.temperature, "seed": seed})
 
     @property
-    def lora_base_dir(self) -> Path | None:
+    def lora_base(self) -> Path | None:
         """The model directory this run's adapters apply to (``common.run_dir.lora_base_dir``); None without LoRA."""
         return lora_base_dir(self.model_dump(mode="json"), self.run.resolved_output_dir)
 
     @property
     def export_source_dir(self) -> str:
         """The model directory an export of the policy takes its tokenizer, special-token ids and generation config
-        from, and that its adapter directory names as its base: :attr:`lora_base_dir`, else ``[model] path``."""
-        base = self.lora_base_dir
+        from, and that its adapter directory names as its base: :attr:`lora_base`, else ``[model] path``."""
+        base = self.lora_base
         return str(base) if base is not None else self.model.path
 
 

@@ -13,7 +13,7 @@ from typing import Literal
 
 import pydantic
 
-from common.config import Config, DType, false_is_none
+from common.config import Config, DType
 from common.published import published_fields
 from trainer.models.config import BlockChoices, Family, LoRAConfig
 
@@ -86,7 +86,6 @@ class ModelSection(BlockChoices):
     only the adapters, and the engines serve them through vLLM's LoRA path. None (``false``: drop the base recipe's):
     full-parameter training."""
 
-    _false_is_none = pydantic.field_validator("create_tiny", "create_published", mode="before")(false_is_none)
 
     @pydantic.model_validator(mode="after")
     def _one_creator(self) -> ModelSection:
@@ -119,7 +118,6 @@ class WarmStartConfig(Config):
     weight: with LoRA the base itself is fine-tuned first and RL then trains fresh adapters on it (the engines get the
     new base once, then adapters only; the KL reference is that base)."""
 
-    _false_is_none = pydantic.field_validator("stop_at_loss", "stop_at_accuracy", mode="before")(false_is_none)
 
 
 class DynamicSamplingConfig(Config):

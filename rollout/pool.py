@@ -44,9 +44,9 @@ if TYPE_CHECKING:
     from rollout.tasks.problem import Problem
     from weight_sync.config import WeightSyncConfig
 
-__all__ = ["POOL_GROUP_IDS", "RolloutHandle", "RolloutPool", "worker_resources"]
+__all__ = ["FIRST_POOL_GROUP_ID", "RolloutHandle", "RolloutPool", "worker_resources"]
 
-POOL_GROUP_IDS = 1 << 40
+FIRST_POOL_GROUP_ID = 1 << 40
 """The first group id the pool counts itself (for submissions without ``first_group_id``); the ids below are the
 training stream's positions."""
 
@@ -125,7 +125,7 @@ class RolloutPool:
             options=per_slot,
         )  # fmt: skip
         self._ids = itertools.count()
-        self._next_group_id = POOL_GROUP_IDS
+        self._next_group_id = FIRST_POOL_GROUP_ID
         self._pending: dict[int, _Pending] = {}
 
     # -- scheduling ------------------------------------------------------------------------------------------------
@@ -140,9 +140,9 @@ class RolloutPool:
 
         Group ids (which seed a seeded sampling's random streams, ``rollout.sampling.turn_seed``) are
         ``first_group_id, first_group_id + 1, ...`` when given: the training stream's positions of the problems
-        (``PromptDataset.stream_position``), below :data:`POOL_GROUP_IDS`, so a resumed run samples its steps with the
-        streams the run would have used. Otherwise the pool counts them from :data:`POOL_GROUP_IDS` (evaluations):
-        unique per pool either way, as long as callers give each stream position once."""
+        (``PromptDataset.stream_position``), below :data:`FIRST_POOL_GROUP_ID`, so a resumed sync run samples its steps
+        with the streams the run would have used. Otherwise the pool counts them from :data:`FIRST_POOL_GROUP_ID`
+        (evaluations): unique per pool either way, as long as callers give each stream position once."""
         if not problems:
             raise ValueError("submit() needs at least one problem")
         if group_size < 1:
@@ -152,8 +152,9 @@ class RolloutPool:
         if first_group_id is None:
             first_group_id = self._next_group_id
             self._next_group_id += len(problems)
-        elif not 0 <= first_group_id <= POOL_GROUP_IDS - len(problems):
-            raise ValueError(f"first_group_id = {first_group_id}: a stream position from 0 to below {POOL_GROUP_IDS}")
+        elif not 0 <= first_group_id <= FIRST_POOL_GROUP_ID - len(problems):
+            raise ValueError(f"first_group_id = {first_group_id}: a stream position from 0 to below "
+                             f"{FIRST_POOL_GROUP_ID}")  # fmt: skip
         group_ids = list(range(first_group_id, first_group_id + len(problems)))
         share = math.ceil(len(problems) / max(1, len(self.fleet.serving())))
         size = max(1, min(self.config.max_groups_per_dispatch, share))

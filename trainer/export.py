@@ -342,12 +342,11 @@ def export_checkpoint(
         raise ValueError(f"no recipe.resolved.toml next to {ckpt.parent}: pass --model-dir (the HF model directory the "
                          "run started from; a LoRA run's warm_start_model when its warm start trained every "
                          "weight)")  # fmt: skip
-    recipe_model = record[0]["model"] if record is not None else None
+    recipe_model = record[0].get("model", {}) if record is not None else None
     if model_dir is not None:
         source = Path(model_dir)
-    else:
-        assert record is not None
-        source = lora_base_dir(*record) or Path(record[0]["model"]["path"])
+    elif record is not None:
+        source = lora_base_dir(*record) or Path(record[0].get("model", {}).get("path", ""))
     _check_out(Path(out_dir), source, ckpt)
     policy_version = _check_checkpoint(ckpt)
     _tokenizer_files(source)

@@ -18,9 +18,8 @@
 Every `WeightSyncConfig` field is a flag of `serve` (`--chunk_bytes 65536`, `--auth_token_env MY_TOKEN`,
 `--tls_ca_path ca.pem`), and every field a sender reads a flag of the client commands (`push`, `describe`,
 `conformance`: a receiver's own settings, such as `--port`, are refused there); `<command> --help` lists them with
-their docs and defaults. Values are read as TOML values
-(`true`, `[...]`, numbers), anything else as a string. The bearer token is read from $RL_ALIGN_WEIGHT_SYNC_TOKEN by
-default.
+their docs and defaults. Values are read as TOML values (`true`, `[...]`, numbers), anything else as a string. The
+bearer token is read from $RL_ALIGN_WEIGHT_SYNC_TOKEN by default.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ _SAMPLING_PARAMS: dict[str, tuple[type, float | None, float | None]] = {
     "seed": (int, None, None),
     "presence_penalty": (float, -2.0, 2.0),
     "frequency_penalty": (float, -2.0, 2.0),
-    "repetition_penalty": (float, 0.0, None),
+    "repetition_penalty": (float, 1e-9, 1e9),  # vLLM: finite and above 0
     "logit_bias": (dict, None, None),
 }
 _CONSTRAINED = "constrained decoding changes the sampled distribution, so the trainer could not reproduce its log-probs"
@@ -182,7 +182,7 @@ def _ignored_sampling_params(body: Mapping[str, Any]) -> list[str]:
         if kind is dict:
             ok = isinstance(value, Mapping)
         elif kind is int:
-            ok = number and float(value).is_integer()
+            ok = isinstance(value, int) and not isinstance(value, bool) or (number and value.is_integer())
         else:
             ok = number and value == value  # not NaN
         ok = ok and (low is None or value >= low) and (high is None or value <= high)

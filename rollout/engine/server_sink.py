@@ -160,10 +160,11 @@ class ServerWeightSink:
             self._refused(e)
             raise
         except concurrent.futures.CancelledError:  # the server's loop cancelled it: SIGTERM, shutdown
-            raise RuntimeError(
-                f"weight update to version {policy_version} was cut: the server is shutting down, still on version "
-                f"{self.state.policy_version}; push to it again once it is back"
-            ) from None
+            self.state.last_error = (
+                f"weight update to version {policy_version} was cut: the server is shutting down before serving it "
+                f"(it served version {self.state.policy_version}); push to it again once it is back"
+            )
+            raise RuntimeError(self.state.last_error) from None
         finally:
             os.unlink(path)
         if adapter is not None and self._versions is not None and self._merged is not None:

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 import pydantic
 
-from common.config import Config, false_is_none
+from common.config import Config
 
 __all__ = ["ArithmeticTaskConfig", "JsonlTaskConfig", "Operator", "TaskConfig", "arithmetic_capacity"]
 
@@ -139,7 +139,6 @@ class JsonlTaskConfig(Config):
     seed: int = pydantic.Field(default=0, ge=0)
     """Seed of the held-out split and of the per-epoch shuffle."""
 
-    _false_is_none = pydantic.field_validator("eval_path", mode="before")(false_is_none)
 
     @pydantic.model_validator(mode="after")
     def _check_split(self) -> JsonlTaskConfig:

@@ -233,3 +233,26 @@ def test_a_table_of_another_type_replaces_the_base_table(tmp_path):
     assert read_toml(tmp_path / "mine.toml") == {"task": {"type": "jsonl", "path": "d.jsonl"},
                                                  "run": {"name": "b", "seed": 1}}  # fmt: skip
     assert read_toml(tmp_path / "same.toml")["task"] == {"type": "arithmetic", "min_digits": 1, "max_digits": 3}
+
+
+class _Adapter(Config):
+    rank: int = 4
+    targets: tuple[str, ...] = ("q",)
+
+
+class _WithOptional(Config):
+    adapter: _Adapter | None = None
+    target: float | None = 0.5
+    flag: bool | None = True
+    options: dict[str, object] = {}
+
+
+def test_false_unsets_an_optional_table_or_value_and_leaves_booleans_and_free_form_tables():
+    """`lora = false` under a base recipe's [model.lora] was refused ("Input should be an object"); a field validator
+    turning false into None made the table's own lists fail strict tuple checks."""
+    kept = validate_config(_WithOptional, {"adapter": {"rank": 8, "targets": ["q", "v"]}})
+    assert kept.adapter == _Adapter(rank=8, targets=("q", "v"))
+    dropped = validate_config(_WithOptional, {"adapter": False, "target": False, "flag": False,
+                                              "options": {"calculator": False}})  # fmt: skip
+    assert dropped.adapter is None and dropped.target is None
+    assert dropped.flag is False and dropped.options == {"calculator": False}  # a user's own options, as given

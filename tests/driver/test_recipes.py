@@ -458,14 +458,14 @@ def test_a_lora_runs_exports_name_the_base_its_adapters_apply_to():
     """The final and hf/step_<n> exports' adapter directories named the random ``[model] path`` of a run whose warm
     start trained the base (PeftModel over it: logits off by 10)."""
     lora = load_recipe(ROOT / "recipes" / "grpo_tiny_lora.toml", {"run.output_dir": "/runs/x"})
-    assert lora.lora_base_dir == Path("/runs/x/warm_start_model")
+    assert lora.lora_base == Path("/runs/x/warm_start_model")
     assert lora.export_source_dir == "/runs/x/warm_start_model"
     adapters_only = load_recipe(ROOT / "recipes" / "grpo_tiny_lora.toml", {"run.warm_start.parameters": "trainable"})
-    assert adapters_only.export_source_dir == adapters_only.model.path == str(adapters_only.lora_base_dir)
+    assert adapters_only.export_source_dir == adapters_only.model.path == str(adapters_only.lora_base)
     no_warm_start = load_recipe(ROOT / "recipes" / "grpo_tiny_lora.toml", {"run.warm_start.num_steps": 0})
     assert no_warm_start.export_source_dir == no_warm_start.model.path
     full = load_recipe(ROOT / "recipes" / "grpo_tiny.toml")
-    assert full.lora_base_dir is None and full.export_source_dir == full.model.path
+    assert full.lora_base is None and full.export_source_dir == full.model.path
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import driver.session
-from common.run_dir import set_aside_earlier_run
+from common.run_dir import LOCK, set_aside_earlier_run
 from driver.run import _check_resumable, ensure_model, run
 from recipe import load_recipe, write_resolved
 from rollout.tasks import build_dataset
@@ -41,7 +41,7 @@ def _checkpointed_run(tmp_path: Path, base: str = "recipes/grpo_tiny.toml") -> P
     ensure_model(started)
     out = tmp_path / "out"
     write_resolved(started, out)
-    if started.lora_base_dir == out / "warm_start_model":  # the base its warm start trained (the model, here)
+    if started.lora_base == out / "warm_start_model":  # the base its warm start trained (the model, here)
         shutil.copytree(started.model.path, out / "warm_start_model")
     policy = build_model(model_config_from_hf(started.model.path, lora=started.model.lora))
     lora = started.model.lora is not None
@@ -49,6 +49,12 @@ def _checkpointed_run(tmp_path: Path, base: str = "recipes/grpo_tiny.toml") -> P
     cursor = build_dataset(started.task).state_dict()  # the task's own cursor, as the driver saves it
     CheckpointManager(out / "checkpoints").save({"policy": part}, TrainProgress(2, 2, cursor))
     return out
+
+
+def _listing(out: Path) -> list[Path]:
+    """What the run directory holds, but the lock a run takes on it (``common.run_dir.LOCK``: kept, it holds nothing
+    of the run's)."""
+    return sorted(p.relative_to(out) for p in out.rglob("*") if p.name != LOCK)
 
 
 @pytest.fixture
@@ -63,25 +69,25 @@ def no_ray(monkeypatch):
 
 def test_a_resume_with_another_model_fails_before_ray_and_changes_nothing(tmp_path, capsys, no_ray):
     out = _checkpointed_run(tmp_path)
-    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    before = _listing(out)
     resolved = (out / "recipe.resolved.toml").read_text()
     assert run(_recipe(tmp_path, "other", 64), resume="required") == 2
     err = capsys.readouterr().err
     assert "--resume: checkpoint" in err and "tok_embeddings.weight has shape (448, 128), the model (448, 64)" in err
     assert f"--recipe {out / 'recipe.resolved.toml'} --resume" in err and "without --resume" in err
-    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    assert _listing(out) == before
     assert (out / "recipe.resolved.toml").read_text() == resolved
 
 
 def test_a_refused_fresh_start_moves_nothing_aside(tmp_path, capsys, no_ray):
     out = _checkpointed_run(tmp_path)
-    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    before = _listing(out)
     bad = load_recipe("recipes/grpo_tiny.toml", {"model.path": str(tmp_path / "nothing_here"),
                                                  "run.output_dir": str(out)}, check_paths=False)  # fmt: skip
     bad = bad.model_copy(update={"model": bad.model.model_copy(update={"create_tiny": None})})
     assert run(bad) == 2
     assert "error:" in capsys.readouterr().err
-    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    assert _listing(out) == before
 
 
 @pytest.mark.parametrize("base", ["recipes/grpo_tiny.toml", "recipes/grpo_tiny_lora.toml"], ids=["full", "lora"])
@@ -105,7 +111,7 @@ def test_a_lora_resume_over_another_base_or_a_missing_one_fails_before_ray(tmp_p
     ``run.warm_start.parameters = "trainable"`` they were put over the random model directory (held-out accuracy
     0.46 -> 0.0) and the run went on, overwriting ``final_model``."""
     out = _checkpointed_run(tmp_path, "recipes/grpo_tiny_lora.toml")
-    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    before = _listing(out)
     other = _recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml")
     other = load_recipe("recipes/grpo_tiny_lora.toml", {
         "model.path": other.model.path, "run.output_dir": str(out), "run.num_steps": 4,
@@ -115,7 +121,7 @@ def test_a_lora_resume_over_another_base_or_a_missing_one_fails_before_ray(tmp_p
     err = capsys.readouterr().err
     assert f"trained its adapters over {out / 'warm_start_model'}" in err and "run.warm_start.parameters" in err
     assert f"--recipe {out / 'recipe.resolved.toml'} --resume" in err
-    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    assert _listing(out) == before
     shutil.rmtree(out / "warm_start_model")
     assert run(_recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml"), resume="required") == 2
     assert "warm_start_model, which is gone" in capsys.readouterr().err
@@ -242,7 +248,7 @@ def _jsonl_recipe(tmp_path: Path, data: Path, out: Path):
 def test_a_task_file_with_a_bad_row_fails_before_ray_and_moves_nothing(tmp_path, capsys, no_ray):
     # Found once Ray and the actors had started (a traceback), after the earlier run's outputs were moved aside.
     out = _checkpointed_run(tmp_path)
-    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    before = _listing(out)
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1", "answer": "2"}\n' * 5 + '{"prompt": "2+2", "answer"\n')
     assert run(_jsonl_recipe(tmp_path, data, out)) == 2
@@ -250,7 +256,7 @@ def test_a_task_file_with_a_bad_row_fails_before_ray_and_moves_nothing(tmp_path,
     data.write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')  # Latin-1, not UTF-8
     assert run(_jsonl_recipe(tmp_path, data, out)) == 2
     assert f"error: {data}:1: not UTF-8 (byte 0xe9 at column 16)" in capsys.readouterr().err
-    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    assert _listing(out) == before
 
 
 def test_a_resume_on_other_problems_fails_before_ray(tmp_path, capsys, no_ray):
@@ -316,10 +322,10 @@ def test_adapters_the_model_cannot_take_fail_before_ray_naming_model_lora(tmp_pa
 def test_a_second_run_in_a_held_run_directory_is_refused_before_anything_moves(tmp_path, capsys, no_ray):
     """A job submitted twice: the second fresh start moved the live run's outputs aside (the first then died in
     TensorBoard's writer); two resumes trained into one checkpoints directory and lost one run's metrics."""
-    from common.run_dir import LOCK, RunDirBusy, RunDirLock
+    from common.run_dir import RunDirBusy, RunDirLock
 
     out = _checkpointed_run(tmp_path)
-    before = sorted(p.relative_to(out) for p in out.rglob("*") if p.name != LOCK)
+    before = _listing(out)
     with RunDirLock(out):
         for resume in (None, "required"):
             assert run(_recipe(tmp_path, "model", 128), resume=resume) == 2
@@ -327,7 +333,7 @@ def test_a_second_run_in_a_held_run_directory_is_refused_before_anything_moves(t
             assert f"run directory {out} is in use by another run (pid {os.getpid()} on " in err, err
         with pytest.raises(RunDirBusy), RunDirLock(out):
             pass
-    assert sorted(p.relative_to(out) for p in out.rglob("*") if p.name != LOCK) == before
+    assert _listing(out) == before
     with RunDirLock(out):  # released with its holder
         pass
 
@@ -336,20 +342,25 @@ def test_a_ray_job_with_relative_output_paths_is_refused_before_anything_is_writ
                                                                                     no_ray):  # fmt: skip
     """A job's working directory is Ray's copy of the uploaded one (``_ray_pkg_<hash>`` under the session directory):
     relative outputs went there, and a --resume after a code change (a new copy) started the run afresh."""
-    monkeypatch.chdir(tmp_path)
+    from driver.run import _outputs_lost_with_the_job
+
+    package = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_1"
+    package.mkdir(parents=True)
+    monkeypatch.chdir(package)
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_1.zip"}}))
     relative = load_recipe(str(REPO / "recipes" / "grpo_tiny.toml"), {"model.path": str(tmp_path / "model")})
     assert run(relative) == 2
     err = capsys.readouterr().err
     assert "run.output_dir = 'runs/grpo_tiny' is relative, and this Ray job runs in Ray's copy" in err, err
-    assert "--run.output_dir /shared/runs/grpo_tiny" in err and not (tmp_path / "runs").exists()
+    assert "--run.output_dir /shared/runs/grpo_tiny" in err and not (package / "runs").exists()
     checkpoints = load_recipe(str(REPO / "recipes" / "grpo_tiny.toml"), {
         "model.path": str(tmp_path / "model"), "run.output_dir": str(tmp_path / "out"),
         "trainer.checkpoint.dir": "ckpts"})  # fmt: skip
     assert run(checkpoints) == 2 and "trainer.checkpoint.dir = 'ckpts' is relative" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)  # an entrypoint that changed to its own directory first writes where it means to
+    assert _outputs_lost_with_the_job(relative) is None
+    monkeypatch.chdir(package)
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")  # embedded: relative paths are the run's own directory
-    from driver.run import _outputs_lost_with_the_job
-
     assert _outputs_lost_with_the_job(relative) is None
 
 

@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 ray = pytest.importorskip("ray")
 
 from rollout.config import EngineConfig, RolloutConfig, SamplingConfig  # noqa: E402
-from rollout.pool import POOL_GROUP_IDS, RolloutPool  # noqa: E402
+from rollout.pool import FIRST_POOL_GROUP_ID, RolloutPool  # noqa: E402
 from rollout.rewards.config import ExactMatchRewardConfig, RewardConfig  # noqa: E402
 from rollout.tasks.problem import Problem  # noqa: E402
 from weight_sync.config import WeightSyncConfig  # noqa: E402
@@ -89,4 +89,5 @@ def test_killed_worker_mid_batch_still_returns_every_group(pool, model_dir):
     assert len(set(pool.receiver_addresses()) - set(addresses)) == 1
     assert pushed_to == [a for a in pool.receiver_addresses() if a not in addresses]
     again = pool.collect(pool.submit(PROBLEMS[:4], group_size=2, sampling=LONG), timeout_s=300)
-    assert sorted({s.group_id for s in again.samples}) == list(range(POOL_GROUP_IDS, POOL_GROUP_IDS + 4))  # its own
+    own = list(range(FIRST_POOL_GROUP_ID, FIRST_POOL_GROUP_ID + 4))  # the pool numbers what the caller did not
+    assert sorted({s.group_id for s in again.samples}) == own

@@ -241,8 +241,11 @@ def test_jsonl_ids_must_be_given_and_solutions_may_be_transcripts(tmp_path):
 
 
 def test_an_inherited_eval_path_can_be_dropped_for_a_split():
-    config = JsonlTaskConfig.model_validate({"path": "x.jsonl", "eval_path": False, "num_eval_problems": 3})
+    config = validate_config(JsonlTaskConfig, {"path": "x.jsonl", "eval_path": False, "num_eval_problems": 3})
     assert config.eval_path is None and config.num_eval_problems == 3
+    # In a recipe the task is a tagged union: `false` reaches the variant its `type` names.
+    recipe = validate_config(_Recipe, {"task": {"type": "jsonl", "path": "x.jsonl", "eval_path": False}})
+    assert isinstance(recipe.task, JsonlTaskConfig) and recipe.task.eval_path is None
 
 
 def test_task_config_round_trips_through_toml():

@@ -434,5 +434,3 @@ def test_a_shut_down_engine_leaves_the_next_one_working(engine, receiver, model_
         assert len(completion.token_ids) == GREEDY.max_tokens
     finally:
         successor.shutdown()
-
-

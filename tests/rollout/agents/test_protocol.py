@@ -122,6 +122,8 @@ def test_a_served_tool_call_sent_back_renders_as_the_model_wrote_it_under_a_tojs
     ({"messages": USER, "seed": 1.5}, "seed"),
     ({"messages": USER, "top_k": True}, "top_k"),
     ({"messages": USER, "logit_bias": [1, 2]}, "logit_bias"),
+    ({"messages": USER, "repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"messages": USER, "repetition_penalty": float("inf")}, "repetition_penalty"),
 ])  # fmt: skip
 def test_requests_that_cannot_be_served_exactly_are_refused_naming_the_parameter(body, param):
     with pytest.raises(ProtocolError) as error:
@@ -155,7 +157,8 @@ def test_parameters_at_the_values_served_as_asked_are_accepted():
     assert parse_chat_request({"messages": USER, **served}).n == 1
     assert parse_chat_request({"messages": USER, "stop_token_ids": [7, 9]}).stop_token_ids == [7, 9]
     assert parse_chat_request({"messages": USER, "tools": []}).tools is None  # no tools, as vLLM takes it
-    edges = {"temperature": 2, "top_p": 0.0, "top_k": -1, "seed": -7, "frequency_penalty": -2.0, "logit_bias": {"5": 1}}
+    edges = {"temperature": 2, "top_p": 0.0, "top_k": -1, "seed": 10**400, "frequency_penalty": -2.0,
+             "logit_bias": {"5": 1}}  # a seed past float's range was an OverflowError: a 500
     assert parse_chat_request({"messages": USER, **edges}).ignored_sampling_params == [
         "temperature", "top_p", "top_k", "seed", "frequency_penalty", "logit_bias"]  # fmt: skip
 
