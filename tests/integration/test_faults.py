@@ -180,3 +180,24 @@ def test_dead_trainer_fails_job_with_resume_hint(tmp_path: Path) -> None:
     # Nothing the run started outlives it.
     _, alive = psutil.wait_procs(known, timeout=10)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_its_actors_and_says_how_to_continue(tmp_path: Path) -> None:
+    """``ray job stop`` and ``kill`` (SIGTERM) ended the driver with exit 15 past a native stack dump (Ray's handler):
+    the run now stops as on Ctrl-C, its actors shut down, and the way to continue is printed."""
+    log = tmp_path / "run.log"
+    proc = start_run(small_run_args(tmp_path, 40, "--run.logging.plot", "false", *ONE_ENGINE), log)
+    known: list[psutil.Process] = []
+    try:
+        wait_for(lambda: len(rl_steps(read_metrics(tmp_path / "out"))) >= 2, 240, proc, "2 RL steps", log)
+        known = descendants(proc)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc, known)
+    assert rc == 143, tail(log)
+    assert "stopped (SIGTERM): actors stopped; continue with --resume" in log.read_text(), tail(log)
+    _, alive = psutil.wait_procs(known, timeout=10)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
