@@ -110,15 +110,16 @@ class _Stopped(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def _sigterm_stops_the_run() -> Iterator[None]:
+def _sigterm_stops_the_run(received: threading.Event) -> Iterator[None]:
     """Turn SIGTERM into :class:`_Stopped` in the main thread while Ray runs (set after ``ray.init``, whose handler
     exits at once: ``sys.exit(15)`` past a native stack dump), so the actors are stopped and the operator told how to
-    continue."""
+    continue; ``received`` is set too, since a wait inside Ray turns the exception into a plain KeyboardInterrupt."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def stop(signum: int, frame: object) -> None:
+        received.set()
         raise _Stopped()
 
     previous = signal.signal(signal.SIGTERM, stop)
@@ -172,17 +173,18 @@ def _start(
     from driver.reservation import PlacementError
     from driver.session import ray_session
 
+    sigterm = threading.Event()
     try:
-        with ray_session(address, recipe.trainer.device) as where, _sigterm_stops_the_run():
+        with ray_session(address, recipe.trainer.device) as where, _sigterm_stops_the_run(sigterm):
             log.info("Ray: %s; outputs in %s", where, out_dir.resolve())
             resumed = resume_from is not None
             with _Run(recipe, model_cfg, dataset, out_dir, resumed, can_grow=where != "embedded") as job:
                 job.execute()
         return 0
-    except KeyboardInterrupt as e:
-        how = "stopped (SIGTERM)" if isinstance(e, _Stopped) else "interrupted"
+    except KeyboardInterrupt:
+        how = "stopped (SIGTERM)" if sigterm.is_set() else "interrupted"
         print(f"\n{how}: actors stopped; continue with --resume", file=sys.stderr)
-        return 143 if isinstance(e, _Stopped) else 130
+        return 143 if sigterm.is_set() else 130
     except PlacementError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
     from rollout.engine.vllm_engine import VLLMEngine
     from rollout.tokenizer import PromptRenderer, Tools
+
+_T = TypeVar("_T")
 
 __all__ = ["Episode", "EpisodeLimits", "render_transcript", "run_episode"]
 
@@ -90,8 +92,17 @@ async def run_episode(
     ``seed_of_turn(t)`` seeds model turn ``t``. The environment is closed whatever happens; its errors propagate, and
     so does a ``ValueError`` for a prompt the engine's context cannot hold or a malformed ``StepResult``."""
     tokenizer = render.tokenizer
+    loop = asyncio.get_running_loop()
+    deadline = None if limits.timeout_s is None else loop.time() + limits.timeout_s  # reset and turns, together
     try:
-        messages = await env.reset(problem)
+        try:
+            async with asyncio.timeout_at(deadline):
+                messages = await _called(env, f"reset of problem {problem.problem_id!r}", env.reset(problem))
+        except TimeoutError:  # no first messages, so no prompt: nothing to make an episode of
+            raise RuntimeError(
+                f"{_env_name(env)}: reset of problem {problem.problem_id!r} did not return within the episode's "
+                f"timeout_s = {limits.timeout_s} s"
+            ) from None
         prompt = render(messages, env.tools)
         if len(prompt) >= engine.config.max_model_len:
             raise ValueError(
@@ -102,7 +113,7 @@ async def run_episode(
         budget = limits.max_total_tokens or (engine.config.max_model_len - len(prompt))
         trajectory = _Trajectory(prompt)
         try:
-            async with asyncio.timeout(limits.timeout_s):
+            async with asyncio.timeout_at(deadline):
                 await _turns(engine, tokenizer, env, sampling, limits, seed_of_turn, budget, trajectory)
         except TimeoutError:
             trajectory.timed_out, trajectory.finish_reason = True, "length"
@@ -176,7 +187,7 @@ async def _turns(
         if completion.finish_reason == "length":
             trajectory.finish_reason = "length"
             return
-        result = _checked(env, await env.step(trajectory.final_text))
+        result = _checked(env, await _called(env, "step", env.step(trajectory.final_text)))
         trajectory.env_reward += result.reward
         for name, value in result.info.items():
             trajectory.info[name] = trajectory.info.get(name, 0.0) + value
@@ -191,11 +202,26 @@ async def _turns(
             observation = [eot, *observation]  # stopped on another stop token: the template closes the turn
 
 
+def _env_name(env: Environment) -> str:
+    return f"environment {type(env).__module__}:{type(env).__qualname__}"
+
+
+async def _called(env: Environment, what: str, call: Awaitable[_T]) -> _T:
+    """``await call`` (``what`` of ``env``); an exception of the environment's own code is re-raised as a
+    ``RuntimeError`` naming the environment and the call, so the run's error says whose code failed."""
+    try:
+        return await call
+    except TimeoutError:  # the episode's limit, or the environment's own: the caller's rule applies
+        raise
+    except Exception as e:
+        raise RuntimeError(f"{_env_name(env)}: {what} raised {type(e).__name__}: {e}") from e
+
+
 def _checked(env: Environment, result: object) -> StepResult:
     """``result`` if it is a well-formed :class:`StepResult` (a finite number reward, a mapping of finite info
     numbers, and unless ``done`` a list of observation messages), else a ``TypeError``/``ValueError`` naming the
     environment: a NaN reward would otherwise reach the loss and turn every weight into NaN."""
-    name = f"environment {type(env).__module__}:{type(env).__qualname__}"
+    name = _env_name(env)
     if not isinstance(result, StepResult):
         raise TypeError(f"{name}: step() returned {type(result).__name__}; it must return rollout.envs.StepResult")
     if not isinstance(result.reward, numbers.Real) or isinstance(result.reward, bool):
@@ -210,6 +236,10 @@ def _checked(env: Environment, result: object) -> StepResult:
     if not result.done and (isinstance(result.observation, str) or not isinstance(result.observation, Sequence)):
         raise TypeError(f"{name}: StepResult.observation is {type(result.observation).__name__}; it must be a list "
                         "of chat messages")  # fmt: skip
+    for i, message in enumerate(result.observation if not result.done else ()):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise TypeError(f"{name}: StepResult.observation[{i}] is {message!r:.80}; a chat message is a mapping "
+                            "with a string 'role' and its 'content', e.g. {'role': 'user', 'content': 'too low'}")
     result.reward = float(result.reward)
     return result
 

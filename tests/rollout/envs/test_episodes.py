@@ -154,6 +154,7 @@ def test_a_timeout_keeps_the_turns_complete_before_it(worker):
     ({"reward": 1.0, "done": True}, "step\\(\\) returned dict; it must return rollout.envs.StepResult"),
     (StepResult(done=True, info=[1.0]), "info is list; it must map names to numbers"),
     (StepResult(observation="more?"), "observation is str; it must be a list of chat messages"),
+    (StepResult(observation=["try again"]), "observation\\[0\\] is 'try again'; a chat message is a mapping"),
 ])  # fmt: skip
 def test_a_malformed_step_result_is_an_error_naming_the_environment(worker, value, error):
     # A NaN reward went into the advantages and the loss: every weight of the trained model became NaN, exit 0.
@@ -161,6 +162,31 @@ def test_a_malformed_step_result_is_an_error_naming_the_environment(worker, valu
     with pytest.raises((ValueError, TypeError), match=error) as raised:
         _run(worker, [env], EpisodeLimits(max_turns=2))
     assert "scripted_env:Returns" in str(raised.value) and env.closed
+
+
+def test_a_reset_that_hangs_ends_at_the_episodes_timeout_naming_the_environment(worker):
+    # timeout_s covered the turns only: a reset that never returned hung the run for ever, with no word.
+    class HangingReset(EchoObservations):
+        async def reset(self, problem):
+            await asyncio.sleep(3600)
+
+    env = HangingReset()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="HangingReset: reset of problem .* did not return within .* timeout_s = 1"):
+        _run(worker, [env], EpisodeLimits(max_turns=2, timeout_s=1.0))
+    assert time.monotonic() - start < 5.0 and env.closed
+
+
+def test_an_environment_that_raises_is_named_in_the_error(worker):
+    # The run ended in a Ray traceback whose last line was the user's "boom in step", naming no environment.
+    class Raises(EchoObservations):
+        async def step(self, text):
+            raise KeyError("boom in step")
+
+    env = Raises()
+    with pytest.raises(RuntimeError, match="environment .*:.*Raises: step raised KeyError: 'boom in step'"):
+        _run(worker, [env], EpisodeLimits(max_turns=2))
+    assert env.closed
 
 
 def test_a_final_step_may_carry_any_observation(worker):
