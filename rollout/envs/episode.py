@@ -211,9 +211,7 @@ async def _called(env: Environment, what: str, call: Awaitable[_T]) -> _T:
     ``RuntimeError`` naming the environment and the call, so the run's error says whose code failed."""
     try:
         return await call
-    except TimeoutError:  # the episode's limit, or the environment's own: the caller's rule applies
-        raise
-    except Exception as e:
+    except Exception as e:  # the episode's deadline arrives as CancelledError (no Exception): it passes
         raise RuntimeError(f"{_env_name(env)}: {what} raised {type(e).__name__}: {e}") from e
 
 
@@ -236,6 +234,9 @@ def _checked(env: Environment, result: object) -> StepResult:
     if not result.done and (isinstance(result.observation, str) or not isinstance(result.observation, Sequence)):
         raise TypeError(f"{name}: StepResult.observation is {type(result.observation).__name__}; it must be a list "
                         "of chat messages")  # fmt: skip
+    if not result.done and not result.observation:
+        raise ValueError(f"{name}: StepResult has done = False and no observation: give the messages the model answers "
+                         "next, or done = True")  # fmt: skip
     for i, message in enumerate(result.observation if not result.done else ()):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise TypeError(f"{name}: StepResult.observation[{i}] is {message!r:.80}; a chat message is a mapping "

@@ -155,6 +155,7 @@ def test_a_timeout_keeps_the_turns_complete_before_it(worker):
     (StepResult(done=True, info=[1.0]), "info is list; it must map names to numbers"),
     (StepResult(observation="more?"), "observation is str; it must be a list of chat messages"),
     (StepResult(observation=["try again"]), "observation\\[0\\] is 'try again'; a chat message is a mapping"),
+    (StepResult(), "done = False and no observation"),
 ])  # fmt: skip
 def test_a_malformed_step_result_is_an_error_naming_the_environment(worker, value, error):
     # A NaN reward went into the advantages and the loss: every weight of the trained model became NaN, exit 0.
@@ -187,6 +188,13 @@ def test_an_environment_that_raises_is_named_in_the_error(worker):
     with pytest.raises(RuntimeError, match="environment .*:.*Raises: step raised KeyError: 'boom in step'"):
         _run(worker, [env], EpisodeLimits(max_turns=2))
     assert env.closed
+
+    class OwnTimeout(EchoObservations):  # its own TimeoutError is its failure, not the episode's time limit
+        async def reset(self, problem):
+            raise TimeoutError("db connect timed out")
+
+    with pytest.raises(RuntimeError, match="OwnTimeout: reset of problem .* raised TimeoutError: db connect timed out"):
+        _run(worker, [OwnTimeout()], EpisodeLimits(max_turns=2, timeout_s=30.0))
 
 
 def test_a_final_step_may_carry_any_observation(worker):
