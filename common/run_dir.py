@@ -21,7 +21,8 @@ from typing import Any
 
 __all__ = [
     "CHECKPOINTS", "CURVES", "FINAL_MODEL", "HF_EXPORTS", "LOCK", "METRICS", "OUTPUTS", "RESOLVED_RECIPE",
-    "TENSORBOARD", "WARM_START_MODEL", "RunDirBusy", "RunDirLock", "lora_base_dir", "set_aside_earlier_run",
+    "TENSORBOARD", "WARM_START_MODEL", "RunDirBusy", "RunDirLock", "lora_base_dir", "read_run_record",
+    "set_aside_earlier_run",
 ]  # fmt: skip
 
 RESOLVED_RECIPE = "recipe.resolved.toml"
@@ -89,6 +90,21 @@ class RunDirLock:
         if self._fd is not None:
             os.close(self._fd)  # releases the lock; the file stays (removing it could race a waiting run's open)
             self._fd = None
+
+
+def read_run_record(run_dir: str | Path) -> dict[str, Any] | None:
+    """The resolved recipe a run recorded in ``run_dir`` (its ``recipe.resolved.toml``, as TOML tables: the record
+    may predate today's schema, so it is not validated), or None where there is none; ``ValueError`` naming the file
+    when it is not TOML."""
+    import tomllib
+
+    path = Path(run_dir) / RESOLVED_RECIPE
+    if not path.is_file():
+        return None
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a TOML file ({e}): the run's record of its recipe is damaged") from None
 
 
 def lora_base_dir(resolved: Mapping[str, Any], run_dir: str | Path) -> Path | None:

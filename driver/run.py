@@ -33,6 +33,7 @@ from common.run_dir import (
     RunDirBusy,
     RunDirLock,
     lora_base_dir,
+    read_run_record,
     set_aside_earlier_run,
 )
 from recipe import Recipe, load_recipe, write_resolved
@@ -105,22 +106,19 @@ def _checked_run(recipe: Recipe, out_dir: Path, resume: str | None, address: str
     return _start(recipe, out_dir, resume_from, model_cfg, dataset, address)
 
 
-class _Stopped(KeyboardInterrupt):
-    """SIGTERM (``ray job stop``, ``kill``, an orchestrator): the run stops as on Ctrl-C, its actors shut down."""
-
-
 @contextlib.contextmanager
 def _sigterm_stops_the_run(received: threading.Event) -> Iterator[None]:
-    """Turn SIGTERM into :class:`_Stopped` in the main thread while Ray runs (set after ``ray.init``, whose handler
-    exits at once: ``sys.exit(15)`` past a native stack dump), so the actors are stopped and the operator told how to
-    continue; ``received`` is set too, since a wait inside Ray turns the exception into a plain KeyboardInterrupt."""
+    """Make SIGTERM (``ray job stop``, ``kill``, an orchestrator) stop the run as Ctrl-C does, while Ray runs: a
+    ``KeyboardInterrupt`` in the main thread (this handler replaces ``ray.init``'s, which exits at once:
+    ``sys.exit(15)`` past a native stack dump), so the actors are stopped and the operator told how to continue.
+    ``received`` is set, which tells the two apart."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def stop(signum: int, frame: object) -> None:
         received.set()
-        raise _Stopped()
+        raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
@@ -258,18 +256,17 @@ def _check_lora_base(recipe: Recipe, out_dir: Path) -> None:
     them on (``common.run_dir.lora_base_dir``: the model directory, or the warm-started model when the warm start
     trained every weight), or over a base that is gone. Names and shapes match either way, so nothing later would
     notice: the adapters would silently apply to another model."""
-    import tomllib
-
     base = recipe.lora_base
     if base is None:
         return
-    record = out_dir / RESOLVED_RECIPE
-    trained_on = lora_base_dir(tomllib.loads(record.read_text()), out_dir) if record.is_file() else None
+    record = read_run_record(out_dir)
+    trained_on = lora_base_dir(record, out_dir) if record is not None else None
     if trained_on is not None and trained_on.resolve() != base.resolve():
         raise ValueError(
             f"--resume: the run in {out_dir} trained its adapters over {trained_on}, and this recipe would resume them "
             f"over {base} (its [model] path or run.warm_start.parameters / num_steps differ): resume with the recipe "
-            f"it started with (python rl_align.py --recipe {record} --resume), or start afresh without --resume"
+            f"it started with (python rl_align.py --recipe {out_dir / RESOLVED_RECIPE} --resume), or start afresh "
+            "without --resume"
         )
     if not (base / "config.json").is_file():
         raise ValueError(f"--resume: the adapters of the run in {out_dir} apply to the model in {base}, which is gone "
@@ -293,8 +290,6 @@ def _point_moved_run_at_itself(moved: dict[Path, Path], out_dir: Path) -> Path |
     Return the record's path when ``--recipe <it> --resume`` can continue that run (it loads with this code and its
     checkpoint directory holds a complete checkpoint), else None; a record that cannot be read or written is left as
     it is, with a warning."""
-    import tomllib
-
     import tomli_w
 
     from trainer.checkpoint_dirs import latest_checkpoint
@@ -303,7 +298,7 @@ def _point_moved_run_at_itself(moved: dict[Path, Path], out_dir: Path) -> Path |
     if record is None:
         return None
     try:
-        data = tomllib.loads(record.read_text())
+        data = read_run_record(record.parent) or {}
         run_table, trainer = data.setdefault("run", {}), data.setdefault("trainer", {})
         ckpt_table = trainer.setdefault("checkpoint", {})
         own = Path(ckpt_table.get("dir") or Path(run_table.get("output_dir") or out_dir) / CHECKPOINTS).resolve()

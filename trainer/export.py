@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from common.run_dir import RESOLVED_RECIPE, lora_base_dir
+from common.run_dir import lora_base_dir, read_run_record
 from weight_sync.peft import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
 if TYPE_CHECKING:
@@ -380,11 +380,10 @@ def export_checkpoint(
 
 def _run_record(ckpt: Path) -> tuple[dict, Path] | None:
     """The resolved recipe of the run that wrote ``ckpt`` and that run's directory (where the record is), or None."""
-    import tomllib
-
-    for resolved in (ckpt.parent.parent / RESOLVED_RECIPE, ckpt.parent / RESOLVED_RECIPE):
-        if resolved.is_file():
-            return tomllib.loads(resolved.read_text()), resolved.parent
+    for run_dir in (ckpt.parent.parent, ckpt.parent):
+        record = read_run_record(run_dir)
+        if record is not None:
+            return record, run_dir
     return None
 
 

@@ -125,6 +125,9 @@ def test_a_lora_resume_over_another_base_or_a_missing_one_fails_before_ray(tmp_p
     shutil.rmtree(out / "warm_start_model")
     assert run(_recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml"), resume="required") == 2
     assert "warm_start_model, which is gone" in capsys.readouterr().err
+    (out / "recipe.resolved.toml").write_text("[model\n")  # a damaged record: named, not a TOML traceback
+    assert run(_recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml"), resume="required") == 2
+    assert f"{out / 'recipe.resolved.toml'} is not a TOML file" in capsys.readouterr().err
 
 
 def test_a_fresh_start_moves_the_earlier_runs_outputs_aside_whole(tmp_path):
@@ -369,10 +372,10 @@ def test_sigterm_stops_a_run_as_ctrl_c_does():
     import signal
     import threading
 
-    from driver.run import _sigterm_stops_the_run, _Stopped
+    from driver.run import _sigterm_stops_the_run
 
     before, received = signal.getsignal(signal.SIGTERM), threading.Event()
-    with pytest.raises(_Stopped), _sigterm_stops_the_run(received):
+    with pytest.raises(KeyboardInterrupt), _sigterm_stops_the_run(received):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler raises in this thread first
     assert signal.getsignal(signal.SIGTERM) is before and received.is_set()  # a wait in Ray re-raises it as Ctrl-C
