@@ -25,7 +25,9 @@ CHAT_TEMPLATE = (
     "{% if merge_system %}{{ messages[0]['content'] + '\\n' }}{% endif %}"
     "{{ 'Tools:' }}{% for tool in tools %}"
     "{{ ' ' + tool['function']['name'] + '(' }}"
-    "{{ (tool['function']['parameters']['properties'] | list | join(', ')) + ')' }}"
+    # A function without parameters (OpenAI allows leaving them out) lists none.
+    "{% set parameters = tool['function']['parameters'] if 'parameters' in tool['function'] else {} %}"
+    "{{ ((parameters['properties'] if 'properties' in parameters else {}) | list | join(', ')) + ')' }}"
     "{% endfor %}"
     "{{ '. Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}{% if not (merge_system and loop.first) %}"

@@ -10,11 +10,15 @@ newlines as vLLM joins them, assistant ``tool_calls``, ``tool`` results; the ``d
 recipe's, so the trainer computes the log-probs of the distribution the tokens came from: ``temperature``, ``top_p``,
 ``seed`` and the penalties a client sends are not applied (each request that sends one counts in
 ``agent/ignored_sampling_params``), though a value outside OpenAI's range is refused as OpenAI refuses it, so a client's
-bug shows. ``tools: []`` is no tools, as vLLM takes it. What cannot be served as asked is refused with status 400 and an
-OpenAI error body naming the parameter (:data:`_REFUSED`): forced tool choices, ``parallel_tool_calls = false`` (the
-model may write several calls in a turn), ``top_logprobs``, structured output and vLLM's constrained decoding,
-``min_tokens``, prompt shaping the endpoint does not apply (``chat_template_kwargs``, ``continue_final_message``,
-``add_generation_prompt = false``), vLLM's reply options (``echo``, ``include_stop_str_in_output``, ...), non-text
+bug shows. ``tools: []`` is no tools, as vLLM takes it. ``model`` may name any model (the policy answers: an agent
+written for another server runs unchanged); parameters that leave the reply's tokens as they are (``user``,
+``metadata``, ``store``, ``prediction``, ...) are accepted, and a parameter the endpoint does not know is refused, as
+OpenAI refuses one, so a misspelt one (``max_token``) is not silently left unapplied. What cannot be served as asked
+is refused with status 400 and an OpenAI error body naming the parameter (:data:`_REFUSED`): forced tool choices,
+``parallel_tool_calls = false`` (the model may write several calls in a turn), ``top_logprobs``, structured output,
+``logit_bias`` and vLLM's constrained decoding, ``min_tokens``, audio replies, ``reasoning_effort``, prompt shaping
+the endpoint does not apply (``chat_template_kwargs``, ``continue_final_message``, ``add_generation_prompt = false``),
+vLLM's reply options (``echo``, ``include_stop_str_in_output``, ...), non-text
 content parts. ``stream`` replies come as server-sent ``chat.completion.chunk`` events
 (:mod:`rollout.agents.streaming`), with a usage chunk when ``stream_options.include_usage`` is set.
 
@@ -60,7 +64,6 @@ _SAMPLING_PARAMS: dict[str, tuple[type, float | None, float | None]] = {
     "presence_penalty": (float, -2.0, 2.0),
     "frequency_penalty": (float, -2.0, 2.0),
     "repetition_penalty": (float, 1e-9, 1e9),  # vLLM: finite and above 0
-    "logit_bias": (dict, None, None),
 }
 _CONSTRAINED = "constrained decoding changes the sampled distribution, so the trainer could not reproduce its log-probs"
 _NOT_APPLIED = "the endpoint renders every call with the model's chat template as it is, and does not apply it"
@@ -74,6 +77,7 @@ _REFUSED: dict[str, tuple[object, str]] = {
     "guided_grammar": (None, _CONSTRAINED),
     "allowed_token_ids": (None, _CONSTRAINED),
     "bad_words": (None, _CONSTRAINED),
+    "logit_bias": (None, _CONSTRAINED),
     "min_tokens": (0, "it bans the end of a turn, changing the sampled distribution; rollout.sampling.min_tokens in "
                       "the recipe applies one to every call"),
     "parallel_tool_calls": (True, "the model may write several calls in one turn, and stopping it would change the "
@@ -87,8 +91,22 @@ _REFUSED: dict[str, tuple[object, str]] = {
     "prompt_logprobs": (None, "the engine does not compute prompt log-probs"),
     "functions": (None, "the legacy 'functions' parameter is not served; pass 'tools' instead"),
     "function_call": (None, "the legacy 'function_call' parameter is not served; pass 'tool_choice' instead"),
+    "modalities": (["text"], "replies are text"),
+    "audio": (None, "replies are text"),
+    "web_search_options": (None, "the endpoint has no search tool; offer one through 'tools'"),
+    "reasoning_effort": (None, _NOT_APPLIED),
+    "verbosity": (None, _NOT_APPLIED),
 }
 """Parameters served only at one value (unset is that value too); any other is refused with 400 naming it."""
+_READ = frozenset({
+    "messages", "model", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "stop", "stop_token_ids", "n",
+    "logprobs", "top_logprobs", "stream", "stream_options",
+})
+"""The parameters :func:`parse_chat_request` reads."""
+_NO_EFFECT = frozenset({
+    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prediction",
+})
+"""OpenAI parameters that do not change a reply's tokens (bookkeeping, caching, latency hints): accepted as they are."""
 
 
 class ProtocolError(ValueError):
@@ -131,6 +149,11 @@ def parse_chat_request(body: object) -> ChatRequest:
     """Check a decoded JSON request body; ``ProtocolError`` names the first thing wrong."""
     if not isinstance(body, Mapping):
         raise ProtocolError(f"the request body must be a JSON object, got {type(body).__name__}")
+    for name in body:  # as OpenAI's API does: a misspelt parameter (max_token) must not go silently unapplied
+        if name not in _READ and name not in _NO_EFFECT and name not in _REFUSED and name not in _SAMPLING_PARAMS:
+            raise ProtocolError(f"unrecognized request argument supplied: {name!r} (the endpoint serves OpenAI's "
+                                "chat-completions parameters and vLLM's stop_token_ids)", param=str(name),
+                                code="unsupported_parameter")  # fmt: skip
     for name, (served, why) in _REFUSED.items():
         value = body.get(name)
         if value is not None and value != served and not (served is None and value in ([], {})):  # empty: unset

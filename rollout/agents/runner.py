@@ -7,13 +7,15 @@ the recorded calls become the episode's samples (:func:`rollout.agents.trajector
 
 An agent's returned number is the episode's environment reward (added to the recipe's reward terms, which score the
 last call's text, as for any environment); ``None`` adds nothing. A timeout (``environment.timeout_s``) keeps the calls
-finished by then, adds nothing, and ends the episode with finish reason ``length``, as does an agent that raised after
-the endpoint refused it for an episode limit. Such an episode without a finished call (its first call refused for the
-context, or still in flight at the timeout) is a sample with no model tokens (the problem's prompt, rendered as the
-endpoint renders calls; :func:`rollout.envs.unplayed_episode`) whose reward (the agent's number, if it returned one,
-and the reward terms of an empty text) counts in its group, as a built-in environment's episode that timed out
-before its first turn. Any other error of the agent fails the batch, naming the function and the problem, as does an
-agent that returns without a call: it is a bug to fix, not a sample to learn from.
+finished by then, adds nothing, and ends the episode with finish reason ``length`` (also when the agent returns past
+its time: it caught the cancellation, or blocked the loop), as does an agent that ended on the error of a call the
+endpoint refused for an episode limit (its client's 400, or an error raised from it). Such an episode without a
+finished call (its first call refused for the context, or still in flight at the timeout) is a sample with no model
+tokens (the problem's prompt, rendered as the endpoint renders calls; :func:`rollout.envs.unplayed_episode`) whose
+reward (the agent's number, if it returned one, and the reward terms of an empty text) counts in its group, as a
+built-in environment's episode that timed out before its first turn. Any other error of the agent (one in its own
+code after it caught a refusal included) fails the batch, naming the function and the problem, as does an agent that
+returns without a call: it is a bug to fix, not a sample to learn from.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import asyncio
 import functools
 import inspect
 import math
+import numbers
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from common.imports import resolve_object
-from rollout.agents.server import AgentEndpoint, EpisodeCalls
+from rollout.agents.server import LIMIT_CODES, AgentEndpoint, EpisodeCalls
 from rollout.agents.trajectory import assemble
 from rollout.envs import Episode, episode_limits, unplayed_episode
 from rollout.metrics import episode_metrics
@@ -130,6 +133,7 @@ class AgentRunner:
         context = AgentContext(episode.base_url, "rl-align", self.endpoint.model_name, problem, sample_index)
         value: object = None
         timed_out = False
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._limits.timeout_s) as deadline:
                 value = await self._function(context, **self._options)
@@ -138,12 +142,18 @@ class AgentRunner:
                 raise self._failed(problem, "raised TimeoutError") from None
             timed_out = True
         except Exception as e:
-            if episode.engine_error is None and not episode.num_limit_refusals:
-                raise self._failed(problem, f"raised {e!r}") from e
+            if episode.engine_error is None and not (episode.num_limit_refusals and _from_refusal(e)):
+                after = (" after the endpoint refused a call for an episode limit (let the refusal's error propagate, "
+                         "or return)") if episode.num_limit_refusals else ""  # fmt: skip
+                raise self._failed(problem, f"raised {e!r}{after}") from e
         finally:
             await asyncio.shield(self._on_engine(self.endpoint.close(episode)))
         if episode.engine_error is not None:  # however the agent ended, the engine failed it: the worker is replaced
             raise episode.engine_error
+        when = deadline.when()
+        if not timed_out and (deadline.expired() or (when is not None and loop.time() >= when)):
+            # It returned past its time: it swallowed the cancellation, or blocked the loop in synchronous code.
+            timed_out, value = True, None
         stopped = bool(episode.num_limit_refusals)
         empty = None
         if not episode.calls and (timed_out or stopped):
@@ -153,7 +163,7 @@ class AgentRunner:
     def _outcome(
         self, problem: Problem, episode: EpisodeCalls, value: object, timed_out: bool, empty: Episode | None
     ) -> AgentOutcome:
-        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
         if value is not None and not number:
             raise self._failed(problem, f"returned {value!r}; return a finite number (the reward) or None")
         if episode.calls:
@@ -166,7 +176,7 @@ class AgentRunner:
         stopped = bool(episode.num_limit_refusals)
         if timed_out or stopped:
             segments[-1].finish_reason = "length"
-        reward = float(value) if isinstance(value, int | float) else 0.0
+        reward = float(value) if number else 0.0  # type: ignore[arg-type]
         return AgentOutcome(segments, reward, timed_out, stopped, len({c.index for c in episode.calls}),
                             episode.num_ignored_sampling)  # fmt: skip
 
@@ -182,6 +192,24 @@ class AgentRunner:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
+
+
+def _from_refusal(error: BaseException) -> bool:
+    """Whether the agent's ``error`` is a client's error for a refused call (status 400, or naming a limit's code),
+    or was raised from one (``raise ... from``): how an agent ends that the endpoint stopped at a limit. An error of
+    the agent's own code after it caught a refusal is not: it is the agent's bug."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        response = getattr(cause, "response", None)
+        status = getattr(cause, "status_code", None) or getattr(cause, "status", None)
+        if status == 400 or getattr(response, "status_code", None) == 400 or getattr(response, "status", None) == 400:
+            return True
+        if any(code in str(cause) for code in LIMIT_CODES):
+            return True
+        cause = cause.__cause__
+    return False
 
 
 def agent_metrics(outcomes: Sequence[AgentOutcome]) -> dict[str, float]:

@@ -47,9 +47,15 @@ if TYPE_CHECKING:
 
     from rollout.engine.vllm_engine import Completion, VLLMEngine
 
-__all__ = ["AgentEndpoint", "EpisodeCalls"]
+__all__ = ["CONTEXT_LENGTH_EXCEEDED", "EPISODE_LIMIT", "LIMIT_CODES", "AgentEndpoint", "EpisodeCalls"]
 
 log = logging.getLogger(__name__)
+
+EPISODE_LIMIT = "episode_limit"
+"""The error code of a call past the episode's ``max_turns``."""
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""The error code of a call with no room left to generate (the engine's context, ``max_total_tokens``)."""
+LIMIT_CODES = (EPISODE_LIMIT, CONTEXT_LENGTH_EXCEEDED)
 
 _MAX_BODY_BYTES = 16 << 20
 
@@ -107,6 +113,7 @@ class AgentEndpoint:
         app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[web.middleware(_openai_errors)])
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
         app.router.add_get("/episodes/{episode}/v1/models", self._models)
+        app.router.add_get("/episodes/{episode}/v1/models/{model}", self._models)
         # A client that goes away (its timeout, a disconnect) cancels its handler: the call is aborted, not recorded.
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
@@ -148,9 +155,9 @@ class AgentEndpoint:
 
         if request.match_info["episode"] not in self._episodes:
             return _not_found()
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rl-align"}
-        ]})  # fmt: skip
+        asked = request.match_info.get("model")  # a retrieve: any name is served (chat calls may name any model)
+        model = {"id": asked or self.model_name, "object": "model", "created": 0, "owned_by": "rl-align"}
+        return web.json_response(model if asked is not None else {"object": "list", "data": [model]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         from aiohttp import web
@@ -332,7 +339,7 @@ class AgentEndpoint:
             episode.num_limit_refusals += 1
             raise protocol.ProtocolError(
                 f"episode limit: at most {limits.max_turns} chat completions per episode (environment.max_turns)",
-                code="episode_limit",
+                code=EPISODE_LIMIT,
             )
         room = max_model_len - prompt_len
         if limits.max_total_tokens is not None:
@@ -343,7 +350,7 @@ class AgentEndpoint:
             raise protocol.ProtocolError(
                 f"the prompt has {prompt_len} tokens: no room left to generate (rollout.engine.max_model_len = "
                 f"{max_model_len}, environment.max_total_tokens = {limits.max_total_tokens})",
-                param="messages", code="context_length_exceeded",
+                param="messages", code=CONTEXT_LENGTH_EXCEEDED,
             )  # fmt: skip
         if episode.first_prompt_len is None:
             episode.first_prompt_len = prompt_len

@@ -76,6 +76,54 @@ async def over_the_limit(ctx: AgentContext) -> float:
         messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
 
 
+async def bug_after_the_limit(ctx: AgentContext) -> float:
+    """Calls until refused, catches the refusal, then fails in its own code (a bug the refusal must not hide)."""
+    client = _client(ctx)
+    try:
+        while True:
+            await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
+    except openai.BadRequestError:
+        pass
+    return {"score": 1.0}["reward"]
+
+
+async def refused_then_wrapped(ctx: AgentContext) -> float:
+    """Calls until refused and re-raises the refusal as its own error (``raise ... from``): a stop at the limit."""
+    client = _client(ctx)
+    try:
+        while True:
+            await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
+    except openai.BadRequestError as e:
+        raise RuntimeError("the model ran out of turns") from e
+
+
+async def swallows_the_timeout(ctx: AgentContext) -> float:
+    """One call, then a wait that catches the cancellation the timeout sends and returns a reward anyway."""
+    await _client(ctx).chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        pass
+    return 1.0
+
+
+async def blocks_past_the_timeout(ctx: AgentContext, seconds: float = 2.0) -> float:
+    """One call, then synchronous work (the event loop blocked) longer than the episode's timeout."""
+    import time
+
+    await _client(ctx).chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
+    time.sleep(seconds)
+    return 1.0
+
+
+async def numpy_reward(ctx: AgentContext) -> Any:
+    """A reward computed with numpy: ``np.float32``, a finite number though not a Python float."""
+    import numpy as np
+
+    await _client(ctx).chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
+    return np.float32(0.5)
+
+
 async def one_call_then_hang(ctx: AgentContext) -> float:
     """One call, then an endless wait: the episode's timeout ends it."""
     client = _client(ctx)

@@ -184,6 +184,36 @@ def test_a_timeout_keeps_the_calls_finished_before_it(worker):
     assert outcome.episodes[-1].finish_reason == "length"
 
 
+def test_a_refusal_reraised_by_the_agent_is_a_stop_at_the_limit(worker):
+    runner = _runner(worker, "refused_then_wrapped", max_turns=2)
+    try:
+        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
+    finally:
+        runner.shutdown()
+    assert outcome.stopped_at_limit and outcome.num_calls == 2 and outcome.episodes[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("function", ["swallows_the_timeout", "blocks_past_the_timeout"])
+def test_an_agent_that_returns_past_its_timeout_timed_out(worker, function):
+    """It returned 1.0 as a finished episode (finish reason 'stop', its reward counted) after its timeout."""
+    runner = _runner(worker, function, max_turns=4, timeout_s=1.0)
+    try:
+        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
+    finally:
+        runner.shutdown()
+    assert outcome.timed_out and outcome.reward == 0.0 and outcome.episodes[-1].finish_reason == "length"
+
+
+def test_a_numpy_reward_is_a_reward(worker):
+    """``np.float32(0.5)`` was refused as "not a finite number"."""
+    runner = _runner(worker, "numpy_reward")
+    try:
+        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
+    finally:
+        runner.shutdown()
+    assert outcome.reward == 0.5 and type(outcome.reward) is float
+
+
 def test_a_call_in_flight_at_the_timeout_is_aborted(worker, monkeypatch):
     import time
 
@@ -248,6 +278,8 @@ async def _unfinished(engine) -> int:
     ("broken", r"agent function '.*:broken' raised KeyError.*on problem 'p0'"),
     ("bad_return", r"returned '1.0'; return a finite number"),
     ("no_call", r"returned without a chat completion"),
+    # A bug after a caught refusal was taken for the limit's stop: the run went on, the reward silently dropped.
+    ("bug_after_the_limit", r"raised KeyError\('reward'\) after the endpoint refused a call for an episode limit"),
 ])  # fmt: skip
 def test_a_failing_agent_fails_the_batch_naming_it(worker, function, match):
     runner = _runner(worker, function)
@@ -339,6 +371,9 @@ def test_requests_the_endpoint_cannot_serve_exactly_are_refused_by_name(worker):
     messages = [{"role": "user", "content": "hi"}]
     try:
         assert [m.id for m in client.models.list()] == ["policy"]
+        assert client.models.retrieve("policy").id == "policy"  # the SDK's models.retrieve was a 404
+        with pytest.raises(openai.BadRequestError, match="max_token"):  # misspelt: it went silently unapplied
+            client.chat.completions.create(model="policy", messages=messages, extra_body={"max_token": 2})
         for kwargs, name in [({"n": 17}, "n"), ({"tool_choice": "required", "tools": [scripted_agents.CALCULATOR]},
                                                  "tool_choice"), ({"response_format": {"type": "json_object"}},
                                                                   "response_format")]:  # fmt: skip

@@ -121,7 +121,10 @@ def test_a_served_tool_call_sent_back_renders_as_the_model_wrote_it_under_a_tojs
     ({"messages": USER, "presence_penalty": -3}, "presence_penalty"),
     ({"messages": USER, "seed": 1.5}, "seed"),
     ({"messages": USER, "top_k": True}, "top_k"),
-    ({"messages": USER, "logit_bias": [1, 2]}, "logit_bias"),
+    ({"messages": USER, "logit_bias": {"5": -100}}, "logit_bias"),  # a ban, as bad_words: it was silently ignored
+    ({"messages": USER, "max_token": 8}, "max_token"),  # misspelt: OpenAI refuses it; it was silently unapplied
+    ({"messages": USER, "reasoning_effort": "low"}, "reasoning_effort"),
+    ({"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
     ({"messages": USER, "repetition_penalty": 0.0}, "repetition_penalty"),
     ({"messages": USER, "repetition_penalty": float("inf")}, "repetition_penalty"),
 ])  # fmt: skip
@@ -153,14 +156,16 @@ def test_parameters_at_the_values_served_as_asked_are_accepted():
     served = {"response_format": {"type": "text"}, "parallel_tool_calls": True, "min_tokens": 0,
               "chat_template_kwargs": {}, "add_generation_prompt": True, "continue_final_message": False, "echo": False,
               "functions": [], "bad_words": [], "allowed_token_ids": [], "structured_outputs": None,
-              "tool_choice": "none", "stream_options": {}}  # empty or "none": nothing asked that is not served
+              "tool_choice": "none", "stream_options": {}, "logit_bias": {}, "modalities": ["text"],
+              "model": "gpt-4o", "user": "u1", "metadata": {"k": "v"}, "store": False,
+              "prediction": {"type": "content", "content": "x"}}  # nothing asked that is not served
     assert parse_chat_request({"messages": USER, **served}).n == 1
     assert parse_chat_request({"messages": USER, "stop_token_ids": [7, 9]}).stop_token_ids == [7, 9]
     assert parse_chat_request({"messages": USER, "tools": []}).tools is None  # no tools, as vLLM takes it
-    edges = {"temperature": 2, "top_p": 0.0, "top_k": -1, "seed": 10**400, "frequency_penalty": -2.0,
-             "logit_bias": {"5": 1}}  # a seed past float's range was an OverflowError: a 500
+    edges = {"temperature": 2, "top_p": 0.0, "top_k": -1, "seed": 10**400, "frequency_penalty": -2.0}
+    # a seed past float's range was an OverflowError: a 500
     assert parse_chat_request({"messages": USER, **edges}).ignored_sampling_params == [
-        "temperature", "top_p", "top_k", "seed", "frequency_penalty", "logit_bias"]  # fmt: skip
+        "temperature", "top_p", "top_k", "seed", "frequency_penalty"]  # fmt: skip
 
 
 def _call(index, prompt, completion, version=0, choice=0, text=""):

@@ -122,6 +122,15 @@ def test_observations_render_as_template_continuations():
     assert ids == whole
 
 
+def test_the_tiny_template_lists_tools_with_and_without_parameters():
+    """A function without ``parameters`` (valid in OpenAI's API) failed to render: 'dict object' has no attribute."""
+    calc = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {
+        "expression": {"type": "string"}}}}}  # fmt: skip
+    now = {"type": "function", "function": {"name": "now"}}
+    text = build_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}], tools=[calc, now], tokenize=False)
+    assert "Tools: calc(expression) now()." in text
+
+
 def test_the_recipe_environment_section_is_checked(tmp_path):
     base = ROOT / "recipes" / "grpo_tiny.toml"
     recipe = load_recipe(base, {"environment.type": "tools", "environment.tools": ["calculator", "python"]})
