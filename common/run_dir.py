@@ -21,8 +21,8 @@ from typing import Any
 
 __all__ = [
     "CHECKPOINTS", "CURVES", "FINAL_MODEL", "HF_EXPORTS", "LOCK", "METRICS", "OUTPUTS", "RESOLVED_RECIPE",
-    "TENSORBOARD", "WARM_START_MODEL", "RunDirBusy", "RunDirLock", "lora_base_dir", "read_run_record",
-    "set_aside_earlier_run",
+    "TENSORBOARD", "WARM_START_MODEL", "RunDirBusy", "RunDirLock", "earlier_runs_kept", "lora_base_dir",
+    "read_run_record", "set_aside_earlier_run",
 ]  # fmt: skip
 
 RESOLVED_RECIPE = "recipe.resolved.toml"
@@ -120,6 +120,21 @@ def lora_base_dir(resolved: Mapping[str, Any], run_dir: str | Path) -> Path | No
     if warm_start.get("num_steps", 0) > 0 and warm_start.get("parameters") == "all":
         return Path(run_dir) / WARM_START_MODEL
     return Path(model["path"])
+
+
+def earlier_runs_kept(out_dir: Path, checkpoint_dir: Path) -> tuple[int, int]:
+    """How many earlier runs' outputs :func:`set_aside_earlier_run` has kept for ``out_dir`` (its ``previous-<time>/``
+    directories) and their bytes, with the checkpoint directories it moved beside ``checkpoint_dir`` when that is
+    outside ``out_dir``: nothing prunes them, so the driver says what they hold."""
+    kept = sorted(out_dir.glob("previous-*"))
+    if not checkpoint_dir.resolve().is_relative_to(out_dir.resolve()):
+        kept += sorted(checkpoint_dir.parent.glob(f"{checkpoint_dir.name}.previous-*"))
+    size = 0
+    for path in kept:
+        for f in [path] if path.is_file() else path.rglob("*"):
+            if f.is_file() and not f.is_symlink():
+                size += f.stat().st_size
+    return len([p for p in kept if p.name.startswith("previous-")]), size
 
 
 def set_aside_earlier_run(

@@ -32,6 +32,7 @@ from common.run_dir import (
     WARM_START_MODEL,
     RunDirBusy,
     RunDirLock,
+    earlier_runs_kept,
     lora_base_dir,
     read_run_record,
     set_aside_earlier_run,
@@ -164,6 +165,9 @@ def _start(
             earlier = _point_moved_run_at_itself(moved, out_dir)
             if earlier is not None:
                 log.warning("to continue the earlier run instead: python rl_align.py --recipe %s --resume", earlier)
+            count, size = earlier_runs_kept(out_dir, ckpt_dir)
+            log.warning("%s now keeps %d earlier run(s) in previous-*/ (%.1f GB with moved checkpoints); nothing "
+                        "deletes them: remove those you no longer need", out_dir, count, size / 1e9)  # fmt: skip
     write_resolved(recipe, out_dir)  # after the checks: a refused recipe leaves the run's record as it was
 
     import ray

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import driver.session
-from common.run_dir import LOCK, set_aside_earlier_run
+from common.run_dir import LOCK, earlier_runs_kept, set_aside_earlier_run
 from driver.run import _check_resumable, ensure_model, run
 from recipe import load_recipe, write_resolved
 from rollout.tasks import build_dataset
@@ -156,6 +156,7 @@ def test_a_fresh_start_keeps_the_recipes_model_and_moves_outside_checkpoints_bes
     moved = set_aside_earlier_run(out, ckpt, keep=[str(out / "final_model")])  # a recipe that starts from it
     assert (out / "final_model" / "config.json").exists() and not (out / "hf").exists()
     assert not ckpt.exists() and moved[ckpt].name.startswith("ckpts.previous-") and moved[ckpt].parent == ckpt.parent
+    assert earlier_runs_kept(out, ckpt) == (1, 2)  # hf/step_1/config.json and the checkpoint moved beside its dir
 
 
 def test_a_fresh_start_leaves_the_earlier_run_resumable_where_it_moved(tmp_path, no_ray, caplog):
@@ -168,6 +169,8 @@ def test_a_fresh_start_leaves_the_earlier_run_resumable_where_it_moved(tmp_path,
     (aside,) = out.glob("previous-*")
     moved = aside / "recipe.resolved.toml"
     assert f"--recipe {moved} --resume" in caplog.text
+    size = sum(f.stat().st_size for f in aside.rglob("*") if f.is_file())  # nothing prunes them: the driver says
+    assert f"{out} now keeps 1 earlier run(s) in previous-*/ ({size / 1e9:.1f} GB" in caplog.text
     earlier = load_recipe(moved)
     assert earlier.run.resolved_output_dir == aside
     assert earlier.trainer.checkpoint.dir == str(aside / "checkpoints")
