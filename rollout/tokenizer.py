@@ -24,9 +24,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
-    "Messages", "PromptLike", "PromptRenderer", "check_tokenizer_dir", "end_of_turn_id", "has_chat_template",
-    "load_tokenizer", "messages_to_text",
-    "render_continuation", "render_prompt", "token_bytes",
+    "TOKENIZER_FILES", "Messages", "PromptLike", "PromptRenderer", "check_tokenizer_dir", "end_of_turn_id",
+    "has_chat_template", "load_tokenizer", "messages_to_text", "render_continuation", "render_prompt", "token_bytes",
 ]  # fmt: skip
 
 Messages = Sequence[Mapping[str, Any]]
@@ -40,24 +39,31 @@ _CONTENT = "\u2063rl-align content\u2063"  # stands in for a content holding spe
 PromptLike = str | Messages
 """A prompt is plain text or a list of chat messages."""
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
+)  # fmt: skip
+"""Files of an HF model or tokenizer directory that make up its tokenizer (an export copies those present)."""
+_VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""A tokenizer's vocabulary is in one of these (fast, SentencePiece, byte-level BPE, WordPiece): a directory without
+any holds no tokenizer, whatever else it has (a ``tokenizer_config.json`` alone)."""
 
 
-def check_tokenizer_dir(path: str) -> list[str]:
-    """The tokenizer files in the local directory ``path`` (checked without importing transformers, so a run can
-    refuse a directory before it starts anything). Raises ``FileNotFoundError`` if ``path`` is not a directory and
-    ``ValueError`` if it holds no tokenizer files."""
+def check_tokenizer_dir(path: str | Path) -> list[str]:
+    """The :data:`TOKENIZER_FILES` in the local directory ``path`` (checked without importing transformers, so a run
+    can refuse a directory before it starts anything, and an export copies them). Raises ``FileNotFoundError`` if
+    ``path`` is not a directory and ``ValueError`` if it holds no vocabulary file."""
     directory = Path(path)
     if not directory.is_dir():
         raise FileNotFoundError(
-            f"tokenizer directory {path!r} does not exist (give a local HF model or tokenizer directory; "
+            f"tokenizer directory {str(path)!r} does not exist (give a local HF model or tokenizer directory; "
             "`python -m tools.make_tiny_model --out DIR` writes a tiny one)"
         )
-    present = [name for name in _TOKENIZER_FILES if (directory / name).is_file()]
-    if not present:
+    present = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
+    if not set(_VOCABULARY_FILES) & set(present):
         raise ValueError(
-            f"tokenizer directory {path!r} has no tokenizer files (expected one of {', '.join(_TOKENIZER_FILES)}); "
-            "save the tokenizer there with tokenizer.save_pretrained(DIR)"
+            f"tokenizer directory {str(path)!r} has no tokenizer files (expected one of "
+            f"{', '.join(_VOCABULARY_FILES)}); save the tokenizer there with tokenizer.save_pretrained(DIR)"
         )
     return present
 

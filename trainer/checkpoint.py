@@ -113,7 +113,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _rank_state_file(path: Path, rank: int) -> Path:
+def rank_state_file(path: Path, rank: int) -> Path:
+    """The file of a checkpoint ``path`` holding rank ``rank``'s trainer state (rank 0's: the policy version and
+    the data cursor)."""
     return path / f"trainer_state_rank{rank}.pt"
 
 
@@ -165,7 +167,7 @@ class CheckpointManager:
             "policy_version": progress.policy_version,
             "data_cursor": progress.data_cursor,
         }
-        torch.save(small, _rank_state_file(path, _rank()))
+        torch.save(small, rank_state_file(path, _rank()))
         _barrier()
         if _rank() == 0:
             (path / COMPLETE).write_text(f"{progress.step}\n")
@@ -210,7 +212,7 @@ class CheckpointManager:
                     model_state_dict=tensors[f"{name}.model"], optim_state_dict=tensors[f"{name}.optim"],
                 )  # fmt: skip
         rank_files = sorted(path.glob("trainer_state_rank*.pt"))
-        mine = _rank_state_file(path, _rank() % len(rank_files))
+        mine = rank_state_file(path, _rank() % len(rank_files))
         small = torch.load(mine, weights_only=False)
         for name, part in parts.items():
             if part.scheduler is not None:
@@ -222,12 +224,12 @@ class CheckpointManager:
 
 def saved_data_cursor(path: str | Path) -> dict[str, Any]:
     """The caller's ``data_cursor`` a checkpoint was saved with (from its rank-0 trainer state)."""
-    return dict(torch.load(_rank_state_file(Path(path), 0), weights_only=False)["data_cursor"])
+    return dict(torch.load(rank_state_file(Path(path), 0), weights_only=False)["data_cursor"])
 
 
 def saved_policy_version(path: str | Path) -> int:
     """The policy version a checkpoint was saved at (from its rank-0 trainer state)."""
-    return int(torch.load(_rank_state_file(Path(path), 0), weights_only=False)["policy_version"])
+    return int(torch.load(rank_state_file(Path(path), 0), weights_only=False)["policy_version"])
 
 
 def saved_model_params(

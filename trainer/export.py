@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import json
 import pickle
-import re
 import shutil
 import sys
 import uuid
@@ -31,34 +30,29 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from common.run_dir import lora_base_dir, read_run_record
+from common.run_dir import RESOLVED_RECIPE, lora_base_dir, read_run_record
+from rollout.tokenizer import TOKENIZER_FILES, check_tokenizer_dir
 from weight_sync.peft import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+from weight_sync.safetensors_stream import is_weights_file
+from weight_sync.sink import POLICY_VERSION_FILE
 
 if TYPE_CHECKING:
     import torch
 
     from trainer.models.config import ModelConfig
 
-__all__ = ["ADAPTER_DIR", "TOKENIZER_FILES", "complete_from_source", "export_checkpoint", "export_policy"]
+__all__ = ["ADAPTER_DIR", "complete_from_source", "export_checkpoint", "export_policy"]
 
 ADAPTER_DIR = "adapter"
 """Subdirectory of an exported LoRA policy holding its PEFT adapter (the merged model is the directory itself)."""
 
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
-)  # fmt: skip
-"""Files of an HF model directory that make up its tokenizer (those present are copied)."""
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _EXPORT_FILES = frozenset({
-    *TOKENIZER_FILES, ADAPTER_DIR, "config.json", "generation_config.json", "policy_version.json", "model.safetensors",
-    "model.safetensors.index.json",
+    *TOKENIZER_FILES, ADAPTER_DIR, "config.json", "generation_config.json", POLICY_VERSION_FILE,
 })  # fmt: skip
-"""Names an export writes (with ``model-0000i-of-0000n.safetensors``): a directory holding only these (and a killed
-writer's hidden ``*.partial`` files) is an earlier export, which a new one replaces whole."""
-_SHARD_FILE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
-_VERSION_FILE = "policy_version.json"
-"""Every export of this project writes it (:func:`_complete`): what tells an earlier export from another model."""
+"""Names an export writes besides its weights files (``is_weights_file``): a directory holding only these (and a
+killed writer's hidden ``*.partial`` files) is an earlier export, which a new one replaces whole. Every export writes
+``POLICY_VERSION_FILE`` (:func:`_complete`): what tells an earlier export from another model."""
 _ADAPTER_FILES = frozenset({ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE})
 
 
@@ -87,12 +81,13 @@ def complete_from_source(out_dir: str | Path, source_dir: str | Path) -> list[st
 
 
 def _tokenizer_files(source_dir: Path) -> list[str]:
-    """The :data:`TOKENIZER_FILES` that ``source_dir`` holds; raises ``ValueError`` when they make no tokenizer."""
-    names = [name for name in TOKENIZER_FILES if (source_dir / name).is_file()]
-    if not {"tokenizer.json", "tokenizer.model"} & set(names):
-        raise ValueError(f"{source_dir} has no tokenizer (tokenizer.json or tokenizer.model): export needs the model "
-                         "directory the run started from, with its tokenizer files")  # fmt: skip
-    return names
+    """The tokenizer files ``source_dir`` holds (``rollout.tokenizer.check_tokenizer_dir``, the check a run starts
+    with); ``ValueError`` when they make no tokenizer."""
+    try:
+        return check_tokenizer_dir(source_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"{source_dir} has no tokenizer ({e}): export needs the model directory the run started "
+                         "from, with its tokenizer files") from None
 
 
 def export_policy(
@@ -167,7 +162,7 @@ def _complete(
 
     if policy_version is not None:
         write_policy_version(str(out_dir), policy_version)
-        files = [*files, "policy_version.json"]
+        files = [*files, POLICY_VERSION_FILE]
     if source_dir is None:
         return files
     return [*files, *complete_from_source(out_dir, source_dir)]
@@ -237,24 +232,24 @@ def _check_out(out_dir: Path, source: Path | None, checkpoint: Path | None = Non
             raise ValueError(f"output {out_dir} holds files an export does not write ({', '.join(other[:3])}"
                              f"{', ...' if len(other) > 3 else ''}), which replacing it would delete: pass a new or "
                              "empty directory, or an earlier export")  # fmt: skip
-        if not (out / _VERSION_FILE).is_file():  # the names alone are any HF model directory's
+        if not (out / POLICY_VERSION_FILE).is_file():  # the names alone are any HF model directory's
             raise ValueError(f"output {out_dir} is a model directory, not an earlier export of this project (those "
-                             f"hold {_VERSION_FILE}), and replacing it would delete it: pass a new or empty "
+                             f"hold {POLICY_VERSION_FILE}), and replacing it would delete it: pass a new or empty "
                              "directory")  # fmt: skip
 
 
 def _is_export_file(name: str) -> bool:
     killed_writer = name.startswith(".") and name.endswith(".partial")
-    return name in _EXPORT_FILES or bool(_SHARD_FILE.match(name)) or killed_writer
+    return name in _EXPORT_FILES or is_weights_file(name) or killed_writer
 
 
 def _check_checkpoint(ckpt: Path) -> int:
     """The policy version of the complete checkpoint ``ckpt``, once its trainer state reads and every file its DCP
     metadata names is there and long enough; raises ``ValueError`` naming what is damaged otherwise."""
-    from trainer.checkpoint import saved_policy_version
+    from trainer.checkpoint import rank_state_file, saved_policy_version
 
     what_to_do = "export another checkpoint of the run (its checkpoints directory keeps the newest ones)"
-    state = ckpt / "trainer_state_rank0.pt"
+    state = rank_state_file(ckpt, 0)
     if not state.is_file():
         raise ValueError(f"checkpoint {ckpt} is damaged (no {state.name}, which records its policy version): "
                          f"{what_to_do}")  # fmt: skip
@@ -339,7 +334,7 @@ def export_checkpoint(
         raise ValueError(f"{ckpt} is not a complete checkpoint (no COMPLETE marker): pass a .../step_<n> directory")
     record = _run_record(ckpt)
     if model_dir is None and record is None:
-        raise ValueError(f"no recipe.resolved.toml next to {ckpt.parent}: pass --model-dir (the HF model directory the "
+        raise ValueError(f"no {RESOLVED_RECIPE} next to {ckpt.parent}: pass --model-dir (the HF model directory the "
                          "run started from; a LoRA run's warm_start_model when its warm start trained every "
                          "weight)")  # fmt: skip
     recipe_model = record[0].get("model", {}) if record is not None else None
@@ -390,7 +385,8 @@ def _run_record(ckpt: Path) -> tuple[dict, Path] | None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m trainer.export CHECKPOINT OUT [--model-dir DIR] [--dtype bfloat16]``; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=export_checkpoint.__doc__)
-    parser.add_argument("checkpoint", help="a complete checkpoint directory, e.g. runs/grpo_tiny/checkpoints/step_300")
+    parser.add_argument("checkpoint",
+                        help="a complete checkpoint directory, e.g. runs/grpo_tiny/checkpoints/step_00000300")
     parser.add_argument("out", help="directory to write the HF model to")
     parser.add_argument("--model-dir", help="HF model directory the run started from (default: from the run's recipe)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast the weights")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -22,10 +23,24 @@ from typing import BinaryIO
 
 import torch
 
-__all__ = ["DTYPE_CODES", "INDEX_FILE", "SINGLE_FILE", "TensorEntry", "split_into_files", "write_streamed"]
+__all__ = [
+    "DTYPE_CODES", "INDEX_FILE", "SINGLE_FILE", "TensorEntry", "is_weights_file", "shard_file_name", "split_into_files",
+    "write_streamed",
+]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def shard_file_name(index: int, count: int) -> str:
+    """The name of file ``index`` (from 0) of ``count`` that a model split into several files is written as."""
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def is_weights_file(name: str) -> bool:
+    """Whether ``name`` is one of the weights files :func:`write_streamed` writes (the index included)."""
+    return name in (SINGLE_FILE, INDEX_FILE) or bool(_SHARD_FILE.match(name))
 
 TensorEntry = tuple[str, tuple[int, ...], torch.dtype]
 """``(name, shape, dtype)`` of one tensor of a plan."""
@@ -105,8 +120,7 @@ def write_streamed(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups = split_into_files(plan, max_file_bytes)
-    names = [SINGLE_FILE] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-                                                    for i in range(len(groups))]  # fmt: skip
+    names = [SINGLE_FILE] if len(groups) == 1 else [shard_file_name(i, len(groups)) for i in range(len(groups))]
     temps = [out / f".{name}.partial" for name in names]
     produced = iter(tensors)
     try:

@@ -33,9 +33,12 @@ from weight_sync.safetensors_stream import SINGLE_FILE, write_streamed
 from weight_sync.spec import TensorSpec
 
 __all__ = [
-    "PeftAdapterDirSink", "SafetensorsDirSink", "StateDictSink", "TensorSpec", "WeightSink", "read_policy_version",
-    "spec_of", "write_policy_version",
+    "POLICY_VERSION_FILE", "PeftAdapterDirSink", "SafetensorsDirSink", "StateDictSink", "TensorSpec", "WeightSink",
+    "read_policy_version", "spec_of", "write_policy_version",
 ]
+
+POLICY_VERSION_FILE = "policy_version.json"
+"""Where a directory of weights (a sink's, an HF export's) records the policy version it holds."""
 
 
 @runtime_checkable
@@ -99,7 +102,7 @@ def read_policy_version(directory: str) -> int:
             stored = (f.metadata() or {}).get("policy_version")
         if stored is not None:
             return _version(stored, path)
-    version_file = Path(directory) / SafetensorsDirSink.VERSION_FILE
+    version_file = Path(directory) / POLICY_VERSION_FILE
     if version_file.exists():
         return _version(json.loads(version_file.read_text()).get("policy_version"), version_file)
     return 0
@@ -109,7 +112,7 @@ def write_policy_version(directory: str, policy_version: int) -> None:
     """Record ``policy_version`` as ``directory/policy_version.json`` (what :func:`read_policy_version` reads when
     ``model.safetensors`` carries none), so a receiver started on the directory starts at that version."""
     text = json.dumps({"policy_version": policy_version}) + "\n"
-    (Path(directory) / SafetensorsDirSink.VERSION_FILE).write_text(text)
+    (Path(directory) / POLICY_VERSION_FILE).write_text(text)
 
 
 def _version(stored: object, path: Path) -> int:
@@ -135,7 +138,7 @@ class SafetensorsDirSink:
     """
 
     FILE = SINGLE_FILE
-    VERSION_FILE = "policy_version.json"
+    VERSION_FILE = POLICY_VERSION_FILE
 
     def __init__(self, directory: str, manifest: list[TensorSpec] | None = None) -> None:
         from weight_sync.checkpoint import read_checkpoint_manifest

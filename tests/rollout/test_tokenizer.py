@@ -9,6 +9,7 @@ import pytest
 
 from rollout.tokenizer import (
     PromptRenderer,
+    check_tokenizer_dir,
     end_of_turn_id,
     has_chat_template,
     load_tokenizer,
@@ -49,6 +50,11 @@ def test_directory_without_tokenizer_files_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="no tokenizer files"):
         load_tokenizer(str(tmp_path))
+    # A tokenizer_config.json holds no vocabulary: it passed the run's first check, and the export at the end of
+    # training (which needs a vocabulary to copy) refused the directory.
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        check_tokenizer_dir(tmp_path)
 
 
 def test_corrupt_tokenizer_file_is_a_clear_error(tmp_path, model_dir):
