@@ -81,8 +81,8 @@ def _checked_run(recipe: Recipe, out_dir: Path, resume: str | None, address: str
     """:func:`run` while it holds the run directory: the checks that need no Ray, then :func:`_start`."""
     recipe = _with_run_defaults(recipe, out_dir)
     ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # _with_run_defaults set it
+    from common.tokenizer_dir import check_tokenizer_dir
     from rollout.tasks import build_dataset
-    from rollout.tokenizer import check_tokenizer_dir
     from trainer.checkpoint import saved_data_cursor
     from trainer.checkpoint_dirs import latest_checkpoint
 
@@ -95,7 +95,7 @@ def _checked_run(recipe: Recipe, out_dir: Path, resume: str | None, address: str
                              "auto)")  # fmt: skip
         dataset = build_dataset(recipe.task)
         ensure_model(recipe)
-        check_tokenizer_dir(recipe.rollout.tokenizer_path or recipe.model.path)  # loaded while the actors start
+        check_tokenizer_dir(recipe.rollout.tokenizer_dir)  # loaded while the actors start
         model_cfg = _policy_config(recipe)
         recipe.trainer.check_model(model_cfg)
         if resume_from is not None:
@@ -434,7 +434,7 @@ class _Run:
             failures = []
             try:  # meanwhile, for the warm start only (transformers' import is seconds of a core the actors want)
                 if self._runs_warm_start:
-                    self.tokenizer = load_tokenizer(r.rollout.tokenizer_path or r.model.path)
+                    self.tokenizer = load_tokenizer(r.rollout.tokenizer_dir)
             except Exception as e:  # noqa: BLE001 (the actors still start and must be stopped)
                 failures.append(e)
             for name, future in (("pool", pool), ("trainer", trainer)):

@@ -138,3 +138,9 @@ class RolloutConfig(Config):
         if self.model_path is None:
             raise ValueError("rollout.model_path is unset: set it, or build the config as part of a recipe")
         return self.model_path
+
+    @property
+    def tokenizer_dir(self) -> str:
+        """The directory the workers (and the driver) load the tokenizer from: ``tokenizer_path``, else the served
+        model's."""
+        return self.tokenizer_path or self.served_model_path

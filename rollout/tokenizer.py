@@ -20,12 +20,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.tokenizer_dir import check_tokenizer_dir
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
-    "TOKENIZER_FILES", "Messages", "PromptLike", "PromptRenderer", "check_tokenizer_dir", "end_of_turn_id",
-    "has_chat_template", "load_tokenizer", "messages_to_text", "render_continuation", "render_prompt", "token_bytes",
+    "Messages", "PromptLike", "PromptRenderer", "end_of_turn_id", "has_chat_template", "load_tokenizer",
+    "messages_to_text", "render_continuation", "render_prompt", "token_bytes",
 ]  # fmt: skip
 
 Messages = Sequence[Mapping[str, Any]]
@@ -39,39 +41,11 @@ _CONTENT = "\u2063rl-align content\u2063"  # stands in for a content holding spe
 PromptLike = str | Messages
 """A prompt is plain text or a list of chat messages."""
 
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
-)  # fmt: skip
-"""Files of an HF model or tokenizer directory that make up its tokenizer (an export copies those present)."""
-_VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
-"""A tokenizer's vocabulary is in one of these (fast, SentencePiece, byte-level BPE, WordPiece): a directory without
-any holds no tokenizer, whatever else it has (a ``tokenizer_config.json`` alone)."""
-
-
-def check_tokenizer_dir(path: str | Path) -> list[str]:
-    """The :data:`TOKENIZER_FILES` in the local directory ``path`` (checked without importing transformers, so a run
-    can refuse a directory before it starts anything, and an export copies them). Raises ``FileNotFoundError`` if
-    ``path`` is not a directory and ``ValueError`` if it holds no vocabulary file."""
-    directory = Path(path)
-    if not directory.is_dir():
-        raise FileNotFoundError(
-            f"tokenizer directory {str(path)!r} does not exist (give a local HF model or tokenizer directory; "
-            "`python -m tools.make_tiny_model --out DIR` writes a tiny one)"
-        )
-    present = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
-    if not set(_VOCABULARY_FILES) & set(present):
-        raise ValueError(
-            f"tokenizer directory {str(path)!r} has no tokenizer files (expected one of "
-            f"{', '.join(_VOCABULARY_FILES)}); save the tokenizer there with tokenizer.save_pretrained(DIR)"
-        )
-    return present
-
-
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """Load the HF tokenizer stored in the local directory ``path`` (offline; the tokenizer is returned unchanged).
 
-    Raises as :func:`check_tokenizer_dir` does, and ``ValueError`` if transformers cannot load the files.
+    Raises as :func:`common.tokenizer_dir.check_tokenizer_dir` does, and ``ValueError`` if transformers cannot load
+    the files.
     """
     from transformers import AutoTokenizer
 

@@ -24,7 +24,7 @@ import numpy as np
 from common.cpu import CpuClock
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.metrics import episode_metrics
-from rollout.sampling import turn_seed
+from rollout.sampling import is_greedy, turn_seed
 from rollout.types import RolloutBatch, Sample
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class RolloutWorker:
 
         self.config = config
         self._sync_config = weight_sync or WeightSyncConfig()
-        self.tokenizer = load_tokenizer(config.tokenizer_path or config.served_model_path)
+        self.tokenizer = load_tokenizer(config.tokenizer_dir)
         self._render = PromptRenderer(self.tokenizer, config.use_chat_template)
         self.scorer = RewardScorer.from_config(reward) if reward is not None else None
         self._env_config = environment or SingleTurnEnvConfig()
@@ -69,7 +69,7 @@ class RolloutWorker:
         self._new_env = None if agent else build_environment(self._env_config)
         if agent:
             load_agent_function(agent.function)  # fails before the engine starts
-        self.engine = VLLMEngine(config.served_model_path, config.engine, config.tokenizer_path)
+        self.engine = VLLMEngine(config.served_model_path, config.engine, config.tokenizer_dir)
         self._agents = AgentRunner(agent, self.engine, self.tokenizer) if agent else None
         self.sink = VLLMWeightSink(self.engine)
         self.receiver = WeightReceiver(self.sink, self._sync_config)
@@ -129,7 +129,7 @@ class RolloutWorker:
                 policy_version=min(e.policy_versions, default=self.engine.policy_version),
                 finish_reason=e.finish_reason,
                 # Greedy decoding's log-probs are vLLM's untempered ones (T = 1); recipes never train on them.
-                temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
+                temperature=1.0 if is_greedy(sampling) else sampling.temperature,
                 reward_terms={name: scores[j] for name, scores in terms.items()}
                 | ({"environment": env_reward} if multi_turn else {}),
                 metadata={"problem_id": problems[i].problem_id, "answer": problems[i].answer}

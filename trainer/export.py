@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from common.run_dir import RESOLVED_RECIPE, lora_base_dir, read_run_record
-from rollout.tokenizer import TOKENIZER_FILES, check_tokenizer_dir
+from common.tokenizer_dir import TOKENIZER_FILES, check_tokenizer_dir
 from weight_sync.peft import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from weight_sync.safetensors_stream import is_weights_file
 from weight_sync.sink import POLICY_VERSION_FILE
@@ -81,7 +81,7 @@ def complete_from_source(out_dir: str | Path, source_dir: str | Path) -> list[st
 
 
 def _tokenizer_files(source_dir: Path) -> list[str]:
-    """The tokenizer files ``source_dir`` holds (``rollout.tokenizer.check_tokenizer_dir``, the check a run starts
+    """The tokenizer files ``source_dir`` holds (``common.tokenizer_dir.check_tokenizer_dir``, the check a run starts
     with); ``ValueError`` when they make no tokenizer."""
     try:
         return check_tokenizer_dir(source_dir)

@@ -349,6 +349,8 @@ def test_max_grad_norm_inf_disables_clipping_and_round_trips(tmp_path):
     ("overrides", "field", "reason"),
     [
         ({"rollout.sampling.temperature": 0.0}, "rollout.sampling.temperature", "greedy"),
+        # vLLM decodes greedily below 1e-5 (rollout.sampling.GREEDY_BELOW): this one was accepted and trained on
+        ({"rollout.sampling.temperature": 1e-6}, "rollout.sampling.temperature", "greedy"),
         ({"rollout.sampling.top_p": 0.9}, "rollout.sampling.top_p", "set top_p = 1.0"),
         ({"rollout.sampling.top_k": 20}, "rollout.sampling.top_k", "set top_k = 0"),
         ({"rollout.sampling.min_tokens": 2}, "rollout.sampling.min_tokens", "set min_tokens = 0"),
@@ -507,3 +509,14 @@ def test_a_warm_start_accuracy_target_without_held_out_problems_is_refused():
     msg = _error(ROOT / "recipes" / "grpo_tiny.toml", {"run.eval.num_problems": 0})
     assert "warm_start.stop_at_accuracy = 0.4 is checked on held-out problems, but eval.num_problems = 0" in msg, msg
     load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"run.eval.num_problems": 0, "run.warm_start.num_steps": 0})
+
+
+def test_the_tokenizer_is_the_served_models_unless_the_recipe_names_one():
+    """The driver checked (and loaded) ``[model] path``'s tokenizer while the workers loaded ``rollout.model_path``'s:
+    both now read ``RolloutConfig.tokenizer_dir``."""
+    base = ROOT / "recipes" / "grpo_tiny.toml"
+    assert load_recipe(base).rollout.tokenizer_dir == load_recipe(base).model.path
+    served = load_recipe(base, {"rollout.model_path": "/srv/copy"})
+    assert served.rollout.tokenizer_dir == "/srv/copy"
+    named = load_recipe(base, {"rollout.model_path": "/srv/copy", "rollout.tokenizer_path": "/srv/tok"})
+    assert named.rollout.tokenizer_dir == "/srv/tok"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from common.tokenizer_dir import check_tokenizer_dir
 from rollout.tokenizer import (
     PromptRenderer,
-    check_tokenizer_dir,
     end_of_turn_id,
     has_chat_template,
     load_tokenizer,
