@@ -235,12 +235,11 @@ def _check_resumable(ckpt: Path, model_cfg: ModelConfig, recipe: Recipe, out_dir
     from trainer.checkpoint import saved_parts, saved_policy_params
     from trainer.models.config import BlockChoices
     from trainer.models.transformer import build_model
-    from trainer.rl.algorithms import ALGORITHMS
 
     meta = build_model(model_cfg.model_copy(update=BlockChoices().model_dump()), device="meta")
     try:
         saved_policy_params(ckpt, meta)
-        critic = ALGORITHMS[recipe.algorithm.type].needs_critic
+        critic = recipe.algorithm.trains_critic
         if critic != ("critic" in saved_parts(ckpt)):
             holds, has = ("no", "trains one") if critic else ("a", "has none")
             raise ValueError(f"checkpoint {ckpt} holds {holds} critic, and algorithm {recipe.algorithm.type!r} {has}: "

@@ -88,6 +88,12 @@ class Recipe(Config):
             )
         if self.algorithm.group_relative and self.run.num_prompts_per_step * self.algorithm.group_size < 2:
             raise FieldError("run.num_prompts_per_step", "a GRPO step needs at least 2 samples")
+        if self.trainer.critic_lr is not None and not self.algorithm.trains_critic:
+            raise FieldError(
+                "trainer.critic_lr",
+                f"algorithm.type = {self.algorithm.type!r} trains no critic, so a critic learning rate would be "
+                "ignored: remove it (critic_lr = false where a base recipe sets it), or use algorithm.type = 'ppo'",
+            )
         if self.run.dynamic_sampling.enabled and not self.algorithm.group_relative:
             raise FieldError(
                 "run.dynamic_sampling.enabled",

@@ -49,6 +49,7 @@ from trainer.rl.algorithms import AdvantageInputs
 from trainer.rl.kl import kl_estimate
 from trainer.rl.router_aux import add_router_aux_loss, count_router_tokens, moe_aux_coef
 from trainer.rl.sft import sft_loss
+from trainer.rl.value_loss import explained_variance
 from trainer.state import TrainState
 
 __all__ = ["forward_logprobs", "plan_rank_micro_batches", "rl_step", "sft_step", "shares_prompts"]
@@ -313,9 +314,10 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     ``num_tokens`` (completion tokens), ``num_samples``, ``overlong_filtered_frac`` (samples the overlong filter took
     out of the loss; with every sample filtered the step makes no update), ``step``, ``policy_version``; with a critic
     (PPO) also ``critic/value_loss``, ``critic/value_error``, ``critic/value_mean``, ``critic/value_clip_frac``,
-    ``critic/grad_norm``, and ``critic/loss`` (the value loss plus, MoE only, the critic routers' weighted
-    ``critic/loss/moe_aux``); on a device that compiles per shape (``xla``), ``compiled_graphs``: the graphs this
-    step compiled (0 once the step's shapes have all been seen).
+    ``critic/explained_variance``, ``critic/return_mean``, ``critic/grad_norm``, ``critic/lr``, and ``critic/loss``
+    (the value loss plus, MoE only, the critic routers' weighted ``critic/loss/moe_aux``); on a device that compiles
+    per shape (``xla``), ``compiled_graphs``: the graphs this step compiled (0 once the step's shapes have all been
+    seen).
     """
     start, graphs_before = time.perf_counter(), compiled_graphs(state.device)
     cfg, samples = state.cfg, batch.samples
@@ -363,8 +365,10 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
 
     metrics = {k: per_update(k, v) for k, v in acc.reduce(mesh_device_type(state.device), state.dp_group).items()}
     if state.critic is not None:
-        critic_metrics = critic_acc.reduce(mesh_device_type(state.device), state.dp_group)
+        critic_metrics = explained_variance(critic_acc.reduce(mesh_device_type(state.device), state.dp_group))
         metrics.update({f"critic/{k}": per_update(k, v) for k, v in critic_metrics.items()})
+        assert state.critic_scheduler is not None
+        metrics["critic/lr"] = float(state.critic_scheduler.get_last_lr()[0])
     norms, critic_norm_values = _read(grad_norms), _read(critic_norms)
     if critic_norm_values:
         metrics["critic/grad_norm"] = float(np.mean(critic_norm_values))

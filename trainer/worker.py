@@ -198,9 +198,11 @@ class TrainerWorker:
         self._base_trains = True
 
     def finish_warm_start(self) -> None:
-        """End the supervised warm start: the reference (when KL needs one) becomes the current policy, and the RL
-        phase starts with fresh optimizer and schedule state (SFT's Adam moments would skew the first RL steps). With
-        LoRA the adapters are what trains again (the base freezes where it is)."""
+        """End the supervised warm start: the reference (when KL needs one) and PPO's critic body become the current
+        policy (a critic starts from the SFT model, and a LoRA critic's frozen base is then the policy's, the one a
+        resume builds it on: ``Recipe.lora_base``), and the RL phase starts with fresh optimizer and schedule state
+        (SFT's Adam moments would skew the first RL steps). With LoRA the adapters are what trains again (the base
+        freezes where it is)."""
         import torch
 
         from trainer.models.lora import set_adapters_enabled, train_adapters
@@ -211,12 +213,18 @@ class TrainerWorker:
             train_adapters(state.policy)
             set_adapters_enabled(state.policy, True)
             self._base_trains = False
-        if state.reference is not None:
-            with torch.no_grad():
-                for ref, pol in zip(state.reference.parameters(), state.policy.parameters(), strict=True):
-                    ref.copy_(pol)
+        copies = [state.reference] if state.reference is not None else []
+        if state.critic is not None:
+            copies.append(state.critic.body)  # a deep copy of the policy: the same parameters, sharded the same way
+        with torch.no_grad():
+            for model in copies:
+                for copy, pol in zip(model.parameters(), state.policy.parameters(), strict=True):
+                    copy.copy_(pol)
         state.optimizer = build_optimizer(state.policy, self.cfg.optimizer)
         state.scheduler = build_scheduler(state.optimizer, self.cfg.schedule)
+        if state.critic is not None:  # its own Adam moments and schedule start with RL too
+            state.critic_optimizer = build_optimizer(state.critic, self.cfg.optimizer, lr=self.cfg.critic_lr)
+            state.critic_scheduler = build_scheduler(state.critic_optimizer, self.cfg.schedule)
 
     # -- state -----------------------------------------------------------------------------------------------------
     def save_checkpoint(self, data_cursor: dict | None = None) -> str:

@@ -520,3 +520,11 @@ def test_the_tokenizer_is_the_served_models_unless_the_recipe_names_one():
     assert served.rollout.tokenizer_dir == "/srv/copy"
     named = load_recipe(base, {"rollout.model_path": "/srv/copy", "rollout.tokenizer_path": "/srv/tok"})
     assert named.rollout.tokenizer_dir == "/srv/tok"
+
+
+def test_a_critic_learning_rate_without_a_critic_is_refused_and_value_clip_false_turns_the_clip_off():
+    grpo, ppo = ROOT / "recipes" / "grpo_tiny.toml", ROOT / "recipes" / "ppo_tiny.toml"
+    assert "trainer.critic_lr" in _error(grpo, {"trainer.critic_lr": 1e-3})  # it was silently ignored
+    assert load_recipe(grpo, {"trainer.critic_lr": False}).trainer.critic_lr is None  # a base recipe's, unset
+    assert load_recipe(ppo, {"algorithm.value_clip": False}).algorithm.value_clip is None
+    assert "vf_coef was removed" in _error(ppo, {"algorithm.vf_coef": 0.5})

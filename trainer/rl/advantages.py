@@ -145,12 +145,13 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor | None = N
     """``(x - mean) / (std + eps)`` on the masked positions, 0 off-mask; any shape.
 
     ``moments``: :func:`whitening_moments` of the whole population ``x`` belongs to (e.g. summed over every
-    micro-batch of every rank); default: those of ``x`` alone. The std is unbiased. Raises ``ValueError`` for fewer
-    than 2 values.
+    micro-batch of every rank); default: those of ``x`` alone. The std is unbiased. Fewer than 2 values have no
+    spread to normalise by: 0 everywhere (a PPO step whose batch generated a single token learns nothing from it,
+    rather than failing the run after its actors started).
     """
     n, total, sq = (whitening_moments(x, mask) if moments is None else moments).tolist()
     if n < 2:
-        raise ValueError(f"whitening needs at least 2 masked-in values (completion tokens), got {int(n)}")
+        return torch.zeros_like(x)
     mean = total / n
     std = max((sq - n * mean * mean) / (n - 1), 0.0) ** 0.5
     return (x - mean) / (std + eps) * mask

@@ -141,6 +141,9 @@ class PolicyConfig(Config):
     group_relative: ClassVar[bool] = False
     """Whether advantages compare the samples of one group with each other (GRPO and its variants): a step then
     needs at least 2 samples, and a group of equal rewards carries no signal (dynamic sampling may drop it)."""
+    trains_critic: ClassVar[bool] = False
+    """Whether the algorithm learns a value function: the train state builds a critic (``trainer.critic``), the step
+    trains it, checkpoints hold it, and ``trainer.critic_lr`` applies."""
     group_size: int = pydantic.Field(default=1, ge=1)
     """Completions sampled per prompt (rollout ``n``); samples of one prompt form one group."""
     clip_low: float = pydantic.Field(default=0.2, gt=0, lt=1)
@@ -234,6 +237,7 @@ class GRPOConfig(PolicyConfig):
 class PPOConfig(PolicyConfig):
     """PPO with a learned critic: per-token advantages from GAE, a clipped value loss for the critic."""
 
+    trains_critic: ClassVar[bool] = True
     type: Literal["ppo"] = "ppo"
     """Selects this algorithm in a recipe."""
     advantage_estimator: Literal["gae"] = "gae"
@@ -244,10 +248,20 @@ class PPOConfig(PolicyConfig):
     """GAE lambda: 0 is one-step TD (low variance, critic bias), 1 is Monte Carlo returns minus the value."""
     whiten_advantages: bool = True
     """Normalise advantages to mean 0, std 1 over the batch's completion tokens."""
-    value_clip: float = pydantic.Field(default=0.2, gt=0)
-    """New values are kept within ``old_value +- value_clip`` in the clipped value loss."""
-    vf_coef: float = pydantic.Field(default=1.0, gt=0)
-    """Weight of the critic's value loss (the critic's learning rate is ``trainer.critic_lr``)."""
+    value_clip: float | None = pydantic.Field(default=0.2, gt=0)
+    """New values are kept within ``old_value +- value_clip`` in the clipped value loss; None (``false`` in a recipe)
+    trains the critic on the plain squared error."""
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _no_vf_coef(cls, data: object) -> object:
+        if isinstance(data, dict) and "vf_coef" in data:
+            raise ValueError(
+                "vf_coef was removed: the critic has an optimizer of its own (AdamW), which undoes any constant weight "
+                "on its loss, so it changed nothing but the logged loss; set the critic's step size with "
+                "trainer.critic_lr"
+            )
+        return data
 
 
 AlgorithmConfig = Annotated[GRPOConfig | PPOConfig, pydantic.Field(discriminator="type")]

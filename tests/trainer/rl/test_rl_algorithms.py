@@ -9,6 +9,7 @@ from __future__ import annotations
 import typing
 
 import numpy as np
+import pydantic
 import pytest
 import torch
 
@@ -135,10 +136,35 @@ def test_ppo_whitens_over_every_micro_batch_and_handles_one_without_completion_t
     assert tokens.mean().item() == pytest.approx(0.0, abs=1e-6) and tokens.std().item() == pytest.approx(1.0, abs=1e-6)
 
 
-def test_ppo_value_loss_is_scaled_by_vf_coef():
+def test_ppo_value_loss_clips_unless_told_not_to():
     inputs = _inputs([_sample(2, 0.0, 0)], budget=100)
     (mb,) = inputs.micro_batches
     mb.loss_mask[0, 1] = 0.0
     mb.extra.update(values=torch.ones(1, 2), returns=torch.full((1, 2), 2.0))
-    loss, m = PPO(PPOConfig(vf_coef=0.5)).value_loss(mb, torch.tensor([[1.1, 0.0]]), num_tokens=1.0, num_seqs=1.0)
-    assert loss.item() == pytest.approx(0.5 * 0.5 * 0.81) and m["value_loss"] == pytest.approx(loss.item())
+    new = torch.tensor([[2.5, 0.0]])  # moved 1.5 from the old value 1.0, past the return 2.0
+    loss, m = PPO(PPOConfig(value_clip=0.2)).value_loss(mb, new, num_tokens=1.0, num_seqs=1.0)
+    assert loss.item() == pytest.approx(0.5 * 0.8**2) and m["value_clip_frac"] == 1.0  # the clipped 1.2 is worse
+    loss, m = PPO(PPOConfig(value_clip=None)).value_loss(mb, new, num_tokens=1.0, num_seqs=1.0)
+    assert loss.item() == pytest.approx(0.5 * 0.5**2) and m["value_clip_frac"] == 0.0
+    assert m["value_loss"] == pytest.approx(loss.item())
+
+
+def test_vf_coef_is_refused_saying_what_sets_the_critics_step():
+    """The critic's own AdamW undoes any weight on its loss: 400x vf_coef changed its update by 3%."""
+    with pytest.raises(pydantic.ValidationError, match="trainer.critic_lr"):
+        PPOConfig(vf_coef=0.5)
+
+
+def test_explained_variance_of_the_step_matches_numpy():
+    from trainer.rl.value_loss import clipped_value_loss, explained_variance
+
+    rng = np.random.default_rng(0)
+    returns, old = rng.normal(size=(3, 7)), rng.normal(size=(3, 7))
+    mask = (rng.random((3, 7)) < 0.7).astype(np.float64)
+    _, m = clipped_value_loss(torch.tensor(old), torch.tensor(old), torch.tensor(returns), torch.tensor(mask), 0.2)
+    got = explained_variance({k: float(v) for k, v in m.items()})
+    keep = mask.astype(bool)
+    expected = 1.0 - np.var(returns[keep] - old[keep]) / np.var(returns[keep])
+    assert got["explained_variance"] == pytest.approx(expected) and "residual_sq_mean" not in got
+    _, m = clipped_value_loss(torch.tensor(old), torch.tensor(old), torch.ones(3, 7), torch.tensor(mask), 0.2)
+    assert "explained_variance" not in explained_variance({k: float(v) for k, v in m.items()})  # equal returns

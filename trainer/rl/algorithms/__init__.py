@@ -3,10 +3,11 @@
 How to add one, say ``reinforce``:
 
 1. its config in ``trainer.rl.config``: a ``PolicyConfig`` subclass with ``type: Literal["reinforce"]`` (and
-   ``group_relative = True`` if its advantages compare the samples of a group), added to the ``AlgorithmConfig``
-   union; configs stay there because recipes validate without importing torch;
-2. one file here, ``reinforce.py``: a subclass of :class:`Algorithm` that implements ``compute_advantages`` (and sets
-   ``needs_critic`` / overrides ``value_loss`` or ``policy_loss`` if it differs);
+   ``group_relative = True`` if its advantages compare the samples of a group, ``trains_critic = True`` if it learns a
+   value function), added to the ``AlgorithmConfig`` union; configs stay there because recipes validate without
+   importing torch;
+2. one file here, ``reinforce.py``: a subclass of :class:`Algorithm` that implements ``compute_advantages`` (and
+   ``value_loss`` with a critic; overrides ``policy_loss`` if it differs);
 3. one line in :data:`ALGORITHMS`.
 
 The train state, the step and the checkpoint code then need no change.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
@@ -57,15 +57,18 @@ class AdvantageInputs:
 class Algorithm(ABC, Generic[ConfigT]):
     """One RL algorithm, built from its config by ``trainer.rl.algorithms.build_algorithm``.
 
-    Subclasses set :attr:`needs_critic` and implement :meth:`compute_advantages`; the policy loss defaults to the
-    clipped loss of ``trainer.rl.loss`` (with KL, entropy and IS terms as the config says).
+    Subclasses implement :meth:`compute_advantages` (and :meth:`value_loss` when their config ``trains_critic``); the
+    policy loss defaults to the clipped loss of ``trainer.rl.loss`` (with KL, entropy and IS terms as the config says).
     """
-
-    needs_critic: ClassVar[bool] = False
-    """Whether the train state (``trainer.state``) builds a critic and the step trains it with :meth:`value_loss`."""
 
     def __init__(self, config: ConfigT) -> None:
         self.config = config
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the train state (``trainer.state``) builds a critic and the step trains it with :meth:`value_loss`
+        (the config's ``trains_critic``)."""
+        return self.config.trains_critic
 
     @property
     def needs_reference(self) -> bool:

@@ -27,8 +27,6 @@ __all__ = ["PPO"]
 class PPO(Algorithm[PPOConfig]):
     """GAE advantages from a critic, trained by :meth:`value_loss`."""
 
-    needs_critic = True
-
     def compute_advantages(self, inputs: AdvantageInputs) -> None:
         cfg = self.config
         sample_scores = torch.tensor([s.reward for s in inputs.samples] + [0.0], device=inputs.device)  # + padding's
@@ -50,13 +48,12 @@ class PPO(Algorithm[PPOConfig]):
     def value_loss(
         self, mb: MicroBatch, values: torch.Tensor, num_tokens: float, num_seqs: float
     ) -> tuple[torch.Tensor, Metrics]:
-        """``vf_coef`` x the clipped value loss against ``extra['returns']``, aggregated like the policy loss; the
-        metrics of ``clipped_value_loss`` plus ``value_loss`` (the scaled loss)."""
+        """The clipped value loss against ``extra['returns']``, aggregated like the policy loss; the metrics of
+        ``clipped_value_loss`` plus ``value_loss``."""
         cfg = self.config
         loss, metrics = clipped_value_loss(
             values, mb.extra["values"], mb.extra["returns"], mb.loss_mask, cfg.value_clip, cfg.loss_aggregation,
             norm_length=cfg.loss_norm_length, num_tokens=num_tokens, num_seqs=num_seqs, seq_tokens=mb.sequence_tokens,
         )  # fmt: skip
-        loss = cfg.vf_coef * loss
         metrics["value_loss"] = loss.detach()
         return loss, metrics
