@@ -43,8 +43,9 @@ class SamplingConfig(Config):
     ignore_eos: bool = False
     """Keep generating past end-of-sequence until ``max_tokens`` (benchmarks only)."""
     seed: int | None = None
-    """Base seed: the group with id g is sampled with seed ``seed + g``, so results do not depend on which worker ran
-    it. ``None`` samples without a fixed seed."""
+    """Base seed: each sample's (and model turn's) seed derives from it and the sample's group id, index and turn
+    (``rollout.sampling.turn_seed``), so results do not depend on which worker ran it or how episodes interleaved.
+    ``None`` samples without a fixed seed."""
 
     @pydantic.model_validator(mode="after")
     def _check_lengths(self) -> SamplingConfig:

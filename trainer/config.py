@@ -149,7 +149,8 @@ class CheckpointConfig(Config):
     the frozen KL reference when the algorithm uses one (a resume needs no other file)."""
 
     dir: str | None = None
-    """Directory holding ``step_<n>`` checkpoints; None disables periodic checkpoints."""
+    """Directory holding ``step_<n>`` checkpoints. In a recipe, unset means ``<run.output_dir>/checkpoints``; a
+    trainer built by hand without one cannot save (``every_num_steps`` then must stay 0)."""
     every_num_steps: int = pydantic.Field(default=0, ge=0)
     """Save after every k-th optimizer step; 0 saves only when asked explicitly."""
     num_keep: int = pydantic.Field(default=2, ge=1)

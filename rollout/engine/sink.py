@@ -2,7 +2,8 @@
 
 ``VLLMWeightSink`` implements the ``weight_sync`` sink protocol: ``manifest()`` lists the tensors of the engine's model
 directory (HF-canonical names, shapes, dtypes, read from the safetensors headers), ``apply()`` checks an update against
-it and swaps it into the engine at its next safe point (requests in flight finish on the old version). Anything
+it and swaps it into the engine at its next safe point (``EngineConfig.update_mode``: requests in flight finish on the
+old version, or with "keep" go on with the new weights). Anything
 refused raises before the engine changes, so the receiver stays on the old version. ``committed_version()`` is the
 engine's version (0 after loading).
 """
@@ -61,8 +62,9 @@ class VLLMWeightSink:
         return self._engine.policy_version
 
     def apply(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Swap ``tensors`` in as ``policy_version`` at the engine's next safe point, once the requests in flight have
-        finished (blocks until then).
+        """Swap ``tensors`` in as ``policy_version`` at the engine's next safe point (blocks until it is in): in update
+        mode "wait" once the requests in flight have finished, in "keep" between two steps, those requests going on
+        with the new weights.
 
         An update may hold a subset of the manifest made of whole fused groups. Raises ``ValueError`` (engine unchanged)
         for unknown names, wrong shapes or dtypes, or a partial fused group. With LoRA the update is an adapter version

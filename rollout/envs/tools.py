@@ -18,6 +18,7 @@ import asyncio
 import json
 import math
 import operator
+import typing
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -228,8 +229,8 @@ def _slots(size: int) -> asyncio.Semaphore:
     ``max_concurrent``: a second size is refused rather than run beside the first)."""
     held, slots = _SLOTS.setdefault(asyncio.get_running_loop(), (size, asyncio.Semaphore(size)))
     if held != size:
-        raise ValueError(f"python.max_concurrent = {size}, but this worker's tools already run {held} at a time: one "
-                         "worker runs one python tool configuration")  # fmt: skip
+        raise ValueError(f"environment.python.max_concurrent = {size}, but this worker's tools already run {held} at "
+                         "a time: one worker runs one python tool configuration")  # fmt: skip
     return slots
 
 
@@ -247,4 +248,4 @@ def build_tool(name: ToolName, python: PythonToolConfig | None = None) -> Tool:
             {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
             _python_tool(python or PythonToolConfig()),
         )  # fmt: skip
-    raise ValueError(f"unknown tool {name!r}; built-in tools: calculator, python")
+    raise ValueError(f"unknown tool {name!r}; built-in tools: {', '.join(typing.get_args(ToolName))}")

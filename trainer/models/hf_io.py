@@ -88,7 +88,7 @@ def hf_manifest(model_cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> l
     """Every HF tensor of a full ``model_cfg`` model as ``(hf_name, shape, dtype)``, in parameter order.
 
     ``dtype`` is the dtype the tensors are sent or saved in. With tied embeddings ``lm_head.weight`` is absent; LoRA
-    adapters are not HF model tensors (``trainer.models.lora.adapter_manifest`` lists them).
+    adapters are not HF model tensors (``weight_sync.peft.adapter_manifest`` lists them).
     """
     meta = build_model(model_cfg, device="meta")
     out = []
