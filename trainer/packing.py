@@ -48,7 +48,7 @@ from rollout.types import Sample
 from trainer.rl.advantages import episode_members
 
 __all__ = [
-    "MicroBatch", "assign_to_ranks", "bucket_size", "episode_tokens", "pack_samples", "plan_micro_batches",
+    "MicroBatch", "assign_to_ranks", "bucket_size", "episode_tokens", "plan_micro_batches",
     "split_minibatches",
 ]  # fmt: skip
 
@@ -383,38 +383,6 @@ def _packed_units(
     return [[[units[j] for j in row] for row in rows] for rows in groups]
 
 
-def pack_samples(
-    samples: Sequence[Sample],
-    indices: Sequence[int],
-    token_budget: int,
-    advantages: Sequence[float | np.ndarray] | None = None,
-    pad_to_multiple_of: int = 1,
-    row_tokens: int | None = None,
-    share_prompts: bool = False,
-    static_shapes: bool = False,
-    min_rows: int = 1,
-) -> list[MicroBatch]:
-    """Pack ``samples[i] for i in indices`` into micro-batches of at most ``token_budget`` tokens (padding included).
-
-    ``row_tokens`` caps a packed row (default: ``token_budget``, one row per micro-batch); a sequence longer than
-    the row cap or the budget gets a row / micro-batch of its own. ``advantages[i]`` (indexed like ``samples``) is a
-    scalar broadcast over the completion or an array with one value per completion token. Rows are padded to a
-    multiple of ``pad_to_multiple_of`` (static shapes on accelerators). ``share_prompts``: samples with equal
-    ``prompt_ids`` share one copy of the prompt (module docstring); the model must then get ``prefix_ids``.
-    ``static_shapes``: every dimension rounded up to a power of two (module docstring), which may pass the budget,
-    with at least ``min_rows`` rows (a power of two: the devices SPMD splits the rows over).
-    """
-    if token_budget < 1:
-        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
-    _check_prompts(samples, indices)
-    row_tokens = row_tokens or token_budget
-    units = _units(samples, indices, share_prompts, min(row_tokens, token_budget))
-    plans = _packed_units(samples, units, token_budget, row_tokens)
-    dims = _static_dims(samples, plans, pad_to_multiple_of, min_rows) if static_shapes else None
-    seq_tokens = episode_tokens(samples, indices)
-    return [_build(samples, rows, advantages, pad_to_multiple_of, dims, seq_tokens) for rows in plans]
-
-
 def assign_to_ranks(lengths: Sequence[int], indices: Sequence[int], num_ranks: int) -> list[list[int]]:
     """Split ``indices`` over ranks so token counts are balanced (longest first onto the least-loaded rank).
 
@@ -452,14 +420,21 @@ def plan_micro_batches(
     static_shapes: bool = False,
     min_rows: int = 1,
 ) -> list[MicroBatch]:
-    """This rank's micro-batches for the samples ``indices``: balanced rank split, packing, equal counts everywhere.
+    """This rank's micro-batches for the samples ``indices``: balanced rank split, packing into micro-batches of at
+    most ``token_budget`` tokens (padding included), equal counts everywhere.
 
     Every rank calls this with the same arguments except ``rank`` and gets the same number of micro-batches (the
-    shorter lists end with empty ones: a one-token row, no sequence). ``row_tokens`` None: rows as long as the
-    longest sequence among ``indices`` (the same on every rank). ``share_prompts``: as in :func:`pack_samples`; a prompt
-    and the completions packed with it (one unit) stay on one rank. ``static_shapes``, ``min_rows``: as in
-    :func:`pack_samples`.
+    shorter lists end with empty ones: a one-token row, no sequence). ``row_tokens`` caps a packed row (None: as long
+    as the longest sequence among ``indices``, the same on every rank); a sequence longer than the row cap or the
+    budget gets a row / micro-batch of its own. ``advantages[i]`` (indexed like ``samples``) is a scalar broadcast over
+    the completion or an array with one value per completion token. Rows are padded to a multiple of
+    ``pad_to_multiple_of``. ``share_prompts``: samples with equal ``prompt_ids`` share one copy of the prompt (module
+    docstring; the model must then get ``prefix_ids``), and a prompt and the completions packed with it (one unit)
+    stay on one rank. ``static_shapes``: every dimension rounded up to a power of two (module docstring), which may
+    pass the budget, with at least ``min_rows`` rows (a power of two: the devices SPMD splits the rows over).
     """
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
     _check_prompts(samples, indices)
     lengths = _lengths(samples)
     if row_tokens is None:

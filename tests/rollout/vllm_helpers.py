@@ -80,14 +80,14 @@ def trainer_logprobs(model_dir: str, samples: Sequence) -> list[np.ndarray]:
     from trainer.models.hf_config import model_config_from_hf
     from trainer.models.hf_io import load_hf_checkpoint
     from trainer.models.transformer import build_model
-    from trainer.packing import pack_samples
+    from trainer.packing import plan_micro_batches
     from trainer.step import forward_logprobs
 
     model = build_model(model_config_from_hf(model_dir), device=torch.device("cpu"), dtype=torch.float32)
     load_hf_checkpoint(model, model_dir)
     out: list[np.ndarray] = [np.zeros(0)] * len(samples)
     with torch.no_grad():
-        for mb in pack_samples(samples, range(len(samples)), token_budget=8192):
+        for mb in plan_micro_batches(samples, range(len(samples)), 0, 1, 8192, row_tokens=8192):
             logprobs = forward_logprobs(model, mb)[0]
             for row, i in enumerate(mb.sample_indices):
                 out[i] = logprobs[row, : len(samples[i].completion_ids)].numpy()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rollout.types import Sample
-from trainer.packing import assign_to_ranks, pack_samples, plan_micro_batches, split_minibatches
+from trainer.packing import assign_to_ranks, plan_micro_batches, split_minibatches
 
 
 def _samples(num: int, seed: int = 0) -> list[Sample]:
@@ -30,7 +30,7 @@ def _samples(num: int, seed: int = 0) -> list[Sample]:
 def test_pack_places_every_token_once_under_budget(budget: int, row_tokens: int | None) -> None:
     samples = _samples(30)
     advantages = [float(i) for i in range(len(samples))]
-    mbs = pack_samples(samples, range(len(samples)), budget, advantages, row_tokens=row_tokens)
+    mbs = plan_micro_batches(samples, range(len(samples)), 0, 1, budget, advantages, row_tokens=row_tokens)
     seen = sorted(i for mb in mbs for i in mb.sample_indices)
     assert seen == list(range(len(samples)))
     cap = min(budget, row_tokens or budget)
@@ -68,7 +68,7 @@ def test_pack_places_every_token_once_under_budget(budget: int, row_tokens: int 
 
 def test_rows_keep_sequences_apart() -> None:
     samples = _samples(12, seed=5)
-    (mb,) = pack_samples(samples, range(12), 10_000, row_tokens=60)
+    (mb,) = plan_micro_batches(samples, range(12), 0, 1, 10_000, row_tokens=60)
     longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     assert mb.tokens.shape[0] > 1 and mb.tokens.shape[1] <= max(60, longest)
     width = mb.tokens.shape[1]
@@ -85,7 +85,7 @@ def test_rows_keep_sequences_apart() -> None:
 def test_ffd_packs_tightly() -> None:
     samples = _samples(40, seed=1)
     budget = 128
-    mbs = pack_samples(samples, range(len(samples)), budget)
+    mbs = plan_micro_batches(samples, range(len(samples)), 0, 1, budget, row_tokens=budget)
     total = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     assert len(mbs) <= -(-total // budget) + 1  # FFD is within one bin of optimal for these sizes
     assert sum(mb.num_tokens for mb in mbs) == total
@@ -93,7 +93,7 @@ def test_ffd_packs_tightly() -> None:
 
 def test_unpack_is_differentiable_and_masked() -> None:
     samples = _samples(5, seed=2)
-    (mb,) = pack_samples(samples, range(5), 10_000, row_tokens=40)
+    (mb,) = plan_micro_batches(samples, range(5), 0, 1, 10_000, row_tokens=40)
     x = torch.arange(mb.tokens.numel(), dtype=torch.float32, requires_grad=True)
     y = mb.unpack(x.view(mb.tokens.shape))
     assert y.shape == mb.loss_mask.shape
@@ -105,14 +105,14 @@ def test_unpack_is_differentiable_and_masked() -> None:
 def test_per_token_advantages_and_padding() -> None:
     samples = _samples(3, seed=3)
     adv = [np.arange(len(s.completion_ids), dtype=np.float32) for s in samples]
-    (mb,) = pack_samples(samples, range(3), 10_000, adv, pad_to_multiple_of=64)
+    (mb,) = plan_micro_batches(samples, range(3), 0, 1, 10_000, adv, pad_to_multiple_of=64, row_tokens=10_000)
     assert mb.tokens.shape[1] % 64 == 0
     assert mb.num_tokens == sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     for seg, i in enumerate(mb.sample_indices):
         c = len(samples[i].completion_ids)
         assert torch.equal(mb.advantages[seg, :c], torch.from_numpy(adv[i]))
     with pytest.raises(ValueError, match="per-token advantages"):
-        pack_samples(samples, range(3), 100, [np.zeros(1)] * 3)
+        plan_micro_batches(samples, range(3), 0, 1, 100, [np.zeros(1)] * 3, row_tokens=100)
 
 
 def test_rank_split_is_balanced_and_counts_match() -> None:
@@ -138,7 +138,7 @@ def test_split_minibatches() -> None:
 def test_scatter_of_loss_positions_equals_unpack() -> None:
     """The step runs the output head only at ``loss_positions``; scattering back must equal unpacking a full map."""
     samples = _samples(9, seed=6)
-    for mb in pack_samples(samples, range(9), 120, row_tokens=60):
+    for mb in plan_micro_batches(samples, range(9), 0, 1, 120, row_tokens=60):
         full = torch.randn(mb.tokens.shape, requires_grad=True)
         picked = full.reshape(-1)[mb.loss_positions]
         assert picked.shape == (mb.num_loss_tokens,)

@@ -15,7 +15,7 @@ from trainer.config import TrainerConfig
 from trainer.models.attention import eager_attention, masked_sdpa_attention, sdpa_attention
 from trainer.models.config import ModelConfig, MoEConfig
 from trainer.models.transformer import build_model
-from trainer.packing import pack_samples, plan_micro_batches
+from trainer.packing import plan_micro_batches
 from trainer.rl.config import GRPOConfig, PPOConfig
 
 MODEL = ModelConfig(
@@ -31,7 +31,7 @@ def _groups(seed: int = 0, **kw):
 
 def test_a_group_is_laid_out_as_its_prompt_once_then_each_completion():
     samples = _groups()
-    (mb,) = pack_samples(samples, range(len(samples)), 10_000, share_prompts=True)
+    (mb,) = plan_micro_batches(samples, range(len(samples)), 0, 1, 10_000, share_prompts=True, row_tokens=10_000)
     prompts = sum(len(samples[g * 4].prompt_ids) for g in range(3))
     assert mb.num_tokens == prompts + sum(len(s.completion_ids) for s in samples)
     assert mb.prefix_ids is not None
@@ -55,7 +55,7 @@ def test_a_group_is_laid_out_as_its_prompt_once_then_each_completion():
 def test_a_group_longer_than_a_row_is_split_with_a_prompt_copy_per_part():
     samples = _groups(completion_len=(6, 9))
     cap = len(samples[0].prompt_ids) + 2 * 8  # at most two completions of group 0 per part
-    mbs = pack_samples(samples, range(4), 10_000, row_tokens=cap, share_prompts=True)
+    mbs = plan_micro_batches(samples, range(4), 0, 1, 10_000, row_tokens=cap, share_prompts=True)
     rows = [mb.tokens.shape[0] for mb in mbs]
     assert sum(rows) == 2  # four completions of 6-8 tokens: two parts, each row with its own prompt
     assert sorted(i for mb in mbs for i in mb.sample_indices) == [0, 1, 2, 3]
@@ -80,7 +80,7 @@ def test_ranks_keep_a_group_together_and_count_alike():
 def test_attention_over_shared_prompts_equals_the_dense_mask(kernel, atol):
     """Against SDPA over the dense mask (``attention_mask`` with ``prefix_ids``), forward and gradients."""
     samples = _groups(seed=3, num_groups=4)
-    (mb,) = pack_samples(samples, range(len(samples)), 10_000, row_tokens=60, share_prompts=True)
+    (mb,) = plan_micro_batches(samples, range(len(samples)), 0, 1, 10_000, row_tokens=60, share_prompts=True)
     b, t = mb.tokens.shape
     torch.manual_seed(0)
     q = torch.randn(b, 4, t, 8, dtype=torch.float64, requires_grad=True)
@@ -109,7 +109,7 @@ def test_log_probs_and_gradients_equal_each_sequence_alone(attention):
     torch.manual_seed(0)
     model = build_model(MODEL.model_copy(update={"attention": attention}), torch.device("cpu")).double()
     samples = _groups(seed=5)
-    (mb,) = pack_samples(samples, range(len(samples)), 10_000, row_tokens=10_000, share_prompts=True)
+    (mb,) = plan_micro_batches(samples, range(len(samples)), 0, 1, 10_000, row_tokens=10_000, share_prompts=True)
     logprobs, _, _ = forward_logprobs(model, mb)
     weights = torch.randn_like(logprobs)
     (logprobs * weights).sum().backward()

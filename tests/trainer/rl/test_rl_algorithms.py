@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rollout.types import Sample
-from trainer.packing import MicroBatch, pack_samples
+from trainer.packing import MicroBatch, plan_micro_batches
 from trainer.rl.algorithms import ALGORITHMS, GRPO, PPO, AdvantageInputs, build_algorithm
 from trainer.rl.config import AlgorithmConfig, GRPOConfig, KLConfig, PPOConfig
 
@@ -27,7 +27,7 @@ def _sample(completion_len: int, reward: float, group_id: int) -> Sample:
 
 def _inputs(samples: list[Sample], budget: int, kl_per_token: float = 0.0) -> AdvantageInputs:
     """One rank's micro-batches of ``samples`` (``budget`` tokens each) and a KL of ``kl_per_token`` on every token."""
-    mbs = pack_samples(samples, range(len(samples)), budget)
+    mbs = plan_micro_batches(samples, range(len(samples)), 0, 1, budget, row_tokens=budget)
 
     def token_kl(mb: MicroBatch) -> torch.Tensor:
         return torch.full_like(mb.loss_mask, kl_per_token) * mb.loss_mask
