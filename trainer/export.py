@@ -23,6 +23,7 @@ import json
 import pickle
 import shutil
 import sys
+import typing
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from common.config import DType
 from common.run_dir import RESOLVED_RECIPE, lora_base_dir, read_run_record
 from common.tokenizer_dir import TOKENIZER_FILES, check_tokenizer_dir
 from weight_sync.peft import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
@@ -389,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a complete checkpoint directory, e.g. runs/grpo_tiny/checkpoints/step_00000300")
     parser.add_argument("out", help="directory to write the HF model to")
     parser.add_argument("--model-dir", help="HF model directory the run started from (default: from the run's recipe)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="cast the weights")
+    parser.add_argument("--dtype", choices=typing.get_args(DType), help="cast the weights")
     args = parser.parse_args(argv)
     try:
         files = export_checkpoint(args.checkpoint, args.out, args.model_dir, args.dtype)

@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 
-def grpo_advantages(rewards: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(rewards: torch.Tensor, scale_by_std: bool, eps: float) -> torch.Tensor:
     """GRPO: ``(r - mean_group) / (std_group + eps)``, or just ``r - mean_group`` without std scaling (Dr. GRPO).
 
     rewards: [N, K] (N groups of K >= 2 samples). The std is the unbiased sample std of the group. Returns [N, K].
