@@ -31,7 +31,7 @@ from rollout.types import RolloutBatch
 if TYPE_CHECKING:
     from rollout.pool import RolloutHandle
 
-__all__ = ["RLLoop"]
+__all__ = ["RLLoop", "checkpoint_due"]
 
 log = logging.getLogger("rl_align")
 
@@ -159,7 +159,7 @@ class RLLoop:
         if run.export.every_num_steps and (step + 1) % run.export.every_num_steps == 0:
             out = run.resolved_output_dir / HF_EXPORTS / f"step_{step + 1}"
             self.trainer.export_hf(str(out), self.recipe.export_source_dir, run.export.dtype)
-        if _checkpoint_due(self.recipe, step):
+        if checkpoint_due(self.recipe, step):
             self.trainer.save_checkpoint(data_cursor=cursor)
 
 
@@ -177,7 +177,7 @@ def _phase_metrics(metrics: dict[str, float], marks: tuple[float, ...], num_toke
     }  # fmt: skip
 
 
-def _checkpoint_due(recipe: Any, step: int) -> bool:
+def checkpoint_due(recipe: Any, step: int) -> bool:
     """Whether the state after ``step`` (0-based) is checkpointed: every ``trainer.checkpoint.every_num_steps``."""
     every = recipe.trainer.checkpoint.every_num_steps
     return every > 0 and (step + 1) % every == 0

@@ -467,7 +467,7 @@ class _Run:
     # -- the run ---------------------------------------------------------------------------------------------------
     def execute(self) -> None:
         from driver.evaluate import evaluate
-        from driver.loop import RLLoop
+        from driver.loop import RLLoop, checkpoint_due
         from driver.metrics import plot_curves, read_jsonl
         from driver.warm_start import warm_start
 
@@ -518,8 +518,7 @@ class _Run:
                num_cores=self.placement.num_cores).run(start_step)  # fmt: skip
         after = do_eval()
         self.logger.log(r.run.num_steps - 1, after, phase="eval")
-        every = r.trainer.checkpoint.every_num_steps
-        if every and r.run.num_steps % every:  # the loop saved the last step when it was due
+        if r.trainer.checkpoint.every_num_steps and not checkpoint_due(r, r.run.num_steps - 1):  # else the loop did
             self.trainer.save_checkpoint(data_cursor=self.dataset.state_dict())
         final = self.out_dir / FINAL_MODEL
         self.trainer.export_hf(str(final), r.export_source_dir, r.run.export.dtype)
