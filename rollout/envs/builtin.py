@@ -10,7 +10,7 @@ from typing import Any
 from rollout.envs.base import Environment, Message, StepResult
 from rollout.envs.config import FeedbackEnvConfig, ToolEnvConfig
 from rollout.envs.tools import Tool, build_tool, parse_tool_calls
-from rollout.tasks.problem import Problem
+from rollout.tasks.problem import Problem, chat_messages
 
 __all__ = ["FeedbackEnvironment", "SingleTurnEnvironment", "ToolEnvironment", "problem_messages"]
 
@@ -18,12 +18,7 @@ __all__ = ["FeedbackEnvironment", "SingleTurnEnvironment", "ToolEnvironment", "p
 def problem_messages(problem: Problem, system_prompt: str | None = None) -> list[Message]:
     """The problem's prompt as chat messages (text: one user message), after ``system_prompt`` unless the prompt
     already has a system message."""
-    messages = [{"role": "user", "content": problem.prompt}] if isinstance(problem.prompt, str) else [
-        dict(m) for m in problem.prompt
-    ]
-    if system_prompt is not None and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    return messages
+    return chat_messages(problem.prompt, system_prompt)
 
 
 class SingleTurnEnvironment(Environment):

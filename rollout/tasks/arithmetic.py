@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from rollout.tasks.config import ArithmeticTaskConfig
-from rollout.tasks.problem import Problem
+from rollout.tasks.problem import Problem, chat_messages
 
 __all__ = ["generate_arithmetic"]
 
@@ -57,9 +57,7 @@ def _problem(config: ArithmeticTaskConfig, key: tuple[int, str, int], problem_id
     a, op, b = key
     result = a + b if op == "+" else a - b if op == "-" else a * b
     text = config.prompt_template.format(a=a, op=op, b=b)
-    messages = [{"role": "user", "content": text}]
-    if config.system_prompt is not None:
-        messages.insert(0, {"role": "system", "content": config.system_prompt})
+    messages = chat_messages(text, config.system_prompt)
     solution: str | list[dict[str, str]] = str(result)
     if config.solution_format == "calculator":
         solution = calculator_transcript(f"{a} {op} {b}")

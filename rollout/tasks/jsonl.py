@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from rollout.tasks.config import JsonlTaskConfig
-from rollout.tasks.problem import Problem
+from rollout.tasks.problem import Problem, chat_messages
 
 __all__ = ["load_jsonl", "read_jsonl_problems"]
 
@@ -73,9 +73,7 @@ def read_jsonl_problems(path: str, config: JsonlTaskConfig) -> list[Problem]:
 def _problem(record: dict[str, Any], where: str, default_id: str, config: JsonlTaskConfig) -> Problem:
     prompt = _field(record, config.prompt_field, where)
     if isinstance(prompt, str) and prompt.strip():
-        messages = [{"role": "user", "content": prompt}]
-        if config.system_prompt is not None:
-            messages.insert(0, {"role": "system", "content": config.system_prompt})
+        messages = chat_messages(prompt, config.system_prompt)
     elif isinstance(prompt, list) and prompt and all(_is_message(m) for m in prompt):
         messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
     else:

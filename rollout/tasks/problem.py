@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Problem"]
+__all__ = ["Problem", "chat_messages"]
+
+
+def chat_messages(prompt: str | list[dict[str, str]], system_prompt: str | None = None) -> list[dict[str, str]]:
+    """A prompt as chat messages: text becomes one user message; a list of messages is copied. ``system_prompt``
+    goes first unless the messages already start with a system message."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if system_prompt is not None and (not messages or messages[0]["role"] != "system"):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
 
 
 @dataclass(frozen=True)
