@@ -501,5 +501,33 @@ def _paths_of_field(cls: type[pydantic.BaseModel], name: str) -> list[str]:
 
 
 def to_toml(config: Config) -> str:
-    """Render a config as TOML (``None`` fields omitted, since TOML has no null); loading it back gives ``config``."""
-    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
+    """Render a config as TOML; loading it back gives ``config``. TOML has no null: a ``None`` field is left out
+    where that is its default, and written ``false`` where the default is a value (``value_clip = false``), which
+    :func:`validate_config` reads back as None."""
+    return tomli_w.dumps(_toml_table(config))
+
+
+def _toml_table(model: pydantic.BaseModel) -> dict[str, Any]:
+    dumped = model.model_dump(mode="json")
+    out: dict[str, Any] = {}
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        if value is None:
+            if field.get_default(call_default_factory=True) is not None:
+                out[name] = False
+        elif isinstance(value, pydantic.BaseModel):
+            out[name] = _toml_table(value)
+        elif isinstance(value, list | tuple) and value and all(isinstance(v, pydantic.BaseModel) for v in value):
+            out[name] = [_toml_table(v) for v in value]
+        else:
+            out[name] = _without_none(dumped[name])
+    return out
+
+
+def _without_none(value: Any) -> Any:
+    """A JSON value with the nulls inside its tables and arrays dropped (TOML has none)."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_none(v) for v in value if v is not None]
+    return value

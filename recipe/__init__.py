@@ -45,7 +45,7 @@ from recipe.sections import ModelSection, PlacementGroupsConfig, RunConfig
 from rollout.config import MAX_SERVED_LORA_RANK, RolloutConfig, SamplingConfig
 from rollout.envs.config import AgentEnvConfig, CustomEnvConfig, EnvironmentConfig, SingleTurnEnvConfig
 from rollout.rewards.config import FunctionRewardConfig, RewardConfig, RewardModelConfig
-from rollout.sampling import GREEDY_BELOW, is_greedy
+from rollout.sampling import is_greedy
 from rollout.tasks.config import JsonlTaskConfig, TaskConfig
 from trainer.config import TrainerConfig
 from trainer.models.config import LoRAConfig
@@ -303,9 +303,8 @@ def _check_trainable_sampling(rollout: RolloutConfig) -> None:
     if is_greedy(sampling):
         raise FieldError(
             "rollout.sampling.temperature",
-            f"temperature = {sampling.temperature:g} is greedy decoding (vLLM takes the argmax below "
-            f"{GREEDY_BELOW:g}): there is no sampling distribution to train on (and every sample of a group is the "
-            "same); use a temperature > 0 (e.g. 1.0; run.eval.temperature may be 0)",
+            "temperature = 0 is greedy decoding: there is no sampling distribution to train on (and every sample of a "
+            "group is the same); use a temperature > 0 (e.g. 1.0; run.eval.temperature may be 0)",
         )
     truncation = {"top_p": sampling.top_p != 1.0, "top_k": sampling.top_k != 0, "min_tokens": sampling.min_tokens != 0}
     for name, changed in truncation.items():

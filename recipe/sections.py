@@ -9,12 +9,13 @@ here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import pydantic
 
 from common.config import Config, DType
 from common.published import published_fields
+from rollout.config import check_temperature
 from trainer.models.config import BlockChoices, Family, LoRAConfig
 
 __all__ = [
@@ -154,8 +155,9 @@ class EvalConfig(Config):
     """Evaluate after every k-th step (and always before the first and after the last); 0: only before and after."""
     num_problems: int = pydantic.Field(200, ge=0)
     """Held-out problems per evaluation (0 turns evaluation off)."""
-    temperature: float = pydantic.Field(1.0, ge=0)
-    """Sampling temperature of the evaluation (the policy's own samples); greedy accuracy is reported too."""
+    temperature: Annotated[float, pydantic.AfterValidator(check_temperature)] = pydantic.Field(1.0, ge=0)
+    """Sampling temperature of the evaluation (the policy's own samples; 0 or at least
+    ``rollout.config.MIN_TEMPERATURE``); greedy accuracy is reported too."""
 
 
 class LoggingConfig(Config):

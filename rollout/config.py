@@ -13,7 +13,26 @@ import pydantic
 from common.config import Config, DType
 from weight_sync.peft import AdapterSpec
 
-__all__ = ["MAX_SERVED_LORA_RANK", "EngineConfig", "RolloutConfig", "SamplingConfig", "UpdateMode"]
+__all__ = [
+    "MAX_SERVED_LORA_RANK", "MIN_TEMPERATURE", "EngineConfig", "RolloutConfig", "SamplingConfig", "UpdateMode",
+    "check_temperature",
+]  # fmt: skip
+
+MIN_TEMPERATURE = 0.01
+"""The lowest temperature vLLM samples at as asked: it raises any between 0 and this one to it (its ``_MAX_TEMP``),
+so the trainer, tempering the logits by the asked one, would score another distribution. 0 is greedy decoding."""
+
+
+def check_temperature(temperature: float) -> float:
+    """``temperature`` if vLLM samples at it as asked (0, greedy, or at least :data:`MIN_TEMPERATURE`), else
+    ``ValueError`` saying why."""
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature = {temperature:g}: vLLM samples at {MIN_TEMPERATURE:g} for any temperature between 0 and "
+            f"{MIN_TEMPERATURE:g}, so the trainer's log-probs (tempered by {temperature:g}) would not be those of the "
+            f"samples; use 0 (greedy) or at least {MIN_TEMPERATURE:g}"
+        )
+    return temperature
 
 MAX_SERVED_LORA_RANK = 512
 """The largest adapter rank vLLM's LoRA path serves (the top of its ``max_lora_rank`` sizes, ``MaxLoRARanks``: a test
@@ -26,8 +45,9 @@ UpdateMode = Literal["wait", "keep"]
 class SamplingConfig(Config):
     """How completions are sampled (vLLM's ``SamplingParams`` minus the group size ``n``, which the algorithm sets)."""
 
-    temperature: float = pydantic.Field(default=1.0, ge=0.0)
-    """Softmax temperature; 0 is greedy (then all samples of a group are equal)."""
+    temperature: Annotated[float, pydantic.AfterValidator(check_temperature)] = pydantic.Field(default=1.0, ge=0.0)
+    """Softmax temperature; 0 is greedy (then all samples of a group are equal); otherwise at least
+    :data:`MIN_TEMPERATURE`."""
     top_p: float = pydantic.Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p``; 1 disables it."""
     top_k: int = pydantic.Field(default=0, ge=0)

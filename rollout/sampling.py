@@ -11,15 +11,12 @@ from rollout.config import SamplingConfig
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
-__all__ = ["GREEDY_BELOW", "is_greedy", "turn_seed", "to_vllm_sampling_params"]
-
-GREEDY_BELOW = 1e-5
-"""vLLM decodes greedily (argmax) at temperatures below this (its ``_SAMPLING_EPS``)."""
+__all__ = ["is_greedy", "turn_seed", "to_vllm_sampling_params"]
 
 
 def is_greedy(sampling: SamplingConfig) -> bool:
     """Whether vLLM decodes ``sampling`` greedily: one completion per prompt, the same for every caller."""
-    return sampling.temperature < GREEDY_BELOW
+    return sampling.temperature == 0  # vLLM raises any other below MIN_TEMPERATURE to it (SamplingConfig refuses them)
 
 
 def turn_seed(sampling: SamplingConfig, group_id: int, sample_index: int, turn: int, n: int = 1) -> int | None:

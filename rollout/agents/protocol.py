@@ -12,11 +12,13 @@ recipe's, so the trainer computes the log-probs of the distribution the tokens c
 ``agent/ignored_sampling_params``), though a value outside OpenAI's range is refused as OpenAI refuses it, so a client's
 bug shows. ``tools: []`` is no tools, as vLLM takes it. ``model`` may name any model (the policy answers: an agent
 written for another server runs unchanged); parameters that leave the reply's tokens as they are (``user``,
-``metadata``, ``store``, ``prediction``, ...) are accepted, and a parameter the endpoint does not know is refused, as
-OpenAI refuses one, so a misspelt one (``max_token``) is not silently left unapplied. What cannot be served as asked
+``metadata``, ``store``, ``prediction``, ...) are accepted, and a parameter the endpoint does not know is ignored but
+reported (``agent/unknown_params`` and a warning per name: a misspelt ``max_token`` shows), since agent frameworks send
+fields of their own and a refusal fails the episode. What cannot be served as asked
 is refused with status 400 and an OpenAI error body naming the parameter (:data:`_REFUSED`): forced tool choices,
 ``parallel_tool_calls = false`` (the model may write several calls in a turn), ``top_logprobs``, structured output,
-``logit_bias`` and vLLM's constrained decoding, ``min_tokens``, audio replies, ``reasoning_effort``, prompt shaping
+``logit_bias`` and vLLM's constrained decoding, ``min_tokens``, ``ignore_eos``, beam search, audio replies,
+``reasoning_effort``, prompt shaping
 the endpoint does not apply (``chat_template_kwargs``, ``continue_final_message``, ``add_generation_prompt = false``),
 vLLM's reply options (``echo``, ``include_stop_str_in_output``, ...), non-text
 content parts. ``stream`` replies come as server-sent ``chat.completion.chunk`` events
@@ -96,6 +98,13 @@ _REFUSED: dict[str, tuple[object, str]] = {
     "web_search_options": (None, "the endpoint has no search tool; offer one through 'tools'"),
     "reasoning_effort": (None, _NOT_APPLIED),
     "verbosity": (None, _NOT_APPLIED),
+    # vLLM's own request fields that change the tokens or the prompt
+    "ignore_eos": (False, "it bans the end of a turn, changing the sampled distribution"),
+    "use_beam_search": (False, "beam search is not sampling: the trainer could not reproduce its log-probs"),
+    "length_penalty": (1.0, "beam search is not sampling: the trainer could not reproduce its log-probs"),
+    "chat_template": (None, _NOT_APPLIED + " (the model's own template renders every call)"),
+    "add_special_tokens": (False, _NOT_APPLIED + " (the template writes its own special tokens)"),
+    "truncate_prompt_tokens": (None, "a prompt is never cut: a call past the context is refused instead"),
 }
 """Parameters served only at one value (unset is that value too); any other is refused with 400 naming it."""
 _READ = frozenset({
@@ -104,9 +113,14 @@ _READ = frozenset({
 })
 """The parameters :func:`parse_chat_request` reads."""
 _NO_EFFECT = frozenset({
-    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prediction",
+    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+    "prompt_cache_options", "moderation", "prediction", "request_id", "priority", "cache_salt",
 })
-"""OpenAI parameters that do not change a reply's tokens (bookkeeping, caching, latency hints): accepted as they are."""
+"""Parameters (OpenAI's, vLLM's) that do not change a reply's tokens (bookkeeping, caching, scheduling, latency
+hints): accepted as they are. Any other name the endpoint does not know is ignored too, but reported
+(:attr:`ChatRequest.unknown_params`): clients and agent frameworks send fields of their own, and a 400 would fail the
+episode."""
+_KNOWN = frozenset({*_READ, *_NO_EFFECT, *_REFUSED, *_SAMPLING_PARAMS})
 
 
 class ProtocolError(ValueError):
@@ -135,6 +149,8 @@ class ChatRequest:
     """The client's stop token ids (vLLM's parameter; added to the recipe's)."""
     ignored_sampling_params: list[str]
     """Sampling parameters the client sent that the recipe's settings override."""
+    unknown_params: list[str]
+    """Parameters the endpoint does not know, which it ignores (``agent/unknown_params``, a warning per name)."""
     n: int = 1
     """Completions to sample (``choices``)."""
     logprobs: bool = False
@@ -149,11 +165,6 @@ def parse_chat_request(body: object) -> ChatRequest:
     """Check a decoded JSON request body; ``ProtocolError`` names the first thing wrong."""
     if not isinstance(body, Mapping):
         raise ProtocolError(f"the request body must be a JSON object, got {type(body).__name__}")
-    for name in body:  # as OpenAI's API does: a misspelt parameter (max_token) must not go silently unapplied
-        if name not in _READ and name not in _NO_EFFECT and name not in _REFUSED and name not in _SAMPLING_PARAMS:
-            raise ProtocolError(f"unrecognized request argument supplied: {name!r} (the endpoint serves OpenAI's "
-                                "chat-completions parameters and vLLM's stop_token_ids)", param=str(name),
-                                code="unsupported_parameter")  # fmt: skip
     for name, (served, why) in _REFUSED.items():
         value = body.get(name)
         if value is not None and value != served and not (served is None and value in ([], {})):  # empty: unset
@@ -186,6 +197,7 @@ def parse_chat_request(body: object) -> ChatRequest:
         stop=_stop(body.get("stop")),
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
         ignored_sampling_params=_ignored_sampling_params(body),
+        unknown_params=sorted(str(k) for k in body if body[k] is not None and k not in _KNOWN),
         n=n,
         logprobs=_logprobs(body),
         stream=_flag(body, "stream"),

@@ -80,6 +80,7 @@ class AgentOutcome:
     """The endpoint refused a call for an episode limit."""
     num_calls: int
     num_ignored_sampling: int
+    num_unknown_params: int = 0
 
 
 def load_agent_function(spec: str) -> AgentFunction:
@@ -134,9 +135,11 @@ class AgentRunner:
         value: object = None
         timed_out = False
         loop = asyncio.get_running_loop()
+        returned_at = None
         try:
             async with asyncio.timeout(self._limits.timeout_s) as deadline:
                 value = await self._function(context, **self._options)
+                returned_at = loop.time()
         except TimeoutError:
             if not deadline.expired():
                 raise self._failed(problem, "raised TimeoutError") from None
@@ -151,7 +154,8 @@ class AgentRunner:
         if episode.engine_error is not None:  # however the agent ended, the engine failed it: the worker is replaced
             raise episode.engine_error
         when = deadline.when()
-        if not timed_out and (deadline.expired() or (when is not None and loop.time() >= when)):
+        late = when is not None and returned_at is not None and returned_at >= when
+        if not timed_out and (deadline.expired() or late):
             # It returned past its time: it swallowed the cancellation, or blocked the loop in synchronous code.
             timed_out, value = True, None
         stopped = bool(episode.num_limit_refusals)
@@ -178,7 +182,7 @@ class AgentRunner:
             segments[-1].finish_reason = "length"
         reward = float(value) if number else 0.0  # type: ignore[arg-type]
         return AgentOutcome(segments, reward, timed_out, stopped, len({c.index for c in episode.calls}),
-                            episode.num_ignored_sampling)  # fmt: skip
+                            episode.num_ignored_sampling, episode.num_unknown_params)  # fmt: skip
 
     def _failed(self, problem: Problem, what: str) -> RuntimeError:
         return RuntimeError(f"agent function {self._spec!r} {what} on problem {problem.problem_id!r}")
@@ -196,11 +200,15 @@ class AgentRunner:
 
 def _from_refusal(error: BaseException) -> bool:
     """Whether the agent's ``error`` is a client's error for a refused call (status 400, or naming a limit's code),
-    or was raised from one (``raise ... from``): how an agent ends that the endpoint stopped at a limit. An error of
-    the agent's own code after it caught a refusal is not: it is the agent's bug."""
+    was raised while handling one or from one, or groups one (``asyncio.TaskGroup``): how an agent ends that the
+    endpoint stopped at a limit. An error of the agent's own code once it has handled a refusal is not: it is the
+    agent's bug."""
     seen: set[int] = set()
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
+    pending: list[BaseException] = [error]
+    while pending:
+        cause = pending.pop()
+        if id(cause) in seen:
+            continue
         seen.add(id(cause))
         response = getattr(cause, "response", None)
         status = getattr(cause, "status_code", None) or getattr(cause, "status", None)
@@ -208,7 +216,9 @@ def _from_refusal(error: BaseException) -> bool:
             return True
         if any(code in str(cause) for code in LIMIT_CODES):
             return True
-        cause = cause.__cause__
+        if isinstance(cause, BaseExceptionGroup):
+            pending.extend(cause.exceptions)
+        pending.extend(c for c in (cause.__cause__, cause.__context__) if c is not None)
     return False
 
 
@@ -221,4 +231,5 @@ def agent_metrics(outcomes: Sequence[AgentOutcome]) -> dict[str, float]:
         "agent/num_split_episodes": float(sum(len(o.episodes) > 1 for o in outcomes)),
         "agent/num_limit_stops": float(sum(o.stopped_at_limit for o in outcomes)),
         "agent/ignored_sampling_params": float(sum(o.num_ignored_sampling for o in outcomes)),
+        "agent/unknown_params": float(sum(o.num_unknown_params for o in outcomes)),
     }

@@ -79,6 +79,8 @@ class EpisodeCalls:
     """Calls refused by an episode limit (``episode_limit``, ``context_length_exceeded``)."""
     num_ignored_sampling: int = 0
     """Calls that sent sampling parameters the recipe's override."""
+    num_unknown_params: int = 0
+    """Calls that sent a parameter the endpoint does not know (ignored)."""
     closed: bool = False
     in_flight: set[asyncio.Future[Any]] = field(default_factory=set)
     engine_error: BaseException | None = None
@@ -100,6 +102,7 @@ class AgentEndpoint:
         self._prompts = PromptRenderer(copy.deepcopy(tokenizer), use_chat_template=True)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="agent-requests")
         self._episodes: dict[str, EpisodeCalls] = {}
+        self._warned_unknown: set[str] = set()
         self._runner, self.port = engine.run(self._start())
 
     @property
@@ -177,6 +180,11 @@ class AgentEndpoint:
         index = episode.num_accepted
         episode.num_accepted += 1
         episode.num_ignored_sampling += bool(chat.ignored_sampling_params)
+        episode.num_unknown_params += bool(chat.unknown_params)
+        for name in set(chat.unknown_params) - self._warned_unknown:
+            self._warned_unknown.add(name)
+            log.warning("agent endpoint: request parameter %r is not one it knows; ignored (counted in "
+                        "agent/unknown_params)", name)  # fmt: skip
         progress = _Progress() if chat.stream else None
         generation = asyncio.ensure_future(self.engine.generate_async(
             prompt, sampling, chat.n, episode.seed_of_call(index, chat.n),

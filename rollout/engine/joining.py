@@ -11,7 +11,7 @@ Seeds: an unseeded request joins any other unseeded one. vLLM seeds child ``i`` 
 completion is sampled with exactly the seed it asked for, and a seeded batch is reproducible however its requests
 were joined. :func:`rollout.sampling.turn_seed` numbers the samples of a group that way.
 
-Greedy requests (temperature below :data:`rollout.sampling.GREEDY_BELOW`) of one prompt all join, seeded or not, and
+Greedy requests (temperature 0, :func:`rollout.sampling.is_greedy`) of one prompt all join, seeded or not, and
 vLLM is asked for one completion: the argmax path is the same for every caller (and vLLM refuses ``n`` > 1 when
 greedy), so each caller gets a copy of it, as many as it asked for. A held-out set with two problems of the same text
 evaluates them this way.

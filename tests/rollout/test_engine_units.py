@@ -86,14 +86,22 @@ def test_joiner_gathers_by_prompt_sampling_and_adapter_and_keeps_seed_runs():
         loop.close()
 
 
-def test_greedy_is_vllms_rule_below_its_temperature_epsilon():
-    from rollout.config import SamplingConfig
-    from rollout.sampling import is_greedy
+def test_greedy_is_temperature_0_and_vllm_samples_every_other_temperature_as_asked():
+    """vLLM 0.32 raises a temperature between 0 and 0.01 to 0.01 and samples: only 0 is greedy, and temperatures vLLM
+    would not sample at are refused (1e-6 was taken for greedy, 1e-3 trained at 1e-3 on samples drawn at 0.01)."""
+    from rollout.config import MIN_TEMPERATURE, SamplingConfig
+    from rollout.sampling import is_greedy, to_vllm_sampling_params
 
-    assert is_greedy(SamplingConfig(temperature=0.0)) and is_greedy(SamplingConfig(temperature=1e-6))
-    assert not is_greedy(SamplingConfig(temperature=1e-4))
-    vllm_sampling = pytest.importorskip("vllm.sampling_params")
-    assert vllm_sampling._SAMPLING_EPS == pytest.approx(1e-5)  # the rule mirrored
+    assert is_greedy(SamplingConfig(temperature=0.0)) and not is_greedy(SamplingConfig(temperature=MIN_TEMPERATURE))
+    with pytest.raises(ValueError, match="vLLM samples at 0.01"):
+        SamplingConfig(temperature=1e-6)
+    pytest.importorskip("vllm")
+    from vllm.sampling_params import SamplingType
+
+    for temperature in (0.0, MIN_TEMPERATURE, 0.7):
+        params = to_vllm_sampling_params(SamplingConfig(temperature=temperature), n=1)
+        assert params.temperature == temperature  # sampled as asked
+        assert (params.sampling_type == SamplingType.GREEDY) == (temperature == 0)
 
 
 def test_greedy_waiters_of_one_prompt_are_one_request_of_one_completion_handed_out_as_copies():

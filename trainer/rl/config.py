@@ -254,13 +254,13 @@ class PPOConfig(PolicyConfig):
 
     @pydantic.model_validator(mode="before")
     @classmethod
-    def _no_vf_coef(cls, data: object) -> object:
+    def _drop_vf_coef(cls, data: object) -> object:
+        # Every earlier PPO run's recipe.resolved.toml holds it: still read (a run resumes from its record), ignored.
         if isinstance(data, dict) and "vf_coef" in data:
-            raise ValueError(
-                "vf_coef was removed: the critic has an optimizer of its own (AdamW), which undoes any constant weight "
-                "on its loss, so it changed nothing but the logged loss; set the critic's step size with "
-                "trainer.critic_lr"
-            )
+            data = {k: v for k, v in data.items() if k != "vf_coef"}
+            log.warning("algorithm.vf_coef is ignored and will be refused in a later release: the critic has an "
+                        "optimizer of its own (AdamW), which undoes a constant weight on its loss (400x changed its "
+                        "update by 3%); set the critic's step size with trainer.critic_lr")  # fmt: skip
         return data
 
 

@@ -97,6 +97,29 @@ async def refused_then_wrapped(ctx: AgentContext) -> float:
         raise RuntimeError("the model ran out of turns") from e
 
 
+async def refused_then_raised(ctx: AgentContext) -> float:
+    """Calls until refused and raises its own error while handling the refusal (implicit chaining)."""
+    client = _client(ctx)
+    try:
+        while True:
+            await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
+    except openai.BadRequestError:
+        raise RuntimeError("the model ran out of turns")  # noqa: B904
+
+
+async def refused_in_a_task_group(ctx: AgentContext) -> float:
+    """Calls from an ``asyncio.TaskGroup`` until refused: the refusal arrives inside an ExceptionGroup."""
+    client = _client(ctx)
+
+    async def call() -> None:
+        while True:
+            await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
+
+    async with asyncio.TaskGroup() as group:
+        group.create_task(call())
+    return 1.0
+
+
 async def swallows_the_timeout(ctx: AgentContext) -> float:
     """One call, then a wait that catches the cancellation the timeout sends and returns a reward anyway."""
     await _client(ctx).chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)

@@ -122,8 +122,9 @@ def test_a_served_tool_call_sent_back_renders_as_the_model_wrote_it_under_a_tojs
     ({"messages": USER, "seed": 1.5}, "seed"),
     ({"messages": USER, "top_k": True}, "top_k"),
     ({"messages": USER, "logit_bias": {"5": -100}}, "logit_bias"),  # a ban, as bad_words: it was silently ignored
-    ({"messages": USER, "max_token": 8}, "max_token"),  # misspelt: OpenAI refuses it; it was silently unapplied
     ({"messages": USER, "reasoning_effort": "low"}, "reasoning_effort"),
+    ({"messages": USER, "ignore_eos": True}, "ignore_eos"),  # vLLM's: it was silently ignored
+    ({"messages": USER, "chat_template": "{{ messages }}"}, "chat_template"),
     ({"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
     ({"messages": USER, "repetition_penalty": 0.0}, "repetition_penalty"),
     ({"messages": USER, "repetition_penalty": float("inf")}, "repetition_penalty"),
@@ -158,8 +159,12 @@ def test_parameters_at_the_values_served_as_asked_are_accepted():
               "functions": [], "bad_words": [], "allowed_token_ids": [], "structured_outputs": None,
               "tool_choice": "none", "stream_options": {}, "logit_bias": {}, "modalities": ["text"],
               "model": "gpt-4o", "user": "u1", "metadata": {"k": "v"}, "store": False,
-              "prediction": {"type": "content", "content": "x"}}  # nothing asked that is not served
-    assert parse_chat_request({"messages": USER, **served}).n == 1
+              "prediction": {"type": "content", "content": "x"}, "prompt_cache_retention": "24h", "request_id": "r",
+              "ignore_eos": False}  # nothing asked that is not served
+    assert parse_chat_request({"messages": USER, **served}).unknown_params == []
+    # Names it does not know are ignored and reported (a 400 failed the episode of any agent framework sending one)
+    unknown = {"messages": USER, "max_token": 8, "return_token_ids": True, "x": None}
+    assert parse_chat_request(unknown).unknown_params == ["max_token", "return_token_ids"]
     assert parse_chat_request({"messages": USER, "stop_token_ids": [7, 9]}).stop_token_ids == [7, 9]
     assert parse_chat_request({"messages": USER, "tools": []}).tools is None  # no tools, as vLLM takes it
     edges = {"temperature": 2, "top_p": 0.0, "top_k": -1, "seed": 10**400, "frequency_penalty": -2.0}
