@@ -9,12 +9,16 @@ __all__ = ["TOKENIZER_FILES", "check_tokenizer_dir"]
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
+    "chat_template.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "qwen.tiktoken", "tiktoken.model",
 )  # fmt: skip
 """Files of an HF model or tokenizer directory that make up its tokenizer (an export copies those present)."""
-_VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
-"""A tokenizer's vocabulary is in one of these (fast, SentencePiece, byte-level BPE, WordPiece): a directory without
-any holds no tokenizer, whatever else it has (a ``tokenizer_config.json`` alone)."""
+_VOCABULARY_FILES = (
+    "tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
+    "qwen.tiktoken", "tiktoken.model",
+)  # fmt: skip
+"""A tokenizer's vocabulary is in one of these (fast, SentencePiece, byte-level BPE, WordPiece, tiktoken): a directory
+without any holds no tokenizer, whatever else it has (a ``tokenizer_config.json`` alone)."""
 
 
 def check_tokenizer_dir(path: str | Path) -> list[str]:

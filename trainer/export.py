@@ -62,7 +62,7 @@ def complete_from_source(out_dir: str | Path, source_dir: str | Path) -> list[st
     """Copy the tokenizer files and ``generation_config.json`` of ``source_dir`` into the HF directory ``out_dir``,
     and its special-token ids into ``out_dir/config.json``; return the names written.
 
-    Raises ``ValueError`` when ``source_dir`` has no tokenizer (``tokenizer.json`` or ``tokenizer.model``): a model
+    Raises ``ValueError`` when ``source_dir`` has no tokenizer (``common.tokenizer_dir.check_tokenizer_dir``): a model
     without one cannot be used by the person it is exported for.
     """
     out, src = Path(out_dir), Path(source_dir)

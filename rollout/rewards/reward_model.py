@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rollout.rewards.config import RewardModelConfig
-from rollout.tasks.problem import Problem
+from rollout.tasks.problem import Problem, chat_messages
 from rollout.tokenizer import has_chat_template, load_tokenizer, messages_to_text
 
 __all__ = ["RewardModelReward"]
@@ -56,9 +56,7 @@ class RewardModelReward:
     def _encode(self, completion: str, problem: Problem) -> list[int]:
         tokenizer = self._tokenizer
         if has_chat_template(tokenizer):
-            prompt = problem.prompt
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            conversation = messages + [{"role": "assistant", "content": completion}]
+            conversation = [*chat_messages(problem.prompt), {"role": "assistant", "content": completion}]
             text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
             ids = tokenizer.encode(text, add_special_tokens=False)
         else:

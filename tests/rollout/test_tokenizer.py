@@ -55,6 +55,10 @@ def test_directory_without_tokenizer_files_is_a_clear_error(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ValueError, match="no tokenizer files"):
         check_tokenizer_dir(tmp_path)
+    for vocabulary in ("spiece.model", "qwen.tiktoken"):  # other families' vocabulary files pass (T5, Qwen 1)
+        (tmp_path / vocabulary).write_text("x")
+        assert vocabulary in check_tokenizer_dir(tmp_path)
+        (tmp_path / vocabulary).unlink()
 
 
 def test_corrupt_tokenizer_file_is_a_clear_error(tmp_path, model_dir):
