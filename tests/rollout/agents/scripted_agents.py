@@ -76,12 +76,17 @@ async def over_the_limit(ctx: AgentContext) -> float:
         messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
 
 
+async def _call_until_refused(ctx: AgentContext) -> None:
+    """Short calls until the endpoint refuses one (``openai.BadRequestError``, raised)."""
+    client = _client(ctx)
+    while True:
+        await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
+
+
 async def bug_after_the_limit(ctx: AgentContext) -> float:
     """Calls until refused, catches the refusal, then fails in its own code (a bug the refusal must not hide)."""
-    client = _client(ctx)
     try:
-        while True:
-            await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
+        await _call_until_refused(ctx)
     except openai.BadRequestError:
         pass
     return {"score": 1.0}["reward"]
@@ -89,34 +94,26 @@ async def bug_after_the_limit(ctx: AgentContext) -> float:
 
 async def refused_then_wrapped(ctx: AgentContext) -> float:
     """Calls until refused and re-raises the refusal as its own error (``raise ... from``): a stop at the limit."""
-    client = _client(ctx)
     try:
-        while True:
-            await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
+        await _call_until_refused(ctx)
     except openai.BadRequestError as e:
         raise RuntimeError("the model ran out of turns") from e
+    return 1.0
 
 
 async def refused_then_raised(ctx: AgentContext) -> float:
     """Calls until refused and raises its own error while handling the refusal (implicit chaining)."""
-    client = _client(ctx)
     try:
-        while True:
-            await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
+        await _call_until_refused(ctx)
     except openai.BadRequestError:
         raise RuntimeError("the model ran out of turns")  # noqa: B904
+    return 1.0
 
 
 async def refused_in_a_task_group(ctx: AgentContext) -> float:
     """Calls from an ``asyncio.TaskGroup`` until refused: the refusal arrives inside an ExceptionGroup."""
-    client = _client(ctx)
-
-    async def call() -> None:
-        while True:
-            await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
-
     async with asyncio.TaskGroup() as group:
-        group.create_task(call())
+        group.create_task(_call_until_refused(ctx))
     return 1.0
 
 
