@@ -96,6 +96,7 @@ def _checked_run(recipe: Recipe, out_dir: Path, resume: str | None, address: str
         dataset = build_dataset(recipe.task)
         ensure_model(recipe)
         check_tokenizer_dir(recipe.rollout.tokenizer_dir)  # loaded while the actors start
+        _check_exportable(recipe)
         model_cfg = _policy_config(recipe)
         recipe.trainer.check_model(model_cfg)
         if resume_from is not None:
@@ -252,6 +253,24 @@ def _check_resumable(ckpt: Path, model_cfg: ModelConfig, recipe: Recipe, out_dir
             "--resume), or start afresh without --resume"
         ) from e
     _check_lora_base(recipe, out_dir)
+
+
+def _check_exportable(recipe: Recipe) -> None:
+    """Raise ``ValueError`` when the run's exports could not be completed: they copy the tokenizer of ``[model] path``
+    (directly, or through ``warm_start_model``), so a model directory without one, its tokenizer elsewhere
+    (``rollout.tokenizer_path``), would fail the final export after all the training."""
+    if recipe.rollout.tokenizer_path is None:
+        return  # the model directory's tokenizer is the one just checked
+    from common.tokenizer_dir import check_tokenizer_dir
+
+    try:
+        check_tokenizer_dir(recipe.model.path)
+    except (ValueError, FileNotFoundError):
+        raise ValueError(
+            f"the model directory {recipe.model.path} has no tokenizer files, and the run's exported models "
+            f"(final_model/, hf/) take theirs from it: copy the tokenizer there (tokenizer.save_pretrained(DIR), from "
+            f"rollout.tokenizer_path = {recipe.rollout.tokenizer_path}) and the run can leave tokenizer_path unset"
+        ) from None
 
 
 def _check_lora_base(recipe: Recipe, out_dir: Path) -> None:

@@ -382,3 +382,23 @@ def test_sigterm_stops_a_run_as_ctrl_c_does():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler raises in this thread first
     assert signal.getsignal(signal.SIGTERM) is before and received.is_set()  # a wait in Ray re-raises it as Ctrl-C
+
+
+def test_a_tokenizer_elsewhere_than_the_model_fails_before_ray_when_exports_could_not_copy_it(tmp_path, capsys, no_ray):
+    """Exports take the tokenizer of ``[model] path``: with it only under ``rollout.tokenizer_path`` the final export
+    failed after all the training."""
+    from common.tokenizer_dir import TOKENIZER_FILES
+
+    started = _recipe(tmp_path, "model", 128)
+    ensure_model(started)
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    for name in TOKENIZER_FILES:
+        if (Path(started.model.path) / name).is_file():
+            shutil.move(Path(started.model.path) / name, tokenizer / name)
+    elsewhere = load_recipe("recipes/grpo_tiny.toml", {
+        "model.path": started.model.path, "run.output_dir": str(tmp_path / "out"), "run.num_steps": 4,
+        "rollout.tokenizer_path": str(tokenizer),
+    })  # fmt: skip
+    assert run(elsewhere) == 2
+    assert f"the model directory {started.model.path} has no tokenizer files" in capsys.readouterr().err
