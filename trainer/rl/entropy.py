@@ -13,13 +13,7 @@ import torch
 from trainer.rl.aggregation import AggregateKwargs, aggregate
 from trainer.rl.config import LossAggregation
 
-__all__ = ["entropy_bonus", "entropy_from_logits"]
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim: ``logsumexp(z) - sum(softmax(z) * z)``. [..., V] -> [...]."""
-    logits = logits.float()
-    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+__all__ = ["entropy_bonus"]
 
 
 def entropy_bonus(

@@ -6,22 +6,30 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.rl.entropy import entropy_bonus, entropy_from_logits
+from trainer.models.output_head import dense_token_logprobs
+from trainer.rl.entropy import entropy_bonus
 from trainer.rl.sft import sft_loss
 from trainer.rl.value_loss import clipped_value_loss
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy the policy's output heads are checked against (``dense_token_logprobs``: logits = hidden @ I)."""
+    vocab = logits.shape[-1]
+    _, entropy = dense_token_logprobs(logits, torch.eye(vocab), torch.zeros(logits.shape[:-1], dtype=torch.long))
+    return entropy
 
 
 def test_entropy_hand_values():
     logits = torch.tensor([[0.0, 0.0], [0.0, math.log(3)]])
     expected = [math.log(2), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]
-    torch.testing.assert_close(entropy_from_logits(logits), torch.tensor(expected))
+    torch.testing.assert_close(_entropy(logits), torch.tensor(expected))
 
 
 def test_entropy_matches_torch_categorical():
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 50) * 4
     reference = torch.distributions.Categorical(logits=logits).entropy()
-    torch.testing.assert_close(entropy_from_logits(logits), reference)
+    torch.testing.assert_close(_entropy(logits), reference)
 
 
 def test_entropy_bonus():
