@@ -56,6 +56,15 @@ class TrainState:
     policy_version: int = 0
     data_cursor: dict = field(default_factory=dict)
 
+    def reset_optimizers(self) -> None:
+        """Fresh AdamW state and learning-rate schedules over what trains now, for the policy and the critic (a new
+        phase of training starts: RL after the warm start)."""
+        self.optimizer, self.scheduler = _optimizer_and_schedule(self.policy, self.cfg)
+        if self.critic is not None:
+            self.critic_optimizer, self.critic_scheduler = _optimizer_and_schedule(
+                self.critic, self.cfg, self.cfg.critic_lr
+            )
+
     @property
     def dp_rank(self) -> int:
         return self._dp_mesh().get_local_rank()
@@ -108,6 +117,13 @@ def _materialize(
     return model
 
 
+def _optimizer_and_schedule(
+    model: torch.nn.Module, cfg: TrainerConfig, lr: float | None = None
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    optimizer = build_optimizer(model, cfg.optimizer, lr=lr)
+    return optimizer, build_scheduler(optimizer, cfg.schedule)
+
+
 def build_train_state(
     cfg: TrainerConfig,
     model_cfg: ModelConfig,
@@ -142,17 +158,16 @@ def build_train_state(
         return None if part in restored else initial
 
     policy = _materialize(policy, mesh, cfg, device, initial_for("policy"))
-    optimizer = build_optimizer(policy, cfg.optimizer)
+    optimizer, scheduler = _optimizer_and_schedule(policy, cfg)
     state = TrainState(
         cfg=cfg, model_cfg=model_cfg, algorithm=algo, device=device, mesh=mesh, policy=policy,
-        optimizer=optimizer, scheduler=build_scheduler(optimizer, cfg.schedule),
+        optimizer=optimizer, scheduler=scheduler,
     )  # fmt: skip
     if reference is not None:
         state.reference = _materialize(reference, mesh, cfg, device, initial_for("reference"))
     if critic is not None:
         state.critic = _materialize(critic, mesh, cfg, device, initial_for("critic"))
-        state.critic_optimizer = build_optimizer(state.critic, cfg.optimizer, lr=cfg.critic_lr)
-        state.critic_scheduler = build_scheduler(state.critic_optimizer, cfg.schedule)
+        state.critic_optimizer, state.critic_scheduler = _optimizer_and_schedule(state.critic, cfg, cfg.critic_lr)
     if cfg.releases_freed_memory:
         for trained in (state.policy, state.critic):
             if trained is not None:

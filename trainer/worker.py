@@ -206,7 +206,6 @@ class TrainerWorker:
         import torch
 
         from trainer.models.lora import set_adapters_enabled, train_adapters
-        from trainer.optim import build_optimizer, build_scheduler
 
         state = self._require_state()
         if self.model_cfg.lora is not None:
@@ -220,11 +219,7 @@ class TrainerWorker:
             for model in copies:
                 for copy, pol in zip(model.parameters(), state.policy.parameters(), strict=True):
                     copy.copy_(pol)
-        state.optimizer = build_optimizer(state.policy, self.cfg.optimizer)
-        state.scheduler = build_scheduler(state.optimizer, self.cfg.schedule)
-        if state.critic is not None:  # its own Adam moments and schedule start with RL too
-            state.critic_optimizer = build_optimizer(state.critic, self.cfg.optimizer, lr=self.cfg.critic_lr)
-            state.critic_scheduler = build_scheduler(state.critic_optimizer, self.cfg.schedule)
+        state.reset_optimizers()
 
     # -- state -----------------------------------------------------------------------------------------------------
     def save_checkpoint(self, data_cursor: dict | None = None) -> str:
