@@ -129,12 +129,8 @@ def earlier_runs_kept(out_dir: Path, checkpoint_dir: Path) -> tuple[int, int]:
     kept = sorted(out_dir.glob("previous-*"))
     if not checkpoint_dir.resolve().is_relative_to(out_dir.resolve()):
         kept += sorted(checkpoint_dir.parent.glob(f"{checkpoint_dir.name}.previous-*"))
-    size = 0
-    for path in kept:
-        for f in [path] if path.is_file() else path.rglob("*"):
-            if f.is_file() and not f.is_symlink():
-                size += f.stat().st_size
-    return len([p for p in kept if p.name.startswith("previous-")]), size
+    size = sum(f.stat().st_size for path in kept for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    return sum(p.name.startswith("previous-") for p in kept), size
 
 
 def set_aside_earlier_run(

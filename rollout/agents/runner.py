@@ -10,13 +10,13 @@ last call's text, as for any environment); ``None`` adds nothing. A timeout (``e
 finished by then, adds nothing, and ends the episode with finish reason ``length`` (also when the agent returns past
 its time: it caught the cancellation, or blocked the loop), as does an agent that ended on the error of a call the
 endpoint refused for an episode limit (its client's 400, an error raised from it or while handling it, a task group's
-error holding it). Such an episode without a
-finished call (its first call refused for the context, or still in flight at the timeout) is a sample with no model
-tokens (the problem's prompt, rendered as the endpoint renders calls; :func:`rollout.envs.unplayed_episode`) whose
-reward (the agent's number, if it returned one, and the reward terms of an empty text) counts in its group, as a
-built-in environment's episode that timed out before its first turn. Any other error of the agent (one in its own
-code after it caught a refusal included) fails the batch, naming the function and the problem, as does an agent that
-returns without a call: it is a bug to fix, not a sample to learn from.
+error holding it). Such an episode without a finished call (its first call refused for the context, or still in
+flight at the timeout) is a sample with no model tokens (the problem's prompt, rendered as the endpoint renders calls;
+:func:`rollout.envs.unplayed_episode`) whose reward (the agent's number, if it returned one, and the reward terms of
+an empty text) counts in its group, as a built-in environment's episode that timed out before its first turn. Any
+other error of the agent (one in its own code after it caught a refusal included) fails the batch, naming the
+function and the problem, as does an agent that returns without a call: it is a bug to fix, not a sample to learn
+from.
 """
 
 from __future__ import annotations

@@ -12,20 +12,14 @@ from rollout.envs.config import FeedbackEnvConfig, ToolEnvConfig
 from rollout.envs.tools import Tool, build_tool, parse_tool_calls
 from rollout.tasks.problem import Problem, chat_messages
 
-__all__ = ["FeedbackEnvironment", "SingleTurnEnvironment", "ToolEnvironment", "problem_messages"]
-
-
-def problem_messages(problem: Problem, system_prompt: str | None = None) -> list[Message]:
-    """The problem's prompt as chat messages (text: one user message), after ``system_prompt`` unless the prompt
-    already has a system message."""
-    return chat_messages(problem.prompt, system_prompt)
+__all__ = ["FeedbackEnvironment", "SingleTurnEnvironment", "ToolEnvironment"]
 
 
 class SingleTurnEnvironment(Environment):
     """The task's prompt, one model turn, done: what a single-turn recipe runs (the reward terms score the turn)."""
 
     async def reset(self, problem: Problem) -> list[Message]:
-        return problem_messages(problem)
+        return chat_messages(problem.prompt)
 
     async def step(self, text: str) -> StepResult:
         return StepResult(done=True)
@@ -47,7 +41,7 @@ class ToolEnvironment(Environment):
         self.tools = [t.schema() for t in built]
 
     async def reset(self, problem: Problem) -> list[Message]:
-        return problem_messages(problem, self._config.system_prompt)
+        return chat_messages(problem.prompt, self._config.system_prompt)
 
     async def step(self, text: str) -> StepResult:
         calls = parse_tool_calls(text)
@@ -88,7 +82,7 @@ class FeedbackEnvironment(Environment):
 
     async def reset(self, problem: Problem) -> list[Message]:
         self._answer = problem.answer.strip()
-        return problem_messages(problem)
+        return chat_messages(problem.prompt)
 
     async def step(self, text: str) -> StepResult:
         from rollout.rewards.rules import normalize_answer

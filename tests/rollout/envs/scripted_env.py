@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from rollout.envs import Environment, Message, StepResult
-from rollout.envs.builtin import ToolEnvironment, problem_messages
+from rollout.envs.builtin import ToolEnvironment
 from rollout.envs.config import ToolEnvConfig
-from rollout.tasks.problem import Problem
+from rollout.tasks.problem import Problem, chat_messages
 
 
 class EchoObservations(Environment):
@@ -17,7 +17,7 @@ class EchoObservations(Environment):
         self.closed = False
 
     async def reset(self, problem: Problem) -> list[Message]:
-        return problem_messages(problem)
+        return chat_messages(problem.prompt)
 
     async def step(self, text: str) -> StepResult:
         self._turn += 1
@@ -51,7 +51,7 @@ class Returns(Environment):
         self.closed = False
 
     async def reset(self, problem: Problem) -> list[Message]:
-        return problem_messages(problem)
+        return chat_messages(problem.prompt)
 
     async def step(self, text: str) -> StepResult:
         return self._value  # type: ignore[return-value]
