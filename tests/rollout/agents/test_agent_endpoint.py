@@ -44,6 +44,16 @@ def _runner(worker, function: str, **limits) -> AgentRunner:
     return AgentRunner(AgentEnvConfig(function=f"{AGENTS}:{function}", **limits), worker.engine, worker.tokenizer)
 
 
+def _one_episode(worker, function: str, **limits):
+    """The outcome of one episode of ``function`` on :data:`PROBLEM` (its runner shut down after)."""
+    runner = _runner(worker, function, **limits)
+    try:
+        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
+    finally:
+        runner.shutdown()
+    return outcome
+
+
 def _episodes(samples):
     """Samples of one batch grouped into episodes (by sample index), segments in order."""
     out: dict[int, list] = {}
@@ -124,11 +134,7 @@ def test_a_tool_call_round_trips_through_the_client_into_one_sample(worker, monk
 
     monkeypatch.setattr(worker.engine, "generate_async", first_call_scripted)
     scripted_agents.RECORDS.clear()
-    runner = _runner(worker, "tool_loop", max_turns=2, options={"turns": 2})
-    try:
-        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
-    finally:
-        runner.shutdown()
+    outcome = _one_episode(worker, "tool_loop", max_turns=2, options={"turns": 2})
     [first, second] = scripted_agents.RECORDS[(PROBLEM.problem_id, 0)]
     [call] = first["reply"].tool_calls
     assert first["finish_reason"] == "tool_calls" and first["reply"].content is None
@@ -159,60 +165,36 @@ def test_a_rewritten_history_splits_the_episode(worker):
 
 
 def test_limits_refuse_calls_and_end_the_episode_as_length(worker):
-    runner = _runner(worker, "over_the_limit", max_turns=2)
-    try:
-        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
-    finally:
-        runner.shutdown()
+    outcome = _one_episode(worker, "over_the_limit", max_turns=2)
     assert outcome.num_calls == 2 and outcome.stopped_at_limit and outcome.episodes[-1].finish_reason == "length"
-    runner = _runner(worker, "over_the_limit", max_turns=50, max_total_tokens=40)
-    try:
-        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
-    finally:
-        runner.shutdown()
+    outcome = _one_episode(worker, "over_the_limit", max_turns=50, max_total_tokens=40)
     grown = [len(e.completion_ids) for e in outcome.episodes]
     assert outcome.stopped_at_limit and outcome.num_calls < 50 and sum(grown) <= 40 * len(grown)
     assert outcome.episodes[-1].finish_reason == "length"
 
 
 def test_a_timeout_keeps_the_calls_finished_before_it(worker):
-    runner = _runner(worker, "one_call_then_hang", max_turns=4, timeout_s=1.0)
-    try:
-        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
-    finally:
-        runner.shutdown()
+    outcome = _one_episode(worker, "one_call_then_hang", max_turns=4, timeout_s=1.0)
     assert outcome.timed_out and outcome.num_calls == 1 and outcome.reward == 0.0
     assert outcome.episodes[-1].finish_reason == "length"
 
 
 @pytest.mark.parametrize("function", ["refused_then_wrapped", "refused_then_raised", "refused_in_a_task_group"])
 def test_a_refusal_reraised_by_the_agent_is_a_stop_at_the_limit(worker, function):
-    runner = _runner(worker, function, max_turns=2)
-    try:
-        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
-    finally:
-        runner.shutdown()
+    outcome = _one_episode(worker, function, max_turns=2)
     assert outcome.stopped_at_limit and outcome.num_calls == 2 and outcome.episodes[-1].finish_reason == "length"
 
 
 @pytest.mark.parametrize("function", ["swallows_the_timeout", "blocks_past_the_timeout"])
 def test_an_agent_that_returns_past_its_timeout_timed_out(worker, function):
     """It returned 1.0 as a finished episode (finish reason 'stop', its reward counted) after its timeout."""
-    runner = _runner(worker, function, max_turns=4, timeout_s=1.0)
-    try:
-        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
-    finally:
-        runner.shutdown()
+    outcome = _one_episode(worker, function, max_turns=4, timeout_s=1.0)
     assert outcome.timed_out and outcome.reward == 0.0 and outcome.episodes[-1].finish_reason == "length"
 
 
 def test_a_numpy_reward_is_a_reward(worker):
     """``np.float32(0.5)`` was refused as "not a finite number"."""
-    runner = _runner(worker, "numpy_reward")
-    try:
-        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
-    finally:
-        runner.shutdown()
+    outcome = _one_episode(worker, "numpy_reward")
     assert outcome.reward == 0.5 and type(outcome.reward) is float
 
 
@@ -297,11 +279,7 @@ def test_a_failing_agent_fails_the_batch_naming_it(worker, function, match):
     ("sleeps_before_its_call", {"timeout_s": 0.5}),
 ])  # fmt: skip
 def test_an_episode_a_limit_ends_before_any_call_is_a_sample_without_model_tokens(worker, function, limits):
-    runner = _runner(worker, function, max_turns=4, **limits)
-    try:
-        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
-    finally:
-        runner.shutdown()
+    outcome = _one_episode(worker, function, max_turns=4, **limits)
     [episode] = outcome.episodes
     assert outcome.num_calls == 0 and outcome.reward == 0.0 and episode.finish_reason == "length"
     assert outcome.timed_out == ("timeout_s" in limits) and outcome.stopped_at_limit == ("timeout_s" not in limits)
@@ -348,11 +326,7 @@ def test_when_one_agent_fails_the_others_stop(worker, monkeypatch):
 
 
 def test_an_agent_that_goes_on_with_its_first_choice_is_scored_on_it(worker):
-    runner = _runner(worker, "best_of_two_first")
-    try:
-        [outcome] = runner.run([(PROBLEM, 0, 0)], SAMPLING)
-    finally:
-        runner.shutdown()
+    outcome = _one_episode(worker, "best_of_two_first")
     # The unused choice is a sample of its own; the last, which rewards score, ends with the agent's last reply (the
     # segment logic itself: tests/rollout/agents/test_protocol.py).
     assert len(outcome.episodes) >= 2 and outcome.episodes[-1].final_text == scripted_agents.LAST_REPLY[0]
