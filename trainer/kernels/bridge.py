@@ -7,7 +7,8 @@ Each kernel is a JAX function (Pallas inside) exposed to PyTorch as a ``torch.li
 - TPU tensors (``torch.device("tpu")`` from the ``torch-tpu`` package): the op's ``tpu`` kernel calls an op made by
   ``torch.tpu.pallas.jax_op``, which compiles the same JAX function with Mosaic for the chip.
 - anything else (CUDA, MPS, ...): there is no Pallas path for it here, so the op raises a ``ValueError`` naming the
-  config flag and what to use instead. Never a silent fallback to another implementation.
+  config flag and what to use instead (:func:`check_kernel_device`, from the block's declaration in
+  ``trainer.models.registry``). Never a silent fallback to another implementation.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import jax
 import torch
 
-from trainer.models.registry import PALLAS_DEVICES
+from trainer.models.registry import BlockRegistry
 
 __all__ = [
     "check_kernel_device",
@@ -71,23 +72,21 @@ def tpu_backend_available() -> bool:
     return True
 
 
-def check_kernel_device(device: torch.device | str, *, flag: str, alternative: str) -> None:
-    """Raise ``ValueError`` unless a Pallas kernel enabled by ``flag`` can run on ``device``.
-
-    Supported: the devices of :data:`trainer.models.registry.PALLAS_DEVICES` (``cpu`` in interpret mode, ``tpu`` when
-    the torch-tpu backend is present) and ``meta`` (shape propagation only). ``alternative`` names the setting to use
-    elsewhere.
-    """
+def check_kernel_device(device: torch.device | str, registry: BlockRegistry[Any], name: str) -> None:
+    """Raise ``ValueError`` unless the Pallas kernel registered as block ``name`` of ``registry`` can run on
+    ``device``: a device its declaration lists (``trainer.models.registry``, the one owner of where each block runs),
+    or ``meta`` (shape propagation only), and on ``tpu`` only with the torch-tpu backend present. The message names the
+    config field and the declared alternative."""
     device_type = _device_type(device)
-    if device_type != "meta" and device_type not in PALLAS_DEVICES:
-        raise ValueError(
-            f"{flag} runs Pallas TPU kernels (Mosaic-compiled on TPU via torch-tpu, interpret mode on CPU) and has no "
-            f"path for device '{device_type}'. Set {alternative} on this platform."
-        )
+    problem = registry.device_problem(name, device_type)
+    if problem is not None:
+        raise ValueError(f"{problem}. The block runs Pallas kernels: Mosaic-compiled on TPU, interpret mode on CPU.")
     if device_type == "tpu" and not tpu_backend_available():
+        alternative = registry.declared[name].alternative
+        field = registry.config_field
         raise ValueError(
-            f"{flag} on device 'tpu' needs the torch-tpu backend (pip install 'rl-align[tpu]') on a TPU host; "
-            f"none is available here. Run on a TPU host or set {alternative}."
+            f"{field} = \"{name}\" on device 'tpu' needs the torch-tpu backend (pip install 'rl-align[tpu]') on a TPU "
+            f'host; none is available here. Run on a TPU host or set {field} = "{alternative}".'
         )
 
 

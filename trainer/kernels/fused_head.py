@@ -25,10 +25,8 @@ from trainer.kernels.bridge import (
 from trainer.kernels.fused_head_kernel import HeadBlockSizes, fused_head_backward_jax, fused_head_forward_jax
 from trainer.models.registry import OUTPUT_HEADS
 
-__all__ = ["FLAG", "check_supported", "fused_head_block", "fused_head_logprobs"]
+__all__ = ["check_supported", "fused_head_block", "fused_head_logprobs"]
 
-FLAG = 'output_head = "fused_pallas"'
-_ALTERNATIVE = 'output_head = "chunked" (the torch head that never holds full logits)'
 _TPU_BLOCKS = HeadBlockSizes(block_tokens=256, block_vocab=512)
 
 
@@ -43,7 +41,7 @@ def _cpu_blocks(num_tokens: int, vocab_size: int) -> HeadBlockSizes:
 
 def check_supported(device: torch.device | str) -> None:
     """Raise ``ValueError`` unless the fused head can run on ``device`` (cpu: interpret mode; tpu: torch-tpu)."""
-    check_kernel_device(device, flag=FLAG, alternative=_ALTERNATIVE)
+    check_kernel_device(device, OUTPUT_HEADS, "fused_pallas")
 
 
 @torch.library.custom_op("rl_align::fused_head_logprobs", mutates_args=())

@@ -24,15 +24,13 @@ from trainer.kernels.gmm_kernel import GmmTiling, gmm_backward_jax, gmm_forward_
 from trainer.models.moe import sort_by_expert
 from trainer.models.registry import MOE_EXPERTS
 
-__all__ = ["FLAG", "check_supported", "gmm", "gmm_experts"]
+__all__ = ["check_supported", "gmm", "gmm_experts"]
 
-FLAG = 'moe_experts = "gmm_pallas"'
-_ALTERNATIVE = 'moe_experts = "grouped" (torch grouped matmul)'
 
 
 def check_supported(device: torch.device | str) -> None:
     """Raise ``ValueError`` unless the grouped matmul can run on ``device`` (cpu: interpret mode; tpu: torch-tpu)."""
-    check_kernel_device(device, flag=FLAG, alternative=_ALTERNATIVE)
+    check_kernel_device(device, MOE_EXPERTS, "gmm_pallas")
 
 
 # Interpret mode pays per grid step, so CPU takes the largest tiles; TPU tiles must fit VMEM.

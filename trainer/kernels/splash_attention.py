@@ -34,16 +34,14 @@ from trainer.kernels.bridge import (
 from trainer.kernels.tpu_layout import LANES
 from trainer.models.registry import ATTENTION_BLOCKS
 
-__all__ = ["FLAG", "check_supported", "splash_attention", "splash_attention_block", "splash_attention_jax"]
+__all__ = ["check_supported", "splash_attention", "splash_attention_block", "splash_attention_jax"]
 
-FLAG = 'attention = "splash"'
-_ALTERNATIVE = 'attention = "sdpa" (torch scaled_dot_product_attention)'
 _PAD_SEGMENT = -1
 
 
 def check_supported(device: torch.device | str) -> None:
     """Raise ``ValueError`` unless splash attention can run on ``device`` (cpu: interpret mode; tpu: torch-tpu)."""
-    check_kernel_device(device, flag=FLAG, alternative=_ALTERNATIVE)
+    check_kernel_device(device, ATTENTION_BLOCKS, "splash")
 
 
 def _block_size(padded_len: int) -> int:
