@@ -25,6 +25,7 @@ from __future__ import annotations
 from trainer.config import ActivationCheckpointConfig
 from trainer.models.config import LoRAConfig, ModelConfig
 from weight_sync.peft import expert_target_dims
+from weight_sync.spec import itemsize
 
 __all__ = [
     "activation_bytes",
@@ -35,7 +36,6 @@ __all__ = [
     "train_state_bytes",
 ]
 
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def adapter_params(model: ModelConfig, lora: LoRAConfig) -> int:
@@ -70,7 +70,7 @@ def gathered_block_bytes(
     """Bytes of unsharded blocks at the peak of a block's backward (see the module docstring): two blocks' parameters
     and one block's gradients in ``param_dtype``, those gradients again in ``reduce_dtype``."""
     params = model.block_params(expert_parallel_degree)
-    return params * (3 * _BYTES[param_dtype] + _BYTES[reduce_dtype])
+    return params * (3 * itemsize(param_dtype) + itemsize(reduce_dtype))
 
 
 def gathered_root_bytes(
@@ -89,7 +89,7 @@ def gathered_root_bytes(
         matrices = matrices // tensor_parallel_degree if tensor_parallel_degree > 1 else 0
     params = model.dim + matrices
     grads = 0 if model.lora is not None else params
-    return params * _BYTES[param_dtype] + grads * (_BYTES[param_dtype] + _BYTES[reduce_dtype])
+    return params * itemsize(param_dtype) + grads * (itemsize(param_dtype) + itemsize(reduce_dtype))
 
 
 def block_activation_values(model: ModelConfig) -> int:
@@ -114,7 +114,7 @@ def activation_bytes(
     """Bytes of activations one forward + backward of ``tokens`` tokens holds at its peak, with ``checkpoint``'s blocks
     recomputed (None: none), in compute dtype ``dtype``; ``head_tokens`` (default: all) are the positions the output
     head runs on (an RL loss reads completion positions only)."""
-    size = _BYTES[dtype]
+    size = itemsize(dtype)
     per_block = block_activation_values(model) * tokens * size
     checkpointed = 0 if checkpoint is None else len(checkpoint.checkpointed_blocks(model.num_layers))
     kept = (model.num_layers - checkpointed) * per_block

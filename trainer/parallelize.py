@@ -35,7 +35,6 @@ __all__ = [
     "sync_tensor_parallel_partial_grads", "uses_fsdp",
 ]  # fmt: skip
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_mesh(cfg: TrainerConfig, device_type: str) -> DeviceMesh:
@@ -132,7 +131,7 @@ def parallelize_model(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> Mo
     """
     expert_parallel = cfg.parallelism.expert_parallel_degree > 1
     tensor_parallel = cfg.parallelism.tensor_parallel_degree > 1
-    compute_dtype = _DTYPES[cfg.mixed_precision.param_dtype]
+    compute_dtype = getattr(torch, cfg.mixed_precision.param_dtype)
     if tensor_parallel:
         _apply_tensor_parallel(model, mesh["tp"])
         if cfg.parallelism.vocab_parallel:
@@ -144,7 +143,7 @@ def parallelize_model(model: ModelT, mesh: DeviceMesh, cfg: TrainerConfig) -> Mo
     if not uses_fsdp(mesh, cfg):
         return model
     dp_mesh = data_parallel_mesh(mesh)
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=_DTYPES[cfg.mixed_precision.reduce_dtype])
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=getattr(torch, cfg.mixed_precision.reduce_dtype))
     reshard = cfg.parallelism.reshard_after_forward
     blocks = list(model.layers)
     for block in blocks:

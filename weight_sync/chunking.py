@@ -21,7 +21,7 @@ import zstandard
 from protos import weight_sync_pb2 as pb
 from weight_sync.codec import encode_chunk, sparse_encode, sparse_payload, xor_encode
 from weight_sync.layout import box_error
-from weight_sync.spec import TensorSpec, element_dtype
+from weight_sync.spec import TensorSpec, dtype_name, element_dtype
 
 __all__ = [
     "Chunk", "DeltaCoder", "LocalShard", "Piece", "Shard", "as_local", "piece_chunks", "plan_streams",
@@ -63,13 +63,12 @@ class LocalShard:
 def as_local(shard: Shard) -> LocalShard:
     """Validate a Shard and view its tensor as flat unsigned elements (a copy only for non-CPU or strided tensors)."""
     tensor = shard.tensor.detach()
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    spec = TensorSpec(shard.name, tuple(shard.global_shape), dtype)
+    spec = TensorSpec(shard.name, tuple(shard.global_shape), dtype_name(tensor.dtype))
     problem = box_error(spec.shape, tuple(shard.global_offsets), tuple(tensor.shape))
     if problem:
         raise ValueError(f"shard of {shard.name}: {problem}")
     flat = tensor.cpu().contiguous().reshape(-1)
-    elem = element_dtype(dtype)
+    elem = element_dtype(spec.dtype)
     values = flat.view(torch.uint8).numpy().view(elem) if flat.numel() else np.empty(0, elem)
     return LocalShard(shard.name, spec, tuple(shard.global_offsets), tuple(tensor.shape), values)
 

@@ -23,6 +23,8 @@ from typing import BinaryIO
 
 import torch
 
+from weight_sync.spec import dtype_name
+
 __all__ = [
     "DTYPE_CODES", "INDEX_FILE", "SINGLE_FILE", "TensorEntry", "is_weights_file", "shard_file_name", "split_into_files",
     "write_streamed",
@@ -80,7 +82,7 @@ def _header(entries: Sequence[TensorEntry], metadata: dict[str, str] | None) -> 
     for name, shape, dtype in entries:
         if name in header:
             raise ValueError(f"tensor {name!r} appears twice in the plan")
-        code = DTYPE_CODES.get(str(dtype).removeprefix("torch."))
+        code = DTYPE_CODES.get(dtype_name(dtype))
         if code is None:
             raise ValueError(f"{name}: dtype {dtype} has no safetensors code")
         end = offset + _nbytes(shape, dtype)

@@ -30,7 +30,7 @@ from weight_sync.peft import (
     write_peft_adapter,
 )  # fmt: skip
 from weight_sync.safetensors_stream import SINGLE_FILE, write_streamed
-from weight_sync.spec import TensorSpec
+from weight_sync.spec import TensorSpec, dtype_name
 
 __all__ = [
     "POLICY_VERSION_FILE", "PeftAdapterDirSink", "SafetensorsDirSink", "StateDictSink", "TensorSpec", "WeightSink",
@@ -62,7 +62,7 @@ class WeightSink(Protocol):
 
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
     """The TensorSpec of a full tensor ("torch.bfloat16" -> "bfloat16")."""
-    return TensorSpec(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+    return TensorSpec(name, tuple(tensor.shape), dtype_name(tensor.dtype))
 
 
 class StateDictSink:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["DTYPE_ITEMSIZE", "TensorSpec", "element_dtype", "itemsize"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DTYPE_ITEMSIZE", "TensorSpec", "dtype_name", "element_dtype", "itemsize"]
 
 # torch dtype names accepted on the wire -> bytes per element.
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -25,6 +29,11 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "bool": 1,
 }
 _UINT_BY_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name of a torch dtype as the wire, recipes and HF configs spell it (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def itemsize(dtype: str) -> int:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from rollout.engine.vllm_engine import VLLMEngine
 from weight_sync.checkpoint import read_checkpoint_manifest
 from weight_sync.peft import adapter_manifest
-from weight_sync.spec import TensorSpec
+from weight_sync.spec import TensorSpec, dtype_name
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +32,7 @@ def check_update(specs: Mapping[str, TensorSpec], tensors: Mapping[str, torch.Te
         if spec is None:
             problems.append(f"{name}: not in the model's manifest")
             continue
-        dtype = str(tensor.dtype).removeprefix("torch.")
+        dtype = dtype_name(tensor.dtype)
         if tuple(tensor.shape) != spec.shape or dtype != spec.dtype:
             problems.append(f"{name}: got {tuple(tensor.shape)} {dtype}, expected {spec.shape} {spec.dtype}")
     if not tensors:

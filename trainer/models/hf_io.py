@@ -29,6 +29,7 @@ from trainer.models.hf_names import NameMap, name_map
 from trainer.models.lora import is_adapter, merged_parameters, peft_name
 from trainer.models.transformer import build_model
 from weight_sync.safetensors_stream import INDEX_FILE, SINGLE_FILE, TensorEntry, write_streamed
+from weight_sync.spec import dtype_name
 
 __all__ = [
     "canonical_name",
@@ -44,7 +45,6 @@ __all__ = [
 ]
 
 _WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 Shape = tuple[int, ...]
 
@@ -177,7 +177,7 @@ def write_hf_checkpoint(
     pieces = _on_host(_hf_pieces(cfg, tensors, dtype))
     files = write_streamed(path, plan, pieces, max_shard_bytes, metadata={"format": "pt"})
     saved_dtype = plan[0][2] if plan else torch.float32
-    config = hf_config_dict(cfg, dtype=_DTYPE_NAMES.get(saved_dtype, "float32"))
+    config = hf_config_dict(cfg, dtype=dtype_name(saved_dtype))
     (Path(path) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return [*files, "config.json"]
 
