@@ -17,17 +17,20 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from common.cpu import CpuClock
 from rollout.config import RolloutConfig, SamplingConfig
+from rollout.envs.base import EpisodeFailed
+from rollout.envs.failures import FailureBudget, drop_failed
 from rollout.metrics import episode_metrics
 from rollout.sampling import is_greedy, turn_seed
 from rollout.types import RolloutBatch, Sample
 
 if TYPE_CHECKING:
+    from rollout.agents import AgentOutcome
     from rollout.envs import Episode
     from rollout.envs.config import EnvironmentConfig
     from rollout.rewards.config import RewardConfig
@@ -93,7 +96,8 @@ class RolloutWorker:
         its previous batch, weight loads included), ``rollout/weight_update_s`` (seconds weight updates held the
         engine since its previous batch), ``reward/num_errors`` and ``reward/<term>/num_errors``; for multi-turn
         environments also ``env/num_episodes``, ``env/num_turns``, ``env/num_observation_tokens``,
-        ``env/num_timeouts`` and the environment's own ``env/<name>`` sums (``env/tool_calls``, ``env/tool_s``, ...);
+        ``env/num_timeouts``, ``env/num_failed_episodes`` (dropped within ``environment.max_failed_fraction``) and the
+        environment's own ``env/<name>`` sums (``env/tool_calls``, ``env/tool_s``, ...);
         for an agent the ``agent/*`` figures of :func:`rollout.agents.agent_metrics`. An agent episode whose calls do
         not extend each other gives one sample per segment (:mod:`rollout.agents.trajectory`), each with the episode's
         reward and ``Sample.episode`` set, so the episode counts once in its group's advantages.
@@ -106,11 +110,20 @@ class RolloutWorker:
         jobs = [(i, k) for i in range(len(problems)) for k in range(group_size)]
 
         start = time.perf_counter()
+        # An episode its own code failed is dropped within environment.max_failed_fraction; one more fails the batch.
+        budget = FailureBudget(len(jobs), self._env_config.max_failed_fraction)
+        ran: Sequence[AgentOutcome | Episode | EpisodeFailed]
         if self._agents is not None:
-            outcomes = self._agents.run([(problems[i], int(group_ids[i]), k) for i, k in jobs], sampling)
+            ran = self._agents.run([(problems[i], int(group_ids[i]), k) for i, k in jobs], sampling, budget)
+        else:
+            ran = self.engine.run(self._episodes(problems, group_ids, jobs, sampling, budget))
+        keep = drop_failed([i for i, _ in jobs], ran, group_size)
+        jobs = [jobs[j] for j in keep]
+        if self._agents is not None:
+            outcomes = [cast("AgentOutcome", ran[j]) for j in keep]
             runs = [(o.episodes, o.reward) for o in outcomes]
         else:
-            runs = [([e], e.env_reward) for e in self.engine.run(self._episodes(problems, group_ids, jobs, sampling))]
+            runs = [([e], e.env_reward) for e in (cast("Episode", ran[j]) for j in keep)]
         generate_s = time.perf_counter() - start
         finals = [segments[-1] for segments, _ in runs]
         rewards, terms, errors = self._score(
@@ -144,6 +157,8 @@ class RolloutWorker:
         metrics = {"rollout/generate_s": generate_s, "rollout/score_s": score_s,
                    "rollout/num_completion_tokens": float(sum(int(s.num_model_tokens) for s in samples)),
                    "rollout/process_cpu_s": self._cpu.lap(), "rollout/weight_update_s": self._update_lap(), **errors}
+        if multi_turn:
+            metrics["env/num_failed_episodes"] = float(len(budget.failures))
         if self._agents is not None:
             metrics |= agent_metrics(outcomes)
         elif multi_turn:
@@ -156,19 +171,30 @@ class RolloutWorker:
 
     async def _episodes(
         self, problems: Sequence[Problem], group_ids: Sequence[int], jobs: list[tuple[int, int]],
-        sampling: SamplingConfig,
-    ) -> list[Episode]:
+        sampling: SamplingConfig, budget: FailureBudget,
+    ) -> list[Episode | EpisodeFailed]:
         import asyncio
         import functools
 
         from rollout.envs import run_episode
 
         assert self._new_env is not None
-        return list(await asyncio.gather(*(
-            run_episode(self.engine, self._render, self._new_env(), problems[i], sampling, self._limits,
-                        functools.partial(turn_seed, sampling, group_ids[i], k))
-            for i, k in jobs
-        )))  # fmt: skip
+        new_env = self._new_env
+
+        async def one(i: int, k: int) -> Episode | EpisodeFailed:
+            try:
+                return await run_episode(self.engine, self._render, new_env(), problems[i], sampling, self._limits,
+                                         functools.partial(turn_seed, sampling, group_ids[i], k))  # fmt: skip
+            except EpisodeFailed as e:
+                return budget.record(e)
+
+        tasks = [asyncio.ensure_future(one(i, k)) for i, k in jobs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # one failed the batch: the others stop rather than generate for nothing
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _update_lap(self) -> float:
         total = self.engine.total_update_s

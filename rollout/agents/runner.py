@@ -14,9 +14,10 @@ error holding it). Such an episode without a finished call (its first call refus
 flight at the timeout) is a sample with no model tokens (the problem's prompt, rendered as the endpoint renders calls;
 :func:`rollout.envs.unplayed_episode`) whose reward (the agent's number, if it returned one, and the reward terms of
 an empty text) counts in its group, as a built-in environment's episode that timed out before its first turn. Any
-other error of the agent (one in its own code after it caught a refusal included) fails the batch, naming the
-function and the problem, as does an agent that returns without a call: it is a bug to fix, not a sample to learn
-from.
+other error of the agent (one in its own code after it caught a refusal included) fails the episode
+(:class:`~rollout.envs.EpisodeFailed`, naming the function and the problem), as does an agent that returns without a
+call or returns something other than a number or ``None``; the batch then fails, unless
+``environment.max_failed_fraction`` lets it go on without the episode (:mod:`rollout.envs.failures`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 from common.imports import resolve_object
 from rollout.agents.server import LIMIT_CODES, AgentEndpoint, EpisodeCalls
 from rollout.agents.trajectory import assemble
-from rollout.envs import Episode, episode_limits, unplayed_episode
+from rollout.envs import Episode, EpisodeFailed, episode_limits, unplayed_episode
+from rollout.envs.failures import FailureBudget
 from rollout.metrics import episode_metrics
 from rollout.sampling import turn_seed
 
@@ -111,20 +113,31 @@ class AgentRunner:
         self._thread.start()
 
     def run(
-        self, jobs: Sequence[tuple[Problem, int, int]], sampling: SamplingConfig
-    ) -> list[AgentOutcome]:
-        """One episode per ``(problem, group_id, sample_index)``, all at once; outcomes in job order."""
+        self, jobs: Sequence[tuple[Problem, int, int]], sampling: SamplingConfig, budget: FailureBudget | None = None
+    ) -> list[AgentOutcome | EpisodeFailed]:
+        """One episode per ``(problem, group_id, sample_index)``, all at once; outcomes in job order, with the episodes
+        the agent failed (:class:`~rollout.envs.EpisodeFailed`) that ``budget`` (default: none) lets go. The failure
+        beyond it, or an engine's error, raises and stops the other episodes."""
+        budget = budget or FailureBudget(len(jobs), 0.0)
 
-        async def batch() -> list[AgentOutcome]:
-            tasks = [asyncio.ensure_future(self._episode(p, g, k, sampling)) for p, g, k in jobs]
+        async def batch() -> list[AgentOutcome | EpisodeFailed]:
+            tasks = [asyncio.ensure_future(self._episode_or_failure(p, g, k, sampling, budget)) for p, g, k in jobs]
             try:
                 return list(await asyncio.gather(*tasks))
-            finally:  # one failed: the others stop too (their calls are cancelled as their episodes close)
+            finally:  # one failed the batch: the others stop too (their calls are cancelled as their episodes close)
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
 
         return asyncio.run_coroutine_threadsafe(batch(), self._loop).result()
+
+    async def _episode_or_failure(
+        self, problem: Problem, group_id: int, sample_index: int, sampling: SamplingConfig, budget: FailureBudget
+    ) -> AgentOutcome | EpisodeFailed:
+        try:
+            return await self._episode(problem, group_id, sample_index, sampling)
+        except EpisodeFailed as e:
+            return budget.record(e)
 
     async def _episode(
         self, problem: Problem, group_id: int, sample_index: int, sampling: SamplingConfig
@@ -185,8 +198,8 @@ class AgentRunner:
         return AgentOutcome(segments, reward, timed_out, stopped, len({c.index for c in episode.calls}),
                             episode.num_ignored_sampling, episode.num_unknown_params)  # fmt: skip
 
-    def _failed(self, problem: Problem, what: str) -> RuntimeError:
-        return RuntimeError(f"agent function {self._spec!r} {what} on problem {problem.problem_id!r}")
+    def _failed(self, problem: Problem, what: str) -> EpisodeFailed:
+        return EpisodeFailed(f"agent function {self._spec!r} {what} on problem {problem.problem_id!r}")
 
     async def _on_engine(self, coroutine: Any) -> Any:
         return await asyncio.wrap_future(self.engine.submit(coroutine))

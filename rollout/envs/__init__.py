@@ -8,15 +8,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from common.imports import resolve_object
-from rollout.envs.base import Environment, Message, StepResult
+from rollout.envs.base import Environment, EpisodeFailed, Message, StepResult
 from rollout.envs.episode import Episode, EpisodeLimits, run_episode, unplayed_episode
 
 if TYPE_CHECKING:
     from rollout.envs.config import EnvironmentConfig
 
 __all__ = [
-    "Environment", "Episode", "EpisodeLimits", "Message", "StepResult", "build_environment", "episode_limits",
-    "run_episode", "unplayed_episode",
+    "Environment", "Episode", "EpisodeFailed", "EpisodeLimits", "Message", "StepResult", "build_environment",
+    "episode_limits", "run_episode", "unplayed_episode",
 ]  # fmt: skip
 
 

@@ -19,7 +19,14 @@ from typing import Any
 
 from rollout.tasks.problem import Problem
 
-__all__ = ["Environment", "Message", "StepResult"]
+__all__ = ["Environment", "EpisodeFailed", "Message", "StepResult"]
+
+class EpisodeFailed(RuntimeError):
+    """An episode's own code failed (the environment's or the agent function's: an exception, a malformed
+    ``StepResult``, a hung ``reset``), so the episode has no trajectory. The message names whose code and the problem.
+    Whether the batch goes on without the episode is ``environment.max_failed_fraction``'s decision
+    (:func:`rollout.envs.failures.drop_failed`); an engine's failure is never one of these."""
+
 
 Message = dict[str, str]
 """A chat message: ``{"role": "system" | "user" | "assistant" | "tool", "content": ...}``."""

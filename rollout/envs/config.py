@@ -47,6 +47,10 @@ class SingleTurnEnvConfig(Config):
     def timeout_s(self) -> float | None:
         return None
 
+    @property
+    def max_failed_fraction(self) -> float:
+        return 0.0
+
 
 class _MultiTurnConfig(Config):
     max_turns: int = pydantic.Field(default=4, ge=1)
@@ -58,6 +62,13 @@ class _MultiTurnConfig(Config):
     timeout_s: float | None = pydantic.Field(default=None, gt=0)
     """Wall-clock limit of one episode: when it passes, the turn in flight is aborted, the episode keeps what was
     complete before it and ends with finish reason ``length``. ``None``: no limit."""
+    max_failed_fraction: float = pydantic.Field(default=0.0, ge=0.0, lt=1.0)
+    """Fraction of a rollout request's episodes (a worker's share of a batch) whose own code may fail (the environment
+    or agent raised, hung in ``reset``, returned a malformed result) and be dropped, each logged with its traceback and
+    counted in ``env/num_failed_episodes``; one more fails the batch, naming the first error. A group left with fewer
+    than two episodes is dropped whole (:mod:`rollout.envs.failures`). 0: any failure fails the batch (a bug to fix);
+    set it for environments that fail now and then (a remote sandbox, a flaky tool server), knowing the episodes they
+    fail on may not be a random subset."""
 
 
 class PythonToolConfig(Config):

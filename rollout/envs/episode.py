@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from rollout.config import SamplingConfig
-from rollout.envs.base import Environment, Message, StepResult
+from rollout.envs.base import Environment, EpisodeFailed, Message, StepResult
 from rollout.tasks.problem import Problem
 
 if TYPE_CHECKING:
@@ -89,8 +89,10 @@ async def run_episode(
 ) -> Episode:
     """Run ``env`` on ``problem`` to the end on ``engine`` (awaited on the engine loop) and return the episode;
     ``render`` turns the environment's first messages into the prompt (its tokenizer renders the rest);
-    ``seed_of_turn(t)`` seeds model turn ``t``. The environment is closed whatever happens; its errors propagate, and
-    so does a ``ValueError`` for a prompt the engine's context cannot hold or a malformed ``StepResult``."""
+    ``seed_of_turn(t)`` seeds model turn ``t``. The environment is closed whatever happens. Its failures (an
+    exception, a ``reset`` past the timeout, a malformed ``StepResult``) raise :class:`EpisodeFailed` naming it; a
+    prompt the engine's context cannot hold raises ``ValueError`` (the dataset's problem, not the episode's), and the
+    engine's own errors propagate as they are."""
     tokenizer = render.tokenizer
     loop = asyncio.get_running_loop()
     deadline = None if limits.timeout_s is None else loop.time() + limits.timeout_s  # reset and turns, together
@@ -99,7 +101,7 @@ async def run_episode(
             async with asyncio.timeout_at(deadline):
                 messages = await _called(env, f"reset of problem {problem.problem_id!r}", env.reset(problem))
         except TimeoutError:  # no first messages, so no prompt: nothing to make an episode of
-            raise RuntimeError(
+            raise EpisodeFailed(
                 f"{_env_name(env)}: reset of problem {problem.problem_id!r} did not return within the episode's "
                 f"timeout_s = {limits.timeout_s} s"
             ) from None
@@ -187,7 +189,11 @@ async def _turns(
         if completion.finish_reason == "length":
             trajectory.finish_reason = "length"
             return
-        result = _checked(env, await _called(env, "step", env.step(trajectory.final_text)))
+        returned = await _called(env, "step", env.step(trajectory.final_text))
+        try:
+            result = _checked(env, returned)
+        except (TypeError, ValueError) as e:
+            raise EpisodeFailed(str(e)) from e
         trajectory.env_reward += result.reward
         for name, value in result.info.items():
             trajectory.info[name] = trajectory.info.get(name, 0.0) + value
@@ -207,12 +213,12 @@ def _env_name(env: Environment) -> str:
 
 
 async def _called(env: Environment, what: str, call: Awaitable[_T]) -> _T:
-    """``await call`` (``what`` of ``env``); an exception of the environment's own code is re-raised as a
-    ``RuntimeError`` naming the environment and the call, so the run's error says whose code failed."""
+    """``await call`` (``what`` of ``env``); an exception of the environment's own code is re-raised as
+    :class:`EpisodeFailed` naming the environment and the call, so the run's error says whose code failed."""
     try:
         return await call
     except Exception as e:  # the episode's deadline arrives as CancelledError (no Exception): it passes
-        raise RuntimeError(f"{_env_name(env)}: {what} raised {type(e).__name__}: {e}") from e
+        raise EpisodeFailed(f"{_env_name(env)}: {what} raised {type(e).__name__}: {e}") from e
 
 
 def _checked(env: Environment, result: object) -> StepResult:

@@ -198,6 +198,14 @@ async def fail_first_else_keep_calling(ctx: AgentContext) -> float:
         await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
 
 
+async def fails_odd_samples(ctx: AgentContext) -> float:
+    """One call; samples with an odd index then fail (a flaky tool server, say), the others return 1."""
+    await _client(ctx).chat.completions.create(model=ctx.model, messages=_first_messages(ctx), max_tokens=2)
+    if ctx.sample_index % 2:
+        raise ConnectionError(f"tool server unreachable (sample {ctx.sample_index})")
+    return 1.0
+
+
 async def swallows_errors(ctx: AgentContext) -> float | None:
     """Catches the client's errors and returns no reward (an agent framework's usual handling)."""
     try:

@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 from rollout.agents import AgentRunner, load_agent_function  # noqa: E402
 from rollout.config import SamplingConfig  # noqa: E402
 from rollout.engine.vllm_engine import Completion  # noqa: E402
-from rollout.envs import EpisodeLimits  # noqa: E402
+from rollout.envs import EpisodeFailed, EpisodeLimits  # noqa: E402
 from rollout.envs.config import AgentEnvConfig  # noqa: E402
 from rollout.rewards.config import ExactMatchRewardConfig, RewardConfig  # noqa: E402
 from rollout.tasks.problem import Problem  # noqa: E402
@@ -285,6 +285,25 @@ def test_an_episode_a_limit_ends_before_any_call_is_a_sample_without_model_token
     assert outcome.timed_out == ("timeout_s" in limits) and outcome.stopped_at_limit == ("timeout_s" not in limits)
     assert len(episode.completion_ids) == 0 and episode.policy_versions == []
     assert episode.prompt_ids == render_prompt(worker.tokenizer, PROBLEM.prompt, True)
+
+
+def test_failed_agent_episodes_within_the_budget_are_dropped(worker, monkeypatch):
+    runner = _runner(worker, "fails_odd_samples")
+    monkeypatch.setattr(worker, "_agents", runner)
+    monkeypatch.setattr(worker, "_env_config", AgentEnvConfig(function=f"{AGENTS}:fails_odd_samples",
+                                                              max_failed_fraction=0.5))  # fmt: skip
+    try:
+        batch = worker.generate_groups([PROBLEM], [3], 4)
+        assert sorted(_episodes(batch.samples)) == [0, 2]
+        assert {s.reward_terms["environment"] for s in batch.samples} == {1.0}
+        assert batch.metrics["env/num_failed_episodes"] == 2
+        assert batch.metrics["agent/num_samples"] == len(batch.samples)
+        monkeypatch.setattr(worker, "_env_config", worker._env_config.model_copy(update={"max_failed_fraction": 0.3}))
+        with pytest.raises(EpisodeFailed, match=r"2 of 4 episodes .*lets 1 go; the first: agent function "
+                                                r"'.*:fails_odd_samples' raised ConnectionError"):  # fmt: skip
+            worker.generate_groups([PROBLEM], [3], 4)
+    finally:
+        runner.shutdown()
 
 
 @pytest.mark.parametrize("function", ["tool_loop", "swallows_errors"])

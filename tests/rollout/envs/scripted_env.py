@@ -30,6 +30,27 @@ class EchoObservations(Environment):
         self.closed = True
 
 
+class FailsSome(EchoObservations):
+    """:class:`EchoObservations` whose first ``fail[problem_id]`` episodes of a problem (in the order they reset) raise
+    in their first step; ``RESETS`` counts the resets per problem (clear it before a batch)."""
+
+    RESETS: dict[str, int] = {}
+
+    def __init__(self, fail: dict[str, int], turns: int = 2) -> None:
+        super().__init__(turns=turns)
+        self._fail, self._fails = fail, False
+
+    async def reset(self, problem: Problem) -> list[Message]:
+        seen = self.RESETS[problem.problem_id] = self.RESETS.get(problem.problem_id, 0) + 1
+        self._fails = seen <= self._fail.get(problem.problem_id, 0)
+        return await super().reset(problem)
+
+    async def step(self, text: str) -> StepResult:
+        if self._fails:
+            raise ConnectionError("the tool server went away")
+        return await super().step(text)
+
+
 class ScriptedToolCalls(ToolEnvironment):
     """The tool environment, but each turn makes the scripted call instead of reading the model's text (turn ``i``
     uses ``script[i]``; past the script, the turn is the final answer)."""

@@ -10,13 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from tests.rollout.envs.scripted_env import EchoObservations, Returns, ScriptedToolCalls
+from tests.rollout.envs.scripted_env import EchoObservations, FailsSome, Returns, ScriptedToolCalls
 from tests.rollout.vllm_helpers import tiny_rollout_config, trainer_logprobs
 
 pytest.importorskip("vllm")
 
 from rollout.config import SamplingConfig  # noqa: E402
-from rollout.envs import EpisodeLimits, StepResult, run_episode  # noqa: E402
+from rollout.envs import EpisodeFailed, EpisodeLimits, StepResult, run_episode  # noqa: E402
 from rollout.envs.config import CustomEnvConfig, PythonToolConfig, ToolEnvConfig  # noqa: E402
 from rollout.rewards.config import ExactMatchRewardConfig, RewardConfig  # noqa: E402
 from rollout.tasks.problem import Problem  # noqa: E402
@@ -160,9 +160,10 @@ def test_a_timeout_keeps_the_turns_complete_before_it(worker):
 def test_a_malformed_step_result_is_an_error_naming_the_environment(worker, value, error):
     # A NaN reward went into the advantages and the loss: every weight of the trained model became NaN, exit 0.
     env = Returns(value)
-    with pytest.raises((ValueError, TypeError), match=error) as raised:
+    with pytest.raises(EpisodeFailed, match=error) as raised:
         _run(worker, [env], EpisodeLimits(max_turns=2))
     assert "scripted_env:Returns" in str(raised.value) and env.closed
+    assert isinstance(raised.value.__cause__, (ValueError, TypeError))
 
 
 def test_a_reset_that_hangs_ends_at_the_episodes_timeout_naming_the_environment(worker):
@@ -239,6 +240,28 @@ def test_the_worker_turns_episodes_into_masked_samples(worker):
     assert m["env/num_observation_tokens"] == sum(int((s.loss_mask == 0).sum()) for s in batch.samples)
     again = worker.generate_groups(problems[1:], group_ids=[5], group_size=3)  # seeds follow group and sample
     assert [s.completion_ids.tolist() for s in again.samples] == [s.completion_ids.tolist() for s in batch.samples[3:]]
+
+
+def test_failed_episodes_within_the_budget_are_dropped_and_one_more_fails_the_batch(worker, monkeypatch):
+    # One episode whose environment raised (a flaky tool server) failed a whole batch, however long the run had gone.
+    problems = [Problem(prompt=f"What is {a} + 1?", answer=str(a + 1), problem_id=f"q{a}") for a in range(3)]
+    fail = {"q0": 1, "q1": 2}  # q0 keeps two episodes of three; q1 one, which has nothing to be compared with
+    config = CustomEnvConfig(class_path="tests.rollout.envs.scripted_env:FailsSome", max_turns=2,
+                             max_failed_fraction=0.34, options={"fail": fail})  # fmt: skip
+    monkeypatch.setattr(worker, "_env_config", config)
+    monkeypatch.setattr(worker, "_new_env", lambda: FailsSome(fail))
+    FailsSome.RESETS.clear()
+    batch = worker.generate_groups(problems, group_ids=[0, 1, 2], group_size=3)
+    assert [s.group_id for s in batch.samples] == [0, 0, 2, 2, 2]
+    assert batch.metrics["env/num_failed_episodes"] == 3 and batch.metrics["env/num_episodes"] == 5
+    assert all(s.metadata["num_turns"] == 2 for s in batch.samples)
+
+    FailsSome.RESETS.clear()
+    monkeypatch.setattr(worker, "_new_env", lambda: FailsSome({**fail, "q2": 1}))
+    with pytest.raises(EpisodeFailed, match=r"4 of 9 episodes .*max_failed_fraction = 0.34 lets 3 go; the first: "
+                                            r"environment .*FailsSome: step raised ConnectionError"):  # fmt: skip
+        worker.generate_groups(problems, group_ids=[0, 1, 2], group_size=3)
+    assert len(worker.generate_groups(problems[2:], group_ids=[2], group_size=3).samples) == 3  # the engine goes on
 
 
 def test_seeded_prompts_beyond_one_step_s_token_budget_are_generated(worker):
