@@ -15,7 +15,7 @@ from types import EllipsisType
 import numpy as np
 
 __all__ = [
-    "add_box_corners", "box_error", "boxes_overlap", "contiguous_range", "read_range", "shard_view", "tiles_exactly",
+    "add_box_corners", "box_error", "contiguous_range", "read_range", "shard_view", "tiles_exactly",
     "write_range",
 ]
 
@@ -35,13 +35,6 @@ def box_error(global_shape: Sequence[int], offsets: Sequence[int], shape: Sequen
     if math.prod(shape) == 0 and math.prod(global_shape) != 0:
         return "empty shard of a non-empty tensor"
     return None
-
-
-def boxes_overlap(a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[int], b_shape: Sequence[int]) -> bool:
-    """True when two boxes share at least one element."""
-    if math.prod(a_shape) == 0 or math.prod(b_shape) == 0:
-        return False
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_off, a_shape, b_off, b_shape))
 
 
 def add_box_corners(corners: Corners, offsets: Sequence[int], shape: Sequence[int]) -> None:

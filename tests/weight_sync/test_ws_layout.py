@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from weight_sync.layout import (
     add_box_corners,
     box_error,
-    boxes_overlap,
     read_range,
     shard_view,
     tiles_exactly,
@@ -55,12 +54,6 @@ def test_box_errors_name_the_problem():
     assert "outside" in box_error((4,), (-1,), (2,))
     assert "empty" in box_error((4,), (1,), (0,))
     assert box_error((), (), ()) is None
-
-
-def test_overlap_is_elementwise():
-    assert boxes_overlap((0, 0), (2, 2), (1, 1), (2, 2))
-    assert not boxes_overlap((0, 0), (2, 2), (2, 0), (2, 2))
-    assert not boxes_overlap((0, 0), (2, 2), (0, 2), (2, 2))
 
 
 @st.composite
