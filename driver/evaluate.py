@@ -15,19 +15,25 @@ __all__ = ["evaluate"]
 def evaluate(pool: Any, problems: Sequence[Any], sampling: SamplingConfig, term: str | None) -> dict[str, float]:
     """Generate one completion per held-out problem at ``sampling`` and at temperature 0; return eval metrics.
 
-    ``eval/accuracy`` is the fraction of sampled completions whose ``term`` (``RewardConfig.accuracy_term``) scores 1
-    (``eval/greedy_accuracy`` the same for greedy decoding); ``eval/reward`` is the mean total reward of the sampled
-    completions.
+    ``eval/accuracy`` is the fraction of held-out problems whose sampled completion's ``term``
+    (``RewardConfig.accuracy_term``) scores 1 (``eval/greedy_accuracy`` the same for greedy decoding); ``eval/reward``
+    is the mean total reward of the sampled episodes. A problem whose episode failed (within
+    ``environment.max_failed_fraction``) has no completion: it counts as wrong, never as left out (an environment may
+    fail more often on harder problems), and ``eval/num_failed_episodes`` counts them over both passes.
     """
     if not problems:
         return {}
     greedy = sampling.model_copy(update={"temperature": 0.0, "seed": None})
     handles = [pool.submit(problems, 1, sampling), pool.submit(problems, 1, greedy)]
     sampled, greedy_batch = (pool.collect(h) for h in handles)
-    metrics = {"eval/reward": float(np.mean([s.reward for s in sampled.samples]))}
+    # One episode per problem (its group), which an agent may have split into several samples of one reward.
+    rewards = {s.group_id: s.reward for s in sampled.samples}
+    metrics = {"eval/reward": float(np.mean(list(rewards.values()))) if rewards else 0.0}
+    failed = sum(b.metrics.get("env/num_failed_episodes", 0.0) for b in (sampled, greedy_batch))
+    if failed:
+        metrics["eval/num_failed_episodes"] = failed
     if term is not None:
-        metrics["eval/accuracy"] = float(np.mean([s.reward_terms.get(term, 0.0) >= 1.0 for s in sampled.samples]))
-        metrics["eval/greedy_accuracy"] = float(
-            np.mean([s.reward_terms.get(term, 0.0) >= 1.0 for s in greedy_batch.samples])
-        )
+        for name, batch in (("eval/accuracy", sampled), ("eval/greedy_accuracy", greedy_batch)):
+            solved = {s.group_id for s in batch.samples if s.reward_terms.get(term, 0.0) >= 1.0}
+            metrics[name] = len(solved) / len(problems)
     return metrics

@@ -74,7 +74,9 @@ class RLLoop:
         seeded run resumed from a checkpoint (its cursor restored) samples what the run would have sampled."""
         first = self.dataset.stream_position
         problems = self.dataset.next_batch(num_prompts)
-        return self.pool.submit(problems, self.recipe.algorithm.group_size, first_group_id=first)
+        algorithm = self.recipe.algorithm
+        least = 2 if algorithm.group_relative else 1  # a group-relative advantage compares two episodes at least
+        return self.pool.submit(problems, algorithm.group_size, first_group_id=first, min_group_size=least)
 
     def _collect(self) -> tuple[RolloutBatch, dict, dict[str, float]]:
         """The next step's batch (with DAPO dynamic sampling when on), its cursor, and rollout metrics.

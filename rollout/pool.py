@@ -5,7 +5,7 @@ of training, and no batch lost when a worker dies.
     pool.set_weight_publisher(push_to)                # push_to(addresses) -> version: the trainer's catch-up push
     handle = pool.submit(problems, group_size=8)      # returns at once; generation runs on the workers
     ...                                               # train on the previous batch meanwhile (async mode)
-    batch = pool.collect(handle)                      # RolloutBatch: len(problems) * 8 samples
+    batch = pool.collect(handle)                      # RolloutBatch: up to len(problems) * 8 samples
     pool.poll(); pool.receiver_addresses()            # where to push the next version
     pool.set_policy_version(version)                  # it was committed...
     pool.hold_back(failed_addresses)                  # ...but these workers missed it: no work until caught up
@@ -68,6 +68,7 @@ class _Piece:
     group_ids: list[int]
     group_size: int
     sampling: SamplingConfig
+    min_group_size: int
     worker: WorkerSlot | None = None
     ref: Any = None
     done: bool = False
@@ -135,8 +136,11 @@ class RolloutPool:
         group_size: int,
         sampling: SamplingConfig | None = None,
         first_group_id: int | None = None,
+        min_group_size: int = 1,
     ) -> RolloutHandle:
-        """Start generating ``group_size`` samples for each problem; returns at once.
+        """Start generating ``group_size`` samples for each problem; returns at once. A group whose episodes failed
+        (within ``environment.max_failed_fraction``) comes back smaller, or not at all when fewer than
+        ``min_group_size`` episodes are left (``RolloutWorker.generate_groups``).
 
         Group ids (which seed a seeded sampling's random streams, ``rollout.sampling.turn_seed``) are
         ``first_group_id, first_group_id + 1, ...`` when given: the training stream's positions of the problems
@@ -159,7 +163,8 @@ class RolloutPool:
         share = math.ceil(len(problems) / max(1, len(self.fleet.serving())))
         size = max(1, min(self.config.max_groups_per_dispatch, share))
         pieces = [
-            _Piece(handle.handle_id, list(problems[i : i + size]), group_ids[i : i + size], group_size, sampling)
+            _Piece(handle.handle_id, list(problems[i : i + size]), group_ids[i : i + size], group_size, sampling,
+                   min_group_size)
             for i in range(0, len(problems), size)
         ]
         self._pending[handle.handle_id] = _Pending(handle, pieces)
@@ -206,7 +211,7 @@ class RolloutPool:
         worker.num_inflight_groups += len(piece.group_ids)
         piece.worker = worker
         piece.ref = worker.actor.generate_groups.remote(
-            piece.problems, piece.group_ids, piece.group_size, piece.sampling
+            piece.problems, piece.group_ids, piece.group_size, piece.sampling, piece.min_group_size
         )
 
     def _settle_piece(self, ref: Any, pending: _Pending) -> None:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Messages", "PromptLike", "PromptRenderer", "end_of_turn_id", "has_chat_template", "load_tokenizer",
-    "messages_to_text", "render_continuation", "render_prompt", "token_bytes",
+    "check_prompt", "messages_to_text", "render_continuation", "render_prompt", "token_bytes",
 ]  # fmt: skip
 
 Messages = Sequence[Mapping[str, Any]]
@@ -76,7 +76,7 @@ def render_prompt(
     as a BOS) and messages are joined by :func:`messages_to_text`. ``tools`` go to the template (which describes them,
     usually in the system message); they need one.
     """
-    _check_prompt(prompt)
+    check_prompt(prompt)
     template = has_chat_template(tokenizer)
     if use_chat_template and not template:
         raise ValueError(
@@ -163,7 +163,7 @@ def render_continuation(
     Only the new messages are rendered: the episode's ids so far (prompt and generated tokens) are never re-encoded,
     so the next turn's prompt is exactly what came before plus these ids.
     """
-    _check_prompt(messages)
+    check_prompt(messages)
     eot = str(tokenizer.decode([end_of_turn_id(tokenizer)]))
 
     def render(chat: list[dict[str, Any]]) -> str:
@@ -289,7 +289,7 @@ def messages_to_text(messages: Messages) -> str:
     return "\n\n".join(m["content"] or "" for m in messages)
 
 
-def _check_prompt(prompt: PromptLike) -> None:
+def check_prompt(prompt: PromptLike) -> None:
     """Raise ``ValueError`` unless ``prompt`` is text or a non-empty list of well-formed chat messages."""
     if isinstance(prompt, str):
         return

@@ -83,7 +83,8 @@ class Sample:
 
 @dataclass
 class RolloutBatch:
-    """All samples for one training step: ``num_groups`` groups of ``group_size`` samples each."""
+    """All samples for one training step, by group: up to ``group_size`` episodes of each problem (fewer when some
+    failed within ``environment.max_failed_fraction``; an agent episode may give several samples)."""
 
     samples: list[Sample]
     metrics: dict[str, float] = field(default_factory=dict)

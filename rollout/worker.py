@@ -14,6 +14,7 @@ directory (version 0) and is caught up by the trainer before it takes work (:mod
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -24,7 +25,8 @@ import numpy as np
 from common.cpu import CpuClock
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.envs.base import EpisodeFailed
-from rollout.envs.failures import FailureBudget, drop_failed
+from rollout.envs.episode import run_episode
+from rollout.envs.failures import FailureBudget, drop_failed, run_all
 from rollout.metrics import episode_metrics
 from rollout.sampling import is_greedy, turn_seed
 from rollout.types import RolloutBatch, Sample
@@ -86,9 +88,12 @@ class RolloutWorker:
         group_ids: Sequence[int],
         group_size: int,
         sampling: SamplingConfig | None = None,
+        min_group_size: int = 1,
     ) -> RolloutBatch:
         """Run ``group_size`` episodes of each problem (group ``group_ids[i]`` for ``problems[i]``), all at once on the
-        engine, and score them.
+        engine, and score them. Episodes whose own code failed are dropped within ``environment.max_failed_fraction``
+        (one more fails the call), and with them a group left with fewer than ``min_group_size`` episodes (2 for
+        group-relative advantages), so a group may come back smaller or not at all.
 
         Returns the samples grouped by problem, in input order, and additive metrics: ``rollout/generate_s``,
         ``rollout/score_s`` (the reward functions),
@@ -96,34 +101,20 @@ class RolloutWorker:
         its previous batch, weight loads included), ``rollout/weight_update_s`` (seconds weight updates held the
         engine since its previous batch), ``reward/num_errors`` and ``reward/<term>/num_errors``; for multi-turn
         environments also ``env/num_episodes``, ``env/num_turns``, ``env/num_observation_tokens``,
-        ``env/num_timeouts``, ``env/num_failed_episodes`` (dropped within ``environment.max_failed_fraction``) and the
-        environment's own ``env/<name>`` sums (``env/tool_calls``, ``env/tool_s``, ...);
-        for an agent the ``agent/*`` figures of :func:`rollout.agents.agent_metrics`. An agent episode whose calls do
-        not extend each other gives one sample per segment (:mod:`rollout.agents.trajectory`), each with the episode's
-        reward and ``Sample.episode`` set, so the episode counts once in its group's advantages.
+        ``env/num_timeouts``, ``env/num_failed_episodes`` (dropped within ``environment.max_failed_fraction``),
+        ``env/num_dropped_episodes`` (those and the rest of the groups dropped whole) and the environment's own
+        ``env/<name>`` sums (``env/tool_calls``, ``env/tool_s``, ...); for an agent the ``agent/*`` figures of
+        :func:`rollout.agents.agent_metrics`. An agent episode whose calls do not extend each other gives one sample
+        per segment (:mod:`rollout.agents.trajectory`), each with the episode's reward and ``Sample.episode`` set, so
+        the episode counts once in its group's advantages.
         """
         from rollout.agents import agent_metrics
 
         if len(problems) != len(group_ids):
             raise ValueError(f"{len(problems)} problems but {len(group_ids)} group ids; pass one id per problem")
         sampling = sampling or self.config.sampling
-        jobs = [(i, k) for i in range(len(problems)) for k in range(group_size)]
-
         start = time.perf_counter()
-        # An episode its own code failed is dropped within environment.max_failed_fraction; one more fails the batch.
-        budget = FailureBudget(len(jobs), self._env_config.max_failed_fraction)
-        ran: Sequence[AgentOutcome | Episode | EpisodeFailed]
-        if self._agents is not None:
-            ran = self._agents.run([(problems[i], int(group_ids[i]), k) for i, k in jobs], sampling, budget)
-        else:
-            ran = self.engine.run(self._episodes(problems, group_ids, jobs, sampling, budget))
-        keep = drop_failed([i for i, _ in jobs], ran, group_size)
-        jobs = [jobs[j] for j in keep]
-        if self._agents is not None:
-            outcomes = [cast("AgentOutcome", ran[j]) for j in keep]
-            runs = [(o.episodes, o.reward) for o in outcomes]
-        else:
-            runs = [([e], e.env_reward) for e in (cast("Episode", ran[j]) for j in keep)]
+        jobs, runs, outcomes, num_failed = self._run_jobs(problems, group_ids, group_size, sampling, min_group_size)
         generate_s = time.perf_counter() - start
         finals = [segments[-1] for segments, _ in runs]
         rewards, terms, errors = self._score(
@@ -158,8 +149,9 @@ class RolloutWorker:
                    "rollout/num_completion_tokens": float(sum(int(s.num_model_tokens) for s in samples)),
                    "rollout/process_cpu_s": self._cpu.lap(), "rollout/weight_update_s": self._update_lap(), **errors}
         if multi_turn:
-            metrics["env/num_failed_episodes"] = float(len(budget.failures))
-        if self._agents is not None:
+            metrics["env/num_failed_episodes"] = float(num_failed)
+            metrics["env/num_dropped_episodes"] = float(len(problems) * group_size - len(jobs))
+        if outcomes is not None:
             metrics |= agent_metrics(outcomes)
         elif multi_turn:
             episodes = [segments[0] for segments, _ in runs]
@@ -169,32 +161,38 @@ class RolloutWorker:
             )  # fmt: skip
         return RolloutBatch(samples=samples, metrics=metrics)
 
-    async def _episodes(
-        self, problems: Sequence[Problem], group_ids: Sequence[int], jobs: list[tuple[int, int]],
-        sampling: SamplingConfig, budget: FailureBudget,
-    ) -> list[Episode | EpisodeFailed]:
-        import asyncio
-        import functools
+    def _run_jobs(
+        self, problems: Sequence[Problem], group_ids: Sequence[int], group_size: int, sampling: SamplingConfig,
+        min_group_size: int,
+    ) -> tuple[list[tuple[int, int]], list[tuple[list[Episode], float]], list[AgentOutcome] | None, int]:
+        """Every episode ``(problem index, sample index)`` at once; those whose own code failed are dropped within
+        ``environment.max_failed_fraction`` (:mod:`rollout.envs.failures`), and a group left with fewer than
+        ``min_group_size`` whole. Returns the kept jobs, their (segments, environment reward), the agent outcomes
+        (None without an agent) and how many episodes failed."""
+        jobs = [(i, k) for i in range(len(problems)) for k in range(group_size)]
+        budget = FailureBudget(len(jobs), self._env_config.max_failed_fraction)
+        ran: Sequence[AgentOutcome | Episode | EpisodeFailed]
+        if self._agents is not None:
+            ran = self._agents.run([(problems[i], int(group_ids[i]), k) for i, k in jobs], sampling, budget)
+        else:
+            new_env, render, limits = self._new_env, self._render, self._limits
+            assert new_env is not None
 
-        from rollout.envs import run_episode
+            async def episodes() -> list[Episode | EpisodeFailed]:
+                return await run_all([
+                    run_episode(self.engine, render, new_env(), problems[i], sampling, limits,
+                                functools.partial(turn_seed, sampling, group_ids[i], k))
+                    for i, k in jobs
+                ], budget)  # fmt: skip
 
-        assert self._new_env is not None
-        new_env = self._new_env
-
-        async def one(i: int, k: int) -> Episode | EpisodeFailed:
-            try:
-                return await run_episode(self.engine, self._render, new_env(), problems[i], sampling, self._limits,
-                                         functools.partial(turn_seed, sampling, group_ids[i], k))  # fmt: skip
-            except EpisodeFailed as e:
-                return budget.record(e)
-
-        tasks = [asyncio.ensure_future(one(i, k)) for i, k in jobs]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:  # one failed the batch: the others stop rather than generate for nothing
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            ran = self.engine.run(episodes())
+        keep = drop_failed([i for i, _ in jobs], ran, min_group_size)
+        kept = [ran[j] for j in keep]
+        if self._agents is not None:
+            outcomes = cast("list[AgentOutcome]", kept)
+            return [jobs[j] for j in keep], [(o.episodes, o.reward) for o in outcomes], outcomes, len(budget.failures)
+        runs = [([e], e.env_reward) for e in cast("list[Episode]", kept)]
+        return [jobs[j] for j in keep], runs, None, len(budget.failures)
 
     def _update_lap(self) -> float:
         total = self.engine.total_update_s

@@ -37,7 +37,6 @@ __all__ = [
 ]
 
 
-
 def adapter_params(model: ModelConfig, lora: LoRAConfig) -> int:
     """Parameters of LoRA adapters on ``lora.target_modules`` of every block: ``rank x (in + out)`` each; on the
     targeted expert weights (``lora.target_parameters``) that per expert."""

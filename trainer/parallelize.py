@@ -36,7 +36,6 @@ __all__ = [
 ]  # fmt: skip
 
 
-
 def build_mesh(cfg: TrainerConfig, device_type: str) -> DeviceMesh:
     """The device mesh over all ranks: 1-D ``("dp",)``; 2-D ``("dp", "tp")`` when tensor parallel is on; 2-D
     ``("efsdp", "ep")`` when expert parallel is on, with ``"dp"`` (all ranks) its flattening.

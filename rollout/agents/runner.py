@@ -36,7 +36,7 @@ from common.imports import resolve_object
 from rollout.agents.server import LIMIT_CODES, AgentEndpoint, EpisodeCalls
 from rollout.agents.trajectory import assemble
 from rollout.envs import Episode, EpisodeFailed, episode_limits, unplayed_episode
-from rollout.envs.failures import FailureBudget
+from rollout.envs.failures import FailureBudget, run_all
 from rollout.metrics import episode_metrics
 from rollout.sampling import turn_seed
 
@@ -118,26 +118,10 @@ class AgentRunner:
         """One episode per ``(problem, group_id, sample_index)``, all at once; outcomes in job order, with the episodes
         the agent failed (:class:`~rollout.envs.EpisodeFailed`) that ``budget`` (default: none) lets go. The failure
         beyond it, or an engine's error, raises and stops the other episodes."""
-        budget = budget or FailureBudget(len(jobs), 0.0)
-
-        async def batch() -> list[AgentOutcome | EpisodeFailed]:
-            tasks = [asyncio.ensure_future(self._episode_or_failure(p, g, k, sampling, budget)) for p, g, k in jobs]
-            try:
-                return list(await asyncio.gather(*tasks))
-            finally:  # one failed the batch: the others stop too (their calls are cancelled as their episodes close)
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-
-        return asyncio.run_coroutine_threadsafe(batch(), self._loop).result()
-
-    async def _episode_or_failure(
-        self, problem: Problem, group_id: int, sample_index: int, sampling: SamplingConfig, budget: FailureBudget
-    ) -> AgentOutcome | EpisodeFailed:
-        try:
-            return await self._episode(problem, group_id, sample_index, sampling)
-        except EpisodeFailed as e:
-            return budget.record(e)
+        if budget is None:
+            budget = FailureBudget(len(jobs), 0.0)
+        episodes = [self._episode(p, g, k, sampling) for p, g, k in jobs]
+        return asyncio.run_coroutine_threadsafe(run_all(episodes, budget), self._loop).result()
 
     async def _episode(
         self, problem: Problem, group_id: int, sample_index: int, sampling: SamplingConfig
@@ -155,7 +139,7 @@ class AgentRunner:
                 value = await self._function(context, **self._options)
                 returned_at = loop.time()
         except TimeoutError:
-            if not deadline.expired():
+            if not deadline.expired() and episode.engine_error is None:
                 raise self._failed(problem, "raised TimeoutError") from None
             timed_out = True
         except Exception as e:

@@ -21,6 +21,7 @@ from rollout.tasks.problem import Problem
 
 __all__ = ["Environment", "EpisodeFailed", "Message", "StepResult"]
 
+
 class EpisodeFailed(RuntimeError):
     """An episode's own code failed (the environment's or the agent function's: an exception, a malformed
     ``StepResult``, a hung ``reset``), so the episode has no trajectory. The message names whose code and the problem.

@@ -17,6 +17,7 @@ turns complete before it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import numbers
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 __all__ = ["Episode", "EpisodeLimits", "render_transcript", "run_episode"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -93,35 +96,55 @@ async def run_episode(
     exception, a ``reset`` past the timeout, a malformed ``StepResult``) raise :class:`EpisodeFailed` naming it; a
     prompt the engine's context cannot hold raises ``ValueError`` (the dataset's problem, not the episode's), and the
     engine's own errors propagate as they are."""
+    try:
+        episode = await _play(engine, render, env, problem, sampling, limits, seed_of_turn)
+    except BaseException:
+        try:
+            await env.close()
+        except Exception as e:  # the episode's own error is the one to report; this one is only said
+            log.warning("%s: close raised %s: %s after the episode had failed", _env_name(env), type(e).__name__, e)
+        raise
+    await _called(env, "close", env.close())
+    return episode
+
+
+async def _play(
+    engine: VLLMEngine,
+    render: PromptRenderer,
+    env: Environment,
+    problem: Problem,
+    sampling: SamplingConfig,
+    limits: EpisodeLimits,
+    seed_of_turn: Callable[[int], int | None],
+) -> Episode:
+    """:func:`run_episode` but for closing the environment."""
     tokenizer = render.tokenizer
     loop = asyncio.get_running_loop()
     deadline = None if limits.timeout_s is None else loop.time() + limits.timeout_s  # reset and turns, together
     try:
-        try:
-            async with asyncio.timeout_at(deadline):
-                messages = await _called(env, f"reset of problem {problem.problem_id!r}", env.reset(problem))
-        except TimeoutError:  # no first messages, so no prompt: nothing to make an episode of
-            raise EpisodeFailed(
-                f"{_env_name(env)}: reset of problem {problem.problem_id!r} did not return within the episode's "
-                f"timeout_s = {limits.timeout_s} s"
-            ) from None
-        prompt = render(messages, env.tools)
-        if len(prompt) >= engine.config.max_model_len:
-            raise ValueError(
-                f"problem {problem.problem_id!r}: its prompt is {len(prompt)} tokens, and the engine holds "
-                f"rollout.engine.max_model_len = {engine.config.max_model_len} (prompt and completion); raise "
-                "max_model_len or leave such prompts out of the dataset"
-            )
-        budget = limits.max_total_tokens or (engine.config.max_model_len - len(prompt))
-        trajectory = _Trajectory(prompt)
-        try:
-            async with asyncio.timeout_at(deadline):
-                await _turns(engine, tokenizer, env, sampling, limits, seed_of_turn, budget, trajectory)
-        except TimeoutError:
-            trajectory.timed_out, trajectory.finish_reason = True, "length"
-        return trajectory.episode()
-    finally:
-        await env.close()
+        async with asyncio.timeout_at(deadline):
+            messages = await _called(env, f"reset of problem {problem.problem_id!r}", env.reset(problem))
+    except TimeoutError:  # no first messages, so no prompt: nothing to make an episode of
+        raise EpisodeFailed(
+            f"{_env_name(env)}: reset of problem {problem.problem_id!r} did not return within the episode's "
+            f"timeout_s = {limits.timeout_s} s"
+        ) from None
+    _check_messages(env, "reset()'s messages", messages)
+    prompt = render(messages, env.tools)
+    if len(prompt) >= engine.config.max_model_len:
+        raise ValueError(
+            f"problem {problem.problem_id!r}: its prompt is {len(prompt)} tokens, and the engine holds "
+            f"rollout.engine.max_model_len = {engine.config.max_model_len} (prompt and completion); raise "
+            "max_model_len or leave such prompts out of the dataset"
+        )
+    budget = limits.max_total_tokens or (engine.config.max_model_len - len(prompt))
+    trajectory = _Trajectory(prompt)
+    try:
+        async with asyncio.timeout_at(deadline):
+            await _turns(engine, tokenizer, env, sampling, limits, seed_of_turn, budget, trajectory)
+    except TimeoutError:
+        trajectory.timed_out, trajectory.finish_reason = True, "length"
+    return trajectory.episode()
 
 
 def unplayed_episode(prompt: list[int], timed_out: bool) -> Episode:
@@ -189,11 +212,7 @@ async def _turns(
         if completion.finish_reason == "length":
             trajectory.finish_reason = "length"
             return
-        returned = await _called(env, "step", env.step(trajectory.final_text))
-        try:
-            result = _checked(env, returned)
-        except (TypeError, ValueError) as e:
-            raise EpisodeFailed(str(e)) from e
+        result = _checked(env, await _called(env, "step", env.step(trajectory.final_text)))
         trajectory.env_reward += result.reward
         for name, value in result.info.items():
             trajectory.info[name] = trajectory.info.get(name, 0.0) + value
@@ -223,32 +242,43 @@ async def _called(env: Environment, what: str, call: Awaitable[_T]) -> _T:
 
 def _checked(env: Environment, result: object) -> StepResult:
     """``result`` if it is a well-formed :class:`StepResult` (a finite number reward, a mapping of finite info
-    numbers, and unless ``done`` a list of observation messages), else a ``TypeError``/``ValueError`` naming the
+    numbers, and unless ``done`` a non-empty list of chat messages), else :class:`EpisodeFailed` naming the
     environment: a NaN reward would otherwise reach the loss and turn every weight into NaN."""
     name = _env_name(env)
     if not isinstance(result, StepResult):
-        raise TypeError(f"{name}: step() returned {type(result).__name__}; it must return rollout.envs.StepResult")
+        raise EpisodeFailed(f"{name}: step() returned {type(result).__name__}; it must return rollout.envs.StepResult")
     if not isinstance(result.reward, numbers.Real) or isinstance(result.reward, bool):
-        raise TypeError(f"{name}: StepResult.reward is {result.reward!r}; it must be a number")
+        raise EpisodeFailed(f"{name}: StepResult.reward is {result.reward!r}; it must be a number")
     if not math.isfinite(result.reward):
-        raise ValueError(f"{name}: StepResult.reward is {result.reward}; a reward must be finite")
+        raise EpisodeFailed(f"{name}: StepResult.reward is {result.reward}; a reward must be finite")
     if not isinstance(result.info, Mapping):
-        raise TypeError(f"{name}: StepResult.info is {type(result.info).__name__}; it must map names to numbers")
+        raise EpisodeFailed(f"{name}: StepResult.info is {type(result.info).__name__}; it must map names to numbers")
     for key, value in result.info.items():
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ValueError(f"{name}: StepResult.info[{key!r}] is {value!r}; info values must be finite numbers")
+            raise EpisodeFailed(f"{name}: StepResult.info[{key!r}] is {value!r}; info values must be finite numbers")
     if not result.done and (isinstance(result.observation, str) or not isinstance(result.observation, Sequence)):
-        raise TypeError(f"{name}: StepResult.observation is {type(result.observation).__name__}; it must be a list "
-                        "of chat messages")  # fmt: skip
+        raise EpisodeFailed(f"{name}: StepResult.observation is {type(result.observation).__name__}; it must be a "
+                            "list of chat messages")  # fmt: skip
     if not result.done and not result.observation:
-        raise ValueError(f"{name}: StepResult has done = False and no observation: give the messages the model answers "
-                         "next, or done = True")  # fmt: skip
-    for i, message in enumerate(result.observation if not result.done else ()):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise TypeError(f"{name}: StepResult.observation[{i}] is {message!r:.80}; a chat message is a mapping "
-                            "with a string 'role' and its 'content', e.g. {'role': 'user', 'content': 'too low'}")
+        raise EpisodeFailed(f"{name}: StepResult has done = False and no observation: give the messages the model "
+                            "answers next, or done = True")  # fmt: skip
+    if not result.done:
+        _check_messages(env, "StepResult.observation", result.observation)
     result.reward = float(result.reward)
     return result
+
+
+def _check_messages(env: Environment, what: str, messages: object) -> None:
+    """:class:`EpisodeFailed` naming the environment unless ``messages`` are well-formed chat messages
+    (:func:`rollout.tokenizer.check_prompt`), e.g. ``{'role': 'user', 'content': 'too low'}``."""
+    from rollout.tokenizer import check_prompt
+
+    if isinstance(messages, str):
+        raise EpisodeFailed(f"{_env_name(env)}: {what} is text; it must be a list of chat messages")
+    try:
+        check_prompt(messages)  # type: ignore[arg-type]  # what is checked here
+    except ValueError as e:
+        raise EpisodeFailed(f"{_env_name(env)}: {what}: {e}") from None
 
 
 def render_transcript(

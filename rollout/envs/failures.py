@@ -1,22 +1,25 @@
-"""What a batch does with episodes whose own code failed: ``environment.max_failed_fraction`` of them may be dropped
-(each logged with its traceback and counted), and the one failure too many fails the batch at once.
+"""What a rollout request does with episodes whose own code failed: ``environment.max_failed_fraction`` of them may be
+dropped (each logged with its traceback when it fails, and counted), and the one failure too many fails the request at
+once, stopping its other episodes.
 
-A dropped episode leaves its group smaller. Group-relative advantages need two episodes of a group (one, when the
-group has one: PPO), so a group left with fewer is dropped whole; a batch left with no group fails. The episodes an
-environment fails on are not a random subset of the batch (a tool may fail more often on harder problems), which is why
-the default drops none: a failure is a bug to fix unless the recipe says the environment is known to fail now and then.
+A dropped episode leaves its group smaller. Group-relative advantages need two episodes of a group, so the caller
+names the least a group must keep (``min_group_size``) and a group left with fewer is dropped whole; a request left
+with no group fails. The episodes an environment fails on are not a random subset (a tool may fail more often on
+harder problems), which is why the default drops none: a failure is a bug to fix unless the recipe says the
+environment is known to fail now and then.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 from rollout.envs.base import EpisodeFailed
 
-__all__ = ["FailureBudget", "drop_failed"]
+__all__ = ["FailureBudget", "drop_failed", "run_all"]
 
 log = logging.getLogger(__name__)
 
@@ -24,53 +27,76 @@ _T = TypeVar("_T")
 
 
 class FailureBudget:
-    """The failed episodes one batch of ``num_episodes`` may drop: ``floor(max_failed_fraction * num_episodes)``."""
+    """The failed episodes one request of ``num_episodes`` may drop: ``floor(max_failed_fraction * num_episodes)``."""
 
     def __init__(self, num_episodes: int, max_failed_fraction: float) -> None:
         self.num_episodes = num_episodes
         self.max_failed_fraction = max_failed_fraction
-        self.allowed = math.floor(max_failed_fraction * num_episodes)
+        # 0.29 * 100 is 28.999...: the budget the user wrote is 29.
+        self.allowed = math.floor(max_failed_fraction * num_episodes + 1e-9)
         self.failures: list[EpisodeFailed] = []
 
     def record(self, error: EpisodeFailed) -> EpisodeFailed:
-        """Count ``error`` and return it; raise :class:`EpisodeFailed` (chained to the first failure) when it is one
-        more than the budget allows, so the caller stops the batch's other episodes."""
+        """Log and count ``error`` and return it; raise :class:`EpisodeFailed` (chained to the first failure) when it
+        is one more than the budget allows, so the caller stops the request's other episodes."""
         self.failures.append(error)
+        log.warning("episode failed (%d of at most %d in this request): %s", len(self.failures), self.allowed, error,
+                    exc_info=error)  # fmt: skip
         if len(self.failures) <= self.allowed:
             return error
         first = self.failures[0]
-        if self.allowed == 0:
+        if self.max_failed_fraction == 0:
             raise EpisodeFailed(
-                f"{first} (environment.max_failed_fraction = {self.max_failed_fraction}: a failed episode fails the "
-                "batch)"
+                f"{first} (environment.max_failed_fraction = 0: a failed episode fails the batch)"
             ) from first
         raise EpisodeFailed(
-            f"{len(self.failures)} of {self.num_episodes} episodes of this batch failed, and "
-            f"environment.max_failed_fraction = {self.max_failed_fraction} lets {self.allowed} go; the first: {first}"
+            f"{len(self.failures)} of this rollout request's {self.num_episodes} episodes failed, and "
+            f"environment.max_failed_fraction = {self.max_failed_fraction} lets floor({self.max_failed_fraction} x "
+            f"{self.num_episodes}) = {self.allowed} go; the first: {first}"
         ) from first
 
 
-def drop_failed(groups: Sequence[int], outcomes: Sequence[_T | EpisodeFailed], group_size: int) -> list[int]:
+async def run_all(coroutines: Sequence[Coroutine[Any, Any, _T]], budget: FailureBudget) -> list[_T | EpisodeFailed]:
+    """Await every episode at once; results in order, an :class:`EpisodeFailed` in place of each episode that failed
+    within ``budget``. The failure past the budget, or any other error (an engine's), raises after cancelling the
+    other episodes (each closes its environment and aborts its engine requests as it unwinds)."""
+
+    async def one(coroutine: Coroutine[Any, Any, _T]) -> _T | EpisodeFailed:
+        try:
+            return await coroutine
+        except EpisodeFailed as e:
+            return budget.record(e)
+
+    tasks = [asyncio.ensure_future(one(c)) for c in coroutines]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def drop_failed(groups: Sequence[int], outcomes: Sequence[_T | EpisodeFailed], min_group_size: int) -> list[int]:
     """The positions of ``outcomes`` to keep: every episode that did not fail (``outcomes[j]`` is not an
-    :class:`EpisodeFailed`), of a group (``groups[j]``) that keeps at least ``min(2, group_size)`` of them. Each
-    failure is logged with its traceback. Raises :class:`EpisodeFailed` when no group is left."""
+    :class:`EpisodeFailed`), of a group (``groups[j]``) that keeps at least ``min_group_size`` of them. Raises
+    :class:`EpisodeFailed` when no group is left."""
     if len(groups) != len(outcomes):
         raise ValueError(f"{len(groups)} group ids for {len(outcomes)} outcomes")
-    failures = {j: outcome for j, outcome in enumerate(outcomes) if isinstance(outcome, EpisodeFailed)}
-    if not failures:
+    failed = {j: outcome for j, outcome in enumerate(outcomes) if isinstance(outcome, EpisodeFailed)}
+    if not failed:
         return list(range(len(outcomes)))
-    for error in failures.values():
-        log.warning("episode dropped (environment.max_failed_fraction): %s", error, exc_info=error)
     survivors: dict[int, int] = {}
     for j, group in enumerate(groups):
-        if j not in failures:
+        if j not in failed:
             survivors[group] = survivors.get(group, 0) + 1
-    need = min(2, group_size)
-    keep = [j for j, group in enumerate(groups) if j not in failures and survivors[group] >= need]
+    keep = [j for j, group in enumerate(groups) if j not in failed and survivors[group] >= min_group_size]
     if not keep:
-        first = next(iter(failures.values()))
+        first = failed[min(failed)]
         raise EpisodeFailed(
-            f"{len(failures)} of {len(outcomes)} episodes of this batch failed and no group kept {need} episodes to "
-            f"compare; the first failure: {first}"
+            f"{len(failed)} of this rollout request's {len(outcomes)} episodes failed, and no group kept the "
+            f"{min_group_size} episodes it needs; the first failure: {first}"
         ) from first
+    if len(keep) + len(failed) < len(outcomes):
+        short = sorted({g for g, n in survivors.items() if n < min_group_size})
+        log.warning("groups %s dropped whole: fewer than %d of their episodes did not fail", short, min_group_size)
     return keep

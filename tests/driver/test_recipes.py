@@ -290,6 +290,7 @@ def test_declared_blocks_are_registered_by_their_modules_with_the_declared_devic
                     registry.check_supported(name, "cpu")
                 continue
             assert spec.devices == PALLAS_DEVICES
+            assert registry.declared[spec.alternative].devices is None  # a torch block: runs anywhere
             kernel_check = registry._checks[name]
             kernel_check("cpu")
             with pytest.raises(ValueError, match=f'"{name}".*\'cuda\'.*"{spec.alternative}"'):

@@ -20,6 +20,7 @@ from weight_sync.receiver import WeightReceiver
 from weight_sync.relay import stream_metadata
 from weight_sync.sender import Shard
 from weight_sync.sink import StateDictSink
+from weight_sync.spec import dtype_name
 
 
 def tiny_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -92,7 +93,7 @@ def run_ranks(fn: Callable[[int], object], num_ranks: int) -> list[object]:
 
 def spec_msgs(sd: dict[str, torch.Tensor]) -> list[pb.TensorSpec]:
     return [
-        pb.TensorSpec(name=k, shape=tuple(v.shape), dtype=str(v.dtype).removeprefix("torch.")) for k, v in sd.items()
+        pb.TensorSpec(name=k, shape=tuple(v.shape), dtype=dtype_name(v.dtype)) for k, v in sd.items()
     ]
 
 

@@ -27,7 +27,6 @@ from trainer.models.registry import MOE_EXPERTS
 __all__ = ["check_supported", "gmm", "gmm_experts"]
 
 
-
 def check_supported(device: torch.device | str) -> None:
     """Raise ``ValueError`` unless the grouped matmul can run on ``device`` (cpu: interpret mode; tpu: torch-tpu)."""
     check_kernel_device(device, MOE_EXPERTS, "gmm_pallas")

@@ -299,8 +299,8 @@ def test_failed_agent_episodes_within_the_budget_are_dropped(worker, monkeypatch
         assert batch.metrics["env/num_failed_episodes"] == 2
         assert batch.metrics["agent/num_samples"] == len(batch.samples)
         monkeypatch.setattr(worker, "_env_config", worker._env_config.model_copy(update={"max_failed_fraction": 0.3}))
-        with pytest.raises(EpisodeFailed, match=r"2 of 4 episodes .*lets 1 go; the first: agent function "
-                                                r"'.*:fails_odd_samples' raised ConnectionError"):  # fmt: skip
+        with pytest.raises(EpisodeFailed, match=r"2 of this rollout request's 4 episodes .* = 1 go; the first: agent "
+                                                r"function '.*:fails_odd_samples' raised ConnectionError"):  # fmt: skip
             worker.generate_groups([PROBLEM], [3], 4)
     finally:
         runner.shutdown()

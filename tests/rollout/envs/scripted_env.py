@@ -32,16 +32,14 @@ class EchoObservations(Environment):
 
 class FailsSome(EchoObservations):
     """:class:`EchoObservations` whose first ``fail[problem_id]`` episodes of a problem (in the order they reset) raise
-    in their first step; ``RESETS`` counts the resets per problem (clear it before a batch)."""
+    in their first step; ``resets`` counts the resets per problem, shared by the episodes of one batch."""
 
-    RESETS: dict[str, int] = {}
-
-    def __init__(self, fail: dict[str, int], turns: int = 2) -> None:
+    def __init__(self, fail: dict[str, int], resets: dict[str, int], turns: int = 2) -> None:
         super().__init__(turns=turns)
-        self._fail, self._fails = fail, False
+        self._fail, self._resets, self._fails = fail, resets, False
 
     async def reset(self, problem: Problem) -> list[Message]:
-        seen = self.RESETS[problem.problem_id] = self.RESETS.get(problem.problem_id, 0) + 1
+        seen = self._resets[problem.problem_id] = self._resets.get(problem.problem_id, 0) + 1
         self._fails = seen <= self._fail.get(problem.problem_id, 0)
         return await super().reset(problem)
 

@@ -1,48 +1,73 @@
-"""A batch's failed episodes: the budget ``environment.max_failed_fraction`` gives, and the groups that stay."""
+"""A request's failed episodes: the budget ``environment.max_failed_fraction`` gives, the groups that stay, and the
+other episodes stopped when the budget is spent."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
 
 from rollout.envs import EpisodeFailed
-from rollout.envs.failures import FailureBudget, drop_failed
+from rollout.envs.failures import FailureBudget, drop_failed, run_all
 
 
-def test_the_budget_lets_its_fraction_go_and_the_next_failure_fails_the_batch():
+def test_the_budget_lets_its_fraction_go_and_the_next_failure_fails_the_request(caplog):
     budget = FailureBudget(10, 0.25)  # floor(2.5): two
     first, second = EpisodeFailed("env A broke on p0"), EpisodeFailed("env A broke on p3")
-    assert budget.record(first) is first and budget.record(second) is second
-    with pytest.raises(EpisodeFailed, match=r"3 of 10 episodes .*max_failed_fraction = 0.25 lets 2 go; the first: "
-                                            r"env A broke on p0") as raised:  # fmt: skip
-        budget.record(EpisodeFailed("env A broke on p7"))
-    assert raised.value.__cause__ is first
+    with caplog.at_level(logging.WARNING, logger="rollout.envs.failures"):
+        assert budget.record(first) is first and budget.record(second) is second
+        expected = r"3 of this rollout request's 10 episodes failed, and environment.max_failed_fraction = 0.25 lets "
+        with pytest.raises(EpisodeFailed, match=expected + r"floor\(0.25 x 10\) = 2 go; the first: env A broke on p0"):
+            budget.record(EpisodeFailed("env A broke on p7"))
+    assert [r.exc_info is not None for r in caplog.records] == [True] * 3  # each failure logged as it happened
+    assert "env A broke on p7" in caplog.text
+    assert FailureBudget(100, 0.29).allowed == 29  # not floor(28.999...)
 
 
-def test_no_budget_fails_on_the_first_failure_with_its_own_message():
+def test_a_fraction_too_small_for_the_request_says_so_and_zero_fails_on_the_first_failure():
     error = EpisodeFailed("environment m:Env: step raised KeyError: 'x'")
-    expected = r"^environment m:Env: step raised KeyError: 'x' \(environment\.max_failed_fraction = 0.0: a failed "
+    with pytest.raises(EpisodeFailed, match=r"lets floor\(0.05 x 8\) = 0 go; the first: environment m:Env") as raised:
+        FailureBudget(8, 0.05).record(error)
+    assert raised.value.__cause__ is error
+    expected = r"^environment m:Env: step raised KeyError: 'x' \(environment\.max_failed_fraction = 0: a failed "
     with pytest.raises(EpisodeFailed, match=expected + r"episode fails the batch\)$"):
         FailureBudget(64, 0.0).record(error)
-    with pytest.raises(EpisodeFailed):
-        FailureBudget(3, 0.3).record(error)  # floor(0.9) = 0: a fraction too small for the batch lets nothing go
 
 
-def test_a_group_left_with_one_episode_is_dropped_whole(caplog):
+def test_a_group_left_with_fewer_episodes_than_it_needs_is_dropped_whole(caplog):
     groups = [7, 7, 7, 8, 8, 8, 9, 9, 9]
     failed = EpisodeFailed("flaky")
     outcomes = ["a", failed, "b", failed, failed, "c", "d", "e", "f"]
     with caplog.at_level(logging.WARNING, logger="rollout.envs.failures"):
-        keep = drop_failed(groups, outcomes, group_size=3)
-    assert keep == [0, 2, 6, 7, 8]  # group 8 kept one episode: nothing to compare it with
-    assert sum("episode dropped" in r.message for r in caplog.records) == 3
-    assert all(r.exc_info is not None for r in caplog.records)
-    assert drop_failed(groups, ["x"] * 9, group_size=3) == list(range(9))
+        assert drop_failed(groups, outcomes, min_group_size=2) == [0, 2, 6, 7, 8]  # group 8 has one left
+    assert "groups [8] dropped whole" in caplog.text
+    assert drop_failed(groups, outcomes, min_group_size=1) == [0, 2, 5, 6, 7, 8]  # PPO: each episode stands alone
+    assert drop_failed(groups, ["x"] * 9, min_group_size=2) == list(range(9))
+    with pytest.raises(EpisodeFailed, match="no group kept the 2 episodes it needs; the first failure: flaky"):
+        drop_failed([0, 0, 1, 1], ["a", failed, failed, "b"], min_group_size=2)
 
 
-def test_one_episode_groups_keep_every_success_and_a_batch_of_none_fails():
-    failed = EpisodeFailed("flaky")
-    assert drop_failed([0, 1, 2], ["a", failed, "b"], group_size=1) == [0, 2]  # PPO: a group is one episode
-    with pytest.raises(EpisodeFailed, match="no group kept 2 episodes to compare; the first failure: flaky"):
-        drop_failed([0, 0, 1, 1], ["a", failed, failed, "b"], group_size=2)
+def test_the_failure_past_the_budget_stops_the_other_episodes():
+    stopped: list[int] = []
+
+    async def episode(k: int) -> int:
+        if k == 0:
+            raise EpisodeFailed("flaky tool")
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            stopped.append(k)
+        return k
+
+    async def fails_at_the_end(k: int) -> int:
+        await asyncio.sleep(0.01 * k)
+        if k in (1, 2):
+            raise EpisodeFailed(f"flaky tool {k}")
+        return k
+
+    with pytest.raises(EpisodeFailed, match="flaky tool"):
+        asyncio.run(asyncio.wait_for(run_all([episode(k) for k in range(4)], FailureBudget(4, 0.0)), 10))
+    assert sorted(stopped) == [1, 2, 3]
+    results = asyncio.run(run_all([fails_at_the_end(k) for k in range(4)], FailureBudget(4, 0.5)))
+    assert [r if isinstance(r, int) else str(r) for r in results] == [0, "flaky tool 1", "flaky tool 2", 3]
