@@ -52,10 +52,15 @@ class RunDirLock:
     kernel releases it when the holder ends, however it ends, so a killed run leaves nothing to clean up. It keeps
     runs apart on one host (and on network filesystems whose locks span hosts, e.g. NFSv4); on a volume whose locks
     are per node (GCS FUSE) runs whose drivers are on different nodes are not kept apart. A filesystem without locks
-    gets a warning, and the run goes on unlocked."""
+    gets a warning, and the run goes on unlocked.
 
-    def __init__(self, out_dir: str | Path) -> None:
+    The same lock keeps a checkpoint directory outside the run directory (``trainer.checkpoint.dir``) to one run:
+    ``RunDirLock(dir, what="checkpoint directory", field="trainer.checkpoint.dir")``; ``what`` and ``field`` name the
+    directory and the setting in the refusal."""
+
+    def __init__(self, out_dir: str | Path, what: str = "run directory", field: str = "run.output_dir") -> None:
         self.path = Path(out_dir) / LOCK
+        self.what, self.field = what, field
         self._fd: int | None = None
 
     def __enter__(self) -> RunDirLock:
@@ -73,12 +78,12 @@ class RunDirLock:
         except BlockingIOError:
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            raise RunDirBusy(f"run directory {self.path.parent} is in use by another run ({holder}): wait for it to "
-                             "end or stop it, or give this run another run.output_dir") from None  # fmt: skip
+            raise RunDirBusy(f"{self.what} {self.path.parent} is in use by another run ({holder}): wait for it to "
+                             f"end or stop it, or give this run another {self.field}") from None  # fmt: skip
         except OSError as e:  # ENOLCK, EOPNOTSUPP: a filesystem without locks
             os.close(fd)
-            log.warning("run directory %s cannot be locked (%s): nothing keeps a second run out of it",
-                        self.path.parent, e)  # fmt: skip
+            log.warning("%s %s cannot be locked (%s): nothing keeps a second run out of it",
+                        self.what, self.path.parent, e)  # fmt: skip
             return
         os.ftruncate(fd, 0)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -141,8 +146,9 @@ def set_aside_earlier_run(
     (absolute) with its new one.
 
     The moved outputs keep their layout (a moved checkpoint still finds its run's ``recipe.resolved.toml`` two levels
-    up). ``checkpoint_dir`` outside ``out_dir`` moves beside itself, to ``<name>.previous-<time>``. An output that
-    holds one of ``keep`` (the recipe's model or tokenizer directory) stays where it is; empty directories stay.
+    up). ``checkpoint_dir`` outside ``out_dir`` moves its contents beside itself, to ``<name>.previous-<time>/`` (its
+    :data:`LOCK` stays, as the run directory's does). An output that holds one of ``keep`` (the recipe's model or
+    tokenizer directory) stays where it is; empty directories stay.
     """
     out, ckpt = out_dir.resolve(), checkpoint_dir.resolve()
     kept = [Path(p).resolve() for p in keep]
@@ -155,15 +161,19 @@ def set_aside_earlier_run(
     inside = ckpt.is_relative_to(out)
     moved: dict[Path, Path] = {}
     for path in [out / name for name in OUTPUTS if name != CHECKPOINTS] + [ckpt]:
-        if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        if not path.exists() or (path.is_dir() and not any(p.name != LOCK for p in path.iterdir())):
             continue
         if any(p.is_relative_to(path) for p in kept):
             continue
         if path == ckpt and not inside:
             target = ckpt.with_name(f"{ckpt.name}.previous-{stamp}")
+            target.mkdir(parents=True)
+            for child in ckpt.iterdir():
+                if child.name != LOCK:
+                    child.rename(target / child.name)
         else:
             target = aside / path.relative_to(out)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        path.rename(target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            path.rename(target)
         moved[path] = target
     return moved

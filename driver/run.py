@@ -17,6 +17,7 @@ import contextlib
 import logging
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -81,6 +82,36 @@ def _checked_run(recipe: Recipe, out_dir: Path, resume: str | None, address: str
     """:func:`run` while it holds the run directory: the checks that need no Ray, then :func:`_start`."""
     recipe = _with_run_defaults(recipe, out_dir)
     ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # _with_run_defaults set it
+    try:
+        ckpt_lock = _hold_checkpoint_dir(ckpt_dir, out_dir)
+    except (OSError, RunDirBusy) as e:
+        where = f"trainer.checkpoint.dir {str(ckpt_dir)!r}"
+        print(f"error: {'' if isinstance(e, RunDirBusy) else f'{where} cannot hold checkpoints: '}{e}", file=sys.stderr)
+        return 2
+    try:
+        return _checked_run_holding(recipe, out_dir, ckpt_dir, resume, address)
+    finally:
+        if ckpt_lock is not None:
+            ckpt_lock.release()
+
+
+def _hold_checkpoint_dir(ckpt_dir: Path, out_dir: Path) -> RunDirLock | None:
+    """Make sure this run can write ``ckpt_dir`` before anything starts (a run found it could not at its first
+    checkpoint, 50 steps in), and lock it when it lies outside the run directory, whose lock covers it otherwise: two
+    runs sharing it would prune each other's checkpoints and resume from the other's (``OSError`` or ``RunDirBusy``)."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    if ckpt_dir.resolve().is_relative_to(out_dir.resolve()):
+        with tempfile.TemporaryFile(dir=ckpt_dir):
+            return None
+    lock = RunDirLock(ckpt_dir, what="checkpoint directory", field="trainer.checkpoint.dir")
+    lock.acquire()
+    return lock
+
+
+def _checked_run_holding(
+    recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None, address: str | None
+) -> int:
+    """:func:`_checked_run` once it holds the checkpoint directory too."""
     from common.tokenizer_dir import check_tokenizer_dir
     from rollout.tasks import build_dataset
     from trainer.checkpoint import saved_data_cursor
@@ -101,6 +132,7 @@ def _checked_run(recipe: Recipe, out_dir: Path, resume: str | None, address: str
         recipe.trainer.check_model(model_cfg)
         if resume_from is not None:
             _check_resumable(resume_from, model_cfg, recipe, out_dir)
+            _check_steps_left(resume_from, recipe.run.num_steps)
             dataset.load_state_dict(saved_data_cursor(resume_from))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -148,6 +180,20 @@ def _outputs_lost_with_the_job(recipe: Recipe) -> str | None:
     return None
 
 
+def _check_steps_left(checkpoint: Path, num_steps: int) -> None:
+    """``ValueError`` when the checkpoint is past ``run.num_steps``: the resumed run would train nothing, log its end
+    at an earlier step than its checkpoint and replace the final model with the checkpoint's. A checkpoint at
+    ``num_steps`` (a finished run resumed again, e.g. a retried job) goes on: its end is written again."""
+    from trainer.checkpoint_dirs import checkpoint_step
+
+    step = checkpoint_step(checkpoint)
+    if step > num_steps:
+        raise ValueError(
+            f"--resume: the newest checkpoint, {checkpoint}, is at step {step}, past run.num_steps = {num_steps}: "
+            f"there is nothing to train. Give run.num_steps above {step} to extend the run (or start fresh elsewhere)"
+        )
+
+
 def _start(
     recipe: Recipe, out_dir: Path, resume_from: Path | None, model_cfg: ModelConfig, dataset: PromptDataset,
     address: str | None,
@@ -161,14 +207,15 @@ def _start(
         inputs = [p for p in (recipe.model.path, recipe.rollout.tokenizer_path, recipe.rollout.model_path) if p]
         moved = set_aside_earlier_run(out_dir, ckpt_dir, keep=inputs)
         if moved:
+            places = {str(t.parent) if t.parent.name.startswith("previous-") else str(t) for t in moved.values()}
             log.warning("fresh start: moved the earlier run's %s to %s", ", ".join(p.name for p in moved),
-                        ", ".join(sorted({str(p.parent) for p in moved.values()})))  # fmt: skip
+                        ", ".join(sorted(places)))  # fmt: skip
             earlier = _point_moved_run_at_itself(moved, out_dir)
             if earlier is not None:
                 log.warning("to continue the earlier run instead: python rl_align.py --recipe %s --resume", earlier)
             count, size = earlier_runs_kept(out_dir, ckpt_dir)
-            log.warning("%s now keeps %d earlier run(s) in previous-*/ (%.1f GB with moved checkpoints); nothing "
-                        "deletes them: remove those you no longer need", out_dir, count, size / 1e9)  # fmt: skip
+            log.warning("%s now keeps %d earlier run(s) in previous-*/ (%.1f MB with moved checkpoints); nothing "
+                        "deletes them: remove those you no longer need", out_dir, count, size / 1e6)  # fmt: skip
     write_resolved(recipe, out_dir)  # after the checks: a refused recipe leaves the run's record as it was
 
     import ray

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-__all__ = ["COMPLETE", "checkpoint_dir", "complete_checkpoints", "latest_checkpoint"]
+__all__ = ["COMPLETE", "checkpoint_dir", "checkpoint_step", "complete_checkpoints", "latest_checkpoint"]
 
 COMPLETE = "COMPLETE"
 """The marker file of a finished checkpoint."""
@@ -20,6 +20,14 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 def checkpoint_dir(root: str | Path, step: int) -> Path:
     """Where the checkpoint of optimizer step ``step`` goes under ``root``."""
     return Path(root) / f"step_{step:08d}"
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The optimizer step a checkpoint directory :func:`checkpoint_dir` named holds; ``ValueError`` for another name."""
+    m = _STEP_DIR.match(Path(path).name)
+    if m is None:
+        raise ValueError(f"{path} is not a checkpoint directory (step_<n>)")
+    return int(m.group(1))
 
 
 def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:

@@ -155,7 +155,8 @@ def test_a_fresh_start_keeps_the_recipes_model_and_moves_outside_checkpoints_bes
         path.write_text("x")
     moved = set_aside_earlier_run(out, ckpt, keep=[str(out / "final_model")])  # a recipe that starts from it
     assert (out / "final_model" / "config.json").exists() and not (out / "hf").exists()
-    assert not ckpt.exists() and moved[ckpt].name.startswith("ckpts.previous-") and moved[ckpt].parent == ckpt.parent
+    assert moved[ckpt].name.startswith("ckpts.previous-") and moved[ckpt].parent == ckpt.parent
+    assert (moved[ckpt] / "step_1" / "x").exists() and not any(ckpt.iterdir())  # its lock would have stayed
     assert earlier_runs_kept(out, ckpt) == (1, 2)  # hf/step_1/config.json and the checkpoint moved beside its dir
 
 
@@ -170,7 +171,7 @@ def test_a_fresh_start_leaves_the_earlier_run_resumable_where_it_moved(tmp_path,
     moved = aside / "recipe.resolved.toml"
     assert f"--recipe {moved} --resume" in caplog.text
     size = sum(f.stat().st_size for f in aside.rglob("*") if f.is_file())  # nothing prunes them: the driver says
-    assert f"{out} now keeps 1 earlier run(s) in previous-*/ ({size / 1e9:.1f} GB" in caplog.text
+    assert f"{out} now keeps 1 earlier run(s) in previous-*/ ({size / 1e6:.1f} MB" in caplog.text
     earlier = load_recipe(moved)
     assert earlier.run.resolved_output_dir == aside
     assert earlier.trainer.checkpoint.dir == str(aside / "checkpoints")
@@ -402,3 +403,55 @@ def test_a_tokenizer_elsewhere_than_the_model_fails_before_ray_when_exports_coul
     })  # fmt: skip
     assert run(elsewhere) == 2
     assert f"the model directory {started.model.path} has no tokenizer files" in capsys.readouterr().err
+
+
+def test_a_checkpoint_directory_another_run_holds_is_refused_before_anything_moves(tmp_path, capsys, no_ray):
+    """Two runs given one outside trainer.checkpoint.dir: the second's fresh start moved the live run's checkpoints
+    aside, each pruned the other's checkpoints, and a --resume took the other run's newest for its own."""
+    from common.run_dir import RunDirLock
+
+    shared = tmp_path / "shared_ckpt"
+    (shared / "step_00000038").mkdir(parents=True)
+    (shared / "step_00000038" / "COMPLETE").write_text("")
+    recipe = load_recipe("recipes/grpo_tiny.toml", {
+        "model.path": str(tmp_path / "model"), "run.output_dir": str(tmp_path / "B"),
+        "trainer.checkpoint.dir": str(shared),
+    })  # fmt: skip
+    with RunDirLock(shared, what="checkpoint directory", field="trainer.checkpoint.dir"):  # run A, running
+        for resume in (None, "auto"):
+            assert run(recipe, resume=resume) == 2
+            err = capsys.readouterr().err
+            assert f"checkpoint directory {shared} is in use by another run (pid {os.getpid()} on " in err, err
+            assert "give this run another trainer.checkpoint.dir" in err
+    assert sorted(p.name for p in shared.iterdir()) == [LOCK, "step_00000038"]
+    assert not list(tmp_path.glob("shared_ckpt.previous-*"))
+
+
+def test_a_checkpoint_directory_that_cannot_be_written_is_refused_before_ray(tmp_path, capsys, no_ray):
+    # It was found at the first checkpoint, after the warm start and 50 steps, as a 60-line traceback.
+    (tmp_path / "afile").write_text("")
+    for ckpt in (tmp_path / "afile" / "ckpt", tmp_path / "out" / "checkpoints"):
+        if ckpt.parent.name == "out":
+            ckpt.parent.mkdir(exist_ok=True)
+            ckpt.write_text("not a directory")
+        recipe = load_recipe("recipes/grpo_tiny.toml", {
+            "model.path": str(tmp_path / "model"), "run.output_dir": str(tmp_path / "out"),
+            "trainer.checkpoint.dir": str(ckpt),
+        })  # fmt: skip
+        assert run(recipe) == 2
+        err = capsys.readouterr().err
+        assert f"error: trainer.checkpoint.dir '{ckpt}' cannot hold checkpoints: " in err, err
+
+
+def test_a_resume_past_run_num_steps_is_refused_before_ray(tmp_path, capsys, no_ray):
+    # It trained nothing, logged the step-2 policy's evaluation as step 0's and replaced the final model, exit 0.
+    out = _checkpointed_run(tmp_path)  # a step-2 checkpoint
+    before = _listing(out)
+    recipe = load_recipe("recipes/grpo_tiny.toml", {
+        "model.path": str(tmp_path / "model"), "model.create_tiny.hidden_size": 128,
+        "run.output_dir": str(out), "run.num_steps": 1,
+    })  # fmt: skip
+    assert run(recipe, resume="required") == 2
+    err = capsys.readouterr().err
+    assert "the newest checkpoint, " in err and "is at step 2, past run.num_steps = 1: there is nothing to train" in err
+    assert _listing(out) == before
