@@ -55,8 +55,8 @@ class MetricsLogger:
         self._file = self.path.open("a" if append else "w")
         self._num_steps = num_steps
         self._progress = progress
-        self._started = time.monotonic()
-        self._first_step: int | None = None
+        self._last_progress: float | None = None
+        self._step_seconds: list[float] = []
         self._writer_class: Any = None
         if tensorboard:  # TensorBoard's own writer: torch's would import torch into the driver (~1 s of a busy core)
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -146,10 +146,15 @@ class MetricsLogger:
                 self._gauges[key].set(value)
 
     def _print_progress(self, step: int, metrics: Mapping[str, float | None]) -> None:
-        if self._first_step is None:
-            self._first_step, self._started = step, time.monotonic()
-        done = step - self._first_step + 1
-        per_step = (time.monotonic() - self._started) / done
+        # A step's seconds: the wall clock since the previous step's line (its evaluation and checkpoint included), or
+        # for the first line of this process its own time/step_s (the clock started with the step, not before it).
+        now = time.monotonic()
+        own = metrics.get("time/step_s")
+        seconds = now - self._last_progress if self._last_progress is not None else own
+        self._last_progress = now
+        if seconds is not None:
+            self._step_seconds.append(seconds)
+        per_step = sum(self._step_seconds) / len(self._step_seconds) if self._step_seconds else 0.0
         eta = per_step * max(self._num_steps - step - 1, 0)
         parts = [f"step {step + 1}/{self._num_steps}"]
         for key, label in _PROGRESS_KEYS:

@@ -54,3 +54,18 @@ def test_resumed_logger_appends(tmp_path):
     second.log(1, {"reward/mean": 2.0})
     second.close()
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]
+
+
+def test_the_progress_line_s_time_per_step_and_eta_follow_the_steps(tmp_path, capsys, monkeypatch):
+    # The first line read "0.0s/step ETA 0s" after a 451 s step, the second half the true time per step.
+    clock = iter([1000.0, 1450.0, 1950.0])
+    monkeypatch.setattr("driver.metrics.time.monotonic", lambda: next(clock))
+    logger = MetricsLogger(tmp_path, num_steps=4, tensorboard=False)
+    logger.log(0, {"time/step_s": 451.5})
+    logger.log(1, {"time/step_s": 490.0})  # 450 s of wall clock since the first line
+    logger.log(2, {})
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].endswith("451.5s/step ETA 1354s")  # three steps left
+    assert lines[1].endswith("450.8s/step ETA 902s")
+    assert lines[2].endswith("467.2s/step ETA 467s")
+    logger.close()
