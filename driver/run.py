@@ -200,7 +200,7 @@ def _start(
 ) -> int:
     """:func:`run` once its checks passed and it holds the run directory: the earlier run's outputs set aside (fresh
     start), the resolved recipe written, Ray joined or started, the run executed."""
-    from trainer.checkpoint_dirs import latest_checkpoint
+    from rollout.fleet import WorkersExhausted
 
     ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # _with_run_defaults set it
     if resume_from is None:
@@ -233,19 +233,32 @@ def _start(
         return 0
     except KeyboardInterrupt:
         how = "stopped (SIGTERM)" if sigterm.is_set() else "interrupted"
-        print(f"\n{how}: actors stopped; continue with --resume", file=sys.stderr)
+        print(f"\n{how}: actors stopped; {_resume_hint(out_dir, ckpt_dir, failed=False)}", file=sys.stderr)
         return 143 if sigterm.is_set() else 130
     except PlacementError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ray.exceptions.RayActorError as e:
-        unreachable = isinstance(e, ray.exceptions.ActorUnavailableError)
-        what = "became unreachable (its process or node is gone)" if unreachable else "died and could not be replaced"
-        saved = latest_checkpoint(ckpt_dir)
-        hint = (f"continue from the last checkpoint ({saved.name}) with: python rl_align.py --recipe ... --resume"
-                if saved is not None else "no checkpoint was saved: fix the cause and start the run again")  # fmt: skip
-        print(f"error: a trainer or rollout actor {what}: {e}\n{hint}", file=sys.stderr)
+    except (ray.exceptions.RayActorError, WorkersExhausted) as e:
+        if isinstance(e, WorkersExhausted):
+            what = f"rollout workers could not be replaced any more: {e}"
+        else:
+            unreachable = isinstance(e, ray.exceptions.ActorUnavailableError)
+            gone = "became unreachable (its process or node is gone)" if unreachable else "died"
+            what = f"a trainer or rollout actor {gone} and could not be replaced: {e}"
+        print(f"error: {what}\n{_resume_hint(out_dir, ckpt_dir, failed=True)}", file=sys.stderr)
         return 1
+
+
+def _resume_hint(out_dir: Path, ckpt_dir: Path, failed: bool) -> str:
+    """How to continue this run: the command that resumes it from its newest checkpoint (through its resolved recipe,
+    which holds every setting and absolute paths: as it is after ``ray job submit ... --``), or that none was saved."""
+    from trainer.checkpoint_dirs import latest_checkpoint
+
+    saved = latest_checkpoint(ckpt_dir)
+    if saved is None:
+        return f"no checkpoint was saved{': fix the cause and' if failed else ' yet: to go on,'} start the run again"
+    record = (out_dir / RESOLVED_RECIPE).resolve()
+    return f"continue from its last checkpoint ({saved.name}) with: python rl_align.py --recipe {record} --resume"
 
 
 def _policy_config(recipe: Recipe) -> ModelConfig:

@@ -31,13 +31,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["WorkerFleet", "WorkerSlot", "WorkerState"]
+__all__ = ["WorkerFleet", "WorkerSlot", "WorkerState", "WorkersExhausted"]
 
 log = logging.getLogger(__name__)
 
 Publisher = Callable[[list[str]], int]
 """``publish(addresses) -> policy_version``: push the trainer's current weights to just these receivers now and return
 the version pushed; raises when the push failed."""
+
+
+class WorkersExhausted(RuntimeError):
+    """The pool's rollout workers died more often than ``rollout.num_worker_restarts`` allows."""
 
 
 class WorkerState(enum.Enum):
@@ -194,14 +198,14 @@ class WorkerFleet:
 
     def replace(self, slot: WorkerSlot, why: str) -> None:
         """Kill the slot's actor and start a new one there (it catches up before it takes work), logging ``why`` (what
-        happened to the worker); raises ``RuntimeError`` once the fleet has used up its restarts."""
+        happened to the worker); raises :class:`WorkersExhausted` once the fleet has used up its restarts."""
         import ray
 
         log.warning("rollout worker %s %s; replacing it", slot.address, why)
         if self._num_restarts_left <= 0:
-            raise RuntimeError(
-                f"rollout workers died {self._num_restarts + 1} times (num_worker_restarts={self._num_restarts}); "
-                "see the Ray logs of the dead actors"
+            raise WorkersExhausted(
+                f"rollout workers died {self._num_restarts + 1} times (rollout.num_worker_restarts = "
+                f"{self._num_restarts}); see the Ray logs of the dead actors (the last: {why})"
             )
         self._num_restarts_left -= 1
         ray.kill(slot.actor, no_restart=True)

@@ -290,20 +290,28 @@ def test_an_output_dir_that_is_a_file_is_a_clear_error(tmp_path, capsys, no_ray)
 
 
 @pytest.mark.parametrize("saved", [False, True], ids=["no-checkpoint", "checkpoint"])
-def test_an_actor_death_offers_a_resume_only_when_there_is_a_checkpoint(tmp_path, capsys, monkeypatch, saved):
+@pytest.mark.parametrize("death", ["actor", "workers-exhausted"])
+def test_an_actor_death_offers_a_resume_only_when_there_is_a_checkpoint(tmp_path, capsys, monkeypatch, saved, death):
     import ray
+
+    from rollout.fleet import WorkersExhausted
 
     out = _checkpointed_run(tmp_path) if saved else tmp_path / "out"
 
     def actor_died(*args, **kwargs):
-        raise ray.exceptions.RayActorError()
+        if death == "actor":
+            raise ray.exceptions.RayActorError()
+        # It ended in a raw traceback without the way to continue, though a checkpoint was there.
+        raise WorkersExhausted("rollout workers died 1 times (rollout.num_worker_restarts = 0)")
 
     monkeypatch.setattr(driver.session, "ray_session", actor_died)
     recipe = _recipe(tmp_path, "model", 128)
     assert run(recipe, resume="auto" if saved else None) == 1
     err = capsys.readouterr().err
+    assert "\nerror: " in err and (death == "actor" or "could not be replaced any more: rollout workers" in err)
     if saved:
-        assert "continue from the last checkpoint (step_00000002) with: python rl_align.py" in err, err
+        command = f"python rl_align.py --recipe {out.resolve() / 'recipe.resolved.toml'} --resume"
+        assert f"continue from its last checkpoint (step_00000002) with: {command}" in err, err
     else:  # the advice was to --resume from a checkpoint that did not exist
         assert "--resume" not in err and "no checkpoint was saved" in err, err
     assert out.is_dir()
