@@ -201,6 +201,7 @@ def _start(
     """:func:`run` once its checks passed and it holds the run directory: the earlier run's outputs set aside (fresh
     start), the resolved recipe written, Ray joined or started, the run executed."""
     from rollout.fleet import WorkersExhausted
+    from trainer.checkpoint import CheckpointWriteError
 
     ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # _with_run_defaults set it
     if resume_from is None:
@@ -238,6 +239,11 @@ def _start(
     except PlacementError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ray.exceptions.RayTaskError as e:
+        if not isinstance(e.cause, CheckpointWriteError):
+            raise
+        print(f"error: {e.cause}\n{_resume_hint(out_dir, ckpt_dir, failed=True)}", file=sys.stderr)
+        return 1
     except (ray.exceptions.RayActorError, WorkersExhausted) as e:
         if isinstance(e, WorkersExhausted):
             what = f"rollout workers could not be replaced any more: {e}"

@@ -42,6 +42,7 @@ from trainer.checkpoint_dirs import COMPLETE, checkpoint_dir, complete_checkpoin
 
 __all__ = [
     "CheckpointManager",
+    "CheckpointWriteError",
     "Checkpointable",
     "TrainProgress",
     "read_model_tensors",
@@ -136,6 +137,10 @@ def _set_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a volume gone read-only); the message says what is free."""
+
+
 class CheckpointManager:
     """Saves and restores ``step_<n>`` checkpoints under ``root``, keeping the newest ``num_keep``."""
 
@@ -159,7 +164,6 @@ class CheckpointManager:
         tensors: dict[str, Any] = {}
         for name, part in parts.items():
             tensors.update(_state_dicts(name, part))
-        dcp.save(tensors, checkpoint_id=str(path), no_dist=_no_dist())
         small = {
             "schedulers": {n: p.scheduler.state_dict() for n, p in parts.items() if p.scheduler is not None},
             "rng": _rng_states(),
@@ -167,7 +171,11 @@ class CheckpointManager:
             "policy_version": progress.policy_version,
             "data_cursor": progress.data_cursor,
         }
-        torch.save(small, rank_state_file(path, _rank()))
+        try:
+            dcp.save(tensors, checkpoint_id=str(path), no_dist=_no_dist())
+            torch.save(small, rank_state_file(path, _rank()))
+        except Exception as e:  # a full disk reads as DCP's or torch's own error, none naming the space left
+            raise self._write_failed(path, e) from e
         _barrier()
         if _rank() == 0:
             (path / COMPLETE).write_text(f"{progress.step}\n")
@@ -177,6 +185,20 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
         _barrier()
         return path
+
+    def _write_failed(self, path: Path, error: Exception) -> CheckpointWriteError:
+        """What to say about a checkpoint this rank could not write; its partial directory goes (it would never count:
+        it has no COMPLETE marker) to give the space back."""
+        shutil.rmtree(path, ignore_errors=True)
+        free = shutil.disk_usage(self.root).free
+        saved = latest_checkpoint(self.root)
+        size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file()) if saved is not None else None
+        need = f"; each checkpoint takes ~{size / 1e6:,.1f} MB" if size is not None else ""
+        return CheckpointWriteError(
+            f"checkpoint {path} could not be written ({type(error).__name__}: {error}). {free / 1e6:,.1f} MB are free "
+            f"under {self.root}, which must hold trainer.checkpoint.num_keep + 1 = {self.num_keep + 1} checkpoints"
+            f"{need}: free space or point trainer.checkpoint.dir at a larger volume, then resume"
+        )
 
     def load(
         self, parts: dict[str, Checkpointable], path: str | Path | None = None, missing_ok: tuple[str, ...] = ()

@@ -290,17 +290,20 @@ def test_an_output_dir_that_is_a_file_is_a_clear_error(tmp_path, capsys, no_ray)
 
 
 @pytest.mark.parametrize("saved", [False, True], ids=["no-checkpoint", "checkpoint"])
-@pytest.mark.parametrize("death", ["actor", "workers-exhausted"])
+@pytest.mark.parametrize("death", ["actor", "workers-exhausted", "checkpoint-write"])
 def test_an_actor_death_offers_a_resume_only_when_there_is_a_checkpoint(tmp_path, capsys, monkeypatch, saved, death):
     import ray
 
     from rollout.fleet import WorkersExhausted
+    from trainer.checkpoint import CheckpointWriteError
 
     out = _checkpointed_run(tmp_path) if saved else tmp_path / "out"
 
     def actor_died(*args, **kwargs):
         if death == "actor":
             raise ray.exceptions.RayActorError()
+        if death == "checkpoint-write":  # a full disk: DCP's own error named no space
+            raise ray.exceptions.RayTaskError("save_checkpoint", "", CheckpointWriteError("12.0 MB are free under x"))
         # It ended in a raw traceback without the way to continue, though a checkpoint was there.
         raise WorkersExhausted("rollout workers died 1 times (rollout.num_worker_restarts = 0)")
 
@@ -308,7 +311,9 @@ def test_an_actor_death_offers_a_resume_only_when_there_is_a_checkpoint(tmp_path
     recipe = _recipe(tmp_path, "model", 128)
     assert run(recipe, resume="auto" if saved else None) == 1
     err = capsys.readouterr().err
-    assert "\nerror: " in err and (death == "actor" or "could not be replaced any more: rollout workers" in err)
+    expected = {"actor": "and could not be replaced", "workers-exhausted": "could not be replaced any more: rollout "
+                "workers", "checkpoint-write": "error: 12.0 MB are free under x"}[death]  # fmt: skip
+    assert "\nerror: " in err and expected in err, err
     if saved:
         command = f"python rl_align.py --recipe {out.resolve() / 'recipe.resolved.toml'} --resume"
         assert f"continue from its last checkpoint (step_00000002) with: {command}" in err, err

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.checkpoint import Checkpointable, CheckpointManager, TrainProgress
+from trainer.checkpoint import Checkpointable, CheckpointManager, CheckpointWriteError, TrainProgress
 from trainer.metrics import MetricsAccumulator, reduction_of
 
 
@@ -47,6 +47,29 @@ def test_save_keep_and_resume(tmp_path) -> None:
     _train(resumed, 2)  # same RNG draws and optimizer state as the uninterrupted run
     for name, p in resumed.model.named_parameters():
         assert torch.equal(p, expected[name]), name
+
+
+def test_a_checkpoint_the_disk_cannot_hold_says_what_is_free_and_gives_the_space_back(tmp_path, monkeypatch) -> None:
+    # A full disk failed the run with "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598".
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    manager = CheckpointManager(tmp_path, num_keep=2)
+    part = _part()
+    manager.save({"policy": part}, TrainProgress(1, 1, {}))
+
+    def full_disk(state, checkpoint_id, **kwargs):
+        (tmp_path / "step_00000002" / "__0_0.distcp").parent.mkdir()
+        (tmp_path / "step_00000002" / "__0_0.distcp").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint .*step_00000002 could not be written \(OSError: .*No "
+                                                   r"space left on device\)\. [0-9,.]+ MB are free under .*num_keep "
+                                                   r"\+ 1 = 3 checkpoints; each checkpoint takes ~"):  # fmt: skip
+        manager.save({"policy": part}, TrainProgress(2, 2, {}))
+    assert not (tmp_path / "step_00000002").exists() and manager.latest() == tmp_path / "step_00000001"
 
 
 def test_load_without_checkpoint_raises(tmp_path) -> None:
