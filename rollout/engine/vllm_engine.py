@@ -56,7 +56,13 @@ from rollout.config import EngineConfig, SamplingConfig, UpdateMode
 from rollout.engine.adapters import AdapterVersions, MergedAdapters, ServedAdapters
 from rollout.engine.errors import EngineBrokenError
 from rollout.engine.joining import Joined, Joiner, Waiter
-from rollout.engine.platform import configure_vllm_environment, is_cpu_platform, lora_serving, platform_engine_args
+from rollout.engine.platform import (
+    configure_vllm_environment,
+    is_cpu_platform,
+    lora_serving,
+    platform_engine_args,
+    warn_slow_cpu_dtype,
+)
 from rollout.engine.transfer import REFUSED, default_stage_dir, write_update_file
 from rollout.engine.vllm_plugin import BACKEND, register
 from rollout.sampling import is_greedy, to_vllm_sampling_params
@@ -111,6 +117,7 @@ def vllm_engine_args(config: EngineConfig, model_path: str, tokenizer_path: str 
         additional_config={BACKEND: {"driver": "inproc"}},
     )
     args.update(platform_engine_args())
+    warn_slow_cpu_dtype(config)
     if config.block_size is not None:
         args["block_size"] = config.block_size
     if config.lora is not None and lora_serving(config) == "adapter":
