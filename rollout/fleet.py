@@ -201,13 +201,14 @@ class WorkerFleet:
         happened to the worker); raises :class:`WorkersExhausted` once the fleet has used up its restarts."""
         import ray
 
-        log.warning("rollout worker %s %s; replacing it", slot.address, why)
         if self._num_restarts_left <= 0:
             raise WorkersExhausted(
                 f"rollout workers died {self._num_restarts + 1} times (rollout.num_worker_restarts = "
                 f"{self._num_restarts}); see the Ray logs of the dead actors (the last: {why})"
             )
         self._num_restarts_left -= 1
+        log.warning("rollout worker %s %s; replacing it (%d of rollout.num_worker_restarts = %d left)",
+                    slot.address, why, self._num_restarts_left, self._num_restarts)  # fmt: skip
         ray.kill(slot.actor, no_restart=True)
         slot.actor = self._start(slot.index)
         slot.address, slot.num_inflight_groups = None, 0
