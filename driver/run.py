@@ -228,6 +228,9 @@ def _start(
     try:
         with ray_session(address, recipe.trainer.device) as where, _sigterm_stops_the_run(sigterm):
             log.info("Ray: %s; outputs in %s", where, out_dir.resolve())
+            lora = ", LoRA adapters" if model_cfg.lora is not None else ""
+            log.info("model: %s (%s, %.3g B parameters%s)", recipe.model.path, model_cfg.family,
+                     model_cfg.num_params / 1e9, lora)  # fmt: skip
             resumed = resume_from is not None
             with _Run(recipe, model_cfg, dataset, out_dir, resumed, can_grow=where != "embedded") as job:
                 job.execute()
@@ -591,10 +594,10 @@ class _Run:
             self.publisher.published_version != self.trainer.policy_version()
         ):
             self.publisher.publish()
-        # A resumed run compares its end with the start of RL (the first run's eval before step 0). An extended run
-        # resumes at its last step, whose eval is on record: it is not measured and logged a second time.
-        evals = {rec["step"]: rec for rec in read_jsonl(self.out_dir / METRICS) if rec["phase"] == "eval"} if (
-            self.resume) else {}  # fmt: skip
+        # A resumed run compares its end with the start of RL (the first run's eval before step 0). The checkpoint's
+        # policy evaluated already (an extended run's final eval, or the in-run eval of the step before the resume
+        # point) is not measured and logged a second time.
+        evals = evaluations_on_record(read_jsonl(self.out_dir / METRICS)) if self.resume else {}
         if start_step - 1 not in evals:
             evals[start_step - 1] = do_eval()
             self.logger.log(start_step - 1, evals[start_step - 1], phase="eval")
@@ -615,10 +618,19 @@ class _Run:
             plot_curves(self.out_dir / METRICS, self.out_dir / CURVES)
 
 
+def evaluations_on_record(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The records holding a held-out evaluation of the policy after each step (step -1: before RL): ``eval`` records
+    and the ``rl`` records of steps evaluated in the run (``run.eval.every_num_steps``)."""
+    return {
+        rec["step"]: rec for rec in records
+        if rec["phase"] == "eval" or (rec["phase"] == "rl" and any(k.startswith("eval/") for k in rec))
+    }  # fmt: skip
+
+
 def _print_report(before: dict[str, float], after: dict[str, float], out_dir: Path) -> None:
     rows = [k for k in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward")
             if before.get(k) is not None and after.get(k) is not None]  # a record's non-finite value is null
-    lines = ["", "held-out problems      start of RL    end of RL    change", "-" * 58]
+    lines = ["", "held-out problems      start of RL    end of RL    change", "-" * 58] if rows else []
     for key in rows:
         lines.append(f"{key[5:]:<22} {before[key]:>11.3f} {after[key]:>12.3f} {after[key] - before[key]:>+9.3f}")
     lines.append(f"\nmetrics: {out_dir / METRICS}   curves: {out_dir / CURVES}")

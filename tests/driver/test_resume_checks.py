@@ -468,3 +468,16 @@ def test_a_resume_past_run_num_steps_is_refused_before_ray(tmp_path, capsys, no_
     err = capsys.readouterr().err
     assert "the newest checkpoint, " in err and "is at step 2, past run.num_steps = 1: there is nothing to train" in err
     assert _listing(out) == before
+
+
+def test_a_resume_finds_the_evaluation_of_its_checkpoint_s_policy_on_record():
+    # A resume at step 8 evaluated the step-7 policy again (500 problems) though the run's in-run evaluation of step 7
+    # was on record, and put two points at one step in TensorBoard.
+    from driver.run import evaluations_on_record
+
+    records = [
+        {"step": 0, "phase": "sft", "loss": 1.0}, {"step": -1, "phase": "eval", "eval/accuracy": 0.4},
+        {"step": 6, "phase": "rl", "reward/mean": 0.5}, {"step": 7, "phase": "rl", "eval/accuracy": 0.6},
+    ]  # fmt: skip
+    found = evaluations_on_record(records)
+    assert sorted(found) == [-1, 7] and found[7]["eval/accuracy"] == 0.6
