@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from common.cpu import cpu_flags
 from common.net import free_port
 
 __all__ = [
@@ -41,14 +42,10 @@ def cpu_model() -> str:
 
 def cpu_isa() -> str:
     """The matmul-relevant ISA extensions this CPU reports (space-separated, in a fixed order), or ``unknown``."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = set(line.split(":", 1)[1].split())
-                return " ".join(f for f in _MATMUL_ISA if f in flags) or "none of " + " ".join(_MATMUL_ISA)
-    except OSError:
-        pass
-    return "unknown"
+    flags = cpu_flags()
+    if flags is None:
+        return "unknown"
+    return " ".join(f for f in _MATMUL_ISA if f in flags) or "none of " + " ".join(_MATMUL_ISA)
 
 
 def machine_line() -> str:

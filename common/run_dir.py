@@ -71,7 +71,7 @@ class RunDirLock:
         self.release()
 
     def acquire(self) -> None:
-        """Take the run directory, or raise :class:`RunDirBusy` naming the run that holds it."""
+        """Take the directory, or raise :class:`RunDirBusy` naming the run that holds it."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes (PEP 446)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -91,7 +91,7 @@ class RunDirLock:
         self._fd = fd
 
     def release(self) -> None:
-        """Let the run directory go (nothing when not held)."""
+        """Let the directory go (nothing when not held)."""
         if self._fd is not None:
             os.close(self._fd)  # releases the lock; the file stays (removing it could race a waiting run's open)
             self._fd = None
@@ -146,9 +146,10 @@ def set_aside_earlier_run(
     (absolute) with its new one.
 
     The moved outputs keep their layout (a moved checkpoint still finds its run's ``recipe.resolved.toml`` two levels
-    up). ``checkpoint_dir`` outside ``out_dir`` moves its contents beside itself, to ``<name>.previous-<time>/`` (its
-    :data:`LOCK` stays, as the run directory's does). An output that holds one of ``keep`` (the recipe's model or
-    tokenizer directory) stays where it is; empty directories stay.
+    up). ``checkpoint_dir`` moves its contents, all but its :data:`LOCK` (which stays, as the run directory's does):
+    into ``previous-<time>/checkpoints`` when it lies inside ``out_dir``, else beside itself, to
+    ``<name>.previous-<time>/``. An output that holds one of ``keep`` (the recipe's model or tokenizer directory) stays
+    where it is; empty directories stay.
     """
     out, ckpt = out_dir.resolve(), checkpoint_dir.resolve()
     kept = [Path(p).resolve() for p in keep]
@@ -165,8 +166,8 @@ def set_aside_earlier_run(
             continue
         if any(p.is_relative_to(path) for p in kept):
             continue
-        if path == ckpt and not inside:
-            target = ckpt.with_name(f"{ckpt.name}.previous-{stamp}")
+        if path == ckpt:
+            target = aside / path.relative_to(out) if inside else ckpt.with_name(f"{ckpt.name}.{aside.name}")
             target.mkdir(parents=True)
             for child in ckpt.iterdir():
                 if child.name != LOCK:

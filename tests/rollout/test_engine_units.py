@@ -227,14 +227,27 @@ def test_a_bfloat16_engine_on_a_cpu_without_bfloat16_hardware_is_warned_about(mo
 
     from rollout.config import EngineConfig
     from rollout.engine import platform
-    from rollout.engine.vllm_engine import vllm_engine_args
 
     monkeypatch.setattr(platform, "is_cpu_platform", lambda: True)
     for flags, dtype, warned in (({"avx2"}, "bfloat16", True), ({"avx2", "amx_bf16"}, "bfloat16", False),
-                                 ({"avx2"}, "float32", False), (None, "bfloat16", False)):  # fmt: skip
+                                 ({"asimd", "bf16"}, "bfloat16", False), ({"avx2"}, "float32", False),
+                                 (None, "bfloat16", False)):  # fmt: skip
         monkeypatch.setattr(platform, "cpu_flags", lambda flags=flags: flags)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="rollout.engine.platform"):
-            vllm_engine_args(EngineConfig(dtype=dtype), "m")
+            platform.warn_slow_cpu_dtype(EngineConfig(dtype=dtype))
         assert ("rollout.engine.dtype = 'float32' is faster" in caplog.text) == warned, (flags, dtype)
-    assert isinstance(platform.cpu_flags() or set(), set)  # this host's, read for real
+
+
+def test_cpu_flags_are_read_from_x86_and_arm_cpuinfo(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from common import cpu
+
+    real = Path.read_text
+    for text, expected in (("processor\t: 0\nflags\t\t: fpu avx2 amx_bf16\n", {"fpu", "avx2", "amx_bf16"}),
+                           ("processor\t: 0\nFeatures\t: fp asimd bf16\n", {"fp", "asimd", "bf16"}),
+                           ("processor\t: 0\n", None)):  # fmt: skip
+        monkeypatch.setattr(Path, "read_text", lambda self, *a, text=text, **k: text if str(self) == "/proc/cpuinfo"
+                            else real(self, *a, **k))  # fmt: skip
+        assert cpu.cpu_flags() == expected

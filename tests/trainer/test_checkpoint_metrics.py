@@ -70,6 +70,23 @@ def test_a_checkpoint_the_disk_cannot_hold_says_what_is_free_and_gives_the_space
                                                    r"\+ 1 = 3 checkpoints; each checkpoint takes ~"):  # fmt: skip
         manager.save({"policy": part}, TrainProgress(2, 2, {}))
     assert not (tmp_path / "step_00000002").exists() and manager.latest() == tmp_path / "step_00000001"
+    # A finished run resumed and saving its last step again: a failure must not delete the complete checkpoint.
+    with pytest.raises(CheckpointWriteError):
+        manager.save({"policy": part}, TrainProgress(1, 1, {}))
+    assert manager.latest() == tmp_path / "step_00000001"
+
+
+def test_a_checkpoint_write_failure_that_is_not_space_says_so_without_space_advice(tmp_path, monkeypatch) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    def read_only(state, checkpoint_id, **kwargs):
+        raise PermissionError(13, "Permission denied", checkpoint_id)
+
+    monkeypatch.setattr(dcp, "save", read_only)
+    missing = tmp_path / "not" / "made"  # a root that does not exist: free space is read on its nearest parent
+    with pytest.raises(CheckpointWriteError, match="Permission denied.*: fix the cause") as raised:
+        CheckpointManager(missing).save({"policy": _part()}, TrainProgress(1, 1, {}))
+    assert "MB are free" not in str(raised.value)
 
 
 def test_load_without_checkpoint_raises(tmp_path) -> None:
