@@ -97,7 +97,33 @@ async def run_episode(
     prompt the engine's context cannot hold raises ``ValueError`` (the dataset's problem, not the episode's), and the
     engine's own errors propagate as they are."""
     try:
-        episode = await _play(engine, render, env, problem, sampling, limits, seed_of_turn)
+        tokenizer = render.tokenizer
+        loop = asyncio.get_running_loop()
+        deadline = None if limits.timeout_s is None else loop.time() + limits.timeout_s  # reset and turns, together
+        try:
+            async with asyncio.timeout_at(deadline):
+                messages = await _called(env, f"reset of problem {problem.problem_id!r}", env.reset(problem))
+        except TimeoutError:  # no first messages, so no prompt: nothing to make an episode of
+            raise EpisodeFailed(
+                f"{_env_name(env)}: reset of problem {problem.problem_id!r} did not return within the episode's "
+                f"timeout_s = {limits.timeout_s} s"
+            ) from None
+        _check_messages(env, "reset()'s messages", messages)
+        prompt = render(messages, env.tools)
+        if len(prompt) >= engine.config.max_model_len:
+            raise ValueError(
+                f"problem {problem.problem_id!r}: its prompt is {len(prompt)} tokens, and the engine holds "
+                f"rollout.engine.max_model_len = {engine.config.max_model_len} (prompt and completion); raise "
+                "max_model_len or leave such prompts out of the dataset"
+            )
+        budget = limits.max_total_tokens or (engine.config.max_model_len - len(prompt))
+        trajectory = _Trajectory(prompt)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await _turns(engine, tokenizer, env, sampling, limits, seed_of_turn, budget, trajectory)
+        except TimeoutError:
+            trajectory.timed_out, trajectory.finish_reason = True, "length"
+        episode = trajectory.episode()
     except BaseException:
         try:
             await env.close()
@@ -106,45 +132,6 @@ async def run_episode(
         raise
     await _called(env, "close", env.close())
     return episode
-
-
-async def _play(
-    engine: VLLMEngine,
-    render: PromptRenderer,
-    env: Environment,
-    problem: Problem,
-    sampling: SamplingConfig,
-    limits: EpisodeLimits,
-    seed_of_turn: Callable[[int], int | None],
-) -> Episode:
-    """:func:`run_episode` but for closing the environment."""
-    tokenizer = render.tokenizer
-    loop = asyncio.get_running_loop()
-    deadline = None if limits.timeout_s is None else loop.time() + limits.timeout_s  # reset and turns, together
-    try:
-        async with asyncio.timeout_at(deadline):
-            messages = await _called(env, f"reset of problem {problem.problem_id!r}", env.reset(problem))
-    except TimeoutError:  # no first messages, so no prompt: nothing to make an episode of
-        raise EpisodeFailed(
-            f"{_env_name(env)}: reset of problem {problem.problem_id!r} did not return within the episode's "
-            f"timeout_s = {limits.timeout_s} s"
-        ) from None
-    _check_messages(env, "reset()'s messages", messages)
-    prompt = render(messages, env.tools)
-    if len(prompt) >= engine.config.max_model_len:
-        raise ValueError(
-            f"problem {problem.problem_id!r}: its prompt is {len(prompt)} tokens, and the engine holds "
-            f"rollout.engine.max_model_len = {engine.config.max_model_len} (prompt and completion); raise "
-            "max_model_len or leave such prompts out of the dataset"
-        )
-    budget = limits.max_total_tokens or (engine.config.max_model_len - len(prompt))
-    trajectory = _Trajectory(prompt)
-    try:
-        async with asyncio.timeout_at(deadline):
-            await _turns(engine, tokenizer, env, sampling, limits, seed_of_turn, budget, trajectory)
-    except TimeoutError:
-        trajectory.timed_out, trajectory.finish_reason = True, "length"
-    return trajectory.episode()
 
 
 def unplayed_episode(prompt: list[int], timed_out: bool) -> Episode:
