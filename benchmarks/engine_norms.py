@@ -35,7 +35,7 @@ NATIVE = {"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["nat
 def _shapes(tmp: Path, names: set[str]) -> list[tuple[str, object, list, object, int]]:
     """(name, rollout config, problems, sampling, group size) of each shape in ``names``; the models they need are
     written under ``tmp``."""
-    from driver.run import ensure_model
+    from driver.preflight import ensure_model
     from recipe import load_recipe
     from rollout.config import SamplingConfig
     from rollout.tasks import build_dataset

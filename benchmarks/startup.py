@@ -88,7 +88,7 @@ def main() -> None:
     print(machine_line(), flush=True)
 
     from driver.placement import threads_env
-    from driver.run import ensure_model
+    from driver.preflight import ensure_model
     from driver.session import worker_env_vars
     from recipe import load_recipe
 

@@ -17,7 +17,6 @@ import contextlib
 import logging
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -25,26 +24,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.run_dir import (
-    CHECKPOINTS,
     CURVES,
     FINAL_MODEL,
     METRICS,
-    RESOLVED_RECIPE,
     WARM_START_MODEL,
     RunDirBusy,
     RunDirLock,
     earlier_runs_kept,
-    lora_base_dir,
-    read_run_record,
     set_aside_earlier_run,
 )
-from recipe import Recipe, load_recipe, write_resolved
+from driver.preflight import CheckedRun, check_run, hold_checkpoint_dir, outputs_lost_with_the_job, with_run_defaults
+from driver.resume import point_moved_run_at_itself, resume_command, resume_hint
+from recipe import Recipe, write_resolved
 
 if TYPE_CHECKING:
     from rollout.tasks.dataset import PromptDataset
     from trainer.models.config import ModelConfig
 
-__all__ = ["ensure_model", "evaluations_on_record", "resume_command", "run"]
+__all__ = ["evaluations_on_record", "run"]
 
 log = logging.getLogger("rl_align")
 
@@ -60,7 +57,7 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     out_dir = recipe.run.resolved_output_dir
-    problem = _outputs_lost_with_the_job(recipe)
+    problem = outputs_lost_with_the_job(recipe)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -79,69 +76,25 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
 
 
 def _checked_run(recipe: Recipe, out_dir: Path, resume: str | None, address: str | None) -> int:
-    """:func:`run` while it holds the run directory: the checks that need no Ray, then :func:`_start`."""
-    recipe = _with_run_defaults(recipe, out_dir)
-    ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # _with_run_defaults set it
+    """:func:`run` while it holds the run directory: the checks that need no Ray (``driver.preflight``), holding the
+    checkpoint directory too, then :func:`_start`."""
+    recipe = with_run_defaults(recipe, out_dir)
+    ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # with_run_defaults set it
     try:
-        ckpt_lock = _hold_checkpoint_dir(ckpt_dir, out_dir)
+        ckpt_lock = hold_checkpoint_dir(ckpt_dir, out_dir)
     except (OSError, RunDirBusy, ValueError) as e:
         cannot = f"trainer.checkpoint.dir {str(ckpt_dir)!r} cannot hold checkpoints: " if isinstance(e, OSError) else ""
         print(f"error: {cannot}{e}", file=sys.stderr)
         return 2
     try:
-        return _checked_run_holding(recipe, out_dir, ckpt_dir, resume, address)
+        try:
+            checked = check_run(recipe, out_dir, ckpt_dir, resume)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return _start(recipe, out_dir, checked, address)
     finally:
         ckpt_lock.release()
-
-
-def _hold_checkpoint_dir(ckpt_dir: Path, out_dir: Path) -> RunDirLock:
-    """Lock ``ckpt_dir`` for this run, having made sure the driver can write it (a run found it could not at its first
-    checkpoint, 50 steps in; trainer ranks on other hosts write their own filesystems). Locked wherever it lies, since
-    another run may name a checkpoint directory inside this one's run directory: two runs sharing one would prune each
-    other's checkpoints and resume from the other's. ``ValueError`` for a checkpoint directory that holds the run
-    directory (a fresh start would move the run's own outputs with the earlier checkpoints); ``OSError``,
-    ``RunDirBusy``."""
-    if out_dir.resolve().is_relative_to(ckpt_dir.resolve()):
-        raise ValueError(f"trainer.checkpoint.dir {str(ckpt_dir)!r} holds run.output_dir {str(out_dir)!r}: give the "
-                         "checkpoints a directory of their own (by default <run.output_dir>/checkpoints)")  # fmt: skip
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=ckpt_dir):
-        pass
-    lock = RunDirLock(ckpt_dir, what="checkpoint directory", field="trainer.checkpoint.dir")
-    lock.acquire()
-    return lock
-
-
-def _checked_run_holding(
-    recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None, address: str | None
-) -> int:
-    """:func:`_checked_run` once it holds the checkpoint directory too."""
-    from common.tokenizer_dir import check_tokenizer_dir
-    from rollout.tasks import build_dataset
-    from trainer.checkpoint import saved_data_cursor
-    from trainer.checkpoint_dirs import latest_checkpoint
-
-    resume_from = latest_checkpoint(ckpt_dir) if resume is not None else None
-    # A model that cannot be created, a sharding it cannot take, a task file with a bad row, or a checkpoint of
-    # another model or task fails before Ray starts (and moves nothing).
-    try:
-        if resume == "required" and resume_from is None:
-            raise ValueError(f"--resume: no complete checkpoint under {ckpt_dir}; run without --resume (or --resume "
-                             "auto)")  # fmt: skip
-        dataset = build_dataset(recipe.task)
-        ensure_model(recipe)
-        check_tokenizer_dir(recipe.rollout.tokenizer_dir)  # loaded while the actors start
-        _check_exportable(recipe)
-        model_cfg = _policy_config(recipe)
-        recipe.trainer.check_model(model_cfg)
-        if resume_from is not None:
-            _check_resumable(resume_from, model_cfg, recipe, out_dir)
-            _check_steps_left(resume_from, recipe.run.num_steps)
-            dataset.load_state_dict(saved_data_cursor(resume_from))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return _start(recipe, out_dir, resume_from, model_cfg, dataset, address)
 
 
 @contextlib.contextmanager
@@ -165,49 +118,14 @@ def _sigterm_stops_the_run(received: threading.Event) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _outputs_lost_with_the_job(recipe: Recipe) -> str | None:
-    """Why the run's outputs would not outlive it, or None: a Ray job runs in Ray's copy of its working directory
-    (``driver.session.ray_job_working_dir``), so relative output paths land in that copy."""
-    from driver.session import ray_job_working_dir
-
-    job_dir = ray_job_working_dir()
-    if job_dir is None:
-        return None
-    for field, value in (("run.output_dir", str(recipe.run.resolved_output_dir)),
-                         ("trainer.checkpoint.dir", recipe.trainer.checkpoint.dir)):  # fmt: skip
-        if value is not None and not Path(value).is_absolute():
-            return (f"{field} = {value!r} is relative, and this Ray job runs in Ray's copy of its working directory "
-                    f"({job_dir}): checkpoints and models written there are lost with the cluster's session, and a "
-                    "--resume after any change to the code (a new copy) would not find them. Give an absolute path on "
-                    f"storage that outlives the job, e.g. --{field} /shared/runs/{recipe.run.name}"
-                    f"{'/checkpoints' if field == 'trainer.checkpoint.dir' else ''}")  # fmt: skip
-    return None
-
-
-def _check_steps_left(checkpoint: Path, num_steps: int) -> None:
-    """``ValueError`` when the checkpoint is past ``run.num_steps``: the resumed run would train nothing, log its end
-    at an earlier step than its checkpoint and replace the final model with the checkpoint's. A checkpoint at
-    ``num_steps`` (a finished run resumed again, e.g. a retried job) goes on: its end is written again."""
-    from trainer.checkpoint_dirs import checkpoint_step
-
-    step = checkpoint_step(checkpoint)
-    if step > num_steps:
-        raise ValueError(
-            f"--resume: the newest checkpoint, {checkpoint}, is at step {step}, past run.num_steps = {num_steps}: "
-            f"there is nothing to train. Give run.num_steps above {step} to extend the run (or start fresh elsewhere)"
-        )
-
-
-def _start(
-    recipe: Recipe, out_dir: Path, resume_from: Path | None, model_cfg: ModelConfig, dataset: PromptDataset,
-    address: str | None,
-) -> int:
+def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | None) -> int:
     """:func:`run` once its checks passed and it holds the run directory: the earlier run's outputs set aside (fresh
     start), the resolved recipe written, Ray joined or started, the run executed."""
     from rollout.fleet import WorkersExhausted
     from trainer.checkpoint import CheckpointWriteError
 
-    ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # _with_run_defaults set it
+    ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # with_run_defaults set it
+    resume_from, model_cfg = checked.resume_from, checked.model_cfg
     if resume_from is None:
         inputs = [p for p in (recipe.model.path, recipe.rollout.tokenizer_path, recipe.rollout.model_path) if p]
         moved = set_aside_earlier_run(out_dir, ckpt_dir, keep=inputs)
@@ -215,7 +133,7 @@ def _start(
             places = {str(t.parent) if t.parent.name.startswith("previous-") else str(t) for t in moved.values()}
             log.warning("fresh start: moved the earlier run's %s to %s", ", ".join(p.name for p in moved),
                         ", ".join(sorted(places)))  # fmt: skip
-            earlier = _point_moved_run_at_itself(moved, out_dir)
+            earlier = point_moved_run_at_itself(moved, out_dir)
             if earlier is not None:
                 log.warning("to continue the earlier run instead: %s", resume_command(earlier))
             count, size = earlier_runs_kept(out_dir, ckpt_dir)
@@ -237,12 +155,12 @@ def _start(
             log.info("model: %s (%s, %.3g B parameters%s)", recipe.model.path, model_cfg.family,
                      model_cfg.num_params / 1e9, lora)  # fmt: skip
             resumed = resume_from is not None
-            with _Run(recipe, model_cfg, dataset, out_dir, resumed, can_grow=where != "embedded") as job:
+            with _Run(recipe, model_cfg, checked.dataset, out_dir, resumed, can_grow=where != "embedded") as job:
                 job.execute()
         return 0
     except KeyboardInterrupt:
         how = "stopped (SIGTERM)" if sigterm.is_set() else "interrupted"
-        print(f"\n{how}: actors stopped; {_resume_hint(out_dir, ckpt_dir, failed=False)}", file=sys.stderr)
+        print(f"\n{how}: actors stopped; {resume_hint(out_dir, ckpt_dir, failed=False)}", file=sys.stderr)
         return 143 if sigterm.is_set() else 130
     except PlacementError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -250,7 +168,7 @@ def _start(
     except ray.exceptions.RayTaskError as e:
         if not isinstance(e.cause, CheckpointWriteError):
             raise
-        print(f"error: {e.cause}\n{_resume_hint(out_dir, ckpt_dir, failed=True)}", file=sys.stderr)
+        print(f"error: {e.cause}\n{resume_hint(out_dir, ckpt_dir, failed=True)}", file=sys.stderr)
         return 1
     except (ray.exceptions.RayActorError, WorkersExhausted) as e:
         if isinstance(e, WorkersExhausted):
@@ -259,120 +177,8 @@ def _start(
             unreachable = isinstance(e, ray.exceptions.ActorUnavailableError)
             gone = "became unreachable (its process or node is gone)" if unreachable else "died"
             what = f"a trainer or rollout actor {gone} and could not be replaced: {e}"
-        print(f"error: {what}\n{_resume_hint(out_dir, ckpt_dir, failed=True)}", file=sys.stderr)
+        print(f"error: {what}\n{resume_hint(out_dir, ckpt_dir, failed=True)}", file=sys.stderr)
         return 1
-
-
-def resume_command(record: Path) -> str:
-    """The command that resumes the run whose resolved recipe is ``record``. Relative paths in a recipe resolve against
-    the directory the run started in, so the command starts there."""
-    return f"cd {Path.cwd()} && python rl_align.py --recipe {record.resolve()} --resume"
-
-
-def _resume_hint(out_dir: Path, ckpt_dir: Path, failed: bool) -> str:
-    """How to continue this run: the command that resumes it from its newest checkpoint (through its resolved recipe,
-    which holds every setting), or that none was saved."""
-    from trainer.checkpoint_dirs import latest_checkpoint
-
-    saved = latest_checkpoint(ckpt_dir)
-    if saved is None:
-        return f"no checkpoint was saved{': fix the cause and' if failed else ' yet: to go on,'} start the run again"
-    record = out_dir / RESOLVED_RECIPE
-    return f"continue from its last checkpoint ({saved.name}) with: {resume_command(record)}"
-
-
-def _policy_config(recipe: Recipe) -> ModelConfig:
-    """The policy's model config: the recipe's model directory with its blocks and ``[model.lora]``. Adapters the
-    model cannot take (experts on a dense model) are blamed on ``[model.lora]``, not on the model's config.json."""
-    import pydantic
-
-    from trainer.models.hf_config import model_config_from_hf
-
-    model_cfg = model_config_from_hf(recipe.model.path, **recipe.model.block_overrides())
-    if recipe.model.lora is None:
-        return model_cfg
-    try:
-        return type(model_cfg).model_validate({**model_cfg.model_dump(), "lora": recipe.model.lora.model_dump()})
-    except pydantic.ValidationError as e:
-        problems = "; ".join(str(error["msg"]).removeprefix("Value error, ") for error in e.errors())
-        raise ValueError(f"[model.lora] does not fit the model in {recipe.model.path}: {problems}") from None
-
-
-def _with_run_defaults(recipe: Recipe, out_dir: Path) -> Recipe:
-    """Put checkpoints under the run directory unless the recipe says where."""
-    ckpt = recipe.trainer.checkpoint
-    if ckpt.dir is None:
-        ckpt = ckpt.model_copy(update={"dir": str(out_dir / CHECKPOINTS)})
-        recipe = recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"checkpoint": ckpt})})
-    return recipe
-
-
-def _check_resumable(ckpt: Path, model_cfg: ModelConfig, recipe: Recipe, out_dir: Path) -> None:
-    """Raise ``ValueError`` when the checkpoint ``ckpt`` holds another policy than ``model_cfg`` (names, shapes; a LoRA
-    run's adapters) or a critic where the recipe's algorithm has none (or none where it trains one), read from its
-    metadata: such a resume would fail only once the actors had started, with the trainer's error (or, for a critic
-    the recipe does not use, go on without it). The model is built with the default blocks: the recipe's kernels name
-    the same parameters and may not even import here (a Pallas kernel on a driver without JAX)."""
-    from trainer.checkpoint import saved_parts, saved_policy_params
-    from trainer.models.config import BlockChoices
-    from trainer.models.transformer import build_model
-
-    meta = build_model(model_cfg.model_copy(update=BlockChoices().model_dump()), device="meta")
-    try:
-        saved_policy_params(ckpt, meta)
-        critic = recipe.algorithm.trains_critic
-        if critic != ("critic" in saved_parts(ckpt)):
-            holds, has = ("no", "trains one") if critic else ("a", "has none")
-            raise ValueError(f"checkpoint {ckpt} holds {holds} critic, and algorithm {recipe.algorithm.type!r} {has}: "
-                             "it was written by a run of another algorithm")  # fmt: skip
-    except ValueError as e:
-        raise ValueError(
-            f"--resume: {e}. The run in {out_dir} trained another model than this recipe's ({recipe.model.path}, "
-            f"{recipe.algorithm.type}): "
-            f"resume with the recipe it started with ({resume_command(out_dir / RESOLVED_RECIPE)}), or start afresh "
-            "without --resume"
-        ) from e
-    _check_lora_base(recipe, out_dir)
-
-
-def _check_exportable(recipe: Recipe) -> None:
-    """Raise ``ValueError`` when the run's exports could not be completed: they copy the tokenizer of ``[model] path``
-    (directly, or through ``warm_start_model``), so a model directory without one, its tokenizer elsewhere
-    (``rollout.tokenizer_path``), would fail the final export after all the training."""
-    if recipe.rollout.tokenizer_path is None:
-        return  # the model directory's tokenizer is the one just checked
-    from common.tokenizer_dir import check_tokenizer_dir
-
-    try:
-        check_tokenizer_dir(recipe.model.path)
-    except (ValueError, FileNotFoundError):
-        raise ValueError(
-            f"the model directory {recipe.model.path} has no tokenizer files, and the run's exported models "
-            f"(final_model/, hf/) take theirs from it: copy the tokenizer there (tokenizer.save_pretrained(DIR), from "
-            f"rollout.tokenizer_path = {recipe.rollout.tokenizer_path}) and the run can leave tokenizer_path unset"
-        ) from None
-
-
-def _check_lora_base(recipe: Recipe, out_dir: Path) -> None:
-    """Raise ``ValueError`` when a LoRA run would resume its adapters over other base weights than the run trained
-    them on (``common.run_dir.lora_base_dir``: the model directory, or the warm-started model when the warm start
-    trained every weight), or over a base that is gone. Names and shapes match either way, so nothing later would
-    notice: the adapters would silently apply to another model."""
-    base = recipe.lora_base
-    if base is None:
-        return
-    record = read_run_record(out_dir)
-    trained_on = lora_base_dir(record, out_dir) if record is not None else None
-    if trained_on is not None and trained_on.resolve() != base.resolve():
-        raise ValueError(
-            f"--resume: the run in {out_dir} trained its adapters over {trained_on}, and this recipe would resume them "
-            f"over {base} (its [model] path or run.warm_start.parameters / num_steps differ): resume with the recipe "
-            f"it started with ({resume_command(out_dir / RESOLVED_RECIPE)}), or start afresh "
-            "without --resume"
-        )
-    if not (base / "config.json").is_file():
-        raise ValueError(f"--resume: the adapters of the run in {out_dir} apply to the model in {base}, which is gone "
-                         f"(no config.json there): restore it, or start afresh without --resume")  # fmt: skip
 
 
 def _with_env(env_vars: dict[str, str], py_executable: str | None = None) -> dict[str, Any] | None:
@@ -382,60 +188,6 @@ def _with_env(env_vars: dict[str, str], py_executable: str | None = None) -> dic
     if py_executable is not None:
         runtime_env["py_executable"] = str(Path(py_executable).absolute())
     return runtime_env or None
-
-
-def _point_moved_run_at_itself(moved: dict[Path, Path], out_dir: Path) -> Path | None:
-    """Edit the ``recipe.resolved.toml`` a fresh start moved aside (``moved``: old path -> new path) so that it names
-    where that run's outputs now are: ``run.output_dir`` and, when its checkpoints moved too, ``trainer.checkpoint.dir``
-    (its own, read from it; relative paths resolve against this process's directory, as every recipe path does).
-    Nothing else in the record changes (the two keys are set in its TOML, not re-serialised through today's schema).
-    Return the record's path when ``--recipe <it> --resume`` can continue that run (it loads with this code and its
-    checkpoint directory holds a complete checkpoint), else None; a record that cannot be read or written is left as
-    it is, with a warning."""
-    import tomli_w
-
-    from trainer.checkpoint_dirs import latest_checkpoint
-
-    record = moved.get(out_dir.resolve() / RESOLVED_RECIPE)
-    if record is None:
-        return None
-    try:
-        data = read_run_record(record.parent) or {}
-        run_table, trainer = data.setdefault("run", {}), data.setdefault("trainer", {})
-        ckpt_table = trainer.setdefault("checkpoint", {})
-        own = Path(ckpt_table.get("dir") or Path(run_table.get("output_dir") or out_dir) / CHECKPOINTS).resolve()
-        ckpts = moved.get(own, own)
-        run_table["output_dir"], ckpt_table["dir"] = str(record.parent), str(ckpts)
-        record.write_text(tomli_w.dumps(data))
-        if latest_checkpoint(ckpts) is None:
-            return None
-        load_recipe(record, check_paths=False)
-    except (ValueError, OSError) as e:  # undecodable, unparsable, or a schema this code no longer reads
-        log.warning("fresh start: the earlier run's %s cannot be resumed with this code (%s)", record,
-                    str(e).splitlines()[0] if str(e) else type(e).__name__)  # fmt: skip
-        return None
-    return record
-
-
-def ensure_model(recipe: Recipe) -> None:
-    """Create the recipe's model at ``model.path`` (``[model.create_tiny]`` / ``[model.create_published]``) unless the
-    directory already holds one; nothing for a recipe that creates none."""
-    path = Path(recipe.model.path)
-    tiny, published = recipe.model.create_tiny, recipe.model.create_published
-    if (tiny is None and published is None) or (path / "config.json").is_file():
-        return
-    from tools.make_tiny_model import make_published_model, make_tiny_model
-
-    if published is not None:
-        log.info("creating a random %s model at %s", published.architecture, path)
-        make_published_model(path, published.architecture, seed=published.seed, dtype=published.dtype,
-                             num_layers=published.num_layers, num_experts=published.num_experts,
-                             vocab_size=published.vocab_size)  # fmt: skip
-        return
-    assert tiny is not None
-    log.info("creating a tiny %s model at %s", tiny.family, path)
-    make_tiny_model(path, tiny.family, seed=tiny.seed, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers,
-                    num_heads=tiny.num_heads)  # fmt: skip
 
 
 class _Run:

@@ -401,7 +401,7 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
     elif (model_dir / "config.json").is_file() and recipe.trainer.parallelism.expert_parallel_degree > 1:
         from trainer.models.hf_config import model_config_from_hf
 
-        try:  # a model created at run time is checked once it exists (driver.run), before any actor starts
+        try:  # a model created at run time is checked once it exists (driver.preflight), before any actor starts
             model_cfg = model_config_from_hf(str(model_dir), **recipe.model.block_overrides(), lora=recipe.model.lora)
             recipe.trainer.check_model(model_cfg)
         except ValueError as e:

@@ -14,7 +14,8 @@ import pytest
 
 import driver.session
 from common.run_dir import LOCK, earlier_runs_kept, set_aside_earlier_run
-from driver.run import _check_resumable, ensure_model, run
+from driver.preflight import check_resumable, ensure_model
+from driver.run import run
 from recipe import load_recipe, write_resolved
 from rollout.tasks import build_dataset
 from trainer.checkpoint import Checkpointable, CheckpointManager, TrainProgress
@@ -95,7 +96,7 @@ def test_the_checkpoint_of_the_runs_own_model_passes(tmp_path, base):
     out = _checkpointed_run(tmp_path, base)
     recipe = _recipe(tmp_path, "model", 128, base)
     cfg = model_config_from_hf(recipe.model.path, **recipe.model.block_overrides(), lora=recipe.model.lora)
-    _check_resumable(CheckpointManager(out / "checkpoints").latest(), cfg, recipe, out)
+    check_resumable(CheckpointManager(out / "checkpoints").latest(), cfg, recipe, out)
 
 
 def test_a_lora_recipe_refuses_a_full_models_checkpoint(tmp_path):
@@ -103,7 +104,7 @@ def test_a_lora_recipe_refuses_a_full_models_checkpoint(tmp_path):
     recipe = _recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml")
     cfg = model_config_from_hf(recipe.model.path, lora=recipe.model.lora)
     with pytest.raises(ValueError, match="holds tensors this model has not .*written for another model"):
-        _check_resumable(CheckpointManager(out / "checkpoints").latest(), cfg, recipe, out)
+        check_resumable(CheckpointManager(out / "checkpoints").latest(), cfg, recipe, out)
 
 
 def test_a_lora_resume_over_another_base_or_a_missing_one_fails_before_ray(tmp_path, capsys, no_ray):
@@ -235,14 +236,14 @@ def test_a_resume_refuses_a_checkpoint_of_another_algorithm(tmp_path):
     cfg = model_config_from_hf(ppo.model.path)
     ckpt = CheckpointManager(out / "checkpoints").latest()
     with pytest.raises(ValueError, match="holds no critic, and algorithm 'ppo' trains one"):
-        _check_resumable(ckpt, cfg, ppo, out)
+        check_resumable(ckpt, cfg, ppo, out)
     critic = build_model(cfg)  # what a PPO run adds to its checkpoints (the saved names are what counts here)
     CheckpointManager(out / "checkpoints").save({"policy": Checkpointable(build_model(cfg)), "critic":
                                                  Checkpointable(critic)}, TrainProgress(3, 3, {}))  # fmt: skip
     ckpt = CheckpointManager(out / "checkpoints").latest()
-    _check_resumable(ckpt, cfg, ppo, out)
+    check_resumable(ckpt, cfg, ppo, out)
     with pytest.raises(ValueError, match="holds a critic, and algorithm 'grpo' has none"):
-        _check_resumable(ckpt, cfg, _recipe(tmp_path, "model", 128), out)
+        check_resumable(ckpt, cfg, _recipe(tmp_path, "model", 128), out)
 
 
 def _jsonl_recipe(tmp_path: Path, data: Path, out: Path):
@@ -325,12 +326,12 @@ def test_an_actor_death_offers_a_resume_only_when_there_is_a_checkpoint(tmp_path
 def test_adapters_the_model_cannot_take_fail_before_ray_naming_model_lora(tmp_path, capsys, no_ray):
     """Expert adapters on a dense model were reported as "artifacts/tiny-qwen3/config.json: invalid recipe ... (whole
     file)", blaming the model's config for the recipe's ``[model.lora]``."""
-    from driver.run import _policy_config
+    from driver.preflight import policy_config
 
     base = "recipes/grpo_tiny_lora.toml"
     recipe = _recipe(tmp_path, "model", 128, base)
     ensure_model(recipe)
-    assert _policy_config(recipe) == model_config_from_hf(recipe.model.path, lora=recipe.model.lora)
+    assert policy_config(recipe) == model_config_from_hf(recipe.model.path, lora=recipe.model.lora)
     experts = load_recipe(base, {"model.path": recipe.model.path, "run.output_dir": str(tmp_path / "out"),
                                  "model.lora.target_parameters": ["mlp.experts.down_proj"]})  # fmt: skip
     assert run(experts) == 2
@@ -362,7 +363,7 @@ def test_a_ray_job_with_relative_output_paths_is_refused_before_anything_is_writ
                                                                                     no_ray):  # fmt: skip
     """A job's working directory is Ray's copy of the uploaded one (``_ray_pkg_<hash>`` under the session directory):
     relative outputs went there, and a --resume after a code change (a new copy) started the run afresh."""
-    from driver.run import _outputs_lost_with_the_job
+    from driver.preflight import outputs_lost_with_the_job
 
     package = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_1"
     package.mkdir(parents=True)
@@ -378,10 +379,10 @@ def test_a_ray_job_with_relative_output_paths_is_refused_before_anything_is_writ
         "trainer.checkpoint.dir": "ckpts"})  # fmt: skip
     assert run(checkpoints) == 2 and "trainer.checkpoint.dir = 'ckpts' is relative" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path)  # an entrypoint that changed to its own directory first writes where it means to
-    assert _outputs_lost_with_the_job(relative) is None
+    assert outputs_lost_with_the_job(relative) is None
     monkeypatch.chdir(package)
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")  # embedded: relative paths are the run's own directory
-    assert _outputs_lost_with_the_job(relative) is None
+    assert outputs_lost_with_the_job(relative) is None
 
 
 def test_sigterm_stops_a_run_as_ctrl_c_does():

@@ -1,0 +1,237 @@
+"""What a run checks and holds before Ray starts, so that bad input fails in seconds and moves nothing.
+
+    recipe = with_run_defaults(recipe, out_dir)
+    problem = outputs_lost_with_the_job(recipe)          # a relative path under `ray job submit`
+    lock = hold_checkpoint_dir(ckpt_dir, out_dir)        # writable, not shared with another run
+    checked = check_run(recipe, out_dir, ckpt_dir, resume)   # the task, the model, the tokenizer, the checkpoint
+
+``check_run`` raises ``ValueError`` / ``FileNotFoundError`` naming what is wrong and what to do; the driver prints it
+and exits 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from common.run_dir import CHECKPOINTS, RESOLVED_RECIPE, RunDirLock, lora_base_dir, read_run_record
+from driver.resume import resume_command
+from recipe import Recipe
+
+if TYPE_CHECKING:
+    from rollout.tasks.dataset import PromptDataset
+    from trainer.models.config import ModelConfig
+
+__all__ = [
+    "CheckedRun", "check_resumable", "check_run", "ensure_model", "hold_checkpoint_dir", "outputs_lost_with_the_job",
+    "policy_config", "with_run_defaults",
+]  # fmt: skip
+
+log = logging.getLogger("rl_align")
+
+
+@dataclass(frozen=True)
+class CheckedRun:
+    """What :func:`check_run` read and built on the way: the checkpoint to resume from (None: a fresh start), the
+    policy's model config, and the task's dataset (its cursor at the checkpoint's position when resuming)."""
+
+    resume_from: Path | None
+    model_cfg: ModelConfig
+    dataset: PromptDataset
+
+
+def with_run_defaults(recipe: Recipe, out_dir: Path) -> Recipe:
+    """Put checkpoints under the run directory unless the recipe says where."""
+    ckpt = recipe.trainer.checkpoint
+    if ckpt.dir is None:
+        ckpt = ckpt.model_copy(update={"dir": str(out_dir / CHECKPOINTS)})
+        recipe = recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"checkpoint": ckpt})})
+    return recipe
+
+
+def outputs_lost_with_the_job(recipe: Recipe) -> str | None:
+    """Why the run's outputs would not outlive it, or None: a Ray job runs in Ray's copy of its working directory
+    (``driver.session.ray_job_working_dir``), so relative output paths land in that copy."""
+    from driver.session import ray_job_working_dir
+
+    job_dir = ray_job_working_dir()
+    if job_dir is None:
+        return None
+    for field, value in (("run.output_dir", str(recipe.run.resolved_output_dir)),
+                         ("trainer.checkpoint.dir", recipe.trainer.checkpoint.dir)):  # fmt: skip
+        if value is not None and not Path(value).is_absolute():
+            return (f"{field} = {value!r} is relative, and this Ray job runs in Ray's copy of its working directory "
+                    f"({job_dir}): checkpoints and models written there are lost with the cluster's session, and a "
+                    "--resume after any change to the code (a new copy) would not find them. Give an absolute path on "
+                    f"storage that outlives the job, e.g. --{field} /shared/runs/{recipe.run.name}"
+                    f"{'/checkpoints' if field == 'trainer.checkpoint.dir' else ''}")  # fmt: skip
+    return None
+
+
+def hold_checkpoint_dir(ckpt_dir: Path, out_dir: Path) -> RunDirLock:
+    """Lock ``ckpt_dir`` for this run, having made sure the driver can write it (a run found it could not at its first
+    checkpoint, 50 steps in; trainer ranks on other hosts write their own filesystems). Locked wherever it lies, since
+    another run may name a checkpoint directory inside this one's run directory: two runs sharing one would prune each
+    other's checkpoints and resume from the other's. ``ValueError`` for a checkpoint directory that holds the run
+    directory (a fresh start would move the run's own outputs with the earlier checkpoints); ``OSError``,
+    ``RunDirBusy``."""
+    if out_dir.resolve().is_relative_to(ckpt_dir.resolve()):
+        raise ValueError(f"trainer.checkpoint.dir {str(ckpt_dir)!r} holds run.output_dir {str(out_dir)!r}: give the "
+                         "checkpoints a directory of their own (by default <run.output_dir>/checkpoints)")  # fmt: skip
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=ckpt_dir):
+        pass
+    lock = RunDirLock(ckpt_dir, what="checkpoint directory", field="trainer.checkpoint.dir")
+    lock.acquire()
+    return lock
+
+
+def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None) -> CheckedRun:
+    """Check what the run needs before Ray starts, for a run holding ``out_dir`` and ``ckpt_dir``: the task's data,
+    the model (created here when the recipe creates one), the tokenizer, the exports' tokenizer, the model against the
+    trainer's sharding, and for a resume (``resume``: "required" or "auto", as :func:`driver.run.run` takes it) the
+    newest checkpoint against the recipe. ``ValueError`` / ``FileNotFoundError`` otherwise, naming what to change."""
+    from common.tokenizer_dir import check_tokenizer_dir
+    from rollout.tasks import build_dataset
+    from trainer.checkpoint import saved_data_cursor
+    from trainer.checkpoint_dirs import latest_checkpoint
+
+    resume_from = latest_checkpoint(ckpt_dir) if resume is not None else None
+    if resume == "required" and resume_from is None:
+        raise ValueError(f"--resume: no complete checkpoint under {ckpt_dir}; run without --resume (or --resume "
+                         "auto)")  # fmt: skip
+    dataset = build_dataset(recipe.task)
+    ensure_model(recipe)
+    check_tokenizer_dir(recipe.rollout.tokenizer_dir)  # loaded while the actors start
+    _check_exportable(recipe)
+    model_cfg = policy_config(recipe)
+    recipe.trainer.check_model(model_cfg)
+    if resume_from is not None:
+        check_resumable(resume_from, model_cfg, recipe, out_dir)
+        _check_steps_left(resume_from, recipe.run.num_steps)
+        dataset.load_state_dict(saved_data_cursor(resume_from))
+    return CheckedRun(resume_from, model_cfg, dataset)
+
+
+def policy_config(recipe: Recipe) -> ModelConfig:
+    """The policy's model config: the recipe's model directory with its blocks and ``[model.lora]``. Adapters the
+    model cannot take (experts on a dense model) are blamed on ``[model.lora]``, not on the model's config.json."""
+    import pydantic
+
+    from trainer.models.hf_config import model_config_from_hf
+
+    model_cfg = model_config_from_hf(recipe.model.path, **recipe.model.block_overrides())
+    if recipe.model.lora is None:
+        return model_cfg
+    try:
+        return type(model_cfg).model_validate({**model_cfg.model_dump(), "lora": recipe.model.lora.model_dump()})
+    except pydantic.ValidationError as e:
+        problems = "; ".join(str(error["msg"]).removeprefix("Value error, ") for error in e.errors())
+        raise ValueError(f"[model.lora] does not fit the model in {recipe.model.path}: {problems}") from None
+
+
+def ensure_model(recipe: Recipe) -> None:
+    """Create the recipe's model at ``model.path`` (``[model.create_tiny]`` / ``[model.create_published]``) unless the
+    directory already holds one; nothing for a recipe that creates none."""
+    path = Path(recipe.model.path)
+    tiny, published = recipe.model.create_tiny, recipe.model.create_published
+    if (tiny is None and published is None) or (path / "config.json").is_file():
+        return
+    from tools.make_tiny_model import make_published_model, make_tiny_model
+
+    if published is not None:
+        log.info("creating a random %s model at %s", published.architecture, path)
+        make_published_model(path, published.architecture, seed=published.seed, dtype=published.dtype,
+                             num_layers=published.num_layers, num_experts=published.num_experts,
+                             vocab_size=published.vocab_size)  # fmt: skip
+        return
+    assert tiny is not None
+    log.info("creating a tiny %s model at %s", tiny.family, path)
+    make_tiny_model(path, tiny.family, seed=tiny.seed, hidden_size=tiny.hidden_size, num_layers=tiny.num_layers,
+                    num_heads=tiny.num_heads)  # fmt: skip
+
+
+def check_resumable(ckpt: Path, model_cfg: ModelConfig, recipe: Recipe, out_dir: Path) -> None:
+    """Raise ``ValueError`` when the checkpoint ``ckpt`` holds another policy than ``model_cfg`` (names, shapes; a LoRA
+    run's adapters) or a critic where the recipe's algorithm has none (or none where it trains one), read from its
+    metadata: such a resume would fail only once the actors had started, with the trainer's error (or, for a critic
+    the recipe does not use, go on without it). The model is built with the default blocks: the recipe's kernels name
+    the same parameters and may not even import here (a Pallas kernel on a driver without JAX)."""
+    from trainer.checkpoint import saved_parts, saved_policy_params
+    from trainer.models.config import BlockChoices
+    from trainer.models.transformer import build_model
+
+    meta = build_model(model_cfg.model_copy(update=BlockChoices().model_dump()), device="meta")
+    try:
+        saved_policy_params(ckpt, meta)
+        critic = recipe.algorithm.trains_critic
+        if critic != ("critic" in saved_parts(ckpt)):
+            holds, has = ("no", "trains one") if critic else ("a", "has none")
+            raise ValueError(f"checkpoint {ckpt} holds {holds} critic, and algorithm {recipe.algorithm.type!r} {has}: "
+                             "it was written by a run of another algorithm")  # fmt: skip
+    except ValueError as e:
+        raise ValueError(
+            f"--resume: {e}. The run in {out_dir} trained another model than this recipe's ({recipe.model.path}, "
+            f"{recipe.algorithm.type}): "
+            f"resume with the recipe it started with ({resume_command(out_dir / RESOLVED_RECIPE)}), or start afresh "
+            "without --resume"
+        ) from e
+    _check_lora_base(recipe, out_dir)
+
+
+def _check_steps_left(checkpoint: Path, num_steps: int) -> None:
+    """``ValueError`` when the checkpoint is past ``run.num_steps``: the resumed run would train nothing, log its end
+    at an earlier step than its checkpoint and replace the final model with the checkpoint's. A checkpoint at
+    ``num_steps`` (a finished run resumed again, e.g. a retried job) goes on: its end is written again."""
+    from trainer.checkpoint_dirs import checkpoint_step
+
+    step = checkpoint_step(checkpoint)
+    if step > num_steps:
+        raise ValueError(
+            f"--resume: the newest checkpoint, {checkpoint}, is at step {step}, past run.num_steps = {num_steps}: "
+            f"there is nothing to train. Give run.num_steps above {step} to extend the run (or start fresh elsewhere)"
+        )
+
+
+def _check_exportable(recipe: Recipe) -> None:
+    """Raise ``ValueError`` when the run's exports could not be completed: they copy the tokenizer of ``[model] path``
+    (directly, or through ``warm_start_model``), so a model directory without one, its tokenizer elsewhere
+    (``rollout.tokenizer_path``), would fail the final export after all the training."""
+    if recipe.rollout.tokenizer_path is None:
+        return  # the model directory's tokenizer is the one just checked
+    from common.tokenizer_dir import check_tokenizer_dir
+
+    try:
+        check_tokenizer_dir(recipe.model.path)
+    except (ValueError, FileNotFoundError):
+        raise ValueError(
+            f"the model directory {recipe.model.path} has no tokenizer files, and the run's exported models "
+            f"(final_model/, hf/) take theirs from it: copy the tokenizer there (tokenizer.save_pretrained(DIR), from "
+            f"rollout.tokenizer_path = {recipe.rollout.tokenizer_path}) and the run can leave tokenizer_path unset"
+        ) from None
+
+
+def _check_lora_base(recipe: Recipe, out_dir: Path) -> None:
+    """Raise ``ValueError`` when a LoRA run would resume its adapters over other base weights than the run trained
+    them on (``common.run_dir.lora_base_dir``: the model directory, or the warm-started model when the warm start
+    trained every weight), or over a base that is gone. Names and shapes match either way, so nothing later would
+    notice: the adapters would silently apply to another model."""
+    base = recipe.lora_base
+    if base is None:
+        return
+    record = read_run_record(out_dir)
+    trained_on = lora_base_dir(record, out_dir) if record is not None else None
+    if trained_on is not None and trained_on.resolve() != base.resolve():
+        raise ValueError(
+            f"--resume: the run in {out_dir} trained its adapters over {trained_on}, and this recipe would resume them "
+            f"over {base} (its [model] path or run.warm_start.parameters / num_steps differ): resume with the recipe "
+            f"it started with ({resume_command(out_dir / RESOLVED_RECIPE)}), or start afresh "
+            "without --resume"
+        )
+    if not (base / "config.json").is_file():
+        raise ValueError(f"--resume: the adapters of the run in {out_dir} apply to the model in {base}, which is gone "
+                         f"(no config.json there): restore it, or start afresh without --resume")  # fmt: skip
+

@@ -1,0 +1,66 @@
+"""How an operator continues a run: the command that resumes it, the hint printed when it stops, and the record of an
+earlier run that a fresh start moved aside, pointed at where its outputs went so that it can still be resumed."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from common.run_dir import CHECKPOINTS, RESOLVED_RECIPE, read_run_record
+from recipe import load_recipe
+
+__all__ = ["point_moved_run_at_itself", "resume_command", "resume_hint"]
+
+log = logging.getLogger("rl_align")
+
+
+def resume_command(record: Path) -> str:
+    """The command that resumes the run whose resolved recipe is ``record``. Relative paths in a recipe resolve against
+    the directory the run started in, so the command starts there."""
+    return f"cd {Path.cwd()} && python rl_align.py --recipe {record.resolve()} --resume"
+
+
+def resume_hint(out_dir: Path, ckpt_dir: Path, failed: bool) -> str:
+    """How to continue this run: the command that resumes it from its newest checkpoint (through its resolved recipe,
+    which holds every setting), or that none was saved."""
+    from trainer.checkpoint_dirs import latest_checkpoint
+
+    saved = latest_checkpoint(ckpt_dir)
+    if saved is None:
+        return f"no checkpoint was saved{': fix the cause and' if failed else ' yet: to go on,'} start the run again"
+    record = out_dir / RESOLVED_RECIPE
+    return f"continue from its last checkpoint ({saved.name}) with: {resume_command(record)}"
+
+
+def point_moved_run_at_itself(moved: dict[Path, Path], out_dir: Path) -> Path | None:
+    """Edit the ``recipe.resolved.toml`` a fresh start moved aside (``moved``: old path -> new path) so that it names
+    where that run's outputs now are: ``run.output_dir`` and, when its checkpoints moved too, ``trainer.checkpoint.dir``
+    (its own, read from it; relative paths resolve against this process's directory, as every recipe path does).
+    Nothing else in the record changes (the two keys are set in its TOML, not re-serialised through today's schema).
+    Return the record's path when ``--recipe <it> --resume`` can continue that run (it loads with this code and its
+    checkpoint directory holds a complete checkpoint), else None; a record that cannot be read or written is left as
+    it is, with a warning."""
+    import tomli_w
+
+    from trainer.checkpoint_dirs import latest_checkpoint
+
+    record = moved.get(out_dir.resolve() / RESOLVED_RECIPE)
+    if record is None:
+        return None
+    try:
+        data = read_run_record(record.parent) or {}
+        run_table, trainer = data.setdefault("run", {}), data.setdefault("trainer", {})
+        ckpt_table = trainer.setdefault("checkpoint", {})
+        own = Path(ckpt_table.get("dir") or Path(run_table.get("output_dir") or out_dir) / CHECKPOINTS).resolve()
+        ckpts = moved.get(own, own)
+        run_table["output_dir"], ckpt_table["dir"] = str(record.parent), str(ckpts)
+        record.write_text(tomli_w.dumps(data))
+        if latest_checkpoint(ckpts) is None:
+            return None
+        load_recipe(record, check_paths=False)
+    except (ValueError, OSError) as e:  # undecodable, unparsable, or a schema this code no longer reads
+        log.warning("fresh start: the earlier run's %s cannot be resumed with this code (%s)", record,
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)  # fmt: skip
+        return None
+    return record
+
