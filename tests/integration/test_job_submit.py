@@ -45,6 +45,9 @@ def test_ray_job_submit_runs_recipe_to_success(ray_cluster: tuple[str, Path], tm
     logs = client.get_job_logs(submission_id)
     assert "held-out problems" in logs and "start of RL" in logs, logs[-4000:]
     assert "Ray: embedded" not in logs, "the job started an embedded Ray instead of joining the cluster"
+    # What each engine start and checkpoint used to print into an operator's log, saying nothing to them.
+    for noise in ("reduce_op", "Triton not available", "Loading safetensors", "torch.distributed is disabled"):
+        assert noise not in logs, f"{noise!r} in the job's log:\n{logs[-4000:]}"
 
     records = read_metrics(tmp_path / "out")
     assert rl_steps(records) == [0, 1]
