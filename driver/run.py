@@ -121,6 +121,7 @@ def _sigterm_stops_the_run(received: threading.Event) -> Iterator[None]:
 def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | None) -> int:
     """:func:`run` once its checks passed and it holds the run directory: the earlier run's outputs set aside (fresh
     start), the resolved recipe written, Ray joined or started, the run executed."""
+    from rollout.envs import EpisodeFailed
     from rollout.fleet import WorkersExhausted
     from trainer.checkpoint import CheckpointWriteError
 
@@ -165,10 +166,16 @@ def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | No
     except PlacementError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ray.exceptions.RayTaskError as e:
-        if not isinstance(e.cause, CheckpointWriteError):
+    except (ray.exceptions.RayTaskError, EpisodeFailed) as e:
+        cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+        if isinstance(cause, EpisodeFailed):  # its traceback, and each dropped episode's, are in the workers' log
+            print(f"error: a rollout batch failed: {cause}\nfix the environment, or let environment."
+                  f"max_failed_fraction drop more of its episodes; {resume_hint(out_dir, ckpt_dir, failed=True)}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        if not isinstance(cause, CheckpointWriteError):
             raise
-        print(f"error: {e.cause}\n{resume_hint(out_dir, ckpt_dir, failed=True)}", file=sys.stderr)
+        print(f"error: {cause}\n{resume_hint(out_dir, ckpt_dir, failed=True)}", file=sys.stderr)
         return 1
     except (ray.exceptions.RayActorError, WorkersExhausted) as e:
         if isinstance(e, WorkersExhausted):

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from common.resources import actor_options
 from rollout.config import RolloutConfig, SamplingConfig
+from rollout.envs.failures import check_request_failures, check_request_kept
 from rollout.fleet import Publisher, WorkerFleet, WorkerSlot
 from rollout.metrics import sample_metrics
 from rollout.types import RolloutBatch, Sample
@@ -69,6 +70,7 @@ class _Piece:
     group_size: int
     sampling: SamplingConfig
     min_group_size: int
+    request_episodes: int
     worker: WorkerSlot | None = None
     ref: Any = None
     done: bool = False
@@ -113,6 +115,7 @@ class RolloutPool:
             raise ValueError("rollout.num_workers = 'auto' is decided by the run's placement "
                              "(driver.placement.plan_placement): give the pool its resolved config or a number")
         self.config = config
+        self._max_failed_fraction = environment.max_failed_fraction if environment is not None else 0.0
         # Threaded actors: health/version calls answer while a generation batch runs; the engine loop orders the rest.
         options = {**actor_options(worker_resources(config)), "max_concurrency": 4}
         if runtime_env is not None:
@@ -164,7 +167,7 @@ class RolloutPool:
         size = max(1, min(self.config.max_groups_per_dispatch, share))
         pieces = [
             _Piece(handle.handle_id, list(problems[i : i + size]), group_ids[i : i + size], group_size, sampling,
-                   min_group_size)
+                   min_group_size, len(problems) * group_size)
             for i in range(0, len(problems), size)
         ]
         self._pending[handle.handle_id] = _Pending(handle, pieces)
@@ -177,7 +180,9 @@ class RolloutPool:
 
         Re-dispatches pieces of dead workers and advances the fleet on the way (a replacement runs pieces only once
         it serves :attr:`policy_version`). Raises ``TimeoutError`` after ``timeout_s``, and ``RuntimeError`` when
-        workers keep dying past ``num_worker_restarts`` or when no worker can serve without the trainer's next push.
+        workers keep dying past ``num_worker_restarts`` or when no worker can serve without the trainer's next push;
+        :class:`~rollout.envs.EpisodeFailed` when more of its episodes failed than ``environment.max_failed_fraction``
+        lets go. After an error other than ``TimeoutError`` the handle is gone.
         """
         import ray
 
@@ -197,10 +202,24 @@ class RolloutPool:
             done, _ = ray.wait(refs, num_returns=1, timeout=left)
             if not done:
                 raise TimeoutError(f"rollout handle {handle.handle_id}: not complete after {timeout_s} s")
-            if not self.fleet.settle(done[0]):
-                self._settle_piece(done[0], pending)
+            try:
+                if not self.fleet.settle(done[0]):
+                    self._settle_piece(done[0], pending)
+            except Exception:
+                self._forget(pending)  # the request failed: nothing collects it again
+                raise
         del self._pending[handle.handle_id]
+        check_request_kept(sum(len(b.samples) for b in pending.results), _num_failed(pending),
+                           handle.num_groups * handle.group_size, pending.pieces[0].min_group_size)  # fmt: skip
         return _merge(pending, time.perf_counter() - handle.submitted_at)
+
+    def _forget(self, pending: _Pending) -> None:
+        """Drop a failed request: its pieces still running are left to finish unread, and no longer count as their
+        workers' load or get handed on when a worker is replaced."""
+        for piece in pending.pieces:
+            if piece.ref is not None and piece.worker is not None:
+                piece.worker.num_inflight_groups -= len(piece.group_ids)
+        self._pending.pop(pending.handle.handle_id, None)
 
     def _dispatch(self, piece: _Piece) -> None:
         serving = self.fleet.serving()
@@ -211,7 +230,8 @@ class RolloutPool:
         worker.num_inflight_groups += len(piece.group_ids)
         piece.worker = worker
         piece.ref = worker.actor.generate_groups.remote(
-            piece.problems, piece.group_ids, piece.group_size, piece.sampling, piece.min_group_size
+            piece.problems, piece.group_ids, piece.group_size, piece.sampling, piece.min_group_size,
+            piece.request_episodes,
         )
 
     def _settle_piece(self, ref: Any, pending: _Pending) -> None:
@@ -232,10 +252,13 @@ class RolloutPool:
             return
         worker.num_inflight_groups -= len(piece.group_ids)
         # What a worker serves was committed: the pool learns versions pushed without its driver saying so.
-        self.fleet.set_policy_version(max(s.policy_version for s in batch.samples))
+        self.fleet.set_policy_version(max((s.policy_version for s in batch.samples), default=0))
         piece.ref = None
         pending.results.append(batch)
         piece.done = True
+        # Each worker let its share's failures spend the whole request's budget: the request's sum decides.
+        handle = pending.handle
+        check_request_failures(_num_failed(pending), handle.num_groups * handle.group_size, self._max_failed_fraction)
 
     def _hand_on(self, replaced: WorkerSlot) -> None:
         """Send what a replaced worker was running to the other workers (left to fail, each piece would replace
@@ -302,6 +325,11 @@ class RolloutPool:
     def shutdown(self) -> None:
         """Kill every worker actor."""
         self.fleet.shutdown()
+
+
+def _num_failed(pending: _Pending) -> int:
+    """The failed episodes of the request's pieces back so far (each dropped within the request's budget)."""
+    return sum(int(b.metrics.get("env/num_failed_episodes", 0.0)) for b in pending.results)
 
 
 def _merge(pending: _Pending, seconds: float) -> RolloutBatch:

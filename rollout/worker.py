@@ -89,11 +89,14 @@ class RolloutWorker:
         group_size: int,
         sampling: SamplingConfig | None = None,
         min_group_size: int = 1,
+        request_episodes: int | None = None,
     ) -> RolloutBatch:
         """Run ``group_size`` episodes of each problem (group ``group_ids[i]`` for ``problems[i]``), all at once on the
         engine, and score them. Episodes whose own code failed are dropped within ``environment.max_failed_fraction``
-        (one more fails the call), and with them a group left with fewer than ``min_group_size`` episodes (2 for
-        group-relative advantages), so a group may come back smaller or not at all.
+        of ``request_episodes`` (the whole rollout request's episodes when this call is one share of it, whose caller
+        checks the shares' sum; default: this call's) (one more fails the call), and with them a group left with fewer
+        than ``min_group_size`` episodes (2 for group-relative advantages), so a group may come back smaller or not at
+        all.
 
         Returns the samples grouped by problem, in input order, and additive metrics: ``rollout/generate_s``,
         ``rollout/score_s`` (the reward functions),
@@ -114,7 +117,8 @@ class RolloutWorker:
             raise ValueError(f"{len(problems)} problems but {len(group_ids)} group ids; pass one id per problem")
         sampling = sampling or self.config.sampling
         start = time.perf_counter()
-        jobs, runs, outcomes, num_failed = self._run_jobs(problems, group_ids, group_size, sampling, min_group_size)
+        jobs, runs, outcomes, num_failed = self._run_jobs(problems, group_ids, group_size, sampling, min_group_size,
+                                                          request_episodes)  # fmt: skip
         generate_s = time.perf_counter() - start
         finals = [segments[-1] for segments, _ in runs]
         rewards, terms, errors = self._score(
@@ -163,14 +167,14 @@ class RolloutWorker:
 
     def _run_jobs(
         self, problems: Sequence[Problem], group_ids: Sequence[int], group_size: int, sampling: SamplingConfig,
-        min_group_size: int,
+        min_group_size: int, request_episodes: int | None,
     ) -> tuple[list[tuple[int, int]], list[tuple[list[Episode], float]], list[AgentOutcome] | None, int]:
         """Every episode ``(problem index, sample index)`` at once; those whose own code failed are dropped within
-        ``environment.max_failed_fraction`` (:mod:`rollout.envs.failures`), and a group left with fewer than
-        ``min_group_size`` whole. Returns the kept jobs, their (segments, environment reward), the agent outcomes
-        (None without an agent) and how many episodes failed."""
+        ``environment.max_failed_fraction`` of ``request_episodes`` (:mod:`rollout.envs.failures`), and a group left
+        with fewer than ``min_group_size`` whole. Returns the kept jobs, their (segments, environment reward), the
+        agent outcomes (None without an agent) and how many episodes failed."""
         jobs = [(i, k) for i in range(len(problems)) for k in range(group_size)]
-        budget = FailureBudget(len(jobs), self._env_config.max_failed_fraction)
+        budget = FailureBudget(len(jobs), self._env_config.max_failed_fraction, request_episodes)
         ran: Sequence[AgentOutcome | Episode | EpisodeFailed]
         if self._agents is not None:
             ran = self._agents.run([(problems[i], int(group_ids[i]), k) for i, k in jobs], sampling, budget)
@@ -186,7 +190,8 @@ class RolloutWorker:
                 ], budget)  # fmt: skip
 
             ran = self.engine.run(episodes())
-        keep = drop_failed([i for i, _ in jobs], ran, min_group_size)
+        whole = request_episodes is None or request_episodes == len(jobs)
+        keep = drop_failed([i for i, _ in jobs], ran, min_group_size, whole_request=whole)
         kept = [ran[j] for j in keep]
         if self._agents is not None:
             outcomes = cast("list[AgentOutcome]", kept)
@@ -202,7 +207,7 @@ class RolloutWorker:
     def _score(
         self, texts: list[str], lengths: list[int], problems: list[Problem], group_ids: list[int], max_tokens: int
     ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
-        if self.scorer is None:
+        if self.scorer is None or not texts:  # no texts: a share of a request whose every episode failed
             return [0.0] * len(texts), {}, {}
         return self.scorer.score(texts, problems, group_ids, num_tokens=lengths, max_tokens=max_tokens)
 

@@ -19,21 +19,64 @@ from typing import Any, TypeVar
 
 from rollout.envs.base import EpisodeFailed
 
-__all__ = ["FailureBudget", "drop_failed", "run_all"]
+__all__ = [
+    "FailureBudget", "check_request_failures", "check_request_kept", "drop_failed", "failures_allowed", "run_all",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
 
-class FailureBudget:
-    """The failed episodes one request of ``num_episodes`` may drop: ``floor(max_failed_fraction * num_episodes)``."""
+def failures_allowed(num_episodes: int, max_failed_fraction: float) -> int:
+    """The failed episodes a rollout request of ``num_episodes`` may drop: ``floor(max_failed_fraction *
+    num_episodes)``."""
+    return math.floor(max_failed_fraction * num_episodes + 1e-9)  # 0.29 * 100 is 28.999...: the user wrote 29
 
-    def __init__(self, num_episodes: int, max_failed_fraction: float) -> None:
-        self.num_episodes = num_episodes
+
+def check_request_failures(num_failed: int, num_episodes: int, max_failed_fraction: float) -> None:
+    """Raise :class:`EpisodeFailed` when ``num_failed`` of a request's ``num_episodes`` episodes are more than
+    :func:`failures_allowed`: the pool's check of a request it split over workers, whose shares each kept within the
+    request's budget alone. Each failure's traceback was logged by its worker as it happened."""
+    allowed = failures_allowed(num_episodes, max_failed_fraction)
+    if num_failed > allowed:
+        raise EpisodeFailed(f"{_over_budget(num_failed, num_episodes, max_failed_fraction, allowed)} (each failure's "
+                            "traceback is in the rollout workers' log)")  # fmt: skip
+
+
+def check_request_kept(num_kept: int, num_failed: int, num_episodes: int, min_group_size: int) -> None:
+    """Raise :class:`EpisodeFailed` when a request whose shares all came back kept no episode because
+    ``num_failed`` of them failed: the pool's check of a request it split over workers, whose shares may each keep
+    none."""
+    if num_kept == 0 and num_failed > 0:
+        raise EpisodeFailed(f"{_none_kept(num_failed, num_episodes, min_group_size)} (each failure's traceback is in "
+                            "the rollout workers' log)")  # fmt: skip
+
+
+def _none_kept(num_failed: int, num_episodes: int, min_group_size: int) -> str:
+    return (f"{num_failed} of this rollout request's {num_episodes} episodes failed, and no group kept the "
+            f"{min_group_size} episodes it needs")  # fmt: skip
+
+
+def _over_budget(num_failed: int, num_episodes: int, max_failed_fraction: float, allowed: int) -> str:
+    return (f"{num_failed} of this rollout request's {num_episodes} episodes failed, and "
+            f"environment.max_failed_fraction = {max_failed_fraction} lets floor({max_failed_fraction} x "
+            f"{num_episodes}) = {allowed} go")  # fmt: skip
+
+
+class FailureBudget:
+    """The failed episodes one call of ``num_episodes`` may drop: :func:`failures_allowed` of the whole request's
+    ``request_episodes`` (default: the call is the whole request). A call that is one worker's share of a request
+    spends at most the request's budget alone; the pool checks the shares' sum (:func:`check_request_failures`), so a
+    batch cut into small shares keeps its fraction (each share's floor would have let fewer go, none at all for a
+    share smaller than ``1 / max_failed_fraction``)."""
+
+    def __init__(self, num_episodes: int, max_failed_fraction: float, request_episodes: int | None = None) -> None:
+        self.num_episodes = request_episodes if request_episodes is not None else num_episodes
+        if self.num_episodes < num_episodes:
+            raise ValueError(f"a call of {num_episodes} episodes in a request of {request_episodes}")
         self.max_failed_fraction = max_failed_fraction
-        # 0.29 * 100 is 28.999...: the budget the user wrote is 29.
-        self.allowed = math.floor(max_failed_fraction * num_episodes + 1e-9)
+        self.allowed = failures_allowed(self.num_episodes, max_failed_fraction)
         self.failures: list[EpisodeFailed] = []
 
     def record(self, error: EpisodeFailed) -> EpisodeFailed:
@@ -49,11 +92,8 @@ class FailureBudget:
             raise EpisodeFailed(
                 f"{first} (environment.max_failed_fraction = 0: a failed episode fails the batch)"
             ) from first
-        raise EpisodeFailed(
-            f"{len(self.failures)} of this rollout request's {self.num_episodes} episodes failed, and "
-            f"environment.max_failed_fraction = {self.max_failed_fraction} lets floor({self.max_failed_fraction} x "
-            f"{self.num_episodes}) = {self.allowed} go; the first: {first}"
-        ) from first
+        over = _over_budget(len(self.failures), self.num_episodes, self.max_failed_fraction, self.allowed)
+        raise EpisodeFailed(f"{over}; the first: {first}") from first
 
 
 async def run_all(coroutines: Sequence[Coroutine[Any, Any, _T]], budget: FailureBudget) -> list[_T | EpisodeFailed]:
@@ -76,10 +116,13 @@ async def run_all(coroutines: Sequence[Coroutine[Any, Any, _T]], budget: Failure
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def drop_failed(groups: Sequence[int], outcomes: Sequence[_T | EpisodeFailed], min_group_size: int) -> list[int]:
+def drop_failed(
+    groups: Sequence[int], outcomes: Sequence[_T | EpisodeFailed], min_group_size: int, whole_request: bool = True
+) -> list[int]:
     """The positions of ``outcomes`` to keep: every episode that did not fail (``outcomes[j]`` is not an
     :class:`EpisodeFailed`), of a group (``groups[j]``) that keeps at least ``min_group_size`` of them. Raises
-    :class:`EpisodeFailed` when no group is left."""
+    :class:`EpisodeFailed` when no group is left of a ``whole_request``; one share of a request may keep none (the
+    pool's :func:`check_request_kept` decides for the request)."""
     if len(groups) != len(outcomes):
         raise ValueError(f"{len(groups)} group ids for {len(outcomes)} outcomes")
     failed = {j: outcome for j, outcome in enumerate(outcomes) if isinstance(outcome, EpisodeFailed)}
@@ -90,12 +133,10 @@ def drop_failed(groups: Sequence[int], outcomes: Sequence[_T | EpisodeFailed], m
         if j not in failed:
             survivors[group] = survivors.get(group, 0) + 1
     keep = [j for j, group in enumerate(groups) if j not in failed and survivors[group] >= min_group_size]
-    if not keep:
+    if not keep and whole_request:
         first = failed[min(failed)]
-        raise EpisodeFailed(
-            f"{len(failed)} of this rollout request's {len(outcomes)} episodes failed, and no group kept the "
-            f"{min_group_size} episodes it needs; the first failure: {first}"
-        ) from first
+        none_kept = _none_kept(len(failed), len(outcomes), min_group_size)
+        raise EpisodeFailed(f"{none_kept}; the first failure: {first}") from first
     if len(keep) + len(failed) < len(outcomes):
         short = sorted({g for g, n in survivors.items() if n < min_group_size})
         log.warning("groups %s dropped whole: fewer than %d of their episodes did not fail", short, min_group_size)

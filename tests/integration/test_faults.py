@@ -12,10 +12,12 @@ import psutil
 import pytest
 from it_helpers import (
     ONE_ENGINE,
+    RECIPE,
     descendants,
     kill_tree,
     read_metrics,
     rl_steps,
+    run_to_end,
     small_run_args,
     start_run,
     tail,
@@ -180,6 +182,24 @@ def test_dead_trainer_fails_job_with_resume_hint(tmp_path: Path) -> None:
     # Nothing the run started outlives it.
     _, alive = psutil.wait_procs(known, timeout=10)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+
+
+def test_an_environment_that_fails_past_its_budget_fails_the_run_with_what_to_do(tmp_path: Path) -> None:
+    """A failed batch ended the driver in a traceback: it now says which environment failed, what to change and how to
+    continue, and exits 1."""
+    log = tmp_path / "run.log"
+    args = small_run_args(tmp_path, 2, "--run.warm_start.num_steps", "0", "--run.logging.plot", "false",
+                          "--environment.type", "custom", "--environment.max_turns", "2",
+                          "--environment.class_path", "tests.rollout.envs.scripted_env:FailsEveryEpisode",
+                          *ONE_ENGINE)  # fmt: skip
+    rc = run_to_end(args, log, RECIPE, timeout_s=300)
+    text = log.read_text()
+    assert rc == 1, tail(log)
+    expected = ("error: a rollout batch failed: environment tests.rollout.envs.scripted_env:FailsEveryEpisode: reset "
+                "of problem")  # fmt: skip
+    assert expected in text and "ConnectionError: the sandbox is down" in text, tail(log)
+    assert "environment.max_failed_fraction = 0: a failed episode fails the batch" in text, tail(log)
+    assert "let environment.max_failed_fraction drop more of its episodes; no checkpoint was saved" in text, tail(log)
 
 
 @pytest.mark.slow

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from rollout.envs import Environment, Message, StepResult
 from rollout.envs.builtin import ToolEnvironment
 from rollout.envs.config import ToolEnvConfig
@@ -47,6 +49,28 @@ class FailsSome(EchoObservations):
         if self._fails:
             raise ConnectionError("the tool server went away")
         return await super().step(text)
+
+
+class FailsWhereTold(EchoObservations):
+    """:class:`EchoObservations` that raises in ``reset`` for every episode of a problem whose id starts with ``fail``,
+    and for the first episode of one whose id starts with ``half`` to reset in this process: which episodes fail is
+    decided by the problems alone (not by what the model writes), in any process (a pool's workers)."""
+
+    _seen: ClassVar[set[str]] = set()
+
+    async def reset(self, problem: Problem) -> list[Message]:
+        first = problem.problem_id not in self._seen
+        self._seen.add(problem.problem_id)
+        if problem.problem_id.startswith("fail") or (problem.problem_id.startswith("half") and first):
+            raise ConnectionError("the sandbox went away")
+        return await super().reset(problem)
+
+
+class FailsEveryEpisode(EchoObservations):
+    """Raises in every ``reset``: a sandbox that is down."""
+
+    async def reset(self, problem: Problem) -> list[Message]:
+        raise ConnectionError("the sandbox is down")
 
 
 class ScriptedToolCalls(ToolEnvironment):

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from rollout.envs import EpisodeFailed
-from rollout.envs.failures import FailureBudget, drop_failed, run_all
+from rollout.envs.failures import FailureBudget, check_request_failures, drop_failed, run_all
 
 
 def test_the_budget_lets_its_fraction_go_and_the_next_failure_fails_the_request(caplog):
@@ -33,6 +33,22 @@ def test_a_fraction_too_small_for_the_request_says_so_and_zero_fails_on_the_firs
     expected = r"^environment m:Env: step raised KeyError: 'x' \(environment\.max_failed_fraction = 0: a failed "
     with pytest.raises(EpisodeFailed, match=expected + r"episode fails the batch\)$"):
         FailureBudget(64, 0.0).record(error)
+
+
+def test_a_share_of_a_request_spends_the_requests_budget_and_the_sum_is_checked():
+    share = FailureBudget(8, 0.05, request_episodes=64)  # floor(0.05 x 64) = 3, where floor(0.05 x 8) was 0
+    assert share.allowed == 3
+    for k in range(3):
+        share.record(EpisodeFailed(f"flaky {k}"))
+    over = r"4 of this rollout request's 64 episodes failed"
+    with pytest.raises(EpisodeFailed, match=over + r".*= 3 go; the first: flaky 0"):
+        share.record(EpisodeFailed("flaky 3"))
+    check_request_failures(3, 64, 0.05)
+    budget = r", and environment\.max_failed_fraction = 0.05 lets floor\(0.05 x 64\) = 3 go \(each failure's"
+    with pytest.raises(EpisodeFailed, match="^" + over + budget):
+        check_request_failures(4, 64, 0.05)
+    with pytest.raises(ValueError, match="a call of 8 episodes in a request of 4"):
+        FailureBudget(8, 0.05, request_episodes=4)
 
 
 def test_a_group_left_with_fewer_episodes_than_it_needs_is_dropped_whole(caplog):
