@@ -13,11 +13,14 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["ray_job_working_dir", "ray_session", "worker_env_vars"]
+__all__ = ["ray_job_working_dir", "ray_session", "remove_killed_sessions", "worker_env_vars"]
 
 _RAY_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a job's entrypoint
 _RAY_WORKING_DIRS = "working_dir_files"  # where a node unpacks jobs' working directories (runtime_resources/...)
+_TEMP_ROOT, _PREFIX = "/tmp", "rlray_"  # an embedded instance's directory
+_OWNER = "driver"  # in it: the driver process's tag (_process_tag)
 
 # Settings every actor process inherits. vLLM on CPU: in-process engine (fast start), a small KV cache unless the
 # recipe says otherwise, no CPU reserved for a (non-existent) separate front-end process.
@@ -61,6 +64,69 @@ def ray_job_working_dir() -> Path | None:
     return cwd if _RAY_WORKING_DIRS in cwd.parts else None
 
 
+def remove_killed_sessions(root: Path | None = None) -> list[Path]:
+    """Clear what embedded Ray instances of this user's killed runs left (a run that ends clears its own), and return
+    their directories (``<root>/rlray_*``, default ``/tmp``). A killed driver takes most of Ray's processes with it,
+    but Ray 2.60's dashboard and runtime-env agents outlive it (~230 MB, still running minutes later); those of this
+    user that hold files in the directory are stopped, then the directory is removed. An instance counts as killed
+    only when its owner file names a process that no longer runs (the same pid with another start time is another
+    process); a directory without that file (a run of older code, or one starting this instant) is left."""
+    removed = []
+    for candidate in sorted((root or Path(_TEMP_ROOT)).glob(f"{_PREFIX}*")):
+        try:
+            if candidate.stat().st_uid != os.getuid():
+                continue
+            pid, _, tag = (candidate / _OWNER).read_text().partition(" ")
+            alive = _process_tag(int(pid)) == f"{pid} {tag}"
+        except (OSError, ValueError):
+            continue
+        if not alive:
+            _stop(_holding_files_in(candidate))
+            shutil.rmtree(candidate, ignore_errors=True)
+            removed.append(candidate)
+    return removed
+
+
+def _holding_files_in(directory: Path) -> list[Any]:
+    """This user's processes with a file open under ``directory``."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["uids"]):
+        try:
+            if process.info["uids"] is None or process.info["uids"].real != os.getuid():
+                continue
+            if any(Path(f.path).is_relative_to(directory) for f in process.open_files()):
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _stop(processes: list[Any], grace_s: float = 10.0) -> None:
+    """SIGTERM ``processes`` (psutil), then SIGKILL those still running after ``grace_s``."""
+    import psutil
+
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+
+
+def _process_tag(pid: int) -> str:
+    """``"<pid> <start time>"`` of a running process, which a later process with the same pid does not share; ``""``
+    when none runs."""
+    import psutil
+
+    try:
+        return f"{pid} {psutil.Process(pid).create_time()}"
+    except psutil.Error:
+        return ""
+
+
 @contextlib.contextmanager
 def ray_session(address: str | None, device: str = "cpu") -> Iterator[str]:
     """Yield ``"embedded"`` or the joined address while Ray is initialised; shut an embedded instance down after.
@@ -79,7 +145,9 @@ def ray_session(address: str | None, device: str = "cpu") -> Iterator[str]:
             ray.shutdown()
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a stray ~/.ray/auth_token would silently turn auth on
-    temp_dir = tempfile.mkdtemp(prefix="rlray_", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
+    remove_killed_sessions()
+    temp_dir = tempfile.mkdtemp(prefix=_PREFIX, dir=_TEMP_ROOT)  # short: Ray's socket paths must stay < 108 bytes
+    (Path(temp_dir) / _OWNER).write_text(_process_tag(os.getpid()))
     ray.init(
         address="local",
         num_cpus=max(2, os.cpu_count() or 2),

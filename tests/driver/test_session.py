@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -31,3 +32,61 @@ def test_an_embedded_session_prestarts_no_workers(monkeypatch):
         assert where == "embedded"
         time.sleep(3)  # Ray prestarts them right after the driver connects
         assert _idle_workers() == []
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies, reaped by nobody here, are not running)."""
+    return any(p.info["status"] != psutil.STATUS_ZOMBIE for p in psutil.process_iter(["status"])
+               if _pgid(p.pid) == pgid)  # fmt: skip
+
+
+def _pgid(pid: int) -> int | None:
+    import os
+
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def test_a_killed_drivers_ray_directory_is_removed_by_the_next_embedded_run(tmp_path):
+    """A run ended by SIGKILL leaves its embedded Ray's directory in /tmp (a run that ends removes its own); the next
+    embedded run removes it, and never one whose driver still runs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    from driver.session import remove_killed_sessions
+
+    code = ("import time\nfrom driver.session import ray_session\nwith ray_session(None):\n"
+            "    print('up', flush=True)\n    time.sleep(600)\n")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env,
+                              start_new_session=True)  # fmt: skip
+    try:
+        assert driver.stdout is not None and driver.stdout.readline() == "up\n"
+        owned = [d for d in Path("/tmp").glob("rlray_*") if (d / "driver").is_file()
+                 and (d / "driver").read_text().startswith(f"{driver.pid} ")]  # fmt: skip
+        assert len(owned) == 1
+        assert owned[0] not in remove_killed_sessions()  # its driver runs
+        driver.kill()  # the driver alone, as `kill -9` does
+        driver.wait(timeout=30)
+        time.sleep(5)  # most of Ray's processes die with their driver meanwhile
+        assert owned[0].is_dir()
+        assert owned[0] in remove_killed_sessions() and not owned[0].exists()
+        assert not _group_alive(driver.pid), "Ray's processes outlived their driver's clean-up"
+    finally:
+        if _group_alive(driver.pid):
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+
+    # The same pid with another start time is another process; a directory without the owner file is left alone.
+    reused, unowned, live = tmp_path / "rlray_reused", tmp_path / "rlray_unowned", tmp_path / "rlray_live"
+    for d in (reused, unowned, live):
+        d.mkdir()
+    (reused / "driver").write_text(f"{os.getpid()} 12.5")
+    (live / "driver").write_text(f"{os.getpid()} {psutil.Process().create_time()}")
+    assert remove_killed_sessions(tmp_path) == [reused]
+    assert unowned.is_dir() and live.is_dir()
