@@ -76,6 +76,9 @@ SHM_MINOR = 2  # the protocol minor that added the shared-memory plane (Describe
 
 
 # Refusals of a socket stream before the receiver opened it after which the same stream may go over gRPC Push instead.
+_FIRST_REST_S, _MAX_REST_S = 5.0, 300.0
+"""How long an unreachable receiver is left out of pushes after a failed try, first and at most (doubling between)."""
+
 _FALLBACK_CODES = frozenset(
     {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 )
@@ -109,6 +112,9 @@ class WeightSender:
         self._base: dict[ShardKey, np.ndarray] = {}
         self._base_version = -1
         self._described: dict[str, pb.DescribeReply] = {}
+        self._refused: dict[str, str] = {}  # address -> why its manifest does not fit the shards (until re-described)
+        self._resting: dict[str, tuple[float, float, str]] = {}  # unreachable: address -> (retry at, backoff s, why)
+        self._last_failed: tuple[int, dict[str, str]] = (-1, {})  # the last push's version and failed receivers
         self._segments = SegmentPool()
 
     def add_endpoint(self, address: str) -> None:
@@ -125,10 +131,10 @@ class WeightSender:
             self.endpoints.remove(address)
             client.close()
 
-    def describe(self) -> dict[str, pb.DescribeReply | str]:
-        """Each receiver's manifest and version, or the error text for unreachable ones."""
+    def describe(self, addresses: list[str] | None = None) -> dict[str, pb.DescribeReply | str]:
+        """Each receiver's (or those of ``addresses``) manifest and version, or the error text for unreachable ones."""
         out: dict[str, pb.DescribeReply | str] = {}
-        for address, fut in self._each(lambda c: c.describe()).items():
+        for address, fut in self._each(lambda c: c.describe(), addresses).items():
             try:
                 out[address] = fut.result()
             except grpc.RpcError as e:
@@ -144,7 +150,12 @@ class WeightSender:
         """Tensor name -> the dtype the receivers' manifests declare for it (the one to send it in: a trainer keeps
         float32 masters while engines serve bfloat16 checkpoints). Unreachable receivers are left out. Raises
         ``ValueError`` when two receivers declare different dtypes for one tensor."""
-        replies = self._described or {a: r for a, r in self.describe().items() if not isinstance(r, str)}
+        now = time.monotonic()
+        replies = self._described or {
+            a: r for a, r in self.describe([a for a in self.endpoints if not self._is_resting(a, now)]).items()
+            if not isinstance(r, str)
+        }  # fmt: skip
+        replies = {a: r for a, r in replies.items() if a not in self._refused}  # another model's: reported per push
         dtypes: dict[str, str] = {}
         owner: dict[str, str] = {}
         for address, reply in replies.items():
@@ -158,24 +169,48 @@ class WeightSender:
         return dtypes
 
     def _check_compatible(self, locals_: list[LocalShard]) -> None:
-        for address, reply in self.describe().items():
+        """Describe the receivers not resting (:meth:`_rest`) and note in ``_refused`` those whose manifest does not
+        take these shards: each push reports them failed until a new Describe (after a failed push) finds them fixed.
+        Raises ``ValueError`` when every receiver that answered refuses: the shards are of another model than all of
+        them serve, a setup error no later push can get past."""
+        now = time.monotonic()
+        answered = 0
+        for address, reply in self.describe([a for a in self.endpoints if not self._is_resting(a, now)]).items():
             if isinstance(reply, str):
+                self._rest(address, f"Describe: {reply}")
                 continue  # unreachable now: reported per push
+            answered += 1
             self._described[address] = reply
+            self._refused.pop(address, None)
             theirs = {s.name: (tuple(s.shape), s.dtype) for s in reply.manifest}
             for local in locals_:
                 want = theirs.get(local.name)
                 if want != (local.spec.shape, local.spec.dtype):
-                    raise ValueError(
+                    self._refused[address] = (
                         f"receiver {address} does not accept {local.name} {local.spec.shape} {local.spec.dtype} "
                         f"(it has {want}); is it serving the same model?"
                     )
+                    break
+        if answered and len(self._refused) == answered:
+            raise ValueError("; ".join(self._refused.values()))
+
+    def _is_resting(self, address: str, now: float) -> bool:
+        resting = self._resting.get(address)
+        return resting is not None and now < resting[0]
+
+    def _rest(self, address: str, why: str) -> None:
+        """Leave out an unreachable receiver for a while, doubling the pause at each failed try (up to
+        ``_MAX_REST_S``): each push to it cost its Describe and Begin retries, seconds of every step."""
+        backoff = min(2 * self._resting[address][1], _MAX_REST_S) if address in self._resting else _FIRST_REST_S
+        self._resting[address] = (time.monotonic() + backoff, backoff, why)
 
     def push(self, policy_version: int, shards: Iterable[Shard]) -> PushReport:
         """Begin + stream this rank's shards to every receiver. Never raises for a failing receiver (see the report).
 
-        CPU tensors are read in place: they must not change (no optimizer step) until `push` returns. Raises
-        ValueError for malformed shards or a receiver whose manifest does not match them.
+        CPU tensors are read in place: they must not change (no optimizer step) until `push` returns. A receiver whose
+        manifest does not take the shards is reported failed (each push, until it serves the model); one unreachable
+        is left out for a while after each failed try (reported failed meanwhile). Raises ValueError for malformed
+        shards, or when no receiver that answers takes them.
         """
         start = time.perf_counter()
         locals_ = [as_local(s) for s in shards]
@@ -227,8 +262,12 @@ class WeightSender:
                 "rank %d v%d: a data plane refused streams before opening them, sent again over gRPC Push: %s",
                 self.rank, policy_version, fallback,
             )
-        if any(errors.values()):
+        for address, error in errors.items():
+            if error is None:
+                self._resting.pop(address, None)
+        if any(errors.values()) or fallback:
             self._described.clear()  # re-describe next time: a receiver may have restarted on other ports
+        self._last_failed = (policy_version, {a: e for a, e in errors.items() if e})
         self._measure(groups, payload, errors, locals_)
         if self._delta.keeps_base([a for a in self.endpoints if a not in shm]):
             self._remember(locals_, policy_version, updated)
@@ -256,7 +295,15 @@ class WeightSender:
         shared-memory plane, for those reached through one}); receivers refused before Begin go to `errors`."""
         ports: dict[str, int] = {}
         offers: dict[str, pb.ShmPlane] = {}
+        now = time.monotonic()
         for address in self.endpoints:
+            if self._is_resting(address, now):
+                retry_at, _, why = self._resting[address]
+                errors[address] = f"left out for {retry_at - now:.0f} s more: unreachable at the last try ({why})"
+                continue
+            if address in self._refused:
+                errors[address] = f"Describe: {self._refused[address]}"  # refused before Begin: nothing staged
+                continue
             described = self._described.get(address)
             problem = incompatibility(described.protocol_version, "receiver") if described is not None else None
             if problem:
@@ -290,7 +337,9 @@ class WeightSender:
             try:
                 reply = fut.result()
             except grpc.RpcError as e:
-                errors[address] = f"Begin: {error_text(e)}"
+                errors[address] = why = f"Begin: {error_text(e)}"
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self._rest(address, why)
                 continue
             tickets[address] = reply.data_ticket
             errors[address] = None
@@ -523,13 +572,20 @@ class WeightSender:
         self._base_version = policy_version
 
     def commit(self, policy_version: int) -> dict[str, str | None]:
-        """Ask every receiver to apply `policy_version` (rank 0, after the barrier).
+        """Ask every receiver to apply `policy_version` (rank 0, after the barrier), but those whose push of it failed
+        on this rank (a frozen one would hold the commit for `commit_timeout_s`: other ranks' failures the receivers
+        report themselves).
 
         Returns address -> error or None.
         """
         request = pb.CommitRequest(session_id=self.session_id, policy_version=policy_version)
         out: dict[str, str | None] = {}
-        for address, fut in self._each(lambda c: c.commit(request)).items():
+        version, failed_push = self._last_failed
+        skipped = failed_push if version == policy_version else {}
+        for address, error in skipped.items():
+            out[address] = f"not committed: its push failed ({error})"
+        pushed = [a for a in self.endpoints if a not in skipped]
+        for address, fut in self._each(lambda c: c.commit(request), pushed).items():
             try:
                 fut.result()
                 out[address] = None

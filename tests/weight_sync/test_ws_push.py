@@ -104,14 +104,57 @@ def test_mismatched_model_fails_fast(receivers):
         raise AssertionError("a shape mismatch must fail before streaming")
 
 
-def test_unreachable_receiver_is_reported_and_the_others_commit(receivers):
+def test_a_receiver_of_another_model_is_reported_each_push_and_the_others_take_it(receivers):
+    """One external server started on the wrong model stopped every push, and the run with it."""
+    (good, sink), = receivers(1)
+    (other, other_sink), = receivers(1, sd={"model.norm.weight": torch.zeros(17)})
+    sender = WeightSender([good.address, other.address], CFG)
+    for version in (1, 2):
+        sd = tiny_state_dict(version)
+        report = sender.push(version, rank_shards(sd, 0, 1))
+        assert report.ok == [good.address]
+        assert "does not accept" in report.failed[other.address] and "same model" in report.failed[other.address]
+        committed = sender.commit(version)
+        assert committed[good.address] is None and "its push failed" in committed[other.address]
+        assert_holds([sink], sd)
+    assert other.policy_version == 0 and not other_sink.state_dict["model.norm.weight"].any()
+
+
+def test_unreachable_receiver_is_reported_left_out_for_a_while_and_the_others_commit(receivers):
     (receiver, sink), = receivers(1)
     dead = "127.0.0.1:1"
     config = WeightSyncConfig(chunk_bytes=4096, num_retries=0, rpc_timeout_s=2)
     sender = WeightSender([receiver.address, dead], config)
-    sd = tiny_state_dict(4)
-    report = sender.push(1, rank_shards(sd, 0, 1))
-    assert report.ok == [receiver.address] and "UNAVAILABLE" in report.failed[dead]
-    committed = sender.commit(1)
-    assert committed[receiver.address] is None and committed[dead]
-    assert_holds([sink], sd)
+    for version in (1, 2):
+        sd = tiny_state_dict(3 + version)
+        report = sender.push(version, rank_shards(sd, 0, 1))
+        assert report.ok == [receiver.address] and "UNAVAILABLE" in report.failed[dead]
+        committed = sender.commit(version)
+        assert committed[receiver.address] is None and "its push failed" in committed[dead]
+        assert_holds([sink], sd)
+    # The second push did not try it again (each try cost its Describe and Begin retries): it is left out a while.
+    assert report.failed[dead].startswith("left out for ") and "unreachable at the last try" in report.failed[dead]
+
+
+def test_a_receiver_restarted_on_another_data_port_gets_socket_streams_again(receivers):
+    """The sender kept the data port a receiver had before its restart, and sent it every later version over gRPC."""
+    from ws_helpers import zeros_like_dict
+
+    from weight_sync.receiver import WeightReceiver
+    from weight_sync.sink import StateDictSink
+
+    (receiver, _), = receivers(1)
+    port = int(receiver.address.rpartition(":")[2])
+    sender = WeightSender([receiver.address], CFG)
+    assert sender.push(1, rank_shards(tiny_state_dict(1), 0, 1)).socket_endpoints == [receiver.address]
+    assert not any(sender.commit(1).values())
+    receiver.stop(grace_s=0)
+    sink = StateDictSink(zeros_like_dict(tiny_state_dict()))
+    restarted = WeightReceiver(sink, WeightSyncConfig(chunk_bytes=4096, port=port))
+    restarted.start()
+    try:
+        reports = [sender.push(v, rank_shards(tiny_state_dict(v), 0, 1)) for v in (2, 3)]
+        assert not any(r.failed for r in reports), [r.failed for r in reports]
+        assert reports[1].socket_endpoints == [restarted.address] and not reports[1].grpc_fallback
+    finally:
+        restarted.stop(grace_s=0)
