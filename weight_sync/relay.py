@@ -21,7 +21,10 @@ from weight_sync.channel import WeightSyncClient
 if TYPE_CHECKING:
     from weight_sync.chunking import Chunk
 
-__all__ = ["ChunkStream", "PushStream", "Relay", "StreamFailure", "offer", "split_tree", "stream_metadata"]
+__all__ = [
+    "ChunkStream", "PushStream", "Relay", "StreamFailure", "await_answer", "offer", "silence_failure", "split_tree",
+    "stream_metadata",
+]  # fmt: skip
 
 
 class StreamFailure(Exception):
@@ -58,6 +61,40 @@ def offer(items: queue.Queue, item: object, done: Callable[[], bool], stall_s: f
             if now > stall:
                 return "stalled"
     return "done"
+
+
+def await_answer(
+    answered: Callable[[float], bool], progress: Callable[[], tuple[object, bool]], stall_s: float | None,
+    reply_s: float | None,
+) -> float | None:
+    """Wait for the answer of a stream whose last item is queued: ``answered(timeout)`` waits up to ``timeout`` s and
+    says whether it came. Returns None once it came, else the seconds of silence after which the stream is to be cut:
+    ``progress()`` (what the stream can observe of the receiver taking its data, and whether the receiver has all of
+    it) did not change for ``stall_s`` while data was still on its way, or for ``reply_s`` once the receiver had it
+    all and owed only its answer (a receiver that froze there held the sender until ``push_timeout_s``). None limits:
+    wait as long as ``answered`` does."""
+    last: object = None
+    since = time.monotonic()
+    while not answered(0.2):
+        mark, handed_over = progress()
+        now = time.monotonic()
+        if mark != last:
+            last, since = mark, now
+            continue
+        limit = reply_s if handed_over else stall_s
+        if limit is not None and now - since >= limit:
+            return limit
+    return None
+
+
+def silence_failure(silent_s: float, handed_over: bool) -> StreamFailure:
+    """The failure of a stream cut after ``silent_s`` s in which its receiver took no data (or, once it had it all,
+    sent no answer), so that the push to the other receivers goes on."""
+    what = "sent no answer after taking the whole stream" if handed_over else "accepted no data"
+    return StreamFailure(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"the receiver {what} for {silent_s:g} s: cut so the push to the other receivers goes on",
+    )
 
 
 def split_tree(targets: Sequence[str], fanout: int) -> list[tuple[str, list[str]]]:
@@ -123,15 +160,19 @@ class PushStream:
 
     def __init__(
         self, client: WeightSyncClient, metadata: tuple[tuple[str, str], ...], timeout_s: float, depth: int = 4,
-        stall_s: float | None = None,
+        stall_s: float | None = None, relayed: int = 0,
     ):
+        """``relayed``: how many receivers the stream's receiver forwards it to (its answer waits for theirs: it may
+        take ``stall_s`` per level of the tree below it)."""
         self.client = client
         self.bytes_sent = 0
         self.send_s = 0.0  # gRPC pulls the messages itself: from opening to the answer, as `stream_s`
         self.stream_s = 0.0
         self._opened = time.perf_counter()
         self._stall_s = stall_s
-        self._stalled = False
+        self._reply_s = None if stall_s is None else stall_s * (1 + relayed)
+        self._stalled: float | None = None  # the silence it was cut after
+        self._drained = False  # gRPC took the end of the stream: the receiver owes its answer
         self._ended = False
         self._queue: queue.Queue[bytes | None] = queue.Queue(depth)
         self.future = client.push.future(self._messages(), timeout=timeout_s, metadata=client.metadata + metadata)
@@ -140,6 +181,7 @@ class PushStream:
         while True:
             item = self._queue.get()
             if item is None:
+                self._drained = True
                 return
             yield item
 
@@ -147,7 +189,7 @@ class PushStream:
         """Queue one serialized chunk (None ends the stream); False when the stream already failed or stalled."""
         outcome = offer(self._queue, message, self.future.done, self._stall_s)
         if outcome == "stalled":
-            self._stalled = True
+            self._stalled = self._stall_s
             self.future.cancel()
         if outcome != "put":
             return False
@@ -165,23 +207,35 @@ class PushStream:
             self.send(None)
 
     def close(self) -> pb.PushReply | Exception:
-        """End the stream and wait for the receiver's answer (a reply, or the error it failed with)."""
+        """End the stream and wait for the receiver's answer (a reply, or the error it failed with); a receiver silent
+        too long is cut (:func:`await_answer`)."""
         self.end()
+        if self._stalled is None:
+            def answered(timeout: float) -> bool:
+                try:
+                    self.future.result(timeout=timeout)
+                except grpc.FutureTimeoutError:
+                    return False
+                except Exception:  # noqa: BLE001 (an answer too: the error is read below)
+                    return True
+                return True
+
+            silent = await_answer(answered, lambda: ((self._queue.qsize(), self._drained), self._drained),
+                                  self._stall_s, self._reply_s)  # fmt: skip
+            if silent is not None:
+                self._stalled = silent
+                self.future.cancel()
         try:
             return self.future.result()
         except grpc.RpcError as e:
-            if not self._stalled:
+            if self._stalled is None:
                 return e
         except grpc.FutureCancelledError:
-            if not self._stalled:
+            if self._stalled is None:
                 return StreamFailure(grpc.StatusCode.CANCELLED, "the Push stream was cancelled")
         finally:
             self.send_s = self.stream_s = time.perf_counter() - self._opened
-        return StreamFailure(
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"the receiver accepted no chunk for {self._stall_s:g} s (part of stream_idle_timeout_s): cut so the "
-            "push to the other receivers goes on"
-        )
+        return silence_failure(self._stalled, self._drained)
 
     def cancel(self) -> None:
         self.future.cancel()
@@ -214,7 +268,7 @@ class Relay:
         for head, rest in split_tree(targets, max(fanout, 1)):
             client = WeightSyncClient(head, config)
             md = stream_metadata(session_id, policy_version, rank, rest, fanout)
-            stream = PushStream(client, md, config.push_timeout_s, stall_s=stall_s)
+            stream = PushStream(client, md, config.push_timeout_s, stall_s=stall_s, relayed=len(rest))
             self._streams.append((head, rest, stream, client))
 
     def forward(self, message: bytes) -> None:

@@ -29,7 +29,9 @@ socket or shared-memory plane refuses a stream before opening it (cannot connect
 their hello: `DataReply.unopened`) gets that stream again over gRPC Push, raw, after the others; the report lists it
 in `grpc_fallback`. Each stream ends as soon as it has sent its share (receivers cut idle
 streams), and a receiver that accepts no chunk for half of `stream_idle_timeout_s` is cut and reported, so it does not
-stall the other receivers' streams.
+stall the other receivers' streams; so is one that took its whole stream and sends no answer for as long (times one
+plus the receivers it relays to). A receiver of another model is reported failed at each push; an unreachable one is
+left out for 5 s after a failed try, doubling up to 5 min, and Commit skips receivers whose push failed on this rank.
 """
 
 from __future__ import annotations
@@ -389,7 +391,8 @@ class WeightSender:
             md = stream_metadata(self.session_id, policy_version, self.rank, list(rest), cfg.relay_fanout)
             for h, _, index in refused:
                 if h == head:
-                    stream = PushStream(self._clients[head], md, cfg.push_timeout_s, stall_s=self._stall_s)
+                    stream = PushStream(self._clients[head], md, cfg.push_timeout_s, stall_s=self._stall_s,
+                                        relayed=len(rest))  # fmt: skip
                     tree[index] = stream
                     out.append((head, list(rest), stream))
             trees.append((tree, False))
@@ -489,14 +492,14 @@ class WeightSender:
                 opened = [
                     SocketStream(
                         host, ports[head], hello, cfg.push_timeout_s, stall_s=self._stall_s,
-                        connect_timeout_s=cfg.hello_timeout_s,
+                        connect_timeout_s=cfg.hello_timeout_s, relayed=len(rest),
                     )
                     for _ in range(cfg.num_streams)
                 ]
             else:
                 md = stream_metadata(self.session_id, policy_version, self.rank, rest, cfg.relay_fanout)
                 opened = [
-                    PushStream(self._clients[head], md, cfg.push_timeout_s, stall_s=self._stall_s)
+                    PushStream(self._clients[head], md, cfg.push_timeout_s, stall_s=self._stall_s, relayed=len(rest))
                     for _ in range(cfg.num_streams)
                 ]
             groups.append((head, rest, opened, is_delta))

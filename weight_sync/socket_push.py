@@ -3,8 +3,11 @@ forwarding of a stream down its relay tree (`SocketRelay`)."""
 
 from __future__ import annotations
 
+import fcntl
 import queue
 import socket
+import struct
+import termios
 import threading
 import time
 
@@ -14,7 +17,7 @@ import numpy as np
 from protos import weight_sync_pb2 as pb
 from weight_sync.chunking import Chunk
 from weight_sync.frames import U32, answered, chunk_prefix, framed, read_reply, reply_result
-from weight_sync.relay import StreamFailure, offer, results_of, split_tree
+from weight_sync.relay import StreamFailure, await_answer, offer, results_of, silence_failure, split_tree
 from weight_sync.staging import SyncError
 
 __all__ = ["SocketRelay", "SocketStream", "relay_hello"]
@@ -33,8 +36,10 @@ class SocketStream:
 
     def __init__(
         self, host: str, port: int, hello: pb.DataHello, timeout_s: float, *, depth: int = 4,
-        stall_s: float | None = None, connect_timeout_s: float | None = None,
+        stall_s: float | None = None, connect_timeout_s: float | None = None, relayed: int = 0,
     ) -> None:
+        """``relayed``: how many receivers the stream's receiver forwards it to (its answer waits for theirs: it may
+        take ``stall_s`` per level of the tree below it)."""
         self.bytes_sent = 0
         self.send_s = 0.0  # time spent handing bytes to the socket: the link's pace when it is the slower side
         self.stream_s = 0.0  # from opening to the answer (set when the stream is done)
@@ -42,12 +47,15 @@ class SocketStream:
         self.unopened = False
         self._deadline = time.monotonic() + timeout_s
         self._stall_s = stall_s
+        self._reply_s = None if stall_s is None else stall_s * (1 + relayed)
         self._connect_timeout_s = connect_timeout_s
         self._queue: queue.Queue[tuple[Chunk, bool] | None] = queue.Queue(depth)
         self._outcome: pb.PushReply | StreamFailure | None = None
         self._done = threading.Event()
         self._ended = False
-        self._stalled = False
+        self._sent_all = False  # the end-of-stream frame is written
+        self._stalled: float | None = None  # the silence it was cut after
+        self._handed_over = False  # when cut: the receiver had the whole stream and owed its answer
         self._cancelled = False
         self._sock: socket.socket | None = None
         self._thread = threading.Thread(target=self._run, args=(host.strip("[]"), port, hello), daemon=True)
@@ -62,7 +70,7 @@ class SocketStream:
             return False
         outcome = offer(self._queue, item, self._done.is_set, self._stall_s)
         if outcome == "stalled":
-            self._stalled = True
+            self._stalled = self._stall_s
             self.cancel()
         return outcome == "put"
 
@@ -73,18 +81,32 @@ class SocketStream:
             self._put(None)
 
     def close(self) -> pb.PushReply | StreamFailure:
+        """End the stream and wait for the receiver's answer; a receiver silent too long is cut
+        (:func:`weight_sync.relay.await_answer`: what it took is read off the socket's unacknowledged bytes)."""
         self.end()
-        self._thread.join(max(self._deadline - time.monotonic(), 0) + 5)
+        give_up = self._deadline + 5
+
+        def answered(timeout: float) -> bool:
+            self._thread.join(min(timeout, max(give_up - time.monotonic(), 0)))
+            return not self._thread.is_alive() or time.monotonic() >= give_up
+
+        def progress() -> tuple[object, bool]:
+            unsent = unacknowledged_bytes(self._sock)
+            mark = (self.bytes_sent, self._queue.qsize(), self._sent_all, unsent)
+            return mark, self._sent_all and not unsent
+
+        if self._stalled is None:
+            silent = await_answer(answered, progress, self._stall_s, self._reply_s)
+            if silent is not None:
+                self._stalled, self._handed_over = silent, progress()[1]
+                self.cancel()
+                self._thread.join(5)
+        if self._stalled is not None:
+            return silence_failure(self._stalled, self._handed_over)
         if self._outcome is None:
             self.cancel()
             self._thread.join(5)
             return StreamFailure(Code.DEADLINE_EXCEEDED, "data-plane stream did not finish before push_timeout_s")
-        if self._stalled:
-            return StreamFailure(
-                Code.DEADLINE_EXCEEDED,
-                f"the receiver accepted no chunk for {self._stall_s:g} s (half of stream_idle_timeout_s): cut so the "
-                "push to the other receivers goes on",
-            )
         return self._outcome
 
     def cancel(self) -> None:
@@ -142,6 +164,7 @@ class SocketStream:
                 if self._cancelled:  # cut, not ended: never send the end-of-stream frame
                     raise StreamFailure(Code.CANCELLED, "data-plane stream cut before its end")
                 sock.sendall(U32.pack(0))
+                self._sent_all = True
         except OSError as e:
             # The receiver may have refused the stream and closed: its reply says why.
             broke = StreamFailure(Code.UNAVAILABLE, f"data-plane connection to {host}:{port} broke: {e!r}")
@@ -172,6 +195,17 @@ class SocketStream:
         return reply_result(reply)
 
 
+def unacknowledged_bytes(sock: socket.socket | None) -> int | None:
+    """Bytes written to ``sock`` that its peer has not acknowledged yet (Linux's ``TIOCOUTQ``): they stop draining when
+    the peer stops reading. None where the platform does not tell, or the socket is closed."""
+    if sock is None or not hasattr(termios, "TIOCOUTQ"):
+        return None
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0])
+    except (OSError, ValueError):
+        return None
+
+
 def relay_hello(hello: pb.DataHello, head: pb.RelayTarget, rest: list[pb.RelayTarget], fanout: int) -> pb.DataHello:
     """The hello that opens `head`'s stream of the same update and rank, asking it to forward to `rest`."""
     return pb.DataHello(
@@ -190,7 +224,8 @@ class SocketRelay:
         for head, rest in split_tree(list(targets), max(hello.fanout, 1)):
             first = relay_hello(hello, targets[head], [targets[a] for a in rest], hello.fanout)
             host, port = head.rpartition(":")[0], targets[head].data_port
-            stream = SocketStream(host, port, first, timeout_s, stall_s=stall_s, connect_timeout_s=stall_s)
+            stream = SocketStream(host, port, first, timeout_s, stall_s=stall_s, connect_timeout_s=stall_s,
+                                  relayed=len(rest))  # fmt: skip
             self._streams.append((head, rest, stream))
 
     def forward(self, header: pb.ChunkHeader, payload: np.ndarray) -> None:

@@ -388,10 +388,34 @@ def test_a_stalled_receiver_is_cut_before_the_others_idle_out(serve):
             assert time.monotonic() - start < 15
             committed = sender.commit(1)
         assert report.errors[healthy.address] is None, report.errors  # its streams never idled 2 s
-        assert "DEADLINE_EXCEEDED" in report.errors[stalled.address] and "accepted no chunk" in report.errors[
+        assert "DEADLINE_EXCEEDED" in report.errors[stalled.address] and "accepted no data" in report.errors[
             stalled.address]
         assert committed[healthy.address] is None and torch.equal(sink.state_dict["w"], values(1, big)["w"])
         assert stalled.policy_version == 0
+    finally:
+        hole.close()
+
+
+def test_a_receiver_that_freezes_once_it_has_the_whole_stream_is_cut_too(serve):
+    """A stream small enough for the socket buffers (a delta, adapters, a small model) was all handed over before the
+    receiver froze: only the wait for its answer was left, bounded by push_timeout_s alone (10 min by default)."""
+    config = WeightSyncConfig(stream_idle_timeout_s=2.0)
+    frozen, _ = serve(config)
+    healthy, sink = serve(config)
+    assert frozen._data is not None
+    hole = LoopbackListener()  # takes the whole stream into its buffer and never answers
+    frozen._data.port = hole.port
+    try:
+        sender_config = WeightSyncConfig(num_retries=0, rpc_timeout_s=5, stream_idle_timeout_s=2.0, push_timeout_s=60)
+        with WeightSender([frozen.address, healthy.address], sender_config, session_id="trainer") as sender:
+            start = time.monotonic()
+            report = sender.push(1, shards(values(1)))
+            assert time.monotonic() - start < 15, "the push waited for the frozen receiver's answer"
+            committed = sender.commit(1)
+        assert report.errors[healthy.address] is None, report.errors
+        error = report.errors[frozen.address]
+        assert error is not None and "DEADLINE_EXCEEDED" in error and "sent no answer after taking the whole" in error
+        assert committed[healthy.address] is None and torch.equal(sink.state_dict["w"], values(1)["w"])
     finally:
         hole.close()
 
