@@ -244,6 +244,12 @@ class _Run:
                      lora.alpha, ", ".join([*lora.target_modules, *lora.target_parameters]),
                      "'auto' (merged into the base on CPU, else through vLLM's LoRA path)" if serving == "auto"
                      else repr(serving))  # fmt: skip
+            if r.weight_sync.endpoints:  # pushes carry tensors: a sink of another alpha would scale them silently
+                targets = "".join(f" --{flag} {' '.join(names)}" for flag, names in (
+                    ("target_modules", lora.target_modules), ("target_parameters", lora.target_parameters)) if names)
+                log.info("external receivers take these adapters when served as: python -m weight_sync serve --dir "
+                         "DIR --adapter_of %s --rank %d --alpha %g%s", r.lora_base, lora.rank, lora.alpha,
+                         targets)  # fmt: skip
         # The publisher hands the trainer's ranks their receivers before every push.
         sync_cfg = r.weight_sync.model_copy(update={"endpoints": []})
         # A resumed run starts from the warm-started weights (its checkpoint then restores policy and reference). With

@@ -3,7 +3,7 @@
     python -m weight_sync serve --dir CKPT_DIR [--host 127.0.0.1] [--port 50051] [--<config field> VALUE ...]
         run a standalone receiver whose sink keeps the latest version as CKPT_DIR/model.safetensors; it starts at
         the version the directory holds, so a restarted server never accepts older ones
-    python -m weight_sync serve --dir ADAPTER_DIR --adapter_of BASE_DIR [--rank 16] [--alpha 32] [--target_modules ...]
+    python -m weight_sync serve --dir ADAPTER_DIR --adapter_of BASE_DIR --rank R --alpha A [--target_modules ...]
         [--target_parameters ...]
         the same for LoRA adapters: ADAPTER_DIR is kept as a PEFT adapter directory of the latest version (for servers
         that hot-load adapters, e.g. vLLM's /v1/load_lora_adapter); the manifest is the adapters over BASE_DIR
@@ -108,7 +108,7 @@ def config_of(args: argparse.Namespace, extra: list[str], **fields: object) -> W
 
 
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
-    from weight_sync.peft import AdapterSpec
+    from weight_sync.peft import AdapterSpec, stored_adapter_fields
     from weight_sync.receiver import WeightReceiver
     from weight_sync.sink import PeftAdapterDirSink, SafetensorsDirSink, WeightSink
 
@@ -118,7 +118,15 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     else:
         fields = {"rank": args.rank, "alpha": args.alpha, "target_modules": args.target_modules,
                   "target_parameters": args.target_parameters}  # fmt: skip
-        spec = validate_config(AdapterSpec, {k: v for k, v in fields.items() if v is not None}, source="flags")
+        held = stored_adapter_fields(args.dir)
+        if held is None and (args.rank is None or args.alpha is None):
+            raise ValueError(
+                "--adapter_of: give the --rank and --alpha of the run's [model.lora] (and its --target_modules unless "
+                "they are all seven projections): pushes carry the adapter tensors, which show the rank but not "
+                "alpha, so a wrong alpha would scale every adapter silently"
+            )
+        fields = {**(held or {}), **{k: v for k, v in fields.items() if v is not None}}
+        spec = validate_config(AdapterSpec, fields, source="flags")
         sink = PeftAdapterDirSink(args.dir, args.adapter_of, spec)
     receiver = WeightReceiver(sink, config_of(args, extra))
     receiver.start()
@@ -216,10 +224,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     serve.add_argument("--dir", required=True, help="HF checkpoint directory (its *.safetensors give the manifest), or "
                        "with --adapter_of the PEFT adapter directory to keep")  # fmt: skip
     serve.add_argument("--adapter_of", default=None, help="serve LoRA adapters over this base HF model directory")
-    serve.add_argument("--rank", type=int, default=None, help="LoRA rank of the adapters (default: 16)")
-    serve.add_argument("--alpha", type=float, default=None, help="LoRA alpha of the adapters (default: 32)")
+    serve.add_argument("--rank", type=int, default=None,
+                       help="LoRA rank of the adapters (required with --adapter_of, unless --dir holds an adapter)")
+    serve.add_argument("--alpha", type=float, default=None,
+                       help="LoRA alpha of the adapters (required with --adapter_of, unless --dir holds an adapter)")
     serve.add_argument("--target_modules", nargs="+", default=None,
-                       help="projections with adapters (default: all of q/k/v/o/gate/up/down_proj)")  # fmt: skip
+                       help="projections with adapters (default: those of the adapter in --dir, else all of "
+                            "q/k/v/o/gate/up/down_proj)")  # fmt: skip
     serve.add_argument("--target_parameters", nargs="+", default=None,
                        help="MoE expert weights with an adapter per expert (PEFT target_parameters: "
                             "mlp.experts.gate_up_proj, mlp.experts.down_proj; default: none)")  # fmt: skip

@@ -20,10 +20,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
+import secrets
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal, NamedTuple, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple, get_args
 
 import pydantic
 
@@ -38,7 +38,7 @@ __all__ = [
     "ExpertTensor", "expert_tensor",
     "LoRATarget", "adapter_config", "adapter_manifest", "expert_factors", "expert_peft_name", "expert_target_dims",
     "peft_name",
-    "read_adapter_version", "write_peft_adapter",
+    "read_adapter_version", "stored_adapter_fields", "write_peft_adapter",
 ]  # fmt: skip
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -194,15 +194,39 @@ def write_peft_adapter(
         (ADAPTER_WEIGHTS_FILE, lambda path: save_file(state, path, metadata=metadata)),
         (ADAPTER_CONFIG_FILE, lambda path: Path(path).write_text(config)),
     ):
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{file}.")
-        os.close(fd)
+        tmp = str(out / f".{file}.{secrets.token_hex(6)}.tmp")
         try:
             write(tmp)
+            # safetensors writes its files for the owner alone (0600): a server of another user must read these.
+            os.chmod(tmp, 0o666 & ~_umask())
             os.replace(tmp, out / file)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
     return [ADAPTER_WEIGHTS_FILE, ADAPTER_CONFIG_FILE]
+
+
+def _umask() -> int:
+    """This process's file-creation mask (read, not set: setting it to read it races other threads' file creation)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def stored_adapter_fields(directory: str | Path) -> dict[str, Any] | None:
+    """The :class:`AdapterSpec` fields (rank, alpha, targets) of the adapter whose ``adapter_config.json`` is in
+    ``directory``, or None when there is none."""
+    path = Path(directory) / ADAPTER_CONFIG_FILE
+    if not path.is_file():
+        return None
+    stored = json.loads(path.read_text())
+    return {"rank": stored.get("r"), "alpha": stored.get("lora_alpha"),
+            "target_modules": sorted(stored.get("target_modules") or []),
+            "target_parameters": sorted(stored.get("target_parameters") or [])}  # fmt: skip
 
 
 def read_adapter_version(directory: str | Path) -> int:

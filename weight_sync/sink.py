@@ -27,6 +27,7 @@ from weight_sync.peft import (
     AdapterSpec,
     adapter_manifest,
     read_adapter_version,
+    stored_adapter_fields,
     write_peft_adapter,
 )  # fmt: skip
 from weight_sync.safetensors_stream import SINGLE_FILE, write_streamed
@@ -218,16 +219,14 @@ class PeftAdapterDirSink:
         if not self._manifest:
             raise ValueError(f"{base_dir}: no projection named by target_modules {list(spec.target_modules)} or "
                              f"target_parameters {list(spec.target_parameters)}")  # fmt: skip
-        config = self.directory / ADAPTER_CONFIG_FILE
-        if config.is_file():
-            stored = json.loads(config.read_text())
-            held = (stored.get("r"), stored.get("lora_alpha"), sorted(stored.get("target_modules") or []),
-                    sorted(stored.get("target_parameters") or []))  # fmt: skip
+        stored = stored_adapter_fields(self.directory)
+        if stored is not None:
+            held = tuple(stored.values())
             wanted = (spec.rank, spec.alpha, sorted(spec.target_modules), sorted(spec.target_parameters))
             if held != wanted:
-                raise ValueError(f"{config} holds an adapter of rank/alpha/targets {held}, not the {wanted} asked "
-                                 "for: serve another directory or pass the matching --rank/--alpha/--target_modules/"
-                                 "--target_parameters")  # fmt: skip
+                raise ValueError(f"{self.directory / ADAPTER_CONFIG_FILE} holds an adapter of rank/alpha/targets "
+                                 f"{held}, not the {wanted} asked for: serve another directory or pass the matching "
+                                 "--rank/--alpha/--target_modules/--target_parameters")  # fmt: skip
 
     def manifest(self) -> list[TensorSpec]:
         return list(self._manifest)

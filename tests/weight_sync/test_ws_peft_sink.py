@@ -30,11 +30,11 @@ def _adapter(base_dir, seed: int) -> dict[str, torch.Tensor]:
     return {s.name: torch.randn(s.shape, generator=gen) * 0.2 for s in specs}
 
 
-def _serve(served, base):
+def _serve(served, base, flags=FLAGS):
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     proc = subprocess.Popen(
         [sys.executable, "-m", "weight_sync", "serve", "--dir", str(served), "--adapter_of", str(base), "--port", "0",
-         *FLAGS],
+         *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     line = proc.stdout.readline()
@@ -123,3 +123,28 @@ def test_expert_adapters_of_a_moe_base_are_kept_as_peft_loads_them(tmp_path):
         assert torch.equal(adapted, expected(input_ids=tokens).logits)
     with pytest.raises(ValueError, match="target_parameters"):
         PeftAdapterDirSink(str(tmp_path / "served"), str(base), spec.model_copy(update={"target_parameters": ()}))
+
+
+def test_an_adapter_sink_needs_the_runs_alpha_unless_its_directory_holds_an_adapter(tmp_path, capsys):
+    """Pushes carry the tensors, which show the rank but not alpha: a sink left at a default alpha scaled every
+    pushed adapter wrong, silently. Its files are readable by a server running as another user (mkstemp made 0600)."""
+    base, served = tmp_path / "base", tmp_path / "served"
+    save_hf_model("qwen3_tied", base)
+    assert main(["serve", "--dir", str(served), "--adapter_of", str(base), "--port", "0", "--rank", "4"]) == 2
+    assert "give the --rank and --alpha of the run's [model.lora]" in capsys.readouterr().err
+    PeftAdapterDirSink(str(served), str(base), SPEC).apply(5, _adapter(str(base), seed=4))
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in served.iterdir()} == {
+        "adapter_model.safetensors": oct(0o666 & ~_umask()), "adapter_config.json": oct(0o666 & ~_umask())}
+    proc, address = _serve(served, base, flags=[])  # the directory's own rank, alpha and targets
+    try:
+        assert main(["describe", "--to", address]) == 0
+        assert "policy_version 5" in capsys.readouterr().out
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
