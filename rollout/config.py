@@ -78,7 +78,8 @@ class EngineConfig(Config):
     """One serving engine (vLLM) inside a rollout worker."""
 
     dtype: DType = "float32"
-    """Dtype the engine computes in; pushed weights are cast to it on load."""
+    """Dtype the engine computes in and holds its floating-point weights in, whatever the checkpoint's: vLLM casts
+    the checkpoint to it, and its receiver declares it, so pushes arrive in it."""
     kv_cache_gib: float = pydantic.Field(default=1.0, gt=0.0)
     """KV-cache memory per engine in GiB (vLLM's ``kv_cache_memory_bytes``; same meaning on CPU, GPU and TPU)."""
     max_model_len: int = pydantic.Field(default=2048, ge=16)

@@ -301,7 +301,7 @@ class TrainerWorker:
         (a one-off push: since the engines loaded their model directory).
 
         ``policy_version`` defaults to the state's; ``dtype`` casts the pieces (e.g. 'bfloat16'); None sends each
-        tensor in the dtype the receivers declare for it (an engine serving a bfloat16 checkpoint gets bfloat16).
+        tensor in the dtype the receivers declare for it (an engine computing in bfloat16 gets bfloat16).
         ``endpoints`` pushes (in full) to just those receivers instead, e.g. a replacement rollout worker catching up
         with the version the others already serve; the regular receivers and their delta bases are left alone.
         Returns this rank's outcome: per-receiver push errors, and on rank 0 the per-receiver commit errors.

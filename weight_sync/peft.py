@@ -135,8 +135,9 @@ def expert_factors(lora_a: torch.Tensor, lora_b: torch.Tensor, num_experts: int)
 
 
 def adapter_manifest(base: Iterable[TensorSpec], spec: AdapterSpec) -> list[TensorSpec]:
-    """The adapter tensors ``spec`` puts on a base model whose tensors are ``base`` (its HF checkpoint manifest), in
-    the base's dtype: for every 2-D ``<module>.<target>.weight`` outside the experts, ``lora_A [rank, in]`` and
+    """The adapter tensors ``spec`` puts on a base model whose tensors are ``base`` (its HF checkpoint manifest, in the
+    dtypes the receiver holds them in: an engine's own, not its file's), each in the dtype of the weight it adapts:
+    for every 2-D ``<module>.<target>.weight`` outside the experts, ``lora_A [rank, in]`` and
     ``lora_B [out, rank]``; for every MoE layer's ``E`` experts of width ``I`` on ``D``, with ``target_parameters``,
     the gate/up adapter ``lora_A [E rank, D]``, ``lora_B [2I, rank E]`` and the down adapter ``lora_A [E rank, I]``,
     ``lora_B [D, rank E]``. Sorted by name."""

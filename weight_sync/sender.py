@@ -165,7 +165,8 @@ class WeightSender:
                 if dtypes.setdefault(spec.name, spec.dtype) != spec.dtype:
                     raise ValueError(
                         f"receivers {owner[spec.name]} and {address} declare {spec.name} as {dtypes[spec.name]} and "
-                        f"{spec.dtype}: one push cannot serve both; serve the same checkpoint dtype on every receiver"
+                        f"{spec.dtype}: one push cannot serve both; give every receiver of a push one dtype (an engine "
+                        "declares the dtype it computes in, a directory sink its files' dtype)"
                     )
                 owner.setdefault(spec.name, address)
         return dtypes

@@ -209,6 +209,12 @@ class PeftAdapterDirSink:
     The manifest is the adapters ``spec`` puts on the base model in ``base_dir`` (``weight_sync.peft.adapter_manifest``
     of its safetensors headers), so pushes for another base are refused by name or shape. An update may carry a subset
     once the directory holds a complete adapter; each version replaces the files atomically (weights first).
+
+    Adapters are declared in the base file's dtype. PEFT holds bfloat16/float16 adapters in float32
+    (``autocast_adapter_dtype``), so a float32 file would keep the trainer's float32 adapters exact for it; but a push
+    sends each tensor in one dtype to every receiver, and the engines beside this sink (bfloat16 engines on a bfloat16
+    base, as the GPU/TPU recipes serve) declare their adapters in bfloat16. vLLM casts a loaded adapter to its model's
+    dtype either way.
     """
 
     def __init__(self, directory: str, base_dir: str, spec: AdapterSpec) -> None:

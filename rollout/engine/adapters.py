@@ -136,6 +136,9 @@ class MergedAdapters:
     """Base weights of the adapted projections (and their fused siblings), to serve adapters merged into them."""
 
     def __init__(self, model_path: str, base: list[TensorSpec], spec: AdapterSpec) -> None:
+        """``base``: the engine's tensors as it holds them (``VLLMEngine.manifest``); the weights of ``model_path``
+        are kept in those dtypes, so a merge is served at the engine's precision, not the file's."""
+        import torch
         from safetensors import safe_open
 
         self._spec = spec
@@ -148,17 +151,18 @@ class MergedAdapters:
             if (expert := expert_tensor(t.name)) is not None and spec.target_parameters
             or expert is None and len(t.shape) == 2 and t.name.rsplit(".", 2)[-2] in loaded
         }  # fmt: skip
+        dtypes = {t.name: getattr(torch, t.dtype) for t in base}
         self._base: dict[str, torch.Tensor] = {}
         for file in sorted(Path(model_path).glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
                 for name in wanted & set(f.keys()):
-                    self._base[name] = f.get_tensor(name)
+                    self._base[name] = f.get_tensor(name).to(dtypes[name])
 
     def weights(
         self, adapter: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor] | None = None
     ) -> dict[str, torch.Tensor]:
         """The model tensors (HF names) of ``adapter`` merged into the base updated by ``base``: ``W + scaling * B @ A``
-        for each adapted projection (in float32, cast to the base's dtype), the base weight for each fused sibling
+        for each adapted projection (in float32, cast to the engine's dtype), the base weight for each fused sibling
         without one, and every other tensor of ``base`` as it is. Nothing is kept: :meth:`commit_base` does."""
         weights = {**self._base, **{n: t for n, t in (base or {}).items() if n in self._base}}
         out = dict(base or {})

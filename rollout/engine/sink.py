@@ -1,11 +1,11 @@
 """The weight-sync sink of a vLLM engine: what the receiver hands a complete, verified version to.
 
 ``VLLMWeightSink`` implements the ``weight_sync`` sink protocol: ``manifest()`` lists the tensors of the engine's model
-directory (HF-canonical names, shapes, dtypes, read from the safetensors headers), ``apply()`` checks an update against
-it and swaps it into the engine at its next safe point (``EngineConfig.update_mode``: requests in flight finish on the
-old version, or with "keep" go on with the new weights). Anything
-refused raises before the engine changes, so the receiver stays on the old version. ``committed_version()`` is the
-engine's version (0 after loading).
+directory (HF-canonical names and shapes) in the dtypes the engine holds them in, not the file's (senders send each
+tensor in the declared dtype: a float32 engine over a bfloat16 file takes float32), ``apply()`` checks an update
+against it and swaps it into the engine at its next safe point (``EngineConfig.update_mode``: requests in flight
+finish on the old version, or with "keep" go on with the new weights). Anything refused raises before the engine
+changes, so the receiver stays on the old version. ``committed_version()`` is the engine's version (0 after loading).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from rollout.engine.vllm_engine import VLLMEngine
-from weight_sync.checkpoint import read_checkpoint_manifest
 from weight_sync.peft import adapter_manifest
 from weight_sync.spec import TensorSpec, dtype_name
 
@@ -46,15 +45,15 @@ class VLLMWeightSink:
 
     def __init__(self, engine: VLLMEngine) -> None:
         self._engine = engine
-        base = read_checkpoint_manifest(engine.model_path)
         lora = engine.config.lora
-        self._adapter_specs = {} if lora is None else {s.name: s for s in adapter_manifest(base, lora)}
-        self._specs = {**{s.name: s for s in base}, **self._adapter_specs}
+        self._adapter_specs = {} if lora is None else {s.name: s for s in adapter_manifest(engine.manifest, lora)}
+        self._specs = {**{s.name: s for s in engine.manifest}, **self._adapter_specs}
 
     def manifest(self) -> list[TensorSpec]:
-        """The tensors this engine accepts: its checkpoint's names, global shapes and dtypes; for an engine serving
-        LoRA (``EngineConfig.lora``) also the adapters of that shape over its checkpoint (``weight_sync.peft``): a
-        version is an adapter, with base tensors only where the base itself trained."""
+        """The tensors this engine accepts: its checkpoint's names and global shapes in the dtypes the engine holds
+        them in (``VLLMEngine.manifest``); for an engine serving LoRA (``EngineConfig.lora``) also the adapters of that
+        shape over its checkpoint (``weight_sync.peft``), in the dtype of the weight each adapts: a version is an
+        adapter, with base tensors only where the base itself trained."""
         return list(self._specs.values())
 
     def committed_version(self) -> int:

@@ -45,13 +45,14 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeVar, get_args
 
 import numpy as np
 
+from common.config import DType
 from rollout.config import EngineConfig, SamplingConfig, UpdateMode
 from rollout.engine.adapters import AdapterVersions, MergedAdapters, ServedAdapters
 from rollout.engine.errors import EngineBrokenError
@@ -67,13 +68,16 @@ from rollout.engine.vllm_plugin import BACKEND, register
 from rollout.sampling import is_greedy, to_vllm_sampling_params
 from weight_sync.checkpoint import read_checkpoint_manifest
 from weight_sync.peft import adapter_manifest
+from weight_sync.spec import TensorSpec, dtype_name
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Completion", "VLLMEngine", "vllm_engine_args"]
+__all__ = ["Completion", "VLLMEngine", "engine_manifest", "vllm_engine_args"]
 
 _T = TypeVar("_T")
+# Float8 tensors are a quantized checkpoint's, which vLLM keeps in their own dtype.
+_CAST_AT_LOAD = frozenset({*get_args(DType), "float64"})
 
 
 @dataclass
@@ -94,6 +98,13 @@ class Completion:
     stop_string: str | None = None
     """The stop string that ended the completion (vLLM's ``stop_reason``), or ``None``: its text ends with it, and with
     the rest of the token it completed in."""
+
+
+def engine_manifest(checkpoint: Iterable[TensorSpec], dtype: str) -> list[TensorSpec]:
+    """The tensors an engine computing in ``dtype`` holds for a checkpoint whose manifest is ``checkpoint``: the same
+    names and shapes, every float32/bfloat16/float16/float64 tensor in ``dtype`` (vLLM casts them as it loads: a
+    bfloat16 file in a float32 engine is float32 weights), any other tensor in its file's dtype."""
+    return [replace(s, dtype=dtype) if s.dtype in _CAST_AT_LOAD else s for s in checkpoint]
 
 
 def vllm_engine_args(config: EngineConfig, model_path: str, tokenizer_path: str | None = None) -> dict[str, Any]:
@@ -180,13 +191,19 @@ class VLLMEngine:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             raise
+        import torch
+
+        dtype = self._engine.model_config.dtype
+        assert isinstance(dtype, torch.dtype), dtype  # vLLM resolves the configured name as it builds the engine
+        self.manifest = engine_manifest(read_checkpoint_manifest(model_path), dtype_name(dtype))
+        """The tensors the engine holds (HF names of its model directory, global shapes, the dtypes vLLM loaded them
+        in): what a weight update must consist of."""
         if config.lora is not None:
-            base = read_checkpoint_manifest(model_path)
-            self._adapter_versions = AdapterVersions({spec.name for spec in adapter_manifest(base, config.lora)})
+            self._adapter_versions = AdapterVersions({s.name for s in adapter_manifest(self.manifest, config.lora)})
             if lora_serving(config) == "adapter":
                 self._adapters = ServedAdapters(self._engine, config.lora, model_path, default_stage_dir())
             else:
-                self._merged = MergedAdapters(model_path, base, config.lora)
+                self._merged = MergedAdapters(model_path, self.manifest, config.lora)
 
     def _start(self, model_path: str, tokenizer_path: str | None) -> Any:
         from vllm import LLM

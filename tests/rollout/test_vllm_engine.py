@@ -20,11 +20,13 @@ import pytest
 import torch
 
 from tests.rollout.vllm_helpers import (
+    as_declared,
     hf_greedy,
     hf_logprobs,
     hf_model,
     make_model,
     perturbed_state,
+    push_through_receiver,
     trainer_logprobs,
 )  # fmt: skip
 
@@ -417,7 +419,7 @@ def test_an_update_logs_no_warning_for_the_layers_it_did_not_cover(engine, sink,
 
 
 def test_a_shut_down_engine_leaves_the_next_one_working(engine, receiver, model_dir):
-    """Last in the module: it shuts the module's engine down. vLLM's parallel groups are process-global; an engine
+    """Last to use the module's engine: it shuts it down. vLLM's parallel groups are process-global; an engine
     released only by the garbage collector tore them down under the next engine of the process."""
     import gc
 
@@ -434,3 +436,30 @@ def test_a_shut_down_engine_leaves_the_next_one_working(engine, receiver, model_
         assert len(completion.token_ids) == GREEDY.max_tokens
     finally:
         successor.shutdown()
+
+
+def test_a_float32_engine_on_a_bfloat16_checkpoint_serves_pushed_float32_weights_unrounded(tmp_path):
+    """Regression: the sink declared the checkpoint file's dtypes, so the trainer's float32 weights went out rounded
+    to bfloat16 and a float32 engine served those (train/logprob_gap 5e-7 -> 8e-3 after the first push). The engine
+    holds its checkpoint in its own dtype; the push is declared and served in it. After the module's engine is shut
+    down (one engine per process at a time)."""
+    model_dir = make_model(tmp_path / "bf16", dtype="bfloat16")
+    gen = torch.Generator().manual_seed(31)
+    state = {name: t.float() + 0.05 * torch.randn(t.shape, generator=gen)  # float32, most not bfloat16-representable
+             for name, t in perturbed_state(model_dir, scale=0.0).items()}  # fmt: skip
+    config = EngineConfig(dtype="float32", max_model_len=128, max_num_seqs=4, cpu_threads_bind="nobind",
+                          kv_cache_gib=0.25, enforce_eager=True)  # fmt: skip
+    engine = VLLMEngine(model_dir, config)
+    try:
+        sink = VLLMWeightSink(engine)
+        push_through_receiver(sink, 1, as_declared(sink, state))
+        served = [group[0] for group in engine.generate(PROMPTS, GREEDY, n=1)]
+    finally:
+        engine.shutdown()
+    exact, rounded = hf_model(model_dir, state), hf_model(model_dir, {n: t.bfloat16() for n, t in state.items()})
+    gaps = {ref: float(np.concatenate([np.abs(c.logprobs - hf_logprobs(model, p, c.token_ids))
+                                       for p, c in zip(PROMPTS, served)]).mean())  # fmt: skip
+            for ref, model in (("float32", exact), ("bfloat16", rounded))}
+    assert all(c.policy_version == 1 for c in served)
+    assert gaps["float32"] <= 1e-5, gaps
+    assert gaps["bfloat16"] > 10 * max(gaps["float32"], 1e-6), gaps  # the rounding shows: the check has teeth

@@ -6,7 +6,8 @@ different from the base; requests in flight at an update finish on the version t
 path the update returns while they run), new ones run the new one; refused adapters (another base's shapes, a partial
 first adapter, unknown or mis-shaped tensors) leave the engine on its adapter; a subset updates the served adapter; a
 version that carries base tensors (the base trained) serves its adapter over the new base, and later adapter-only
-versions keep that base; retired adapters leave vLLM.
+versions keep that base; retired adapters leave vLLM; a float32 engine over a bfloat16 base serves float32 adapters
+as pushed, not rounded to the file's dtype.
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.rollout.vllm_helpers import hf_logprobs, hf_model, make_model, perturbed_state, push_through_receiver
+from tests.rollout.vllm_helpers import (
+    as_declared,
+    hf_logprobs,
+    hf_model,
+    make_model,
+    perturbed_state,
+    push_through_receiver,
+)  # fmt: skip
 
 pytest.importorskip("vllm")
 peft = pytest.importorskip("peft")
@@ -169,3 +177,26 @@ def test_a_first_adapter_must_be_complete(engine, model_dir):
         assert engine.policy_version == 1
     finally:
         engine.shutdown()
+
+
+def test_a_float32_engine_on_a_bfloat16_base_serves_pushed_float32_adapters_unrounded(engine, tmp_path):
+    """Regression: adapters were declared in the bfloat16 file's dtype (and merged into the file's bfloat16 weights),
+    so a float32 engine served bfloat16-rounded ones (train/logprob_gap 5e-7 -> 1e-3 after the first LoRA push). The
+    engine holds its base in its own dtype, and adapters are declared and served in it. Shuts the module's engine
+    down (one engine per process at a time)."""
+    engine.shutdown()
+    model_dir = make_model(tmp_path / "bf16", dtype="bfloat16")
+    config = engine.config.model_copy(update={"dtype": "float32", "max_model_len": 128, "max_num_seqs": 4})
+    engine = VLLMEngine(model_dir, config)
+    try:
+        sink = VLLMWeightSink(engine)
+        tensors = _adapter(sink, seed=8)  # float32, most not bfloat16-representable
+        push_through_receiver(sink, 1, as_declared(sink, tensors))
+        served = _sampled(engine)
+    finally:
+        engine.shutdown()
+    exact = _gap(_peft_model(model_dir, tensors, tmp_path / "exact"), served)
+    rounded = _gap(_peft_model(model_dir, {n: t.bfloat16() for n, t in tensors.items()}, tmp_path / "rounded"), served)
+    assert {c.policy_version for c in served} == {1}
+    assert exact <= 1e-5, (exact, rounded)
+    assert rounded > 10 * max(exact, 1e-6), (exact, rounded)  # the rounding shows: the check has teeth

@@ -17,10 +17,10 @@ TINY_ARCH = dict(hidden_size=64, num_layers=2, num_heads=2)
 """head_dim 32: vLLM's CPU attention rejects head_dim 16."""
 
 
-def make_model(out: Path, seed: int = 0) -> str:
+def make_model(out: Path, seed: int = 0, dtype: str = "float32") -> str:
     from tools.make_tiny_model import make_tiny_model
 
-    return str(make_tiny_model(out, family="qwen3", seed=seed, **TINY_ARCH))
+    return str(make_tiny_model(out, family="qwen3", seed=seed, dtype=dtype, **TINY_ARCH))
 
 
 def tiny_rollout_config(tmp_path_factory, sampling, max_model_len: int = 512):
@@ -92,6 +92,13 @@ def trainer_logprobs(model_dir: str, samples: Sequence) -> list[np.ndarray]:
             for row, i in enumerate(mb.sample_indices):
                 out[i] = logprobs[row, : len(samples[i].completion_ids)].numpy()
     return out
+
+
+def as_declared(sink, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` each cast to the dtype ``sink``'s manifest declares for it, as the trainer sends a push
+    (``trainer.worker.TrainerWorker.push_weights``: float32 masters go out in the receivers' dtypes)."""
+    declared = {spec.name: getattr(torch, spec.dtype) for spec in sink.manifest()}
+    return {name: t.to(declared[name]) for name, t in tensors.items()}
 
 
 def push_through_receiver(sink, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
