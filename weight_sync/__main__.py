@@ -32,12 +32,16 @@ import signal
 import sys
 import threading
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from pydantic.fields import FieldInfo
 
 from common.config import ConfigError, parse_overrides, validate_config
 from weight_sync.config import RECEIVER_FIELDS, WeightSyncConfig
+
+if TYPE_CHECKING:
+    from weight_sync.chunking import Shard
 
 _FIELD = "config."  # argparse dest prefix of the generated WeightSyncConfig flags
 _CLIENT = "config:client"  # argparse dest: the command takes no receiver settings
@@ -155,7 +159,7 @@ def _push(args: argparse.Namespace, extra: list[str]) -> int:
                 print("nothing pushed: give --version, or reach every receiver", flush=True)
                 return 1
             version = max(r.policy_version for r in described.values() if not isinstance(r, str)) + 1
-        report = sender.push(version, checkpoint_shards(args.checkpoint))
+        report = sender.push(version, _as_declared(checkpoint_shards(args.checkpoint), sender.declared_dtypes()))
         if report.failed:  # all or nothing: a receiver that took the push must not commit what another refused
             sender.abort(version, "the push failed on another receiver")
             for address, error in report.errors.items():
@@ -170,11 +174,31 @@ def _push(args: argparse.Namespace, extra: list[str]) -> int:
     return 1 if failed else 0
 
 
+def _as_declared(shards: Iterable[Shard], dtypes: dict[str, str]) -> Iterator[Shard]:
+    """``shards`` in the dtypes the receivers declare (a float32 checkpoint pushed to a bfloat16 server), as the
+    trainer sends them."""
+    import torch
+
+    from weight_sync.chunking import Shard
+
+    for shard in shards:
+        dtype = dtypes.get(shard.name)
+        tensor = shard.tensor if dtype is None else shard.tensor.to(getattr(torch, dtype))
+        yield Shard(shard.name, tensor, shard.global_shape, shard.global_offsets)
+
+
 def _describe(args: argparse.Namespace, extra: list[str]) -> int:
+    import grpc
+
     from weight_sync.channel import WeightSyncClient
+    from weight_sync.report import error_text
 
     client = WeightSyncClient(args.to, config_of(args, extra))
-    reply = client.describe()
+    try:
+        reply = client.describe()
+    except grpc.RpcError as e:
+        print(f"error: {args.to} does not answer Describe: {error_text(e)}", file=sys.stderr)
+        return 1
     planes = [f"socket data plane on port {reply.data_port}"] if reply.data_port else []
     if reply.HasField("shm_plane"):
         planes.append(f"shared-memory plane (same host, pid {reply.shm_plane.pid})")

@@ -66,7 +66,7 @@ from weight_sync.report import PushReport, error_text, record_results
 from weight_sync.shm import host_identity
 from weight_sync.shm_push import SegmentPool, ShmPush, ShmStream
 from weight_sync.socket_push import SocketStream, relay_hello
-from weight_sync.spec import TensorSpec
+from weight_sync.spec import TensorSpec, itemsize
 from weight_sync.staging import MAX_RELAY_TARGETS
 from weight_sync.version import incompatibility, protocol_version, speaks
 
@@ -150,25 +150,23 @@ class WeightSender:
 
     def declared_dtypes(self) -> dict[str, str]:
         """Tensor name -> the dtype the receivers' manifests declare for it (the one to send it in: a trainer keeps
-        float32 masters while engines serve bfloat16 checkpoints). Unreachable receivers are left out. Raises
-        ``ValueError`` when two receivers declare different dtypes for one tensor."""
+        float32 masters while engines serve bfloat16 checkpoints). Unreachable receivers, and those of another model,
+        are left out. Where receivers declare different dtypes for one tensor (a float32 engine beside a directory sink
+        of the bfloat16 file) one push cannot serve both: the widest wins, so no receiver gets rounded values, and the
+        others are reported failed at each push, with what to change (:meth:`_check_compatible`)."""
         now = time.monotonic()
         replies = self._described or {
             a: r for a, r in self.describe([a for a in self.endpoints if not self._is_resting(a, now)]).items()
             if not isinstance(r, str)
         }  # fmt: skip
-        replies = {a: r for a, r in replies.items() if a not in self._refused}  # another model's: reported per push
         dtypes: dict[str, str] = {}
-        owner: dict[str, str] = {}
         for address, reply in replies.items():
+            if address in self._refused:
+                continue  # another model's: reported per push
             for spec in reply.manifest:
-                if dtypes.setdefault(spec.name, spec.dtype) != spec.dtype:
-                    raise ValueError(
-                        f"receivers {owner[spec.name]} and {address} declare {spec.name} as {dtypes[spec.name]} and "
-                        f"{spec.dtype}: one push cannot serve both; give every receiver of a push one dtype (an engine "
-                        "declares the dtype it computes in, a directory sink its files' dtype)"
-                    )
-                owner.setdefault(spec.name, address)
+                held = dtypes.setdefault(spec.name, spec.dtype)
+                if held != spec.dtype and itemsize(spec.dtype) > itemsize(held):
+                    dtypes[spec.name] = spec.dtype
         return dtypes
 
     def _check_compatible(self, locals_: list[LocalShard]) -> None:
@@ -188,6 +186,13 @@ class WeightSender:
             theirs = {s.name: (tuple(s.shape), s.dtype) for s in reply.manifest}
             for local in locals_:
                 want = theirs.get(local.name)
+                if want is not None and want[0] == local.spec.shape and want[1] != local.spec.dtype:
+                    self._refused[address] = (
+                        f"receiver {address} declares {local.name} as {want[1]}, and this push sends it as "
+                        f"{local.spec.dtype} (one push sends a tensor in one dtype, the widest its receivers declare): "
+                        f"serve it from a {local.spec.dtype} copy of its checkpoint, or give every receiver one dtype"
+                    )
+                    break
                 if want != (local.spec.shape, local.spec.dtype):
                     self._refused[address] = (
                         f"receiver {address} does not accept {local.name} {local.spec.shape} {local.spec.dtype} "

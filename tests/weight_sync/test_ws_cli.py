@@ -113,3 +113,25 @@ def test_text_fields_take_their_flag_as_given():
 def test_the_describe_reply_name_of_the_chunk_limit_points_at_the_field(capsys):
     assert main(["describe", "--to", "127.0.0.1:1", "--max_chunk_bytes", "5"]) == 2
     assert "did you mean chunk_bytes" in capsys.readouterr().err
+
+
+def test_push_sends_a_checkpoint_in_the_dtype_the_receiver_declares_and_describe_errors_are_one_line(tmp_path, capsys):
+    from weight_sync.receiver import WeightReceiver
+    from weight_sync.sink import StateDictSink
+
+    sd = tiny_state_dict(7)
+    source = tmp_path / "source"
+    source.mkdir()
+    save_file(sd, str(source / "model.safetensors"))
+    sink = StateDictSink({k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in sd.items()})
+    receiver = WeightReceiver(sink, WeightSyncConfig())
+    receiver.start()
+    try:
+        assert main(["push", "--checkpoint", str(source), "--to", receiver.address, "--version", "1"]) == 0
+    finally:
+        receiver.stop(grace_s=0)
+    assert all(torch.equal(sink.state_dict[k], v.to(torch.bfloat16)) for k, v in sd.items())
+    capsys.readouterr()
+    assert main(["describe", "--to", "127.0.0.1:1", "--num_retries", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: 127.0.0.1:1 does not answer Describe: UNAVAILABLE") and "Traceback" not in err

@@ -158,3 +158,20 @@ def test_a_receiver_restarted_on_another_data_port_gets_socket_streams_again(rec
         assert reports[1].socket_endpoints == [restarted.address] and not reports[1].grpc_fallback
     finally:
         restarted.stop(grace_s=0)
+
+
+def test_receivers_of_two_dtypes_get_the_wider_and_the_narrower_one_is_told_what_to_change(receivers):
+    """A float32 engine beside a directory sink of the bfloat16 file: the engine gets exact values, the sink a clear
+    per-push refusal (the run failed at its first push before, or the engine served rounded weights)."""
+    sd = {"w": torch.randn(8, 8), "b": torch.randn(8)}
+    (wide, wide_sink), = receivers(1, sd=sd)
+    (narrow, _), = receivers(1, sd={k: v.to(torch.bfloat16) for k, v in sd.items()})
+    sender = WeightSender([narrow.address, wide.address], CFG)
+    dtypes = sender.declared_dtypes()
+    assert dtypes == {"w": "float32", "b": "float32"}
+    report = sender.push(1, [Shard(n, t.to(getattr(torch, dtypes[n])), tuple(t.shape), (0,) * t.dim())
+                             for n, t in sd.items()])  # fmt: skip
+    assert report.ok == [wide.address]
+    assert "declares w as bfloat16, and this push sends it as float32" in report.failed[narrow.address]
+    assert sender.commit(1)[wide.address] is None
+    assert_holds([wide_sink], sd)
