@@ -173,9 +173,10 @@ def check_resumable(ckpt: Path, model_cfg: ModelConfig, recipe: Recipe, out_dir:
             raise ValueError(f"checkpoint {ckpt} holds {holds} critic, and algorithm {recipe.algorithm.type!r} {has}: "
                              "it was written by a run of another algorithm")  # fmt: skip
     except ValueError as e:
+        lora = ", [model.lora] rank and targets" if recipe.model.lora is not None else ""
         raise ValueError(
             f"--resume: {e}. The run in {out_dir} trained another model than this recipe's ({recipe.model.path}, "
-            f"{recipe.algorithm.type}): "
+            f"{recipe.algorithm.type}{lora}): "
             f"resume with the recipe it started with ({resume_command(out_dir / RESOLVED_RECIPE)}), or start afresh "
             "without --resume"
         ) from e
@@ -234,4 +235,13 @@ def _check_lora_base(recipe: Recipe, out_dir: Path) -> None:
     if not (base / "config.json").is_file():
         raise ValueError(f"--resume: the adapters of the run in {out_dir} apply to the model in {base}, which is gone "
                          f"(no config.json there): restore it, or start afresh without --resume")  # fmt: skip
+    trained_lora = ((record or {}).get("model") or {}).get("lora") or {}
+    alpha = recipe.model.lora.alpha if recipe.model.lora is not None else None
+    if "alpha" in trained_lora and alpha is not None and float(trained_lora["alpha"]) != alpha:
+        raise ValueError(
+            f"--resume: the run in {out_dir} trained its adapters with [model.lora] alpha = {trained_lora['alpha']:g}, "
+            f"and this recipe gives {alpha:g}: the same adapters would apply at another scale (alpha / rank), a "
+            f"different policy. Resume with the recipe it started with ({resume_command(out_dir / RESOLVED_RECIPE)}), "
+            "or start afresh without --resume"
+        )
 

@@ -123,6 +123,15 @@ def test_a_lora_resume_over_another_base_or_a_missing_one_fails_before_ray(tmp_p
     assert f"trained its adapters over {out / 'warm_start_model'}" in err and "run.warm_start.parameters" in err
     assert f"--recipe {out / 'recipe.resolved.toml'} --resume" in err
     assert _listing(out) == before
+    # Another alpha: the same adapters at another scale, a different policy (accuracy 0.638 -> 0.55 in one step).
+    scaled = load_recipe("recipes/grpo_tiny_lora.toml", {
+        "model.path": other.model.path, "run.output_dir": str(out), "run.num_steps": 4, "model.lora.alpha": 32.0,
+    })  # fmt: skip
+    assert scaled.model.lora is not None and scaled.model.lora.alpha != 64.0
+    assert run(scaled, resume="required") == 2
+    err = capsys.readouterr().err
+    assert "trained its adapters with [model.lora] alpha = 64, and this recipe gives 32" in err, err
+    assert _listing(out) == before
     shutil.rmtree(out / "warm_start_model")
     assert run(_recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml"), resume="required") == 2
     assert "warm_start_model, which is gone" in capsys.readouterr().err
