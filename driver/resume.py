@@ -3,13 +3,14 @@ earlier run that a fresh start moved aside, pointed at where its outputs went so
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 from common.run_dir import CHECKPOINTS, RESOLVED_RECIPE, read_run_record
 from recipe import load_recipe
 
-__all__ = ["point_moved_run_at_itself", "resume_command", "resume_hint"]
+__all__ = ["point_moved_adapters_at_their_base", "point_moved_run_at_itself", "resume_command", "resume_hint"]
 
 log = logging.getLogger("rl_align")
 
@@ -64,3 +65,29 @@ def point_moved_run_at_itself(moved: dict[Path, Path], out_dir: Path) -> Path | 
         return None
     return record
 
+
+
+def point_moved_adapters_at_their_base(moved: dict[Path, Path]) -> list[Path]:
+    """Edit the ``adapter_config.json`` of every PEFT adapter a fresh start moved aside (``moved``: old path -> new
+    path) whose ``base_model_name_or_path`` names a moved path (the earlier run's ``warm_start_model/``), so that it
+    names the moved copy: left as it was, ``PeftModel.from_pretrained`` put the adapter over the new run's warm start,
+    written in the old place, without a word. Returns the edited files; one that cannot be read or written is left as
+    it is, with a warning."""
+    from weight_sync.peft import ADAPTER_CONFIG_FILE
+
+    places = {old.resolve(): new for old, new in moved.items()}
+    edited = []
+    for new in moved.values():
+        for config in sorted(new.rglob(ADAPTER_CONFIG_FILE)) if new.is_dir() else []:
+            try:
+                data = json.loads(config.read_text())
+                base = Path(data.get("base_model_name_or_path") or "").resolve()
+                old = next((o for o in places if base.is_relative_to(o)), None)
+                if old is None:
+                    continue
+                data["base_model_name_or_path"] = str(places[old] / base.relative_to(old))
+                config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+                edited.append(config)
+            except (OSError, ValueError, AttributeError) as e:
+                log.warning("fresh start: %s still names its base where the new run writes (%s)", config, e)
+    return edited

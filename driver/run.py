@@ -34,7 +34,7 @@ from common.run_dir import (
     set_aside_earlier_run,
 )
 from driver.preflight import CheckedRun, check_run, hold_checkpoint_dir, outputs_lost_with_the_job, with_run_defaults
-from driver.resume import point_moved_run_at_itself, resume_command, resume_hint
+from driver.resume import point_moved_adapters_at_their_base, point_moved_run_at_itself, resume_command, resume_hint
 from recipe import Recipe, write_resolved
 
 if TYPE_CHECKING:
@@ -134,6 +134,7 @@ def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | No
             places = {str(t.parent) if t.parent.name.startswith("previous-") else str(t) for t in moved.values()}
             log.warning("fresh start: moved the earlier run's %s to %s", ", ".join(p.name for p in moved),
                         ", ".join(sorted(places)))  # fmt: skip
+            point_moved_adapters_at_their_base(moved)
             earlier = point_moved_run_at_itself(moved, out_dir)
             if earlier is not None:
                 log.warning("to continue the earlier run instead: %s", resume_command(earlier))

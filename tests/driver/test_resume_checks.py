@@ -140,6 +140,31 @@ def test_a_lora_resume_over_another_base_or_a_missing_one_fails_before_ray(tmp_p
     assert f"{out / 'recipe.resolved.toml'} is not a TOML file" in capsys.readouterr().err
 
 
+def test_adapters_moved_aside_name_their_moved_base_not_the_new_runs_warm_start(tmp_path):
+    """A fresh start in a LoRA run's directory left the earlier run's adapters naming <run>/warm_start_model, which the
+    new run then rewrote: PEFT put them over another model (max logit difference 6.5), without a word."""
+    import json
+
+    from driver.resume import point_moved_adapters_at_their_base
+
+    out, elsewhere = tmp_path / "out", tmp_path / "models" / "base"
+    configs = {"final_model/adapter": out / "warm_start_model", "hf/step_25/adapter": out / "warm_start_model",
+               "hf/step_50/adapter": elsewhere}  # fmt: skip
+    for where, base in configs.items():
+        (out / where).mkdir(parents=True)
+        (out / where / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base), "r": 8}))
+    (out / "warm_start_model").mkdir()
+    (out / "warm_start_model" / "config.json").write_text("{}")
+    moved = set_aside_earlier_run(out, out / "checkpoints")
+    (aside,) = {p.parent for p in moved.values()}
+    edited = point_moved_adapters_at_their_base(moved)
+    assert sorted(p.relative_to(aside).parts[:2] for p in edited) == [("final_model", "adapter"), ("hf", "step_25")]
+    for where, base in configs.items():
+        data = json.loads((aside / where / "adapter_config.json").read_text())
+        expected = aside / "warm_start_model" if base != elsewhere else elsewhere
+        assert data == {"base_model_name_or_path": str(expected), "r": 8}, where
+
+
 def test_a_fresh_start_moves_the_earlier_runs_outputs_aside_whole(tmp_path):
     out = tmp_path / "out"
     earlier = ["recipe.resolved.toml", "metrics.jsonl", "curves.png", "tensorboard/events.out.tfevents.1",
