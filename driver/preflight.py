@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckedRun", "check_resumable", "check_run", "ensure_model", "hold_checkpoint_dir", "outputs_lost_with_the_job",
-    "policy_config", "with_run_defaults",
+    "with_run_defaults",
 ]  # fmt: skip
 
 log = logging.getLogger("rl_align")
@@ -107,30 +107,13 @@ def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None)
     ensure_model(recipe)
     check_tokenizer_dir(recipe.rollout.tokenizer_dir)  # loaded while the actors start
     _check_exportable(recipe)
-    model_cfg = policy_config(recipe)
+    model_cfg = recipe.policy_config()
     recipe.trainer.check_model(model_cfg)
     if resume_from is not None:
         check_resumable(resume_from, model_cfg, recipe, out_dir)
         _check_steps_left(resume_from, recipe.run.num_steps)
         dataset.load_state_dict(saved_data_cursor(resume_from))
     return CheckedRun(resume_from, model_cfg, dataset)
-
-
-def policy_config(recipe: Recipe) -> ModelConfig:
-    """The policy's model config: the recipe's model directory with its blocks and ``[model.lora]``. Adapters the
-    model cannot take (experts on a dense model) are blamed on ``[model.lora]``, not on the model's config.json."""
-    import pydantic
-
-    from trainer.models.hf_config import model_config_from_hf
-
-    model_cfg = model_config_from_hf(recipe.model.path, **recipe.model.block_overrides())
-    if recipe.model.lora is None:
-        return model_cfg
-    try:
-        return type(model_cfg).model_validate({**model_cfg.model_dump(), "lora": recipe.model.lora.model_dump()})
-    except pydantic.ValidationError as e:
-        problems = "; ".join(str(error["msg"]).removeprefix("Value error, ") for error in e.errors())
-        raise ValueError(f"[model.lora] does not fit the model in {recipe.model.path}: {problems}") from None
 
 
 def ensure_model(recipe: Recipe) -> None:

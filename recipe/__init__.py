@@ -27,7 +27,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic
 
@@ -52,6 +52,9 @@ from trainer.models.config import LoRAConfig
 from trainer.rl.config import AlgorithmConfig
 from weight_sync.config import WeightSyncConfig
 from weight_sync.peft import AdapterSpec
+
+if TYPE_CHECKING:
+    from trainer.models.config import ModelConfig
 
 __all__ = ["Recipe", "load_recipe", "write_resolved"]
 
@@ -165,6 +168,22 @@ class Recipe(Config):
     def lora_base(self) -> Path | None:
         """The model directory this run's adapters apply to (``common.run_dir.lora_base_dir``); None without LoRA."""
         return lora_base_dir(self.model_dump(mode="json"), self.run.resolved_output_dir)
+
+    def policy_config(self) -> ModelConfig:
+        """The policy's model config: the model directory's ``config.json`` with the recipe's blocks and
+        ``[model.lora]``. ``FieldError`` on ``model.lora`` for adapters the model cannot take (experts on a dense
+        model), not blamed on the model's config.json; ``ValueError`` for a config.json this code cannot read."""
+        from trainer.models.hf_config import model_config_from_hf
+
+        model_cfg = model_config_from_hf(self.model.path, **self.model.block_overrides())
+        if self.model.lora is None:
+            return model_cfg
+        try:
+            return type(model_cfg).model_validate({**model_cfg.model_dump(), "lora": self.model.lora.model_dump()})
+        except pydantic.ValidationError as e:
+            problems = "; ".join(str(error["msg"]).removeprefix("Value error, ") for error in e.errors())
+            raise FieldError("model.lora", f"[model.lora] does not fit the model in {self.model.path}: "
+                                           f"{problems}") from None  # fmt: skip
 
     @property
     def export_source_dir(self) -> str:
@@ -398,14 +417,13 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
             f"{str(model_dir)!r} has no config.json: point it at a local HF model directory, or add a "
             "[model.create_tiny] ([model.create_published]) section to create a tiny (real-size random) one there",
         ))  # fmt: skip
-    elif (model_dir / "config.json").is_file() and recipe.trainer.parallelism.expert_parallel_degree > 1:
-        from trainer.models.hf_config import model_config_from_hf
-
+    elif (model_dir / "config.json").is_file():
         try:  # a model created at run time is checked once it exists (driver.preflight), before any actor starts
-            model_cfg = model_config_from_hf(str(model_dir), **recipe.model.block_overrides(), lora=recipe.model.lora)
-            recipe.trainer.check_model(model_cfg)
+            recipe.trainer.check_model(recipe.policy_config())
+        except FieldError as e:
+            problems.append((tuple(e.field.split(".")), str(e)))
         except ValueError as e:
-            problems.append((("trainer", "parallelism", "expert_parallel_degree"), str(e)))
+            problems.append((("model", "path"), str(e)))
     python = recipe.run.trainer_python
     probe = _probe_interpreter(python) if python is not None else None
     if isinstance(probe, str):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 import pydantic
 
-from common.config import Config, DType
+from common.config import Config, DType, FieldError
 
 if TYPE_CHECKING:
     from trainer.models.config import ModelConfig
@@ -293,31 +293,28 @@ class TrainerConfig(Config):
         return self
 
     def check_model(self, model: ModelConfig) -> None:
-        """Raise ``ValueError`` naming the field when this trainer cannot run ``model``: the ``varlen`` attention
-        block computes in bfloat16/float16 only; the vocabulary-parallel head stands in for ``chunked`` only; expert
-        parallelism needs an MoE model whose expert count the degree divides. Run before any rank starts (the driver
-        does)."""
+        """Raise ``FieldError`` (a ``ValueError``) on the field to change when this trainer cannot run ``model``: the
+        ``varlen`` attention block computes in bfloat16/float16 only; the vocabulary-parallel head stands in for
+        ``chunked`` only; expert parallelism needs an MoE model whose expert count the degree divides. Run before any
+        rank starts (the recipe's load does for a model that exists, the driver for one it creates)."""
         if model.attention == "varlen" and self.mixed_precision.param_dtype == "float32":
-            raise ValueError(
+            raise FieldError("model.attention", (
                 'model.attention = "varlen" runs Flash Attention, which computes in bfloat16 or float16, but '
                 'trainer.mixed_precision.param_dtype = "float32": set it to "bfloat16" or use attention = "sdpa"'
-            )
+            ))  # fmt: skip
         if self.parallelism.vocab_parallel and model.output_head != "chunked":
-            raise ValueError(
+            raise FieldError("trainer.parallelism.vocab_parallel", (
                 f"trainer.parallelism.vocab_parallel computes the output head itself, in chunks of "
                 f'model.output_chunk_size tokens, but model.output_head = "{model.output_head}": set output_head = '
                 f'"chunked" or vocab_parallel = false'
-            )
+            ))  # fmt: skip
         ep = self.parallelism.expert_parallel_degree
         if ep == 1:
             return
+        where = "trainer.parallelism.expert_parallel_degree"
         if model.moe is None:
-            raise ValueError(
-                f"trainer.parallelism.expert_parallel_degree = {ep} splits MoE experts over ranks, but the model "
-                f"({model.family}) has no experts: set it to 1"
-            )
+            raise FieldError(where, f"{where} = {ep} splits MoE experts over ranks, but the model ({model.family}) has "
+                                    "no experts: set it to 1")  # fmt: skip
         if model.moe.num_experts % ep:
-            raise ValueError(
-                f"trainer.parallelism.expert_parallel_degree = {ep} does not divide the model's "
-                f"{model.moe.num_experts} experts per layer: use a divisor of {model.moe.num_experts}"
-            )
+            raise FieldError(where, f"{where} = {ep} does not divide the model's {model.moe.num_experts} experts per "
+                                    f"layer: use a divisor of {model.moe.num_experts}")  # fmt: skip

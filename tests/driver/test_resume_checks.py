@@ -357,17 +357,23 @@ def test_an_actor_death_offers_a_resume_only_when_there_is_a_checkpoint(tmp_path
     assert out.is_dir()
 
 
-def test_adapters_the_model_cannot_take_fail_before_ray_naming_model_lora(tmp_path, capsys, no_ray):
+def test_adapters_the_model_cannot_take_fail_at_load_and_before_ray_naming_model_lora(tmp_path, capsys, no_ray):
     """Expert adapters on a dense model were reported as "artifacts/tiny-qwen3/config.json: invalid recipe ... (whole
-    file)", blaming the model's config for the recipe's ``[model.lora]``."""
-    from driver.preflight import policy_config
+    file)", blaming the model's config for the recipe's ``[model.lora]``; `--check` passed them (the run refused them),
+    and under expert parallelism they were filed under ``expert_parallel_degree``."""
+    from common.config import ConfigError
 
     base = "recipes/grpo_tiny_lora.toml"
     recipe = _recipe(tmp_path, "model", 128, base)
     ensure_model(recipe)
-    assert policy_config(recipe) == model_config_from_hf(recipe.model.path, lora=recipe.model.lora)
-    experts = load_recipe(base, {"model.path": recipe.model.path, "run.output_dir": str(tmp_path / "out"),
-                                 "model.lora.target_parameters": ["mlp.experts.down_proj"]})  # fmt: skip
+    assert recipe.policy_config() == model_config_from_hf(recipe.model.path, lora=recipe.model.lora)
+    overrides = {"model.path": recipe.model.path, "run.output_dir": str(tmp_path / "out"),
+                 "model.lora.target_parameters": ["mlp.experts.down_proj"]}  # fmt: skip
+    with pytest.raises(ConfigError) as refused:  # what `--check` runs
+        load_recipe(base, overrides)
+    expected = f"- model.lora: [model.lora] does not fit the model in {recipe.model.path}: lora.target_parameters"
+    assert expected in str(refused.value) and "config.json" not in str(refused.value), refused.value
+    experts = load_recipe(base, overrides, check_paths=False)  # a model created at run time: checked once it exists
     assert run(experts) == 2
     err = capsys.readouterr().err
     assert f"[model.lora] does not fit the model in {recipe.model.path}: lora.target_parameters" in err, err
