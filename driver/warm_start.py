@@ -8,6 +8,8 @@ steps (``stop_at_loss``) or the held-out accuracy of the policy's own samples (`
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +24,10 @@ if TYPE_CHECKING:
 __all__ = ["sft_samples", "warm_start"]
 
 _LOSS_WINDOW = 10
+_PROGRESS_EVERY_S = 15.0
+"""Seconds between the warm start's progress lines (each accuracy check prints one too): it runs minutes."""
+
+logger = logging.getLogger("rl_align")
 
 
 def sft_samples(
@@ -92,6 +98,7 @@ def warm_start(
     per_step = cfg.num_examples_per_step
     examples = dataset.sft_examples(cfg.num_steps * per_step, tokenizer.eos_token)
     losses: list[float] = []
+    start = last_line = time.monotonic()
     for step in range(cfg.num_steps):
         samples = sft_samples(
             tokenizer, examples[step * per_step : (step + 1) * per_step], use_chat_template, environment
@@ -106,6 +113,14 @@ def warm_start(
             metrics["warm_start/eval_accuracy"] = accuracy
             done = done or accuracy >= cfg.stop_at_accuracy
         log(step, metrics)
+        now = time.monotonic()
+        if done or now - last_line >= _PROGRESS_EVERY_S or "warm_start/eval_accuracy" in metrics:
+            last_line = now
+            check = metrics.get("warm_start/eval_accuracy")
+            target = "" if check is None else f" | held-out accuracy {check:.3f} (target {cfg.stop_at_accuracy:g})"
+            logger.info("warm start step %d/%d | loss %.3g (mean of the last %d)%s | %.2fs/step", step + 1,
+                      cfg.num_steps, float(np.mean(losses[-_LOSS_WINDOW:])), min(len(losses), _LOSS_WINDOW), target,
+                      (now - start) / (step + 1))  # fmt: skip
         if done:
             return step + 1
     return cfg.num_steps

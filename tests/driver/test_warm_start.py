@@ -1,6 +1,8 @@
 """The warm start stops at its step count or earlier at a target (loss, held-out accuracy), with hand-written fakes
 for the trainer and dataset; the real SFT step is covered by tests/trainer/test_step.py and the demo."""
 
+import logging
+
 import pytest
 
 from driver.warm_start import warm_start
@@ -52,17 +54,23 @@ def test_stops_at_the_loss_target():
     assert steps == next(n for n in range(10, 101) if sum(1 / k for k in range(n - 9, n + 1)) / 10 <= 0.1)
 
 
-def test_stops_at_the_accuracy_target_checked_every_k_steps():
+def test_stops_at_the_accuracy_target_checked_every_k_steps(caplog):
     trainer_steps = []
 
     def evaluate():
         trainer_steps.append(len(trainer_steps))
         return {"eval/accuracy": 0.1 * len(trainer_steps)}
 
-    steps, _, logged = _run(evaluate, num_steps=500, stop_at_accuracy=0.3, check_every_num_steps=20)
+    with caplog.at_level(logging.INFO, logger="rl_align"):
+        steps, _, logged = _run(evaluate, num_steps=500, stop_at_accuracy=0.3, check_every_num_steps=20)
     assert steps == 60 and len(trainer_steps) == 3
     checks = [m["warm_start/eval_accuracy"] for _, m in logged if "warm_start/eval_accuracy" in m]
     assert checks == pytest.approx([0.1, 0.2, 0.3])
+    # Minutes of warm start printed nothing to the console: each check (and every 15 s) prints a line.
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm start step")]
+    assert [line.split(" | ")[0] for line in lines] == ["warm start step 20/500", "warm start step 40/500",
+                                                        "warm start step 60/500"]  # fmt: skip
+    assert "held-out accuracy 0.300 (target 0.3)" in lines[-1] and "loss " in lines[-1]
 
 
 def test_an_accuracy_target_needs_an_evaluation():
