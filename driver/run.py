@@ -366,6 +366,8 @@ class _Run:
             self.trainer.export_hf(str(self.out_dir / WARM_START_MODEL), r.model.path, r.run.export.dtype,
                                    adapter=r.run.warm_start.parameters != "all")  # fmt: skip
             log.info("warm start: %d SFT steps in %.1f s", num_sft, time.perf_counter() - t0)
+            if r.trainer.checkpoint.every_num_steps:  # a stop before the first RL checkpoint keeps the warm start
+                self.trainer.save_checkpoint(data_cursor=self.dataset.state_dict())
         # A warm start that stopped at an accuracy check has already published its last version.
         if (start_step > 0 or r.run.warm_start.num_steps > 0) and (
             self.publisher.published_version != self.trainer.policy_version()

@@ -157,6 +157,34 @@ def test_killed_job_resumes_from_checkpoint_and_continues_curve(tmp_path: Path) 
     assert sorted(int(p.parent.name[5:]) for p in ckpt_dir.glob("step_*/COMPLETE"))[-1] == num_steps
 
 
+def test_a_run_killed_before_its_first_rl_checkpoint_resumes_after_its_warm_start(tmp_path: Path) -> None:
+    """A stop before the first RL checkpoint said "start the run again", and the warm start (minutes on real tasks)
+    was redone: a checkpoint at step 0, right after it, is what the resume starts from."""
+    num_steps = 40
+    args = small_run_args(tmp_path, num_steps, "--trainer.checkpoint.every_num_steps", "100", *ONE_ENGINE)
+    out = tmp_path / "out"
+    log1, log2 = tmp_path / "run1.log", tmp_path / "run2.log"
+    proc = start_run(args, log1)
+    try:
+        wait_for((out / "checkpoints" / "step_00000000" / "COMPLETE").exists, 240, proc, "the step-0 checkpoint", log1)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == -signal.SIGKILL, f"the run ended ({proc.returncode}) before it was killed:\n{tail(log1)}"
+    first = read_metrics(out)
+    assert "warm start:" in log1.read_text()
+    proc = start_run([*args, "--resume"], log2)
+    try:
+        assert proc.wait(timeout=300) == 0, tail(log2)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    text = log2.read_text()
+    assert "resumed at step 0" in text and "warm start:" not in text, tail(log2)
+    records = read_metrics(out)
+    assert rl_steps(records) == list(range(num_steps))
+    assert [r for r in records if r["phase"] == "sft"] == [r for r in first if r["phase"] == "sft"]
+
+
 def test_dead_trainer_fails_job_with_resume_hint(tmp_path: Path) -> None:
     log = tmp_path / "run.log"
     num_steps = 8
