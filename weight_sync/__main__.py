@@ -132,7 +132,12 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
         fields = {**(held or {}), **{k: v for k, v in fields.items() if v is not None}}
         spec = validate_config(AdapterSpec, fields, source="flags")
         sink = PeftAdapterDirSink(args.dir, args.adapter_of, spec)
-    receiver = WeightReceiver(sink, config_of(args, extra))
+    config = config_of(args, extra)
+    if config.tls_cert_path is not None and config.tls_ca_path is None:
+        print("warning: TLS without --tls_ca_path: this receiver cannot verify the TLS receivers a sender asks it to "
+              "relay to (relay_fanout), and those pushes fail at them ('Socket closed'); give the CA that signed their "
+              "certificates", file=sys.stderr, flush=True)  # fmt: skip
+    receiver = WeightReceiver(sink, config)
     receiver.start()
     print(f"serving {args.dir} on {receiver.address}", flush=True)
     done = threading.Event()
