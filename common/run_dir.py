@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "CHECKPOINTS", "CURVES", "FINAL_MODEL", "HF_EXPORTS", "LOCK", "METRICS", "OUTPUTS", "RESOLVED_RECIPE",
-    "TENSORBOARD", "WARM_START_MODEL", "RunDirBusy", "RunDirLock", "earlier_runs_kept", "lora_base_dir",
-    "read_run_record", "set_aside_earlier_run",
+    "ADAPTER_DIR", "CHECKPOINTS", "CURVES", "FINAL_MODEL", "HF_EXPORTS", "LOCK", "METRICS", "OUTPUTS",
+    "RESOLVED_RECIPE", "TENSORBOARD", "WARM_START_MODEL", "RunDirBusy", "RunDirLock", "earlier_runs_kept",
+    "lora_base_dir", "read_run_record", "set_aside_earlier_run",
 ]  # fmt: skip
 
 RESOLVED_RECIPE = "recipe.resolved.toml"
@@ -33,6 +33,9 @@ CHECKPOINTS = "checkpoints"
 WARM_START_MODEL = "warm_start_model"
 HF_EXPORTS = "hf"
 FINAL_MODEL = "final_model"
+ADAPTER_DIR = "adapter"
+"""Subdirectory of an exported LoRA policy (``final_model/``, ``hf/step_<n>/``) holding its PEFT adapter (the merged
+model is the directory itself)."""
 OUTPUTS = (RESOLVED_RECIPE, METRICS, TENSORBOARD, CURVES, CHECKPOINTS, WARM_START_MODEL, HF_EXPORTS, FINAL_MODEL)
 """Everything a run writes in its output directory."""
 log = logging.getLogger(__name__)

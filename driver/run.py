@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.run_dir import (
+    ADAPTER_DIR,
     CURVES,
     FINAL_MODEL,
     METRICS,
@@ -419,4 +420,7 @@ def _print_report(before: dict[str, float], after: dict[str, float], out_dir: Pa
         lines.append(f"{key[5:]:<22} {before[key]:>11.3f} {after[key]:>12.3f} {after[key] - before[key]:>+9.3f}")
     lines.append(f"\nmetrics: {out_dir / METRICS}   curves: {out_dir / CURVES}")
     lines.append(f"trained model (AutoModelForCausalLM.from_pretrained): {out_dir / FINAL_MODEL}")
+    adapter = out_dir / FINAL_MODEL / ADAPTER_DIR
+    if adapter.is_dir():  # a LoRA run's: the same policy as its base plus these adapters
+        lines.append(f"its LoRA adapters (peft.PeftModel.from_pretrained(base, DIR)): {adapter}")
     print("\n".join(lines), flush=True)

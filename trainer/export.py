@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from common.config import DType
-from common.run_dir import RESOLVED_RECIPE, lora_base_dir, read_run_record
+from common.run_dir import ADAPTER_DIR, RESOLVED_RECIPE, lora_base_dir, read_run_record
 from common.tokenizer_dir import TOKENIZER_FILES, check_tokenizer_dir
 from weight_sync.peft import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from weight_sync.safetensors_stream import is_weights_file
@@ -43,10 +43,7 @@ if TYPE_CHECKING:
 
     from trainer.models.config import ModelConfig
 
-__all__ = ["ADAPTER_DIR", "complete_from_source", "export_checkpoint", "export_policy"]
-
-ADAPTER_DIR = "adapter"
-"""Subdirectory of an exported LoRA policy holding its PEFT adapter (the merged model is the directory itself)."""
+__all__ = ["complete_from_source", "export_checkpoint", "export_policy"]
 
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _EXPORT_FILES = frozenset({
