@@ -39,7 +39,10 @@ def grpc_options(config: WeightSyncConfig) -> list[tuple[str, int | str]]:
 
 def client_channel(address: str, config: WeightSyncConfig) -> grpc.Channel:
     """A channel to a receiver: TLS when `tls_ca_path` is set (with a client certificate when one is configured)."""
+    # gRPC's reconnect backoff grows to 2 min while a receiver is down: a restarted one stayed unreachable a push or
+    # more after it served again. The sender paces its own tries of an unreachable receiver (sender._rest).
     options = grpc_options(config)
+    options += [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
     if config.tls_ca_path is None:
         return grpc.insecure_channel(address, options=options)
     creds = grpc.ssl_channel_credentials(
