@@ -135,12 +135,7 @@ def test_killed_job_resumes_from_checkpoint_and_continues_curve(tmp_path: Path) 
     resume_step = complete[-1]
 
     log2 = tmp_path / "run2.log"
-    proc = start_run([*args, "--resume"], log2)
-    try:
-        assert proc.wait(timeout=300) == 0, tail(log2)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
+    assert run_to_end([*args, "--resume"], log2, RECIPE, timeout_s=300) == 0, tail(log2)
     assert f"resumed at step {resume_step}" in log2.read_text(), tail(log2)
     records = read_metrics(out)
     # One curve: every step once, the steps before the checkpoint are the first run's own records.
@@ -172,12 +167,7 @@ def test_a_run_killed_before_its_first_rl_checkpoint_resumes_after_its_warm_star
     assert proc.returncode == -signal.SIGKILL, f"the run ended ({proc.returncode}) before it was killed:\n{tail(log1)}"
     first = read_metrics(out)
     assert "warm start:" in log1.read_text()
-    proc = start_run([*args, "--resume"], log2)
-    try:
-        assert proc.wait(timeout=300) == 0, tail(log2)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
+    assert run_to_end([*args, "--resume"], log2, RECIPE, timeout_s=300) == 0, tail(log2)
     text = log2.read_text()
     assert "resumed at step 0" in text and "warm start:" not in text, tail(log2)
     records = read_metrics(out)
