@@ -53,7 +53,7 @@ class FakeWorker:
             self.changed.wait_for(lambda: self.version >= policy_version, timeout=timeout_s)
         return self.version
 
-    def generate_groups(self, problems, group_ids, group_size, sampling=None, min_group_size=1):
+    def generate_groups(self, problems, group_ids, group_size, sampling=None, min_group_size=1, request_episodes=None):
         version = self.version
         time.sleep(0.2)
         samples = [
