@@ -11,16 +11,18 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from common.run_dir import LOCK, RunDirBusy, RunDirLock
 
 __all__ = ["ray_job_working_dir", "ray_session", "remove_killed_sessions", "worker_env_vars"]
 
 _RAY_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a job's entrypoint
 _RAY_WORKING_DIRS = "working_dir_files"  # where a node unpacks jobs' working directories (runtime_resources/...)
 _TEMP_ROOT, _PREFIX = "/tmp", "rlray_"  # an embedded instance's directory
-_OWNER = "driver"  # in it: the driver process's tag (_process_tag)
 
 # Settings every actor process inherits. vLLM on CPU: in-process engine (fast start), a small KV cache unless the
 # recipe says otherwise, no CPU reserved for a (non-existent) separate front-end process.
@@ -67,34 +69,55 @@ def ray_job_working_dir() -> Path | None:
 def remove_killed_sessions(root: Path | None = None) -> list[Path]:
     """Clear what embedded Ray instances of this user's killed runs left (a run that ends clears its own), and return
     their directories (``<root>/rlray_*``, default ``/tmp``). A killed driver takes most of Ray's processes with it,
-    but Ray 2.60's dashboard and runtime-env agents outlive it (~230 MB, still running minutes later); those of this
-    user that hold files in the directory are stopped, then the directory is removed. An instance counts as killed
-    only when its owner file names a process that no longer runs (the same pid with another start time is another
-    process); a directory without that file (a run of older code, or one starting this instant) is left."""
+    but Ray 2.60's dashboard and runtime-env agents outlive it (~230 MB, still running minutes later); this user's Ray
+    processes that hold files in the directory are stopped, then the directory is removed.
+
+    An instance counts as killed only when its driver's lock on the directory (``common.run_dir.RunDirLock``, held for
+    the whole session; the kernel drops it when the driver ends, however it ends) is free, and Ray had started in it (a
+    ``session_*`` directory): a run that has just created its directory, or a directory of older code (no lock file),
+    is left alone."""
     removed = []
     for candidate in sorted((root or Path(_TEMP_ROOT)).glob(f"{_PREFIX}*")):
         try:
-            if candidate.stat().st_uid != os.getuid():
+            if candidate.stat().st_uid != os.getuid() or not (candidate / LOCK).is_file():
                 continue
-            pid, _, tag = (candidate / _OWNER).read_text().partition(" ")
-            alive = _process_tag(int(pid)) == f"{pid} {tag}"
-        except (OSError, ValueError):
-            continue
-        if not alive:
-            _stop(_holding_files_in(candidate))
-            shutil.rmtree(candidate, ignore_errors=True)
-            removed.append(candidate)
+            with RunDirLock(candidate, what="embedded Ray directory", field="-"):
+                if not any(candidate.glob("session_*")):
+                    continue
+                _stop(_ray_processes_in(candidate))
+                shutil.rmtree(candidate, ignore_errors=True)
+        except (OSError, RunDirBusy):
+            continue  # its driver runs (or it is not ours to read)
+        removed.append(candidate)
     return removed
 
 
-def _holding_files_in(directory: Path) -> list[Any]:
-    """This user's processes with a file open under ``directory``."""
+def _hold(directory: Path) -> RunDirLock:
+    """Lock this run's new embedded Ray directory for the session (released when the process ends, however it ends:
+    :func:`remove_killed_sessions` reads it). Another run's sweep may hold it for an instant, seeing an empty one."""
+    lock = RunDirLock(directory, what="embedded Ray directory", field="-")
+    for _ in range(100):
+        try:
+            lock.acquire()
+            return lock
+        except RunDirBusy:
+            time.sleep(0.01)
+    lock.acquire()
+    return lock
+
+
+def _ray_processes_in(directory: Path) -> list[Any]:
+    """This user's Ray processes (named ``ray::...`` or naming ``directory`` on their command line) with a file open
+    under ``directory``: never, say, a ``tail -f`` of one of its logs."""
     import psutil
 
     found = []
-    for process in psutil.process_iter(["uids"]):
+    for process in psutil.process_iter(["uids", "cmdline"]):
         try:
             if process.info["uids"] is None or process.info["uids"].real != os.getuid():
+                continue
+            command = " ".join(process.info["cmdline"] or [])
+            if not (command.startswith("ray::") or str(directory) in command):
                 continue
             if any(Path(f.path).is_relative_to(directory) for f in process.open_files()):
                 found.append(process)
@@ -114,17 +137,6 @@ def _stop(processes: list[Any], grace_s: float = 10.0) -> None:
     for process in alive:
         with contextlib.suppress(psutil.Error):
             process.kill()
-
-
-def _process_tag(pid: int) -> str:
-    """``"<pid> <start time>"`` of a running process, which a later process with the same pid does not share; ``""``
-    when none runs."""
-    import psutil
-
-    try:
-        return f"{pid} {psutil.Process(pid).create_time()}"
-    except psutil.Error:
-        return ""
 
 
 @contextlib.contextmanager
@@ -147,20 +159,21 @@ def ray_session(address: str | None, device: str = "cpu") -> Iterator[str]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a stray ~/.ray/auth_token would silently turn auth on
     remove_killed_sessions()
     temp_dir = tempfile.mkdtemp(prefix=_PREFIX, dir=_TEMP_ROOT)  # short: Ray's socket paths must stay < 108 bytes
-    (Path(temp_dir) / _OWNER).write_text(_process_tag(os.getpid()))
-    ray.init(
-        address="local",
-        num_cpus=max(2, os.cpu_count() or 2),
-        include_dashboard=False,
-        _temp_dir=temp_dir,
-        runtime_env=runtime_env,
-        log_to_driver=True,
-        # Ray would start a worker process per CPU for this driver's plain tasks while the actors start; every actor
-        # of a run brings its own runtime environment (its threads), so none could use them: CPU taken from start-up.
-        _system_config={"prestart_worker_first_driver": False},
-    )
+    held = _hold(Path(temp_dir))
     try:
+        ray.init(
+            address="local",
+            num_cpus=max(2, os.cpu_count() or 2),
+            include_dashboard=False,
+            _temp_dir=temp_dir,
+            runtime_env=runtime_env,
+            log_to_driver=True,
+            # Ray would start a worker process per CPU for this driver's plain tasks while the actors start; every
+            # actor of a run brings its own runtime environment (its threads), so none could use them.
+            _system_config={"prestart_worker_first_driver": False},
+        )
         yield "embedded"
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+        held.release()

@@ -67,8 +67,8 @@ def test_a_killed_drivers_ray_directory_is_removed_by_the_next_embedded_run(tmp_
                               start_new_session=True)  # fmt: skip
     try:
         assert driver.stdout is not None and driver.stdout.readline() == "up\n"
-        owned = [d for d in Path("/tmp").glob("rlray_*") if (d / "driver").is_file()
-                 and (d / "driver").read_text().startswith(f"{driver.pid} ")]  # fmt: skip
+        owned = [d for d in Path("/tmp").glob("rlray_*") if (d / ".rl_align.lock").is_file()
+                 and f"pid {driver.pid} " in (d / ".rl_align.lock").read_text()]  # fmt: skip
         assert len(owned) == 1
         assert owned[0] not in remove_killed_sessions()  # its driver runs
         driver.kill()  # the driver alone, as `kill -9` does
@@ -82,11 +82,17 @@ def test_a_killed_drivers_ray_directory_is_removed_by_the_next_embedded_run(tmp_
             os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
 
-    # The same pid with another start time is another process; a directory without the owner file is left alone.
-    reused, unowned, live = tmp_path / "rlray_reused", tmp_path / "rlray_unowned", tmp_path / "rlray_live"
-    for d in (reused, unowned, live):
+    # A directory whose driver holds its lock, one without a lock file (older code) and one where Ray never started
+    # (a run creating it this instant) are left alone.
+    from common.run_dir import RunDirLock
+
+    dead, live, unowned, fresh = (tmp_path / f"rlray_{name}" for name in ("dead", "live", "unowned", "fresh"))
+    for d in (dead, live, unowned, fresh):
         d.mkdir()
-    (reused / "driver").write_text(f"{os.getpid()} 12.5")
-    (live / "driver").write_text(f"{os.getpid()} {psutil.Process().create_time()}")
-    assert remove_killed_sessions(tmp_path) == [reused]
-    assert unowned.is_dir() and live.is_dir()
+        if d is not fresh:
+            (d / "session_2026").mkdir()
+        if d is not unowned:
+            (d / ".rl_align.lock").write_text("pid 1 on elsewhere\n")
+    with RunDirLock(live):
+        assert remove_killed_sessions(tmp_path) == [dead]
+    assert not dead.exists() and live.is_dir() and unowned.is_dir() and fresh.is_dir()
