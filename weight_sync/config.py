@@ -51,8 +51,9 @@ class WeightSyncConfig(Config):
     chunk message; socket plane: the next bytes), and an update still waiting for data (Begins or streams to come)
     with no traffic for this long gives way to another session's Begin. Sender side: a receiver stream that accepts no
     chunk for half of it is cut and reported, so one stalled receiver does not idle every other receiver's streams
-    past their limit (a relay node cuts a stalled child after a quarter of it); one that took its whole stream and
-    sends no answer is cut after as long times one plus the receivers it relays to."""
+    past their limit (a relay node cuts a stalled child after a quarter of it); one that took its whole socket or gRPC
+    stream and sends no answer is cut after as long times one plus the receivers it relays to (a same-host
+    shared-memory stream waits for its answer up to ``push_timeout_s``)."""
     hello_timeout_s: float = pydantic.Field(10.0, gt=0)
     """Receiver side: a socket data-plane connection must deliver its whole DataHello within this many seconds of
     being accepted, else it is closed (DEADLINE_EXCEEDED). Sender side: the longest wait to connect to a data port."""

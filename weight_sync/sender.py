@@ -29,9 +29,11 @@ socket or shared-memory plane refuses a stream before opening it (cannot connect
 their hello: `DataReply.unopened`) gets that stream again over gRPC Push, raw, after the others; the report lists it
 in `grpc_fallback`. Each stream ends as soon as it has sent its share (receivers cut idle
 streams), and a receiver that accepts no chunk for half of `stream_idle_timeout_s` is cut and reported, so it does not
-stall the other receivers' streams; so is one that took its whole stream and sends no answer for as long (times one
-plus the receivers it relays to). A receiver of another model is reported failed at each push; an unreachable one is
-left out for 5 s after a failed try, doubling up to 5 min, and Commit skips receivers whose push failed on this rank.
+stall the other receivers' streams; so is one that took its whole socket or gRPC stream and sends no answer for as
+long (times one plus the receivers it relays to; shared-memory streams wait for their answer up to `push_timeout_s`).
+A receiver of another model is reported failed at each push; an unreachable one is left out for 5 s after a failed
+try, doubling up to 5 min; Commit skips receivers whose push failed on this rank. That state is each rank's own: a
+receiver one rank left out fails its coverage check at Commit.
 """
 
 from __future__ import annotations
@@ -114,7 +116,9 @@ class WeightSender:
         self._base: dict[ShardKey, np.ndarray] = {}
         self._base_version = -1
         self._described: dict[str, pb.DescribeReply] = {}
-        self._refused: dict[str, str] = {}  # address -> why its manifest does not fit the shards (until re-described)
+        self._stale = True  # describe the receivers again before the next push (first push, failures, newcomers)
+        self._refused: dict[str, str] = {}  # address -> why its manifest does not fit this push's shards
+        self._other_model: set[str] = set()  # of those, refused for names or shapes (not for a dtype alone)
         self._resting: dict[str, tuple[float, float, str]] = {}  # unreachable: address -> (retry at, backoff s, why)
         self._last_failed: tuple[int, dict[str, str]] = (-1, {})  # the last push's version and failed receivers
         self._segments = SegmentPool()
@@ -124,7 +128,7 @@ class WeightSender:
         if address not in self._clients:
             self.endpoints.append(address)
             self._clients[address] = WeightSyncClient(address, self.config)
-            self._described.clear()  # check the newcomer's manifest on the next push
+            self._stale = True  # check the newcomer's manifest on the next push
 
     def remove_endpoint(self, address: str) -> None:
         """Stop pushing to a receiver (e.g. one that was shut down)."""
@@ -132,6 +136,9 @@ class WeightSender:
         if client is not None:
             self.endpoints.remove(address)
             client.close()
+        for state in (self._described, self._refused, self._resting):
+            state.pop(address, None)
+        self._other_model.discard(address)
 
     def describe(self, addresses: list[str] | None = None) -> dict[str, pb.DescribeReply | str]:
         """Each receiver's (or those of ``addresses``) manifest and version, or the error text for unreachable ones."""
@@ -154,14 +161,10 @@ class WeightSender:
         are left out. Where receivers declare different dtypes for one tensor (a float32 engine beside a directory sink
         of the bfloat16 file) one push cannot serve both: the widest wins, so no receiver gets rounded values, and the
         others are reported failed at each push, with what to change (:meth:`_check_compatible`)."""
-        now = time.monotonic()
-        replies = self._described or {
-            a: r for a, r in self.describe([a for a in self.endpoints if not self._is_resting(a, now)]).items()
-            if not isinstance(r, str)
-        }  # fmt: skip
+        self._refresh()
         dtypes: dict[str, str] = {}
-        for address, reply in replies.items():
-            if address in self._refused:
+        for address, reply in self._described.items():
+            if address in self._other_model:
                 continue  # another model's: reported per push
             for spec in reply.manifest:
                 held = dtypes.setdefault(spec.name, spec.dtype)
@@ -169,20 +172,27 @@ class WeightSender:
                     dtypes[spec.name] = spec.dtype
         return dtypes
 
-    def _check_compatible(self, locals_: list[LocalShard]) -> None:
-        """Describe the receivers not resting (:meth:`_rest`) and note in ``_refused`` those whose manifest does not
-        take these shards: each push reports them failed until a new Describe (after a failed push) finds them fixed.
-        Raises ``ValueError`` when every receiver that answered refuses: the shards are of another model than all of
-        them serve, a setup error no later push can get past."""
+    def _refresh(self) -> None:
+        """Describe the receivers not resting (:meth:`_rest`) when what is known of them is stale; those that do not
+        answer rest."""
+        if not self._stale:
+            return
         now = time.monotonic()
-        answered = 0
         for address, reply in self.describe([a for a in self.endpoints if not self._is_resting(a, now)]).items():
             if isinstance(reply, str):
                 self._rest(address, f"Describe: {reply}")
-                continue  # unreachable now: reported per push
-            answered += 1
-            self._described[address] = reply
-            self._refused.pop(address, None)
+            else:
+                self._described[address] = reply
+        self._stale = False
+
+    def _check_compatible(self, locals_: list[LocalShard]) -> None:
+        """Note in ``_refused`` the described receivers whose manifest does not take these shards: reported failed at
+        each push until a new Describe (after a failed push) finds them fixed. Raises ``ValueError`` when every
+        receiver of the sender answered and refuses them: the shards are of another model than all of them serve, a
+        setup error no later push gets past (while one is unreachable, it may be the one that takes them)."""
+        self._refused.clear()
+        self._other_model.clear()
+        for address, reply in self._described.items():
             theirs = {s.name: (tuple(s.shape), s.dtype) for s in reply.manifest}
             for local in locals_:
                 want = theirs.get(local.name)
@@ -198,9 +208,11 @@ class WeightSender:
                         f"receiver {address} does not accept {local.name} {local.spec.shape} {local.spec.dtype} "
                         f"(it has {want}); is it serving the same model?"
                     )
+                    self._other_model.add(address)
                     break
-        if answered and len(self._refused) == answered:
-            raise ValueError("; ".join(self._refused.values()))
+        now = time.monotonic()
+        if all(a in self._refused and not self._is_resting(a, now) for a in self.endpoints):
+            raise ValueError("; ".join(self._refused[a] for a in self.endpoints))
 
     def _is_resting(self, address: str, now: float) -> bool:
         resting = self._resting.get(address)
@@ -226,8 +238,8 @@ class WeightSender:
         for local in locals_:
             if specs.setdefault(local.name, local.spec) != local.spec:
                 raise ValueError(f"shards of {local.name} disagree on global shape or dtype")
-        if not self._described:
-            self._check_compatible(locals_)
+        self._refresh()
+        self._check_compatible(locals_)
         use_base = self._delta.enabled and all(local.key in self._base for local in locals_)
         request = pb.BeginRequest(
             session_id=self.session_id, policy_version=policy_version, rank=self.rank, num_ranks=self.num_ranks,
@@ -254,8 +266,9 @@ class WeightSender:
         codes: dict[str, int] = {}  # status of the stream error reported per receiver
         refused: list[tuple[str, list[str], int]] = []  # (head, rest, stream index) to send again over gRPC
         fallback: dict[str, str] = {}
-        for head, rest, index, stream in streams:
-            outcome = stream.close()
+        # Closed at once: each close may wait out a silent receiver's limit, and one after another those waits add up.
+        outcomes = list(self._pool.map(lambda item: item[3].close(), streams))
+        for (head, rest, index, stream), outcome in zip(streams, outcomes, strict=True):
             why = self._fallback_reason(stream, outcome)
             if why is not None:
                 refused.append((head, rest, index))
@@ -274,7 +287,7 @@ class WeightSender:
             if error is None:
                 self._resting.pop(address, None)
         if any(errors.values()) or fallback:
-            self._described.clear()  # re-describe next time: a receiver may have restarted on other ports
+            self._stale = True  # re-describe next time: a receiver may have restarted (other ports, fixed model)
         self._last_failed = (policy_version, {a: e for a, e in errors.items() if e})
         self._measure(groups, payload, errors, locals_)
         if self._delta.keeps_base([a for a in self.endpoints if a not in shm]):

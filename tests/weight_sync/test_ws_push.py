@@ -175,3 +175,31 @@ def test_receivers_of_two_dtypes_get_the_wider_and_the_narrower_one_is_told_what
     assert "declares w as bfloat16, and this push sends it as float32" in report.failed[narrow.address]
     assert sender.commit(1)[wide.address] is None
     assert_holds([wide_sink], sd)
+
+
+def test_refusals_are_this_pushs_and_a_receiver_that_is_down_may_still_be_the_one_that_takes_them(receivers):
+    """The refusal of a receiver now down, counted against the one receiver that answered, made a push raise and end
+    the run; so did every answering receiver refusing while the one that takes the shards was away."""
+    sd = {"w": torch.randn(8, 8), "b": torch.randn(8)}
+    (wide, wide_sink), = receivers(1, sd=sd)
+    (narrow, _), = receivers(1, sd={k: v.to(torch.bfloat16) for k, v in sd.items()})
+    (other, _), = receivers(1, sd={"w": torch.zeros(3, 3)})
+    config = WeightSyncConfig(chunk_bytes=4096, num_retries=0, rpc_timeout_s=2)
+    sender = WeightSender([wide.address, narrow.address, other.address], config)
+
+    def push(version: int):
+        dtypes = sender.declared_dtypes()
+        return sender.push(version, [Shard(n, t.to(getattr(torch, dtypes.get(n, "float32"))), tuple(t.shape),
+                                           (0,) * t.dim()) for n, t in sd.items()])  # fmt: skip
+
+    first = push(1)
+    assert first.ok == [wide.address] and "same model" in first.failed[other.address]
+    assert "declares w as bfloat16" in first.failed[narrow.address]
+    assert sender.commit(1)[wide.address] is None
+    other.stop(grace_s=0)  # refused before; now down
+    assert push(2).ok == [wide.address]
+    assert sender.commit(2)[wide.address] is None
+    wide.stop(grace_s=0)  # the one that takes float32 is away: the bfloat16 one answering alone is no setup error
+    third = push(3)
+    assert not third.ok and "declares w as bfloat16" in third.failed[narrow.address]
+    assert_holds([wide_sink], sd)
