@@ -250,8 +250,9 @@ class _Run:
                 targets = "".join(f" --{flag} {' '.join(names)}" for flag, names in (
                     ("target_modules", lora.target_modules), ("target_parameters", lora.target_parameters)) if names)
                 log.info("external receivers take these adapters when served as: python -m weight_sync serve --dir "
-                         "DIR --adapter_of %s --rank %d --alpha %g%s", r.lora_base, lora.rank, lora.alpha,
-                         targets)  # fmt: skip
+                         "DIR --adapter_of %s --rank %d --alpha %g%s (adapters go out in the engines' dtype, %s, and "
+                         "a sink declares its base's: give it a base saved in %s)", r.lora_base, lora.rank, lora.alpha,
+                         targets, r.rollout.engine.dtype, r.rollout.engine.dtype)  # fmt: skip
         # The publisher hands the trainer's ranks their receivers before every push.
         sync_cfg = r.weight_sync.model_copy(update={"endpoints": []})
         # A resumed run starts from the warm-started weights (its checkpoint then restores policy and reference). With

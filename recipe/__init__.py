@@ -424,6 +424,9 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
             problems.append((tuple(e.field.split(".")), str(e)))
         except ValueError as e:
             problems.append((("model", "path"), str(e)))
+        except (KeyError, TypeError) as e:  # a config.json without a key every model config has, or of another type
+            unread = f"{model_dir / 'config.json'} is not a model config this code reads ({type(e).__name__}: {e})"
+            problems.append((("model", "path"), f"{unread}: point model.path at an HF model directory"))
     python = recipe.run.trainer_python
     probe = _probe_interpreter(python) if python is not None else None
     if isinstance(probe, str):

@@ -533,3 +533,10 @@ def test_a_critic_learning_rate_without_a_critic_is_refused_and_value_clip_false
     assert load_recipe(grpo, {"trainer.critic_lr": False}).trainer.critic_lr is None  # a base recipe's, unset
     assert load_recipe(ppo, {"algorithm.value_clip": False}).algorithm.value_clip is None
     assert load_recipe(ppo, {"algorithm.vf_coef": 0.5}) == load_recipe(ppo)  # an earlier record's: read, ignored
+
+
+def test_a_model_config_without_the_keys_every_model_has_is_an_error_on_model_path(tmp_path):
+    """Every load reads the model's config.json now (to check the model fits): a KeyError escaped as a traceback."""
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    msg = _error(ROOT / "recipes" / "grpo_tiny.toml", {"model.path": str(tmp_path), "model.create_tiny": False})
+    assert "- model.path: " in msg and "is not a model config this code reads (KeyError: 'num_attention_heads')" in msg
