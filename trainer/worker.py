@@ -313,6 +313,7 @@ class TrainerWorker:
         from trainer.models.hf_io import hf_shards
         from trainer.models.lora import is_adapter
         from trainer.parallelize import local_shards
+        from weight_sync.chunking import as_dtype
         from weight_sync.sender import Shard
 
         state = self._require_state()
@@ -325,8 +326,7 @@ class TrainerWorker:
         declared = {} if dtype is not None else sender.declared_dtypes()
 
         def cast(hf_name: str, piece: torch.Tensor) -> torch.Tensor:
-            name = dtype or declared.get(hf_name)
-            return piece if name is None else piece.to(getattr(torch, name))  # .to is a no-op for the same dtype
+            return as_dtype(piece, dtype or declared.get(hf_name))
 
         # With LoRA the engines hold the frozen base: only the adapters change, unless the base trained since.
         adapters_only = self.model_cfg.lora is not None and not (

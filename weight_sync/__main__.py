@@ -182,14 +182,11 @@ def _push(args: argparse.Namespace, extra: list[str]) -> int:
 def _as_declared(shards: Iterable[Shard], dtypes: dict[str, str]) -> Iterator[Shard]:
     """``shards`` in the dtypes the receivers declare (a float32 checkpoint pushed to a bfloat16 server), as the
     trainer sends them."""
-    import torch
-
-    from weight_sync.chunking import Shard
+    from weight_sync.chunking import Shard, as_dtype
 
     for shard in shards:
-        dtype = dtypes.get(shard.name)
-        tensor = shard.tensor if dtype is None else shard.tensor.to(getattr(torch, dtype))
-        yield Shard(shard.name, tensor, shard.global_shape, shard.global_offsets)
+        yield Shard(shard.name, as_dtype(shard.tensor, dtypes.get(shard.name)), shard.global_shape,
+                    shard.global_offsets)  # fmt: skip
 
 
 def _describe(args: argparse.Namespace, extra: list[str]) -> int:

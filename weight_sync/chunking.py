@@ -24,7 +24,7 @@ from weight_sync.layout import box_error
 from weight_sync.spec import TensorSpec, dtype_name, element_dtype
 
 __all__ = [
-    "Chunk", "DeltaCoder", "LocalShard", "Piece", "Shard", "as_local", "piece_chunks", "plan_streams",
+    "Chunk", "DeltaCoder", "LocalShard", "Piece", "Shard", "as_dtype", "as_local", "piece_chunks", "plan_streams",
     "stream_chunks",
 ]
 
@@ -58,6 +58,12 @@ class LocalShard:
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
         return (self.name, self.offsets)
+
+
+def as_dtype(tensor: torch.Tensor, dtype: str | None) -> torch.Tensor:
+    """``tensor`` in the dtype named ``dtype`` as the wire spells it (e.g. the one receivers declare:
+    ``WeightSender.declared_dtypes``); ``tensor`` itself when None or already in it."""
+    return tensor if dtype is None else tensor.to(getattr(torch, dtype))
 
 
 def as_local(shard: Shard) -> LocalShard:
