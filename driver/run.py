@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import shutil
 import signal
 import sys
 import threading
@@ -27,6 +28,7 @@ from common.run_dir import (
     ADAPTER_DIR,
     CURVES,
     FINAL_MODEL,
+    LOCK,
     METRICS,
     WARM_START_MODEL,
     RunDirBusy,
@@ -63,6 +65,7 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
         print(f"error: {problem}", file=sys.stderr)
         return 2
     lock = RunDirLock(out_dir)  # before anything reads the directory (another run may be writing or pruning it)
+    new_dir = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         lock.acquire()
@@ -74,6 +77,18 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
         return _checked_run(recipe, out_dir, resume, address)
     finally:
         lock.release()
+        if new_dir:
+            _remove_if_only_locks(out_dir)
+
+
+def _remove_if_only_locks(directory: Path) -> None:
+    """Remove ``directory`` when all it holds is lock files (and directories of them): what a run refused before it
+    wrote anything leaves in a run directory it created."""
+    try:
+        if all(p.is_dir() or p.name == LOCK for p in directory.rglob("*")):
+            shutil.rmtree(directory)
+    except OSError:
+        pass  # a directory another process writes to meanwhile: it is theirs now
 
 
 def _checked_run(recipe: Recipe, out_dir: Path, resume: str | None, address: str | None) -> int:
@@ -81,6 +96,7 @@ def _checked_run(recipe: Recipe, out_dir: Path, resume: str | None, address: str
     checkpoint directory too, then :func:`_start`."""
     recipe = with_run_defaults(recipe, out_dir)
     ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # with_run_defaults set it
+    new_dir = not ckpt_dir.exists()
     try:
         ckpt_lock = hold_checkpoint_dir(ckpt_dir, out_dir)
     except (OSError, RunDirBusy, ValueError) as e:
@@ -96,6 +112,8 @@ def _checked_run(recipe: Recipe, out_dir: Path, resume: str | None, address: str
         return _start(recipe, out_dir, checked, address)
     finally:
         ckpt_lock.release()
+        if new_dir:
+            _remove_if_only_locks(ckpt_dir)
 
 
 @contextlib.contextmanager

@@ -378,6 +378,7 @@ def test_adapters_the_model_cannot_take_fail_at_load_and_before_ray_naming_model
     err = capsys.readouterr().err
     assert f"[model.lora] does not fit the model in {recipe.model.path}: lora.target_parameters" in err, err
     assert "config.json" not in err
+    assert not (tmp_path / "out").exists(), "the refused run left the directory it created (and its locks) behind"
 
 
 def test_a_second_run_in_a_held_run_directory_is_refused_before_anything_moves(tmp_path, capsys, no_ray):
