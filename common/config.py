@@ -286,12 +286,14 @@ def load_toml_config(cls: type[ConfigT], path: str | Path, overrides: Mapping[st
 
 
 def validate_config(
-    cls: type[ConfigT], data: Mapping[str, Any], source: str = "<config>", sources: Sources | None = None
+    cls: type[ConfigT], data: Mapping[str, Any], source: str = "<config>", sources: Sources | None = None,
+    what: str = "recipe",
 ) -> ConfigT:
     """Validate a plain mapping into ``cls``; raise :class:`ConfigError` with one line per problem.
 
     ``source`` names where ``data`` came from; ``sources`` (from :func:`read_toml_with_sources`) names, per key, the
-    file or flag that wrote it, so each problem is reported against the source that can fix it.
+    file or flag that wrote it, so each problem is reported against the source that can fix it; ``what`` names the
+    kind of input in the message ("invalid recipe", "invalid settings").
     """
     try:
         # JSON-mode validation: TOML arrays validate as tuples, strings as paths, while "0.1" stays no float.
@@ -299,7 +301,7 @@ def validate_config(
     except pydantic.ValidationError as e:
         as_text = _flag_values_as_text(e, data, sources or {})
         if as_text is not None:  # a number or boolean typed on the command line for a text field: the flag's text
-            return validate_config(cls, as_text, source, sources)
+            return validate_config(cls, as_text, source, sources, what)
         problems = []
         for err in e.errors():
             loc, reason = tuple(err["loc"]), _reason(err, cls, data)
@@ -307,7 +309,7 @@ def validate_config(
             if isinstance(blamed, FieldError):
                 loc = (*loc, _Blamed(blamed.field))
             problems.append((loc, reason))
-        raise config_error(problems, data, source, sources) from None
+        raise config_error(problems, data, source, sources, what) from None
 
 
 def _flag_values_as_text(
@@ -335,7 +337,8 @@ class _Blamed(str):
 
 
 def config_error(
-    problems: Sequence[tuple[Loc, str]], data: Any, source: str = "<config>", sources: Sources | None = None
+    problems: Sequence[tuple[Loc, str]], data: Any, source: str = "<config>", sources: Sources | None = None,
+    what: str = "recipe",
 ) -> ConfigError:
     """One :class:`ConfigError` for ``(location, reason)`` problems, grouped by the source of each location.
 
@@ -350,8 +353,8 @@ def config_error(
     num = sum(len(lines) for lines in grouped.values())
     if len(grouped) == 1:
         [(where, lines)] = grouped.items()
-        return ConfigError(f"{where}: invalid recipe ({num} problem(s)):\n" + "\n".join(f"  {x}" for x in lines))
-    parts = [f"invalid recipe ({num} problem(s)):"]
+        return ConfigError(f"{where}: invalid {what} ({num} problem(s)):\n" + "\n".join(f"  {x}" for x in lines))
+    parts = [f"invalid {what} ({num} problem(s)):"]
     for where, lines in grouped.items():
         parts += [f"  {where}:", *(f"    {x}" for x in lines)]
     return ConfigError("\n".join(parts))

@@ -108,7 +108,7 @@ def config_of(args: argparse.Namespace, extra: list[str], **fields: object) -> W
             "only talks to receivers); give it to the receiver (`serve`, or the rl_align plugin's config)"
         )
     overrides.update({k: v for k, v in fields.items() if v is not None})
-    return validate_config(WeightSyncConfig, overrides, source="command line")
+    return validate_config(WeightSyncConfig, overrides, source="command line", what="settings")
 
 
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
@@ -130,7 +130,7 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
                 "alpha, so a wrong alpha would scale every adapter silently"
             )
         fields = {**(held or {}), **{k: v for k, v in fields.items() if v is not None}}
-        spec = validate_config(AdapterSpec, fields, source="flags")
+        spec = validate_config(AdapterSpec, fields, source="flags", what="adapter settings")
         sink = PeftAdapterDirSink(args.dir, args.adapter_of, spec)
     config = config_of(args, extra)
     if config.tls_cert_path is not None and config.tls_ca_path is None:

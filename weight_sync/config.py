@@ -7,7 +7,7 @@ from typing import Literal
 
 import pydantic
 
-from common.config import Config
+from common.config import Config, FieldError
 
 __all__ = ["RECEIVER_FIELDS", "WeightSyncConfig"]
 
@@ -144,19 +144,21 @@ class WeightSyncConfig(Config):
     @pydantic.model_validator(mode="after")
     def _check_tls(self) -> WeightSyncConfig:
         if (self.tls_cert_path is None) != (self.tls_key_path is None):
-            raise ValueError("set both tls_cert_path and tls_key_path, or neither")
+            raise FieldError("tls_key_path", "set both tls_cert_path and tls_key_path, or neither")
         if self.tls_require_client_cert and (self.tls_ca_path is None or self.tls_cert_path is None):
-            raise ValueError("tls_require_client_cert needs tls_ca_path (to verify clients) and tls_cert_path/key")
+            raise FieldError("tls_require_client_cert",
+                             "tls_require_client_cert needs tls_ca_path (to verify clients) and tls_cert_path/key")
         if self.data_plane == "tcp" and (self.tls_cert_path is not None or self.tls_ca_path is not None):
-            raise ValueError("data_plane='tcp' sends plaintext: with TLS configured use 'auto' or 'grpc'")
+            raise FieldError("data_plane", "data_plane='tcp' sends plaintext: with TLS configured use 'auto' or 'grpc'")
         if self.max_grpc_push_streams < 1:
-            raise ValueError(
+            raise FieldError("num_server_threads", (
                 f"num_server_threads={self.num_server_threads} leaves no thread for gRPC Push streams after "
                 f"max_watch_streams={self.max_watch_streams} and {RESERVED_SERVER_THREADS} reserved ones; raise it to "
                 f"at least {self.max_watch_streams + RESERVED_SERVER_THREADS + 1}"
-            )
+            ))  # fmt: skip
         if self.chunk_bytes % 8:
-            raise ValueError(f"chunk_bytes={self.chunk_bytes} must be a multiple of 8 so chunks align to elements")
+            raise FieldError("chunk_bytes", f"chunk_bytes={self.chunk_bytes} must be a multiple of 8 so chunks align "
+                                            "to elements")  # fmt: skip
         return self
 
     def resolve_token(self) -> str | None:

@@ -61,6 +61,11 @@ def test_serve_and_push_a_checkpoint_with_a_token_from_the_environment(tmp_path,
 def test_bad_config_flag_is_a_clear_error(capsys):
     assert main(["describe", "--to", "127.0.0.1:1", "--chunk_byts", "5"]) == 2
     assert "chunk_byts" in capsys.readouterr().err
+    # A flag's value that the settings refuse names the flag's field, as settings (it read "invalid recipe ... (whole
+    # file)" for a command line).
+    assert main(["describe", "--to", "127.0.0.1:1", "--chunk_bytes", "1001"]) == 2
+    assert "error: command line: invalid settings (1 problem(s)):\n  - chunk_bytes: chunk_bytes=1001" in (
+        capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("command", ["serve", "push", "describe", "conformance"])
