@@ -63,12 +63,13 @@ from weight_sync.chunking import (
 from weight_sync.config import WeightSyncConfig
 from weight_sync.delta_policy import DeltaPolicy, LinkSample
 from weight_sync.feed import encoded, feed
+from weight_sync.receivers import Receivers
 from weight_sync.relay import ChunkStream, PushStream, StreamFailure, results_of, split_tree, stream_metadata
 from weight_sync.report import PushReport, error_text, record_results
 from weight_sync.shm import host_identity
 from weight_sync.shm_push import SegmentPool, ShmPush, ShmStream
 from weight_sync.socket_push import SocketStream, relay_hello
-from weight_sync.spec import TensorSpec, itemsize
+from weight_sync.spec import TensorSpec
 from weight_sync.staging import MAX_RELAY_TARGETS
 from weight_sync.version import incompatibility, protocol_version, speaks
 
@@ -80,9 +81,6 @@ SHM_MINOR = 2  # the protocol minor that added the shared-memory plane (Describe
 
 
 # Refusals of a socket stream before the receiver opened it after which the same stream may go over gRPC Push instead.
-_FIRST_REST_S, _MAX_REST_S = 5.0, 300.0
-"""How long an unreachable receiver is left out of pushes after a failed try, first and at most (doubling between)."""
-
 _FALLBACK_CODES = frozenset(
     {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 )
@@ -115,11 +113,7 @@ class WeightSender:
         self._hasher = futures.ThreadPoolExecutor(self.config.num_streams, thread_name_prefix="ws-hash")
         self._base: dict[ShardKey, np.ndarray] = {}
         self._base_version = -1
-        self._described: dict[str, pb.DescribeReply] = {}
-        self._stale = True  # describe the receivers again before the next push (first push, failures, newcomers)
-        self._refused: dict[str, str] = {}  # address -> why its manifest does not fit this push's shards
-        self._other_model: set[str] = set()  # of those, refused for names or shapes (not for a dtype alone)
-        self._resting: dict[str, tuple[float, float, str]] = {}  # unreachable: address -> (retry at, backoff s, why)
+        self._receivers = Receivers(self.describe)
         self._last_failed: tuple[int, dict[str, str]] = (-1, {})  # the last push's version and failed receivers
         self._segments = SegmentPool()
 
@@ -128,7 +122,7 @@ class WeightSender:
         if address not in self._clients:
             self.endpoints.append(address)
             self._clients[address] = WeightSyncClient(address, self.config)
-            self._stale = True  # check the newcomer's manifest on the next push
+            self._receivers.mark_stale()  # check the newcomer's manifest on the next push
 
     def remove_endpoint(self, address: str) -> None:
         """Stop pushing to a receiver (e.g. one that was shut down)."""
@@ -136,9 +130,7 @@ class WeightSender:
         if client is not None:
             self.endpoints.remove(address)
             client.close()
-        for state in (self._described, self._refused, self._resting):
-            state.pop(address, None)
-        self._other_model.discard(address)
+        self._receivers.forget(address)
 
     def describe(self, addresses: list[str] | None = None) -> dict[str, pb.DescribeReply | str]:
         """Each receiver's (or those of ``addresses``) manifest and version, or the error text for unreachable ones."""
@@ -160,69 +152,8 @@ class WeightSender:
         float32 masters while engines serve bfloat16 checkpoints). Unreachable receivers, and those of another model,
         are left out. Where receivers declare different dtypes for one tensor (a float32 engine beside a directory sink
         of the bfloat16 file) one push cannot serve both: the widest wins, so no receiver gets rounded values, and the
-        others are reported failed at each push, with what to change (:meth:`_check_compatible`)."""
-        self._refresh()
-        dtypes: dict[str, str] = {}
-        for address, reply in self._described.items():
-            if address in self._other_model:
-                continue  # another model's: reported per push
-            for spec in reply.manifest:
-                held = dtypes.setdefault(spec.name, spec.dtype)
-                if held != spec.dtype and itemsize(spec.dtype) > itemsize(held):
-                    dtypes[spec.name] = spec.dtype
-        return dtypes
-
-    def _refresh(self) -> None:
-        """Describe the receivers not resting (:meth:`_rest`) when what is known of them is stale; those that do not
-        answer rest."""
-        if not self._stale:
-            return
-        now = time.monotonic()
-        for address, reply in self.describe([a for a in self.endpoints if not self._is_resting(a, now)]).items():
-            if isinstance(reply, str):
-                self._rest(address, f"Describe: {reply}")
-            else:
-                self._described[address] = reply
-        self._stale = False
-
-    def _check_compatible(self, locals_: list[LocalShard]) -> None:
-        """Note in ``_refused`` the described receivers whose manifest does not take these shards: reported failed at
-        each push until a new Describe (after a failed push) finds them fixed. Raises ``ValueError`` when every
-        receiver of the sender answered and refuses them: the shards are of another model than all of them serve, a
-        setup error no later push gets past (while one is unreachable, it may be the one that takes them)."""
-        self._refused.clear()
-        self._other_model.clear()
-        for address, reply in self._described.items():
-            theirs = {s.name: (tuple(s.shape), s.dtype) for s in reply.manifest}
-            for local in locals_:
-                want = theirs.get(local.name)
-                if want is not None and want[0] == local.spec.shape and want[1] != local.spec.dtype:
-                    self._refused[address] = (
-                        f"receiver {address} declares {local.name} as {want[1]}, and this push sends it as "
-                        f"{local.spec.dtype} (one push sends a tensor in one dtype, the widest its receivers declare): "
-                        f"serve it from a {local.spec.dtype} copy of its checkpoint, or give every receiver one dtype"
-                    )
-                    break
-                if want != (local.spec.shape, local.spec.dtype):
-                    self._refused[address] = (
-                        f"receiver {address} does not accept {local.name} {local.spec.shape} {local.spec.dtype} "
-                        f"(it has {want}); is it serving the same model?"
-                    )
-                    self._other_model.add(address)
-                    break
-        now = time.monotonic()
-        if all(a in self._refused and not self._is_resting(a, now) for a in self.endpoints):
-            raise ValueError("; ".join(self._refused[a] for a in self.endpoints))
-
-    def _is_resting(self, address: str, now: float) -> bool:
-        resting = self._resting.get(address)
-        return resting is not None and now < resting[0]
-
-    def _rest(self, address: str, why: str) -> None:
-        """Leave out an unreachable receiver for a while, doubling the pause at each failed try (up to
-        ``_MAX_REST_S``): each push to it cost its Describe and Begin retries, seconds of every step."""
-        backoff = min(2 * self._resting[address][1], _MAX_REST_S) if address in self._resting else _FIRST_REST_S
-        self._resting[address] = (time.monotonic() + backoff, backoff, why)
+        others are reported failed at each push, with what to change (``weight_sync.receivers``)."""
+        return self._receivers.declared_dtypes(self.endpoints)
 
     def push(self, policy_version: int, shards: Iterable[Shard]) -> PushReport:
         """Begin + stream this rank's shards to every receiver. Never raises for a failing receiver (see the report).
@@ -238,8 +169,8 @@ class WeightSender:
         for local in locals_:
             if specs.setdefault(local.name, local.spec) != local.spec:
                 raise ValueError(f"shards of {local.name} disagree on global shape or dtype")
-        self._refresh()
-        self._check_compatible(locals_)
+        self._receivers.refresh(self.endpoints)
+        self._receivers.check(locals_, self.endpoints)
         use_base = self._delta.enabled and all(local.key in self._base for local in locals_)
         request = pb.BeginRequest(
             session_id=self.session_id, policy_version=policy_version, rank=self.rank, num_ranks=self.num_ranks,
@@ -285,9 +216,9 @@ class WeightSender:
             )
         for address, error in errors.items():
             if error is None:
-                self._resting.pop(address, None)
+                self._receivers.reached(address)
         if any(errors.values()) or fallback:
-            self._stale = True  # re-describe next time: a receiver may have restarted (other ports, fixed model)
+            self._receivers.mark_stale()  # a receiver may have restarted (other ports, a fixed model)
         self._last_failed = (policy_version, {a: e for a, e in errors.items() if e})
         self._measure(groups, payload, errors, locals_)
         if self._delta.keeps_base([a for a in self.endpoints if a not in shm]):
@@ -316,16 +247,12 @@ class WeightSender:
         shared-memory plane, for those reached through one}); receivers refused before Begin go to `errors`."""
         ports: dict[str, int] = {}
         offers: dict[str, pb.ShmPlane] = {}
-        now = time.monotonic()
         for address in self.endpoints:
-            if self._is_resting(address, now):
-                retry_at, _, why = self._resting[address]
-                errors[address] = f"left out for {retry_at - now:.0f} s more: unreachable at the last try ({why})"
+            left_out = self._receivers.left_out(address)
+            if left_out is not None:
+                errors[address] = left_out  # refused before Begin: nothing is staged there
                 continue
-            if address in self._refused:
-                errors[address] = f"Describe: {self._refused[address]}"  # refused before Begin: nothing staged
-                continue
-            described = self._described.get(address)
+            described = self._receivers.described.get(address)
             problem = incompatibility(described.protocol_version, "receiver") if described is not None else None
             if problem:
                 errors[address] = f"Describe: {problem}"  # refused before Begin: nothing is staged there
@@ -360,7 +287,7 @@ class WeightSender:
             except grpc.RpcError as e:
                 errors[address] = why = f"Begin: {error_text(e)}"
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    self._rest(address, why)
+                    self._receivers.rest(address, why)
                 continue
             tickets[address] = reply.data_ticket
             errors[address] = None
@@ -467,7 +394,7 @@ class WeightSender:
         cfg = self.config
         if cfg.data_plane not in ("auto", "shm"):
             return None
-        described = self._described.get(address)
+        described = self._receivers.described.get(address)
         offer: pb.ShmPlane | None = None
         if described is not None and described.HasField("shm_plane") and speaks(described.protocol_version, SHM_MINOR):
             offer = described.shm_plane
@@ -487,7 +414,7 @@ class WeightSender:
         cfg = self.config
         if cfg.data_plane == "grpc" or cfg.tls_ca_path is not None:
             return 0
-        described = self._described.get(address)
+        described = self._receivers.described.get(address)
         port = described.data_port if described is not None else 0
         if cfg.data_plane == "tcp" and not port:
             raise ValueError(f"data_plane='tcp' but receiver {address} offers no socket data plane")
@@ -573,7 +500,7 @@ class WeightSender:
                 log.debug("rank %d -> %s: %s", self.rank, address, self._delta.describe(address))
 
     def _chunk_bytes(self) -> int:
-        limits = [r.max_chunk_bytes for r in self._described.values() if r.max_chunk_bytes]
+        limits = [r.max_chunk_bytes for r in self._receivers.described.values() if r.max_chunk_bytes]
         size = min([self.config.chunk_bytes, *limits])
         return size - size % 8
 
