@@ -61,6 +61,11 @@ class RolloutHandle:
     group_size: int
     submitted_at: float
 
+    @property
+    def num_episodes(self) -> int:
+        """The episodes the request runs (``environment.max_failed_fraction`` is of these)."""
+        return self.num_groups * self.group_size
+
 
 @dataclass(eq=False)
 class _Piece:
@@ -167,7 +172,7 @@ class RolloutPool:
         size = max(1, min(self.config.max_groups_per_dispatch, share))
         pieces = [
             _Piece(handle.handle_id, list(problems[i : i + size]), group_ids[i : i + size], group_size, sampling,
-                   min_group_size, len(problems) * group_size)
+                   min_group_size, handle.num_episodes)
             for i in range(0, len(problems), size)
         ]
         self._pending[handle.handle_id] = _Pending(handle, pieces)
@@ -209,8 +214,8 @@ class RolloutPool:
                 self._forget(pending)  # the request failed: nothing collects it again
                 raise
         del self._pending[handle.handle_id]
-        check_request_kept(sum(len(b.samples) for b in pending.results), _num_failed(pending),
-                           handle.num_groups * handle.group_size, pending.pieces[0].min_group_size)  # fmt: skip
+        check_request_kept(sum(len(b.samples) for b in pending.results), _num_failed(pending), handle.num_episodes,
+                           pending.pieces[0].min_group_size)  # fmt: skip
         return _merge(pending, time.perf_counter() - handle.submitted_at)
 
     def _forget(self, pending: _Pending) -> None:
@@ -257,8 +262,7 @@ class RolloutPool:
         pending.results.append(batch)
         piece.done = True
         # Each worker let its share's failures spend the whole request's budget: the request's sum decides.
-        handle = pending.handle
-        check_request_failures(_num_failed(pending), handle.num_groups * handle.group_size, self._max_failed_fraction)
+        check_request_failures(_num_failed(pending), pending.handle.num_episodes, self._max_failed_fraction)
 
     def _hand_on(self, replaced: WorkerSlot) -> None:
         """Send what a replaced worker was running to the other workers (left to fail, each piece would replace

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from weight_sync.chunking import Chunk
 
 __all__ = [
-    "ChunkStream", "PushStream", "Relay", "StreamFailure", "await_answer", "offer", "silence_failure", "split_tree",
-    "stream_metadata",
+    "ChunkStream", "PushStream", "Relay", "StreamFailure", "await_answer", "offer", "reply_limit", "silence_failure",
+    "split_tree", "stream_metadata",
 ]  # fmt: skip
 
 
@@ -85,6 +85,12 @@ def await_answer(
         if limit is not None and now - since >= limit:
             return limit
     return None
+
+
+def reply_limit(stall_s: float | None, relayed: int) -> float | None:
+    """How long a stream's receiver may owe its answer once it has the whole stream: ``stall_s`` per level of the
+    relay tree below it and its own (its answer waits for theirs; ``relayed`` receivers are at most that deep)."""
+    return None if stall_s is None else stall_s * (1 + relayed)
 
 
 def silence_failure(silent_s: float, handed_over: bool) -> StreamFailure:
@@ -170,7 +176,7 @@ class PushStream:
         self.stream_s = 0.0
         self._opened = time.perf_counter()
         self._stall_s = stall_s
-        self._reply_s = None if stall_s is None else stall_s * (1 + relayed)
+        self._reply_s = reply_limit(stall_s, relayed)
         self._stalled: float | None = None  # the silence it was cut after
         self._drained = False  # gRPC took the end of the stream: the receiver owes its answer
         self._ended = False

@@ -17,7 +17,15 @@ import numpy as np
 from protos import weight_sync_pb2 as pb
 from weight_sync.chunking import Chunk
 from weight_sync.frames import U32, answered, chunk_prefix, framed, read_reply, reply_result
-from weight_sync.relay import StreamFailure, await_answer, offer, results_of, silence_failure, split_tree
+from weight_sync.relay import (
+    StreamFailure,
+    await_answer,
+    offer,
+    reply_limit,
+    results_of,
+    silence_failure,
+    split_tree,
+)
 from weight_sync.staging import SyncError
 
 __all__ = ["SocketRelay", "SocketStream", "relay_hello"]
@@ -47,7 +55,7 @@ class SocketStream:
         self.unopened = False
         self._deadline = time.monotonic() + timeout_s
         self._stall_s = stall_s
-        self._reply_s = None if stall_s is None else stall_s * (1 + relayed)
+        self._reply_s = reply_limit(stall_s, relayed)
         self._connect_timeout_s = connect_timeout_s
         self._queue: queue.Queue[tuple[Chunk, bool] | None] = queue.Queue(depth)
         self._outcome: pb.PushReply | StreamFailure | None = None
