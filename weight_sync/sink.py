@@ -133,7 +133,9 @@ class SafetensorsDirSink:
     into the full set and written to a temporary file that replaces the old one atomically, so a reader never sees a
     mix of versions. The file is written a tensor at a time (``weight_sync.safetensors_stream``): the pushed tensors
     straight from the receiver's buffers, the ones an update leaves as they are read from the current file, so the
-    sink makes no copy of the model. Other `*.safetensors` files are folded into `model.safetensors` on the first
+    sink makes no copy of the model. A given manifest may declare another float dtype than the files hold (a served
+    model kept in the dtype its server computes in): the tensors an update leaves are cast to it as they are written.
+    Other `*.safetensors` files are folded into `model.safetensors` on the first
     update, and their index (`model.safetensors.index.json`) goes with them, so that loaders (vLLM's included) read
     the one file.
     """
@@ -190,8 +192,8 @@ class SafetensorsDirSink:
             if absent:
                 raise ValueError(f"the update leaves {absent[:5]} ({len(absent)} tensors) without a value: the "
                                  "directory holds none yet, so the first update must cover every tensor")  # fmt: skip
-            merged = ((name, tensors[name] if name in tensors else current[name].get_tensor(name))
-                      for name, _, _ in plan)  # fmt: skip
+            merged = ((name, tensors[name] if name in tensors else current[name].get_tensor(name).to(dtype))
+                      for name, _, dtype in plan)  # fmt: skip
             metadata = {"format": "pt", "policy_version": str(policy_version)}
             write_streamed(self.directory, plan, merged, max_file_bytes=sys.maxsize, metadata=metadata)
         for path in self._files:  # write_streamed replaced model*.safetensors; fold in any other file

@@ -41,11 +41,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rollout.engine.adapters import AdapterVersions, MergedAdapters
 from rollout.engine.sink import check_update
-from rollout.engine.transfer import REFUSED, check_fused_groups, check_whole_expert_layers, write_update_file
+from rollout.engine.transfer import (
+    REFUSED,
+    check_fused_groups,
+    check_whole_expert_layers,
+    engine_manifest,
+    write_update_file,
+)
 from weight_sync.checkpoint import read_checkpoint_manifest
 from weight_sync.peft import AdapterSpec, adapter_manifest, expert_tensor
 from weight_sync.sink import SafetensorsDirSink, read_policy_version
-from weight_sync.spec import TensorSpec
+from weight_sync.spec import TensorSpec, dtype_name
 
 if TYPE_CHECKING:
     import torch
@@ -99,13 +105,14 @@ class ServerWeightSink:
                              "trainer's next complete push)")  # fmt: skip
         self._engine = engine
         self._loop = loop
-        base = read_checkpoint_manifest(model_dir)
+        dtype = _served_dtype(engine)
+        base = _as_served(read_checkpoint_manifest(model_dir), dtype)
         self._adapter_specs = {} if lora is None else {s.name: s for s in adapter_manifest(base, lora)}
         self._specs = {**{s.name: s for s in base}, **self._adapter_specs}
         self._versions = None if lora is None else AdapterVersions(set(self._adapter_specs))
         self._merged = None if lora is None else MergedAdapters(model_dir, base, lora)
         self._stage_dir = stage_dir
-        self._persist = _persist_sink(model_dir, persist_dir, base)
+        self._persist = _persist_sink(model_dir, persist_dir, base, dtype)
         self._packed_modules = _packed_modules(engine)
         self._experts = _experts_per_module(base)
         self._drain_timeout_s = drain_timeout_s
@@ -116,8 +123,9 @@ class ServerWeightSink:
         self.state = ServedUpdateState(policy_version=served)
 
     def manifest(self) -> list[TensorSpec]:
-        """The served checkpoint's tensors (HF-canonical names, global shapes and dtypes); with ``lora`` also the
-        adapters of that shape over it (``weight_sync.peft.adapter_manifest``)."""
+        """The served checkpoint's tensors (HF-canonical names, global shapes) in the dtypes the server holds them in
+        (``vllm serve --dtype float32`` over a bfloat16 checkpoint takes float32: senders send what is declared); with
+        ``lora`` also the adapters of that shape over it (``weight_sync.peft.adapter_manifest``)."""
         return list(self._specs.values())
 
     def committed_version(self) -> int:
@@ -290,6 +298,18 @@ def _experts_per_module(manifest: list[TensorSpec]) -> dict[str, int]:
     return {module: len(indices) for module, indices in experts.items()}
 
 
+def _served_dtype(engine: Any) -> str | None:
+    """The dtype the server's model computes in (vLLM's resolved ``--dtype``), or ``None`` when the engine client does
+    not say (the checkpoint's own dtypes are declared then)."""
+    model_config = getattr(getattr(engine, "vllm_config", None), "model_config", None)
+    dtype = getattr(model_config, "dtype", None)
+    return None if dtype is None else dtype_name(dtype)
+
+
+def _as_served(checkpoint: list[TensorSpec], dtype: str | None) -> list[TensorSpec]:
+    return checkpoint if dtype is None else engine_manifest(checkpoint, dtype)
+
+
 def _requests_with_output(engine: Any) -> list[str]:
     """Requests that hold sampled tokens yet are not running after a drain (preempted ones). Reads the output
     processor of vLLM's ``AsyncLLM``; another engine client reports none."""
@@ -297,8 +317,12 @@ def _requests_with_output(engine: Any) -> list[str]:
     return [rid for rid, state in list(states.items()) if getattr(state, "weight_version_starts", None)]
 
 
-def _persist_sink(model_dir: str, persist_dir: str | None, manifest: list[TensorSpec]) -> SafetensorsDirSink | None:
+def _persist_sink(
+    model_dir: str, persist_dir: str | None, manifest: list[TensorSpec], dtype: str | None
+) -> SafetensorsDirSink | None:
     """The directory each version is kept in for a restart; on first use it starts as a copy of the served model.
+    Versions are kept as served (``manifest``'s dtypes): a float32 server over a bfloat16 checkpoint persists float32,
+    which a restart with the same ``--dtype`` serves exactly.
 
     Raises ``ValueError`` when ``persist_dir`` already holds another checkpoint than the one served: another version
     (a restart on the base model instead of on ``persist_dir``: the server would claim the persisted version while
@@ -316,7 +340,7 @@ def _persist_sink(model_dir: str, persist_dir: str | None, manifest: list[Tensor
     if os.path.realpath(model_dir) != os.path.realpath(persist_dir):
         seeding = target / ".seeding"  # a first start that dies while copying leaves only this behind
         if any(target.glob("*.safetensors")):
-            _check_persisted_is_served(model_dir, persist_dir, manifest)
+            _check_persisted_is_served(model_dir, persist_dir, manifest, dtype)
         else:
             shutil.rmtree(seeding, ignore_errors=True)
             seeding.mkdir()
@@ -329,11 +353,11 @@ def _persist_sink(model_dir: str, persist_dir: str | None, manifest: list[Tensor
     return SafetensorsDirSink(persist_dir, manifest)
 
 
-def _check_persisted_is_served(model_dir: str, persist_dir: str, manifest: list[TensorSpec]) -> None:
+def _check_persisted_is_served(model_dir: str, persist_dir: str, manifest: list[TensorSpec], dtype: str | None) -> None:
     persisted, served = read_policy_version(persist_dir), read_policy_version(model_dir)
     start_there = (f"start the server with --model {persist_dir} to serve what it holds, or give persist_dir an "
                    f"empty directory to start from --model {model_dir}")  # fmt: skip
-    if read_checkpoint_manifest(persist_dir) != manifest:
+    if _as_served(read_checkpoint_manifest(persist_dir), dtype) != manifest:
         raise ValueError(f"persist_dir {persist_dir!r} holds another model than --model {model_dir!r} (other tensors, "
                          f"shapes or dtypes): {start_there}")  # fmt: skip
     if persisted != served:

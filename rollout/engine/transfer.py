@@ -30,14 +30,16 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, get_args
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
+from common.config import DType
 from rollout.engine.platform import is_cpu_platform
 from rollout.engine.vllm_plugin import BACKEND
 from weight_sync.peft import expert_tensor
+from weight_sync.spec import TensorSpec
 
 if TYPE_CHECKING:
     import torch
@@ -51,12 +53,24 @@ __all__ = [
     "check_fused_groups",
     "check_whole_expert_layers",
     "default_stage_dir",
+    "engine_manifest",
     "expected_parameters",
     "write_update_file",
 ]
 
 REFUSED = "rl_align refused:"
 """Prefix of the message of an update refused before the model changed (the engine keeps serving its version)."""
+
+# Float8 tensors are a quantized checkpoint's, which vLLM keeps in their own dtype.
+_CAST_AT_LOAD = frozenset({*get_args(DType), "float64"})
+
+
+def engine_manifest(checkpoint: Iterable[TensorSpec], dtype: str) -> list[TensorSpec]:
+    """The tensors an engine computing in ``dtype`` holds for a checkpoint whose manifest is ``checkpoint``: the same
+    names and shapes, every float32/bfloat16/float16/float64 tensor in ``dtype`` (vLLM casts them as it loads: a
+    bfloat16 file in a float32 engine is float32 weights), any other tensor in its file's dtype. What an engine's
+    receiver declares, in process or served: senders send each tensor in the declared dtype."""
+    return [replace(s, dtype=dtype) if s.dtype in _CAST_AT_LOAD else s for s in checkpoint]
 
 
 class RLAlignRefused(ValueError):

@@ -45,14 +45,13 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, get_args
 
 import numpy as np
 
-from common.config import DType
 from rollout.config import EngineConfig, SamplingConfig, UpdateMode
 from rollout.engine.adapters import AdapterVersions, MergedAdapters, ServedAdapters
 from rollout.engine.errors import EngineBrokenError
@@ -63,21 +62,19 @@ from rollout.engine.platform import (
     lora_serving,
     platform_engine_args,
 )
-from rollout.engine.transfer import REFUSED, default_stage_dir, write_update_file
+from rollout.engine.transfer import REFUSED, default_stage_dir, engine_manifest, write_update_file
 from rollout.engine.vllm_plugin import BACKEND, register
 from rollout.sampling import is_greedy, to_vllm_sampling_params
 from weight_sync.checkpoint import read_checkpoint_manifest
 from weight_sync.peft import adapter_manifest
-from weight_sync.spec import TensorSpec, dtype_name
+from weight_sync.spec import dtype_name
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Completion", "VLLMEngine", "engine_manifest", "vllm_engine_args"]
+__all__ = ["Completion", "VLLMEngine", "vllm_engine_args"]
 
 _T = TypeVar("_T")
-# Float8 tensors are a quantized checkpoint's, which vLLM keeps in their own dtype.
-_CAST_AT_LOAD = frozenset({*get_args(DType), "float64"})
 
 
 @dataclass
@@ -98,13 +95,6 @@ class Completion:
     stop_string: str | None = None
     """The stop string that ended the completion (vLLM's ``stop_reason``), or ``None``: its text ends with it, and with
     the rest of the token it completed in."""
-
-
-def engine_manifest(checkpoint: Iterable[TensorSpec], dtype: str) -> list[TensorSpec]:
-    """The tensors an engine computing in ``dtype`` holds for a checkpoint whose manifest is ``checkpoint``: the same
-    names and shapes, every float32/bfloat16/float16/float64 tensor in ``dtype`` (vLLM casts them as it loads: a
-    bfloat16 file in a float32 engine is float32 weights), any other tensor in its file's dtype."""
-    return [replace(s, dtype=dtype) if s.dtype in _CAST_AT_LOAD else s for s in checkpoint]
 
 
 def vllm_engine_args(config: EngineConfig, model_path: str, tokenizer_path: str | None = None) -> dict[str, Any]:
@@ -144,7 +134,6 @@ def vllm_engine_args(config: EngineConfig, model_path: str, tokenizer_path: str 
 
 def _vllm_lora_rank(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts (a fixed set of sizes) that holds adapters of ``rank``."""
-    from typing import get_args
 
     from vllm.config.lora import MaxLoRARanks
 

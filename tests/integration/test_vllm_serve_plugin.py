@@ -1,6 +1,8 @@
 """A stock vLLM OpenAI server with the rl_align plugin takes weight-sync pushes natively (real server, real pushes).
 
-One server (float32, a tiny tied Qwen3 made here) is started the way an operator starts it, with
+One server (``--dtype float32`` over a tiny tied Qwen3 made here in bfloat16, so that every check below also checks
+that the receiver declares, and the server keeps, the float32 weights pushed rather than their bfloat16 rounding) is
+started the way an operator starts it, with
 ``--weight-transfer-config '{"backend": "rl_align"}'`` and ``VLLM_PLUGINS=rl_align``. Checked: the receiver opens at
 the served checkpoint's version and manifest; a push with ``python -m weight_sync push`` and one by a trainer rank are
 served with prompt log-probs equal to a teacher-forced HF forward of the pushed weights; five pushes while clients
@@ -123,13 +125,13 @@ class Server:
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("plugin")
-    return {"a": Path(make_model(root / "a")), "b": Path(make_model(root / "b", seed=7)), "root": root,
-            "persist": root / "persist"}
+    return {"served": Path(make_model(root / "served", dtype="bfloat16")), "a": Path(make_model(root / "a")),
+            "b": Path(make_model(root / "b", seed=7)), "root": root, "persist": root / "persist"}
 
 
 @pytest.fixture(scope="module")
 def server(dirs):
-    server = Server(str(dirs["a"]), dirs["root"] / "server.log", str(dirs["persist"]))
+    server = Server(str(dirs["served"]), dirs["root"] / "server.log", str(dirs["persist"]))
     yield server
     server.stop()
 
@@ -175,11 +177,13 @@ def test_the_receiver_opens_at_the_served_checkpoint(server, dirs):
     with WeightSender([server.endpoint], _sender_config()) as sender:
         reply = sender.describe()[server.endpoint]
     assert reply.policy_version == 0
-    assert sorted(s.name for s in reply.manifest) == sorted(s.name for s in read_checkpoint_manifest(str(dirs["a"])))
+    checkpoint = read_checkpoint_manifest(str(dirs["served"]))
+    assert sorted(s.name for s in reply.manifest) == sorted(s.name for s in checkpoint)
+    assert {s.dtype for s in checkpoint} == {"bfloat16"} and {s.dtype for s in reply.manifest} == {"float32"}
     status = server.get("/rl_align/weight_sync")
     assert status["policy_version"] == 0 and status["receiver"] == server.endpoint and status["broken"] is None
     assert "rl_align_policy_version 0.0" in server.get("/metrics", raw=True)
-    _assert_serves(server, hf_model(str(dirs["a"])))
+    _assert_serves(server, hf_model(str(dirs["served"])))
 
 
 def test_a_cli_push_is_served_and_labelled_with_its_version(server, dirs):

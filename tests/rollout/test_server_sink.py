@@ -221,6 +221,36 @@ def test_persisted_versions_are_what_a_restart_serves(loop, model_dir, tmp_path)
         _sink(RecordingEngine(), loop, model_dir, tmp_path, persist_dir=str(other))
 
 
+class Float32Engine(RecordingEngine):
+    """A client of a server started with ``--dtype float32`` (vLLM's resolved ``model_config.dtype``)."""
+
+    vllm_config = type("VllmConfig", (), {
+        "model_config": type("ModelConfig", (), {"dtype": torch.float32, "architectures": ["Qwen3ForCausalLM"]})})
+
+
+def test_a_float32_server_over_a_bfloat16_checkpoint_takes_serves_and_keeps_float32(loop, tmp_path):
+    base = tmp_path / "bf16"
+    base.mkdir()
+    save_file({name: t.to(torch.bfloat16) for name, t in STATE.items()}, str(base / "model.safetensors"))
+    (base / "config.json").write_text("{}")
+    persist = tmp_path / "live"
+    engine = Float32Engine()
+    sink = _sink(engine, loop, str(base), tmp_path, persist_dir=str(persist))
+    assert {s.dtype for s in sink.manifest()} == {"float32"}  # what senders are told to send
+    exact = torch.tensor([1.0 + 2**-20, 2.0, 3.0, 4.0])  # not a bfloat16 value
+    sink.apply(1, {"model.norm.weight": exact})  # partial: the rest is rewritten from the bf16 file, as float32
+    assert torch.equal(engine.staged["model.norm.weight"], exact)
+    kept = load_file(str(persist / "model.safetensors"))
+    assert torch.equal(kept["model.norm.weight"], exact) and {t.dtype for t in kept.values()} == {torch.float32}
+    assert torch.equal(kept["model.layers.0.mlp.up_proj.weight"], STATE["model.layers.0.mlp.up_proj.weight"])
+    assert _sink(Float32Engine(), loop, str(persist), tmp_path, persist_dir=str(persist)).committed_version() == 1
+    with pytest.raises(ValueError, match=r"holds version 1, but this server loads --model"):
+        _sink(Float32Engine(), loop, str(base), tmp_path, persist_dir=str(persist))
+    with pytest.raises(ValueError, match="refused.*float32"):  # a sender that ignores the declaration
+        sink.apply(2, {"model.norm.weight": exact.to(torch.bfloat16)})
+    assert sink.committed_version() == 1
+
+
 def test_the_plugin_config_reads_additional_config_then_the_environment(tmp_path):
     cfg = served_receiver_config({"port": 50051, "drain_timeout_s": 9, "max_watch_streams": 2}, {})
     assert cfg.weight_sync.port == 50051 and cfg.drain_timeout_s == 9 and cfg.weight_sync.max_watch_streams == 2
