@@ -142,6 +142,7 @@ def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | No
     start), the resolved recipe written, Ray joined or started, the run executed."""
     from rollout.envs import EpisodeFailed
     from rollout.fleet import WorkersExhausted
+    from rollout.rewards.function import RewardFunctionError
     from trainer.checkpoint import CheckpointWriteError
 
     ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # with_run_defaults set it
@@ -193,7 +194,7 @@ def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | No
                   f"max_failed_fraction drop more of its episodes; {resume_hint(out_dir, ckpt_dir, failed=True)}",
                   file=sys.stderr)  # fmt: skip
             return 1
-        if not isinstance(cause, CheckpointWriteError):
+        if not isinstance(cause, (CheckpointWriteError, RewardFunctionError)):
             raise
         print(f"error: {cause}\n{resume_hint(out_dir, ckpt_dir, failed=True)}", file=sys.stderr)
         return 1
@@ -388,11 +389,15 @@ class _Run:
             log.info("warm start: %d SFT steps in %.1f s", num_sft, time.perf_counter() - t0)
             if r.trainer.checkpoint.every_num_steps:  # a stop before the first RL checkpoint keeps the warm start
                 self.trainer.save_checkpoint(data_cursor=self.dataset.state_dict())
-        # A warm start that stopped at an accuracy check has already published its last version.
-        if (start_step > 0 or r.run.warm_start.num_steps > 0) and (
-            self.publisher.published_version != self.trainer.policy_version()
-        ):
+        # The engines start at the version their model directory records; the trainer at its checkpoint's, its warm
+        # start's, or that same directory's. Engines behind it get it now (a warm start that stopped at an accuracy
+        # check has already published its last version); engines already holding it (a resume at the checkpoint saved
+        # right after a warm start whose export they loaded) would refuse it as not newer. External receivers take
+        # the first step's push.
+        version = self.trainer.policy_version()
+        if self.publisher.published_version != version and min(self.pool.policy_versions(), default=0) < version:
             self.publisher.publish()
+        self.pool.set_policy_version(version)
         # A resumed run compares its end with the start of RL (the first run's eval before step 0). The checkpoint's
         # policy evaluated already (an extended run's final eval, or the in-run eval of the step before the resume
         # point) is not measured and logged a second time.

@@ -477,6 +477,11 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
             load_agent_function(recipe.environment.function)
         except ValueError as e:
             problems.append((("environment", "function"), str(e)))
+        else:
+            try:
+                load_agent_function(recipe.environment.function, recipe.environment.options)
+            except ValueError as e:
+                problems.append((("environment", "options"), str(e)))
     return problems
 
 

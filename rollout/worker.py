@@ -73,7 +73,7 @@ class RolloutWorker:
         agent = self._env_config if isinstance(self._env_config, AgentEnvConfig) else None
         self._new_env = None if agent else build_environment(self._env_config)
         if agent:
-            load_agent_function(agent.function)  # fails before the engine starts
+            load_agent_function(agent.function, agent.options)  # fails before the engine starts
         self.engine = VLLMEngine(config.served_model_path, config.engine, config.tokenizer_dir)
         self._agents = AgentRunner(agent, self.engine, self.tokenizer) if agent else None
         self.sink = VLLMWeightSink(self.engine)
@@ -123,7 +123,7 @@ class RolloutWorker:
         finals = [segments[-1] for segments, _ in runs]
         rewards, terms, errors = self._score(
             [e.final_text for e in finals], [e.final_turn_tokens for e in finals], [problems[i] for i, _ in jobs],
-            [group_ids[i] for i, _ in jobs], sampling.max_tokens,
+            sampling.max_tokens,
         )  # fmt: skip
         score_s = time.perf_counter() - start - generate_s
         multi_turn = self._env_config.type != "single_turn"
@@ -205,11 +205,11 @@ class RolloutWorker:
         return lap
 
     def _score(
-        self, texts: list[str], lengths: list[int], problems: list[Problem], group_ids: list[int], max_tokens: int
+        self, texts: list[str], lengths: list[int], problems: list[Problem], max_tokens: int
     ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
         if self.scorer is None or not texts:  # no texts: a share of a request whose every episode failed
             return [0.0] * len(texts), {}, {}
-        return self.scorer.score(texts, problems, group_ids, num_tokens=lengths, max_tokens=max_tokens)
+        return self.scorer.score(texts, problems, num_tokens=lengths, max_tokens=max_tokens)
 
     def receiver_address(self) -> str:
         """host:port of this worker's weight receiver, reachable from other nodes when it binds a wildcard address."""

@@ -28,6 +28,7 @@ from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import ModelT, data_parallel_mesh, parallelize_model
 from trainer.rl.algorithms import Algorithm, build_algorithm
 from trainer.rl.config import AlgorithmConfig
+from weight_sync.sink import read_policy_version
 
 __all__ = ["TrainState", "build_train_state"]
 
@@ -138,6 +139,8 @@ def build_train_state(
     model.
 
     ``init_path``: a local HF checkpoint directory with the initial weights; None keeps the seeded random init (tests).
+    The state starts at the policy version ``init_path`` records (an exported model's, else 0), so that a run from an
+    export numbers its versions on from it and receivers started on a copy of that model take them.
     ``restored``: names of the parts (as :meth:`TrainState.checkpointables` names them) whose every weight a
     checkpoint holds that the caller loads next: their pieces are allocated but not filled (reading ``init_path``
     for them would be wasted); until that load they hold garbage. Collective when FSDP is on: every rank calls it
@@ -162,6 +165,7 @@ def build_train_state(
     state = TrainState(
         cfg=cfg, model_cfg=model_cfg, algorithm=algo, device=device, mesh=mesh, policy=policy,
         optimizer=optimizer, scheduler=scheduler,
+        policy_version=0 if init_path is None else read_policy_version(init_path),
     )  # fmt: skip
     if reference is not None:
         state.reference = _materialize(reference, mesh, cfg, device, initial_for("reference"))

@@ -28,7 +28,7 @@ import inspect
 import math
 import numbers
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -86,8 +86,9 @@ class AgentOutcome:
     num_unknown_params: int = 0
 
 
-def load_agent_function(spec: str) -> AgentFunction:
-    """Import the agent function ``spec`` (``module:function``); ``ValueError`` unless it is an ``async def``."""
+def load_agent_function(spec: str, options: Mapping[str, Any] | None = None) -> AgentFunction:
+    """Import the agent function ``spec`` (``module:function``); ``ValueError`` unless it is an ``async def`` that
+    takes ``(context, **options)`` (``environment.options``; none when ``options`` is ``None``)."""
     function = resolve_object(spec, "agent function")
     target = function.func if isinstance(function, functools.partial) else function
     if not inspect.iscoroutinefunction(target):
@@ -95,6 +96,19 @@ def load_agent_function(spec: str) -> AgentFunction:
             f"agent function {spec!r} is not an async function (`async def f(context, **options)`); the worker runs "
             "many episodes at once on one event loop"
         )
+    try:
+        signature = inspect.signature(function)
+    except ValueError:  # no signature to read: called as it is
+        return function
+    given = dict(options or {})
+    try:
+        signature.bind(None, **given)
+    except TypeError as e:
+        raise ValueError(
+            f"agent function {spec!r} cannot be called as f(context, **environment.options) with options "
+            f"{sorted(given)}: {e} (its signature: {getattr(target, '__name__', spec)}{signature}); change "
+            "environment.options or the function's parameters"
+        ) from None
     return function
 
 
@@ -103,7 +117,7 @@ class AgentRunner:
 
     def __init__(self, config: AgentEnvConfig, engine: VLLMEngine, tokenizer: PreTrainedTokenizerBase) -> None:
         self._spec = config.function
-        self._function = load_agent_function(config.function)
+        self._function = load_agent_function(config.function, config.options)
         self._options = dict(config.options)
         self._limits = episode_limits(config)
         self.engine = engine

@@ -67,6 +67,7 @@ from rollout.engine.vllm_plugin import BACKEND, register
 from rollout.sampling import is_greedy, to_vllm_sampling_params
 from weight_sync.checkpoint import read_checkpoint_manifest
 from weight_sync.peft import adapter_manifest
+from weight_sync.sink import read_policy_version
 from weight_sync.spec import dtype_name
 
 if TYPE_CHECKING:
@@ -157,7 +158,8 @@ class VLLMEngine:
         self._by_reference = (
             config.tensor_parallel_size == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         )
-        self._policy_version = 0
+        # The version its directory records (an exported model's, else 0): a run from an export continues from it.
+        self._policy_version = read_policy_version(model_path)
         self._broken: str | None = None
         self._shut_down = False
         self.last_update_s = 0.0
@@ -203,7 +205,7 @@ class VLLMEngine:
         gc.collect()
         gc.freeze()
         llm = LLM(**vllm_engine_args(self.config, model_path, tokenizer_path))
-        llm.update_weight_version("0")
+        llm.update_weight_version(str(self._policy_version))  # vLLM's per-token version spans start at it
         self._engine = llm.llm_engine
         self._has_work = asyncio.Event()
         self._admitting = asyncio.Event()
@@ -214,7 +216,8 @@ class VLLMEngine:
 
     @property
     def policy_version(self) -> int:
-        """Version of the weights the engine serves now (0 = the model directory it started from)."""
+        """Version of the weights the engine serves now: at start, the version its model directory records
+        (``weight_sync.sink.read_policy_version``: an exported model's, else 0)."""
         return self._policy_version
 
     @property

@@ -3,7 +3,7 @@
 Usage::
 
     scorer = RewardScorer.from_config(config.reward)   # imports user functions, loads reward models: fails early
-    rewards, terms, metrics = scorer.score(completions, problems, group_ids=group_ids)
+    rewards, terms, metrics = scorer.score(completions, problems)
 
 ``rewards[i] = sum(term.weight * terms[term.name][i])``. Completions are the decoded text of the generated tokens;
 trailing end-of-sequence texts (``reward.strip_suffixes``) are removed before any term sees them.
@@ -103,7 +103,6 @@ class RewardScorer:
         self,
         completions: Sequence[str],
         problems: Sequence[Problem],
-        group_ids: Sequence[int] | None = None,
         num_tokens: Sequence[int] | None = None,
         max_tokens: int | None = None,
     ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
@@ -114,20 +113,15 @@ class RewardScorer:
 
         Returns ``(rewards, terms, error_counts)``: the weighted sums, each term's unweighted scores by name, and the
         additive counters ``reward/<name>/num_errors`` and ``reward/num_errors`` (reward means are computed from the
-        samples, by ``rollout.metrics.sample_metrics``). ``group_ids`` (optional, one per completion) are only used to
-        name samples in error messages.
+        samples, by ``rollout.metrics.sample_metrics``). A failing user term names the sample by its problem id and
+        completion.
         """
         if len(completions) != len(problems):
             raise ValueError(
                 f"{len(completions)} completions but {len(problems)} problems; pass one problem per completion"
             )
-        if group_ids is not None and len(group_ids) != len(completions):
-            raise ValueError(f"{len(group_ids)} group ids for {len(completions)} completions")
         texts = [self._strip(c) for c in completions]
-        labels = [
-            f"sample {i} (group {group_ids[i] if group_ids is not None else '?'}, problem {p.problem_id!r})"
-            for i, p in enumerate(problems)
-        ]
+        labels = [f"problem {p.problem_id!r} with completion {t[:80]!r}" for t, p in zip(texts, problems)]
         rewards = [0.0] * len(texts)
         terms: dict[str, list[float]] = {}
         metrics: dict[str, float] = {}

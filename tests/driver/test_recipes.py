@@ -435,7 +435,7 @@ def test_the_own_task_example_loads_and_changes_only_task_reward_and_warm_start(
     assert (brevity("7", problem), brevity("7 7", problem), brevity("7 apples", problem)) == (1.0, 0.0, 0.0)
 
 
-def test_an_agent_function_that_is_missing_or_not_async_fails_at_load(tmp_path):
+def test_an_agent_function_that_is_missing_or_not_async_or_cannot_take_its_options_fails_at_load(tmp_path):
     base = ROOT / "recipes" / "grpo_tiny.toml"
     agent = lambda spec: {"environment.type": "agent", "environment.function": spec}  # noqa: E731
     err = _error(base, agent("no_such_agents:solve"))
@@ -443,6 +443,11 @@ def test_an_agent_function_that_is_missing_or_not_async_fails_at_load(tmp_path):
     assert "not an async function" in _error(base, agent("tests.rollout.agents.scripted_agents:not_async"))
     recipe = load_recipe(base, agent("examples.agents.calculator:solve"))
     assert recipe.environment.type == "agent" and recipe.environment.max_turns == 4
+    loop = agent("tests.rollout.agents.scripted_agents:tool_loop")
+    assert load_recipe(base, {**loop, "environment.options": {"turns": 2}}).environment.options == {"turns": 2}
+    err = _error(base, {**loop, "environment.options": {"turn": 2, "turns": 2}})
+    assert "environment.options: agent function 'tests.rollout.agents.scripted_agents:tool_loop' cannot be" in err
+    assert "'turn'" in err and "tool_loop(ctx: 'AgentContext', turns: 'int' = 3" in err
 
 
 def test_the_lora_recipe_resolves_the_engines_adapter_shape_from_model_lora():

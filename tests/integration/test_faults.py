@@ -220,6 +220,24 @@ def test_an_environment_that_fails_past_its_budget_fails_the_run_with_what_to_do
     assert "let environment.max_failed_fraction drop more of its episodes; no checkpoint was saved" in text, tail(log)
 
 
+def test_a_reward_function_that_raises_fails_the_run_with_what_to_do(tmp_path: Path) -> None:
+    """A user reward function's error (here at the evaluation before the first step) ended the driver in a
+    traceback naming an internal group id: it now names the term, the problem and the completion, what to set, and how
+    to continue, and exits 1."""
+    log = tmp_path / "run.log"
+    terms = '[{type = "function", function = "tests.rollout.reward_functions:needs_a_field_the_problems_lack"}]'
+    args = small_run_args(tmp_path, 2, "--run.warm_start.num_steps", "0", "--run.logging.plot", "false",
+                          "--reward.terms", terms, *ONE_ENGINE)  # fmt: skip
+    rc = run_to_end(args, log, RECIPE, timeout_s=300)
+    text = log.read_text()
+    assert rc == 1, tail(log)
+    expected = ("error: reward term 'function': function 'tests.rollout.reward_functions:"
+                "needs_a_field_the_problems_lack' failed on problem 'arith-eval-0' with completion '")  # fmt: skip
+    assert expected in text and "KeyError: 'expected' (set reward.on_error = 'zero'" in text, tail(log)
+    assert "Traceback" not in text.split("error: reward term")[1] and "group" not in text.split("error:")[1], tail(log)
+    assert "no checkpoint was saved" in text, tail(log)
+
+
 @pytest.mark.slow
 def test_sigterm_stops_the_run_its_actors_and_says_how_to_continue(tmp_path: Path) -> None:
     """``ray job stop`` and ``kill`` (SIGTERM) ended the driver with exit 15 past a native stack dump (Ray's handler):

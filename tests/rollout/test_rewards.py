@@ -157,9 +157,9 @@ def test_user_function_error_fails_naming_the_sample(user_module):
     scorer = _scorer(FunctionRewardConfig(function=f"{user_module}:boom"), on_error="fail")
     problems = [_problem("1", "good-one"), _problem("1", "arith-train-17")]
     with pytest.raises(RewardFunctionError) as info:
-        scorer.score(["ok", "bad"], problems, group_ids=[4, 9])
+        scorer.score(["ok", "bad"], problems)
     message = str(info.value)
-    assert f"'{user_module}:boom'" in message and "sample 1 (group 9, problem 'arith-train-17')" in message
+    assert f"'{user_module}:boom'" in message and "problem 'arith-train-17' with completion 'bad'" in message
     assert "KeyError" in message and "on_error = 'zero'" in message
     assert isinstance(info.value.__cause__, KeyError)
 
@@ -170,7 +170,7 @@ def test_user_function_error_scores_zero_and_is_counted(user_module):
         FunctionRewardConfig(name="nan", function=f"{user_module}:not_a_number"),
         on_error="zero",
     )
-    rewards, terms, metrics = scorer.score(["ok", "bad", "bad"], [_problem("1")] * 3, group_ids=[0, 0, 1])
+    rewards, terms, metrics = scorer.score(["ok", "bad", "bad"], [_problem("1")] * 3)
     assert terms["function"] == [1.0, 0.0, 0.0] and terms["nan"] == [0.0, 0.0, 0.0]
     assert rewards == [1.0, 0.0, 0.0]
     assert metrics["reward/function/num_errors"] == 2.0

@@ -77,7 +77,7 @@ def test_batched_scores_match_unbatched_reference(chat_rm, batch_size):
     scorer = RewardScorer.from_config(
         RewardConfig(terms=[RewardModelConfig(path=str(chat_rm), batch_size=batch_size, label_index=1, weight=0.5)])
     )
-    rewards, terms, metrics = scorer.score(COMPLETIONS, PROBLEMS, group_ids=[0, 1, 2])
+    rewards, terms, metrics = scorer.score(COMPLETIONS, PROBLEMS)
     expected = _reference(chat_rm, [_chatml(p, c) for p, c in zip(PROBLEMS, COMPLETIONS)], False, label=1)
     assert terms["reward_model"] == pytest.approx(expected, abs=1e-5)
     assert rewards == pytest.approx([0.5 * e for e in expected], abs=1e-5)
