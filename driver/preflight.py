@@ -90,10 +90,11 @@ def hold_checkpoint_dir(ckpt_dir: Path, out_dir: Path) -> RunDirLock:
 
 
 def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None) -> CheckedRun:
-    """Check what the run needs before Ray starts, for a run holding ``out_dir`` and ``ckpt_dir``: the task's data,
-    the model (created here when the recipe creates one), the tokenizer, the exports' tokenizer, the model against the
-    trainer's sharding, and for a resume (``resume``: "required" or "auto", as :func:`driver.run.run` takes it) the
-    newest checkpoint against the recipe. ``ValueError`` / ``FileNotFoundError`` otherwise, naming what to change."""
+    """Check what the run needs before Ray starts, for a run holding ``out_dir`` and ``ckpt_dir``: the weight-sync
+    token's variable, the task's data, the model (created here when the recipe creates one), the tokenizer, the
+    exports' tokenizer, the model against the trainer's sharding, and for a resume (``resume``: "required" or "auto",
+    as :func:`driver.run.run` takes it) the newest checkpoint against the recipe. ``ValueError`` /
+    ``FileNotFoundError`` otherwise, naming what to change."""
     from common.tokenizer_dir import check_tokenizer_dir
     from rollout.tasks import build_dataset
     from trainer.checkpoint import saved_data_cursor
@@ -103,6 +104,7 @@ def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None)
     if resume == "required" and resume_from is None:
         raise ValueError(f"--resume: no complete checkpoint under {ckpt_dir}; run without --resume (or --resume "
                          "auto)")  # fmt: skip
+    recipe.weight_sync.resolve_token()  # a token variable set but empty: the engines' receivers would refuse to start
     dataset = build_dataset(recipe.task)
     ensure_model(recipe)
     check_tokenizer_dir(recipe.rollout.tokenizer_dir)  # loaded while the actors start

@@ -107,6 +107,15 @@ class Recipe(Config):
         if blocked:
             field, problem = next(iter(blocked.items()))
             raise FieldError(f"model.{field}", f"{problem} (trainer.device = {self.trainer.device!r})")
+        sync = self.weight_sync
+        if sync.tls_ca_path is not None and sync.tls_cert_path is None:
+            raise FieldError(
+                "weight_sync.tls_ca_path",
+                "tls_ca_path makes the trainer push over TLS to every receiver, the run's own rollout engines "
+                "included, and those serve TLS only with a certificate: also set weight_sync.tls_cert_path and "
+                "tls_key_path (a certificate valid for tls_server_name, or for the engines' host names), or unset "
+                "tls_ca_path to push in plaintext",
+            )  # fmt: skip
         _check_trainable_sampling(self.rollout)
         _check_placement(self)
         _check_lora(self)

@@ -162,12 +162,19 @@ class WeightSyncConfig(Config):
         return self
 
     def resolve_token(self) -> str | None:
-        """The bearer token from `auth_token`, else from the environment variable `auth_token_env`, else None."""
+        """The bearer token from `auth_token`, else from the environment variable `auth_token_env`, else None.
+
+        Raises ``ValueError`` when that variable is set but empty: a receiver would otherwise run without a token
+        (``export VAR=$(cat missing-file)`` is the usual way to get there)."""
         if self.auth_token:
             return self.auth_token
-        if self.auth_token_env:
-            return os.environ.get(self.auth_token_env) or None
-        return None
+        if not self.auth_token_env:
+            return None
+        value = os.environ.get(self.auth_token_env)
+        if value is not None and not value.strip():
+            raise ValueError(f"the environment variable {self.auth_token_env} (weight_sync.auth_token_env) is set but "
+                             "empty: give it the token, or unset it to run without one (loopback only)")  # fmt: skip
+        return value
 
     @property
     def offers_shm(self) -> bool:

@@ -261,7 +261,12 @@ class ServerWeightSink:
                     "refused, the server keeps its version (raise drain_timeout_s, bound max_tokens, or set "
                     "on_drain_timeout='abort')"
                 ) from None
+            # vLLM's abort mode ends every request it holds, those still waiting for their first token included.
+            cut = len(_request_states(engine))
             await engine.pause_generation(mode="abort", clear_cache=True)
+            self.state.num_aborted_requests += cut
+            log.warning("drain_timeout_s=%s passed: aborted the %d request(s) running or queued (on_drain_timeout = "
+                        "'abort')", self._drain_timeout_s, cut)  # fmt: skip
         partial = _requests_with_output(engine)
         if partial:
             await engine.abort(partial, internal=True)
@@ -310,11 +315,15 @@ def _as_served(checkpoint: list[TensorSpec], dtype: str | None) -> list[TensorSp
     return checkpoint if dtype is None else engine_manifest(checkpoint, dtype)
 
 
+def _request_states(engine: Any) -> dict[str, Any]:
+    """The requests vLLM's ``AsyncLLM`` holds (running, preempted or queued), by id, from its output processor;
+    another engine client reports none."""
+    return dict(getattr(getattr(engine, "output_processor", None), "request_states", None) or {})
+
+
 def _requests_with_output(engine: Any) -> list[str]:
-    """Requests that hold sampled tokens yet are not running after a drain (preempted ones). Reads the output
-    processor of vLLM's ``AsyncLLM``; another engine client reports none."""
-    states = getattr(getattr(engine, "output_processor", None), "request_states", None) or {}
-    return [rid for rid, state in list(states.items()) if getattr(state, "weight_version_starts", None)]
+    """Requests that hold sampled tokens yet are not running after a drain (preempted ones)."""
+    return [rid for rid, state in _request_states(engine).items() if getattr(state, "weight_version_starts", None)]
 
 
 def _persist_sink(

@@ -545,3 +545,15 @@ def test_a_model_config_without_the_keys_every_model_has_is_an_error_on_model_pa
     (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
     msg = _error(ROOT / "recipes" / "grpo_tiny.toml", {"model.path": str(tmp_path), "model.create_tiny": False})
     assert "- model.path: " in msg and "is not a model config this code reads (KeyError: 'num_attention_heads')" in msg
+
+
+def test_a_run_that_pushes_over_tls_to_engines_serving_plaintext_fails_at_load():
+    """One ``[weight_sync]`` serves the trainer's sender and the run's own engines: a CA alone made every push to those
+    engines fail its TLS handshake, each worker replaced until the run gave up."""
+    base = ROOT / "recipes" / "grpo_tiny.toml"
+    err = _error(base, {"weight_sync.tls_ca_path": "ca.crt", "weight_sync.tls_server_name": "rl-align-weight-sync"})
+    assert "weight_sync.tls_ca_path: tls_ca_path makes the trainer push over TLS to every receiver" in err, err
+    assert "also set weight_sync.tls_cert_path and tls_key_path" in err, err
+    tls = {"weight_sync.tls_ca_path": "ca.crt", "weight_sync.tls_cert_path": "t.crt",
+           "weight_sync.tls_key_path": "t.key"}
+    assert load_recipe(base, tls, check_paths=False).weight_sync.tls_cert_path == "t.crt"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import types
 
 import pytest
 import torch
@@ -32,11 +33,14 @@ class RecordingEngine:
         self.calls: list[str] = []
         self.fail_update, self.drain_s = fail_update, drain_s
         self.staged: dict[str, torch.Tensor] = {}
+        self.output_processor = types.SimpleNamespace(request_states={})
 
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
         self.calls.append(f"pause:{mode}")
         if mode == "wait":
             await asyncio.sleep(self.drain_s)
+        else:  # vLLM's abort mode ends every request it holds
+            self.output_processor.request_states.clear()
 
     async def resume_generation(self) -> None:
         self.calls.append("resume")
@@ -172,8 +176,11 @@ def test_a_drain_past_its_timeout_refuses_or_aborts(loop, model_dir, tmp_path, p
             sink.apply(1, STATE)
         assert engine.calls == ["pause:wait", "resume"] and sink.committed_version() == 0
     else:
+        running, queued = types.SimpleNamespace(weight_version_starts=[0]), types.SimpleNamespace()
+        engine.output_processor.request_states.update({"a": running, "b": queued, "c": queued})
         sink.apply(1, STATE)
         assert engine.calls[:3] == ["pause:wait", "pause:abort", "start"] and sink.committed_version() == 1
+        assert sink.state.num_aborted_requests == 3  # the queued ones too: vLLM's abort mode ends them all
 
 
 def test_updates_that_do_not_fit_the_manifest_are_refused_before_any_call(loop, model_dir, tmp_path):
