@@ -140,6 +140,7 @@ def _sigterm_stops_the_run(received: threading.Event) -> Iterator[None]:
 def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | None) -> int:
     """:func:`run` once its checks passed and it holds the run directory: the earlier run's outputs set aside (fresh
     start), the resolved recipe written, Ray joined or started, the run executed."""
+    from driver.warm_start import WarmStartError
     from rollout.envs import EpisodeFailed
     from rollout.fleet import WorkersExhausted
     from rollout.rewards.function import RewardFunctionError
@@ -187,14 +188,14 @@ def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | No
     except PlacementError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (ray.exceptions.RayTaskError, EpisodeFailed) as e:
+    except (ray.exceptions.RayTaskError, EpisodeFailed, WarmStartError) as e:
         cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
         if isinstance(cause, EpisodeFailed):  # its traceback, and each dropped episode's, are in the workers' log
             print(f"error: a rollout batch failed: {cause}\nfix the environment, or let environment."
                   f"max_failed_fraction drop more of its episodes; {resume_hint(out_dir, ckpt_dir, failed=True)}",
                   file=sys.stderr)  # fmt: skip
             return 1
-        if not isinstance(cause, (CheckpointWriteError, RewardFunctionError)):
+        if not isinstance(cause, (CheckpointWriteError, RewardFunctionError, WarmStartError)):
             raise
         print(f"error: {cause}\n{resume_hint(out_dir, ckpt_dir, failed=True)}", file=sys.stderr)
         return 1

@@ -21,13 +21,29 @@ from rollout.types import Sample
 if TYPE_CHECKING:
     from rollout.envs.config import EnvironmentConfig
 
-__all__ = ["sft_samples", "warm_start"]
+__all__ = ["WarmStartError", "sft_samples", "warm_start"]
 
 _LOSS_WINDOW = 10
 _PROGRESS_EVERY_S = 15.0
 """Seconds between the warm start's progress lines (each accuracy check prints one too): it runs minutes."""
 
 logger = logging.getLogger("rl_align")
+
+
+class WarmStartError(RuntimeError):
+    """The environment's own code failed while the warm start rendered its prompts (the message names it)."""
+
+
+def _name(env: Any) -> str:
+    return f"environment {type(env).__module__}:{type(env).__qualname__}"
+
+
+async def _reset(env: Any, problem: Any) -> Any:
+    try:
+        return await env.reset(problem)
+    except Exception as e:
+        raise WarmStartError(f"warm start: {_name(env)}: reset of problem {problem.problem_id!r} raised "
+                             f"{type(e).__name__}: {e}; fix the environment's reset") from e  # fmt: skip
 
 
 def sft_samples(
@@ -51,7 +67,14 @@ def sft_samples(
     envs = [new_env() for _ in examples]
 
     async def first_messages() -> list[Any]:  # one event loop for all: a loop per example was most of this function
-        return [await env.reset(problem) for env, (problem, _) in zip(envs, examples, strict=True)]
+        try:
+            return [await _reset(env, problem) for env, (problem, _) in zip(envs, examples, strict=True)]
+        finally:  # what an episode holds (a sandbox, a process) is released, as after an episode
+            for env in envs:
+                try:
+                    await env.close()
+                except Exception as e:  # noqa: BLE001  (user code; the prompts are already rendered)
+                    logger.warning("warm start: %s: close raised %s: %s", _name(env), type(e).__name__, e)
 
     samples = []
     starts = asyncio.run(first_messages())

@@ -76,3 +76,22 @@ def test_stops_at_the_accuracy_target_checked_every_k_steps(caplog):
 def test_an_accuracy_target_needs_an_evaluation():
     with pytest.raises(ValueError, match="stop_at_accuracy needs"):
         _run(num_steps=10, stop_at_accuracy=0.5)
+
+
+def test_the_warm_start_closes_the_environments_it_rendered_prompts_with_and_names_one_that_fails():
+    from driver.warm_start import WarmStartError, sft_samples
+    from rollout.envs.config import CustomEnvConfig
+    from tests.driver import warm_start_envs
+
+    examples = FakeDataset().sft_examples(3, "<e>")
+    config = CustomEnvConfig(class_path="tests.driver.warm_start_envs:CountsCloses")
+    closed = warm_start_envs.CountsCloses.closed
+    assert len(sft_samples(FakeTokenizer(), examples, False, config)) == 3
+    assert warm_start_envs.CountsCloses.closed == closed + 3  # a sandbox each would otherwise stay up
+    config = CustomEnvConfig(class_path="tests.driver.warm_start_envs:ResetFailsOnTheSecond")
+    closed = warm_start_envs.CountsCloses.closed
+    with pytest.raises(WarmStartError) as info:
+        sft_samples(FakeTokenizer(), examples, False, config)
+    assert str(info.value).startswith("warm start: environment tests.driver.warm_start_envs:ResetFailsOnTheSecond: "
+                                      "reset of problem '1' raised ConnectionError: the sandbox is down")
+    assert warm_start_envs.CountsCloses.closed == closed + 3  # every instance, the failed one's too
