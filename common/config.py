@@ -184,11 +184,23 @@ def _override_source(dotted: str) -> str:
 def apply_overrides(
     data: dict[str, Any], overrides: Mapping[str, Any], sources: Sources | None = None
 ) -> dict[str, Any]:
-    """Return a copy of ``data`` with each dotted override set, creating tables as needed.
+    """Return a copy of ``data`` with each dotted override set, creating tables as needed. An override of a table's
+    ``type`` to another type than the table has (``--algorithm.type ppo`` over a GRPO table) empties that table first,
+    as a file naming another type does (:func:`read_toml`): the other type's keys would not belong to it; the table's
+    other overrides, in any order, apply to the emptied table.
 
     ``sources``, if given, is updated in place: every key an override sets or creates is attributed to its flag.
     """
     out = copy.deepcopy(data)
+    for dotted, value in overrides.items():
+        *table_path, last = dotted.split(".")
+        table = _value_at(tuple(table_path), out) if table_path else None
+        if last == "type" and isinstance(table, dict) and table.get("type", value) != value:
+            table.clear()
+            under = tuple(table_path)
+            known = sources if sources is not None else {}
+            for key in [k for k in known if len(k) > len(under) and k[: len(under)] == under]:
+                del known[key]
     for dotted, value in overrides.items():
         parts = tuple(dotted.split("."))
         if not all(parts):
@@ -402,6 +414,8 @@ def _reason(err: Mapping[str, Any], cls: type[pydantic.BaseModel], data: Any) ->
         return _unknown_key(tuple(err["loc"]), cls, data)
     if kind == "missing":
         return "required field is missing"
+    if kind == "union_tag_not_found":
+        return _untagged(tuple(err["loc"]), cls, data)
     msg = str(err.get("msg", "invalid"))
     msg = msg.removeprefix("Value error, ")
     if kind not in ("value_error", "assertion_error") and "input" in err and not isinstance(err["input"], dict):
@@ -435,6 +449,18 @@ def _unknown_key(loc: Loc, cls: type[pydantic.BaseModel], data: Any) -> str:
     if close or elsewhere:
         return f"{what}; did you mean {' or '.join(close + elsewhere)}?"
     return f"{what} (check the spelling); {listing}"
+
+
+def _untagged(loc: Loc, cls: type[pydantic.BaseModel], data: Any) -> str:
+    """Why a table of a tagged union without its ``type`` is refused: the types it may be, and those whose fields
+    hold every key it has."""
+    members = [c for c in _section_classes(cls, loc, resolve_tags=False) if _tag(c) is not None]
+    types = ", ".join(repr(_tag(c)) for c in members)
+    table = _value_at(loc, data)
+    keys = set(table) if isinstance(table, dict) else set()
+    fits = [repr(_tag(c)) for c in members if keys and keys <= set(c.model_fields)]
+    hint = f" (its keys fit type = {' or '.join(fits)})" if fits else ""
+    return f"no type: set type = one of {types}{hint}"
 
 
 def _value_at(loc: Loc, data: Any) -> Any:

@@ -165,6 +165,19 @@ def test_field_of_the_other_union_member_names_its_type(tmp_path):
     assert "- algo.gamma: unknown key" in msg and "is a field of type = 'b'" in msg, msg
 
 
+def test_an_override_of_a_tables_type_replaces_the_table_as_a_file_naming_another_type_does(tmp_path):
+    (tmp_path / "r.toml").write_text('[algo]\ntype = "b"\ngamma = 0.5\n')
+    for flags in (["--algo.type", "a", "--algo.group_size", "6"], ["--algo.group_size", "6", "--algo.type", "a"]):
+        cfg = load_toml_config(Root, tmp_path / "r.toml", parse_overrides(flags))
+        assert cfg.algo == A(group_size=6), flags  # gamma, a key of type 'b', went with the table
+    assert load_toml_config(Root, tmp_path / "r.toml", parse_overrides(["--algo.type", "b"])).algo == B(gamma=0.5)
+
+
+def test_a_table_of_a_tagged_union_without_its_type_lists_the_types_and_the_one_its_keys_fit(tmp_path):
+    _, msg = _error(tmp_path, "[algo]\ngamma = 0.5\n")
+    assert "- algo: no type: set type = one of 'a', 'b' (its keys fit type = 'b')" in msg, msg
+
+
 def test_unknown_key_without_a_close_name_lists_the_fields_of_its_section(tmp_path):
     _, msg = _error(tmp_path, "[inner]\nmomentum = 0.1\n")
     assert "the fields of [inner] are: lr, betas" in msg, msg
