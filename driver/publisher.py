@@ -32,6 +32,8 @@ class WeightPublisher:
         self.trainer, self.pool, self.external = trainer, pool, list(external)
         self.published_version: int | None = None
         """The version the last :meth:`publish` got to every receiver (``None`` before one did)."""
+        self.external_unserved: dict[str, str] = {address: "no push reached it yet" for address in self.external}
+        """External receivers that have taken no version in this run, with the last reason (for the final report)."""
         pool.set_weight_publisher(self.push_to)
 
     def endpoints(self) -> list[str]:
@@ -54,6 +56,11 @@ class WeightPublisher:
                         "no work until it is caught up or replaced): %s", address, error)  # fmt: skip
         self.pool.set_policy_version(int(outcomes[0]["policy_version"]))
         self.published_version = None if failed else int(outcomes[0]["policy_version"])
+        for address in list(self.external_unserved):
+            if address in failed:
+                self.external_unserved[address] = failed[address]
+            elif address in endpoints:
+                del self.external_unserved[address]
         self.pool.hold_back(list(failed))  # external addresses are not the pool's: it ignores them
         seconds = max(o["seconds"] for o in outcomes)
         payload = sum(o["payload_bytes"] for o in outcomes)

@@ -421,7 +421,7 @@ class _Run:
         final = self.out_dir / FINAL_MODEL
         self.trainer.export_hf(str(final), r.export_source_dir, r.run.export.dtype)
         log.info("trained model: %s (from_pretrained-ready: weights, config, tokenizer, generation config)", final)
-        _print_report(before, after, self.out_dir)
+        _print_report(before, after, self.out_dir, self.publisher.external_unserved)
         if r.run.logging.plot:
             self.logger.close()
             self.logger = None
@@ -437,7 +437,11 @@ def evaluations_on_record(records: list[dict[str, Any]]) -> dict[int, dict[str, 
     }  # fmt: skip
 
 
-def _print_report(before: dict[str, float], after: dict[str, float], out_dir: Path) -> None:
+def _print_report(
+    before: dict[str, float], after: dict[str, float], out_dir: Path, unserved: dict[str, str] | None = None
+) -> None:
+    """The end of a run: held-out accuracy before and after RL, where the outputs are, and the external receivers
+    (``weight_sync.endpoints``) that took no version of this run, with the last reason (``unserved``)."""
     rows = [k for k in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward")
             if before.get(k) is not None and after.get(k) is not None]  # a record's non-finite value is null
     lines = ["", "held-out problems      start of RL    end of RL    change", "-" * 58] if rows else []
@@ -448,4 +452,6 @@ def _print_report(before: dict[str, float], after: dict[str, float], out_dir: Pa
     adapter = out_dir / FINAL_MODEL / ADAPTER_DIR
     if adapter.is_dir():  # a LoRA run's: the same policy as its base plus these adapters
         lines.append(f"its LoRA adapters (peft.PeftModel.from_pretrained(base, DIR)): {adapter}")
+    for address, reason in (unserved or {}).items():
+        lines.append(f"warning: external receiver {address} took no version of this run; the last push: {reason}")
     print("\n".join(lines), flush=True)

@@ -266,6 +266,24 @@ def test_the_publisher_remembers_the_version_every_receiver_took():
     assert publisher.published_version is None  # a receiver missed it: the next publish must go out
 
 
+def test_the_publisher_knows_the_external_receivers_that_took_no_version():
+    events = []
+    pool = FakePool(events, None, 0.0)
+    trainer = FakeTrainer(events, pool)
+    publisher = WeightPublisher(trainer, pool, external=["took:1", "never:2"])
+    trainer.failing = {"took:1", "never:2"}
+    trainer.version = 1
+    publisher.publish()
+    assert publisher.external_unserved == {"took:1": "refused", "never:2": "refused"}
+    trainer.failing = {"never:2"}
+    trainer.version = 2
+    publisher.publish()
+    trainer.failing = {"took:1", "never:2"}  # a later failure does not undo a version it took
+    trainer.version = 3
+    publisher.publish()
+    assert publisher.external_unserved == {"never:2": "refused"}
+
+
 def test_training_groups_are_numbered_by_their_place_in_the_data_stream():
     """Group ids seed a seeded sampling's streams: numbered by the problems' stream positions (which a resume restores
     with the cursor), a resumed run samples its steps as the uninterrupted run would have; the pool's own counter
