@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import pydantic
 
-from common.config import Config, parse_overrides, validate_config
+from common.config import Config, ConfigError, parse_overrides, validate_config
 from weight_sync.config import DEFAULT_TOKEN_ENV, WeightSyncConfig
 from weight_sync.peft import AdapterSpec
 
@@ -101,6 +101,8 @@ def served_receiver_config(additional: Mapping[str, Any] | None, environ: Mappin
         raise ValueError(f"additional_config[{BACKEND!r}] must not hold auth_token: vLLM logs its config; export "
                          f"${DEFAULT_TOKEN_ENV} instead")
     token_envs = {DEFAULT_TOKEN_ENV, str(data.get("auth_token_env") or environ.get(f"{ENV_PREFIX}AUTH_TOKEN_ENV"))}
+    given = f"additional_config[{BACKEND!r}]"
+    written: dict[str, str] = dict.fromkeys(data, given)  # key -> where it was written, for the errors
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX) or name in token_envs:
             continue
@@ -109,9 +111,16 @@ def served_receiver_config(additional: Mapping[str, Any] | None, environ: Mappin
             raise ValueError(f"${name}: the bearer token is read from ${DEFAULT_TOKEN_ENV} (or the variable "
                              "auth_token_env names); rename the variable")  # fmt: skip
         data.update(parse_overrides([f"--{field}", raw]))  # a misspelt name is refused below, as a misspelt key is
+        written[field] = f"${name}"
     plugin = {k: v for k, v in data.items() if k in _PLUGIN_FIELDS}
     plugin["weight_sync"] = {k: v for k, v in data.items() if k not in _PLUGIN_FIELDS}
-    return validate_config(ServedReceiverConfig, plugin, source=f"additional_config[{BACKEND!r}] and ${ENV_PREFIX}*")
+    sources: dict[tuple[str, ...], str] = {
+        (k,) if k in _PLUGIN_FIELDS else ("weight_sync", k): where for k, where in written.items()
+    }
+    try:
+        return validate_config(ServedReceiverConfig, plugin, source=given, sources=sources, what="rl_align options")
+    except ConfigError as e:  # the options are written flat: name them so
+        raise ConfigError(str(e).replace("[weight_sync]", "the rl_align options").replace("weight_sync.", "")) from None
 
 
 class RLAlignEndpointPlugin:
