@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import inspect
+import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout.envs.base import Environment, Message, StepResult
 from rollout.envs.config import FeedbackEnvConfig, ToolEnvConfig
-from rollout.envs.tools import Tool, build_tool, parse_tool_calls
+from rollout.envs.tools import Tool, ToolOutput, build_tool, parse_tool_calls
 from rollout.tasks.problem import Problem, chat_messages
 
 __all__ = ["FeedbackEnvironment", "SingleTurnEnvironment", "ToolEnvironment"]
+
+log = logging.getLogger(__name__)
+
+_said: set[tuple[str, str, str]] = set()
+"""(environment class, tool, kind of failure) already logged in this process: a broken tool fails every call."""
 
 
 class SingleTurnEnvironment(Environment):
@@ -28,7 +35,10 @@ class SingleTurnEnvironment(Environment):
 class ToolEnvironment(Environment):
     """Tool use (see :class:`rollout.envs.config.ToolEnvConfig`): each ``<tool_call>`` of a turn runs, its result is
     a ``tool`` message; a turn without calls ends the episode. Malformed or unknown calls, and tool failures, come
-    back as error observations; the episode goes on.
+    back as error observations; the episode goes on. A tool's failure is its :class:`~rollout.envs.tools.ToolOutput`
+    with ``error`` set, and also a tool that raises or does not return a ``ToolOutput`` (a bug in the tool, not the
+    model's mistake): the observation names the tool and what it did, and the first of each kind is logged with its
+    traceback.
 
     ``info``: ``tool_calls``, ``tool_errors`` (malformed, unknown, or failed), ``tool_calls/<name>``, ``tool_s``
     (seconds the tools ran).
@@ -58,13 +68,42 @@ class ToolEnvironment(Environment):
                 content, error = f"error: no tool named {call.name!r}; tools: {', '.join(self._tools)}", True
             else:
                 start = time.perf_counter()
-                output = await self._tools[call.name].run(call.arguments)
+                content, error = await self._run(self._tools[call.name], call.arguments)
                 info["tool_s"] = info.get("tool_s", 0.0) + time.perf_counter() - start
-                content, error = output.text, output.error
                 info[f"tool_calls/{call.name}"] = info.get(f"tool_calls/{call.name}", 0.0) + 1.0
             info["tool_errors"] += float(error)
             observation.append({"role": "tool", "content": _cut(content, self._config.max_observation_chars)})
         return StepResult(observation=observation, info=info)
+
+    async def _run(self, tool: Tool, arguments: Mapping[str, Any]) -> tuple[str, bool]:
+        """(text, error) of ``tool`` run on ``arguments``; a tool that raises, or returns anything but a
+        :class:`ToolOutput` of text, is an error naming it."""
+        try:
+            pending = tool.run(arguments)
+            if not inspect.isawaitable(pending):
+                return self._failed(tool, "sync", f"it returned {type(pending).__name__}, not an awaitable: its run "
+                                                  "must be an async function")  # fmt: skip
+            output = await pending
+        except Exception as e:  # the episode's deadline arrives as CancelledError (no Exception): it passes
+            return self._failed(tool, type(e).__name__, f"{type(e).__name__}: {e}", e)
+        if not isinstance(output, ToolOutput):
+            return self._failed(tool, "type", f"it returned {type(output).__name__}, not a "
+                                              "rollout.envs.tools.ToolOutput")  # fmt: skip
+        if not isinstance(output.text, str):
+            return self._failed(tool, "text", f"it returned a ToolOutput whose text is {type(output.text).__name__}, "
+                                              "not str")  # fmt: skip
+        return output.text, bool(output.error)
+
+    def _failed(self, tool: Tool, kind: str, what: str, error: Exception | None = None) -> tuple[str, bool]:
+        """The error observation of ``tool``'s failure ``what``; the first failure of each ``kind`` of this
+        environment class's tool is logged (with ``error``'s traceback)."""
+        text = f"error: the tool {tool.name!r} failed ({what})"
+        key = (type(self).__qualname__, tool.name, kind)
+        if key not in _said:
+            _said.add(key)
+            log.warning("%s: %s (the model sees it as an error observation; said once per tool and kind of failure)",
+                        type(self).__qualname__, text.removeprefix("error: "), exc_info=error)  # fmt: skip
+        return text, True
 
 
 class FeedbackEnvironment(Environment):

@@ -7,6 +7,7 @@ from typing import ClassVar
 from rollout.envs import Environment, Message, StepResult
 from rollout.envs.builtin import ToolEnvironment
 from rollout.envs.config import ToolEnvConfig
+from rollout.envs.tools import Tool
 from rollout.tasks.problem import Problem, chat_messages
 
 
@@ -77,8 +78,8 @@ class ScriptedToolCalls(ToolEnvironment):
     """The tool environment, but each turn makes the scripted call instead of reading the model's text (turn ``i``
     uses ``script[i]``; past the script, the turn is the final answer)."""
 
-    def __init__(self, config: ToolEnvConfig, script: list[str]) -> None:
-        super().__init__(config)
+    def __init__(self, config: ToolEnvConfig, script: list[str], tools: list[Tool] | None = None) -> None:
+        super().__init__(config, tools)
         self._script, self._turn = script, 0
 
     async def step(self, text: str) -> StepResult:

@@ -11,7 +11,7 @@ from recipe import load_recipe
 from rollout.envs import build_environment
 from rollout.envs.builtin import FeedbackEnvironment, ToolEnvironment
 from rollout.envs.config import CustomEnvConfig, FeedbackEnvConfig, ToolEnvConfig
-from rollout.envs.tools import calculate, format_tool_call, parse_tool_calls, strip_tool_calls
+from rollout.envs.tools import Tool, ToolOutput, calculate, format_tool_call, parse_tool_calls, strip_tool_calls
 from rollout.tasks.problem import Problem
 from rollout.tokenizer import end_of_turn_id, render_continuation, render_prompt
 from tools.tiny_tokenizer import build_tokenizer
@@ -93,6 +93,62 @@ def test_tool_environment_answers_every_call_and_ends_on_an_answer():
     assert bad.observation[0]["content"] == "calculator error: division by zero" and bad.info["tool_errors"] == 1
     assert _step(env, "408").done
     assert env.tools[0]["function"]["name"] == "calculator"
+
+
+def _tool(name, run):
+    return Tool(name, f"{name}, for tests", {"type": "object", "properties": {}}, run)
+
+
+def test_a_tool_that_raises_or_returns_the_wrong_type_is_an_error_observation(caplog):
+    # A user's tool (README's "Your own tool") that raised failed the episode (EpisodeFailed: ... step raised
+    # ValueError: tool exploded) and by default the run; one returning a str: AttributeError: 'str' object has no
+    # attribute 'text'. README and the class promise an error observation and the episode going on.
+    async def explodes(arguments):
+        raise ValueError("tool exploded")
+
+    async def says_text(arguments):
+        return "408"
+
+    def not_async(arguments):
+        return ToolOutput("408")
+
+    async def number_text(arguments):
+        return ToolOutput(408)
+
+    async def fine(arguments):
+        return ToolOutput(f"fine: {arguments['x']}")
+
+    tools = [_tool("explodes", explodes), _tool("says_text", says_text), _tool("not_async", not_async),
+             _tool("number_text", number_text), _tool("fine", fine)]  # fmt: skip
+    env = ToolEnvironment(ToolEnvConfig(max_calls_per_turn=5), tools=tools)
+    result = _step(env, "".join(format_tool_call(t.name, {"x": 1}) for t in tools))
+    contents = [m["content"] for m in result.observation]
+    assert contents == [
+        "error: the tool 'explodes' failed (ValueError: tool exploded)",
+        "error: the tool 'says_text' failed (it returned str, not a rollout.envs.tools.ToolOutput)",
+        "error: the tool 'not_async' failed (it returned ToolOutput, not an awaitable: its run must be an async "
+        "function)",
+        "error: the tool 'number_text' failed (it returned a ToolOutput whose text is int, not str)",
+        "fine: 1",
+    ]
+    assert not result.done and result.info["tool_calls"] == 5 and result.info["tool_errors"] == 4
+    assert all(result.info[f"tool_calls/{t.name}"] == 1 for t in tools)
+    # The tool's author hears of it (with the traceback), once per tool and kind of failure.
+    _step(env, format_tool_call("explodes", {}))
+    said = [r for r in caplog.records if "the tool 'explodes' failed" in r.getMessage()]
+    assert len(said) == 1 and said[0].exc_info is not None and "ToolEnvironment" in said[0].getMessage()
+
+
+def test_an_episode_goes_on_past_a_tool_that_raises():
+    from tests.rollout.envs.scripted_engine import play
+    from tests.rollout.envs.scripted_env import ScriptedToolCalls
+
+    async def explodes(arguments):
+        raise ValueError("tool exploded")
+
+    env = ScriptedToolCalls(ToolEnvConfig(), [format_tool_call("explodes", {})], tools=[_tool("explodes", explodes)])
+    episode = play(env)
+    assert episode.num_turns == 2 and episode.finish_reason == "stop" and episode.info["tool_errors"] == 1
 
 
 def test_feedback_depends_on_the_previous_answer():
