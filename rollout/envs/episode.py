@@ -12,17 +12,26 @@ Limits: ``max_turns`` model turns; per turn ``sampling.max_tokens`` tokens; ``ma
 prompt (by default what the engine's context leaves); ``timeout_s`` of wall clock for the whole episode. Hitting one
 ends the episode with finish reason ``length``; a timeout aborts the turn in flight (or the tool call) and keeps the
 turns complete before it.
+
+The environment runs on the engine's event loop, between its steps: an ``async`` method that blocks (``time.sleep``,
+a synchronous HTTP client, a long computation) stalls generation of every episode on the worker, and the deadline,
+which can fire only at an ``await``, cannot cut it. So a call that returns at or past the episode's deadline ends
+the episode as a timeout all the same (its result is not taken, as that of a call cut at the deadline is not), and a
+call that runs :data:`HOLD_WARNING_S` or longer without awaiting is named in a warning (once per environment class
+and method), as the agent runner treats an agent that returns past its time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import numbers
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
@@ -38,9 +47,18 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-__all__ = ["Episode", "EpisodeLimits", "render_transcript", "run_episode"]
+__all__ = ["HOLD_WARNING_S", "Episode", "EpisodeLimits", "render_transcript", "run_episode"]
 
 log = logging.getLogger(__name__)
+
+HOLD_WARNING_S = 1.0
+"""An environment call that runs this many seconds without awaiting is named in a warning: ten times asyncio's own
+mark of a slow step (``loop.slow_callback_duration``, 0.1 s), so what crosses it is blocking I/O, a sleep or a long
+computation, not the ordinary cost of a step (a parse, an import, a sandbox process started), and a stall of a second
+per call is already a visible share of a batch's generation time."""
+
+_said: set[tuple[type, str, str]] = set()
+"""(environment class, method, warning) already logged in this process: a blocking environment blocks every call."""
 
 
 @dataclass(frozen=True)
@@ -93,20 +111,25 @@ async def run_episode(
     """Run ``env`` on ``problem`` to the end on ``engine`` (awaited on the engine loop) and return the episode;
     ``render`` turns the environment's first messages into the prompt (its tokenizer renders the rest);
     ``seed_of_turn(t)`` seeds model turn ``t``. The environment is closed whatever happens. Its failures (an
-    exception, a ``reset`` past the timeout, a malformed ``StepResult``) raise :class:`EpisodeFailed` naming it; a
-    prompt the engine's context cannot hold raises ``ValueError`` (the dataset's problem, not the episode's), and the
-    engine's own errors propagate as they are."""
+    exception, a ``reset`` that does not return by the deadline, a malformed ``StepResult`` or messages) raise
+    :class:`EpisodeFailed` naming it; a call that returns past the deadline (it blocked the loop) times the episode
+    out, as the deadline does (a ``reset``'s: before the first turn). A prompt the engine's context cannot hold raises
+    ``ValueError`` (the dataset's problem, not the episode's), and the engine's own errors propagate as they are."""
     try:
         tokenizer = render.tokenizer
         loop = asyncio.get_running_loop()
         deadline = None if limits.timeout_s is None else loop.time() + limits.timeout_s  # reset and turns, together
+        what = f"reset of problem {problem.problem_id!r}"
+        late = False
         try:
             async with asyncio.timeout_at(deadline):
-                messages = await _called(env, f"reset of problem {problem.problem_id!r}", env.reset(problem))
+                messages = await _called(env, "reset", problem, what=what, deadline=deadline)
+        except _ReturnedLate as returned:  # its messages make the prompt, and no time is left for a turn
+            _say_late(env, returned, limits)
+            messages, late = returned.value, True
         except TimeoutError:  # no first messages, so no prompt: nothing to make an episode of
             raise EpisodeFailed(
-                f"{_env_name(env)}: reset of problem {problem.problem_id!r} did not return within the episode's "
-                f"timeout_s = {limits.timeout_s} s"
+                f"{_env_name(env)}: {what} did not return within the episode's timeout_s = {limits.timeout_s} s"
             ) from None
         _check_messages(env, "reset()'s messages", messages)
         prompt = render(messages, env.tools)
@@ -119,18 +142,26 @@ async def run_episode(
         budget = limits.max_total_tokens or (engine.config.max_model_len - len(prompt))
         trajectory = _Trajectory(prompt)
         try:
-            async with asyncio.timeout_at(deadline):
-                await _turns(engine, tokenizer, env, sampling, limits, seed_of_turn, budget, trajectory)
+            if not late:
+                async with asyncio.timeout_at(deadline):
+                    await _turns(engine, tokenizer, env, sampling, limits, seed_of_turn, budget, trajectory, deadline)
+        except _ReturnedLate as returned:
+            _say_late(env, returned, limits)
+            late = True
         except TimeoutError:
+            late = True
+        if late:
             trajectory.timed_out, trajectory.finish_reason = True, "length"
         episode = trajectory.episode()
     except BaseException:
         try:
-            await env.close()
+            if hasattr(env, "close"):
+                await env.close()
         except Exception as e:  # the episode's own error is the one to report; this one is only said
             log.warning("%s: close raised %s: %s after the episode had failed", _env_name(env), type(e).__name__, e)
         raise
-    await _called(env, "close", env.close())
+    if hasattr(env, "close"):  # optional for a class that does not subclass Environment
+        await _called(env, "close")
     return episode
 
 
@@ -181,6 +212,7 @@ async def _turns(
     seed_of_turn: Callable[[int], int | None],
     budget: int,
     trajectory: _Trajectory,
+    deadline: float | None,
 ) -> None:
     from rollout.tokenizer import end_of_turn_id, render_continuation
 
@@ -199,7 +231,7 @@ async def _turns(
         if completion.finish_reason == "length":
             trajectory.finish_reason = "length"
             return
-        result = _checked(env, await _called(env, "step", env.step(trajectory.final_text)))
+        result = _checked(env, await _called(env, "step", trajectory.final_text, deadline=deadline))
         trajectory.env_reward += result.reward
         for name, value in result.info.items():
             trajectory.info[name] = trajectory.info.get(name, 0.0) + value
@@ -218,13 +250,89 @@ def _env_name(env: Environment) -> str:
     return f"environment {type(env).__module__}:{type(env).__qualname__}"
 
 
-async def _called(env: Environment, what: str, call: Awaitable[_T]) -> _T:
-    """``await call`` (``what`` of ``env``); an exception of the environment's own code is re-raised as
-    :class:`EpisodeFailed` naming the environment and the call, so the run's error says whose code failed."""
+class _ReturnedLate(Exception):
+    """An environment call (``what``, of ``method``) returned ``value`` at or past the episode's deadline, which could
+    not cut it: the event loop was held (the call ran ``held_s`` at most without awaiting)."""
+
+    def __init__(self, method: str, what: str, value: Any, held_s: float) -> None:
+        super().__init__(what)
+        self.method, self.what, self.value, self.held_s = method, what, value, held_s
+
+
+class _LoopHold(Generic[_T]):
+    """Awaits ``awaitable`` as ``await`` does, timing each of its runs between two awaits: ``longest_s`` is how long
+    it held the event loop at once (no other episode generated then, and no deadline could fire)."""
+
+    def __init__(self, awaitable: Awaitable[_T]) -> None:
+        self._awaitable = awaitable
+        self.longest_s = 0.0
+
+    def __await__(self) -> Generator[Any, Any, _T]:
+        inner = self._awaitable.__await__()
+        resume: Callable[[Any], Any] = inner.send
+        value: Any = None
+        while True:
+            start = time.perf_counter()
+            try:
+                yielded = resume(value)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                self.longest_s = max(self.longest_s, time.perf_counter() - start)
+            try:
+                value, resume = (yield yielded), inner.send
+            except GeneratorExit:
+                inner.close()
+                raise
+            except BaseException as e:  # thrown in by the loop (a cancellation at the deadline): the call's to handle
+                value, resume = e, inner.throw
+
+
+async def _called(
+    env: Environment, method: str, *args: object, what: str | None = None, deadline: float | None = None
+) -> Any:
+    """``await env.<method>(*args)`` (``what``, by default the method's name), which must be a coroutine. An exception
+    of the environment's own code, or a method that is not ``async``, is re-raised as :class:`EpisodeFailed` naming
+    the environment and the call, so the run's error says whose code failed. A call that returns at or past
+    ``deadline`` (the loop's clock) raises :class:`_ReturnedLate` with its value; one that held the event loop for
+    :data:`HOLD_WARNING_S` or longer is named in a warning."""
+    what = what or method
+    hold: _LoopHold[Any] | None = None
     try:
-        return await call
+        call = getattr(env, method)(*args)
+        if not inspect.isawaitable(call):
+            raise TypeError(f"{method} returned {type(call).__name__}, not an awaitable: write it `async def "
+                            f"{method}`")  # fmt: skip
+        hold = _LoopHold(call)
+        value = await hold
     except Exception as e:  # the episode's deadline arrives as CancelledError (no Exception): it passes
         raise EpisodeFailed(f"{_env_name(env)}: {what} raised {type(e).__name__}: {e}") from e
+    finally:
+        if hold is not None and hold.longest_s >= HOLD_WARNING_S:
+            _say_once(env, method, "held", "%s: %s held the event loop for %.1f s without awaiting: an environment "
+                      "that blocks (time.sleep, a synchronous HTTP client, a long computation) stalls generation of "
+                      "every episode on this worker, and no timeout_s can cut it; use async I/O, or run the blocking "
+                      "part with `await asyncio.to_thread(...)` (said once per environment class and method)",
+                      _env_name(env), method, hold.longest_s)  # fmt: skip
+    if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+        raise _ReturnedLate(method, what, value, hold.longest_s)
+    return value
+
+
+def _say_late(env: Environment, returned: _ReturnedLate, limits: EpisodeLimits) -> None:
+    _say_once(env, returned.method, "late", "%s: %s returned past the episode's timeout_s = %s s (it ran up to %.1f s "
+              "without awaiting): the episode ends as timed out (env/num_timeouts). A deadline fires only at an "
+              "await, so an environment that blocked the event loop (this one or another episode's) is not cut at "
+              "it, and stalls generation of every episode on this worker: use async I/O, or `await "
+              "asyncio.to_thread(...)` for blocking work (said once per environment class and method)",
+              _env_name(env), returned.what, limits.timeout_s, returned.held_s)  # fmt: skip
+
+
+def _say_once(env: Environment, method: str, kind: str, message: str, *args: object) -> None:
+    key = (type(env), method, kind)
+    if key not in _said:
+        _said.add(key)
+        log.warning(message, *args)
 
 
 def _checked(env: Environment, result: object) -> StepResult:

@@ -1,0 +1,84 @@
+"""The environment's side of an episode on a scripted engine (no vLLM): an environment that blocks the event loop
+times out and is named."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from rollout.envs import EpisodeLimits
+from rollout.metrics import episode_metrics
+from tests.rollout.envs.scripted_engine import ScriptedEngine, play
+from tests.rollout.envs.scripted_env import EchoObservations
+
+
+@pytest.fixture
+def quick_hold_warning(monkeypatch):
+    """The warning for a call that holds the loop from 0.05 s (1 s in production), so the tests sleep little; each
+    test hears the warnings said once per process."""
+    monkeypatch.setattr("rollout.envs.episode.HOLD_WARNING_S", 0.05)
+    monkeypatch.setattr("rollout.envs.episode._said", set())
+
+
+class SleepsInStep(EchoObservations):
+    """Blocks the event loop for ``sleep_s`` in each step (``time.sleep``, as a synchronous HTTP client would)."""
+
+    def __init__(self, sleep_s: float, turns: int = 2, reward: float = 1.0) -> None:
+        super().__init__(turns=turns, reward=reward)
+        self._sleep_s = sleep_s
+
+    async def step(self, text):
+        time.sleep(self._sleep_s)
+        return await super().step(text)
+
+
+def test_a_step_that_blocks_the_loop_past_the_deadline_times_out(quick_hold_warning, caplog):
+    # Each episode ran well past timeout_s and env/num_timeouts stayed 0: the deadline fires only at an await, and a
+    # last step that blocked had none after it.
+    env = SleepsInStep(0.3, turns=1, reward=1.0)
+    episode = play(env, EpisodeLimits(max_turns=3, timeout_s=0.2))
+    assert episode.timed_out and episode.finish_reason == "length" and episode.num_turns == 1 and env.closed
+    assert episode.env_reward == 0.0  # the late step's result is not taken, as a step cut at its deadline gives none
+    assert episode_metrics([1], [0], [episode.timed_out])["env/num_timeouts"] == 1.0
+    text = caplog.text
+    assert "SleepsInStep: step returned past the episode's timeout_s = 0.2 s" in text
+    assert "blocked the event loop" in text and "asyncio.to_thread" in text
+
+
+def test_a_reset_that_blocks_the_loop_past_the_deadline_times_out_before_any_turn(quick_hold_warning, caplog):
+    class SleepsInReset(EchoObservations):
+        async def reset(self, problem):
+            time.sleep(0.3)
+            return await super().reset(problem)
+
+    engine = ScriptedEngine()
+    env = SleepsInReset()
+    episode = play(env, EpisodeLimits(max_turns=3, timeout_s=0.2), engine)
+    assert episode.timed_out and episode.num_turns == 0 and len(episode.completion_ids) == 0 and env.closed
+    assert episode.prompt_ids and not engine.prompts  # the prompt is there; no turn was generated
+    assert "SleepsInReset: reset of problem 'p0' returned past the episode's timeout_s = 0.2 s" in caplog.text
+
+
+def test_a_call_that_holds_the_loop_long_is_named_once(quick_hold_warning, caplog):
+    with caplog.at_level(logging.WARNING, logger="rollout.envs.episode"):
+        episode = play(SleepsInStep(0.1, turns=3))
+        play(SleepsInStep(0.1, turns=3))
+    assert episode.num_turns == 3 and not episode.timed_out and episode.env_reward == 1.0  # no deadline: it goes on
+    said = [r.getMessage() for r in caplog.records if "held the event loop" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "SleepsInStep: step held the event loop for 0.1" in said[0]
+    assert "stalls generation of every episode on this worker" in said[0] and "asyncio.to_thread" in said[0]
+
+
+def test_a_step_that_awaits_is_not_holding_the_loop(quick_hold_warning, caplog):
+    import asyncio
+
+    class AwaitsInStep(EchoObservations):
+        async def step(self, text):
+            await asyncio.sleep(0.1)  # a slow tool server, awaited: the other episodes go on meanwhile
+            return await super().step(text)
+
+    episode = play(AwaitsInStep(turns=2), EpisodeLimits(max_turns=3, timeout_s=5.0))
+    assert episode.num_turns == 2 and not episode.timed_out and "held the event loop" not in caplog.text
