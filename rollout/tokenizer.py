@@ -27,14 +27,18 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Messages", "PromptLike", "PromptRenderer", "end_of_turn_id", "has_chat_template", "load_tokenizer",
-    "check_prompt", "messages_to_text", "render_continuation", "render_prompt", "token_bytes",
+    "check_prompt", "check_tools", "messages_to_text", "render_continuation", "render_prompt", "token_bytes",
+    "tool_description_problem",
 ]  # fmt: skip
 
 Messages = Sequence[Mapping[str, Any]]
 """Chat messages: ``[{"role": "system" | "user" | "assistant" | "tool", "content": "..."}, ...]``; an assistant
 message may carry OpenAI-form ``tool_calls`` (its content then may be ``None``), which the template renders."""
 Tools = Sequence[Mapping[str, object]]
-"""Tool descriptions in the JSON-schema form chat templates take (``{"type": "function", "function": {...}}``)."""
+"""Tool descriptions in the JSON-schema form chat templates take (``{"type": "function", "function": {...}}``);
+:func:`check_tools` says what one must hold."""
+_TOOL_SHAPE = ("{'type': 'function', 'function': {'name': ..., 'description': ..., 'parameters': {'type': 'object', "
+               "'properties': {...}}}}")  # fmt: skip
 
 _SENTINEL = "\u2063rl-align turn\u2063"  # an assistant turn's text that no template rewrites or meets elsewhere
 _CONTENT = "\u2063rl-align content\u2063"  # stands in for a content holding special-token text (to find its place)
@@ -303,3 +307,56 @@ def check_prompt(prompt: PromptLike) -> None:
             raise ValueError(
                 f"chat message {i} must have a string 'content' (or none, with 'tool_calls'), got {message!r}"
             )
+
+
+def tool_description_problem(tool: object) -> str | None:
+    """What makes ``tool`` no tool description a chat template takes, as the rest of a sentence about it (``" is a
+    str, not a mapping: ..."``, ``"['function']['name'] is None, ..."``), or ``None`` when it is one: a mapping
+    ``{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}`` (OpenAI's form, which
+    transformers' ``get_json_schema`` writes and templates read) with a non-empty string name, text for a description
+    and a JSON-schema object for parameters when given (a function without parameters is valid)."""
+    if not isinstance(tool, Mapping):
+        return f" is a {_type_name(tool)}, not a mapping: give a tool description, {_TOOL_SHAPE}"
+    if tool.get("type") != "function":
+        return f"['type'] is {tool.get('type')!r}, not 'function': a tool description is {_TOOL_SHAPE}"
+    function = tool.get("function")
+    if not isinstance(function, Mapping):
+        return f"['function'] is a {_type_name(function)}, not a mapping: a tool description is {_TOOL_SHAPE}"
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        return f"['function']['name'] is {name!r}, not a non-empty string: the name the model calls the tool by"
+    if function.get("description") is not None and not isinstance(function["description"], str):
+        return f"['function']['description'] is a {_type_name(function['description'])}, not text"
+    if "parameters" in function and not isinstance(function["parameters"], Mapping):
+        return (f"['function']['parameters'] is a {_type_name(function['parameters'])}, not a JSON schema object "
+                "({'type': 'object', 'properties': {...}, 'required': [...]})")  # fmt: skip
+    return None
+
+
+def check_tools(tools: object) -> None:
+    """Raise ``ValueError`` naming the entry and what is wrong unless ``tools`` is ``None`` or a list of tool
+    descriptions (:func:`tool_description_problem`), each of its own name and all JSON (templates write them with
+    ``tojson``)."""
+    if tools is None:
+        return
+    if isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Sequence):
+        raise ValueError(f"tools is a {_type_name(tools)}, not a list: give a list of tool descriptions, each "
+                         f"{_TOOL_SHAPE}")  # fmt: skip
+    names: set[str] = set()
+    for j, tool in enumerate(tools):
+        problem = tool_description_problem(tool)
+        if problem is not None:
+            raise ValueError(f"tools[{j}]{problem}")
+        name = tool["function"]["name"]
+        if name in names:
+            raise ValueError(f"tools[{j}] is a second tool named {name!r}: describe each tool once")
+        names.add(name)
+        try:
+            json.dumps(tool, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"tools[{j}] is not JSON ({e}): a tool description holds JSON values only") from None
+
+
+def _type_name(value: object) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"

@@ -41,6 +41,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rollout.tokenizer import tool_description_problem
+
 __all__ = [
     "MAX_CHOICES", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "ChatRequest", "ProtocolError", "assistant_reply",
     "chat_chunk", "chat_completion", "cut_at_ending_stop", "cut_at_stop", "error_body", "parse_chat_request",
@@ -336,12 +338,9 @@ def _tools(value: object) -> list[dict[str, Any]] | None:
     if not isinstance(value, list):
         raise ProtocolError("tools must be a list of {'type': 'function', 'function': {...}}", param="tools")
     for j, tool in enumerate(value):
-        function = tool.get("function") if isinstance(tool, Mapping) else None
-        if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(function, Mapping) or (
-            not isinstance(function.get("name"), str)
-        ):
-            raise ProtocolError(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}",
-                                param=f"tools[{j}]")  # fmt: skip
+        problem = tool_description_problem(tool)
+        if problem is not None:
+            raise ProtocolError(f"tools[{j}]{problem}", param=f"tools[{j}]")
     return [dict(t) for t in value] or None
 
 

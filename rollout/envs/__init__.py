@@ -21,9 +21,9 @@ __all__ = [
 
 
 def build_environment(config: EnvironmentConfig) -> Callable[[], Environment]:
-    """A factory of fresh per-episode environments for ``config``; a custom class is imported here, so a missing
-    module or class fails before any episode runs (``ValueError`` naming it). An agent (``type = "agent"``) is not an
-    environment: :mod:`rollout.agents` runs it."""
+    """A factory of fresh per-episode environments for ``config``; a custom class is imported and checked here
+    (:func:`_check_class`), so what cannot run fails before any episode does (``ValueError`` naming it). An agent
+    (``type = "agent"``) is not an environment: :mod:`rollout.agents` runs it."""
     from rollout.envs.builtin import FeedbackEnvironment, SingleTurnEnvironment, ToolEnvironment
     from rollout.envs.config import CustomEnvConfig, FeedbackEnvConfig, SingleTurnEnvConfig, ToolEnvConfig
 
@@ -38,9 +38,7 @@ def build_environment(config: EnvironmentConfig) -> Callable[[], Environment]:
     cls = resolve_object(config.class_path, "environment class")
     if not isinstance(cls, type):
         raise ValueError(f"environment class {config.class_path!r} is a {type(cls).__name__}, not a class")
-    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
-    if missing:
-        raise ValueError(f"environment class {config.class_path!r} has no {' or '.join(missing)} method")
+    _check_class(cls, config.class_path)
     options = dict(config.options)
     try:
         inspect.signature(cls).bind(**options)
@@ -58,3 +56,21 @@ def episode_limits(config: EnvironmentConfig) -> EpisodeLimits:
     """The episode limits ``config`` sets (one turn, no other limit, for the single-turn environment; chat completions
     of an agent)."""
     return EpisodeLimits(config.max_turns, config.max_total_tokens, config.timeout_s)
+
+
+def _check_class(cls: type, spec: str) -> None:
+    """``ValueError`` naming ``cls`` (``spec``) unless the episode runner can run it: ``reset`` and ``step`` methods,
+    and ``tools``, when a class attribute, tool descriptions (:func:`rollout.envs.tools.check_tool_descriptions`).
+    Nothing of the class runs here: ``tools`` that a property computes or the constructor sets are checked as each
+    episode starts."""
+    from rollout.envs.tools import check_tool_descriptions
+
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ValueError(f"environment class {spec!r} has no {' or '.join(missing)} method")
+    tools = inspect.getattr_static(cls, "tools", None)
+    if not hasattr(type(tools), "__get__"):  # a value, not a property or method (whose value only an instance has)
+        try:
+            check_tool_descriptions(tools)
+        except ValueError as e:
+            raise ValueError(f"environment class {spec!r}: {e}") from None

@@ -55,7 +55,10 @@ class Environment(ABC):
     """One episode's environment; see the module docstring."""
 
     tools: Sequence[Mapping[str, Any]] | None = None
-    """Tools the chat template describes to the model (JSON schema form), or ``None``."""
+    """Tools the chat template describes to the model, or ``None``: JSON-schema descriptions ``{"type": "function",
+    "function": {"name": ..., "description": ..., "parameters": {...}}}`` (``Tool.schema()`` of a
+    :class:`rollout.envs.tools.Tool`), as :func:`rollout.tokenizer.check_tools` checks them when an episode starts and
+    at each turn."""
 
     @abstractmethod
     async def reset(self, problem: Problem) -> list[Message]:

@@ -37,6 +37,7 @@ import numpy as np
 
 from rollout.config import SamplingConfig
 from rollout.envs.base import Environment, EpisodeFailed, Message, StepResult
+from rollout.envs.tools import check_tool_descriptions
 from rollout.tasks.problem import Problem
 
 if TYPE_CHECKING:
@@ -111,10 +112,11 @@ async def run_episode(
     """Run ``env`` on ``problem`` to the end on ``engine`` (awaited on the engine loop) and return the episode;
     ``render`` turns the environment's first messages into the prompt (its tokenizer renders the rest);
     ``seed_of_turn(t)`` seeds model turn ``t``. The environment is closed whatever happens. Its failures (an
-    exception, a ``reset`` that does not return by the deadline, a malformed ``StepResult`` or messages) raise
-    :class:`EpisodeFailed` naming it; a call that returns past the deadline (it blocked the loop) times the episode
-    out, as the deadline does (a ``reset``'s: before the first turn). A prompt the engine's context cannot hold raises
-    ``ValueError`` (the dataset's problem, not the episode's), and the engine's own errors propagate as they are."""
+    exception, a ``reset`` that does not return by the deadline, a malformed ``StepResult``, messages or ``tools``)
+    raise :class:`EpisodeFailed` naming it; a call that returns past the deadline (it blocked the loop) times the
+    episode out, as the deadline does (a ``reset``'s: before the first turn). A prompt the engine's context cannot
+    hold raises ``ValueError`` (the dataset's problem, not the episode's), and the engine's own errors propagate as
+    they are."""
     try:
         tokenizer = render.tokenizer
         loop = asyncio.get_running_loop()
@@ -132,7 +134,7 @@ async def run_episode(
                 f"{_env_name(env)}: {what} did not return within the episode's timeout_s = {limits.timeout_s} s"
             ) from None
         _check_messages(env, "reset()'s messages", messages)
-        prompt = render(messages, env.tools)
+        prompt = render(messages, _tools(env))
         if len(prompt) >= engine.config.max_model_len:
             raise ValueError(
                 f"problem {problem.problem_id!r}: its prompt is {len(prompt)} tokens, and the engine holds "
@@ -240,7 +242,7 @@ async def _turns(
         if turn == limits.max_turns - 1:
             trajectory.finish_reason = "length"  # the environment wanted another turn
             return
-        observation = render_continuation(tokenizer, result.observation, env.tools)
+        observation = render_continuation(tokenizer, result.observation, _tools(env))
         eot = end_of_turn_id(tokenizer)
         if len(completion.token_ids) == 0 or int(completion.token_ids[-1]) != eot:
             observation = [eot, *observation]  # stopped on another stop token: the template closes the turn
@@ -333,6 +335,18 @@ def _say_once(env: Environment, method: str, kind: str, message: str, *args: obj
     if key not in _said:
         _said.add(key)
         log.warning(message, *args)
+
+
+def _tools(env: Environment) -> Tools | None:
+    """``env.tools`` if it is ``None`` or a list of tool descriptions a chat template takes, else
+    :class:`EpisodeFailed` naming the environment and saying what is wrong and what to give. A class that does not
+    subclass :class:`Environment` may have no ``tools``: it has none."""
+    tools = getattr(env, "tools", None)
+    try:
+        check_tool_descriptions(tools)
+    except ValueError as e:
+        raise EpisodeFailed(f"{_env_name(env)}: {e}") from None
+    return tools
 
 
 def _checked(env: Environment, result: object) -> StepResult:

@@ -20,16 +20,17 @@ import math
 import operator
 import typing
 import weakref
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 from rollout.envs.config import PythonToolConfig, ToolName
+from rollout.tokenizer import check_tools
 
 __all__ = [
     "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "Tool", "ToolCall", "ToolOutput", "build_tool", "calculate",
-    "format_tool_call", "parse_tool_calls", "strip_tool_calls",
+    "check_tool_descriptions", "format_tool_call", "parse_tool_calls", "strip_tool_calls",
 ]  # fmt: skip
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -70,6 +71,18 @@ class Tool:
         return {"type": "function", "function": {
             "name": self.name, "description": self.description, "parameters": self.parameters,
         }}  # fmt: skip
+
+
+def check_tool_descriptions(tools: object) -> None:
+    """:func:`rollout.tokenizer.check_tools` for an environment's ``tools`` (``ValueError`` saying what is wrong and
+    what to give), which also says how to describe a :class:`Tool` given in place of its description."""
+    try:
+        check_tools(tools)
+    except ValueError as e:
+        if isinstance(tools, Tool) or (isinstance(tools, Sequence) and any(isinstance(t, Tool) for t in tools)):
+            raise ValueError(f"{e} (a Tool's description is Tool.schema(): tools = [tool.schema() for tool in ...])"
+                             ) from None  # fmt: skip
+        raise
 
 
 def format_tool_call(name: str, arguments: Mapping[str, Any]) -> str:

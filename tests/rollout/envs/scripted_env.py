@@ -7,7 +7,7 @@ from typing import ClassVar
 from rollout.envs import Environment, Message, StepResult
 from rollout.envs.builtin import ToolEnvironment
 from rollout.envs.config import ToolEnvConfig
-from rollout.envs.tools import Tool
+from rollout.envs.tools import Tool, build_tool
 from rollout.tasks.problem import Problem, chat_messages
 
 
@@ -102,3 +102,9 @@ class Returns(Environment):
 
     async def close(self) -> None:
         self.closed = True
+
+
+class DescribesToolObjects(EchoObservations):
+    """Describes its tools as :class:`Tool` objects, not their JSON schemas (``Tool.schema()``)."""
+
+    tools = [build_tool("calculator")]  # type: ignore[assignment]

@@ -212,6 +212,28 @@ def test_a_custom_environment_is_built_with_its_options():
         CustomEnvConfig(class_path="no_colon")
 
 
+@pytest.mark.parametrize("name, error", [
+    ("DescribesToolObjects", r"'tests.rollout.envs.scripted_env:DescribesToolObjects': tools\[0\] is a "
+                             r"rollout.envs.tools.Tool, not a mapping.*\(a Tool's description is Tool.schema\(\)"),
+])  # fmt: skip
+def test_a_custom_environment_that_cannot_run_is_refused_when_built(name, error):
+    # Tool objects as tools passed --check and failed every episode at run time.
+    with pytest.raises(ValueError, match=error):
+        build_environment(CustomEnvConfig(class_path=f"tests.rollout.envs.scripted_env:{name}"))
+
+
+def test_a_custom_environment_may_compute_its_tools(monkeypatch):
+    import tests.rollout.envs.scripted_env as module
+
+    class Computed(module.EchoObservations):
+        @property
+        def tools(self):  # computed per instance: checked when an episode runs
+            return [object()]
+
+    monkeypatch.setattr(module, "Computed", Computed, raising=False)
+    assert build_environment(CustomEnvConfig(class_path="tests.rollout.envs.scripted_env:Computed"))
+
+
 def test_a_calculator_transcript_renders_as_the_template_renders_the_conversation():
     from rollout.envs.episode import render_transcript
     from rollout.tasks.arithmetic import calculator_transcript

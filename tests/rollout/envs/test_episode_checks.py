@@ -1,5 +1,6 @@
 """The environment's side of an episode on a scripted engine (no vLLM): an environment that blocks the event loop
-times out and is named."""
+times out and is named, and tool descriptions that no chat template can render fail the episode naming the
+environment."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import time
 
 import pytest
 
-from rollout.envs import EpisodeLimits
+from rollout.envs import EpisodeFailed, EpisodeLimits, StepResult
+from rollout.envs.tools import build_tool
 from rollout.metrics import episode_metrics
 from tests.rollout.envs.scripted_engine import ScriptedEngine, play
 from tests.rollout.envs.scripted_env import EchoObservations
@@ -82,3 +84,57 @@ def test_a_step_that_awaits_is_not_holding_the_loop(quick_hold_warning, caplog):
 
     episode = play(AwaitsInStep(turns=2), EpisodeLimits(max_turns=3, timeout_s=5.0))
     assert episode.num_turns == 2 and not episode.timed_out and "held the event loop" not in caplog.text
+
+
+class HasTools(EchoObservations):
+    """Describes ``tools`` to the model (set per instance, as a constructor would)."""
+
+    def __init__(self, tools: object, turns: int = 2) -> None:
+        super().__init__(turns=turns)
+        self.tools = tools  # type: ignore[assignment]
+
+
+CALC = build_tool("calculator").schema()
+
+
+@pytest.mark.parametrize("tools, error", [
+    # 'Tool' object is not iterable, in a RayTaskError naming no environment
+    ([build_tool("calculator")], r"tools\[0\] is a rollout.envs.tools.Tool, not a mapping: give a tool description, "
+                                 r"\{'type': 'function', .*\(a Tool's description is Tool.schema\(\)"),
+    (CALC, r"tools is a dict, not a list: give a list of tool descriptions"),
+    ([{"name": "calc", "parameters": {}}],
+     r"tools\[0\]\['type'\] is None, not 'function': a tool description is \{'type': 'function'"),
+    # a jinja UndefinedError from the chat template
+    ([{"type": "function", "function": {"parameters": {}}}], r"tools\[0\]\['function'\]\['name'\] is None, not a "
+                                                             r"non-empty string"),
+    ([{"type": "function", "function": {"name": "calc", "parameters": "x"}}],
+     r"tools\[0\]\['function'\]\['parameters'\] is a str, not a JSON schema object"),
+    ([CALC, CALC], r"tools\[1\] is a second tool named 'calculator'"),
+    ([{"type": "function", "function": {"name": "calc", "parameters": {"type": {int}}}}],
+     r"tools\[0\] is not JSON"),
+])  # fmt: skip
+def test_tools_no_template_can_describe_fail_the_episode_naming_the_environment(tools, error):
+    env = HasTools(tools)
+    with pytest.raises(EpisodeFailed, match=r"test_episode_checks:HasTools: " + error) as e:
+        play(env)
+    assert "HasTools: " in str(e.value) and env.closed
+
+
+def test_tools_changed_to_what_cannot_be_described_fail_the_turn_naming_the_environment():
+    class BreaksItsTools(HasTools):
+        async def step(self, text):
+            self.tools = [build_tool("calculator")]
+            return StepResult(observation=[{"role": "tool", "content": "408"}])
+
+    with pytest.raises(EpisodeFailed, match=r"BreaksItsTools: tools\[0\] is a rollout.envs.tools.Tool"):
+        play(BreaksItsTools([CALC]))
+
+
+def test_well_formed_tools_are_described_to_the_model():
+    now = {"type": "function", "function": {"name": "now"}}  # no parameters: valid in OpenAI's API
+    engine = ScriptedEngine()
+    episode = play(HasTools((CALC, now)), engine=engine)
+    assert episode.num_turns == 2
+    from tests.rollout.envs.scripted_engine import tiny_tokenizer
+
+    assert "Tools: calculator(expression) now()." in tiny_tokenizer().decode(engine.prompts[0])
