@@ -58,19 +58,38 @@ def episode_limits(config: EnvironmentConfig) -> EpisodeLimits:
     return EpisodeLimits(config.max_turns, config.max_total_tokens, config.timeout_s)
 
 
+_METHODS = {"reset": "async def reset(self, problem)", "step": "async def step(self, text)",
+            "close": "async def close(self)"}  # fmt: skip
+
+
 def _check_class(cls: type, spec: str) -> None:
-    """``ValueError`` naming ``cls`` (``spec``) unless the episode runner can run it: ``reset`` and ``step`` methods,
-    and ``tools``, when a class attribute, tool descriptions (:func:`rollout.envs.tools.check_tool_descriptions`).
-    Nothing of the class runs here: ``tools`` that a property computes or the constructor sets are checked as each
-    episode starts."""
+    """``ValueError`` naming ``cls`` (``spec``) unless the episode runner can run it: ``reset`` and ``step`` (and
+    ``close``, when it has one) coroutine functions, none left abstract, and ``tools``, when a class attribute, tool
+    descriptions (:func:`rollout.envs.tools.check_tool_descriptions`). Nothing of the class runs here: ``tools`` that a
+    property computes or the constructor sets are checked as each episode starts."""
     from rollout.envs.tools import check_tool_descriptions
 
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:
         raise ValueError(f"environment class {spec!r} has no {' or '.join(missing)} method")
+    for name, form in _METHODS.items():
+        method = getattr(cls, name, None)
+        if method is not None and not _is_async(method):
+            raise ValueError(f"environment class {spec!r}: {cls.__name__}.{name} is not an async method: write it "
+                             f"`{form}` (every episode of a worker runs on one event loop; run blocking work with "
+                             "`await asyncio.to_thread(...)`)")  # fmt: skip
+    if inspect.isabstract(cls):
+        abstract = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
+        raise ValueError(f"environment class {spec!r} leaves {abstract} abstract: define them")
     tools = inspect.getattr_static(cls, "tools", None)
     if not hasattr(type(tools), "__get__"):  # a value, not a property or method (whose value only an instance has)
         try:
             check_tool_descriptions(tools)
         except ValueError as e:
             raise ValueError(f"environment class {spec!r}: {e}") from None
+
+
+def _is_async(method: Callable[..., object]) -> bool:
+    """Whether calling ``method`` gives a coroutine: an ``async def`` (or a partial of one), also under a decorator
+    that keeps it as ``__wrapped__`` (``functools.wraps``)."""
+    return inspect.iscoroutinefunction(method) or inspect.iscoroutinefunction(inspect.unwrap(method))

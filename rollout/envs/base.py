@@ -7,9 +7,10 @@ generated is never re-tokenised.
 
 A user environment is a class with these methods, named in the recipe as ``[environment] type = "custom"``,
 ``class_path = "my_pkg.envs:MyEnv"``; it is constructed with the recipe's ``options`` table as keyword arguments, once
-per episode, on the rollout worker. Its methods are coroutine functions (``async def``), run on the engine's event
-loop: one that blocks it (``time.sleep``, a synchronous HTTP client) stalls generation of every episode on the
-worker, so blocking work belongs in ``await asyncio.to_thread(...)``.
+per episode, on the rollout worker. Its methods are coroutine functions (``async def``; a synchronous one is refused
+when the recipe is loaded), run on the engine's event loop: one that blocks it (``time.sleep``, a synchronous HTTP
+client) stalls generation of every episode on the worker, so blocking work belongs in ``await
+asyncio.to_thread(...)``.
 """
 
 from __future__ import annotations

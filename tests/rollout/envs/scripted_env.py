@@ -104,6 +104,20 @@ class Returns(Environment):
         self.closed = True
 
 
+class SynchronousStep(EchoObservations):
+    """``def step`` where ``async def step`` belongs (refused when the recipe is loaded)."""
+
+    def step(self, text: str) -> StepResult:  # type: ignore[override]
+        return StepResult(done=True)
+
+
+class SynchronousReset(EchoObservations):
+    """``def reset`` where ``async def reset`` belongs (refused when the recipe is loaded)."""
+
+    def reset(self, problem: Problem) -> list[Message]:  # type: ignore[override]
+        return chat_messages(problem.prompt)
+
+
 class DescribesToolObjects(EchoObservations):
     """Describes its tools as :class:`Tool` objects, not their JSON schemas (``Tool.schema()``)."""
 

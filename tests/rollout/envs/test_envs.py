@@ -199,6 +199,10 @@ def test_the_recipe_environment_section_is_checked(tmp_path):
         load_recipe(base, {"environment.type": "feedback", "environment.max_total_tokens": 4096})
     with pytest.raises(Exception, match="environment.class_path.*no_such_env_module"):
         load_recipe(base, {"environment.type": "custom", "environment.class_path": "no_such_env_module:Env"})
+    # A synchronous step passed the check and failed at run time: object StepResult can't be used in 'await'.
+    with pytest.raises(Exception, match="environment.class_path.*SynchronousStep.step is not an async"):
+        load_recipe(base, {"environment.type": "custom",
+                           "environment.class_path": "tests.rollout.envs.scripted_env:SynchronousStep"})
 
 
 def test_a_custom_environment_is_built_with_its_options():
@@ -213,25 +217,53 @@ def test_a_custom_environment_is_built_with_its_options():
 
 
 @pytest.mark.parametrize("name, error", [
+    ("SynchronousStep", r"'tests.rollout.envs.scripted_env:SynchronousStep': SynchronousStep.step is not an async "
+                        r"method: write it `async def step\(self, text\)`"),
+    ("SynchronousReset", r"SynchronousReset.reset is not an async method: write it `async def reset\(self, problem\)`"),
     ("DescribesToolObjects", r"'tests.rollout.envs.scripted_env:DescribesToolObjects': tools\[0\] is a "
                              r"rollout.envs.tools.Tool, not a mapping.*\(a Tool's description is Tool.schema\(\)"),
 ])  # fmt: skip
 def test_a_custom_environment_that_cannot_run_is_refused_when_built(name, error):
-    # Tool objects as tools passed --check and failed every episode at run time.
+    # A synchronous reset or step, or Tool objects as tools, passed --check and failed every episode at run time.
     with pytest.raises(ValueError, match=error):
         build_environment(CustomEnvConfig(class_path=f"tests.rollout.envs.scripted_env:{name}"))
 
 
-def test_a_custom_environment_may_compute_its_tools(monkeypatch):
-    import tests.rollout.envs.scripted_env as module
+def test_a_custom_environment_may_wrap_its_async_methods_and_compute_its_tools(monkeypatch):
+    import functools
 
-    class Computed(module.EchoObservations):
+    import tests.rollout.envs.scripted_env as module
+    from rollout.envs import Environment
+
+    def logged(method):  # a plain function handing back the coroutine: awaitable as the runner awaits it
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            return method(*args, **kwargs)
+
+        return wrapper
+
+    class Wrapped(Environment):
+        @logged
+        async def reset(self, problem):
+            return []
+
+        async def step(self, text):
+            return None
+
         @property
         def tools(self):  # computed per instance: checked when an episode runs
             return [object()]
 
-    monkeypatch.setattr(module, "Computed", Computed, raising=False)
-    assert build_environment(CustomEnvConfig(class_path="tests.rollout.envs.scripted_env:Computed"))
+    monkeypatch.setattr(module, "Wrapped", Wrapped, raising=False)
+    assert build_environment(CustomEnvConfig(class_path="tests.rollout.envs.scripted_env:Wrapped"))
+
+    class Abstract(Environment):  # step forgotten: "Can't instantiate abstract class" in every episode
+        async def reset(self, problem):
+            return []
+
+    monkeypatch.setattr(module, "Abstract", Abstract, raising=False)
+    with pytest.raises(ValueError, match="scripted_env:Abstract' leaves step abstract: define them"):
+        build_environment(CustomEnvConfig(class_path="tests.rollout.envs.scripted_env:Abstract"))
 
 
 def test_a_calculator_transcript_renders_as_the_template_renders_the_conversation():
