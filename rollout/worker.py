@@ -182,12 +182,19 @@ class RolloutWorker:
             new_env, render, limits = self._new_env, self._render, self._limits
             assert new_env is not None
 
+            name = getattr(self._env_config, "class_path", self._env_config.type)
+
+            async def episode(i: int, k: int) -> Episode:
+                try:
+                    env = new_env()
+                except Exception as e:  # the user's constructor: one episode's failure, within the budget
+                    raise EpisodeFailed(f"environment {name}: constructing it for problem {problems[i].problem_id!r} "
+                                        f"raised {type(e).__name__}: {e}") from e  # fmt: skip
+                return await run_episode(self.engine, render, env, problems[i], sampling, limits,
+                                         functools.partial(turn_seed, sampling, group_ids[i], k))  # fmt: skip
+
             async def episodes() -> list[Episode | EpisodeFailed]:
-                return await run_all([
-                    run_episode(self.engine, render, new_env(), problems[i], sampling, limits,
-                                functools.partial(turn_seed, sampling, group_ids[i], k))
-                    for i, k in jobs
-                ], budget)  # fmt: skip
+                return await run_all([episode(i, k) for i, k in jobs], budget)
 
             ran = self.engine.run(episodes())
         whole = request_episodes is None or request_episodes == len(jobs)

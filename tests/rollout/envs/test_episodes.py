@@ -300,3 +300,28 @@ def test_seeded_prompts_beyond_one_step_s_token_budget_are_generated(worker):
     sampling = SamplingConfig(temperature=1.0, max_tokens=4, ignore_eos=True, seed=1)
     groups = worker.engine.generate(prompts, sampling, n=1, seeds=list(range(40)))
     assert [len(g[0].token_ids) for g in groups] == [4] * 40
+
+
+def test_an_environment_whose_constructor_raises_fails_that_episode_within_the_budget(worker, monkeypatch):
+    """A user constructor that raised (a sandbox it opens, a bad option) escaped every episode's handling and failed
+    the worker's whole call, whatever ``max_failed_fraction`` said."""
+    config = CustomEnvConfig(class_path="tests.rollout.envs.scripted_env:EchoObservations", max_turns=2,
+                             max_failed_fraction=0.5)  # fmt: skip
+    monkeypatch.setattr(worker, "_env_config", config)
+    made = iter(range(100))
+
+    def every_other() -> EchoObservations:
+        if next(made) % 2:
+            raise ConnectionError("the sandbox pool is exhausted")
+        return EchoObservations(turns=2)
+
+    monkeypatch.setattr(worker, "_new_env", every_other)
+    batch = worker.generate_groups([PROBLEM], group_ids=[0], group_size=4, min_group_size=2)
+    assert len(batch.samples) == 2 and batch.metrics["env/num_failed_episodes"] == 2
+    def never() -> EchoObservations:
+        raise ConnectionError("the sandbox pool is exhausted")
+
+    monkeypatch.setattr(worker, "_new_env", never)
+    with pytest.raises(EpisodeFailed, match=r"environment tests.rollout.envs.scripted_env:EchoObservations: "
+                                            r"constructing it for problem .* raised ConnectionError: the sandbox pool"):
+        worker.generate_groups([PROBLEM], group_ids=[1], group_size=4)
