@@ -312,6 +312,16 @@ def _check_environment(recipe: Recipe) -> None:
             f"environment.type = {env.type!r} renders observations as chat turns with the tokenizer's chat template: "
             "leave use_chat_template unset or true (and use a tokenizer that has one)",
         )
+    from rollout.envs.failures import failures_allowed
+
+    episodes = recipe.run.num_prompts_per_step * recipe.algorithm.group_size
+    fraction = env.max_failed_fraction
+    if fraction > 0 and failures_allowed(episodes, fraction) == 0:
+        raise FieldError(
+            "environment.max_failed_fraction",
+            f"{fraction} of a step's {episodes} episodes lets none fail (floor({fraction} x {episodes}) = 0): raise "
+            f"it to at least {1 / episodes:.3g} to let one go, or set 0",
+        )
     max_model_len = recipe.rollout.engine.max_model_len
     if env.max_total_tokens is not None and env.max_total_tokens >= max_model_len:
         raise FieldError(

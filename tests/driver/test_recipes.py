@@ -557,3 +557,12 @@ def test_a_run_that_pushes_over_tls_to_engines_serving_plaintext_fails_at_load()
     tls = {"weight_sync.tls_ca_path": "ca.crt", "weight_sync.tls_cert_path": "t.crt",
            "weight_sync.tls_key_path": "t.key"}
     assert load_recipe(base, tls, check_paths=False).weight_sync.tls_cert_path == "t.crt"
+
+
+def test_a_failure_budget_that_lets_no_episode_of_a_step_go_fails_at_load():
+    """0.01 of a step's 128 episodes rounds down to none: every failure failed the run, which the recipe did not say."""
+    base = ROOT / "recipes" / "agent_calc_tiny.toml"
+    err = _error(base, {"environment.max_failed_fraction": 0.001})
+    assert "environment.max_failed_fraction: 0.001 of a step's 128 episodes lets none fail" in err, err
+    assert "raise it to at least 0.00781 to let one go, or set 0" in err, err
+    assert load_recipe(base, {"environment.max_failed_fraction": 0.01}).environment.max_failed_fraction == 0.01
