@@ -165,11 +165,11 @@ class WorkerFleet:
         except ray.exceptions.RayError as e:
             self.replace(slot, f"failed while {slot.state.value} ({e})")
             return True
-        if slot.state is WorkerState.STARTING:
-            slot.address, version = result, 0  # a new engine serves the model directory: version 0
-        else:
-            version = result
-        self._catch_up(slot, version)
+        if slot.state is WorkerState.STARTING:  # the version its model directory records (an export's, else 0)
+            slot.address = result
+            self._set(slot, WorkerState.CATCHING_UP, slot.actor.policy_version.remote())
+            return True
+        self._catch_up(slot, result)
         return True
 
     def wait_until_serving(self, timeout_s: float | None = None) -> None:

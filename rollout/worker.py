@@ -9,7 +9,8 @@ records the ``policy_version`` of the weights it was generated with; pushes arri
 engine's safe point (requests in flight finish on the old version).
 
 Weights only ever arrive through the receiver, pushed by the trainer: a replacement worker starts on the model
-directory (version 0) and is caught up by the trainer before it takes work (:mod:`rollout.fleet`).
+directory (at the version it records: an export's, else 0) and is caught up by the trainer before it takes work
+(:mod:`rollout.fleet`).
 """
 
 from __future__ import annotations

@@ -72,8 +72,18 @@ def ray_session(tmp_path_factory):
     ray.shutdown()
 
 
-def _pool(monkeypatch, num_workers: int, restarts: int = 3, cpus: float = 0.0, placement=None) -> RolloutPool:
-    monkeypatch.setattr("rollout.worker.RolloutWorker", FakeWorker)
+class FakeWorkerOnAnExport(FakeWorker):
+    """Its model directory is an export that records version 5 (its engine starts there)."""
+
+    def __init__(self, config, reward=None, weight_sync=None, environment=None):
+        super().__init__(config)
+        self.version = 5
+
+
+def _pool(
+    monkeypatch, num_workers: int, restarts: int = 3, cpus: float = 0.0, placement=None, worker=FakeWorker
+) -> RolloutPool:
+    monkeypatch.setattr("rollout.worker.RolloutWorker", worker)
     config = RolloutConfig(model_path="unused", num_workers=num_workers, num_cpus_per_worker=cpus,
                            max_groups_per_dispatch=2, num_worker_restarts=restarts)  # fmt: skip
     return RolloutPool(config, placement=placement)
@@ -126,6 +136,23 @@ def test_lone_replacement_gets_the_committed_version_from_the_publisher(monkeypa
         assert new != old and calls == [[new]]
         # A worker that died while generating was replaced without a word in the log (only lifecycle deaths said so).
         assert f"rollout worker {old} died while generating" in caplog.text and "replacing it" in caplog.text
+    finally:
+        pool.shutdown()
+
+
+def test_a_replacement_on_an_exported_model_serves_the_version_it_records_without_a_push(monkeypatch):
+    """A run from an export starts at its version: a replacement was taken to be at 0 and pushed that version, which its
+    receiver refused as not newer, so it was replaced again until the restarts ran out."""
+    pool = _pool(monkeypatch, num_workers=1, worker=FakeWorkerOnAnExport)
+    try:
+        pool.set_policy_version(5)  # the trainer's start, as the driver tells the pool
+
+        def refuses_what_it_holds(addresses: list[str]) -> int:
+            raise RuntimeError(f"pushing the current policy to {addresses} failed: version 5 is not newer than 5")
+
+        pool.set_weight_publisher(refuses_what_it_holds)
+        batch = _collect_after_kill(pool, pool.workers[0])
+        _assert_complete(batch, 5)
     finally:
         pool.shutdown()
 
