@@ -92,9 +92,9 @@ def hold_checkpoint_dir(ckpt_dir: Path, out_dir: Path) -> RunDirLock:
 def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None) -> CheckedRun:
     """Check what the run needs before Ray starts, for a run holding ``out_dir`` and ``ckpt_dir``: the weight-sync
     token's variable, the task's data, the model (created here when the recipe creates one), the tokenizer, the
-    exports' tokenizer, the model against the trainer's sharding, and for a resume (``resume``: "required" or "auto",
-    as :func:`driver.run.run` takes it) the newest checkpoint against the recipe. ``ValueError`` /
-    ``FileNotFoundError`` otherwise, naming what to change."""
+    exports' tokenizer, the model against the trainer's sharding, the engines' start version against the trainer's,
+    and for a resume (``resume``: "required" or "auto", as :func:`driver.run.run` takes it) the newest checkpoint
+    against the recipe. ``ValueError`` / ``FileNotFoundError`` otherwise, naming what to change."""
     from common.tokenizer_dir import check_tokenizer_dir
     from rollout.tasks import build_dataset
     from trainer.checkpoint import saved_data_cursor
@@ -115,7 +115,30 @@ def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None)
         check_resumable(resume_from, model_cfg, recipe, out_dir)
         _check_steps_left(resume_from, recipe.run.num_steps)
         dataset.load_state_dict(saved_data_cursor(resume_from))
+    _check_engines_not_ahead(recipe, resume_from)
     return CheckedRun(resume_from, model_cfg, dataset)
+
+
+def _check_engines_not_ahead(recipe: Recipe, resume_from: Path | None) -> None:
+    """``ValueError`` when the engines would start at a newer policy version than the trainer (the version their model
+    directory records, against the checkpoint's or the model's): they would refuse every push up to theirs as not
+    newer and generate with their own weights meanwhile."""
+    from trainer.checkpoint import saved_policy_version
+    from weight_sync.sink import read_policy_version
+
+    served = recipe.rollout.served_model_path
+    engines = read_policy_version(served)
+    if resume_from is not None:
+        trainer, where = saved_policy_version(resume_from), f"the checkpoint {resume_from}"
+    else:
+        trainer, where = read_policy_version(recipe.model.path), f"model.path {recipe.model.path}"
+    if engines > trainer:
+        raise ValueError(
+            f"the rollout engines would start from {served} at policy version {engines}, ahead of the trainer's "
+            f"{trainer} ({where}): they would refuse its pushes as not newer; serve the directory the trainer "
+            f"starts from (rollout.model_path), or delete {served}/policy_version.json if that copy is the same "
+            "weights numbered by an earlier run"
+        )
 
 
 def ensure_model(recipe: Recipe) -> None:

@@ -81,6 +81,18 @@ class WeightPublisher:
         return version
 
 
+def engines_behind(engine_versions: Sequence[int], trainer_version: int) -> bool:
+    """Whether some engine serves an older policy version than the trainer holds (it must be pushed the trainer's
+    weights before it generates); engines at the trainer's version hold its weights already (each version is one set
+    of weights within a run's lineage) and would refuse them as not newer. ``RuntimeError`` when an engine is ahead
+    of the trainer (it would refuse every push up to its version: ``driver.preflight`` refuses the runs where the
+    directories show it before Ray starts)."""
+    if any(v > trainer_version for v in engine_versions):
+        raise RuntimeError(f"rollout engines serve policy versions {sorted(set(engine_versions))}, ahead of the "
+                           f"trainer's {trainer_version}: they would refuse its pushes as not newer")  # fmt: skip
+    return any(v < trainer_version for v in engine_versions)
+
+
 def push_failures(outcomes: list[dict[str, Any]]) -> dict[str, str]:
     """Receiver address -> error for every receiver whose push (on any rank) or commit failed, from the per-rank
     outcomes of ``TrainerGroup.push_weights``: each distinct message once, in rank order, joined by "; ". A receiver

@@ -356,6 +356,7 @@ class _Run:
         from driver.evaluate import evaluate
         from driver.loop import RLLoop, checkpoint_due
         from driver.metrics import plot_curves, read_jsonl
+        from driver.publisher import engines_behind
         from driver.warm_start import warm_start
 
         r = self.recipe
@@ -396,7 +397,7 @@ class _Run:
         # right after a warm start whose export they loaded) would refuse it as not newer. External receivers take
         # the first step's push.
         version = self.trainer.policy_version()
-        if self.publisher.published_version != version and min(self.pool.policy_versions(), default=0) < version:
+        if self.publisher.published_version != version and engines_behind(self.pool.policy_versions(), version):
             self.publisher.publish()
         self.pool.set_policy_version(version)
         # A resumed run compares its end with the start of RL (the first run's eval before step 0). The checkpoint's
@@ -421,7 +422,7 @@ class _Run:
         final = self.out_dir / FINAL_MODEL
         self.trainer.export_hf(str(final), r.export_source_dir, r.run.export.dtype)
         log.info("trained model: %s (from_pretrained-ready: weights, config, tokenizer, generation config)", final)
-        _print_report(before, after, self.out_dir, self.publisher.external_unserved)
+        _print_report(before, after, self.out_dir, self.publisher.external_unserved if trained else None)
         if r.run.logging.plot:
             self.logger.close()
             self.logger = None

@@ -4,9 +4,10 @@ rewards are all equal, each step checkpoints the dataset cursor of the batch it 
 publisher tells the pool every committed version and pushes to a replacement worker on the pool's request."""
 
 import numpy as np
+import pytest
 
 from driver.loop import RLLoop
-from driver.publisher import WeightPublisher
+from driver.publisher import WeightPublisher, engines_behind
 from recipe import load_recipe
 from rollout.metrics import sample_metrics
 from rollout.types import RolloutBatch, Sample
@@ -295,3 +296,9 @@ def test_training_groups_are_numbered_by_their_place_in_the_data_stream():
     assert len(submitted) > 3  # dynamic sampling drew extra rounds
     for first, problems in submitted:  # FakeDataset's problems are their own stream positions
         assert first == problems[0] and problems == list(range(first, first + len(problems)))
+
+
+def test_engines_behind_the_trainer_are_pushed_its_weights_those_at_it_not_and_those_ahead_fail_the_run():
+    assert engines_behind([3, 5], 5) and not engines_behind([5, 5], 5) and not engines_behind([], 5)
+    with pytest.raises(RuntimeError, match=r"policy versions \[5, 40\], ahead of the trainer's 5"):
+        engines_behind([40, 5], 5)

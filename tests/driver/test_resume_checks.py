@@ -555,3 +555,23 @@ def test_a_refused_run_lets_its_checkpoint_directory_go(tmp_path, capsys, no_ray
     capsys.readouterr()
     with pytest.raises(AssertionError, match="Ray was started"):  # the checks pass: nothing still holds the directory
         run(_recipe(tmp_path, "model", 128), resume="required")
+
+
+def test_a_resume_whose_engines_would_start_ahead_of_its_checkpoint_is_refused_before_ray(tmp_path, capsys, no_ray):
+    """The checkpoint is at version 2; the model directory the engines serve records 40 (an export a run before
+    versions continued from their model's was started from): the engines would refuse every push up to 40 and generate
+    with their own weights meanwhile."""
+    from weight_sync.sink import write_policy_version
+
+    out = _checkpointed_run(tmp_path)
+    write_policy_version(str(tmp_path / "model"), 40)
+    before = _listing(out)
+    assert run(_recipe(tmp_path, "model", 128), resume="required") == 2
+    err = capsys.readouterr().err
+    expected = f"the rollout engines would start from {tmp_path / 'model'} at policy version 40, ahead of the trainer's"
+    assert f"{expected} 2 (the checkpoint" in err, err
+    assert _listing(out) == before
+    write_policy_version(str(tmp_path / "model"), 2)  # at the checkpoint's version: the same weights, it may resume
+    capsys.readouterr()
+    with pytest.raises(AssertionError, match="Ray was started"):
+        run(_recipe(tmp_path, "model", 128), resume="required")
