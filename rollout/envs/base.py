@@ -15,14 +15,27 @@ asyncio.to_thread(...)``.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.tasks.problem import Problem
 
-__all__ = ["Environment", "EpisodeFailed", "Message", "StepResult"]
+__all__ = ["Environment", "EpisodeFailed", "Message", "StepResult", "warn_once"]
+
+_warned: set[Hashable] = set()
+
+
+def warn_once(
+    logger: logging.Logger, key: Hashable, message: str, *args: object, exc_info: BaseException | None = None
+) -> None:
+    """Log ``message`` (``%``-formatted with ``args``) as a warning the first time this process sees ``key``: an
+    environment's recurring fault is said once (keyed by its class and what failed), not once per episode."""
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args, exc_info=exc_info)
 
 
 class EpisodeFailed(RuntimeError):

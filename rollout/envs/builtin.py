@@ -9,8 +9,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rollout.envs.base import Environment, Message, StepResult
+from rollout.envs.base import Environment, Message, StepResult, warn_once
 from rollout.envs.config import FeedbackEnvConfig, ToolEnvConfig
+from rollout.envs.sandbox import SandboxUnavailableError
 from rollout.envs.tools import Tool, ToolOutput, build_tool, parse_tool_calls
 from rollout.tasks.problem import Problem, chat_messages
 
@@ -18,7 +19,6 @@ __all__ = ["FeedbackEnvironment", "SingleTurnEnvironment", "ToolEnvironment"]
 
 log = logging.getLogger(__name__)
 
-_said: set[tuple[str, str, str]] = set()
 """(environment class, tool, kind of failure) already logged in this process: a broken tool fails every call."""
 
 
@@ -84,6 +84,8 @@ class ToolEnvironment(Environment):
                 return self._failed(tool, "sync", f"it returned {type(pending).__name__}, not an awaitable: its run "
                                                   "must be an async function")  # fmt: skip
             output = await pending
+        except SandboxUnavailableError:  # the host's, not the tool's: the episode fails, naming it (nothing ran)
+            raise
         except Exception as e:  # the episode's deadline arrives as CancelledError (no Exception): it passes
             return self._failed(tool, type(e).__name__, f"{type(e).__name__}: {e}", e)
         if not isinstance(output, ToolOutput):
@@ -98,11 +100,9 @@ class ToolEnvironment(Environment):
         """The error observation of ``tool``'s failure ``what``; the first failure of each ``kind`` of this
         environment class's tool is logged (with ``error``'s traceback)."""
         text = f"error: the tool {tool.name!r} failed ({what})"
-        key = (type(self).__qualname__, tool.name, kind)
-        if key not in _said:
-            _said.add(key)
-            log.warning("%s: %s (the model sees it as an error observation; said once per tool and kind of failure)",
-                        type(self).__qualname__, text.removeprefix("error: "), exc_info=error)  # fmt: skip
+        warn_once(log, (type(self), tool.name, kind), "%s: %s (the model sees it as an error observation; said once "
+                  "per tool and kind of failure)", type(self).__qualname__, text.removeprefix("error: "),
+                  exc_info=error)  # fmt: skip
         return text, True
 
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from rollout.config import SamplingConfig
-from rollout.envs.base import Environment, EpisodeFailed, Message, StepResult
+from rollout.envs.base import Environment, EpisodeFailed, Message, StepResult, warn_once
 from rollout.envs.tools import check_tool_descriptions
 from rollout.tasks.problem import Problem
 
@@ -58,7 +58,6 @@ mark of a slow step (``loop.slow_callback_duration``, 0.1 s), so what crosses it
 computation, not the ordinary cost of a step (a parse, an import, a sandbox process started), and a stall of a second
 per call is already a visible share of a batch's generation time."""
 
-_said: set[tuple[type, str, str]] = set()
 """(environment class, method, warning) already logged in this process: a blocking environment blocks every call."""
 
 
@@ -331,10 +330,7 @@ def _say_late(env: Environment, returned: _ReturnedLate, limits: EpisodeLimits) 
 
 
 def _say_once(env: Environment, method: str, kind: str, message: str, *args: object) -> None:
-    key = (type(env), method, kind)
-    if key not in _said:
-        _said.add(key)
-        log.warning(message, *args)
+    warn_once(log, (type(env), method, kind), message, *args)
 
 
 def _tools(env: Environment) -> Tools | None:

@@ -139,6 +139,19 @@ def test_a_tool_that_raises_or_returns_the_wrong_type_is_an_error_observation(ca
     assert len(said) == 1 and said[0].exc_info is not None and "ToolEnvironment" in said[0].getMessage()
 
 
+def test_a_sandbox_the_host_cannot_set_up_fails_the_episode_rather_than_answer_the_model():
+    """The python tool on a host without user namespaces: an error observation at every call would train the model on
+    a broken tool, the run going on; it fails the episode (and by default the run), naming the cause."""
+    from rollout.envs.sandbox import SandboxUnavailableError
+
+    async def no_namespaces(arguments):
+        raise SandboxUnavailableError("user namespaces are disabled on this host")
+
+    env = ToolEnvironment(ToolEnvConfig(), tools=[_tool("python", no_namespaces)])
+    with pytest.raises(SandboxUnavailableError, match="user namespaces"):
+        _step(env, format_tool_call("python", {"x": 1}))
+
+
 def test_an_episode_goes_on_past_a_tool_that_raises():
     from tests.rollout.envs.scripted_engine import play
     from tests.rollout.envs.scripted_env import ScriptedToolCalls

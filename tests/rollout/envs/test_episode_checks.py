@@ -21,7 +21,7 @@ def quick_hold_warning(monkeypatch):
     """The warning for a call that holds the loop from 0.05 s (1 s in production), so the tests sleep little; each
     test hears the warnings said once per process."""
     monkeypatch.setattr("rollout.envs.episode.HOLD_WARNING_S", 0.05)
-    monkeypatch.setattr("rollout.envs.episode._said", set())
+    monkeypatch.setattr("rollout.envs.base._warned", set())
 
 
 class SleepsInStep(EchoObservations):
