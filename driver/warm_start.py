@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rollout.envs.tools import check_tool_descriptions
 from rollout.tokenizer import render_prompt
 from rollout.types import Sample
 
@@ -38,12 +39,32 @@ def _name(env: Any) -> str:
     return f"environment {type(env).__module__}:{type(env).__qualname__}"
 
 
-async def _reset(env: Any, problem: Any) -> Any:
+async def _episode_start(new_env: Callable[[], Any], problem: Any) -> tuple[Any, Any]:
+    """The first messages and the tool descriptions of an episode of ``problem``, as an episode starts, its
+    environment closed after; ``WarmStartError`` naming the environment when its own code fails."""
     try:
-        return await env.reset(problem)
+        env = new_env()
     except Exception as e:
-        raise WarmStartError(f"warm start: {_name(env)}: reset of problem {problem.problem_id!r} raised "
-                             f"{type(e).__name__}: {e}; fix the environment's reset") from e  # fmt: skip
+        raise WarmStartError(f"warm start: constructing the environment for problem {problem.problem_id!r} raised "
+                             f"{type(e).__name__}: {e}") from e  # fmt: skip
+    try:
+        try:
+            messages = await env.reset(problem)
+        except Exception as e:
+            raise WarmStartError(f"warm start: {_name(env)}: reset of problem {problem.problem_id!r} raised "
+                                 f"{type(e).__name__}: {e}; fix the environment's reset") from e  # fmt: skip
+        tools = getattr(env, "tools", None)
+        if tools is not None:
+            try:
+                check_tool_descriptions(tools)
+            except ValueError as e:
+                raise WarmStartError(f"warm start: {_name(env)}: {e}") from None
+        return messages, tools
+    finally:  # what an episode holds (a sandbox, a process) is released, as after an episode
+        try:
+            await env.close()
+        except Exception as e:  # noqa: BLE001  (user code; its prompt is read already)
+            logger.warning("warm start: %s: close raised %s: %s", _name(env), type(e).__name__, e)
 
 
 def sft_samples(
@@ -64,27 +85,18 @@ def sft_samples(
         environment = ToolEnvConfig(tools=tools) if tools else None
     environment = environment or SingleTurnEnvConfig()
     new_env = build_environment(environment)
-    envs = [new_env() for _ in examples]
 
-    async def first_messages() -> list[Any]:  # one event loop for all: a loop per example was most of this function
-        try:
-            return [await _reset(env, problem) for env, (problem, _) in zip(envs, examples, strict=True)]
-        finally:  # what an episode holds (a sandbox, a process) is released, as after an episode
-            for env in envs:
-                try:
-                    await env.close()
-                except Exception as e:  # noqa: BLE001  (user code; the prompts are already rendered)
-                    logger.warning("warm start: %s: close raised %s: %s", _name(env), type(e).__name__, e)
+    async def episode_starts() -> list[tuple[Any, Any]]:  # one event loop for all: a loop each was most of the time
+        return [await _episode_start(new_env, problem) for problem, _ in examples]
 
     samples = []
-    starts = asyncio.run(first_messages())
-    for i, ((_, completion), env, messages) in enumerate(zip(examples, envs, starts, strict=True)):
-        prompt_ids = render_prompt(tokenizer, messages, use_chat_template, tools=env.tools)
+    for i, ((_, completion), (messages, tools)) in enumerate(zip(examples, asyncio.run(episode_starts()), strict=True)):
+        prompt_ids = render_prompt(tokenizer, messages, use_chat_template, tools=tools)
         if isinstance(completion, str):
             completion_ids = np.asarray(tokenizer(completion, add_special_tokens=False)["input_ids"], np.int64)
             mask = None
         else:
-            completion_ids, mask = render_transcript(tokenizer, completion, env.tools)
+            completion_ids, mask = render_transcript(tokenizer, completion, tools)
         samples.append(
             Sample(
                 prompt_ids=np.asarray(prompt_ids, dtype=np.int64),

@@ -2,6 +2,7 @@
 for the trainer and dataset; the real SFT step is covered by tests/trainer/test_step.py and the demo."""
 
 import logging
+import re
 
 import pytest
 
@@ -83,6 +84,8 @@ def test_the_warm_start_closes_the_environments_it_rendered_prompts_with_and_nam
     from rollout.envs.config import CustomEnvConfig
     from tests.driver import warm_start_envs
 
+    envs = "tests.driver.warm_start_envs"
+
     examples = FakeDataset().sft_examples(3, "<e>")
     config = CustomEnvConfig(class_path="tests.driver.warm_start_envs:CountsCloses")
     closed = warm_start_envs.CountsCloses.closed
@@ -94,4 +97,8 @@ def test_the_warm_start_closes_the_environments_it_rendered_prompts_with_and_nam
         sft_samples(FakeTokenizer(), examples, False, config)
     assert str(info.value).startswith("warm start: environment tests.driver.warm_start_envs:ResetFailsOnTheSecond: "
                                       "reset of problem '1' raised ConnectionError: the sandbox is down")
-    assert warm_start_envs.CountsCloses.closed == closed + 3  # every instance, the failed one's too
+    assert warm_start_envs.CountsCloses.closed == closed + 2  # the failed one's too (the third was never made)
+    for name, error in [("ToolObjects", "ToolObjects: tools[0] is a rollout.envs.tools.Tool"),
+                        ("FailsToConstruct", "environment for problem '0' raised OSError: no sandbox")]:
+        with pytest.raises(WarmStartError, match=re.escape(error)):
+            sft_samples(FakeTokenizer(), examples, False, CustomEnvConfig(class_path=f"{envs}:{name}"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from rollout.envs import Environment, Message, StepResult
+from rollout.envs.tools import Tool, ToolOutput
 from rollout.tasks.problem import Problem, chat_messages
 
 
@@ -30,3 +31,18 @@ class ResetFailsOnTheSecond(CountsCloses):
         if problem.problem_id == "1":
             raise ConnectionError("the sandbox is down")
         return await super().reset(problem)
+
+
+class ToolObjects(CountsCloses):
+    """Gives its tools as ``Tool`` objects instead of their descriptions (``Tool.schema()``)."""
+
+    def __init__(self) -> None:
+        async def run(arguments: dict) -> ToolOutput:
+            return ToolOutput("1")
+
+        self.tools = [Tool("one", "Says 1.", {"type": "object", "properties": {}}, run)]
+
+
+class FailsToConstruct(CountsCloses):
+    def __init__(self) -> None:
+        raise OSError("no sandbox")
