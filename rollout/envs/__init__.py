@@ -77,7 +77,8 @@ def _check_class(cls: type, spec: str) -> None:
         if method is not None and not _is_async(method):
             raise ValueError(f"environment class {spec!r}: {cls.__name__}.{name} is not an async method: write it "
                              f"`{form}` (every episode of a worker runs on one event loop; run blocking work with "
-                             "`await asyncio.to_thread(...)`)")  # fmt: skip
+                             "`await asyncio.to_thread(...)`), or, if it returns an awaitable, annotate it so "
+                             "(`-> Awaitable[...]`)")  # fmt: skip
     if inspect.isabstract(cls):
         abstract = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
         raise ValueError(f"environment class {spec!r} leaves {abstract} abstract: define them")
@@ -89,7 +90,15 @@ def _check_class(cls: type, spec: str) -> None:
             raise ValueError(f"environment class {spec!r}: {e}") from None
 
 
+_AWAITABLE_RETURNS = ("Awaitable", "Coroutine", "Future", "Task")
+
+
 def _is_async(method: Callable[..., object]) -> bool:
-    """Whether calling ``method`` gives a coroutine: an ``async def`` (or a partial of one), also under a decorator
-    that keeps it as ``__wrapped__`` (``functools.wraps``)."""
-    return inspect.iscoroutinefunction(method) or inspect.iscoroutinefunction(inspect.unwrap(method))
+    """Whether calling ``method`` gives an awaitable: an ``async def`` (or a partial of one), also under a decorator
+    that keeps it as ``__wrapped__`` (``functools.wraps``), or a method annotated to return one (``-> Awaitable[X]``,
+    ``Coroutine``, ``Future``, ``Task``: a ``def`` that hands on another coroutine)."""
+    if inspect.iscoroutinefunction(method) or inspect.iscoroutinefunction(inspect.unwrap(method)):
+        return True
+    returns = getattr(inspect.unwrap(method), "__annotations__", {}).get("return")
+    text = returns if isinstance(returns, str) else getattr(returns, "__name__", repr(returns))
+    return any(text.startswith(name) or f".{name}" in text for name in _AWAITABLE_RETURNS)

@@ -4,6 +4,7 @@ rendering, and the recipe's [environment] section."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 import pytest
 
@@ -269,6 +270,16 @@ def test_a_custom_environment_may_wrap_its_async_methods_and_compute_its_tools(m
 
     monkeypatch.setattr(module, "Wrapped", Wrapped, raising=False)
     assert build_environment(CustomEnvConfig(class_path="tests.rollout.envs.scripted_env:Wrapped"))
+
+    class HandsOn(Wrapped):  # a plain def that returns another coroutine, and says so, runs as it did
+        def step(self, text) -> Awaitable[None]:
+            return self._step(text)
+
+        async def _step(self, text):
+            return None
+
+    monkeypatch.setattr(module, "HandsOn", HandsOn, raising=False)
+    assert build_environment(CustomEnvConfig(class_path="tests.rollout.envs.scripted_env:HandsOn"))
 
     class Abstract(Environment):  # step forgotten: "Can't instantiate abstract class" in every episode
         async def reset(self, problem):
