@@ -459,7 +459,7 @@ def _untagged(loc: Loc, cls: type[pydantic.BaseModel], data: Any) -> str:
     table = _value_at(loc, data)
     keys = set(table) if isinstance(table, dict) else set()
     fits = [repr(_tag(c)) for c in members if keys and keys <= set(c.model_fields)]
-    hint = f" (its keys fit type = {' or '.join(fits)})" if fits else ""
+    hint = f" (its keys fit type = {' or '.join(fits)})" if fits and len(fits) < len(members) else ""
     return f"no type: set type = one of {types}{hint}"
 
 

@@ -172,7 +172,7 @@ class WeightSyncConfig(Config):
             return None
         value = os.environ.get(self.auth_token_env)
         if value is not None and not value.strip():
-            raise ValueError(f"the environment variable {self.auth_token_env} (weight_sync.auth_token_env) is set but "
+            raise ValueError(f"the token's environment variable {self.auth_token_env} (auth_token_env) is set but "
                              "empty: give it the token, or unset it to run without one (loopback only)")  # fmt: skip
         return value
 

@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 from argparse import Namespace
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
@@ -119,8 +120,9 @@ def served_receiver_config(additional: Mapping[str, Any] | None, environ: Mappin
     }
     try:
         return validate_config(ServedReceiverConfig, plugin, source=given, sources=sources, what="rl_align options")
-    except ConfigError as e:  # the options are written flat: name them so
-        raise ConfigError(str(e).replace("[weight_sync]", "the rl_align options").replace("weight_sync.", "")) from None
+    except ConfigError as e:  # the options are written flat: name them so (field names, not module paths)
+        flat = re.sub(r"(?<![\w.])weight_sync\.(?=[a-z_]+\b(?!\.))", "", str(e))
+        raise ConfigError(flat.replace("[weight_sync]", "the rl_align options")) from None
 
 
 class RLAlignEndpointPlugin:

@@ -176,6 +176,8 @@ def test_an_override_of_a_tables_type_replaces_the_table_as_a_file_naming_anothe
 def test_a_table_of_a_tagged_union_without_its_type_lists_the_types_and_the_one_its_keys_fit(tmp_path):
     _, msg = _error(tmp_path, "[algo]\ngamma = 0.5\n")
     assert "- algo: no type: set type = one of 'a', 'b' (its keys fit type = 'b')" in msg, msg
+    _, msg = _error(tmp_path, "[algo]\n")  # no key narrows it: no hint
+    assert msg.endswith("- algo: no type: set type = one of 'a', 'b'"), msg
 
 
 def test_unknown_key_without_a_close_name_lists_the_fields_of_its_section(tmp_path):

@@ -25,7 +25,7 @@ def test_config_rejects_mistakes_with_field_names(monkeypatch):
     assert WeightSyncConfig(auth_token="x", auth_token_env="MY_TOKEN").resolve_token() == "x"
     assert WeightSyncConfig(auth_token_env=None).resolve_token() is None
     monkeypatch.setenv("MY_TOKEN", " ")  # set but empty: the receiver would run without a token
-    with pytest.raises(ValueError, match="MY_TOKEN .weight_sync.auth_token_env. is set but empty"):
+    with pytest.raises(ValueError, match=r"variable MY_TOKEN \(auth_token_env\) is set but empty"):
         WeightSyncConfig(auth_token_env="MY_TOKEN").resolve_token()
 
 
