@@ -127,7 +127,8 @@ def _ray_processes_in(directory: Path) -> list[Any]:
 
 
 def _stop(processes: list[Any], grace_s: float = 10.0) -> None:
-    """SIGTERM ``processes`` (psutil), then SIGKILL those still running after ``grace_s``."""
+    """SIGTERM ``processes`` (psutil), then SIGKILL those still running after ``grace_s``; returns once they are gone
+    (or ``grace_s`` more has passed)."""
     import psutil
 
     for process in processes:
@@ -137,6 +138,7 @@ def _stop(processes: list[Any], grace_s: float = 10.0) -> None:
     for process in alive:
         with contextlib.suppress(psutil.Error):
             process.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
 
 
 @contextlib.contextmanager

@@ -79,7 +79,8 @@ def test_negative_results_when_allowed():
         ({"type": "csv"}, "task", "does not match any of the expected tags"),
         ({"type": "jsonl", "path": "a.jsonl", "eval_path": "b.jsonl", "num_eval_problems": 3}, "task", "not both"),
         ({"type": "arithmetic", "num_train_problems": "10"}, "task.num_train_problems", "valid integer"),
-        ({"max_digits": 3}, "task", "Unable to extract tag"),
+        ({"max_digits": 3}, "task", "no type: set type = one of 'arithmetic', 'jsonl' (its keys fit type = "
+                                    "'arithmetic')"),
     ],
 )
 def test_bad_task_configs_name_the_field(task, field, message):
