@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rollout.envs.base import environment_name
 from rollout.envs.tools import check_tool_descriptions
 from rollout.tokenizer import render_prompt
 from rollout.types import Sample
@@ -35,10 +36,6 @@ class WarmStartError(RuntimeError):
     """The environment's own code failed while the warm start rendered its prompts (the message names it)."""
 
 
-def _name(env: Any) -> str:
-    return f"environment {type(env).__module__}:{type(env).__qualname__}"
-
-
 async def _episode_start(new_env: Callable[[], Any], problem: Any) -> tuple[Any, Any]:
     """The first messages and the tool descriptions of an episode of ``problem``, as an episode starts, its
     environment closed after; ``WarmStartError`` naming the environment when its own code fails."""
@@ -51,20 +48,20 @@ async def _episode_start(new_env: Callable[[], Any], problem: Any) -> tuple[Any,
         try:
             messages = await env.reset(problem)
         except Exception as e:
-            raise WarmStartError(f"warm start: {_name(env)}: reset of problem {problem.problem_id!r} raised "
+            raise WarmStartError(f"warm start: {environment_name(env)}: reset of problem {problem.problem_id!r} raised "
                                  f"{type(e).__name__}: {e}; fix the environment's reset") from e  # fmt: skip
         tools = getattr(env, "tools", None)
         if tools is not None:
             try:
                 check_tool_descriptions(tools)
             except ValueError as e:
-                raise WarmStartError(f"warm start: {_name(env)}: {e}") from None
+                raise WarmStartError(f"warm start: {environment_name(env)}: {e}") from None
         return messages, tools
     finally:  # what an episode holds (a sandbox, a process) is released, as after an episode
         try:
             await env.close()
         except Exception as e:  # noqa: BLE001  (user code; its prompt is read already)
-            logger.warning("warm start: %s: close raised %s: %s", _name(env), type(e).__name__, e)
+            logger.warning("warm start: %s: close raised %s: %s", environment_name(env), type(e).__name__, e)
 
 
 def sft_samples(

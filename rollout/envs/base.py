@@ -7,10 +7,10 @@ generated is never re-tokenised.
 
 A user environment is a class with these methods, named in the recipe as ``[environment] type = "custom"``,
 ``class_path = "my_pkg.envs:MyEnv"``; it is constructed with the recipe's ``options`` table as keyword arguments, once
-per episode, on the rollout worker. Its methods are coroutine functions (``async def``; a synchronous one is refused
-when the recipe is loaded), run on the engine's event loop: one that blocks it (``time.sleep``, a synchronous HTTP
-client) stalls generation of every episode on the worker, so blocking work belongs in ``await
-asyncio.to_thread(...)``.
+per episode, on the rollout worker. Its methods are coroutine functions (``async def``; a plain ``def`` not
+annotated to return an awaitable is refused when the recipe is loaded), run on the engine's event loop: one that
+blocks it (``time.sleep``, a synchronous HTTP client) stalls generation of every episode on the worker, so blocking
+work belongs in ``await asyncio.to_thread(...)``.
 """
 
 from __future__ import annotations
@@ -23,9 +23,14 @@ from typing import Any
 
 from rollout.tasks.problem import Problem
 
-__all__ = ["Environment", "EpisodeFailed", "Message", "StepResult", "warn_once"]
+__all__ = ["Environment", "EpisodeFailed", "Message", "StepResult", "environment_name", "warn_once"]
 
 _warned: set[Hashable] = set()
+
+
+def environment_name(env: object) -> str:
+    """How errors and warnings name an environment instance: ``environment <module>:<Class>``."""
+    return f"environment {type(env).__module__}:{type(env).__qualname__}"
 
 
 def warn_once(

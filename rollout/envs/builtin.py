@@ -19,8 +19,6 @@ __all__ = ["FeedbackEnvironment", "SingleTurnEnvironment", "ToolEnvironment"]
 
 log = logging.getLogger(__name__)
 
-"""(environment class, tool, kind of failure) already logged in this process: a broken tool fails every call."""
-
 
 class SingleTurnEnvironment(Environment):
     """The task's prompt, one model turn, done: what a single-turn recipe runs (the reward terms score the turn)."""

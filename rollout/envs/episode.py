@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from rollout.config import SamplingConfig
-from rollout.envs.base import Environment, EpisodeFailed, Message, StepResult, warn_once
+from rollout.envs.base import Environment, EpisodeFailed, Message, StepResult, environment_name, warn_once
 from rollout.envs.tools import check_tool_descriptions
 from rollout.tasks.problem import Problem
 
@@ -57,8 +57,6 @@ HOLD_WARNING_S = 1.0
 mark of a slow step (``loop.slow_callback_duration``, 0.1 s), so what crosses it is blocking I/O, a sleep or a long
 computation, not the ordinary cost of a step (a parse, an import, a sandbox process started), and a stall of a second
 per call is already a visible share of a batch's generation time."""
-
-"""(environment class, method, warning) already logged in this process: a blocking environment blocks every call."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +128,7 @@ async def run_episode(
             messages, late = returned.value, True
         except TimeoutError:  # no first messages, so no prompt: nothing to make an episode of
             raise EpisodeFailed(
-                f"{_env_name(env)}: {what} did not return within the episode's timeout_s = {limits.timeout_s} s"
+                f"{environment_name(env)}: {what} did not return within the episode's timeout_s = {limits.timeout_s} s"
             ) from None
         _check_messages(env, "reset()'s messages", messages)
         prompt = render(messages, _tools(env))
@@ -159,7 +157,8 @@ async def run_episode(
             if hasattr(env, "close"):
                 await env.close()
         except Exception as e:  # the episode's own error is the one to report; this one is only said
-            log.warning("%s: close raised %s: %s after the episode had failed", _env_name(env), type(e).__name__, e)
+            log.warning("%s: close raised %s: %s after the episode had failed", environment_name(env),
+                        type(e).__name__, e)  # fmt: skip
         raise
     if hasattr(env, "close"):  # optional for a class that does not subclass Environment
         await _called(env, "close")
@@ -247,10 +246,6 @@ async def _turns(
             observation = [eot, *observation]  # stopped on another stop token: the template closes the turn
 
 
-def _env_name(env: Environment) -> str:
-    return f"environment {type(env).__module__}:{type(env).__qualname__}"
-
-
 class _ReturnedLate(Exception):
     """An environment call (``what``, of ``method``) returned ``value`` at or past the episode's deadline, which could
     not cut it: the event loop was held (the call ran ``held_s`` at most without awaiting)."""
@@ -307,14 +302,14 @@ async def _called(
         hold = _LoopHold(call)
         value = await hold
     except Exception as e:  # the episode's deadline arrives as CancelledError (no Exception): it passes
-        raise EpisodeFailed(f"{_env_name(env)}: {what} raised {type(e).__name__}: {e}") from e
+        raise EpisodeFailed(f"{environment_name(env)}: {what} raised {type(e).__name__}: {e}") from e
     finally:
         if hold is not None and hold.longest_s >= HOLD_WARNING_S:
             _say_once(env, method, "held", "%s: %s held the event loop for %.1f s without awaiting: an environment "
                       "that blocks (time.sleep, a synchronous HTTP client, a long computation) stalls generation of "
                       "every episode on this worker, and no timeout_s can cut it; use async I/O, or run the blocking "
                       "part with `await asyncio.to_thread(...)` (said once per environment class and method)",
-                      _env_name(env), method, hold.longest_s)  # fmt: skip
+                      environment_name(env), method, hold.longest_s)  # fmt: skip
     if deadline is not None and asyncio.get_running_loop().time() >= deadline:
         raise _ReturnedLate(method, what, value, hold.longest_s)
     return value
@@ -326,7 +321,7 @@ def _say_late(env: Environment, returned: _ReturnedLate, limits: EpisodeLimits) 
               "await, so an environment that blocked the event loop (this one or another episode's) is not cut at "
               "it, and stalls generation of every episode on this worker: use async I/O, or `await "
               "asyncio.to_thread(...)` for blocking work (said once per environment class and method)",
-              _env_name(env), returned.what, limits.timeout_s, returned.held_s)  # fmt: skip
+              environment_name(env), returned.what, limits.timeout_s, returned.held_s)  # fmt: skip
 
 
 def _say_once(env: Environment, method: str, kind: str, message: str, *args: object) -> None:
@@ -341,7 +336,7 @@ def _tools(env: Environment) -> Tools | None:
     try:
         check_tool_descriptions(tools)
     except ValueError as e:
-        raise EpisodeFailed(f"{_env_name(env)}: {e}") from None
+        raise EpisodeFailed(f"{environment_name(env)}: {e}") from None
     return tools
 
 
@@ -349,7 +344,7 @@ def _checked(env: Environment, result: object) -> StepResult:
     """``result`` if it is a well-formed :class:`StepResult` (a finite number reward, a mapping of finite info
     numbers, and unless ``done`` a non-empty list of chat messages), else :class:`EpisodeFailed` naming the
     environment: a NaN reward would otherwise reach the loss and turn every weight into NaN."""
-    name = _env_name(env)
+    name = environment_name(env)
     if not isinstance(result, StepResult):
         raise EpisodeFailed(f"{name}: step() returned {type(result).__name__}; it must return rollout.envs.StepResult")
     if not isinstance(result.reward, numbers.Real) or isinstance(result.reward, bool):
@@ -379,11 +374,11 @@ def _check_messages(env: Environment, what: str, messages: object) -> None:
     from rollout.tokenizer import check_prompt
 
     if isinstance(messages, str):
-        raise EpisodeFailed(f"{_env_name(env)}: {what} is text; it must be a list of chat messages")
+        raise EpisodeFailed(f"{environment_name(env)}: {what} is text; it must be a list of chat messages")
     try:
         check_prompt(messages)  # type: ignore[arg-type]  # what is checked here
     except ValueError as e:
-        raise EpisodeFailed(f"{_env_name(env)}: {what}: {e}") from None
+        raise EpisodeFailed(f"{environment_name(env)}: {what}: {e}") from None
 
 
 def render_transcript(

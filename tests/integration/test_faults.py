@@ -202,17 +202,21 @@ def test_dead_trainer_fails_job_with_resume_hint(tmp_path: Path) -> None:
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
 
 
+def _failed_run(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
+    """The output of a short run (no warm start) with ``overrides`` that must fail with exit 1, and its log's path."""
+    log = tmp_path / "run.log"
+    args = small_run_args(tmp_path, 2, "--run.warm_start.num_steps", "0", "--run.logging.plot", "false", *overrides,
+                          *ONE_ENGINE)  # fmt: skip
+    rc = run_to_end(args, log, RECIPE, timeout_s=300)
+    assert rc == 1, tail(log)
+    return log.read_text(), log
+
+
 def test_an_environment_that_fails_past_its_budget_fails_the_run_with_what_to_do(tmp_path: Path) -> None:
     """A failed batch ended the driver in a traceback: it now says which environment failed, what to change and how to
     continue, and exits 1."""
-    log = tmp_path / "run.log"
-    args = small_run_args(tmp_path, 2, "--run.warm_start.num_steps", "0", "--run.logging.plot", "false",
-                          "--environment.type", "custom", "--environment.max_turns", "2",
-                          "--environment.class_path", "tests.rollout.envs.scripted_env:FailsEveryEpisode",
-                          *ONE_ENGINE)  # fmt: skip
-    rc = run_to_end(args, log, RECIPE, timeout_s=300)
-    text = log.read_text()
-    assert rc == 1, tail(log)
+    text, log = _failed_run(tmp_path, "--environment.type", "custom", "--environment.max_turns", "2",
+                            "--environment.class_path", "tests.rollout.envs.scripted_env:FailsEveryEpisode")
     expected = ("error: a rollout batch failed: environment tests.rollout.envs.scripted_env:FailsEveryEpisode: reset "
                 "of problem")  # fmt: skip
     assert expected in text and "ConnectionError: the sandbox is down" in text, tail(log)
@@ -224,13 +228,8 @@ def test_a_reward_function_that_raises_fails_the_run_with_what_to_do(tmp_path: P
     """A user reward function's error (here at the evaluation before the first step) ended the driver in a
     traceback naming an internal group id: it now names the term, the problem and the completion, what to set, and how
     to continue, and exits 1."""
-    log = tmp_path / "run.log"
     terms = '[{type = "function", function = "tests.rollout.reward_functions:needs_a_field_the_problems_lack"}]'
-    args = small_run_args(tmp_path, 2, "--run.warm_start.num_steps", "0", "--run.logging.plot", "false",
-                          "--reward.terms", terms, *ONE_ENGINE)  # fmt: skip
-    rc = run_to_end(args, log, RECIPE, timeout_s=300)
-    text = log.read_text()
-    assert rc == 1, tail(log)
+    text, log = _failed_run(tmp_path, "--reward.terms", terms)
     expected = ("error: reward term 'function': function 'tests.rollout.reward_functions:"
                 "needs_a_field_the_problems_lack' failed on problem 'arith-eval-0' with completion '")  # fmt: skip
     assert expected in text and "KeyError: 'expected' (set reward.on_error = 'zero'" in text, tail(log)
