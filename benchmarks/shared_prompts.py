@@ -28,12 +28,11 @@ _REPO = Path(__file__).resolve().parents[1]
 if sys.path and Path(sys.path[0]).resolve() == _REPO / "benchmarks":
     sys.path[0] = str(_REPO)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.machine import init_single_rank_group, load_avg, machine_line, med_range  # noqa: E402
-from rollout.types import RolloutBatch, Sample  # noqa: E402
+from benchmarks.trainer import MODEL_40M, grpo_batch  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
 from trainer.models.config import ModelConfig  # noqa: E402
 from trainer.parallelize import build_mesh  # noqa: E402
@@ -45,33 +44,12 @@ DEMO = ModelConfig(  # what tools.make_tiny_model writes for recipes/grpo_tiny.t
     family="qwen3", vocab_size=448, dim=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
     ffn_hidden_dim=256, qk_norm=True, tie_embeddings=True,
 )  # fmt: skip
-MODEL_40M = ModelConfig(
-    family="llama3", vocab_size=16384, dim=512, num_layers=8, num_heads=8, num_kv_heads=8, head_dim=64,
-    ffn_hidden_dim=1536, tie_embeddings=True, output_chunk_size=1024, max_seq_len=4096, output_head="cached",
-)  # fmt: skip
 SHAPES: dict[str, tuple[ModelConfig, int, int, tuple[int, int], tuple[int, int]]] = {
     # name: (model, prompts, group size, prompt tokens [low, high), completion tokens [low, high))
     "demo": (DEMO, 32, 8, (25, 26), (2, 7)),
     "long": (DEMO, 32, 8, (25, 26), (128, 129)),
     "40m": (MODEL_40M, 4, 8, (64, 193), (8, 257)),
 }
-
-
-def batch(vocab: int, prompts: int, group: int, prompt_len: tuple[int, int], completion_len: tuple[int, int],
-          seed: int = 0) -> RolloutBatch:  # fmt: skip
-    """``prompts`` groups of ``group`` samples, one prompt per group, lengths uniform in the given ranges."""
-    rng = np.random.default_rng(seed)
-    samples = []
-    for g in range(prompts):
-        prompt = rng.integers(1, vocab, int(rng.integers(*prompt_len)))
-        for _ in range(group):
-            c = int(rng.integers(*completion_len))
-            samples.append(Sample(
-                prompt_ids=prompt, completion_ids=rng.integers(1, vocab, c),
-                rollout_logprobs=np.full(c, -np.log(vocab), np.float32), reward=float(rng.random()), group_id=g,
-                policy_version=0,
-            ))  # fmt: skip
-    return RolloutBatch(samples)
 
 
 def main() -> None:
@@ -87,7 +65,7 @@ def main() -> None:
     rows = []
     for name in args.shapes:
         model, prompts, group, prompt_len, completion_len = SHAPES[name]
-        data = batch(model.vocab_size, prompts, group, prompt_len, completion_len)
+        data = grpo_batch(model.vocab_size, prompts, group, prompt_len=prompt_len, completion_len=completion_len)
         states = {}
         for share in (False, True):
             torch.manual_seed(0)
