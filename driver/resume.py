@@ -30,7 +30,13 @@ def resume_hint(out_dir: Path, ckpt_dir: Path, failed: bool) -> str:
     if saved is None:
         return f"no checkpoint was saved{': fix the cause and' if failed else ' yet: to go on,'} start the run again"
     record = out_dir / RESOLVED_RECIPE
-    return f"continue from its last checkpoint ({saved.name}) with: {resume_command(record)}"
+    hint = f"continue from its last checkpoint ({saved.name}) with: {resume_command(record)}"
+    if failed:  # the record holds the flags the run started with, so a flag's mistake comes back with it
+        hint += (
+            "\n(that recipe holds every setting of this run, its flags included: change the one at fault there, "
+            "or give its flag again, corrected, after --resume)"
+        )
+    return hint
 
 
 def point_moved_run_at_itself(moved: dict[Path, Path], out_dir: Path) -> Path | None:
@@ -64,7 +70,6 @@ def point_moved_run_at_itself(moved: dict[Path, Path], out_dir: Path) -> Path | 
                     str(e).splitlines()[0] if str(e) else type(e).__name__)  # fmt: skip
         return None
     return record
-
 
 
 def point_moved_adapters_at_their_base(moved: dict[Path, Path]) -> list[Path]:

@@ -352,6 +352,8 @@ def test_an_actor_death_offers_a_resume_only_when_there_is_a_checkpoint(tmp_path
     if saved:
         command = f"cd {Path.cwd()} && python rl_align.py --recipe {out.resolve() / 'recipe.resolved.toml'} --resume"
         assert f"continue from its last checkpoint (step_00000002) with: {command}" in err, err
+        # The record repeats the flags of the failed start: the hint says where to change one that caused it.
+        assert "its flags included: change the one at fault there, or give its flag again" in err, err
     else:  # the advice was to --resume from a checkpoint that did not exist
         assert "--resume" not in err and "no checkpoint was saved" in err, err
     assert out.is_dir()
