@@ -139,7 +139,9 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
               "certificates", file=sys.stderr, flush=True)  # fmt: skip
     receiver = WeightReceiver(sink, config)
     receiver.start()
-    print(f"serving {args.dir} on {receiver.address}", flush=True)
+    # The last word stays the address a client on this host connects to (scripts read it).
+    where = f"on every interface ({receiver.listening_on}); from this host: " if receiver.listens_everywhere else "on "
+    print(f"serving {args.dir} {where}{receiver.address}", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())

@@ -162,8 +162,9 @@ class WeightReceiver:
         self._reaper = threading.Thread(target=self._cut_idle_streams, name="ws-idle-streams", daemon=True)
         self._reaper.start()
         log.info(
-            "weight receiver on %s (tls=%s, token=%s, socket data plane port %s, shared-memory plane %s)", self.address,
-            creds is not None, self._token is not None, self._data.port if self._data is not None else "off",
+            "weight receiver on %s (tls=%s, token=%s, socket data plane port %s, shared-memory plane %s)",
+            self.listening_on, creds is not None, self._token is not None,
+            self._data.port if self._data is not None else "off",
             self._shm.offer.socket_name if self._shm is not None else "off",
         )
         return port
@@ -200,10 +201,25 @@ class WeightReceiver:
 
     @property
     def address(self) -> str:
+        """Where a client on this host reaches the receiver: ``localhost:<port>`` for a wildcard bind, else
+        :attr:`listening_on`."""
+        host = "localhost" if self.listens_everywhere else self.config.bind_host
+        return _host_port(host, self._started_port())
+
+    @property
+    def listening_on(self) -> str:
+        """The bound address as configured (``0.0.0.0:<port>`` for a wildcard bind): what an operator reads."""
+        return _host_port(self.config.bind_host, self._started_port())
+
+    @property
+    def listens_everywhere(self) -> bool:
+        """Whether the receiver is bound to every interface (``0.0.0.0`` or ``::``)."""
+        return self.config.bind_host in ("0.0.0.0", "::")
+
+    def _started_port(self) -> int:
         if self._port is None:
             raise RuntimeError("receiver not started: call start() first")
-        host = "localhost" if self.config.bind_host in ("0.0.0.0", "::") else self.config.bind_host
-        return f"[{host}]:{self._port}" if ":" in host else f"{host}:{self._port}"
+        return self._port
 
     @property
     def policy_version(self) -> int:
@@ -406,6 +422,10 @@ class WeightReceiver:
                     yield pb.VersionEvent(policy_version=current)
         finally:
             self._watch_slots.release()
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _metadata_int(md: Mapping[str, str], key: str, default: str | None = None) -> int:

@@ -144,7 +144,8 @@ class RLAlignEndpointPlugin:
         async def weight_sync_status() -> JSONResponse:
             if self.sink is None:
                 return JSONResponse({"enabled": False}, status_code=404)
-            return JSONResponse({"enabled": True, "receiver": self.receiver.address, **asdict(self.sink.state)})
+            return JSONResponse({"enabled": True, "receiver": self.receiver.address,
+                                 "listening_on": self.receiver.listening_on, **asdict(self.sink.state)})  # fmt: skip
 
         app.add_api_route("/rl_align/weight_sync", weight_sync_status, methods=["GET"])
 
@@ -192,7 +193,7 @@ class RLAlignEndpointPlugin:
         self.receiver.start()
         _stop_at_shutdown(self.receiver.stop)
         state.rl_align_receiver = self.receiver
-        log.info("rl_align weight-sync receiver on %s serving version %d of %s", self.receiver.address,
+        log.info("rl_align weight-sync receiver on %s serving version %d of %s", self.receiver.listening_on,
                  self.sink.committed_version(), model_dir)
 
 

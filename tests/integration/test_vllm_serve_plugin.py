@@ -181,7 +181,8 @@ def test_the_receiver_opens_at_the_served_checkpoint(server, dirs):
     assert sorted(s.name for s in reply.manifest) == sorted(s.name for s in checkpoint)
     assert {s.dtype for s in checkpoint} == {"bfloat16"} and {s.dtype for s in reply.manifest} == {"float32"}
     status = server.get("/rl_align/weight_sync")
-    assert status["policy_version"] == 0 and status["receiver"] == server.endpoint and status["broken"] is None
+    assert status["policy_version"] == 0 and status["broken"] is None
+    assert status["receiver"] == status["listening_on"] == server.endpoint
     assert "rl_align_policy_version 0.0" in server.get("/metrics", raw=True)
     _assert_serves(server, hf_model(str(dirs["served"])))
 

@@ -119,7 +119,9 @@ def test_remote_bind_is_allowed_with_tls_and_a_token(pki):
                               auth_token="t")
     receiver, sink, sd = _serve(config)
     try:
-        assert _push_ok(f"127.0.0.1:{receiver.address.rpartition(':')[2]}", WeightSyncConfig(
+        port = receiver.address.rpartition(":")[2]  # reached from this host as localhost; shown as bound
+        assert receiver.address == f"localhost:{port}" and receiver.listening_on == f"0.0.0.0:{port}"
+        assert _push_ok(f"127.0.0.1:{port}", WeightSyncConfig(
             tls_ca_path=pki["ca"], auth_token="t"), sd)  # fmt: skip
         assert receiver.policy_version == 1 and all(torch.equal(sink.state_dict[k], v) for k, v in sd.items())
     finally:
