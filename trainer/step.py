@@ -203,7 +203,8 @@ def _no_grad_pass(state: TrainState, plans: list[list[MicroBatch]], need_old: bo
 
 
 def _kl_for_reward(state: TrainState, mb: MicroBatch) -> torch.Tensor:
-    """Per-token KL estimate of the sampling policy to the reference, for folding into the reward."""
+    """Per-token KL estimate of the policy the update starts from (the sampling policy in sync mode) to the reference,
+    for folding into the reward."""
     old = mb.extra.get("old_logprobs")
     if old is None:
         old = forward_logprobs(state.policy, mb)[0].detach()
@@ -212,12 +213,23 @@ def _kl_for_reward(state: TrainState, mb: MicroBatch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _compute_advantages(state: TrainState, samples: Sequence[Sample], plans: list[list[MicroBatch]]) -> None:
-    """Fill ``mb.advantages`` (and ``extra['returns']`` for a critic) of every micro-batch by the algorithm."""
+def _compute_advantages(
+    state: TrainState, samples: Sequence[Sample], trained: list[int], plans: list[list[MicroBatch]]
+) -> None:
+    """Fill ``mb.advantages`` (and ``extra['returns']`` for a critic) of every micro-batch by the algorithm. With the
+    KL penalty in the reward, the samples that carry no loss (``trained`` leaves them out) are packed too, for their
+    penalty: their group's statistics count them with their penalised reward."""
+    untrained: list[MicroBatch] = []
+    if len(trained) < len(samples) and state.algorithm.config.kl.in_reward:
+        kept = set(trained)
+        untrained = plan_rank_micro_batches(state, samples, [i for i in range(len(samples)) if i not in kept])
+        for mb in untrained:
+            mb.extra["ref_logprobs"] = _reference_logprobs(state, mb)
+            cut_graph(state.device)
     state.algorithm.compute_advantages(AdvantageInputs(
         samples=samples, micro_batches=[mb for mbs in plans for mb in mbs],
         token_kl=lambda mb: _kl_for_reward(state, mb), all_reduce_sum=lambda x: _all_reduce_sum(state, x),
-        device=state.device,
+        device=state.device, untrained=untrained,
     ))  # fmt: skip
 
 
@@ -331,7 +343,7 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     if minis:  # empty only when overlong filtering dropped every sample: no update this step
         with clock.phase("logprobs"):
             _no_grad_pass(state, plans, need_old)
-            _compute_advantages(state, samples, plans)
+            _compute_advantages(state, samples, trained, plans)
             cut_graph(state.device)
 
     acc, critic_acc = MetricsAccumulator(), MetricsAccumulator()

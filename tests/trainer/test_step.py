@@ -331,6 +331,39 @@ def test_overlong_filter_takes_truncated_completions_out_of_the_loss() -> None:
     assert any(not torch.equal(a, b) for a, b in zip(update(False, False).values(), update(False, True).values()))
 
 
+def test_a_filtered_completion_counts_in_its_group_with_its_kl_penalty() -> None:
+    """With the KL penalty in the reward, the overlong filter takes truncated completions out of the loss only: the
+    other samples' advantages are those of the unfiltered batch (the truncated ones once counted unpenalised)."""
+    from trainer.step import _compute_advantages, _minibatches, _no_grad_pass, _trained_indices, plan_rank_micro_batches
+
+    samples = _samples(seed=11)
+    for i in (1, 6):
+        samples[i].finish_reason = "length"
+
+    def advantages(filter_on: bool) -> dict[int, float]:
+        algo = GRPOConfig(group_size=4, overlong_filter=filter_on, kl=KLConfig(coef=0.5, where="reward"))
+        state = _engine(algo, micro_batch_tokens=40)
+        torch.manual_seed(0)
+        with torch.no_grad():  # the policy away from its reference, so that every sample has a KL penalty
+            for p in state.policy.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+        trained = _trained_indices(state, samples)
+        plans = [plan_rank_micro_batches(state, samples, idx) for idx in _minibatches(state, samples, trained, 0)]
+        _no_grad_pass(state, plans, need_old=False)
+        _compute_advantages(state, samples, trained, plans)
+        out = {}
+        for mb in (mb for mbs in plans for mb in mbs):
+            for row, i in enumerate(mb.sample_indices):
+                out[i] = float(mb.advantages[row][mb.loss_mask[row] > 0][0])
+        return out
+
+    filtered, whole = advantages(True), advantages(False)
+    assert sorted(filtered) == [i for i in range(12) if i not in (1, 6)]
+    for i, a in filtered.items():
+        assert a == pytest.approx(whole[i], abs=1e-6), (i, a, whole[i])
+    assert len({round(a, 4) for a in whole.values()}) > 3  # the penalties differ: the check above can fail
+
+
 def test_a_batch_of_only_truncated_completions_makes_no_update_under_the_overlong_filter() -> None:
     from trainer.step import rl_step
 

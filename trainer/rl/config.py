@@ -56,7 +56,8 @@ class KLConfig(Config):
     """Weight of the KL term; 0 turns it off and then no reference model is loaded."""
     where: Literal["loss", "reward"] = "loss"
     """'loss': add ``coef * KL`` to the loss (GRPO style); 'reward': subtract it from the reward before advantages
-    (PPO/RLHF style; per token for GAE, summed over the completion for group advantages)."""
+    (PPO/RLHF style; per token for GAE, summed over the completion for group advantages, where a group's std
+    normalisation scales the penalties of a group of equal task rewards to order 1: warned at load)."""
     estimator: KLEstimator = pydantic.Field(default_factory=_default_kl_estimator)
     """Per-token estimate of KL(policy || reference) on sampled tokens; unset, it follows ``where``: 'k1' for 'reward',
     'k3' for 'loss' (the resolved recipe shows the choice). 'k1' (log-ratio: unbiased value, high variance; as a
@@ -173,7 +174,8 @@ class PolicyConfig(Config):
     """Correction for the rollout/trainer log-prob mismatch."""
     overlong_filter: bool = False
     """DAPO overlong filtering: completions cut at the rollout's max_tokens (finish reason 'length') carry no loss;
-    their group statistics still count them."""
+    their group statistics still count them (with their KL penalty when it is in the reward). An agent episode cut
+    by its own limits (``max_turns``, a timeout, its context) also ends with 'length' and is filtered alike."""
     moe_aux_loss_coef: float | None = pydantic.Field(default=None, ge=0)
     """Weight of the MoE router load-balancing loss added to the policy loss (mean over MoE layers, reported as
     ``loss/moe_aux``); None takes the model's own (``model.moe.aux_loss_coef``, from the checkpoint's HF
@@ -231,6 +233,13 @@ class GRPOConfig(PolicyConfig):
                 "advantage_estimator = 'rloo' uses the leave-one-out baseline unscaled; "
                 "set scale_advantages_by_std = false"
             )
+        if self.kl.in_reward and self.scale_advantages_by_std:
+            log.warning(
+                "algorithm.kl.where = 'reward' with scale_advantages_by_std: in a group whose task rewards are equal, "
+                "the rewards then differ only by their KL penalties, and dividing by the group's std scales those "
+                "differences up to advantages of order 1, whatever kl.coef is; use where = 'loss' (GRPO's own "
+                "penalty) or scale_advantages_by_std = false"
+            )
         return self
 
 
@@ -243,7 +252,8 @@ class PPOConfig(PolicyConfig):
     advantage_estimator: Literal["gae"] = "gae"
     """Generalised advantage estimation from the critic's per-token values."""
     gamma: float = pydantic.Field(default=1.0, gt=0, le=1)
-    """Discount per token (1.0 is usual for LLM completions: only the final reward matters)."""
+    """Discount per token (1.0 is usual for LLM completions: only the final reward matters; below 1 it discounts within
+    each sample, not across the samples of one split agent episode: ``trainer.rl.algorithms.ppo``)."""
     lam: float = pydantic.Field(default=0.95, ge=0, le=1)
     """GAE lambda: 0 is one-step TD (low variance, critic bias), 1 is Monte Carlo returns minus the value."""
     whiten_advantages: bool = True

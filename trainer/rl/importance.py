@@ -2,7 +2,9 @@
 
 The engine samples with its own kernels (and, in async mode, older weights), so its log-probs differ from the
 trainer's for the same weights. The policy loss of each token is weighted by ``pi_old / pi_rollout`` of its unit,
-where ``pi_old`` is the trainer's log-prob under the weights that generated the batch, after bounds (Yao et al.,
+where ``pi_old`` is the trainer's log-prob under the weights it holds when the batch's update starts (in sync mode the
+weights that generated the batch; in async mode up to ``run.max_staleness`` versions newer, so the weight also
+corrects for the policy's change since sampling, as decoupled PPO does), after bounds (Yao et al.,
 "Your efficient RL framework secretly brings you off-policy RL training"; TRL's ``vllm_importance_sampling_mode``,
 verl's rollout correction). The weight is detached: it corrects the sampling distribution and is not optimised.
 
@@ -105,8 +107,9 @@ def rollout_fidelity_metrics(
 ) -> Metrics:
     """How far the trainer's log-probs of the sampled tokens are from the engine's, over completion tokens.
 
-    old_logprobs, rollout_logprobs, mask: [B, T] (trainer log-probs under the weights that generated the batch, the
-    engine's, 1 for completion tokens). Returns ``logprob_gap`` / ``logprob_gap_max``, the mean / max of
+    old_logprobs, rollout_logprobs, mask: [B, T] (trainer log-probs under the weights the update starts from: in async
+    mode newer than those that generated the batch, whose drift the figures then include; the engine's; 1 for
+    completion tokens). Returns ``logprob_gap`` / ``logprob_gap_max``, the mean / max of
     ``|old - rollout|``, and ``rollout_kl``, a per-token estimate of KL(rollout || trainer): the mean of k3 of
     ``r = old - rollout``, ``exp(r) - 1 - r``, unbiased for tokens the rollout sampled, non-negative and of lower
     variance than k1's ``-r``; it reads about ``var(r) / 2`` for small gaps. Under truncated sampling (top-p/top-k)

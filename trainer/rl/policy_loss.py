@@ -36,7 +36,8 @@ def policy_ratio(
 ) -> torch.Tensor:
     """pi / pi_old per token ('token') or GSPO's length-normalised sequence ratio on every token ('sequence').
 
-    logprobs, old_logprobs, mask: [B, T]. Returns [B, T]; 1 off-mask.
+    logprobs, old_logprobs, mask: [B, T]. Returns [B, T]; off-mask 1 at the token level, the sequence's ratio at the
+    sequence level (callers mask the loss there).
     """
     log_ratio = (logprobs - old_logprobs.detach()) * mask  # [B, T]
     if level == "token":

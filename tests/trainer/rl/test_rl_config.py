@@ -169,3 +169,16 @@ def test_dual_clip_and_overlong_filter_default_off():
     assert cfg.clip_ratio_c is None and cfg.overlong_filter is False
     assert _load({"type": "ppo", "clip_ratio_c": 3.0}).clip_ratio_c == 3.0
     assert _load({"type": "grpo", "overlong_filter": True}).overlong_filter
+
+
+def test_a_kl_reward_under_std_scaled_group_advantages_warns(caplog):
+    reward = KLConfig(coef=0.1, where="reward")
+    with caplog.at_level(logging.WARNING, logger="trainer.rl.config"):
+        GRPOConfig(kl=reward)
+    assert "scales those differences up to advantages of order 1" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer.rl.config"):
+        GRPOConfig(kl=reward, scale_advantages_by_std=False)  # Dr. GRPO: the penalty keeps its scale
+        GRPOConfig(kl=KLConfig(coef=0.1))  # in the loss
+        PPOConfig(kl=reward)  # per-token rewards for GAE
+    assert caplog.text == ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
@@ -35,21 +35,27 @@ class AdvantageInputs:
     """The whole rollout batch, the same on every rank (rewards, group ids)."""
     micro_batches: list[MicroBatch]
     """This rank's micro-batches of every mini-batch, ``extra`` filled by the no-grad pass (``values`` when the
-    algorithm has a critic). Each sample is in exactly one micro-batch of one rank."""
+    algorithm has a critic): the samples that carry loss, each in exactly one micro-batch of one rank."""
     token_kl: Callable[[MicroBatch], torch.Tensor]
-    """``[S, C]`` per-token KL estimate of the sampling policy to the reference, 0 off-mask (needs the reference)."""
+    """``[S, C]`` per-token KL estimate of the policy the update starts from (the sampling policy in sync mode) to the
+    reference, 0 off-mask (needs the reference)."""
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]
     """Sums a tensor over the data-parallel ranks (in place) and returns it; every rank must call it alike."""
     device: torch.device
     """Where the micro-batches live."""
+    untrained: list[MicroBatch] = field(default_factory=list)
+    """This rank's micro-batches of the samples that carry no loss (``overlong_filter``), when the KL penalty is in
+    the reward: they still count in their group's statistics, with their penalised reward. Read by
+    :meth:`sample_sums`; their advantages are never used."""
 
     def sample_sums(self, per_token: Callable[[MicroBatch], torch.Tensor]) -> torch.Tensor:
-        """``[len(samples)]`` float64: each sample's completion sum of ``per_token(mb)`` (``[S, C]``), from every rank.
+        """``[len(samples)]`` float64: each sample's completion sum of ``per_token(mb)`` (``[S, C]``), from every rank
+        (0 for a sample in no micro-batch: one that carries no loss, where :attr:`untrained` is not planned).
 
         Collective: every rank calls it (each sample lives on one rank, so the sum over ranks gathers them all).
         """
         sums = torch.zeros(len(self.samples) + 1, dtype=torch.float64, device=self.device)  # + padding rows' slot
-        for mb in self.micro_batches:
+        for mb in self.micro_batches + self.untrained:
             sums.index_add_(0, mb.sample_rows, per_token(mb).sum(dim=-1).double())
         return self.all_reduce_sum(sums[:-1].contiguous())
 

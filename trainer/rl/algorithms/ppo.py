@@ -3,6 +3,11 @@
 Per micro-batch, the score sits on the last completion token (minus ``kl.coef`` x the per-token KL on every token
 when ``kl.where = 'reward'``) and GAE runs back from it over the critic's values at rollout time; the returns are the
 critic's targets. Whitening uses the moments of every completion token of the batch, summed over ranks.
+
+An agent episode stored as several samples (split where its context did not re-tokenise) is scored per sample: each
+part gets the episode's score at its own last token and GAE runs within the part, so the returns are exact with
+``gamma = 1`` and no KL in the reward; otherwise an earlier part is neither discounted by nor penalised for the later
+parts' tokens.
 """
 
 from __future__ import annotations
