@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from rollout.types import Sample
+from rollout.types import Sample, episode_members
 
 __all__ = ["episode_metrics", "sample_metrics"]
 
@@ -48,13 +48,15 @@ def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     """Reward and rollout figures of ``samples`` (at least one), as a flat ``{name: float}`` dict.
 
     Names: ``reward/mean``, ``reward/std`` (population std), ``reward/<term>/mean`` for each reward term any sample
-    carries (a sample without that term counts 0), ``rollout/num_samples``, ``rollout/completion_len_mean``,
+    carries (a sample without that term counts 0), each over episodes (the samples of an agent episode that gave
+    several share its reward and count once), ``rollout/num_samples``, ``rollout/completion_len_mean``,
     ``rollout/completion_len_max``, ``rollout/truncated_frac`` (finish reason 'length'),
     ``rollout/min_policy_version`` and ``rollout/max_policy_version``.
     """
     if not samples:
         raise ValueError("sample_metrics needs at least one sample")
-    rewards = np.array([s.reward for s in samples], dtype=np.float64)
+    episodes = [samples[m[0]] for m in episode_members([s.group_id for s in samples], [s.episode for s in samples])]
+    rewards = np.array([s.reward for s in episodes], dtype=np.float64)
     lengths = np.array([len(s.completion_ids) for s in samples])
     versions = [s.policy_version for s in samples]
     out = {
@@ -67,6 +69,6 @@ def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         "rollout/min_policy_version": float(min(versions)),
         "rollout/max_policy_version": float(max(versions)),
     }
-    for name in sorted({name for s in samples for name in s.reward_terms}):
-        out[f"reward/{name}/mean"] = float(np.mean([s.reward_terms.get(name, 0.0) for s in samples]))
+    for name in sorted({name for s in episodes for name in s.reward_terms}):
+        out[f"reward/{name}/mean"] = float(np.mean([s.reward_terms.get(name, 0.0) for s in episodes]))
     return out

@@ -1,4 +1,5 @@
-"""Data that crosses from the rollout side to the trainer: plain dataclasses, no logic beyond shape checks.
+"""Data that crosses from the rollout side to the trainer: plain dataclasses, no logic beyond shape checks and which
+samples form one episode (:func:`episode_members`).
 
 This is the one module the trainer imports from ``rollout``. Token ids and log-probs are numpy arrays so they travel
 through Ray's object store without pickling torch tensors.
@@ -6,12 +7,13 @@ through Ray's object store without pickling torch tensors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Sample", "RolloutBatch"]
+__all__ = ["RolloutBatch", "Sample", "episode_members"]
 
 
 @dataclass
@@ -100,3 +102,23 @@ class RolloutBatch:
         for s in self.samples:
             out.setdefault(s.group_id, []).append(s)
         return out
+
+
+def episode_members(group_ids: Sequence[int], episodes: Sequence[int | None]) -> list[list[int]]:
+    """The sample indices of each episode, in order of first appearance: samples of one group with the same episode
+    number are one episode (the parts of an agent episode that gave several samples); a sample whose episode is
+    ``None`` is one of its own. Group-relative estimators count each episode once (one reward per episode) and give
+    its advantage to all of its samples; reward metrics count each episode once."""
+    if len(group_ids) != len(episodes):
+        raise ValueError(f"{len(group_ids)} group ids for {len(episodes)} episode numbers")
+    members: dict[tuple[int, int], list[int]] = {}
+    out: list[list[int]] = []
+    for i, (g, e) in enumerate(zip(group_ids, episodes, strict=True)):
+        if e is None:
+            out.append([i])
+        elif (g, e) in members:
+            members[(g, e)].append(i)
+        else:
+            members[(g, e)] = [i]
+            out.append(members[(g, e)])
+    return out

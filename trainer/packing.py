@@ -44,8 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rollout.types import Sample
-from trainer.rl.advantages import episode_members
+from rollout.types import Sample, episode_members
 
 __all__ = [
     "MicroBatch", "assign_to_ranks", "bucket_size", "episode_tokens", "plan_micro_batches",

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rollout.types import RolloutBatch, Sample
+from rollout.types import RolloutBatch, Sample, episode_members
 from trainer.devices import (
     compiled_graphs,
     cut_graph,
@@ -44,7 +44,6 @@ from trainer.models.registry import ATTENTION_BLOCKS
 from trainer.models.transformer import Transformer
 from trainer.packing import MicroBatch, plan_micro_batches, split_minibatches
 from trainer.parallelize import sync_tensor_parallel_partial_grads
-from trainer.rl.advantages import episode_members
 from trainer.rl.algorithms import AdvantageInputs
 from trainer.rl.kl import kl_estimate
 from trainer.rl.router_aux import add_router_aux_loss, count_router_tokens, moe_aux_coef

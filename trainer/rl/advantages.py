@@ -18,7 +18,6 @@ from trainer.rl.config import GRPOConfig
 
 __all__ = [
     "compute_group_advantages",
-    "episode_members",
     "expand_to_tokens",
     "gae_advantages",
     "grpo_advantages",
@@ -73,26 +72,6 @@ def compute_group_advantages(rewards: torch.Tensor, group_ids: Sequence[int], co
         else:
             advantages[idx] = grpo_advantages(group, config.scale_advantages_by_std, config.advantage_eps)[0]
     return advantages
-
-
-def episode_members(group_ids: Sequence[int], episodes: Sequence[int | None]) -> list[list[int]]:
-    """The sample indices of each episode, in order of first appearance: samples of one group with the same episode
-    number are one episode (the parts of an agent episode that gave several samples); a sample whose episode is
-    ``None`` is one of its own. Group-relative estimators count each episode once (:func:`compute_group_advantages`
-    on one reward per episode) and give its advantage to all of its samples."""
-    if len(group_ids) != len(episodes):
-        raise ValueError(f"{len(group_ids)} group ids for {len(episodes)} episode numbers")
-    members: dict[tuple[int, int], list[int]] = {}
-    out: list[list[int]] = []
-    for i, (g, e) in enumerate(zip(group_ids, episodes, strict=True)):
-        if e is None:
-            out.append([i])
-        elif (g, e) in members:
-            members[(g, e)].append(i)
-        else:
-            members[(g, e)] = [i]
-            out.append(members[(g, e)])
-    return out
 
 
 def expand_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from trainer.rl.advantages import compute_group_advantages, episode_members, expand_to_tokens
+from rollout.types import episode_members
+from trainer.rl.advantages import compute_group_advantages, expand_to_tokens
 from trainer.rl.algorithms.base import AdvantageInputs, Algorithm
 from trainer.rl.config import GRPOConfig
 
