@@ -66,4 +66,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from driver.session import exit_process
+
+    exit_process(main())

@@ -339,7 +339,13 @@ class _Run:
 
     def __exit__(self, *exc: object) -> None:
         from driver.reservation import release
+        from driver.session import ray_reachable
 
+        if exc[0] is not None and not ray_reachable():  # nothing left to stop: its actors went with Ray
+            self.reservations = {}
+            if self.logger is not None:
+                self.logger.close()
+            return
         for part in (self.trainer, self.pool):
             if part is not None:
                 try:

@@ -6,11 +6,15 @@ down when the run ends. Worker processes get the thread and engine settings the 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
+import logging
 import os
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,11 +22,17 @@ from typing import Any
 
 from common.run_dir import LOCK, RunDirBusy, RunDirLock
 
-__all__ = ["ray_job_working_dir", "ray_session", "remove_killed_sessions", "worker_env_vars"]
+__all__ = [
+    "exit_process", "ray_job_working_dir", "ray_reachable", "ray_session", "remove_killed_sessions", "worker_env_vars",
+]
 
 _RAY_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a job's entrypoint
 _RAY_WORKING_DIRS = "working_dir_files"  # where a node unpacks jobs' working directories (runtime_resources/...)
 _TEMP_ROOT, _PREFIX = "/tmp", "rlray_"  # an embedded instance's directory
+_PROBE_S = 3.0  # a live GCS answers in milliseconds
+
+log = logging.getLogger("rl_align")
+_gone = threading.Event()  # set once Ray was found gone: it does not come back
 
 # Settings every actor process inherits. vLLM on CPU: in-process engine (fast start), a small KV cache unless the
 # recipe says otherwise, no CPU reserved for a (non-existent) separate front-end process.
@@ -141,6 +151,40 @@ def _stop(processes: list[Any], grace_s: float = 10.0) -> None:
     psutil.wait_procs(alive, timeout=grace_s)
 
 
+def ray_reachable() -> bool:
+    """Whether this process's Ray cluster still answers (its GCS, within a few seconds; once not, never again).
+
+    Not after a signal to the driver's whole process group (``timeout``, a service manager, a batch scheduler): an
+    embedded Ray's GCS and raylet share that group, and while Ctrl-C's SIGINT spares them (Ray blocks it in its
+    processes), SIGTERM stops them with the driver. Every Ray call would then wait out Ray's own 60 s before the
+    process is terminated, so the driver's way out asks first."""
+    if _gone.is_set():
+        return False
+    import ray
+
+    answered = threading.Event()
+
+    def probe() -> None:
+        with contextlib.suppress(Exception):
+            ray.cluster_resources()
+            answered.set()
+
+    threading.Thread(target=probe, name="ray-probe", daemon=True).start()
+    if not answered.wait(_PROBE_S):
+        _gone.set()
+    return not _gone.is_set()
+
+
+def exit_process(code: int) -> None:
+    """End the driver process with ``code``: ``sys.exit``, or, when its Ray was found gone (:func:`ray_reachable`),
+    ``os._exit`` after flushing output, since the interpreter's teardown would crash in Ray's orphaned client."""
+    if _gone.is_set():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 @contextlib.contextmanager
 def ray_session(address: str | None, device: str = "cpu") -> Iterator[str]:
     """Yield ``"embedded"`` or the joined address while Ray is initialised; shut an embedded instance down after.
@@ -176,6 +220,10 @@ def ray_session(address: str | None, device: str = "cpu") -> Iterator[str]:
         )
         yield "embedded"
     finally:
-        ray.shutdown()
+        if sys.exc_info()[0] is None or ray_reachable():
+            ray.shutdown()
+        else:  # its processes were stopped with this one (see ray_reachable): Ray's exit hook would wait for them
+            log.warning("Ray's own processes were stopped with the driver (a signal to its whole process group)")
+            atexit.unregister(ray.shutdown)
         shutil.rmtree(temp_dir, ignore_errors=True)
         held.release()

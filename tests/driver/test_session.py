@@ -99,3 +99,49 @@ def test_a_killed_drivers_ray_directory_is_removed_by_the_next_embedded_run(tmp_
     with RunDirLock(live):
         assert remove_killed_sessions(tmp_path) == [dead]
     assert not dead.exists() and live.is_dir() and unowned.is_dir() and fresh.is_dir()
+
+
+def test_a_sigterm_to_the_drivers_whole_process_group_ends_it_at_once():
+    """``timeout``, service managers and batch schedulers signal the whole group, which holds an embedded Ray's GCS
+    and raylet too: the driver waited out Ray's 60 s for the GCS, then died with exit 1 and no word on resuming."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    code = (
+        "import signal, time\n"
+        "from driver.run import _sigterm_stops_the_run\n"
+        "from driver.session import exit_process, ray_session\n"
+        "import threading\n"
+        "try:\n"
+        "    with ray_session(None), _sigterm_stops_the_run(threading.Event()):\n"
+        "        import ray\n"
+        "        busy = ray.remote(lambda: time.sleep(600)).remote()\n"
+        "        print('up', flush=True)\n"
+        "        ray.get(busy)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('stopped', flush=True)\n"
+        "    exit_process(143)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, start_new_session=True)  # fmt: skip
+    try:
+        assert driver.stdout is not None and driver.stdout.readline() == "up\n"
+        time.sleep(2)  # the task's worker is up
+        start = time.monotonic()
+        os.killpg(driver.pid, signal.SIGTERM)
+        out, err = driver.communicate(timeout=40)
+        assert driver.returncode == 143 and out == "stopped\n", (driver.returncode, out, err[-2000:])
+        assert time.monotonic() - start < 20, "it waited for Ray's processes"
+        assert "stopped with the driver" in err, err[-2000:]
+        deadline = time.monotonic() + 10
+        while _group_alive(driver.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _group_alive(driver.pid)
+    finally:
+        if _group_alive(driver.pid):
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
