@@ -91,6 +91,13 @@ class Recipe(Config):
             )
         if self.algorithm.group_relative and self.run.num_prompts_per_step * self.algorithm.group_size < 2:
             raise FieldError("run.num_prompts_per_step", "a GRPO step needs at least 2 samples")
+        episodes = self.run.num_prompts_per_step * self.algorithm.group_size
+        if self.trainer.num_minibatches > episodes:
+            raise FieldError(
+                "trainer.num_minibatches",
+                f"{self.trainer.num_minibatches} mini-batches for a step of {episodes} episodes "
+                f"(run.num_prompts_per_step x algorithm.group_size): at most {episodes}, so that each holds one",
+            )
         if self.trainer.critic_lr is not None and not self.algorithm.trains_critic:
             raise FieldError(
                 "trainer.critic_lr",

@@ -19,6 +19,7 @@ Returns one flat dict of floats per step, identical on every rank (``trainer.met
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -52,6 +53,8 @@ from trainer.rl.value_loss import explained_variance
 from trainer.state import TrainState
 
 __all__ = ["forward_logprobs", "plan_rank_micro_batches", "rl_step", "sft_step", "shares_prompts"]
+
+log = logging.getLogger(__name__)
 
 
 def forward_logprobs(model: Transformer, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,8 +132,11 @@ def _minibatches(state: TrainState, samples: Sequence[Sample], trained: list[int
     rank: contiguous in epoch 0, then reshuffled every epoch from the trainer seed, the step and the epoch."""
     if not trained:
         return []
-    # Fewer mini-batches only when overlong filtering left fewer samples than asked for (otherwise the split raises).
-    num = state.cfg.num_minibatches if len(trained) == len(samples) else min(state.cfg.num_minibatches, len(trained))
+    num = min(state.cfg.num_minibatches, len(trained))
+    # Overlong filtering, dynamic sampling or dropped episodes shrank the batch.
+    if num < state.cfg.num_minibatches and epoch == 0:
+        log.warning("step %d: %d sample(s) to train on, fewer than trainer.num_minibatches = %d: %d mini-batch(es)",
+                    state.step, len(trained), state.cfg.num_minibatches, num)  # fmt: skip
     seed = None if epoch == 0 else int(np.random.SeedSequence([state.cfg.seed, state.step, epoch]).generate_state(1)[0])
     return [[trained[j] for j in part] for part in split_minibatches(len(trained), num, seed=seed)]
 
@@ -317,7 +323,8 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     ``ratio_mean``; the fidelity of the trainer to the rollout engine: ``logprob_gap`` = mean |trainer - rollout|
     log-prob, ``rollout_kl`` = KL(rollout || trainer), ``is_ratio_mean``, ``is_weight_mean``, ``is_frac_capped``,
     ``is_frac_masked``; see README "Metrics"), extremes (``ratio_min/max``, ``logprob_gap_max``,
-    ``is_ratio_min/max``), ``grad_norm`` (mean over optimizer steps, before clipping) and ``grad_norm_max``, ``lr``,
+    ``is_ratio_min/max``), ``grad_norm`` (mean over optimizer steps, before clipping) and ``grad_norm_max``,
+    ``lr`` (the rate of the step's first optimizer update),
     ``step_s``, ``tokens_per_s`` (prompt + completion tokens of the batch x epochs per second, all ranks), this rank's
     seconds in each phase of the step (``logprobs_s``: old / reference log-probs, values and advantages;
     ``forward_backward_s``: the policy's forward and backward passes; ``optimizer_s``: gradient clipping and the
@@ -334,6 +341,9 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     cfg, samples = state.cfg, batch.samples
     if not samples:
         raise ValueError("empty rollout batch: nothing to train on")
+    # The rates this step's first update uses (the schedulers step after each update).
+    lr = float(state.scheduler.get_last_lr()[0])
+    critic_lr = None if state.critic_scheduler is None else float(state.critic_scheduler.get_last_lr()[0])
     trained = _trained_indices(state, samples)
     minis = _minibatches(state, samples, trained, epoch=0)
     plans = [plan_rank_micro_batches(state, samples, idx) for idx in minis]
@@ -378,8 +388,8 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     if state.critic is not None:
         critic_metrics = explained_variance(critic_acc.reduce(mesh_device_type(state.device), state.dp_group))
         metrics.update({f"critic/{k}": per_update(k, v) for k, v in critic_metrics.items()})
-        assert state.critic_scheduler is not None
-        metrics["critic/lr"] = float(state.critic_scheduler.get_last_lr()[0])
+        assert critic_lr is not None
+        metrics["critic/lr"] = critic_lr
     norms, critic_norm_values = _read(grad_norms), _read(critic_norms)
     if critic_norm_values:
         metrics["critic/grad_norm"] = float(np.mean(critic_norm_values))
@@ -390,7 +400,7 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     metrics.update(
         grad_norm=float(np.mean(norms)) if norms else 0.0,
         grad_norm_max=float(np.max(norms)) if norms else 0.0,
-        lr=float(state.scheduler.get_last_lr()[0]), step_s=elapsed,
+        lr=lr, step_s=elapsed,
         tokens_per_s=batch.num_tokens * cfg.num_epochs / elapsed, num_samples=float(len(samples)),
         step=float(state.step), policy_version=float(state.policy_version), **clock.metrics(),
     )  # fmt: skip

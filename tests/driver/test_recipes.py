@@ -566,3 +566,11 @@ def test_a_failure_budget_that_lets_no_episode_of_a_step_go_fails_at_load():
     assert "environment.max_failed_fraction: 0.001 of a step's 128 episodes lets none fail" in err, err
     assert "raise it to at least 0.00781 to let one go, or set 0" in err, err
     assert load_recipe(base, {"environment.max_failed_fraction": 0.01}).environment.max_failed_fraction == 0.01
+
+
+def test_more_mini_batches_than_a_step_has_episodes_is_refused_at_load():
+    """It passed ``--check`` and failed in the trainer's first step, after every actor had started."""
+    grpo = ROOT / "recipes" / "grpo_tiny.toml"  # 32 prompts x 8
+    error = _error(grpo, {"trainer.num_minibatches": 512})
+    assert "trainer.num_minibatches" in error and "at most 256" in error, error
+    assert load_recipe(grpo, {"trainer.num_minibatches": 256}).trainer.num_minibatches == 256

@@ -331,6 +331,23 @@ def test_overlong_filter_takes_truncated_completions_out_of_the_loss() -> None:
     assert any(not torch.equal(a, b) for a, b in zip(update(False, False).values(), update(False, True).values()))
 
 
+def test_a_step_reports_the_rates_it_trained_with_and_fewer_mini_batches_than_asked_for_when_few_samples(caplog):
+    """The metrics' learning rates are those the step's updates used, not the next step's (the schedulers step after
+    each update); a batch smaller than trainer.num_minibatches (dynamic sampling kept few groups) trains in one
+    mini-batch per sample instead of failing."""
+    from trainer.optim import lr_multiplier
+    from trainer.step import rl_step
+
+    schedule = {"num_warmup_steps": 10, "kind": "constant"}
+    state = _engine(PPOConfig(), schedule=schedule, critic_lr=1e-2, num_minibatches=16)
+    first = rl_step(state, RolloutBatch(_samples(seed=12, num_groups=2, group_size=4)))  # 8 samples
+    assert first["lr"] == pytest.approx(1e-3 * lr_multiplier(0, state.cfg.schedule))
+    assert first["critic/lr"] == pytest.approx(1e-2 * lr_multiplier(0, state.cfg.schedule))
+    assert "8 sample(s) to train on, fewer than trainer.num_minibatches = 16: 8 mini-batch(es)" in caplog.text
+    second = rl_step(state, RolloutBatch(_samples(seed=13)))  # 12 samples: 12 updates, the scheduler 8 steps on
+    assert second["lr"] == pytest.approx(1e-3 * lr_multiplier(8, state.cfg.schedule))
+
+
 def test_a_filtered_completion_counts_in_its_group_with_its_kl_penalty() -> None:
     """With the KL penalty in the reward, the overlong filter takes truncated completions out of the loss only: the
     other samples' advantages are those of the unfiltered batch (the truncated ones once counted unpenalised)."""
