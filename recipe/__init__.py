@@ -47,7 +47,7 @@ from rollout.envs.config import AgentEnvConfig, CustomEnvConfig, EnvironmentConf
 from rollout.rewards.config import FunctionRewardConfig, RewardConfig, RewardModelConfig
 from rollout.sampling import is_greedy
 from rollout.tasks.config import JsonlTaskConfig, TaskConfig
-from trainer.config import TrainerConfig
+from trainer.config import ScheduleConfig, TrainerConfig
 from trainer.models.config import LoRAConfig
 from trainer.rl.config import AlgorithmConfig
 from weight_sync.config import WeightSyncConfig
@@ -369,6 +369,31 @@ def _check_trainable_sampling(rollout: RolloutConfig) -> None:
         )
 
 
+def _schedule_spans_the_run(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with a cosine schedule's unset ``num_total_steps`` set to the run's optimizer steps (``run.num_steps``
+    x ``trainer.num_minibatches`` x ``num_epochs``, at least its warmup + 1): a length written in a base recipe would
+    not follow a derived recipe's (or a flag's) ``run.num_steps``. Anything malformed is left to validation."""
+    trainer = data.get("trainer")
+    schedule = trainer.get("schedule") if isinstance(trainer, dict) else None
+    if not isinstance(trainer, dict) or not isinstance(schedule, dict) or schedule.get("kind") != "cosine":
+        return data
+    if schedule.get("num_total_steps") not in (None, False):  # false: unset where a base recipe sets it
+        return data
+    run = data.get("run")
+    run = run if isinstance(run, dict) else {}
+    fields = {**RunConfig.model_fields, **TrainerConfig.model_fields, **ScheduleConfig.model_fields}
+    num_steps, minibatches, epochs, warmup = (
+        source.get(name, fields[name].default)
+        for source, name in (
+            (run, "num_steps"), (trainer, "num_minibatches"), (trainer, "num_epochs"), (schedule, "num_warmup_steps")
+        )
+    )  # fmt: skip
+    if not all(isinstance(n, int) and n >= 0 for n in (num_steps, minibatches, epochs, warmup)):
+        return data
+    total = max(num_steps * minibatches * epochs, warmup + 1)  # a run shorter than its warmup only warms up
+    return {**data, "trainer": {**trainer, "schedule": {**schedule, "num_total_steps": total}}}
+
+
 def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None, check_paths: bool = True) -> Recipe:
     """Load and validate a recipe file with dotted overrides; raise ConfigError naming the source and each field.
 
@@ -376,6 +401,7 @@ def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None, ch
     modules), so recipes for other hardware validate anywhere.
     """
     data, sources = read_toml_with_sources(path, overrides)
+    data = _schedule_spans_the_run(data)
     recipe = validate_config(Recipe, data, source=str(path), sources=sources)
     problems = [*_inherited_creator(recipe, sources), *_host_problems(recipe)] if check_paths else []
     if problems:

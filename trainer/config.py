@@ -127,7 +127,9 @@ class ScheduleConfig(Config):
     num_warmup_steps: int = pydantic.Field(default=0, ge=0)
     """Optimizer steps of linear warmup from ``lr / (num_warmup_steps + 1)`` to ``lr``."""
     num_total_steps: int | None = pydantic.Field(default=None, ge=1)
-    """Optimizer steps over which cosine decays (required for 'cosine'); the lr stays at the floor afterwards."""
+    """Optimizer steps over which cosine decays (required for 'cosine'); the lr stays at the floor afterwards. In a
+    recipe, unset means the run's optimizer steps (``run.num_steps`` x ``num_minibatches`` x ``num_epochs``), written
+    into the resolved recipe."""
     min_lr_ratio: float = pydantic.Field(default=0.0, ge=0, le=1)
     """Floor of the cosine schedule as a fraction of the peak lr."""
 

@@ -316,6 +316,7 @@ def test_rollout_model_path_is_resolved_by_the_recipe_not_patched_into_the_file_
     from common.config import read_toml, validate_config
 
     data = read_toml(ROOT / "recipes" / "grpo_tiny.toml")
+    data["trainer"]["schedule"]["num_total_steps"] = 300  # what load_recipe makes of the run's length
     assert "model_path" not in data["rollout"]
     recipe = validate_config(Recipe, data)  # without load_recipe: the Recipe itself resolves it
     assert recipe.rollout.model_path == recipe.model.path == recipe.rollout.served_model_path
@@ -427,7 +428,9 @@ def test_the_own_task_example_loads_and_changes_only_task_reward_and_warm_start(
     base = load_recipe(ROOT / "recipes" / "grpo_tiny.toml")
     assert mine.task.type == "jsonl" and mine.reward.terms[1].term_name == "brevity"
     assert mine.run.warm_start.stop_at_accuracy == 0.4
-    assert (mine.algorithm, mine.trainer, mine.model) == (base.algorithm, base.trainer, base.model)
+    assert (mine.algorithm, mine.model) == (base.algorithm, base.model)
+    assert mine.trainer.schedule.num_total_steps == mine.run.num_steps == 100  # the base's decay spans this run
+    assert mine.trainer == base.trainer.model_copy(update={"schedule": mine.trainer.schedule})
     from examples.own_task.reward import brevity
     from rollout.tasks.problem import Problem
 
@@ -574,3 +577,16 @@ def test_more_mini_batches_than_a_step_has_episodes_is_refused_at_load():
     error = _error(grpo, {"trainer.num_minibatches": 512})
     assert "trainer.num_minibatches" in error and "at most 256" in error, error
     assert load_recipe(grpo, {"trainer.num_minibatches": 256}).trainer.num_minibatches == 256
+
+
+def test_the_base_recipes_cosine_decay_spans_a_derived_recipes_run():
+    """grpo_tiny.toml's decay had a fixed 300 steps: a derived recipe of 100 steps (or a flag's 20) ended at ~80% of
+    the peak rate. Unset, it spans the run's optimizer steps; a length written down stays."""
+    grpo = ROOT / "recipes" / "grpo_tiny.toml"
+    total = lambda path, flags={}: load_recipe(path, flags).trainer.schedule.num_total_steps  # noqa: E731
+    assert total(grpo) == 300
+    assert total(grpo, {"run.num_steps": 100}) == 100
+    assert total(grpo, {"run.num_steps": 100, "trainer.num_minibatches": 2, "trainer.num_epochs": 3}) == 600
+    assert total(grpo, {"run.num_steps": 4}) == 11  # shorter than the warmup (10): it only warms up
+    assert total(grpo, {"run.num_steps": 100, "trainer.schedule.num_total_steps": 250}) == 250
+    assert total(ROOT / "recipes" / "agent_calc_tiny.toml") == 120  # written in the recipe itself
