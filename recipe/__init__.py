@@ -23,6 +23,7 @@ reason, before anything starts. No torch is imported here.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -57,6 +58,8 @@ if TYPE_CHECKING:
     from trainer.models.config import ModelConfig
 
 __all__ = ["Recipe", "load_recipe", "write_resolved"]
+
+log = logging.getLogger("rl_align")
 
 
 class Recipe(Config):
@@ -263,6 +266,11 @@ def _check_lora(recipe: Recipe) -> None:
     if served is not None and served != _served_adapter(recipe.model.lora):
         raise FieldError("rollout.engine.lora", f"{served} differs from [model.lora] (rank, alpha, targets): "
                          "leave it unset, [model.lora] fills it in")  # fmt: skip
+    if recipe.model.lora.dropout > 0:
+        log.warning("model.lora.dropout = %g in an RL run: the gradient pass scores a noisier policy than the one that "
+                    "sampled, so policy ratios carry the dropout noise (the importance weights do not: they use a "
+                    "pass without dropout, at one more forward a step); 0 is the choice for RL",
+                    recipe.model.lora.dropout)  # fmt: skip
     rank = recipe.model.lora.rank
     if recipe.rollout.engine.lora_serving == "adapter" and rank > MAX_SERVED_LORA_RANK:
         raise FieldError("rollout.engine.lora_serving", f"'adapter' serves through vLLM's LoRA path, which takes ranks "

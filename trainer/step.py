@@ -4,9 +4,9 @@ The RL step on each rank, with every rank given the same full batch:
 
 1. split the batch into ``num_minibatches`` mini-batches (one optimizer step each) and pack each into this rank's
    micro-batches (``trainer.packing``: balanced across ranks, equal micro-batch counts everywhere);
-2. without gradients: old log-probs (only when a batch is used for more than one optimizer step; otherwise the
-   trainer's own detached log-probs are the old ones, so the first ratio is exactly 1), reference log-probs (KL on),
-   critic values (algorithms with a critic);
+2. without gradients: old log-probs (only when a batch is used for more than one optimizer step, or LoRA dropout is
+   on; otherwise the trainer's own detached log-probs are the old ones, so the first ratio is exactly 1), reference
+   log-probs (KL on), critic values (algorithms with a critic);
 3. advantages: ``state.algorithm.compute_advantages`` (GRPO/RLOO from the group rewards, PPO's GAE with global
    whitening; KL folded into the reward if configured);
 4. for each epoch and mini-batch: forward -> log-probs through the model's output head -> the algorithm's policy loss
@@ -347,7 +347,10 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     trained = _trained_indices(state, samples)
     minis = _minibatches(state, samples, trained, epoch=0)
     plans = [plan_rank_micro_batches(state, samples, idx) for idx in minis]
-    need_old = cfg.num_epochs * cfg.num_minibatches > 1
+    # Adapter dropout makes the gradient pass another policy than the engine's: the old log-probs (the importance
+    # weights' numerator) then come from the deterministic no-grad pass.
+    lora = state.model_cfg.lora
+    need_old = cfg.num_epochs * cfg.num_minibatches > 1 or (lora is not None and lora.dropout > 0)
     clock = PhaseClock(state.device)
     if minis:  # empty only when overlong filtering dropped every sample: no update this step
         with clock.phase("logprobs"):

@@ -64,6 +64,30 @@ def test_first_grpo_step_is_exactly_on_policy() -> None:
     assert m["grad_norm"] > 0 and m["policy_version"] == 1.0
 
 
+def test_lora_dropout_leaves_the_importance_weights_to_a_pass_without_it() -> None:
+    """With adapter dropout the gradient pass's log-probs are noisy: taken as the old log-probs they made the
+    importance weights (trainer / engine) measure dropout noise, not the engines' gap."""
+    from trainer.models.config import LoRAConfig
+    from trainer.parallelize import build_mesh
+    from trainer.state import build_train_state
+    from trainer.step import rl_step
+
+    model = MODEL.model_copy(update={"lora": LoRAConfig(rank=4, alpha=8, dropout=0.5, init="gaussian")})
+    cfg = TrainerConfig(optimizer={"lr": 1e-3}, micro_batch_tokens=40)
+    algo = GRPOConfig(group_size=4, importance_sampling=ImportanceSamplingConfig(cap=2.0))
+    state = build_train_state(cfg, model, algo, torch.device("cpu"), build_mesh(cfg, "cpu"))
+    torch.manual_seed(0)
+    with torch.no_grad():  # trained adapters (B starts at 0, where dropout on their input changes nothing)
+        for name, p in state.policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    samples = _samples(seed=3)
+    _set_rollout_logprobs_to_trainer(state, samples)  # the engine's: the adapters without dropout
+    m = rl_step(state, RolloutBatch(samples))
+    assert m["logprob_gap"] == 0.0 and m["is_ratio_min"] == m["is_ratio_max"] == 1.0
+    assert m["ratio_min"] < 1.0 < m["ratio_max"]  # the policy ratio carries the dropout noise, as documented
+
+
 def test_old_logprob_pass_matches_the_gradient_pass() -> None:
     """Batches reused for several optimizer steps take old log-probs from a no-grad pass: bitwise the same values."""
     from trainer.packing import plan_micro_batches
