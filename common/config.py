@@ -416,6 +416,8 @@ def _reason(err: Mapping[str, Any], cls: type[pydantic.BaseModel], data: Any) ->
         return "required field is missing"
     if kind == "union_tag_not_found":
         return _untagged(tuple(err["loc"]), cls, data)
+    if kind == "union_tag_invalid":
+        return _unknown_type(tuple(err["loc"]), cls, str(err.get("ctx", {}).get("tag", "")))
     msg = str(err.get("msg", "invalid"))
     msg = msg.removeprefix("Value error, ")
     if kind not in ("value_error", "assertion_error") and "input" in err and not isinstance(err["input"], dict):
@@ -461,6 +463,21 @@ def _untagged(loc: Loc, cls: type[pydantic.BaseModel], data: Any) -> str:
     fits = [repr(_tag(c)) for c in members if keys and keys <= set(c.model_fields)]
     hint = f" (its keys fit type = {' or '.join(fits)})" if fits and len(fits) < len(members) else ""
     return f"no type: set type = one of {types}{hint}"
+
+
+def _unknown_type(loc: Loc, cls: type[pydantic.BaseModel], tag: str) -> str:
+    """Why ``type = tag`` is refused: the types the table may be, the closest, or a member's own word on that name
+    (its ``TYPE_ALIASES``: a method that is a setting of it, such as DAPO of GRPO)."""
+    members = [c for c in _section_classes(cls, loc, resolve_tags=False) if _tag(c) is not None]
+    for member in members:
+        said = getattr(member, "TYPE_ALIASES", {}).get(tag.lower())
+        if said is not None:
+            return f"no type {tag!r}: {said}"
+    types = [str(_tag(c)) for c in members]
+    close = difflib.get_close_matches(tag, types, n=1, cutoff=0.6)
+    return f"no type {tag!r}: set type = one of {', '.join(map(repr, types))}" + (
+        f"; did you mean {close[0]!r}?" if close else ""
+    )
 
 
 def _value_at(loc: Loc, data: Any) -> Any:

@@ -206,6 +206,15 @@ class GRPOConfig(PolicyConfig):
     type: Literal["grpo"] = "grpo"
     """Selects this algorithm in a recipe."""
     group_relative: ClassVar[bool] = True
+    TYPE_ALIASES: ClassVar[dict[str, str]] = {
+        name: f"{label} is type = 'grpo' with its settings{where}" for name, label, where in (
+            ("dapo", "DAPO", " (clip_high, token_mean, dynamic sampling, overlong filter): recipes/dapo_tiny.toml"),
+            ("gspo", "GSPO", " (ratio_level = 'sequence'): recipes/gspo_tiny.toml"),
+            ("dr_grpo", "Dr. GRPO", " (scale_advantages_by_std = false, loss_aggregation = 'token_sum_norm')"),
+            ("rloo", "RLOO", " (advantage_estimator = 'rloo', scale_advantages_by_std = false)"),
+        )
+    }  # fmt: skip
+    """What a recipe's ``type`` naming a variant of GRPO is told (``common.config``'s error for an unknown type)."""
     group_size: int = 8
     """Completions sampled per prompt; advantages compare the samples of one prompt, so at least 2."""
     advantage_estimator: Literal["grpo", "rloo"] = "grpo"
