@@ -9,7 +9,9 @@ for this push, and every external server of the recipe (``weight_sync.endpoints`
 shards and rank 0 commits (``TrainerGroup.push_weights``). Then the pool learns the committed version, and what a
 failed push means is decided here: a pool worker that missed it is held back (no work until it serves the version:
 the pool catches it up with :meth:`push_to`, and replaces it when even that fails); an external server that missed it
-is reported and gets a full push at the next version, without stopping training.
+is reported and gets a full push at the next version, without stopping training. With LoRA a push carries the
+adapters alone, and a receiver holding a version older than their base's (``TrainerWorker.push_weights``' ``behind``)
+is pushed the base with them at once.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class WeightPublisher:
             self.pool.set_policy_version(self.trainer.policy_version())
             return {"push/seconds": 0.0, "push/bytes": 0.0, "push/num_failed_receivers": 0.0, "push/gb_per_s": 0.0}
         self.trainer.set_weight_endpoints(endpoints)
-        outcomes = self.trainer.push_weights()
+        outcomes = self._push()
         failed = push_failures(outcomes)
         for address, error in failed.items():
             log.warning("weight push to %s failed (a live receiver keeps serving its old version; a pool worker gets "
@@ -72,13 +74,36 @@ class WeightPublisher:
     def push_to(self, addresses: list[str]) -> int:
         """Push the trainer's current weights (in full) to just ``addresses`` now; return the version pushed. Raises
         ``RuntimeError`` when any of them did not take it."""
-        outcomes = self.trainer.push_weights(endpoints=addresses)
+        outcomes = self._push(addresses)
         failed = push_failures(outcomes)
         if failed:
             raise RuntimeError(f"pushing the current policy to {addresses} failed: {failed}")
         version = int(outcomes[0]["policy_version"])
         log.info("pushed policy_version %d to rollout worker(s) %s to catch them up", version, addresses)
         return version
+
+
+    def _push(self, endpoints: list[str] | None = None) -> list[dict[str, Any]]:
+        """``trainer.push_weights`` to every receiver (or in full to ``endpoints``), then, with LoRA, the base with the
+        adapters to the receivers that hold an older base than the adapters apply to (a server restarted on its
+        directory, a replaced engine whose directory predates a warm start of the base): they took nothing from the
+        first push. Returns each rank's outcome, theirs being the second push's."""
+        outcomes = self.trainer.push_weights(endpoints=endpoints)
+        behind = sorted({address for outcome in outcomes for address in outcome.get("behind", {})})
+        if not behind:
+            return outcomes
+        versions = {a: v for outcome in outcomes for a, v in outcome["behind"].items()}
+        log.info("receivers %s hold policy versions %s, older than the base the adapters apply to: pushing them the "
+                 "base with the adapters", behind, [versions[a] for a in behind])  # fmt: skip
+        again = self.trainer.push_weights(endpoints=behind, with_base=True)
+        for first, second in zip(outcomes, again, strict=True):
+            for key in ("push_errors", "commit_errors"):  # commit errors: rank 0's only
+                if key in first:
+                    first[key] = {a: e for a, e in first[key].items() if a not in behind} | second.get(key, {})
+            first["seconds"] += second["seconds"]
+            first["payload_bytes"] += second["payload_bytes"]
+            first["behind"] = {}
+        return outcomes
 
 
 def engines_behind(engine_versions: Sequence[int], trainer_version: int) -> bool:

@@ -122,11 +122,13 @@ class TrainerGroup:
         return self._all("export_hf", path, source_dir, dtype, adapter)[0]
 
     def push_weights(
-        self, policy_version: int | None = None, dtype: str | None = None, endpoints: Sequence[str] | None = None
+        self, policy_version: int | None = None, dtype: str | None = None, endpoints: Sequence[str] | None = None,
+        with_base: bool = False,
     ) -> list[dict[str, Any]]:
-        """Every rank pushes its own shards to every receiver (or, in full, to just ``endpoints``), then rank 0
-        commits; returns each rank's outcome."""
-        return self._all("push_weights", policy_version, dtype, list(endpoints) if endpoints is not None else None)
+        """Every rank pushes its own shards to every receiver (or, in full, to just ``endpoints``; a LoRA policy's
+        base too ``with_base``), then rank 0 commits; returns each rank's outcome (``TrainerWorker.push_weights``)."""
+        return self._all("push_weights", policy_version, dtype, list(endpoints) if endpoints is not None else None,
+                         with_base)  # fmt: skip
 
     def policy_version(self) -> int:
         return self._all("policy_version")[0]

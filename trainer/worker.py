@@ -59,9 +59,11 @@ class TrainerWorker:
         self._sender: WeightSender | None = None
         self._checkpoints: CheckpointManager | None = None
         self._cpu = CpuClock()
-        # LoRA runs whose base trains (a warm start of every weight): receivers that may hold an older base get it.
-        self._base_trained = False
-        """The base has changed since the engines loaded their model directory: catch-up pushes carry it."""
+        # LoRA runs: pushes carry the adapters alone, over a base each receiver must hold (checked at Begin).
+        self._base_version = 0
+        """A LoRA policy's base is that of this policy version: ``init_path``'s recorded version (a resumed run's
+        warm-started base included), or the warm start's when it trains the base. A receiver holding an older version
+        lacks it (a server restarted on its directory): an adapter-only push refuses it (``behind``)."""
         self._base_unpushed = False
         """The base has changed since the last regular push: the next one carries it."""
         self._base_trains = False
@@ -124,6 +126,10 @@ class TrainerWorker:
         mesh = build_mesh(self.cfg, mesh_device_type(device))
         self.state = build_train_state(self.cfg, self.model_cfg, self.algorithm, device, mesh, self.init_path,
                                        restored=restored)  # fmt: skip
+        if self.model_cfg.lora is not None and self.init_path is not None:
+            from weight_sync.sink import read_policy_version
+
+            self._base_version = read_policy_version(self.init_path)
         return None if restore_from is None else self.load_checkpoint(str(restore_from))
 
     def _device(self, torch):  # noqa: ANN001, ANN202 (torch is imported lazily by the caller)
@@ -179,7 +185,7 @@ class TrainerWorker:
 
         metrics = sft_step(self._require_state(), samples, lr)
         if self._base_trains:
-            self._base_trained = self._base_unpushed = True
+            self._base_version, self._base_unpushed = self._require_state().policy_version, True
         return metrics
 
     def begin_warm_start(self, all_parameters: bool) -> None:
@@ -294,11 +300,14 @@ class TrainerWorker:
                             session_id=self.session_id)  # fmt: skip
 
     def push_weights(
-        self, policy_version: int | None = None, dtype: str | None = None, endpoints: Sequence[str] | None = None
+        self, policy_version: int | None = None, dtype: str | None = None, endpoints: Sequence[str] | None = None,
+        with_base: bool = False,
     ) -> dict[str, Any]:
         """Stream this rank's own shards, under HF names, to every receiver; rank 0 commits after all ranks pushed.
-        With LoRA only the adapters are pushed, under PEFT names, and the base too when it trained since the last push
-        (a one-off push: since the engines loaded their model directory).
+        With LoRA only the adapters are pushed, under PEFT names, and the base too when it trained since the last
+        regular push, or with ``with_base``. A receiver holding the base model at a version older than the base's
+        (``_base_version``) takes no adapters alone: the outcome's ``behind`` names it, to be pushed ``with_base``
+        (``driver.publisher``).
 
         ``policy_version`` defaults to the state's; ``dtype`` casts the pieces (e.g. 'bfloat16'); None sends each
         tensor in the dtype the receivers declare for it (an engine computing in bfloat16 gets bfloat16).
@@ -328,9 +337,9 @@ class TrainerWorker:
         def cast(hf_name: str, piece: torch.Tensor) -> torch.Tensor:
             return as_dtype(piece, dtype or declared.get(hf_name))
 
-        # With LoRA the engines hold the frozen base: only the adapters change, unless the base trained since.
+        # With LoRA the receivers hold the frozen base: only the adapters change, unless the base trained since.
         adapters_only = self.model_cfg.lora is not None and not (
-            self._base_trained if endpoints is not None else self._base_unpushed
+            with_base or (endpoints is None and self._base_unpushed)
         )
         places = [
             (hf_name, cast(hf_name, piece), hf_shape, hf_offsets)
@@ -341,18 +350,18 @@ class TrainerWorker:
         pieces = host_copies([piece for _, piece, _, _ in places])
         shards = [Shard(n, piece, s, o) for (n, _, s, o), piece in zip(places, pieces, strict=True)]
         try:
-            report = sender.push(version, shards)
+            report = sender.push(version, shards, min_version=self._base_version if adapters_only else -1)
             dist.barrier()  # every rank's streams have been answered
             out: dict[str, Any] = {
                 "policy_version": version, "push_errors": report.failed, "seconds": report.seconds,
-                "payload_bytes": report.payload_bytes,
+                "payload_bytes": report.payload_bytes, "behind": report.behind,
             }  # fmt: skip
             if self.rank == 0:
                 # A receiver that missed a shard from any rank fails its own coverage check and keeps its old version.
                 out["commit_errors"] = {a: e for a, e in sender.commit(version).items() if e}
             dist.barrier()
             if endpoints is None:
-                self._base_unpushed = False  # receivers that missed it are caught up by one-off pushes (with the base)
+                self._base_unpushed = False  # receivers that missed it are behind the base: pushed it with_base
         finally:
             if endpoints is not None:
                 sender.close()

@@ -37,7 +37,7 @@ __all__ = [
     "ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "EXPERT_TARGETS", "LORA_TARGETS", "AdapterSpec", "ExpertTarget",
     "ExpertTensor", "expert_tensor",
     "LoRATarget", "adapter_config", "adapter_manifest", "expert_factors", "expert_peft_name", "expert_target_dims",
-    "peft_name",
+    "holds_base", "is_peft_name", "peft_name",
     "read_adapter_version", "stored_adapter_fields", "write_peft_adapter",
 ]  # fmt: skip
 
@@ -91,6 +91,17 @@ class AdapterSpec(Config):
 def peft_name(hf_module: str, part: AdapterPart) -> str:
     """PEFT's name of one adapter tensor of the HF module ``hf_module`` (``model.layers.0.self_attn.q_proj``)."""
     return f"{_PREFIX}{hf_module}.{part}.weight"
+
+
+def is_peft_name(name: str) -> bool:
+    """Whether ``name`` is an adapter tensor's PEFT name (:func:`peft_name`, :func:`expert_peft_name`)."""
+    return name.startswith(_PREFIX) and name.endswith((".lora_A.weight", ".lora_B.weight"))
+
+
+def holds_base(names: Iterable[str]) -> bool:
+    """Whether a receiver whose manifest has the tensors ``names`` holds a base model (a server that merges or serves
+    adapters over it), not adapters alone (an adapter sink)."""
+    return any(not is_peft_name(name) for name in names)
 
 
 def expert_peft_name(experts_module: str, target: ExpertTarget, part: AdapterPart, spec: AdapterSpec) -> str:

@@ -29,6 +29,9 @@ class PushReport:
     nor `shm_endpoints`."""
     shm_endpoints: list[str] = dataclasses.field(default_factory=list)
     """Receivers on this host this rank streamed to over the shared-memory plane (never delta: raw is as cheap)."""
+    behind: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Receivers holding a base model at a version older than the push's ``min_version`` (address -> that version):
+    sent nothing, and in ``errors``; they need the base pushed with the adapters (``WeightSender.push``)."""
 
     @property
     def ok(self) -> list[str]:

@@ -63,6 +63,7 @@ from weight_sync.chunking import (
 from weight_sync.config import WeightSyncConfig
 from weight_sync.delta_policy import DeltaPolicy, LinkSample
 from weight_sync.feed import encoded, feed
+from weight_sync.peft import holds_base
 from weight_sync.receivers import Receivers
 from weight_sync.relay import ChunkStream, PushStream, StreamFailure, results_of, split_tree, stream_metadata
 from weight_sync.report import PushReport, error_text, record_results
@@ -155,8 +156,14 @@ class WeightSender:
         others are reported failed at each push, with what to change (``weight_sync.receivers``)."""
         return self._receivers.declared_dtypes(self.endpoints)
 
-    def push(self, policy_version: int, shards: Iterable[Shard]) -> PushReport:
+    def push(self, policy_version: int, shards: Iterable[Shard], min_version: int = -1) -> PushReport:
         """Begin + stream this rank's shards to every receiver. Never raises for a failing receiver (see the report).
+
+        ``min_version``: the oldest version these shards apply on top of (a LoRA policy's adapters without their base
+        apply to the base of that version). A receiver that holds a base model (``weight_sync.peft.holds_base``: an
+        adapter sink holds none) and whose Begin reply shows an older committed version gets nothing: its update is
+        aborted, and the report's ``behind`` lists it, to be pushed the base (a server restarted on its directory is
+        back at that directory's version, and adapters merged into another base would be served silently wrong).
 
         CPU tensors are read in place: they must not change (no optimizer step) until `push` returns. A receiver whose
         manifest does not take the shards is reported failed (each push, until it serves the model); one unreachable
@@ -180,7 +187,8 @@ class WeightSender:
         )
         errors: dict[str, str | None] = {}
         ports, offers = self._routes(errors)
-        tickets, delta, full, shm = self._begin_all(request, ports, offers, errors)
+        behind: dict[str, int] = {}
+        tickets, delta, full, shm = self._begin_all(request, ports, offers, errors, (min_version, behind))
         stream_ports = {a: ports[a] if tickets[a] else 0 for a in (*delta, *full)}
         groups = self._open_streams(policy_version, delta, full, stream_ports, tickets)
         targets = {a: (offers[a], tickets[a]) for a in shm}
@@ -233,7 +241,7 @@ class WeightSender:
         ]
         report = PushReport(
             policy_version, errors, delta, sockets, sent, payload, seconds, fallback,
-            [a for a in shm if a not in fallback],
+            [a for a in shm if a not in fallback], behind,
         )
         log.info(
             "rank %d pushed v%d: %.1f MB of shards, %.1f MB sent to %d streams in %.3f s (%.2f GB/s per receiver); "
@@ -269,10 +277,13 @@ class WeightSender:
 
     def _begin_all(
         self, request: pb.BeginRequest, ports: dict[str, int], offers: dict[str, pb.ShmPlane],
-        errors: dict[str, str | None],
+        errors: dict[str, str | None], floor: tuple[int, dict[str, int]] = (-1, {}),
     ) -> tuple[dict[str, bytes], list[str], list[str], list[str]]:
         """Begin at every receiver of `ports` at once: (tickets, receivers that take deltas, those that take full
-        pushes, those reached through their shared-memory plane), failures in `errors`."""
+        pushes, those reached through their shared-memory plane), failures in `errors`. `floor`: (the push's
+        `min_version`, the dict that gets each receiver holding a base below it, with its version: its update is
+        aborted)."""
+        min_version, behind = floor
         relay_ports = {a: p for a, p in ports.items() if a not in offers}  # same-host receivers stay out of relay trees
         begins = {
             a: self._pool.submit(self._clients[a].begin, self._begin_request(request, a, relay_ports)) for a in ports
@@ -288,6 +299,15 @@ class WeightSender:
                 errors[address] = why = f"Begin: {error_text(e)}"
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     self._receivers.rest(address, why)
+                continue
+            if reply.current_version < min_version and self._holds_base(address):
+                behind[address] = reply.current_version
+                errors[address] = (
+                    f"Begin: it holds policy_version {reply.current_version}, older than {min_version}, the base "
+                    "model these adapters apply to (a restarted server is back at its directory's version): it needs "
+                    "the base pushed with them"
+                )
+                self._abort_at(address, request, "the receiver lacks the base these adapters apply to")
                 continue
             tickets[address] = reply.data_ticket
             errors[address] = None
@@ -314,6 +334,19 @@ class WeightSender:
             plan, segments, targets, hello, self._chunk_bytes(), timeout_s=cfg.push_timeout_s, stall_s=self._stall_s,
             connect_timeout_s=cfg.hello_timeout_s,
         )
+
+    def _holds_base(self, address: str) -> bool:
+        """Whether the receiver's manifest holds a base model's weights (adapter sinks hold adapters alone)."""
+        described = self._receivers.described.get(address)
+        return described is not None and holds_base(spec.name for spec in described.manifest)
+
+    def _abort_at(self, address: str, request: pb.BeginRequest, reason: str) -> None:
+        """Drop the update `request` began at `address` (nothing is streamed to it: it would hold its staging)."""
+        abort = pb.AbortRequest(session_id=request.session_id, policy_version=request.policy_version, reason=reason)
+        try:
+            self._clients[address].abort(abort)
+        except grpc.RpcError:
+            pass  # an update left open there gives way to the next Begin of this session
 
     def _fallback_reason(self, stream: ChunkStream | ShmStream, outcome: pb.PushReply | Exception) -> str | None:
         """Why `stream` should go again over gRPC Push (its data plane refused it before opening it), or None."""

@@ -15,3 +15,56 @@ def test_every_rank_s_reason_is_kept_once_per_receiver() -> None:
     ]
     assert push_failures(outcomes) == {"a:1": f"{refused}; {cut}", "c:3": "NOT_FOUND: no open update"}
     assert push_failures([{"push_errors": {"a:1": ""}, "commit_errors": {}}]) == {}
+
+
+class _Trainer:
+    """Two ranks whose first push finds ``b:2`` behind the base (a server restarted on its directory)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[str] | None, bool]] = []
+
+    def set_weight_endpoints(self, endpoints: list[str]) -> None:
+        pass
+
+    def push_weights(self, endpoints: list[str] | None = None, with_base: bool = False) -> list[dict]:
+        self.calls.append((endpoints, with_base))
+        if with_base:
+            return [{"policy_version": 7, "push_errors": {}, "commit_errors": {}, "seconds": 2.0, "payload_bytes": 9,
+                     "behind": {}}, {"policy_version": 7, "push_errors": {}, "seconds": 2.0, "payload_bytes": 9,
+                                     "behind": {}}]  # fmt: skip
+        why = "Begin: it holds policy_version 0, older than 3"
+        rank = {"policy_version": 7, "push_errors": {"b:2": why}, "seconds": 1.0, "payload_bytes": 1,
+                "behind": {"b:2": 0}}  # fmt: skip
+        return [{**rank, "commit_errors": {"b:2": f"not committed: its push failed ({why})"}}, dict(rank)]
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.held_back: list[str] | None = None
+
+    def set_weight_publisher(self, push_to: object) -> None:
+        pass
+
+    def poll(self) -> None:
+        pass
+
+    def receiver_addresses(self) -> list[str]:
+        return ["a:1"]
+
+    def set_policy_version(self, version: int) -> None:
+        pass
+
+    def hold_back(self, addresses: list[str]) -> None:
+        self.held_back = addresses
+
+
+def test_receivers_behind_the_base_are_pushed_it_with_the_adapters_at_once() -> None:
+    from driver.publisher import WeightPublisher
+
+    trainer, pool = _Trainer(), _Pool()
+    publisher = WeightPublisher(trainer, pool, external=["b:2"])
+    metrics = publisher.publish()
+    assert trainer.calls == [(None, False), (["b:2"], True)]
+    assert metrics["push/num_failed_receivers"] == 0 and metrics["push/bytes"] == 20 and metrics["push/seconds"] == 3
+    assert pool.held_back == [] and publisher.published_version == 7 and publisher.external_unserved == {}
+    assert publisher.push_to(["b:2"]) == 7  # a catch-up push follows up the same way

@@ -106,7 +106,7 @@ def _warm_start_worker(rank: int, world: int, port: int, out_dir: str, model: st
     for step in range(2):
         worker.sft_step(_batch(step).samples, lr=1e-2)
     result["after_sft"] = full_weights(worker.state.policy)
-    result["base_trained"] = worker._base_trained
+    result["base_version"] = worker.policy_version()  # receivers below it lack this base
     worker.finish_warm_start()
     result["rl"] = worker.train_step(_batch(2))
     result["after_rl"] = full_weights(worker.state.policy)
@@ -245,7 +245,7 @@ def test_a_warm_start_of_every_weight_trains_the_base_then_rl_trains_only_the_ad
     from trainer.models.lora import is_adapter
 
     warm = runs[world][0]["warm"]
-    assert warm["base_trained"]  # so catch-up pushes carry the base
+    assert warm["base_version"] == 2  # two SFT steps
     for name, w in warm["after_sft"].items():
         changed = not torch.equal(w, warm["init"][name])
         assert changed != is_adapter(name), f"{name}: changed={changed} in the warm start"
@@ -284,3 +284,48 @@ def test_a_ppo_critic_trains_its_own_adapters_and_value_head(tmp_path: Path) -> 
     assert not torch.equal(after["value_head.weight"], before["value_head.weight"])
     # B starts at 0, so B is what moves first (A's gradient goes through B)
     assert any(not torch.equal(after[n], before[n]) for n in trainable if n.endswith("lora_B"))
+
+
+def test_a_resumed_trainer_pushes_its_warm_started_base_to_a_receiver_that_lacks_it(tmp_path: Path) -> None:
+    """Regression: a resumed LoRA run (its base the warm start's export, at version 3) pushed adapters alone, and a
+    server restarted on the original model (back at version 0) merged them into the wrong base, silently."""
+    from tools.make_tiny_model import make_tiny_model
+    from trainer.models.hf_config import model_config_from_hf
+    from trainer.models.hf_io import hf_manifest
+    from trainer.worker import TrainerWorker
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.peft import adapter_manifest
+    from weight_sync.receiver import WeightReceiver
+    from weight_sync.sink import StateDictSink, write_policy_version
+    from weight_sync.spec import TensorSpec, dtype_name
+
+    base = make_tiny_model(tmp_path / "warm_start_model", seed=5, vocab_size=300, hidden_size=32, num_layers=1,
+                           num_heads=2)  # fmt: skip
+    write_policy_version(str(base), 3)  # what the warm start's export records
+    cfg, dense, algo = _configs(str(tmp_path / "ckpt"), 1)
+    model_cfg = model_config_from_hf(str(base)).model_copy(update={"lora": dense.lora})
+    specs = [TensorSpec(n, s, dtype_name(d)) for n, s, d in hf_manifest(model_cfg)]
+    held = {s.name: torch.zeros(s.shape) for s in [*specs, *adapter_manifest(specs, dense.lora)]}
+    receiver = WeightReceiver(StateDictSink(held), WeightSyncConfig())  # restarted on the original model: version 0
+    receiver.start()
+    worker = TrainerWorker(0, cfg, model_cfg, algo, init_path=str(base),
+                           weight_sync=WeightSyncConfig(endpoints=[receiver.address], delta=False))  # fmt: skip
+    try:
+        worker.setup("127.0.0.1", free_port())
+        assert worker.state is not None
+        worker.state.policy_version = 5  # as the checkpoint it resumed from
+        first = worker.push_weights()
+        assert first["behind"] == {receiver.address: 0} and receiver.address in first["push_errors"]
+        assert receiver.policy_version == 0
+        again = worker.push_weights(endpoints=[receiver.address], with_base=True)
+        assert again["push_errors"] == {} and again["commit_errors"] == {} and receiver.policy_version == 5
+        name = "model.layers.0.self_attn.q_proj.weight"
+        from safetensors.torch import load_file
+
+        assert torch.equal(held[name], load_file(str(base / "model.safetensors"))[name].float())
+        worker.state.policy_version = 6  # it holds the base now: adapters alone
+        later = worker.push_weights()
+        assert later["behind"] == {} and later["push_errors"] == {} and receiver.policy_version == 6
+    finally:
+        worker.shutdown()
+        receiver.stop(grace_s=0)
