@@ -246,6 +246,7 @@ class _Run:
         from driver.placement import host_cores, plan_placement
         from driver.publisher import WeightPublisher
         from driver.reservation import Role, reserve
+        from rollout.engine.vllm_plugin import lora_option
         from rollout.pool import RolloutPool, worker_resources
         from rollout.tokenizer import load_tokenizer
         from trainer.group import TrainerGroup, rank_resources
@@ -273,6 +274,9 @@ class _Run:
                          "DIR --adapter_of %s --rank %d --alpha %g%s (adapters go out in the engines' dtype, %s, and "
                          "a sink declares its base's: give it a base saved in %s)", r.lora_base, lora.rank, lora.alpha,
                          targets, r.rollout.engine.dtype, r.rollout.engine.dtype)  # fmt: skip
+                log.info("a stock vllm serve with the rl_align plugin takes them with this in its \"rl_align\" "
+                         "options, started on a copy of %s (deploy/OPERATIONS.md): %s", r.model.path,
+                         lora_option(lora))  # fmt: skip
         # The publisher hands the trainer's ranks their receivers before every push.
         sync_cfg = r.weight_sync.model_copy(update={"endpoints": []})
         # A resumed run starts from the warm-started weights (its checkpoint then restores policy and reference). With

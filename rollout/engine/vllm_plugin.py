@@ -81,10 +81,18 @@ class ServedReceiverConfig(Config):
     """Who drives updates: the endpoint plugin of a server, or rl-align's in-process ``VLLMEngine`` (set by it)."""
     lora: AdapterSpec | None = None
     """Take LoRA adapter versions of this shape (``{"rank": 16, "alpha": 32, "target_modules": [...]}``, as the
-    trainer's ``[model.lora]``) and serve each merged into the served model's base weights; not with ``persist_dir``."""
+    trainer's ``[model.lora]``: the run's log prints it) and serve each merged into the served model's base weights;
+    not with ``persist_dir``. ``rank`` and ``alpha`` are required: the scale ``alpha / rank`` is nowhere in the pushed
+    tensors, so a default would serve adapters of another alpha silently wrong."""
 
     @pydantic.model_validator(mode="after")
     def _check_lora(self) -> ServedReceiverConfig:
+        missing = [k for k in ("rank", "alpha") if self.lora is not None and k not in self.lora.model_fields_set]
+        if missing:
+            raise ValueError(f"lora needs the rank and alpha of the run's [model.lora] (missing: "
+                             f"{', '.join(missing)}): the adapters' scale alpha / rank is not in what the trainer "
+                             "pushes, so a default would serve them silently wrong; copy the \"lora\" option the run "
+                             "prints in its log")  # fmt: skip
         if self.lora is not None and self.persist_dir is not None:
             raise ValueError("persist_dir with lora is not built: a restart would serve the base model without the "
                              "adapter; unset persist_dir")  # fmt: skip
@@ -92,6 +100,12 @@ class ServedReceiverConfig(Config):
 
 
 _PLUGIN_FIELDS = set(ServedReceiverConfig.model_fields) - {"weight_sync"}
+
+
+def lora_option(spec: AdapterSpec) -> str:
+    """The plugin's ``lora`` option for adapters of ``spec`` (a trainer's ``[model.lora]``), as an operator writes it
+    in the ``rl_align`` options: ``"lora": {"rank": 16, "alpha": 32.0, ...}``."""
+    return f'"lora": {json.dumps(spec.model_dump(mode="json", include=set(AdapterSpec.model_fields)))}'
 
 
 def served_receiver_config(additional: Mapping[str, Any] | None, environ: Mapping[str, str]) -> ServedReceiverConfig:

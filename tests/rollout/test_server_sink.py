@@ -9,6 +9,7 @@ methods are the public ``EngineClient`` ones the sink calls.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import types
@@ -20,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from common.config import ConfigError
 from rollout.engine.server_sink import ServerWeightSink
 from rollout.engine.transfer import REFUSED
-from rollout.engine.vllm_plugin import served_receiver_config
+from rollout.engine.vllm_plugin import lora_option, served_receiver_config
+from trainer.models.config import LoRAConfig
 from weight_sync.sink import read_policy_version
 
 STATE = {"model.norm.weight": torch.ones(4), "model.layers.0.mlp.up_proj.weight": torch.zeros(8, 4)}
@@ -334,8 +336,18 @@ def test_a_lora_sink_stages_adapters_merged_into_the_base_and_keeps_the_served_a
     with pytest.raises(ValueError, match="persist_dir with lora"):
         _sink(RecordingEngine(), loop, model_dir, tmp_path, lora=spec, persist_dir=str(tmp_path / "p"))
     with pytest.raises(ConfigError, match="persist_dir with lora"):
-        served_receiver_config({"lora": {"rank": 2}, "persist_dir": "/x"}, {})
-    assert served_receiver_config({"lora": {"rank": 2, "target_modules": ["q_proj"]}}, {}).lora.rank == 2
+        served_receiver_config({"lora": {"rank": 2, "alpha": 4}, "persist_dir": "/x"}, {})
+    lora = served_receiver_config({"lora": {"rank": 2, "alpha": 4, "target_modules": ["q_proj"]}}, {}).lora
+    assert lora is not None and (lora.rank, lora.alpha) == (2, 4.0)
+    # What the run's log prints for the trainer's [model.lora] (its dropout is not the plugin's) is taken as it is.
+    trained = LoRAConfig(rank=32, alpha=64, dropout=0.1, target_modules=("q_proj", "v_proj"))
+    printed = json.loads("{" + lora_option(trained) + "}")
+    served = served_receiver_config(printed, {}).lora
+    assert served == AdapterSpec(rank=32, alpha=64, target_modules=("q_proj", "v_proj"))
+    # Regression: {"rank": 32} served adapters trained at alpha 64 at the default alpha 32 (half their scale).
+    for given, missing in (({"rank": 32}, "alpha"), ({}, "rank, alpha"), ({"alpha": 64}, "rank")):
+        with pytest.raises(ConfigError, match=f"lora needs the rank and alpha .*missing: {missing}"):
+            served_receiver_config({"lora": given}, {})
 
 
 _SERVER_WITH_A_WATCHER = """
