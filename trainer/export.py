@@ -339,8 +339,14 @@ def export_checkpoint(
     recipe_model = record[0].get("model", {}) if record is not None else None
     if model_dir is not None:
         source = Path(model_dir)
+        _check_model_dir(ckpt, source, record)
     elif record is not None:
         source = lora_base_dir(*record) or Path(record[0].get("model", {}).get("path", ""))
+        if not source.is_absolute() and not source.exists():
+            raise ValueError(f"{record[1] / RESOLVED_RECIPE} names the model directory {str(source)!r}, a path "
+                             "relative to the directory the run started in, and there is none relative to this one "
+                             f"({Path.cwd()}): run the export from the directory the run started in, or pass "
+                             "--model-dir")  # fmt: skip
     _check_out(Path(out_dir), source, ckpt)
     policy_version = _check_checkpoint(ckpt)
     _tokenizer_files(source)
@@ -370,6 +376,18 @@ def export_checkpoint(
         return _complete(stage, files, source, policy_version)
 
     return _write_whole(out_dir, write, source, ckpt)
+
+
+def _check_model_dir(ckpt: Path, model_dir: Path, record: tuple[dict, Path] | None) -> None:
+    """``ValueError`` when ``--model-dir`` is not the base the run's record names for its LoRA adapters
+    (``common.run_dir.lora_base_dir``) while that base exists: merged into another base of the same shapes, the
+    adapters would make another model without a word. A run without LoRA, or whose base is gone, takes any."""
+    base = lora_base_dir(*record) if record is not None else None
+    if base is None or not base.is_dir() or base.resolve() == model_dir.resolve():
+        return
+    raise ValueError(f"{ckpt} holds LoRA adapters trained over {base} (the base its run's {RESOLVED_RECIPE} names), "
+                     f"not over --model-dir {model_dir}: merged there they would make another model. Leave out "
+                     f"--model-dir to export over {base}, or pass that directory")  # fmt: skip
 
 
 def _run_record(ckpt: Path) -> tuple[dict, Path] | None:

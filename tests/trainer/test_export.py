@@ -235,10 +235,45 @@ def test_an_adapter_checkpoint_over_another_base_is_refused_before_writing(sourc
     # A base of one layer takes the checkpoint's layer-0 adapters (same shapes) but not its layer-1 ones, which must
     # not be dropped silently.
     short = make_tiny_model(tmp_path / "short", family="qwen3", seed=3, hidden_size=64, num_layers=1, num_heads=2)
-    ckpt = _save_lora_run(tmp_path / "run", _trained_lora(source, DENSE_LORA), source, DENSE_LORA)
-    assert main([str(ckpt), str(tmp_path / "out"), "--model-dir", str(short)]) == 2
+    ckpt = _save_lora_run(tmp_path / "run", _trained_lora(source, DENSE_LORA), short, DENSE_LORA)
+    assert main([str(ckpt), str(tmp_path / "out")]) == 2
     assert "layers.1.attention" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_dir_other_than_the_base_a_lora_run_records_is_refused(source, tmp_path, capsys):
+    """Regression: ``--model-dir [model] path`` on a run whose warm start trained the base merged the adapters into
+    the untrained model without a word."""
+    from trainer.export import export_policy, main
+
+    run = tmp_path / "run"
+    warm = run / "warm_start_model"
+    export_policy(_trained(source), warm, source, policy_version=1)
+    ckpt = _save_lora_run(run, _trained_lora(warm, DENSE_LORA), source, DENSE_LORA)
+    record = (run / "recipe.resolved.toml").read_text()
+    (run / "recipe.resolved.toml").write_text(f'[run.warm_start]\nnum_steps = 5\nparameters = "all"\n\n{record}')
+    assert main([str(ckpt), str(tmp_path / "out"), "--model-dir", str(source)]) == 2
+    error = _error(capsys)
+    assert f"trained over {warm}" in error and f"not over --model-dir {source}" in error and "Leave out" in error
+    assert not (tmp_path / "out").exists()
+    assert main([str(ckpt), str(tmp_path / "out"), "--model-dir", str(warm)]) == 0  # the recorded base itself
+
+
+def test_a_relative_model_path_from_another_directory_names_where_it_is_relative_to(source, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Regression: a run whose ``[model] path`` was relative, exported from another directory, said only that the
+    path had no tokenizer."""
+    from trainer.export import main
+
+    monkeypatch.chdir(source.parent)
+    ckpt = _save_run(tmp_path / "run", Path(source.name))  # the record names it relative to where the run started
+    monkeypatch.chdir(tmp_path)
+    assert main([str(ckpt), str(tmp_path / "out")]) == 2
+    error = _error(capsys)
+    assert f"names the model directory {source.name!r}, a path relative to the directory the run started in" in error
+    assert "--model-dir" in error
+    monkeypatch.chdir(source.parent)  # from where the run started it exports
+    assert main([str(ckpt), str(tmp_path / "out")]) == 0
 
 
 # Regression tests of an outside review of ``python -m trainer.export``: an output that was the model directory
