@@ -125,7 +125,7 @@ def export_policy(
         if not files:
             return files  # [] on the ranks that do not write
         if adapters is not None:
-            files = [*files, *_write_adapter(stage, model_cfg, adapters, source_dir, dtype)]
+            files = [*files, *_write_adapter(stage, model_cfg, adapters, source_dir, dtype, policy_version)]
         return _complete(stage, files, source_dir, policy_version)
 
     source = Path(source_dir) if source_dir is not None else None
@@ -138,9 +138,11 @@ def _write_adapter(
     adapter: Iterable[tuple[str, torch.Tensor]],
     source_dir: str | Path | None,
     dtype: str | None,
+    policy_version: int | None = None,
 ) -> list[str]:
     """Write ``adapter`` (``(PEFT name, whole tensor)``) as the PEFT adapter directory of the export at ``out_dir``
-    (``dtype`` casts it); return its file names relative to ``out_dir``."""
+    (``dtype`` casts it; ``policy_version`` recorded in its weights, as an adapter sink records it); return its file
+    names relative to ``out_dir``."""
     import torch
 
     from weight_sync.peft import write_peft_adapter
@@ -149,7 +151,8 @@ def _write_adapter(
     assert lora is not None
     cast = [(name, t if dtype is None else t.to(getattr(torch, dtype))) for name, t in adapter]
     base = str(Path(source_dir).resolve()) if source_dir is not None else None
-    written = write_peft_adapter(Path(out_dir) / ADAPTER_DIR, cast, lora, base, dropout=lora.dropout)
+    written = write_peft_adapter(Path(out_dir) / ADAPTER_DIR, cast, lora, base, dropout=lora.dropout,
+                                 policy_version=policy_version)  # fmt: skip
     return [f"{ADAPTER_DIR}/{name}" for name in written]
 
 
@@ -372,7 +375,7 @@ def export_checkpoint(
             files = write_hf_checkpoint(model_cfg, stage, params, tensors, dtype=cast)
         if adapters is not None:
             pairs = [(peft_name(model_cfg, name), t) for name, t in adapters.items()]
-            files = [*files, *_write_adapter(stage, model_cfg, pairs, source, dtype)]
+            files = [*files, *_write_adapter(stage, model_cfg, pairs, source, dtype, policy_version)]
         return _complete(stage, files, source, policy_version)
 
     return _write_whole(out_dir, write, source, ckpt)

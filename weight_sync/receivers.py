@@ -97,9 +97,11 @@ class Receivers:
                     )
                     break
                 if want != (local.spec.shape, local.spec.dtype):
+                    held = "has no such tensor" if want is None else f"holds it as {want[0]}" + (
+                        f" {want[1]}" if want[1] != local.spec.dtype else "")
                     self._refused[address] = (
                         f"receiver {address} does not accept {local.name} {local.spec.shape} {local.spec.dtype} "
-                        f"(it has {want}); is it serving the same model?"
+                        f"(it {held}); is it serving the same model (for adapters: the same rank and targets)?"
                     )
                     self._other_model.add(address)
                     break

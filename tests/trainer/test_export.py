@@ -165,10 +165,25 @@ def test_a_lora_policy_exports_merged_and_as_a_peft_adapter(source, tmp_path):
     from trainer.export import export_policy
 
     model = _trained_lora(source, DENSE_LORA)
+    from weight_sync.peft import read_adapter_version
+
     files = export_policy(model, tmp_path / "out", source, policy_version=3)
     assert {"model.safetensors", "adapter/adapter_model.safetensors", "adapter/adapter_config.json"} <= set(files)
+    assert read_adapter_version(tmp_path / "out" / "adapter") == 3  # as an adapter sink's copy records it
     _assert_usable(tmp_path / "out", model, source)  # the merged model is a plain HF model
     _assert_adapter_loads_in_peft(tmp_path / "out", model, source)
+
+
+def _assert_same_adapter_file(out: Path, live: Path) -> None:
+    """The two exports' adapter weights are the same tensors, bit for bit, with the same metadata (policy_version
+    included); not compared as bytes: safetensors writes a metadata map of two keys in no fixed order."""
+    from safetensors import safe_open
+
+    files = [safe_open(str(d / "adapter" / "adapter_model.safetensors"), framework="pt") for d in (out, live)]
+    assert files[0].metadata() == files[1].metadata() and "policy_version" in files[0].metadata()
+    assert list(files[0].keys()) == list(files[1].keys())
+    for name in files[0].keys():
+        assert torch.equal(files[0].get_tensor(name), files[1].get_tensor(name)), name
 
 
 def _save_lora_run(run: Path, model, source: Path, lora_fields: dict) -> Path:
@@ -197,9 +212,10 @@ def test_an_adapter_only_checkpoint_exports_over_the_runs_base(source, moe_sourc
     assert sum(f.stat().st_size for f in ckpt.glob("*.distcp")) < (base / "model.safetensors").stat().st_size
     assert main([str(ckpt), str(tmp_path / "out")]) == 0
     export_policy(model, tmp_path / "live", base, policy_version=2)
-    for name in ("model.safetensors", "config.json", "adapter/adapter_model.safetensors", "adapter/adapter_config.json",
-                 "policy_version.json", "generation_config.json"):  # fmt: skip
+    for name in ("model.safetensors", "config.json", "adapter/adapter_config.json", "policy_version.json",
+                 "generation_config.json"):  # fmt: skip
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "live" / name).read_bytes(), name
+    _assert_same_adapter_file(tmp_path / "out", tmp_path / "live")
     _assert_usable(tmp_path / "out", model, base)
     _assert_adapter_loads_in_peft(tmp_path / "out", model, base)
 
@@ -219,8 +235,9 @@ def test_a_lora_run_whose_warm_start_trained_the_base_exports_over_its_warm_star
     (run / "recipe.resolved.toml").write_text(f'[run.warm_start]\nnum_steps = 5\nparameters = "all"\n\n{record}')
     assert main([str(ckpt), str(tmp_path / "out")]) == 0
     export_policy(model, tmp_path / "live", warm, policy_version=2)
-    for name in ("model.safetensors", "adapter/adapter_model.safetensors", "adapter/adapter_config.json"):
+    for name in ("model.safetensors", "adapter/adapter_config.json"):
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "live" / name).read_bytes(), name
+    _assert_same_adapter_file(tmp_path / "out", tmp_path / "live")
     config = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(warm.resolve())
     _assert_adapter_loads_in_peft(tmp_path / "out", model, warm)

@@ -57,7 +57,10 @@ def test_served_adapters_load_in_peft_and_other_bases_are_refused(tmp_path, caps
         assert main(["push", "--checkpoint", str(source), "--to", address, "--version", "3"]) == 0
         before = (served / "adapter_model.safetensors").read_bytes()
         assert main(["push", "--checkpoint", str(wrong), "--to", address, "--version", "4", "--num_retries", "0"]) == 2
-        assert "is it serving the same model?" in capsys.readouterr().err
+        error = capsys.readouterr().err
+        # Said once, the receiver's shape beside the pushed one (the dtype they share not repeated).
+        assert "(it holds it as (" in error and "float32 (it" in error and error.count("float32") == 1, error
+        assert "is it serving the same model (for adapters: the same rank and targets)?" in error
         assert (served / "adapter_model.safetensors").read_bytes() == before
     finally:
         proc.terminate()

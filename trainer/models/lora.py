@@ -19,8 +19,9 @@ Sharding: FSDP2 shards the adapters like any parameter (dim 0, inside their bloc
 its other factor replicated: a column-split projection (output rows over ranks) shards ``lora_B``'s rows, a row-split
 one (input columns over ranks) shards ``lora_A``'s columns. The low-rank path then needs no communication of its own:
 a column split's output is sharded like the base's, a row split's is a partial sum that the base's all-reduce adds up
-with it; the replicated factor is ``rank`` wide, so holding it whole costs little. Expert parallelism is not built
-for expert adapters (the recipe check refuses it).
+with it; the replicated factor is ``rank`` wide, so holding it whole costs little. Under expert parallelism the expert
+adapters stay whole factors (PEFT's ``lora_B`` keeps the expert as its minor index, so a rank's experts are no
+contiguous slice of it): an FSDP unit of their own over all ranks, each rank computing with its experts' slice.
 """
 
 from __future__ import annotations
