@@ -42,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="Ray cluster to join; default: the cluster of `ray job submit` (RAY_ADDRESS), else an embedded instance",
     )
-    parser.add_argument("--check", action="store_true", help="validate the recipe, print it resolved, and exit")
+    parser.add_argument(
+        "--check", action="store_true", help="validate the recipe and the task's data, print the recipe resolved, exit"
+    )
     return parser
 
 
@@ -58,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.check:
+        from rollout.tasks import build_dataset
+
+        try:
+            build_dataset(recipe.task)  # every row read and checked, as a run does before Ray starts
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print(to_toml(recipe), end="")
         return 0
     from driver.run import run

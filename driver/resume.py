@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 from common.run_dir import CHECKPOINTS, RESOLVED_RECIPE, read_run_record
@@ -16,9 +17,10 @@ log = logging.getLogger("rl_align")
 
 
 def resume_command(record: Path) -> str:
-    """The command that resumes the run whose resolved recipe is ``record``. Relative paths in a recipe resolve against
-    the directory the run started in, so the command starts there."""
-    return f"cd {Path.cwd()} && python rl_align.py --recipe {record.resolve()} --resume"
+    """The command that resumes the run whose resolved recipe is ``record``, with this interpreter (a venv's ``python``
+    is not necessarily the one on ``PATH``). Relative paths in a recipe resolve against the directory the run started
+    in, so the command starts there."""
+    return f"cd {Path.cwd()} && {sys.executable} rl_align.py --recipe {record.resolve()} --resume"
 
 
 def resume_hint(out_dir: Path, ckpt_dir: Path, failed: bool) -> str:

@@ -598,3 +598,12 @@ def test_an_unknown_algorithm_type_names_the_types_or_the_setting_a_variant_is()
     assert "recipes/gspo_tiny.toml" in _error(grpo, {"algorithm.type": "GSPO"})
     gpro = _error(grpo, {"algorithm.type": "gpro"})
     assert "no type 'gpro': set type = one of 'grpo', 'ppo'; did you mean 'grpo'?" in gpro
+
+
+def test_check_reads_the_tasks_data_as_a_run_does(tmp_path):
+    """README: every row is read and checked before anything starts; ``--check`` passed a file a run refused."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n' * 5 + '{"prompt": "2+2"}\n')
+    code, err = _check(["--recipe", "recipes/grpo_tiny.toml", "--task.type", "jsonl", "--task.path", str(data),
+                        "--task.num_eval_problems", "2"])  # fmt: skip
+    assert code == 2 and f"error: {data}:6: missing key 'answer'" in err, err

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -350,7 +351,8 @@ def test_an_actor_death_offers_a_resume_only_when_there_is_a_checkpoint(tmp_path
                 "workers", "checkpoint-write": "error: 12.0 MB are free under x"}[death]  # fmt: skip
     assert "\nerror: " in err and expected in err, err
     if saved:
-        command = f"cd {Path.cwd()} && python rl_align.py --recipe {out.resolve() / 'recipe.resolved.toml'} --resume"
+        record = out.resolve() / "recipe.resolved.toml"
+        command = f"cd {Path.cwd()} && {sys.executable} rl_align.py --recipe {record} --resume"
         assert f"continue from its last checkpoint (step_00000002) with: {command}" in err, err
         # The record repeats the flags of the failed start: the hint says where to change one that caused it.
         assert "its flags included: change the one at fault there, or give its flag again" in err, err
