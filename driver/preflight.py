@@ -114,9 +114,44 @@ def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None)
     if resume_from is not None:
         check_resumable(resume_from, model_cfg, recipe, out_dir)
         _check_steps_left(resume_from, recipe.run.num_steps)
+        _warn_changed_settings(recipe, out_dir)
         dataset.load_state_dict(saved_data_cursor(resume_from))
     _check_engines_not_ahead(recipe, resume_from)
     return CheckedRun(resume_from, model_cfg, dataset)
+
+
+_SHOWN_CHANGES = 8
+
+
+def _warn_changed_settings(recipe: Recipe, out_dir: Path) -> None:
+    """Name the settings in which a resumed run's recipe differs from the run's record (a flag or an edited file:
+    they apply from the checkpoint on, and the record is rewritten with them), so none changes unnoticed."""
+    import tomllib
+
+    from common.config import to_toml
+
+    record = read_run_record(out_dir)
+    if record is None:
+        return
+    before, now = _flat(record), _flat(tomllib.loads(to_toml(recipe)))
+    # Keys in both only: a record of older code lacks today's fields, and a recipe leaves derived ones unset.
+    changed = [f"{k}: {before[k]!r} -> {now[k]!r}" for k in sorted(before.keys() & now.keys()) if before[k] != now[k]]
+    if changed:
+        more = f" and {len(changed) - _SHOWN_CHANGES} more" if len(changed) > _SHOWN_CHANGES else ""
+        log.warning("--resume with settings other than the run's record (%s): %s%s; they apply from the checkpoint "
+                    "on, and the record is rewritten with them", out_dir / RESOLVED_RECIPE,
+                    "; ".join(changed[:_SHOWN_CHANGES]), more)  # fmt: skip
+
+
+def _flat(table: dict, prefix: str = "") -> dict[str, object]:
+    """A TOML document's values by dotted key (arrays of tables whole)."""
+    out: dict[str, object] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _check_engines_not_ahead(recipe: Recipe, resume_from: Path | None) -> None:

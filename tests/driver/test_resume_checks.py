@@ -579,3 +579,25 @@ def test_a_resume_whose_engines_would_start_ahead_of_its_checkpoint_is_refused_b
     capsys.readouterr()
     with pytest.raises(AssertionError, match="Ray was started"):
         run(_recipe(tmp_path, "model", 128), resume="required")
+
+
+def test_a_resume_with_changed_settings_names_them(tmp_path, caplog):
+    """A resume takes the given recipe's settings (README): a flag that changed one went unnoticed, as did an eval of
+    another size whose accuracies the report then compared with the earlier ones."""
+    import logging
+
+    from driver.preflight import check_run, with_run_defaults
+
+    out = _checkpointed_run(tmp_path)
+    same = with_run_defaults(_recipe(tmp_path, "model", 128), out)
+    with caplog.at_level(logging.WARNING, logger="rl_align"):
+        check_run(same, out, out / "checkpoints", "required")
+    assert "other than the run's record" not in caplog.text
+    changed = with_run_defaults(load_recipe(out / "recipe.resolved.toml", {
+        "trainer.optimizer.lr": 3e-4, "run.eval.num_problems": 100,
+    }), out)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="rl_align"):
+        check_run(changed, out, out / "checkpoints", "required")
+    assert "--resume with settings other than the run's record" in caplog.text
+    assert "trainer.optimizer.lr: 0.0005 -> 0.0003" in caplog.text
+    assert "run.eval.num_problems: 500 -> 100" in caplog.text
