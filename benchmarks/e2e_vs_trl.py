@@ -177,7 +177,7 @@ def our_overrides(
     args = {
         **({"rollout.num_workers": str(engines)} if engines is not None else {}),
         "model.path": str(model_dir), "run.output_dir": str(out_dir), "run.warm_start.num_steps": "0",
-        "run.num_steps": str(setting.num_steps), "trainer.schedule.num_total_steps": str(setting.num_steps),
+        "run.num_steps": str(setting.num_steps),  # the recipe's cosine decay spans them (TRL's: --steps)
         "run.eval.num_problems": "0", "run.eval.every_num_steps": "0",
         "run.export.every_num_steps": str(setting.save_every), "trainer.checkpoint.every_num_steps": "0",
         "run.logging.plot": "false", "run.logging.tensorboard": "false", "run.logging.progress": "false",
@@ -195,8 +195,7 @@ def run_warm_start(work: Path, threads: int, cpus: set[int]) -> Path:
     dir."""
     out = work / "warm"
     cmd = [str(OUR_PYTHON), "rl_align.py", "--recipe", str(RECIPE), "--model.path", str(work / "tiny-qwen3"),
-           "--run.output_dir", str(out), "--run.num_steps", "1", "--trainer.schedule.num_total_steps", "2",
-           "--trainer.schedule.num_warmup_steps", "1",
+           "--run.output_dir", str(out), "--run.num_steps", "1", "--trainer.schedule.num_warmup_steps", "1",
            "--trainer.checkpoint.every_num_steps", "0", "--run.logging.plot", "false",
            "--run.logging.tensorboard", "false", "--run.logging.progress", "false"]  # fmt: skip
     run_logged(cmd, work / "warm_start.log", child_env(threads), cpus)

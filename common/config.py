@@ -474,7 +474,7 @@ def _unknown_type(loc: Loc, cls: type[pydantic.BaseModel], tag: str) -> str:
         if said is not None:
             return f"no type {tag!r}: {said}"
     types = [str(_tag(c)) for c in members]
-    close = difflib.get_close_matches(tag, types, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(tag.lower(), types, n=1, cutoff=0.6)
     return f"no type {tag!r}: set type = one of {', '.join(map(repr, types))}" + (
         f"; did you mean {close[0]!r}?" if close else ""
     )

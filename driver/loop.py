@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from common.cpu import CpuClock
 from common.run_dir import HF_EXPORTS
 from rollout.metrics import sample_metrics
-from rollout.types import RolloutBatch
+from rollout.types import RolloutBatch, episode_members
 
 if TYPE_CHECKING:
     from rollout.pool import RolloutHandle
@@ -108,7 +108,8 @@ class RLLoop:
         if not kept:
             kept = list(batch.groups().values())  # nothing informative: train anyway (zero advantages, KL only)
         samples = [s for group in kept[: run.num_prompts_per_step] for s in group]
-        metrics["reward/filtered_mean"] = sum(s.reward for s in samples) / len(samples)
+        episodes = episode_members([s.group_id for s in samples], [s.episode for s in samples])
+        metrics["reward/filtered_mean"] = sum(samples[m[0]].reward for m in episodes) / len(episodes)
         return RolloutBatch(samples, batch.metrics), cursor, metrics
 
     def run(self, start_step: int) -> None:

@@ -128,14 +128,26 @@ def _warn_changed_settings(recipe: Recipe, out_dir: Path) -> None:
     they apply from the checkpoint on, and the record is rewritten with them), so none changes unnoticed."""
     import tomllib
 
-    from common.config import to_toml
+    from common.config import ConfigError, to_toml
+    from recipe import load_recipe
 
-    record = read_run_record(out_dir)
-    if record is None:
+    record_path = out_dir / RESOLVED_RECIPE
+    if not record_path.is_file():
         return
-    before, now = _flat(record), _flat(tomllib.loads(to_toml(recipe)))
-    # Keys in both only: a record of older code lacks today's fields, and a recipe leaves derived ones unset.
-    changed = [f"{k}: {before[k]!r} -> {now[k]!r}" for k in sorted(before.keys() & now.keys()) if before[k] != now[k]]
+    now = _flat(tomllib.loads(to_toml(recipe)))
+    try:  # read through today's schema, so that both sides name every setting alike (unset ones left out of both)
+        recorded = with_run_defaults(load_recipe(record_path, check_paths=False), out_dir)
+        before = _flat(tomllib.loads(to_toml(recorded)))
+        keys = before.keys() | now.keys()
+    except (ConfigError, ValueError, OSError):  # a record of older code: compare what both still name
+        before = _flat(read_run_record(out_dir) or {})
+        keys = before.keys() & now.keys()
+    changed = [f"{k}: {before.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}" for k in sorted(keys)
+               if before.get(k) != now.get(k)]  # fmt: skip
+    schedule = "trainer.schedule.num_total_steps"  # derived from run.num_steps once, then recorded
+    steps_changed = before.get("run.num_steps") != now.get("run.num_steps")
+    if steps_changed and schedule in now and before.get(schedule) == now[schedule]:
+        changed.insert(0, f"{schedule} stays {now[schedule]} (the record's): give it again to decay over the new run")
     if changed:
         more = f" and {len(changed) - _SHOWN_CHANGES} more" if len(changed) > _SHOWN_CHANGES else ""
         log.warning("--resume with settings other than the run's record (%s): %s%s; they apply from the checkpoint "

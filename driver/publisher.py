@@ -72,8 +72,8 @@ class WeightPublisher:
         }  # fmt: skip
 
     def push_to(self, addresses: list[str]) -> int:
-        """Push the trainer's current weights (in full) to just ``addresses`` now; return the version pushed. Raises
-        ``RuntimeError`` when any of them did not take it."""
+        """Push the trainer's current weights to just ``addresses`` now (with LoRA the adapters, and the base to those
+        holding an older one); return the version pushed. Raises ``RuntimeError`` when any of them did not take it."""
         outcomes = self._push(addresses)
         failed = push_failures(outcomes)
         if failed:

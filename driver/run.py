@@ -127,7 +127,10 @@ def _sigterm_stops_the_run(received: threading.Event) -> Iterator[None]:
         return
 
     def stop(signum: int, frame: object) -> None:
+        from driver.session import note_sigterm
+
         received.set()
+        note_sigterm()
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, stop)

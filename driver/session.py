@@ -29,10 +29,11 @@ __all__ = [
 _RAY_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a job's entrypoint
 _RAY_WORKING_DIRS = "working_dir_files"  # where a node unpacks jobs' working directories (runtime_resources/...)
 _TEMP_ROOT, _PREFIX = "/tmp", "rlray_"  # an embedded instance's directory
-_PROBE_S = 3.0  # a live GCS answers in milliseconds
+_PROBE_S = 5.0  # a live GCS answers in milliseconds, a loaded host's within a second or two
 
 log = logging.getLogger("rl_align")
 _gone = threading.Event()  # set once Ray was found gone: it does not come back
+_terminated = threading.Event()  # the driver received SIGTERM (note_sigterm): only then can Ray have gone with it
 
 # Settings every actor process inherits. vLLM on CPU: in-process engine (fast start), a small KV cache unless the
 # recipe says otherwise, no CPU reserved for a (non-existent) separate front-end process.
@@ -151,16 +152,26 @@ def _stop(processes: list[Any], grace_s: float = 10.0) -> None:
     psutil.wait_procs(alive, timeout=grace_s)
 
 
-def ray_reachable() -> bool:
-    """Whether this process's Ray cluster still answers (its GCS, within a few seconds; once not, never again).
+def note_sigterm() -> None:
+    """Record that the driver received SIGTERM (``driver.run``'s handler): :func:`ray_reachable` then asks Ray."""
+    _terminated.set()
 
-    Not after a signal to the driver's whole process group (``timeout``, a service manager, a batch scheduler): an
-    embedded Ray's GCS and raylet share that group, and while Ctrl-C's SIGINT spares them (Ray blocks it in its
-    processes), SIGTERM stops them with the driver. Every Ray call would then wait out Ray's own 60 s before the
-    process is terminated, so the driver's way out asks first."""
+
+def ray_reachable() -> bool:
+    """Whether this process's Ray cluster still answers: True unless the driver received SIGTERM (:func:`note_sigterm`)
+    and Ray's GCS then gave no answer within a few seconds (once not, never again).
+
+    A SIGTERM to the driver's whole process group (``timeout``, a service manager, a batch scheduler) also reaches an
+    embedded Ray's GCS and raylet, which share that group (Ctrl-C's SIGINT spares them: Ray blocks it in its
+    processes). Every Ray call would then wait out Ray's own 60 s before the process is terminated, so the driver's
+    way out asks first. Any other exit, or a Ray never started, does not ask: a slow but live cluster is never taken
+    for a dead one there."""
     if _gone.is_set():
         return False
     import ray
+
+    if not _terminated.is_set() or not ray.is_initialized():
+        return True
 
     answered = threading.Event()
 

@@ -385,7 +385,8 @@ def _schedule_spans_the_run(data: dict[str, Any]) -> dict[str, Any]:
     schedule = trainer.get("schedule") if isinstance(trainer, dict) else None
     if not isinstance(trainer, dict) or not isinstance(schedule, dict) or schedule.get("kind") != "cosine":
         return data
-    if schedule.get("num_total_steps") not in (None, False):  # false: unset where a base recipe sets it
+    written = schedule.get("num_total_steps")
+    if written is not None and written is not False:  # false: unset where a base recipe sets it
         return data
     run = data.get("run")
     run = run if isinstance(run, dict) else {}

@@ -222,10 +222,11 @@ def _compute_advantages(
     state: TrainState, samples: Sequence[Sample], trained: list[int], plans: list[list[MicroBatch]]
 ) -> None:
     """Fill ``mb.advantages`` (and ``extra['returns']`` for a critic) of every micro-batch by the algorithm. With the
-    KL penalty in the reward, the samples that carry no loss (``trained`` leaves them out) are packed too, for their
-    penalty: their group's statistics count them with their penalised reward."""
+    KL penalty in the reward of a group-relative algorithm, the samples that carry no loss (``trained`` leaves them
+    out) are packed too, for their penalty: their group's statistics count them with their penalised reward."""
     untrained: list[MicroBatch] = []
-    if len(trained) < len(samples) and state.algorithm.config.kl.in_reward:
+    config = state.algorithm.config  # group statistics are what count them: PPO's per-sample GAE does not
+    if len(trained) < len(samples) and config.kl.in_reward and config.group_relative:
         kept = set(trained)
         untrained = plan_rank_micro_batches(state, samples, [i for i in range(len(samples)) if i not in kept])
         for mb in untrained:

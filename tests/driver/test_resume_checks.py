@@ -601,3 +601,12 @@ def test_a_resume_with_changed_settings_names_them(tmp_path, caplog):
     assert "--resume with settings other than the run's record" in caplog.text
     assert "trainer.optimizer.lr: 0.0005 -> 0.0003" in caplog.text
     assert "run.eval.num_problems: 500 -> 100" in caplog.text
+    caplog.clear()
+    longer = with_run_defaults(load_recipe(out / "recipe.resolved.toml", {
+        "run.num_steps": 40, "trainer.pack_row_tokens": 512,
+    }), out)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="rl_align"):
+        check_run(longer, out, out / "checkpoints", "required")
+    assert "trainer.pack_row_tokens: '(unset)' -> 512" in caplog.text  # set where the record has none
+    assert "trainer.schedule.num_total_steps stays 11 (the record's)" in caplog.text  # the 4-step run's warmup + 1
+    assert "run.num_steps: 4 -> 40" in caplog.text

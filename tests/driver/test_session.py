@@ -145,3 +145,16 @@ def test_a_sigterm_to_the_drivers_whole_process_group_ends_it_at_once():
         if _group_alive(driver.pid):
             os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
+
+
+def test_only_a_sigterm_makes_the_driver_ask_whether_ray_answers():
+    """A slow but live cluster must never be taken for a dead one (its actors left running): without a SIGTERM, or
+    before Ray started, nothing is asked."""
+    import subprocess
+    import sys
+
+    code = ("import time\nfrom driver.session import note_sigterm, ray_reachable\nstart = time.monotonic()\n"
+            "assert ray_reachable()\nnote_sigterm()\nassert ray_reachable()  # Ray never started\n"
+            "assert time.monotonic() - start < 1\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
