@@ -60,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.check:
-        from rollout.tasks import build_dataset
+        from driver.preflight import check_data
 
         try:
-            build_dataset(recipe.task)  # every row read and checked, as a run does before Ray starts
+            check_data(recipe)
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from trainer.models.config import ModelConfig
 
 __all__ = [
-    "CheckedRun", "check_resumable", "check_run", "ensure_model", "hold_checkpoint_dir", "outputs_lost_with_the_job",
-    "with_run_defaults",
+    "CheckedRun", "check_data", "check_resumable", "check_run", "ensure_model", "hold_checkpoint_dir",
+    "outputs_lost_with_the_job", "with_run_defaults",
 ]  # fmt: skip
 
 log = logging.getLogger("rl_align")
@@ -96,7 +96,6 @@ def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None)
     and for a resume (``resume``: "required" or "auto", as :func:`driver.run.run` takes it) the newest checkpoint
     against the recipe. ``ValueError`` / ``FileNotFoundError`` otherwise, naming what to change."""
     from common.tokenizer_dir import check_tokenizer_dir
-    from rollout.tasks import build_dataset
     from trainer.checkpoint import saved_data_cursor
     from trainer.checkpoint_dirs import latest_checkpoint
 
@@ -105,7 +104,7 @@ def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None)
         raise ValueError(f"--resume: no complete checkpoint under {ckpt_dir}; run without --resume (or --resume "
                          "auto)")  # fmt: skip
     recipe.weight_sync.resolve_token()  # a token variable set but empty: the engines' receivers would refuse to start
-    dataset = build_dataset(recipe.task)
+    dataset = check_data(recipe)
     ensure_model(recipe)
     check_tokenizer_dir(recipe.rollout.tokenizer_dir)  # loaded while the actors start
     _check_exportable(recipe)
@@ -164,6 +163,14 @@ def _flat(table: dict, prefix: str = "") -> dict[str, object]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def check_data(recipe: Recipe) -> PromptDataset:
+    """The task's dataset, every row read and checked (for :func:`check_run` and ``rl_align.py --check``);
+    ``ValueError`` / ``FileNotFoundError`` naming the file and line."""
+    from rollout.tasks import build_dataset
+
+    return build_dataset(recipe.task)
 
 
 def _check_engines_not_ahead(recipe: Recipe, resume_from: Path | None) -> None:

@@ -216,7 +216,7 @@ class _Recipe(Config):
         ({"terms": [{"type": "exact_match", "extract_pattern": "[a"}]}, "reward.terms[0].extract_pattern", "regex"),
         ({"terms": [{"type": "math"}, {"type": "math", "weight": 2.0}]}, "reward", "share the name(s) ['math']"),
         ({"terms": []}, "reward.terms", "at least 1 item"),
-        ({"terms": [{"type": "bleu"}]}, "reward.terms[0]", "does not match any of the expected tags"),
+        ({"terms": [{"type": "bleu"}]}, "reward.terms[0]", "no type 'bleu': set type = one of 'math', 'exact_match'"),
         ({"on_error": "ignore"}, "reward.on_error", "'fail' or 'zero'"),
         ({"terms": [{"type": "reward_model"}]}, "reward.terms[0].path", "required field is missing"),
     ],

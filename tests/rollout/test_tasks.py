@@ -76,7 +76,7 @@ def test_negative_results_when_allowed():
         ({"type": "arithmetic", "prompt_template": "What is {x}?"}, "task.prompt_template", "not a valid template"),
         ({"type": "arithmetic", "operators": ["/"]}, "task.operators[0]", "'+'"),
         ({"type": "arithmetic", "operators": ["+", "+"]}, "task", "duplicates"),
-        ({"type": "csv"}, "task", "does not match any of the expected tags"),
+        ({"type": "csv"}, "task", "no type 'csv': set type = one of 'arithmetic', 'jsonl'"),
         ({"type": "jsonl", "path": "a.jsonl", "eval_path": "b.jsonl", "num_eval_problems": 3}, "task", "not both"),
         ({"type": "arithmetic", "num_train_problems": "10"}, "task.num_train_problems", "valid integer"),
         ({"max_digits": 3}, "task", "no type: set type = one of 'arithmetic', 'jsonl' (its keys fit type = "
