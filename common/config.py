@@ -439,6 +439,9 @@ def _unknown_key(loc: Loc, cls: type[pydantic.BaseModel], data: Any) -> str:
     other_types = [
         _tag(c) for c in _section_classes(cls, loc[:-1], resolve_tags=False) if key in c.model_fields and _tag(c)
     ]
+    aliased = [a for c in _section_classes(cls, loc[:-1]) if (a := getattr(c, "KEY_ALIASES", {}).get(key))]
+    if aliased and aliased[0] in fields:  # another framework's name for a field (PEFT's ``r`` for ``rank``)
+        return f"unknown key {key!r}; this field is {prefix}{aliased[0]} here"
     if not section:
         is_table = isinstance(_value_at(loc, data), dict)
         what = f"unknown section {key!r}: there is no [{key}]" if is_table else f"unknown key {key!r}"

@@ -127,6 +127,7 @@ class RLLoop:
 
         top_up(1)
         owed: tuple[int, dict] | None = None  # the last step and its cursor, whose checkpoint/export may be due
+        evaluated = False  # an evaluation ran after the previous step: this step's CPU laps hold its work
         for step in range(start_step, run.num_steps):
             t0 = time.perf_counter()
             if owed is not None:
@@ -145,10 +146,11 @@ class RLLoop:
             metrics["rollout/staleness_max"] = float(max(version - 1 - s.policy_version for s in batch.samples))
             metrics.update(_phase_metrics(metrics, (t0, t1, t2, t3, t4, time.perf_counter()), batch.num_tokens))
             cpu_s = self._cpu.lap() + metrics["train/process_cpu_s"] + metrics.get("rollout/process_cpu_s", 0.0)
-            if step > start_step:  # the first laps also hold the start-up, warm start and evaluation before RL
+            if step > start_step and not evaluated:  # the first laps also hold the start-up and warm start
                 metrics["perf/cores_busy"] = cpu_s / max(metrics["time/step_s"] * self.num_cores, 1e-9)
             every = run.eval.every_num_steps
-            if every and (step + 1) % every == 0 and step + 1 < run.num_steps:
+            evaluated = bool(every) and (step + 1) % every == 0 and step + 1 < run.num_steps
+            if evaluated:
                 metrics.update(self._evaluate())
             self._log(step, metrics)
             owed = (step, cursor)

@@ -23,7 +23,7 @@ import re
 import secrets
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple, get_args
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, NamedTuple, get_args
 
 import pydantic
 
@@ -58,6 +58,9 @@ _EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<expert>\d+)\.(
 
 class AdapterSpec(Config):
     """The shape of a LoRA adapter: what a trainer trains and a receiver accepts."""
+
+    KEY_ALIASES: ClassVar[dict[str, str]] = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+    """PEFT's names of these fields, which a recipe's unknown-key error translates (``common.config``)."""
 
     rank: Annotated[int, pydantic.Field(gt=0)] = 16
     """Rank ``r`` of each adapter (PEFT ``r``)."""

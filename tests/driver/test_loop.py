@@ -302,3 +302,9 @@ def test_engines_behind_the_trainer_are_pushed_its_weights_those_at_it_not_and_t
     assert engines_behind([3, 5], 5) and not engines_behind([5, 5], 5) and not engines_behind([], 5)
     with pytest.raises(RuntimeError, match=r"policy versions \[5, 40\], ahead of the trainer's 5"):
         engines_behind([40, 5], 5)
+
+
+def test_cores_busy_leaves_out_the_steps_whose_cpu_laps_hold_an_evaluation():
+    """The laps are each process's CPU since its previous report: a step after an evaluation read ~1.9 of 2 cores."""
+    _, logged = _run({"run.eval.every_num_steps": 2}, num_steps=5)  # evaluations after steps 2 and 4 (1-based)
+    assert ["perf/cores_busy" in metrics for _, metrics in logged] == [False, True, False, True, False]

@@ -608,3 +608,9 @@ def test_check_reads_the_tasks_data_as_a_run_does(tmp_path):
     code, err = _check(["--recipe", "recipes/grpo_tiny.toml", "--task.type", "jsonl", "--task.path", str(data),
                         "--task.num_eval_problems", "2"])  # fmt: skip
     assert code == 2 and f"error: {data}:6: missing key 'answer'" in err, err
+
+
+def test_peft_names_of_lora_fields_are_translated():
+    lora = ROOT / "recipes" / "grpo_tiny_lora.toml"
+    assert "unknown key 'r'; this field is model.lora.rank here" in _error(lora, {"model.lora.r": 8})
+    assert "this field is model.lora.alpha here" in _error(lora, {"model.lora.lora_alpha": 16})
