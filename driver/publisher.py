@@ -82,7 +82,6 @@ class WeightPublisher:
         log.info("pushed policy_version %d to rollout worker(s) %s to catch them up", version, addresses)
         return version
 
-
     def _push(self, endpoints: list[str] | None = None) -> list[dict[str, Any]]:
         """``trainer.push_weights`` to every receiver (or in full to ``endpoints``), then, with LoRA, the base with the
         adapters to the receivers that hold an older base than the adapters apply to (a server restarted on its

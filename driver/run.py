@@ -348,18 +348,14 @@ class _Run:
         from driver.reservation import release
         from driver.session import ray_reachable
 
-        if exc[0] is not None and not ray_reachable():  # nothing left to stop: its actors went with Ray
-            self.reservations = {}
-            if self.logger is not None:
-                self.logger.close()
-            return
-        for part in (self.trainer, self.pool):
-            if part is not None:
-                try:
-                    part.shutdown()
-                except Exception as e:  # noqa: BLE001 (closing: report and keep closing the rest)
-                    log.warning("while shutting down %s: %s", type(part).__name__, e)
-        release(self.reservations)
+        if exc[0] is None or ray_reachable():  # else nothing is left to stop: the actors went with Ray
+            for part in (self.trainer, self.pool):
+                if part is not None:
+                    try:
+                        part.shutdown()
+                    except Exception as e:  # noqa: BLE001 (closing: report and keep closing the rest)
+                        log.warning("while shutting down %s: %s", type(part).__name__, e)
+            release(self.reservations)
         self.reservations = {}
         if self.logger is not None:
             self.logger.close()

@@ -92,9 +92,9 @@ class Recipe(Config):
                 "run.mode = 'async' trains on samples from older weights: "
                 "set algorithm.importance_sampling.enabled = true",
             )
-        if self.algorithm.group_relative and self.run.num_prompts_per_step * self.algorithm.group_size < 2:
+        episodes = self.episodes_per_step
+        if self.algorithm.group_relative and episodes < 2:
             raise FieldError("run.num_prompts_per_step", "a GRPO step needs at least 2 samples")
-        episodes = self.run.num_prompts_per_step * self.algorithm.group_size
         if self.trainer.num_minibatches > episodes:
             raise FieldError(
                 "trainer.num_minibatches",
@@ -174,6 +174,11 @@ class Recipe(Config):
             # The one place a recipe is completed: sections are frozen, and validation is not over yet.
             object.__setattr__(self, name, section)
         return self
+
+    @property
+    def episodes_per_step(self) -> int:
+        """The episodes a step samples: ``run.num_prompts_per_step`` x ``algorithm.group_size``."""
+        return self.run.num_prompts_per_step * self.algorithm.group_size
 
     @property
     def eval_sampling(self) -> SamplingConfig:
@@ -329,7 +334,7 @@ def _check_environment(recipe: Recipe) -> None:
         )
     from rollout.envs.failures import failures_allowed
 
-    episodes = recipe.run.num_prompts_per_step * recipe.algorithm.group_size
+    episodes = recipe.episodes_per_step
     fraction = env.max_failed_fraction
     if fraction > 0 and failures_allowed(episodes, fraction) == 0:
         raise FieldError(
