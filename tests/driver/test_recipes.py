@@ -10,8 +10,8 @@ import pytest
 
 from common.config import ConfigError, parse_overrides
 from recipe import Recipe, load_recipe, write_resolved
+from tests.driver.recipe_checks import ROOT, load_error, run_check
 
-ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
 
 
@@ -66,13 +66,13 @@ def test_a_users_model_path_under_an_inherited_create_tiny_is_refused_unless_sai
     base = (ROOT / "recipes" / "grpo_tiny.toml").resolve()
     child = tmp_path / "mine.toml"
     child.write_text(f'base = "{base}"\n[model]\npath = "{tmp_path / "Qwen3-0.6B-instrct"}"\n')
-    msg = _error(child)
+    msg = load_error(child)
     assert f"- model.path: '{tmp_path / 'Qwen3-0.6B-instrct'}' has no config.json, and the [model.create_tiny]" in msg
     assert "set model.create_tiny = false to drop the inherited table" in msg, msg
     child.write_text(child.read_text() + "[model.create_tiny]\n")  # said: a random model is meant
     assert load_recipe(child).model.create_tiny == load_recipe(base).model.create_tiny
     child.write_text(child.read_text().replace("[model.create_tiny]\n", "create_tiny = false\n"))
-    assert "has no config.json: point it at a local HF model directory" in _error(child)
+    assert "has no config.json: point it at a local HF model directory" in load_error(child)
 
 
 def test_user_code_that_fails_at_import_or_has_the_wrong_signature_is_refused_at_load(tmp_path, monkeypatch):
@@ -89,11 +89,11 @@ def test_user_code_that_fails_at_import_or_has_the_wrong_signature_is_refused_at
     monkeypatch.syspath_prepend(str(tmp_path))
     path = _broken(tmp_path, lambda t: t.replace("stop_at_accuracy = 0.4", "stop_at_accuracy = false"))
     term = lambda spec: {"reward.terms": [{"type": "function", "function": spec}]}  # noqa: E731
-    assert "importing module 'syntax_rewards' raised SyntaxError" in _error(path, term("syntax_rewards:score"))
-    assert "raised RuntimeError: no GPU here" in _error(path, term("raising_rewards:score"))
-    assert "called as f(completion, problem) and cannot be" in _error(path, term("one_arg_rewards:score"))
+    assert "importing module 'syntax_rewards' raised SyntaxError" in load_error(path, term("syntax_rewards:score"))
+    assert "raised RuntimeError: no GPU here" in load_error(path, term("raising_rewards:score"))
+    assert "called as f(completion, problem) and cannot be" in load_error(path, term("one_arg_rewards:score"))
     env = {"environment.type": "custom", "environment.class_path": "my_envs:Good"}
-    msg = _error(path, {**env, "environment.options": {"bonnus": 2.0}})
+    msg = load_error(path, {**env, "environment.options": {"bonnus": 2.0}})
     assert "cannot take environment.options ['bonnus']" in msg and "Good(bonus=1.0)" in msg, msg
     load_recipe(path, {**env, "environment.options": {"bonus": 2.0}})
 
@@ -105,20 +105,20 @@ def test_a_warm_start_accuracy_target_needs_held_out_problems_and_a_correctness_
     data.write_text("".join(f'{{"prompt": "p{i}", "answer": "{i}"}}\n' for i in range(20)))
     path = _broken(tmp_path, lambda t: t)
     jsonl = {"task": {"type": "jsonl", "path": str(data)}}
-    msg = _error(path, jsonl)
+    msg = load_error(path, jsonl)
     assert "- run.warm_start.stop_at_accuracy: stop_at_accuracy = 0.4 is measured on held-out problems" in msg, msg
     assert load_recipe(path, {**jsonl, "task.num_eval_problems": 5}).task.num_eval_problems == 5
     unset = load_recipe(path, {**jsonl, "run.warm_start.stop_at_accuracy": False})
     assert unset.run.warm_start.stop_at_accuracy is None
     no_correctness = {"reward.terms": [{"type": "format", "pattern": "[0-9]+"}]}
-    assert "needs a reward term that says whether an answer is right" in _error(path, no_correctness)
+    assert "needs a reward term that says whether an answer is right" in load_error(path, no_correctness)
 
 
 def test_a_reward_model_that_is_not_there_is_refused_at_load(tmp_path):
     # It failed once the actors had started, blamed a tokenizer directory, and advised a --resume with no checkpoint.
     path = _broken(tmp_path, lambda t: t)
     terms = {"reward.terms": [{"type": "exact_match"}, {"type": "reward_model", "path": str(tmp_path / "no_rm")}]}
-    msg = _error(path, terms)
+    msg = load_error(path, terms)
     assert f"- reward.terms[1].path: '{tmp_path / 'no_rm'}' has no config.json" in msg, msg
 
 
@@ -164,27 +164,13 @@ def test_resume_without_checkpoint_fails_before_anything_starts(tmp_path):
 # -- issue 12: config facts declared once; a new user's mistakes fail at --check, naming source, field and the fix ----
 
 
-def _check(args, timeout=60):
-    """``rl_align.py --check`` in a subprocess: (exit code, stderr)."""
-    out = subprocess.run(
-        [sys.executable, "rl_align.py", "--check", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
-    return out.returncode, out.stderr
-
-
-def _error(path, overrides=None, **kw):
-    with pytest.raises(ConfigError) as e:
-        load_recipe(path, overrides, **kw)
-    return str(e.value)
-
-
 def test_unknown_block_fails_at_check_naming_file_field_and_the_declared_names(tmp_path):
     path = _broken(tmp_path, lambda t: t.replace("[model]\n", '[model]\nattention = "flash_attn"\n'))
-    rc, err = _check(["--recipe", str(path)])
+    rc, err = run_check(["--recipe", str(path)])
     assert rc == 2 and f"{path}: invalid recipe" in err, err
     assert "- model.attention: unknown attention block 'flash_attn'" in err, err
     assert "available: ['eager', 'sdpa', 'splash', 'varlen']" in err, err
-    msg = _error(path, {"model.attention": "splsh"})  # a typo: the close name is offered
+    msg = load_error(path, {"model.attention": "splsh"})  # a typo: the close name is offered
     assert msg.startswith("command-line flag --model.attention: ") and "did you mean 'splash'?" in msg, msg
 
 
@@ -195,7 +181,7 @@ KERNELS = [("attention", "splash", "sdpa"), ("output_head", "fused_pallas", "chu
 @pytest.mark.parametrize("field, kernel, alternative", KERNELS)
 def test_pallas_kernel_with_device_cuda_fails_at_load_naming_field_and_fix(tmp_path, field, kernel, alternative):
     path = _broken(tmp_path, lambda t: t.replace("[model]\n", f'[model]\n{field} = "{kernel}"\n'))
-    msg = _error(path, {"trainer.device": "cuda"})
+    msg = load_error(path, {"trainer.device": "cuda"})
     assert f"- model.{field}: model.{field} = " + f'"{kernel}" has no path for device ' + "'cuda'" in msg, msg
     assert f'set model.{field} = "{alternative}"' in msg and str(path) in msg, msg
     load_recipe(path, {"trainer.device": "cpu"})  # the Pallas kernels run on CPU (interpret mode)
@@ -203,7 +189,7 @@ def test_pallas_kernel_with_device_cuda_fails_at_load_naming_field_and_fix(tmp_p
 
 def test_pallas_kernel_with_device_cuda_fails_at_check(tmp_path):
     path = _broken(tmp_path, lambda t: t.replace('device = "cpu"', 'device = "cuda"'))
-    rc, err = _check(["--recipe", str(path), "--model.output_head", "fused_pallas"])
+    rc, err = run_check(["--recipe", str(path), "--model.output_head", "fused_pallas"])
     assert rc == 2 and err.startswith("error: command-line flag --model.output_head: "), err
     assert 'set model.output_head = "chunked"' in err, err
 
@@ -216,7 +202,7 @@ def _with_function_reward(text, spec):
 
 def test_function_reward_whose_module_does_not_import_fails_at_check(tmp_path):
     path = _broken(tmp_path, lambda t: _with_function_reward(t, "no_such_reward_module:score"))
-    rc, err = _check(["--recipe", str(path)])
+    rc, err = run_check(["--recipe", str(path)])
     assert rc == 2 and "- reward.terms[0].function: reward function 'no_such_reward_module:score'" in err, err
     assert "module 'no_such_reward_module' not found" in err and str(path) in err, err
 
@@ -226,16 +212,16 @@ def test_function_reward_module_that_fails_inside_or_lacks_the_function_is_repor
     (tmp_path / "ok_rewards.py").write_text("def score(completion, problem):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     broken = _broken(tmp_path, lambda t: _with_function_reward(t, "broken_rewards:score"))
-    assert "importing module 'broken_rewards' failed" in _error(broken)
+    assert "importing module 'broken_rewards' failed" in load_error(broken)
     term = lambda spec: {"reward.terms": [{"type": "function", "function": spec}]}  # noqa: E731
-    assert "has no attribute 'scor'" in _error(broken, term("ok_rewards:scor"))
+    assert "has no attribute 'scor'" in load_error(broken, term("ok_rewards:scor"))
     load_recipe(broken, term("ok_rewards:score"))
     load_recipe(broken, check_paths=False)  # recipes for other machines validate anywhere
 
 
 def test_a_field_of_another_section_names_that_section(tmp_path):
     path = _broken(tmp_path, lambda t: t.replace("[run]\n", "[run]\ngroup_size = 8\n"))
-    rc, err = _check(["--recipe", str(path)])
+    rc, err = run_check(["--recipe", str(path)])
     assert rc == 2 and f"{path}: invalid recipe" in err, err
     assert "- run.group_size: unknown key (no field 'group_size' in [run]); did you mean algorithm.group_size?" in err
 
@@ -243,18 +229,18 @@ def test_a_field_of_another_section_names_that_section(tmp_path):
 def test_missing_base_file_names_the_file_with_the_base_line(tmp_path):
     path = tmp_path / "variant.toml"
     path.write_text('base = "grpo_tiny_typo.toml"\n[run]\nnum_steps = 3\n')
-    rc, err = _check(["--recipe", str(path)])
+    rc, err = run_check(["--recipe", str(path)])
     assert rc == 2 and err.startswith(f"error: {path}: base = 'grpo_tiny_typo.toml': no file "), err
 
 
 def test_bad_override_blames_the_flag_not_the_recipe_file():
-    rc, err = _check(["--recipe", "recipes/grpo_tiny.toml", "--trainer.optimizer.lr", "abc"])
+    rc, err = run_check(["--recipe", "recipes/grpo_tiny.toml", "--trainer.optimizer.lr", "abc"])
     assert rc == 2 and err.startswith("error: command-line flag --trainer.optimizer.lr: invalid recipe"), err
     assert "- trainer.optimizer.lr: Input should be a valid number (got 'abc')" in err and "grpo_tiny.toml" not in err
 
 
 def test_override_of_an_unknown_section_says_so_and_lists_the_sections():
-    rc, err = _check(["--recipe", "recipes/grpo_tiny.toml", "--no.such.field", "1"])
+    rc, err = run_check(["--recipe", "recipes/grpo_tiny.toml", "--no.such.field", "1"])
     assert rc == 2 and err.startswith("error: command-line flag --no.such.field: "), err
     assert "- no: unknown section 'no': there is no [no]" in err, err
     assert "run, model, algorithm, trainer, rollout, task, reward, environment, weight_sync" in err, err
@@ -347,7 +333,7 @@ def test_max_grad_norm_inf_disables_clipping_and_round_trips(tmp_path):
     assert load_recipe(write_resolved(unclipped, tmp_path / "out")) == unclipped
     flag = load_recipe(ROOT / "recipes" / "grpo_tiny.toml", parse_overrides(["--trainer.max_grad_norm", "inf"]))
     assert flag.trainer.grad_clip_norm is None
-    assert "greater than 0" in _error(path, {"trainer.max_grad_norm": 0.0})
+    assert "greater than 0" in load_error(path, {"trainer.max_grad_norm": 0.0})
 
 
 @pytest.mark.parametrize(
@@ -441,67 +427,16 @@ def test_the_own_task_example_loads_and_changes_only_task_reward_and_warm_start(
 def test_an_agent_function_that_is_missing_or_not_async_or_cannot_take_its_options_fails_at_load(tmp_path):
     base = ROOT / "recipes" / "grpo_tiny.toml"
     agent = lambda spec: {"environment.type": "agent", "environment.function": spec}  # noqa: E731
-    err = _error(base, agent("no_such_agents:solve"))
+    err = load_error(base, agent("no_such_agents:solve"))
     assert "environment.function: agent function 'no_such_agents:solve': module 'no_such_agents' not found" in err
-    assert "not an async function" in _error(base, agent("tests.rollout.agents.scripted_agents:not_async"))
+    assert "not an async function" in load_error(base, agent("tests.rollout.agents.scripted_agents:not_async"))
     recipe = load_recipe(base, agent("examples.agents.calculator:solve"))
     assert recipe.environment.type == "agent" and recipe.environment.max_turns == 4
     loop = agent("tests.rollout.agents.scripted_agents:tool_loop")
     assert load_recipe(base, {**loop, "environment.options": {"turns": 2}}).environment.options == {"turns": 2}
-    err = _error(base, {**loop, "environment.options": {"turn": 2, "turns": 2}})
+    err = load_error(base, {**loop, "environment.options": {"turn": 2, "turns": 2}})
     assert "environment.options: agent function 'tests.rollout.agents.scripted_agents:tool_loop' cannot be" in err
     assert "'turn'" in err and "tool_loop(ctx: 'AgentContext', turns: 'int' = 3" in err
-
-
-def test_the_lora_recipe_resolves_the_engines_adapter_shape_from_model_lora():
-    recipe = load_recipe(ROOT / "recipes" / "grpo_tiny_lora.toml")
-    lora, served = recipe.model.lora, recipe.rollout.engine.lora
-    assert lora is not None and served is not None
-    assert (served.rank, served.alpha, served.target_modules) == (lora.rank, lora.alpha, lora.target_modules)
-    assert load_recipe(ROOT / "recipes" / "grpo_tiny.toml").rollout.engine.lora is None
-
-
-def test_a_derived_recipe_drops_the_bases_lora_with_false(tmp_path):
-    # "Input should be an object (got False)": README's `= false` did not reach [model.lora].
-    child = tmp_path / "full.toml"
-    child.write_text(f'base = "{ROOT / "recipes" / "grpo_tiny_lora.toml"}"\n\n[model]\nlora = false\n')
-    assert load_recipe(child).model.lora is None and load_recipe(child).rollout.engine.lora is None
-    assert load_recipe(ROOT / "recipes" / "grpo_tiny_lora.toml", {"model.lora": False}).model.lora is None
-
-
-def test_a_lora_runs_exports_name_the_base_its_adapters_apply_to():
-    """The final and hf/step_<n> exports' adapter directories named the random ``[model] path`` of a run whose warm
-    start trained the base (PeftModel over it: logits off by 10)."""
-    lora = load_recipe(ROOT / "recipes" / "grpo_tiny_lora.toml", {"run.output_dir": "/runs/x"})
-    assert lora.lora_base == Path("/runs/x/warm_start_model")
-    assert lora.export_source_dir == "/runs/x/warm_start_model"
-    adapters_only = load_recipe(ROOT / "recipes" / "grpo_tiny_lora.toml", {"run.warm_start.parameters": "trainable"})
-    assert adapters_only.export_source_dir == adapters_only.model.path == str(adapters_only.lora_base)
-    no_warm_start = load_recipe(ROOT / "recipes" / "grpo_tiny_lora.toml", {"run.warm_start.num_steps": 0})
-    assert no_warm_start.export_source_dir == no_warm_start.model.path
-    full = load_recipe(ROOT / "recipes" / "grpo_tiny.toml")
-    assert full.lora_base is None and full.export_source_dir == full.model.path
-
-
-@pytest.mark.parametrize(
-    ("overrides", "reason"),
-    [
-        ({"algorithm.kl.coef": 0.05, "run.warm_start.parameters": "trainable"}, "run.warm_start.parameters = 'all'"),
-        ({"rollout.engine.lora.rank": 8}, "leave it unset"),
-        ({"model.lora.target_modules": []}, "at least one projection"),
-        ({"model.lora.rank": 0}, "greater than 0"),
-        # Found 34 s into the run, in the rollout actor: vLLM's LoRA path serves ranks up to 512.
-        ({"model.lora.rank": 1024, "rollout.engine.lora_serving": "adapter"}, "set it to 'merged'"),
-    ],
-)
-def test_lora_settings_that_cannot_run_fail_at_load(overrides, reason):
-    message = _error(ROOT / "recipes" / "grpo_tiny_lora.toml", overrides)
-    assert reason in message, message
-
-
-def test_engine_adapters_without_model_lora_fail_at_load():
-    message = _error(ROOT / "recipes" / "grpo_tiny.toml", {"rollout.engine.lora.rank": 8})
-    assert "- rollout.engine.lora:" in message and "[model.lora]" in message, message
 
 
 def test_expert_parallel_the_model_cannot_take_fails_at_load_naming_the_field(tmp_path):
@@ -511,15 +446,15 @@ def test_expert_parallel_the_model_cannot_take_fails_at_load_naming_the_field(tm
     dense = str(make_tiny_model(tmp_path / "dense", family="qwen3", hidden_size=32, num_layers=1))
     recipe = ROOT / "recipes" / "grpo_tiny.toml"
     three = {"trainer.num_ranks": 3, "trainer.parallelism.expert_parallel_degree": 3}
-    msg = _error(recipe, {"model.path": moe, **three})
+    msg = load_error(recipe, {"model.path": moe, **three})
     assert "- trainer.parallelism.expert_parallel_degree: " in msg and "does not divide the model's 4 experts" in msg
     two = {"trainer.num_ranks": 2, "trainer.parallelism.expert_parallel_degree": 2}
-    assert "has no experts: set it to 1" in _error(recipe, {"model.path": dense, **two})
+    assert "has no experts: set it to 1" in load_error(recipe, {"model.path": dense, **two})
     load_recipe(recipe, {"model.path": moe, **two})
 
 
 def test_a_warm_start_accuracy_target_without_held_out_problems_is_refused():
-    msg = _error(ROOT / "recipes" / "grpo_tiny.toml", {"run.eval.num_problems": 0})
+    msg = load_error(ROOT / "recipes" / "grpo_tiny.toml", {"run.eval.num_problems": 0})
     assert "warm_start.stop_at_accuracy = 0.4 is checked on held-out problems, but eval.num_problems = 0" in msg, msg
     load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"run.eval.num_problems": 0, "run.warm_start.num_steps": 0})
 
@@ -537,7 +472,7 @@ def test_the_tokenizer_is_the_served_models_unless_the_recipe_names_one():
 
 def test_a_critic_learning_rate_without_a_critic_is_refused_and_value_clip_false_turns_the_clip_off():
     grpo, ppo = ROOT / "recipes" / "grpo_tiny.toml", ROOT / "recipes" / "ppo_tiny.toml"
-    assert "trainer.critic_lr" in _error(grpo, {"trainer.critic_lr": 1e-3})  # it was silently ignored
+    assert "trainer.critic_lr" in load_error(grpo, {"trainer.critic_lr": 1e-3})  # it was silently ignored
     assert load_recipe(grpo, {"trainer.critic_lr": False}).trainer.critic_lr is None  # a base recipe's, unset
     assert load_recipe(ppo, {"algorithm.value_clip": False}).algorithm.value_clip is None
     assert load_recipe(ppo, {"algorithm.vf_coef": 0.5}) == load_recipe(ppo)  # an earlier record's: read, ignored
@@ -546,7 +481,7 @@ def test_a_critic_learning_rate_without_a_critic_is_refused_and_value_clip_false
 def test_a_model_config_without_the_keys_every_model_has_is_an_error_on_model_path(tmp_path):
     """Every load reads the model's config.json now (to check the model fits): a KeyError escaped as a traceback."""
     (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
-    msg = _error(ROOT / "recipes" / "grpo_tiny.toml", {"model.path": str(tmp_path), "model.create_tiny": False})
+    msg = load_error(ROOT / "recipes" / "grpo_tiny.toml", {"model.path": str(tmp_path), "model.create_tiny": False})
     assert "- model.path: " in msg and "is not a model config this code reads (KeyError: 'num_attention_heads')" in msg
 
 
@@ -554,7 +489,7 @@ def test_a_run_that_pushes_over_tls_to_engines_serving_plaintext_fails_at_load()
     """One ``[weight_sync]`` serves the trainer's sender and the run's own engines: a CA alone made every push to those
     engines fail its TLS handshake, each worker replaced until the run gave up."""
     base = ROOT / "recipes" / "grpo_tiny.toml"
-    err = _error(base, {"weight_sync.tls_ca_path": "ca.crt", "weight_sync.tls_server_name": "rl-align-weight-sync"})
+    err = load_error(base, {"weight_sync.tls_ca_path": "ca.crt", "weight_sync.tls_server_name": "rl-align-weight-sync"})
     assert "weight_sync.tls_ca_path: tls_ca_path makes the trainer push over TLS to every receiver" in err, err
     assert "also set weight_sync.tls_cert_path and tls_key_path" in err, err
     tls = {"weight_sync.tls_ca_path": "ca.crt", "weight_sync.tls_cert_path": "t.crt",
@@ -565,7 +500,7 @@ def test_a_run_that_pushes_over_tls_to_engines_serving_plaintext_fails_at_load()
 def test_a_failure_budget_that_lets_no_episode_of_a_step_go_fails_at_load():
     """0.01 of a step's 128 episodes rounds down to none: every failure failed the run, which the recipe did not say."""
     base = ROOT / "recipes" / "agent_calc_tiny.toml"
-    err = _error(base, {"environment.max_failed_fraction": 0.001})
+    err = load_error(base, {"environment.max_failed_fraction": 0.001})
     assert "environment.max_failed_fraction: 0.001 of a step's 128 episodes lets none fail" in err, err
     assert "raise it to at least 0.00781 to let one go, or set 0" in err, err
     assert load_recipe(base, {"environment.max_failed_fraction": 0.01}).environment.max_failed_fraction == 0.01
@@ -574,7 +509,7 @@ def test_a_failure_budget_that_lets_no_episode_of_a_step_go_fails_at_load():
 def test_more_mini_batches_than_a_step_has_episodes_is_refused_at_load():
     """It passed ``--check`` and failed in the trainer's first step, after every actor had started."""
     grpo = ROOT / "recipes" / "grpo_tiny.toml"  # 32 prompts x 8
-    error = _error(grpo, {"trainer.num_minibatches": 512})
+    error = load_error(grpo, {"trainer.num_minibatches": 512})
     assert "trainer.num_minibatches" in error and "at most 256" in error, error
     assert load_recipe(grpo, {"trainer.num_minibatches": 256}).trainer.num_minibatches == 256
 
@@ -590,14 +525,14 @@ def test_the_base_recipes_cosine_decay_spans_a_derived_recipes_run():
     assert total(grpo, {"run.num_steps": 4}) == 11  # shorter than the warmup (10): it only warms up
     assert total(grpo, {"run.num_steps": 100, "trainer.schedule.num_total_steps": 250}) == 250
     assert total(ROOT / "recipes" / "agent_calc_tiny.toml") == 120  # written in the recipe itself
-    assert "trainer.schedule.num_total_steps" in _error(grpo, {"trainer.schedule.num_total_steps": 0})
+    assert "trainer.schedule.num_total_steps" in load_error(grpo, {"trainer.schedule.num_total_steps": 0})
 
 
 def test_an_unknown_algorithm_type_names_the_types_or_the_setting_a_variant_is():
     grpo = ROOT / "recipes" / "grpo_tiny.toml"
-    assert "DAPO is type = 'grpo' with its settings" in _error(grpo, {"algorithm.type": "dapo"})
-    assert "recipes/gspo_tiny.toml" in _error(grpo, {"algorithm.type": "GSPO"})
-    gpro = _error(grpo, {"algorithm.type": "gpro"})
+    assert "DAPO is type = 'grpo' with its settings" in load_error(grpo, {"algorithm.type": "dapo"})
+    assert "recipes/gspo_tiny.toml" in load_error(grpo, {"algorithm.type": "GSPO"})
+    gpro = load_error(grpo, {"algorithm.type": "gpro"})
     assert "no type 'gpro': set type = one of 'grpo', 'ppo'; did you mean 'grpo'?" in gpro
 
 
@@ -605,12 +540,6 @@ def test_check_reads_the_tasks_data_as_a_run_does(tmp_path):
     """README: every row is read and checked before anything starts; ``--check`` passed a file a run refused."""
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1", "answer": "2"}\n' * 5 + '{"prompt": "2+2"}\n')
-    code, err = _check(["--recipe", "recipes/grpo_tiny.toml", "--task.type", "jsonl", "--task.path", str(data),
+    code, err = run_check(["--recipe", "recipes/grpo_tiny.toml", "--task.type", "jsonl", "--task.path", str(data),
                         "--task.num_eval_problems", "2"])  # fmt: skip
     assert code == 2 and f"error: {data}:6: missing key 'answer'" in err, err
-
-
-def test_peft_names_of_lora_fields_are_translated():
-    lora = ROOT / "recipes" / "grpo_tiny_lora.toml"
-    assert "unknown key 'r'; this field is model.lora.rank here" in _error(lora, {"model.lora.r": 8})
-    assert "this field is model.lora.alpha here" in _error(lora, {"model.lora.lora_alpha": 16})

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 import driver.session
-from common.run_dir import LOCK, earlier_runs_kept, set_aside_earlier_run
+from common.run_dir import LOCK
 from driver.preflight import check_resumable, ensure_model
 from driver.run import run
 from recipe import load_recipe, write_resolved
 from rollout.tasks import build_dataset
+from tests.driver.run_dirs import checkpointed_run, listing, tiny_recipe
 from trainer.checkpoint import Checkpointable, CheckpointManager, TrainProgress
-from trainer.checkpoint_dirs import latest_checkpoint
 from trainer.config import OptimizerConfig
 from trainer.models.hf_config import model_config_from_hf
 from trainer.models.transformer import build_model
@@ -29,80 +29,40 @@ from trainer.optim import build_optimizer
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _recipe(tmp_path: Path, model: str, hidden_size: int, base: str = "recipes/grpo_tiny.toml"):
-    return load_recipe(base, {
-        "model.path": str(tmp_path / model), "model.create_tiny.hidden_size": hidden_size,
-        "run.output_dir": str(tmp_path / "out"), "run.num_steps": 4,
-    })  # fmt: skip
-
-
-def _checkpointed_run(tmp_path: Path, base: str = "recipes/grpo_tiny.toml") -> Path:
-    """A run directory as a killed run of the 128-wide model leaves it: its resolved recipe and a step-2 checkpoint
-    written as the trainer writes it (a LoRA run: adapters and their optimizer state only)."""
-    started = _recipe(tmp_path, "model", 128, base)
-    ensure_model(started)
-    out = tmp_path / "out"
-    write_resolved(started, out)
-    if started.lora_base == out / "warm_start_model":  # the base its warm start trained (the model, here)
-        shutil.copytree(started.model.path, out / "warm_start_model")
-    policy = build_model(model_config_from_hf(started.model.path, lora=started.model.lora))
-    lora = started.model.lora is not None
-    part = Checkpointable(policy, build_optimizer(policy, OptimizerConfig()), trainable_only=lora)
-    cursor = build_dataset(started.task).state_dict()  # the task's own cursor, as the driver saves it
-    CheckpointManager(out / "checkpoints").save({"policy": part}, TrainProgress(2, 2, cursor))
-    return out
-
-
-def _listing(out: Path) -> list[Path]:
-    """What the run directory holds, but the lock a run takes on it (``common.run_dir.LOCK``: kept, it holds nothing
-    of the run's)."""
-    return sorted(p.relative_to(out) for p in out.rglob("*") if p.name != LOCK)
-
-
-@pytest.fixture
-def no_ray(monkeypatch):
-    """Fail the test if the driver gets as far as starting (or joining) Ray."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("Ray was started")
-
-    monkeypatch.setattr(driver.session, "ray_session", refuse)
-
-
 def test_a_resume_with_another_model_fails_before_ray_and_changes_nothing(tmp_path, capsys, no_ray):
-    out = _checkpointed_run(tmp_path)
-    before = _listing(out)
+    out = checkpointed_run(tmp_path)
+    before = listing(out)
     resolved = (out / "recipe.resolved.toml").read_text()
-    assert run(_recipe(tmp_path, "other", 64), resume="required") == 2
+    assert run(tiny_recipe(tmp_path, "other", 64), resume="required") == 2
     err = capsys.readouterr().err
     assert "--resume: checkpoint" in err and "tok_embeddings.weight has shape (448, 128), the model (448, 64)" in err
     assert f"--recipe {out / 'recipe.resolved.toml'} --resume" in err and "without --resume" in err
-    assert _listing(out) == before
+    assert listing(out) == before
     assert (out / "recipe.resolved.toml").read_text() == resolved
 
 
 def test_a_refused_fresh_start_moves_nothing_aside(tmp_path, capsys, no_ray):
-    out = _checkpointed_run(tmp_path)
-    before = _listing(out)
+    out = checkpointed_run(tmp_path)
+    before = listing(out)
     bad = load_recipe("recipes/grpo_tiny.toml", {"model.path": str(tmp_path / "nothing_here"),
                                                  "run.output_dir": str(out)}, check_paths=False)  # fmt: skip
     bad = bad.model_copy(update={"model": bad.model.model_copy(update={"create_tiny": None})})
     assert run(bad) == 2
     assert "error:" in capsys.readouterr().err
-    assert _listing(out) == before
+    assert listing(out) == before
 
 
 @pytest.mark.parametrize("base", ["recipes/grpo_tiny.toml", "recipes/grpo_tiny_lora.toml"], ids=["full", "lora"])
 def test_the_checkpoint_of_the_runs_own_model_passes(tmp_path, base):
-    out = _checkpointed_run(tmp_path, base)
-    recipe = _recipe(tmp_path, "model", 128, base)
+    out = checkpointed_run(tmp_path, base)
+    recipe = tiny_recipe(tmp_path, "model", 128, base)
     cfg = model_config_from_hf(recipe.model.path, **recipe.model.block_overrides(), lora=recipe.model.lora)
     check_resumable(CheckpointManager(out / "checkpoints").latest(), cfg, recipe, out)
 
 
 def test_a_lora_recipe_refuses_a_full_models_checkpoint(tmp_path):
-    out = _checkpointed_run(tmp_path)
-    recipe = _recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml")
+    out = checkpointed_run(tmp_path)
+    recipe = tiny_recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml")
     cfg = model_config_from_hf(recipe.model.path, lora=recipe.model.lora)
     with pytest.raises(ValueError, match="holds tensors this model has not .*written for another model"):
         check_resumable(CheckpointManager(out / "checkpoints").latest(), cfg, recipe, out)
@@ -112,9 +72,9 @@ def test_a_lora_resume_over_another_base_or_a_missing_one_fails_before_ray(tmp_p
     """The LoRA demo's warm start trains the base: its adapters apply to ``warm_start_model``. Resumed with
     ``run.warm_start.parameters = "trainable"`` they were put over the random model directory (held-out accuracy
     0.46 -> 0.0) and the run went on, overwriting ``final_model``."""
-    out = _checkpointed_run(tmp_path, "recipes/grpo_tiny_lora.toml")
-    before = _listing(out)
-    other = _recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml")
+    out = checkpointed_run(tmp_path, "recipes/grpo_tiny_lora.toml")
+    before = listing(out)
+    other = tiny_recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml")
     other = load_recipe("recipes/grpo_tiny_lora.toml", {
         "model.path": other.model.path, "run.output_dir": str(out), "run.num_steps": 4,
         "run.warm_start.parameters": "trainable",
@@ -123,7 +83,7 @@ def test_a_lora_resume_over_another_base_or_a_missing_one_fails_before_ray(tmp_p
     err = capsys.readouterr().err
     assert f"trained its adapters over {out / 'warm_start_model'}" in err and "run.warm_start.parameters" in err
     assert f"--recipe {out / 'recipe.resolved.toml'} --resume" in err
-    assert _listing(out) == before
+    assert listing(out) == before
     # Another alpha: the same adapters at another scale, a different policy (accuracy 0.638 -> 0.55 in one step).
     scaled = load_recipe("recipes/grpo_tiny_lora.toml", {
         "model.path": other.model.path, "run.output_dir": str(out), "run.num_steps": 4, "model.lora.alpha": 32.0,
@@ -132,142 +92,18 @@ def test_a_lora_resume_over_another_base_or_a_missing_one_fails_before_ray(tmp_p
     assert run(scaled, resume="required") == 2
     err = capsys.readouterr().err
     assert "trained its adapters with [model.lora] alpha = 64, and this recipe gives 32" in err, err
-    assert _listing(out) == before
+    assert listing(out) == before
     shutil.rmtree(out / "warm_start_model")
-    assert run(_recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml"), resume="required") == 2
+    assert run(tiny_recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml"), resume="required") == 2
     assert "warm_start_model, which is gone" in capsys.readouterr().err
     (out / "recipe.resolved.toml").write_text("[model\n")  # a damaged record: named, not a TOML traceback
-    assert run(_recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml"), resume="required") == 2
+    assert run(tiny_recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml"), resume="required") == 2
     assert f"{out / 'recipe.resolved.toml'} is not a TOML file" in capsys.readouterr().err
 
 
-def test_adapters_moved_aside_name_their_moved_base_not_the_new_runs_warm_start(tmp_path):
-    """A fresh start in a LoRA run's directory left the earlier run's adapters naming <run>/warm_start_model, which the
-    new run then rewrote: PEFT put them over another model (max logit difference 6.5), without a word."""
-    import json
-
-    from driver.resume import point_moved_adapters_at_their_base
-
-    out, elsewhere = tmp_path / "out", tmp_path / "models" / "base"
-    configs = {"final_model/adapter": out / "warm_start_model", "hf/step_25/adapter": out / "warm_start_model",
-               "hf/step_50/adapter": elsewhere}  # fmt: skip
-    for where, base in configs.items():
-        (out / where).mkdir(parents=True)
-        (out / where / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base), "r": 8}))
-    (out / "warm_start_model").mkdir()
-    (out / "warm_start_model" / "config.json").write_text("{}")
-    moved = set_aside_earlier_run(out, out / "checkpoints")
-    (aside,) = {p.parent for p in moved.values()}
-    edited = point_moved_adapters_at_their_base(moved)
-    assert sorted(p.relative_to(aside).parts[:2] for p in edited) == [("final_model", "adapter"), ("hf", "step_25")]
-    for where, base in configs.items():
-        data = json.loads((aside / where / "adapter_config.json").read_text())
-        expected = aside / "warm_start_model" if base != elsewhere else elsewhere
-        assert data == {"base_model_name_or_path": str(expected), "r": 8}, where
-
-
-def test_a_fresh_start_moves_the_earlier_runs_outputs_aside_whole(tmp_path):
-    out = tmp_path / "out"
-    earlier = ["recipe.resolved.toml", "metrics.jsonl", "curves.png", "tensorboard/events.out.tfevents.1",
-               "tensorboard/sft/events.out.tfevents.2", "checkpoints/step_00000002/COMPLETE",
-               "warm_start_model/config.json", "hf/step_25/config.json", "final_model/config.json"]  # fmt: skip
-    for name in earlier:
-        (out / name).parent.mkdir(parents=True, exist_ok=True)
-        (out / name).write_text(name)
-    (out / "notes.txt").write_text("the user's")  # not a run output: stays
-    moved = set_aside_earlier_run(out, out / "checkpoints")
-    (aside,) = {p.parent for p in moved.values()}
-    assert aside.name.startswith("previous-")
-    for name in earlier:  # the same layout under previous-<time>/: a moved checkpoint finds its run's recipe
-        assert not (out / name).exists() and (aside / name).read_text() == name, name
-    assert (out / "notes.txt").exists()
-    assert set_aside_earlier_run(out, out / "checkpoints") == {}  # nothing left to move
-
-
-def test_a_fresh_start_keeps_the_recipes_model_and_moves_outside_checkpoints_beside_themselves(tmp_path):
-    out, ckpt = tmp_path / "out", tmp_path / "elsewhere" / "ckpts"
-    for path in (out / "final_model" / "config.json", out / "hf" / "step_1" / "config.json", ckpt / "step_1" / "x"):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("x")
-    moved = set_aside_earlier_run(out, ckpt, keep=[str(out / "final_model")])  # a recipe that starts from it
-    assert (out / "final_model" / "config.json").exists() and not (out / "hf").exists()
-    assert moved[ckpt].name.startswith("ckpts.previous-") and moved[ckpt].parent == ckpt.parent
-    assert (moved[ckpt] / "step_1" / "x").exists() and not any(ckpt.iterdir())  # its lock would have stayed
-    assert earlier_runs_kept(out, ckpt) == (1, 2)  # hf/step_1/config.json and the checkpoint moved beside its dir
-
-
-def test_a_fresh_start_leaves_the_earlier_run_resumable_where_it_moved(tmp_path, no_ray, caplog):
-    """The moved ``recipe.resolved.toml`` names the run's new directory and checkpoints (nothing else changes), and
-    the driver says how to continue that run: ``--recipe`` it with ``--resume``."""
-    out = _checkpointed_run(tmp_path)
-    record = (out / "recipe.resolved.toml").read_text()
-    with pytest.raises(AssertionError, match="Ray was started"):  # the fresh start got past its checks and moves
-        run(_recipe(tmp_path, "model", 128))
-    (aside,) = out.glob("previous-*")
-    moved = aside / "recipe.resolved.toml"
-    assert f"--recipe {moved} --resume" in caplog.text
-    size = sum(f.stat().st_size for f in aside.rglob("*") if f.is_file())  # nothing prunes them: the driver says
-    assert f"{out} now keeps 1 earlier run(s) in previous-*/ ({size / 1e6:.1f} MB" in caplog.text
-    earlier = load_recipe(moved)
-    assert earlier.run.resolved_output_dir == aside
-    assert earlier.trainer.checkpoint.dir == str(aside / "checkpoints")
-    assert latest_checkpoint(Path(earlier.trainer.checkpoint.dir)) == aside / "checkpoints" / "step_00000002"
-    unchanged = load_recipe(out / "recipe.resolved.toml", {  # the new run's record, pointed back: the same settings
-        "run.output_dir": str(aside), "trainer.checkpoint.dir": str(aside / "checkpoints")})  # fmt: skip
-    assert earlier == unchanged
-    assert f'output_dir = "{out}"' in record and earlier != load_recipe(out / "recipe.resolved.toml")
-    live = sorted(p.relative_to(out) for p in out.rglob("*") if aside not in p.parents and p != aside)
-    with pytest.raises(AssertionError, match="Ray was started"):  # the resume's checks pass on the moved run
-        run(earlier, resume="required")
-    assert sorted(p.relative_to(out) for p in out.rglob("*") if aside not in p.parents and p != aside) == live
-
-
-def test_the_moved_record_keeps_its_own_checkpoint_directory(tmp_path, no_ray, caplog):
-    """An earlier run that checkpointed outside its run directory: its checkpoints stay where they are (the new
-    recipe's directory is another), and its moved record still names them."""
-    out = _checkpointed_run(tmp_path)
-    outside = tmp_path / "kept" / "ckpts"
-    outside.parent.mkdir()
-    (out / "checkpoints").rename(outside)
-    write_resolved(load_recipe(out / "recipe.resolved.toml", {"trainer.checkpoint.dir": str(outside)}), out)
-    with pytest.raises(AssertionError, match="Ray was started"):
-        run(_recipe(tmp_path, "model", 128))  # its checkpoints default to out/checkpoints
-    (aside,) = out.glob("previous-*")
-    earlier = load_recipe(aside / "recipe.resolved.toml")
-    assert earlier.trainer.checkpoint.dir == str(outside) and latest_checkpoint(outside) is not None
-    assert f"--recipe {aside / 'recipe.resolved.toml'} --resume" in caplog.text
-
-
-@pytest.mark.parametrize("case", ["no checkpoint", "retired setting", "not text"])
-def test_no_resume_is_offered_for_an_earlier_run_that_cannot_resume(tmp_path, no_ray, caplog, case):
-    """No checkpoint: the record is pointed at its new place, nothing to resume. A setting this code no longer has:
-    pointed there too (two keys set, the rest as written), but this code cannot resume it. Not TOML: moved as it is."""
-    out = _checkpointed_run(tmp_path)
-    record = out / "recipe.resolved.toml"
-    if case == "no checkpoint":
-        for step in (out / "checkpoints").iterdir():
-            (step / "COMPLETE").unlink()
-    elif case == "retired setting":
-        record.write_text(record.read_text() + "\n[run.retired_table]\nsetting = 1\n")
-    else:
-        record.write_bytes(b"\xff\xfe not a recipe")
-    before = record.read_bytes()
-    with pytest.raises(AssertionError, match="Ray was started"):
-        run(_recipe(tmp_path, "model", 128))
-    (aside,) = out.glob("previous-*")
-    moved = (aside / "recipe.resolved.toml").read_bytes()
-    assert "--resume" not in caplog.text
-    if case == "not text":
-        assert moved == before and "cannot be resumed with this code" in caplog.text
-    else:
-        assert f'output_dir = "{aside}"'.encode() in moved
-        assert (b"retired_table" in moved) == (case == "retired setting")  # the rest as written
-        assert ("cannot be resumed with this code" in caplog.text) == (case == "retired setting")
-
-
 def test_a_resume_refuses_a_checkpoint_of_another_algorithm(tmp_path):
-    out = _checkpointed_run(tmp_path)  # GRPO: no critic
-    ppo = _recipe(tmp_path, "model", 128, "recipes/ppo_tiny.toml")
+    out = checkpointed_run(tmp_path)  # GRPO: no critic
+    ppo = tiny_recipe(tmp_path, "model", 128, "recipes/ppo_tiny.toml")
     cfg = model_config_from_hf(ppo.model.path)
     ckpt = CheckpointManager(out / "checkpoints").latest()
     with pytest.raises(ValueError, match="holds no critic, and algorithm 'ppo' trains one"):
@@ -278,7 +114,7 @@ def test_a_resume_refuses_a_checkpoint_of_another_algorithm(tmp_path):
     ckpt = CheckpointManager(out / "checkpoints").latest()
     check_resumable(ckpt, cfg, ppo, out)
     with pytest.raises(ValueError, match="holds a critic, and algorithm 'grpo' has none"):
-        check_resumable(ckpt, cfg, _recipe(tmp_path, "model", 128), out)
+        check_resumable(ckpt, cfg, tiny_recipe(tmp_path, "model", 128), out)
 
 
 def _jsonl_recipe(tmp_path: Path, data: Path, out: Path):
@@ -290,8 +126,8 @@ def _jsonl_recipe(tmp_path: Path, data: Path, out: Path):
 
 def test_a_task_file_with_a_bad_row_fails_before_ray_and_moves_nothing(tmp_path, capsys, no_ray):
     # Found once Ray and the actors had started (a traceback), after the earlier run's outputs were moved aside.
-    out = _checkpointed_run(tmp_path)
-    before = _listing(out)
+    out = checkpointed_run(tmp_path)
+    before = listing(out)
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1", "answer": "2"}\n' * 5 + '{"prompt": "2+2", "answer"\n')
     assert run(_jsonl_recipe(tmp_path, data, out)) == 2
@@ -299,7 +135,7 @@ def test_a_task_file_with_a_bad_row_fails_before_ray_and_moves_nothing(tmp_path,
     data.write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')  # Latin-1, not UTF-8
     assert run(_jsonl_recipe(tmp_path, data, out)) == 2
     assert f"error: {data}:1: not UTF-8 (byte 0xe9 at column 16)" in capsys.readouterr().err
-    assert _listing(out) == before
+    assert listing(out) == before
 
 
 def test_a_resume_on_other_problems_fails_before_ray(tmp_path, capsys, no_ray):
@@ -333,7 +169,7 @@ def test_an_actor_death_offers_a_resume_only_when_there_is_a_checkpoint(tmp_path
     from rollout.fleet import WorkersExhausted
     from trainer.checkpoint import CheckpointWriteError
 
-    out = _checkpointed_run(tmp_path) if saved else tmp_path / "out"
+    out = checkpointed_run(tmp_path) if saved else tmp_path / "out"
 
     def actor_died(*args, **kwargs):
         if death == "actor":
@@ -344,7 +180,7 @@ def test_an_actor_death_offers_a_resume_only_when_there_is_a_checkpoint(tmp_path
         raise WorkersExhausted("rollout workers died 1 times (rollout.num_worker_restarts = 0)")
 
     monkeypatch.setattr(driver.session, "ray_session", actor_died)
-    recipe = _recipe(tmp_path, "model", 128)
+    recipe = tiny_recipe(tmp_path, "model", 128)
     assert run(recipe, resume="auto" if saved else None) == 1
     err = capsys.readouterr().err
     expected = {"actor": "and could not be replaced", "workers-exhausted": "could not be replaced any more: rollout "
@@ -368,7 +204,7 @@ def test_adapters_the_model_cannot_take_fail_at_load_and_before_ray_naming_model
     from common.config import ConfigError
 
     base = "recipes/grpo_tiny_lora.toml"
-    recipe = _recipe(tmp_path, "model", 128, base)
+    recipe = tiny_recipe(tmp_path, "model", 128, base)
     ensure_model(recipe)
     assert recipe.policy_config() == model_config_from_hf(recipe.model.path, lora=recipe.model.lora)
     overrides = {"model.path": recipe.model.path, "run.output_dir": str(tmp_path / "out"),
@@ -390,16 +226,16 @@ def test_a_second_run_in_a_held_run_directory_is_refused_before_anything_moves(t
     TensorBoard's writer); two resumes trained into one checkpoints directory and lost one run's metrics."""
     from common.run_dir import RunDirBusy, RunDirLock
 
-    out = _checkpointed_run(tmp_path)
-    before = _listing(out)
+    out = checkpointed_run(tmp_path)
+    before = listing(out)
     with RunDirLock(out):
         for resume in (None, "required"):
-            assert run(_recipe(tmp_path, "model", 128), resume=resume) == 2
+            assert run(tiny_recipe(tmp_path, "model", 128), resume=resume) == 2
             err = capsys.readouterr().err
             assert f"run directory {out} is in use by another run (pid {os.getpid()} on " in err, err
         with pytest.raises(RunDirBusy), RunDirLock(out):
             pass
-    assert _listing(out) == before
+    assert listing(out) == before
     with RunDirLock(out):  # released with its holder
         pass
 
@@ -449,7 +285,7 @@ def test_a_tokenizer_elsewhere_than_the_model_fails_before_ray_when_exports_coul
     failed after all the training."""
     from common.tokenizer_dir import TOKENIZER_FILES
 
-    started = _recipe(tmp_path, "model", 128)
+    started = tiny_recipe(tmp_path, "model", 128)
     ensure_model(started)
     tokenizer = tmp_path / "tokenizer"
     tokenizer.mkdir()
@@ -504,8 +340,8 @@ def test_a_checkpoint_directory_that_cannot_be_written_is_refused_before_ray(tmp
 
 def test_a_resume_past_run_num_steps_is_refused_before_ray(tmp_path, capsys, no_ray):
     # It trained nothing, logged the step-2 policy's evaluation as step 0's and replaced the final model, exit 0.
-    out = _checkpointed_run(tmp_path)  # a step-2 checkpoint
-    before = _listing(out)
+    out = checkpointed_run(tmp_path)  # a step-2 checkpoint
+    before = listing(out)
     recipe = load_recipe("recipes/grpo_tiny.toml", {
         "model.path": str(tmp_path / "model"), "model.create_tiny.hidden_size": 128,
         "run.output_dir": str(out), "run.num_steps": 1,
@@ -513,7 +349,7 @@ def test_a_resume_past_run_num_steps_is_refused_before_ray(tmp_path, capsys, no_
     assert run(recipe, resume="required") == 2
     err = capsys.readouterr().err
     assert "the newest checkpoint, " in err and "is at step 2, past run.num_steps = 1: there is nothing to train" in err
-    assert _listing(out) == before
+    assert listing(out) == before
 
 
 def test_a_resume_finds_the_evaluation_of_its_checkpoint_s_policy_on_record():
@@ -550,7 +386,7 @@ def test_a_checkpoint_directory_holding_the_run_or_inside_another_run_s_is_refus
 
 
 def test_a_refused_run_lets_its_checkpoint_directory_go(tmp_path, capsys, no_ray):
-    out = _checkpointed_run(tmp_path)  # a step-2 checkpoint
+    out = checkpointed_run(tmp_path)  # a step-2 checkpoint
     refused = load_recipe("recipes/grpo_tiny.toml", {
         "model.path": str(tmp_path / "model"), "model.create_tiny.hidden_size": 128, "run.output_dir": str(out),
         "run.num_steps": 1,
@@ -558,7 +394,7 @@ def test_a_refused_run_lets_its_checkpoint_directory_go(tmp_path, capsys, no_ray
     assert run(refused, resume="required") == 2  # past run.num_steps
     capsys.readouterr()
     with pytest.raises(AssertionError, match="Ray was started"):  # the checks pass: nothing still holds the directory
-        run(_recipe(tmp_path, "model", 128), resume="required")
+        run(tiny_recipe(tmp_path, "model", 128), resume="required")
 
 
 def test_a_resume_whose_engines_would_start_ahead_of_its_checkpoint_is_refused_before_ray(tmp_path, capsys, no_ray):
@@ -567,18 +403,18 @@ def test_a_resume_whose_engines_would_start_ahead_of_its_checkpoint_is_refused_b
     with their own weights meanwhile."""
     from weight_sync.sink import write_policy_version
 
-    out = _checkpointed_run(tmp_path)
+    out = checkpointed_run(tmp_path)
     write_policy_version(str(tmp_path / "model"), 40)
-    before = _listing(out)
-    assert run(_recipe(tmp_path, "model", 128), resume="required") == 2
+    before = listing(out)
+    assert run(tiny_recipe(tmp_path, "model", 128), resume="required") == 2
     err = capsys.readouterr().err
     expected = f"the rollout engines would start from {tmp_path / 'model'} at policy version 40, ahead of the trainer's"
     assert f"{expected} 2 (the checkpoint" in err, err
-    assert _listing(out) == before
+    assert listing(out) == before
     write_policy_version(str(tmp_path / "model"), 2)  # at the checkpoint's version: the same weights, it may resume
     capsys.readouterr()
     with pytest.raises(AssertionError, match="Ray was started"):
-        run(_recipe(tmp_path, "model", 128), resume="required")
+        run(tiny_recipe(tmp_path, "model", 128), resume="required")
 
 
 def test_a_resume_with_changed_settings_names_them(tmp_path, caplog):
@@ -588,8 +424,8 @@ def test_a_resume_with_changed_settings_names_them(tmp_path, caplog):
 
     from driver.preflight import check_run, with_run_defaults
 
-    out = _checkpointed_run(tmp_path)
-    same = with_run_defaults(_recipe(tmp_path, "model", 128), out)
+    out = checkpointed_run(tmp_path)
+    same = with_run_defaults(tiny_recipe(tmp_path, "model", 128), out)
     with caplog.at_level(logging.WARNING, logger="rl_align"):
         check_run(same, out, out / "checkpoints", "required")
     assert "other than the run's record" not in caplog.text

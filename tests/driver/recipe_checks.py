@@ -1,0 +1,28 @@
+"""Helpers of the recipe tests: a recipe's load error, ``rl_align.py --check`` in a subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError
+from recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_check(args, timeout=60):
+    """``rl_align.py --check`` in a subprocess: (exit code, stderr)."""
+    out = subprocess.run(
+        [sys.executable, "rl_align.py", "--check", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    return out.returncode, out.stderr
+
+
+def load_error(path, overrides=None, **kw):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(path, overrides, **kw)
+    return str(e.value)
