@@ -16,6 +16,7 @@ import functools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from typing import Any, TypeVar
@@ -82,6 +83,10 @@ class WeightReceiver:
     threads, so Describe, Begin and Commit always find one; a Push stream idle for `stream_idle_timeout_s` is cut; the
     socket plane bounds connections before their hello separately (`dataplane.DataPlaneServer`); malformed request
     bytes get INVALID_ARGUMENT.
+
+    :attr:`num_refused` counts the updates it refused, at Begin or at Commit (the sink's refusals included), once per
+    update however many of its ranks were refused: what an operator alerts on (a trainer pushing versions that are
+    not newer, or of another model, is refused at every step).
     """
 
     def __init__(self, sink: WeightSink, config: WeightSyncConfig | None = None) -> None:
@@ -108,6 +113,9 @@ class WeightReceiver:
         self._shm: ShmPlaneServer | None = None
         self._port: int | None = None
         self._stopping = threading.Event()
+        self.num_refused = 0
+        self._refused_updates: deque[tuple[str, int]] = deque(maxlen=64)  # already counted: one count an update
+        self._refused_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def start(self) -> int:
@@ -273,6 +281,7 @@ class WeightReceiver:
             update, delta = self.area.begin(request)
         except SyncError as e:
             log.warning("refused Begin of version %d from %s: %s", request.policy_version, context.peer(), e.message)
+            self._count_refusal(request.session_id, request.policy_version, e.code)
             context.abort(e.code, e.message)
         ticket = update.tickets[request.rank] if self._data is not None or self._shm is not None else b""
         return pb.BeginReply(
@@ -384,9 +393,21 @@ class WeightReceiver:
             seconds = self.area.commit(request.session_id, request.policy_version, self._apply, context.is_active)
         except SyncError as e:
             log.warning("refused Commit of version %d from %s: %s", request.policy_version, context.peer(), e.message)
+            self._count_refusal(request.session_id, request.policy_version, e.code)
             context.abort(e.code, e.message)
         log.info("committed policy_version %d (sink apply %.3f s)", request.policy_version, seconds)
         return pb.CommitReply(policy_version=self.area.policy_version, apply_seconds=seconds)
+
+    def _count_refusal(self, session_id: str, policy_version: int, code: grpc.StatusCode) -> None:
+        """Count a refused update in :attr:`num_refused`, unless another of its calls was counted already or the call
+        was only turned away for now (too many waiting Commits, a waiting Commit whose client left)."""
+        if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
+            return
+        key = (session_id, policy_version)
+        with self._refused_lock:
+            if key not in self._refused_updates:
+                self._refused_updates.append(key)
+                self.num_refused += 1
 
     def _apply(self, version: int, buffers: Mapping[str, tuple[np.ndarray, TensorSpec]]) -> None:
         self.sink.apply(version, {name: _as_tensor(buf, spec) for name, (buf, spec) in buffers.items()})

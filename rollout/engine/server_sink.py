@@ -63,12 +63,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ServedUpdateState:
-    """What ``GET /rl_align/weight_sync`` and the metrics report about the served weights."""
+    """What ``GET /rl_align/weight_sync`` and the metrics report about the served weights (the count of refused
+    updates is the receiver's, :attr:`weight_sync.receiver.WeightReceiver.num_refused`: it sees every refusal)."""
 
     policy_version: int
     broken: str | None = None
     num_updates: int = 0
-    num_refused: int = 0
     num_aborted_requests: int = 0
     last_update_s: float = 0.0
     """Seconds of the last applied update, from the check to the resume."""
@@ -234,7 +234,6 @@ class ServerWeightSink:
         return time.perf_counter() - paused_at
 
     def _refused(self, error: Exception) -> None:
-        self.state.num_refused += 1
         self.state.last_error = str(error)
         log.warning("weight update refused, the served version stays %d: %s", self.state.policy_version, error)
 

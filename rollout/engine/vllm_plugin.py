@@ -159,7 +159,8 @@ class RLAlignEndpointPlugin:
             if self.sink is None:
                 return JSONResponse({"enabled": False}, status_code=404)
             return JSONResponse({"enabled": True, "receiver": self.receiver.address,
-                                 "listening_on": self.receiver.listening_on, **asdict(self.sink.state)})  # fmt: skip
+                                 "listening_on": self.receiver.listening_on, **asdict(self.sink.state),
+                                 "num_refused": self.receiver.num_refused})  # fmt: skip
 
         app.add_api_route("/rl_align/weight_sync", weight_sync_status, methods=["GET"])
 
@@ -202,8 +203,8 @@ class RLAlignEndpointPlugin:
         await engine_client.update_weight_version(str(self.sink.committed_version()))
         from prometheus_client import REGISTRY
 
-        REGISTRY.register(_StateCollector(self.sink))
         self.receiver = WeightReceiver(self.sink, config.weight_sync)
+        REGISTRY.register(_StateCollector(self.sink, self.receiver))
         self.receiver.start()
         _stop_at_shutdown(self.receiver.stop)
         state.rl_align_receiver = self.receiver
@@ -250,10 +251,10 @@ def _stop_at_shutdown(stop: Any) -> None:
 
 class _StateCollector:
     """Prometheus metrics on vLLM's ``/metrics`` (the default registry of the API-server process), read from the
-    sink's state at each scrape."""
+    sink's state and the receiver's count of refused updates at each scrape."""
 
-    def __init__(self, sink: Any) -> None:
-        self._sink = sink
+    def __init__(self, sink: Any, receiver: Any) -> None:
+        self._sink, self._receiver = sink, receiver
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -272,5 +273,5 @@ class _StateCollector:
             yield GaugeMetricFamily(name, doc, value=value)
         updates = CounterMetricFamily("rl_align_weight_updates", "updates by outcome", labels=["outcome"])
         updates.add_metric(["applied"], state.num_updates)
-        updates.add_metric(["refused"], state.num_refused)
+        updates.add_metric(["refused"], self._receiver.num_refused)
         yield updates

@@ -115,7 +115,8 @@ def test_a_pause_that_fails_resumes_generation_and_refuses_the_update(loop, mode
     sink = _sink(engine, loop, model_dir, tmp_path)
     with pytest.raises(ValueError, match="pausing generation failed"):
         sink.apply(1, {"model.norm.weight": torch.full((4,), 2.0)})
-    assert engine.calls == ["pause failed", "resume"] and sink.state.broken is None and sink.state.num_refused == 1
+    assert engine.calls == ["pause failed", "resume"]
+    assert sink.state.broken is None and sink.state.last_error is not None
     sink.apply(2, {"model.norm.weight": torch.full((4,), 3.0)})  # the next update goes through
     assert sink.committed_version() == 2
 
@@ -126,7 +127,7 @@ def test_a_partial_fused_group_is_refused_before_any_engine_call(loop, model_dir
     sink._packed_modules = {"gate_up_proj": ["gate_proj", "up_proj"]}  # what the served model class declares
     with pytest.raises(ValueError, match="gate_proj"):
         sink.apply(1, {"model.layers.0.mlp.up_proj.weight": torch.zeros(8, 4)})
-    assert engine.calls == [] and sink.state.num_refused == 1 and sink.committed_version() == 0
+    assert engine.calls == [] and sink.state.last_error is not None and sink.committed_version() == 0
 
 
 def test_a_refusal_by_the_worker_resumes_on_the_old_version(loop, model_dir, tmp_path):
@@ -135,7 +136,7 @@ def test_a_refusal_by_the_worker_resumes_on_the_old_version(loop, model_dir, tmp
     with pytest.raises(ValueError, match="k_proj"):
         sink.apply(1, STATE)
     assert engine.calls == ["pause:wait", "start", "update:1:full", "resume"]  # no finish: the worker closed it
-    assert sink.committed_version() == 0 and sink.state.broken is None and sink.state.num_refused == 1
+    assert sink.committed_version() == 0 and sink.state.broken is None and sink.state.last_error is not None
     assert not os.listdir(tmp_path / "stage")
 
 
@@ -424,6 +425,6 @@ def test_a_partial_expert_layer_is_refused_before_any_engine_call(loop, tmp_path
     one_expert = {name: torch.ones(4, 4) for name in state if ".experts.0." in name}
     with pytest.raises(ValueError, match="3 of the 6 expert weights of model.layers.0.mlp.experts"):
         sink.apply(1, one_expert)
-    assert engine.calls == [] and sink.state.num_refused == 1
+    assert engine.calls == [] and sink.state.last_error is not None
     sink.apply(1, {name: torch.ones(4, 4) for name in state})
     assert sink.committed_version() == 1

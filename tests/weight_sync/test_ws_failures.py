@@ -147,6 +147,24 @@ def test_wrong_or_missing_token_is_unauthenticated(receivers, caplog):
     assert any("refused Begin of version 1" in m and "not newer" in m for m in refused), refused
 
 
+def test_refused_updates_are_counted_once_each(one):
+    """`num_refused` counts updates, not calls: both ranks of a stale update refused at Begin count once; a refusal at
+    Commit counts; a Commit turned away for now (a retry will be answered) and an applied update do not."""
+    receiver, sink, client = one
+    full_update(client, 2)
+    assert receiver.num_refused == 0
+    for rank in (0, 1):  # a trainer restarted from an older checkpoint: every rank's Begin is not newer
+        assert status_of(partial(begin, client, SD, 1, rank=rank, num_ranks=2)) == C.FAILED_PRECONDITION
+    assert receiver.num_refused == 1
+    begin(client, SD, 3)
+    raw_push(client, "s", 3, 0, shard_messages("w", SD["w"], (0, 0)))  # b never covered
+    assert status_of(lambda: commit(client, 3)) == C.FAILED_PRECONDITION
+    assert status_of(lambda: commit(client, 3)) == C.FAILED_PRECONDITION  # the retry gets the same answer
+    assert receiver.num_refused == 2
+    full_update(client, 4)
+    assert receiver.num_refused == 2 and receiver.policy_version == 4
+
+
 def test_concurrent_update_is_refused_until_the_first_ends(one):
     receiver, sink, client = one
     begin(client, SD, 1, session="a")
