@@ -38,7 +38,7 @@ __all__ = [
     "ExpertTensor", "expert_tensor",
     "LoRATarget", "adapter_config", "adapter_manifest", "expert_factors", "expert_peft_name", "expert_target_dims",
     "holds_base", "is_peft_name", "peft_name",
-    "read_adapter_version", "stored_adapter_fields", "write_peft_adapter",
+    "read_adapter_version", "stored_adapter_base", "stored_adapter_fields", "write_peft_adapter",
 ]  # fmt: skip
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -242,6 +242,16 @@ def stored_adapter_fields(directory: str | Path) -> dict[str, Any] | None:
     return {"rank": stored.get("r"), "alpha": stored.get("lora_alpha"),
             "target_modules": sorted(stored.get("target_modules") or []),
             "target_parameters": sorted(stored.get("target_parameters") or [])}  # fmt: skip
+
+
+def stored_adapter_base(directory: str | Path) -> str | None:
+    """The base model the adapter in ``directory`` was written over (``adapter_config.json``'s
+    ``base_model_name_or_path``), or None when there is no adapter or it names none."""
+    path = Path(directory) / ADAPTER_CONFIG_FILE
+    if not path.is_file():
+        return None
+    base = json.loads(path.read_text()).get("base_model_name_or_path")
+    return base if isinstance(base, str) and base else None
 
 
 def read_adapter_version(directory: str | Path) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,6 +28,7 @@ from weight_sync.peft import (
     AdapterSpec,
     adapter_manifest,
     read_adapter_version,
+    stored_adapter_base,
     stored_adapter_fields,
     write_peft_adapter,
 )  # fmt: skip
@@ -38,6 +40,7 @@ __all__ = [
     "read_policy_version", "spec_of", "write_policy_version",
 ]
 
+log = logging.getLogger("weight_sync.sink")
 POLICY_VERSION_FILE = "policy_version.json"
 """Where a directory of weights (a sink's, an HF export's) records the policy version it holds."""
 
@@ -235,6 +238,15 @@ class PeftAdapterDirSink:
                 raise ValueError(f"{self.directory / ADAPTER_CONFIG_FILE} holds an adapter of rank/alpha/targets "
                                  f"{held}, not the {wanted} asked for: serve another directory or pass the matching "
                                  "--rank/--alpha/--target_modules/--target_parameters")  # fmt: skip
+        written_over = stored_adapter_base(self.directory)
+        if written_over is not None and Path(written_over).resolve() != Path(self.base_dir):
+            # A copy of the base in another place is as good: only a warning (the shapes were checked above).
+            log.warning(
+                "%s holds an adapter (version %d) written over %s, served here over %s: unless that is a copy of the "
+                "same weights, the adapter and the versions it continues belong to another base; serve an empty "
+                "directory to start over", self.directory, read_adapter_version(self.directory), written_over,
+                self.base_dir,
+            )  # fmt: skip
 
     def manifest(self) -> list[TensorSpec]:
         return list(self._manifest)

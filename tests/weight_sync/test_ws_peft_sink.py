@@ -147,6 +147,22 @@ def test_an_adapter_sink_needs_the_runs_alpha_unless_its_directory_holds_an_adap
         proc.wait(timeout=30)
 
 
+def test_an_adapter_written_over_another_base_directory_is_named(tmp_path, caplog):
+    """Serving a directory whose adapter was written over another base directory: the shapes match (a copy, or
+    another fine-tune of the same architecture), so it is served, with a warning naming both bases."""
+    base, copy, served = tmp_path / "base", tmp_path / "copy", tmp_path / "served"
+    save_hf_model("qwen3_tied", base)
+    save_hf_model("qwen3_tied", copy)
+    PeftAdapterDirSink(str(served), str(base), SPEC).apply(3, _adapter(str(base), seed=5))
+    with caplog.at_level("WARNING", logger="weight_sync.sink"):
+        PeftAdapterDirSink(str(served), str(base), SPEC)
+        assert not caplog.records  # the same base: nothing to say
+        sink = PeftAdapterDirSink(str(served), str(copy), SPEC)
+    assert sink.committed_version() == 3
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert f"written over {base}, served here over {copy}" in message and "version 3" in message, message
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
