@@ -349,8 +349,20 @@ def saved_policy_params(path: str | Path, model: nn.Module) -> list[tuple[str, t
     from trainer.models.lora import is_adapter
 
     shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-    if any(is_adapter(name) for name, _ in shapes):
+    lora = any(is_adapter(name) for name, _ in shapes)
+    if lora:
         shapes = [(name, shape) for name, shape in shapes if is_adapter(name)]
+    saved = [k for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata if k.startswith("policy.")]
+    saved_lora = any(is_adapter(k) for k in saved)
+    if lora and saved and not saved_lora:
+        raise ValueError(
+            f"checkpoint {path} holds the whole model's weights and no LoRA adapters: it was written by a run without "
+            "[model.lora] (to train adapters over the model it trained, export it with `python -m trainer.export "
+            "CHECKPOINT OUT` and start a new run with model.path = OUT)"
+        )
+    if not lora and saved_lora:
+        raise ValueError(f"checkpoint {path} holds LoRA adapters only: it was written by a run with [model.lora] "
+                         "(its rank and targets are in that run's recipe.resolved.toml)")  # fmt: skip
     return saved_model_params(path, "policy", shapes)
 
 

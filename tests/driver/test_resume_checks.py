@@ -64,7 +64,16 @@ def test_a_lora_recipe_refuses_a_full_models_checkpoint(tmp_path):
     out = checkpointed_run(tmp_path)
     recipe = tiny_recipe(tmp_path, "model", 128, "recipes/grpo_tiny_lora.toml")
     cfg = model_config_from_hf(recipe.model.path, lora=recipe.model.lora)
-    with pytest.raises(ValueError, match="holds tensors this model has not .*written for another model"):
+    with pytest.raises(ValueError, match="the whole model's weights and no LoRA adapters: it was written by a run "
+                       "without \\[model.lora\\] .*python -m trainer.export"):
+        check_resumable(CheckpointManager(out / "checkpoints").latest(), cfg, recipe, out)
+
+
+def test_a_full_recipe_refuses_a_lora_checkpoint_naming_lora(tmp_path):
+    out = checkpointed_run(tmp_path, "recipes/grpo_tiny_lora.toml")
+    recipe = tiny_recipe(tmp_path, "model", 128)
+    cfg = model_config_from_hf(recipe.model.path)
+    with pytest.raises(ValueError, match="holds LoRA adapters only: it was written by a run with \\[model.lora\\]"):
         check_resumable(CheckpointManager(out / "checkpoints").latest(), cfg, recipe, out)
 
 
