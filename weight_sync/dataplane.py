@@ -272,6 +272,13 @@ class StreamServer:
             if dropped is not None:  # cut by `_cut_connection`: the write side is still open for the answer
                 self._reply(conn, Code.ABORTED, f"update {writer.update.update_id} was dropped: {dropped.message}")
             return
+        except Exception as e:  # a defect here: the update is dropped, so its staging memory is not held for ever
+            log.exception("rank %d's data-plane stream of %s failed", hello.rank, writer.update.update_id)
+            failed = SyncError(Code.INTERNAL, f"rank {hello.rank}'s data-plane stream failed in the receiver: {e!r}")
+            writer.close_failed(failed)
+            if relay is not None:
+                relay.cancel()
+            return self._reply(conn, failed.code, failed.message)
         relayed = relay.finish() if relay is not None else []
         log.info("data-plane push %s", writer.summary(time.perf_counter() - start))
         reply = pb.PushReply(bytes_received=writer.bytes_received, num_shards=writer.num_shards, relayed=relayed)

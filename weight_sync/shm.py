@@ -235,7 +235,7 @@ class MemfdFrames:
         if self._mapping is None:
             self._mapping = self._mappings.acquire(self._fd, self.memory_bytes)
         dest, src = np.frombuffer(view, dtype=np.uint8), self._mapping.view[self._offset : self._offset + n]
-        step = HASH_STEP if hasher is not None else n
+        step = HASH_STEP if hasher is not None else max(n, 1)  # a 0-byte payload (an empty shard): no step at all
         for i in range(0, n, step):  # each step hashed right after its copy, from cache
             np.copyto(dest[i : i + step], src[i : i + step])
             if hasher is not None:

@@ -242,6 +242,32 @@ def test_a_hand_made_stream_commits_and_the_wrong_ticket_is_refused_before_openi
     assert receiver.policy_version == 1 and all(torch.equal(sink.state_dict[k], v) for k, v in SD.items())
 
 
+def test_an_empty_shard_over_shared_memory_commits(receivers):
+    """A tensor of 0 elements travels as one chunk of 0 elements (PROTOCOL.md, section 6). Over this plane it killed the
+    stream's thread without an answer and held the update's staging memory for ever: every later Begin was refused
+    RESOURCE_EXHAUSTED until a restart."""
+    sd = {"empty": torch.zeros(0, 4), "w": SD["w"]}
+    (receiver, sink), = receivers(1, config=SHM, sd=sd)
+    client = WeightSyncClient(receiver.address, QUICK)
+    try:
+        offer = client.describe().shm_plane
+        ticket = begin(client, sd, 1).data_ticket
+        empty = pb.ShardHeader(name="empty", offsets=(0, 0), shape=(0, 4), xxh3_64=xxhash.xxh3_64_intdigest(b""))
+        frames, payload = stream_of({"w": sd["w"]})
+        fd = memfd(payload)
+        try:
+            hello = pb.DataHello(session_id="s", policy_version=1, rank=0, ticket=ticket)
+            reply = shm_push(offer, hello, [fd], chunk_prefix(pb.ChunkHeader(num_elements=0, shard=empty), 0) + frames)
+        finally:
+            os.close(fd)
+        assert reply is not None and reply.code == 0 and reply.reply.num_shards == 2, reply
+        commit(client, 1)
+        assert receiver.policy_version == 1 and torch.equal(sink.state_dict["w"], sd["w"])
+        begin(client, sd, 2)  # and the receiver takes the next update
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize(
     ("case", "code"),
     [
