@@ -36,7 +36,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     0-element tensor in its checkpoint."""
     directory = tmp_path_factory.mktemp("served")
     state = tiny_state_dict(3)
-    state["model.layers.0.empty_buffer"] = torch.zeros(0, 4)  # a 0-element tensor: push_commit_empty_tensor runs
+    state["model.layers.0.empty_buffer"] = torch.zeros(0, 4)  # a 0-element tensor: the empty-shard cases run
     save_file(state, str(directory / "model.safetensors"))
     env = {**os.environ, "RL_ALIGN_WEIGHT_SYNC_TOKEN": TOKEN, "PYTHONPATH": os.getcwd()}
     proc = subprocess.Popen(

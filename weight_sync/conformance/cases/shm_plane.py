@@ -12,7 +12,7 @@ import numpy as np
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.conformance.case import CaseGroup
-from weight_sync.conformance.checks import require
+from weight_sync.conformance.checks import need, require
 from weight_sync.conformance.kit import Kit
 from weight_sync.conformance.streams import memfd
 from weight_sync.conformance.wire import box_checksum, other_ticket
@@ -59,6 +59,25 @@ def shm_push_commit(kit: Kit) -> str:
     the values the memfd held."""
     version, probe, hello, values = shm_update(kit)
     chunks = kit.chunks(probe, values)
+    with payload_memfd(chunks) as fd:
+        got = kit.shm_connect(hello, [fd]).frames(chunks).reply()
+    require(got == "OK", f"DataReply {got}")
+    kit.commit(version)
+    kit.remember(version, {probe.name: values})
+    return got
+
+
+@GROUP.case("OK")
+def shm_empty_shard(kit: Kit) -> str:
+    """A stream whose first shard is a tensor of 0 elements (one chunk of 0 elements, no payload in the memfd), then
+    the probe: DataReply OK, and the update commits (PROTOCOL.md 6 and 8.1)."""
+    empty = need(next((s for s in kit.manifest.values() if s.numel == 0), None), "tensor with 0 elements")
+    kit.need_shm()
+    probe = kit.need_probe()
+    version, values = kit.version + 1, kit.values(probe)
+    reply = kit.begin(kit.begin_request(version, [empty, probe]))
+    hello = pb.DataHello(session_id=kit.session(), policy_version=version, rank=0, ticket=reply.data_ticket)
+    chunks = kit.chunks(empty, kit.values(empty)) + kit.chunks(probe, values)
     with payload_memfd(chunks) as fd:
         got = kit.shm_connect(hello, [fd]).frames(chunks).reply()
     require(got == "OK", f"DataReply {got}")
