@@ -54,8 +54,8 @@ def with_run_defaults(recipe: Recipe, out_dir: Path) -> Recipe:
 
 def outputs_lost_with_the_job(recipe: Recipe) -> str | None:
     """Why the run's outputs would not outlive it, or None: a Ray job runs in Ray's copy of its working directory
-    (``driver.session.ray_job_working_dir``), so relative output paths land in that copy."""
-    from driver.session import ray_job_working_dir
+    (``common.ray_job.ray_job_working_dir``), so relative output paths land in that copy."""
+    from common.ray_job import ray_job_working_dir
 
     job_dir = ray_job_working_dir()
     if job_dir is None:

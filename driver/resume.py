@@ -8,6 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
+from common.ray_job import ray_job_working_dir
 from common.run_dir import CHECKPOINTS, RESOLVED_RECIPE, read_run_record
 from recipe import load_recipe
 
@@ -19,7 +20,12 @@ log = logging.getLogger("rl_align")
 def resume_command(record: Path) -> str:
     """The command that resumes the run whose resolved recipe is ``record``, with this interpreter (a venv's ``python``
     is not necessarily the one on ``PATH``). Relative paths in a recipe resolve against the directory the run started
-    in, so the command starts there."""
+    in, so the command starts there. A Ray job's entrypoint runs in Ray's private copy of the job's working directory,
+    where a plain command would start a Ray of its own: there the command is a job submitted with the same working
+    directory."""
+    if ray_job_working_dir() is not None:
+        return (f"ray job submit --working-dir <the directory this job was submitted with> -- python rl_align.py "
+                f"--recipe {record.resolve()} --resume")  # fmt: skip
     return f"cd {Path.cwd()} && {sys.executable} rl_align.py --recipe {record.resolve()} --resume"
 
 

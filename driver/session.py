@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -23,11 +22,9 @@ from typing import Any
 from common.run_dir import LOCK, RunDirBusy, RunDirLock
 
 __all__ = [
-    "exit_process", "ray_job_working_dir", "ray_reachable", "ray_session", "remove_killed_sessions", "worker_env_vars",
+    "exit_process", "ray_reachable", "ray_session", "remove_killed_sessions", "worker_env_vars",
 ]
 
-_RAY_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a job's entrypoint
-_RAY_WORKING_DIRS = "working_dir_files"  # where a node unpacks jobs' working directories (runtime_resources/...)
 _TEMP_ROOT, _PREFIX = "/tmp", "rlray_"  # an embedded instance's directory
 _PROBE_S = 5.0  # a live GCS answers in milliseconds, a loaded host's within a second or two
 
@@ -60,21 +57,6 @@ def worker_env_vars(device: str = "cpu") -> dict[str, str]:
     if device == "tpu":
         env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "1"
     return env
-
-
-def ray_job_working_dir() -> Path | None:
-    """The directory this process runs in when it is a Ray job's entrypoint running in its ``working_dir`` (Ray's
-    copy of the uploaded directory, ``<session>/runtime_resources/working_dir_files/_ray_pkg_<hash of the
-    contents>``), else None (also for an entrypoint that changed to another directory first)."""
-    try:
-        job = json.loads(os.environ.get(_RAY_JOB_CONFIG, "{}"))
-    except ValueError:
-        return None
-    runtime_env = job.get("runtime_env") if isinstance(job, dict) else None
-    if not (isinstance(runtime_env, dict) and runtime_env.get("working_dir")):
-        return None
-    cwd = Path.cwd()
-    return cwd if _RAY_WORKING_DIRS in cwd.parts else None
 
 
 def remove_killed_sessions(root: Path | None = None) -> list[Path]:

@@ -41,6 +41,7 @@ from common.config import (
     to_toml,
     validate_config,
 )
+from common.ray_job import ray_job_working_dir
 from common.run_dir import RESOLVED_RECIPE, lora_base_dir
 from recipe.sections import ModelSection, PlacementGroupsConfig, RunConfig
 from rollout.config import MAX_SERVED_LORA_RANK, RolloutConfig, SamplingConfig
@@ -472,6 +473,20 @@ def _probe_interpreter(python: str) -> dict[str, Any] | str:
     return found
 
 
+def _missing_data_file(value: str) -> str:
+    """Why the data file ``value`` is not found, and where a relative path was looked for."""
+    if Path(value).is_absolute():
+        return f"{value!r}: no such file"
+    job_dir = ray_job_working_dir()
+    if job_dir is None:
+        return (f"{value!r}: no such file (relative paths in a recipe resolve against the directory rl_align.py runs "
+                f"in, here {Path.cwd()}; with `ray job submit` the --working-dir)")  # fmt: skip
+    return (f"{value!r}: no such file in this Ray job's copy of its --working-dir ({job_dir}): Ray uploads the "
+            "directory without what its .gitignore and .rayignore files exclude (and without .git), so generated or "
+            "ignored data stays behind; give an absolute path on storage the cluster's nodes read, or keep the file "
+            "in a directory that is not ignored")  # fmt: skip
+
+
 def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
     """What this machine lacks for ``recipe``: ``(location, reason)`` pairs, as :func:`config_error` takes them."""
     problems: list[tuple[tuple[str | int, ...], str]] = []
@@ -512,11 +527,7 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
         for name in ("path", "eval_path"):
             value = getattr(task, name)
             if value is not None and not Path(value).is_file():
-                problems.append((
-                    ("task", name),
-                    f"{value!r}: no such file (relative paths in a recipe resolve against the directory rl_align.py "
-                    f"runs in, here {Path.cwd()}; with `ray job submit` the --working-dir)",
-                ))  # fmt: skip
+                problems.append((("task", name), _missing_data_file(value)))
     for i, term in enumerate(recipe.reward.terms):
         if isinstance(term, FunctionRewardConfig):
             try:

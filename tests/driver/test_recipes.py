@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -372,6 +373,22 @@ def test_missing_jsonl_file_fails_at_load_saying_what_relative_paths_resolve_aga
     with pytest.raises(ConfigError) as err:
         load_recipe(recipe)
     assert "task.path: 'nope.jsonl': no such file" in str(err.value) and str(Path.cwd()) in str(err.value)
+
+
+def test_a_ray_job_missing_its_data_file_is_told_what_the_upload_leaves_out(tmp_path, monkeypatch):
+    """Data generated into an ignored directory was left out of the job's upload; the message sent the operator to
+    the --working-dir, where the file was."""
+    package = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_1"
+    package.mkdir(parents=True)
+    monkeypatch.chdir(package)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_1.zip"}}))
+    recipe = tmp_path / "mine.toml"
+    recipe.write_text(f'base = "{ROOT / "recipes" / "grpo_tiny.toml"}"\n[task]\ntype = "jsonl"\n'
+                      'path = "data/train.jsonl"\nnum_eval_problems = 5\n')
+    with pytest.raises(ConfigError) as err:
+        load_recipe(recipe, {"model.path": str(tmp_path / "model")})
+    assert f"'data/train.jsonl': no such file in this Ray job's copy of its --working-dir ({package})" in str(err.value)
+    assert ".gitignore and .rayignore" in str(err.value)
 
 
 def test_device_xla_without_torch_xla_fails_at_load_naming_its_environment():

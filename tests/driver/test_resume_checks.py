@@ -275,6 +275,23 @@ def test_a_ray_job_with_relative_output_paths_is_refused_before_anything_is_writ
     assert outputs_lost_with_the_job(relative) is None
 
 
+def test_a_ray_jobs_resume_command_is_a_job_with_the_same_working_dir(tmp_path, monkeypatch):
+    """A stopped job printed `cd <Ray's private copy of the working dir> && python rl_align.py ... --resume`: run, it
+    started an embedded Ray on the head node instead of a job."""
+    from driver.resume import resume_command
+
+    record = tmp_path / "out" / "recipe.resolved.toml"
+    package = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_1"
+    package.mkdir(parents=True)
+    monkeypatch.chdir(package)
+    assert resume_command(record).startswith(f"cd {package} && ")  # not a job: the directory the run started in
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_1.zip"}}))
+    command = resume_command(record)
+    assert command.startswith("ray job submit --working-dir <the directory this job was submitted with> -- python "
+                              f"rl_align.py --recipe {record} --resume"), command
+    assert str(package) not in command
+
+
 def test_sigterm_stops_a_run_as_ctrl_c_does():
     """``ray job stop`` and ``kill`` ended the driver with exit 15 and a native stack dump, no word on resuming."""
     import signal
