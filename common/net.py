@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 
-__all__ = ["free_port"]
+__all__ = ["free_port", "port_taken"]
 
 _lock = threading.Lock()
 _handed_out: set[int] = set()
@@ -24,3 +24,15 @@ def free_port(host: str = "127.0.0.1") -> int:
             if port not in _handed_out:
                 _handed_out.add(port)
                 return port
+
+
+def port_taken(port: int, host: str = "127.0.0.1") -> str | None:
+    """Why a server could not listen on ``host:port`` now (another process holds it), or None when it could; the
+    caller binds it later, so another process can still take it in between."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closed socket's port is free
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None

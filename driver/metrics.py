@@ -11,6 +11,7 @@ Python loader only, not by the default Rust one).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import threading
@@ -22,6 +23,8 @@ from typing import Any
 from common.run_dir import METRICS, TENSORBOARD
 
 __all__ = ["MetricsLogger", "plot_curves", "read_jsonl"]
+
+log = logging.getLogger("rl_align")
 
 _PROGRESS_KEYS = (
     ("reward/mean", "reward"),
@@ -52,6 +55,20 @@ class MetricsLogger:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / METRICS
+        self._prometheus = prometheus_port is not None
+        self._http: tuple[Any, threading.Thread] | None = None
+        if prometheus_port is not None:  # first: a port another process holds fails before any file is touched
+            import prometheus_client
+
+            self._registry = prometheus_client.CollectorRegistry()
+            try:
+                self._http = prometheus_client.start_http_server(
+                    prometheus_port, addr="127.0.0.1", registry=self._registry
+                )
+            except OSError as e:
+                raise OSError(f"run.logging.prometheus_port = {prometheus_port}: cannot serve metrics there ({e}): "
+                              "another process (another run on this host?) holds it; choose another port") from None
+            log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", self._http[0].server_port)
         self._file = self.path.open("a" if append else "w")
         self._num_steps = num_steps
         self._progress = progress
@@ -65,13 +82,6 @@ class MetricsLogger:
         self._writers: dict[str, Any] = {}
         """TensorBoard writers by run ("" for RL and eval, "sft"), opened at their first record."""
         self._gauges: dict[str, Any] = {}
-        self._prometheus = prometheus_port is not None
-        self._http: tuple[Any, threading.Thread] | None = None
-        if prometheus_port is not None:
-            import prometheus_client
-
-            self._registry = prometheus_client.CollectorRegistry()
-            self._http = prometheus_client.start_http_server(prometheus_port, addr="127.0.0.1", registry=self._registry)
 
     def log(self, step: int, metrics: Mapping[str, float], phase: str = "rl") -> None:
         """Record ``metrics`` for ``step`` in every sink; non-finite values are kept in JSONL as null."""

@@ -104,6 +104,7 @@ def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None)
         raise ValueError(f"--resume: no complete checkpoint under {ckpt_dir}; run without --resume (or --resume "
                          "auto)")  # fmt: skip
     recipe.weight_sync.resolve_token()  # a token variable set but empty: the engines' receivers would refuse to start
+    _check_prometheus_port(recipe.run.logging.prometheus_port)
     dataset = check_data(recipe)
     ensure_model(recipe)
     check_tokenizer_dir(recipe.rollout.tokenizer_dir)  # loaded while the actors start
@@ -117,6 +118,17 @@ def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None)
         dataset.load_state_dict(saved_data_cursor(resume_from))
     _check_engines_not_ahead(recipe, resume_from)
     return CheckedRun(resume_from, model_cfg, dataset)
+
+
+def _check_prometheus_port(port: int | None) -> None:
+    """``ValueError`` when another process holds ``run.logging.prometheus_port`` (another run's driver on this host:
+    a cluster's drivers all run on its head node), found before Ray starts rather than after it."""
+    from common.net import port_taken
+
+    taken = port_taken(port) if port else None
+    if taken is not None:
+        raise ValueError(f"run.logging.prometheus_port = {port}: cannot serve metrics on 127.0.0.1:{port} ({taken}): "
+                         "another process (another run on this host?) holds it; give this run another port")
 
 
 _SHOWN_CHANGES = 8

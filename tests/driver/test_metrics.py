@@ -46,6 +46,28 @@ def test_close_stops_the_prometheus_endpoint_and_frees_its_port(tmp_path):
     nxt.close()
 
 
+def test_a_prometheus_port_another_process_holds_fails_before_ray_naming_the_setting(tmp_path, capsys, no_ray):
+    """Two jobs on one cluster with the same port: the second died in a raw `Address already in use` traceback from
+    the metrics logger, after Ray had started and its files were written."""
+    import socket
+
+    from driver.run import run
+    from recipe import load_recipe
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        recipe = load_recipe("recipes/grpo_tiny.toml", {
+            "run.output_dir": str(tmp_path / "out"), "run.logging.prometheus_port": port})  # fmt: skip
+        assert run(recipe) == 2
+        err = capsys.readouterr().err
+        assert f"run.logging.prometheus_port = {port}: cannot serve metrics on 127.0.0.1:{port}" in err, err
+        with pytest.raises(OSError, match=f"run.logging.prometheus_port = {port}: cannot serve metrics there"):
+            MetricsLogger(tmp_path / "direct", num_steps=1, tensorboard=False, progress=False, prometheus_port=port)
+        assert not (tmp_path / "direct" / "metrics.jsonl").exists()
+
+
 def test_resumed_logger_appends(tmp_path):
     first = MetricsLogger(tmp_path, 2, tensorboard=False, progress=False)
     first.log(0, {"reward/mean": 1.0})
