@@ -125,7 +125,7 @@ def reserve(roles: Sequence[Role], shared: bool, name: str, timeout_s: float, ca
             for role in plan:
                 held[role.name] = Reservation(role, group, first)
                 first += role.count
-            _wait_placed(group, what, strategy, timeout_s)
+            _wait_placed(group, what, strategy, timeout_s, problem)
             for role in plan:
                 log.info("%d %s placed (%s) on node(s) %s", role.count, role.name, strategy,
                          ", ".join(node[:8] for node in held[role.name].bundle_nodes()))  # fmt: skip
@@ -147,7 +147,9 @@ def release(held: Mapping[str, Reservation]) -> None:
             log.warning("while removing placement group %s: %s", group.id, e)
 
 
-def _wait_placed(group: Any, what: str, strategy: str, timeout_s: float) -> None:
+def _wait_placed(group: Any, what: str, strategy: str, timeout_s: float, problem: str | None) -> None:
+    """Wait for ``group``; past ``timeout_s`` raise :class:`PlacementError` naming ``problem`` (why the nodes there
+    were at the start could not hold it, when known: no node with a GPU, say) and what the cluster has free."""
     import ray
 
     deadline = time.monotonic() + timeout_s
@@ -158,7 +160,8 @@ def _wait_placed(group: Any, what: str, strategy: str, timeout_s: float) -> None
         if done:
             return
         if left <= _LOG_EVERY_S:
-            raise PlacementError(f"could not place {what} ({strategy}) within {timeout_s:g} s; {_cluster_hint()} "
+            why = f": {problem}, and no node that could joined" if problem is not None else ""
+            raise PlacementError(f"could not place {what} ({strategy}) within {timeout_s:g} s{why}; {_cluster_hint()} "
                                  "(raise run.placement_groups.timeout_s if nodes are still joining)")  # fmt: skip
         log.info("waiting for the cluster to place %s (%s)", what, strategy)
 

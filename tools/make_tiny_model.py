@@ -15,6 +15,9 @@ arguments always give the same bytes. Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -125,15 +128,27 @@ def make_published_model(
 
 
 def _save_random_model(out: Path, config: PreTrainedConfig, tokenizer: Any, seed: int, dtype: str) -> Path:
-    """Initialise transformers' model of ``config`` from ``seed`` and write it with ``tokenizer`` to ``out``."""
+    """Initialise transformers' model of ``config`` from ``seed`` and write it with ``tokenizer`` to ``out``.
+
+    The files are written beside ``out`` first and moved in with ``config.json`` last, so a reader that takes a
+    ``config.json`` for a model (``driver.preflight.ensure_model``) never finds half of one: two jobs creating the
+    same model at once each move in the same bytes."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    model.save_pretrained(out, safe_serialization=True)
-    save_tokenizer(tokenizer, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        save_tokenizer(tokenizer, staging)
+        out.mkdir(exist_ok=True)
+        for path in sorted(staging.iterdir(), key=lambda p: p.name == "config.json"):
+            os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 

@@ -72,3 +72,27 @@ def test_bad_settings_name_the_field(overrides: dict, field: str, reason: str) -
     with pytest.raises(ConfigError) as e:
         load_recipe(RECIPE, overrides)
     assert f"- {field}:" in str(e.value) and reason in str(e.value), str(e.value)
+
+
+def test_a_created_model_appears_with_its_config_last_and_no_files_left_beside_it(tmp_path: Path, monkeypatch) -> None:
+    """Two jobs of one cluster created the same model in the same directory at once (Ray's shared copy of the working
+    dir), and the check that a model exists is its config.json: the config must be the last file to appear."""
+    import os
+
+    from tools.make_tiny_model import make_tiny_model
+
+    moved: list[str] = []
+    replace = os.replace
+
+    def recording(src, dst):
+        moved.append(Path(dst).name)
+        assert not (tmp_path / "m" / "config.json").exists(), "config.json appeared before the model's other files"
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", recording)
+    out = make_tiny_model(tmp_path / "m", "qwen3", hidden_size=32, num_layers=1)
+    assert moved[-1] == "config.json" and "model.safetensors" in moved and "tokenizer.json" in moved
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # the staging directory is gone
+    monkeypatch.undo()
+    again = make_tiny_model(out, "qwen3", hidden_size=32, num_layers=1)  # over an existing copy: the same bytes
+    assert model_config_from_hf(str(again)).dim == 32

@@ -94,3 +94,8 @@ def test_a_joined_cluster_gets_timeout_s_to_make_room(one_node):
         reserve([Role("rollout", {"CPU": 1.0}, 3, "PACK")], shared=False, name="wait", timeout_s=1, can_grow=True)
     assert 1 <= time.monotonic() - started < 10
     assert _groups_alive("wait") == []
+    # What no node had is named at the end too (a GPU recipe on a CPU cluster ended naming only the free CPUs).
+    with pytest.raises(PlacementError, match=r"within 1 s: no node has 1 CPU, 1 GPU for one actor, and no node that "
+                                             r"could joined; the cluster has 1 node\(s\) with 2 CPU free"):
+        reserve([Role("rollout", {"CPU": 1.0, "GPU": 1.0}, 1, "PACK")], shared=False, name="gpu", timeout_s=1,
+                can_grow=True)  # fmt: skip
