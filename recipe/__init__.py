@@ -403,9 +403,10 @@ def _schedule_spans_the_run(data: dict[str, Any]) -> dict[str, Any]:
             (run, "num_steps"), (trainer, "num_minibatches"), (trainer, "num_epochs"), (schedule, "num_warmup_steps")
         )
     )  # fmt: skip
-    if not all(isinstance(n, int) and n >= 0 for n in (num_steps, minibatches, epochs, warmup)):
+    if not all(isinstance(n, int) for n in (num_steps, minibatches, epochs, warmup)):
         return data
-    total = max(num_steps * minibatches * epochs, warmup + 1)  # a run shorter than its warmup only warms up
+    # A run shorter than its warmup only warms up; a negative count is refused on its own field (not here again).
+    total = max(num_steps * minibatches * epochs, warmup + 1, 1)
     return {**data, "trainer": {**trainer, "schedule": {**schedule, "num_total_steps": total}}}
 
 

@@ -543,6 +543,8 @@ def test_the_base_recipes_cosine_decay_spans_a_derived_recipes_run():
     assert total(grpo, {"run.num_steps": 100, "trainer.schedule.num_total_steps": 250}) == 250
     assert total(ROOT / "recipes" / "agent_calc_tiny.toml") == 120  # written in the recipe itself
     assert "trainer.schedule.num_total_steps" in load_error(grpo, {"trainer.schedule.num_total_steps": 0})
+    negative = load_error(grpo, {"run.num_steps": -3})  # refused once, on the flag, not again on the file's schedule
+    assert "run.num_steps" in negative and "schedule" not in negative, negative
 
 
 def test_an_unknown_algorithm_type_names_the_types_or_the_setting_a_variant_is():
