@@ -322,9 +322,10 @@ class _Run:
 
         # Engines and trainer ranks start at once: each start is mostly its own process waiting on imports and loads.
         t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(2) as starting:
+        starting = concurrent.futures.ThreadPoolExecutor(2)
+        failures: list[Exception] = []
+        try:
             pool, trainer = starting.submit(start_pool), starting.submit(start_trainer)
-            failures = []
             try:  # meanwhile, for the warm start only (transformers' import is seconds of a core the actors want)
                 if self._runs_warm_start:
                     self.tokenizer = load_tokenizer(r.rollout.tokenizer_dir)
@@ -335,6 +336,13 @@ class _Run:
                     setattr(self, name, future.result())
                 except Exception as e:  # noqa: BLE001 (the other part still starts and must be stopped)
                     failures.append(e)
+        except BaseException:
+            # Ctrl-C or SIGTERM while the actors start: their placement groups go now (Ray kills the actors in them,
+            # so the starting threads fail at once), not once both parts are up (tens of seconds at size).
+            starting.shutdown(wait=False, cancel_futures=True)
+            self.__exit__(*sys.exc_info())
+            raise
+        starting.shutdown()
         if failures:
             self.__exit__(None, None, None)
             raise failures[0]

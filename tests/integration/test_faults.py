@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import psutil
@@ -257,5 +258,29 @@ def test_sigterm_stops_the_run_its_actors_and_says_how_to_continue(tmp_path: Pat
     stopped = next(line for line in lines if line.startswith("stopped (SIGTERM): actors stopped; "))
     saved = any((tmp_path / "out" / "checkpoints").glob("step_*/COMPLETE"))
     assert stopped.endswith("--resume" if saved else "yet: to go on, start the run again"), tail(log)
+    _, alive = psutil.wait_procs(known, timeout=10)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_actors_start_stops_the_run_without_waiting_for_them(tmp_path: Path) -> None:
+    """A `ray job stop` during the actors' start waited for the engines and the trainer to come up (41 s in an
+    operator's run) before it stopped them, and a job's short stop wait SIGKILLed the driver first, no hint printed."""
+    log = tmp_path / "run.log"
+    proc = start_run(small_run_args(tmp_path, 4, "--run.logging.plot", "false", *ONE_ENGINE), log)
+    known: list[psutil.Process] = []
+    try:
+        wait_for(lambda: " trainer placed (" in log.read_text(), 240, proc, "the actors' placement", log)
+        known = descendants(proc)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc, known)
+    text = log.read_text()
+    assert rc == 143 and "stopped (SIGTERM): actors stopped; " in text, tail(log)
+    assert "rank(s)) ready in" not in text and took < 15, (took, tail(log))  # an engine starts in ~10-20 s here
     _, alive = psutil.wait_procs(known, timeout=10)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
