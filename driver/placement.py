@@ -1,6 +1,6 @@
 """Where the run's actors go and how many threads each runs: the one place CPU cores are handed out.
 
-    plan = plan_placement(recipe, num_cores=host_cores())
+    plan = plan_placement(recipe, num_cores=host_cores())   # embedded; a joined cluster: cluster_node_cores(...)
     TrainerGroup(..., num_cpus_per_rank=plan.trainer_cpus, runtime_env={"env_vars": plan.trainer_env})
     RolloutPool(plan.rollout, ..., runtime_env={"env_vars": plan.rollout_env})
 
@@ -27,7 +27,7 @@ from rollout.config import RolloutConfig
 from rollout.engine.platform import engine_process_env
 from weight_sync.config import WeightSyncConfig
 
-__all__ = ["Placement", "host_cores", "num_rollout_workers", "plan_placement", "threads_env"]
+__all__ = ["Placement", "cluster_node_cores", "host_cores", "num_rollout_workers", "plan_placement", "threads_env"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,20 @@ def threads_env(num_threads: int) -> dict[str, str]:
 def host_cores() -> int:
     """CPU cores this process may run on (its affinity mask, which containers and ``taskset`` narrow)."""
     return len(os.sched_getaffinity(0))
+
+
+def cluster_node_cores(nodes: list[dict[str, Any]], driver_node: str) -> int:
+    """The cores of the largest live node of a joined Ray cluster (``ray.nodes()``), where a colocated run's one group
+    of actors goes: its Ray CPUs (what the operator gave the node; a KubeRay pod's, though the driver's affinity may
+    show the whole VM), capped on the driver's own node at this host's cores (threads beyond them only take turns).
+    0 when no live node has CPUs."""
+    best = 0
+    for node in nodes:
+        if not node.get("Alive"):
+            continue
+        cpus = int(node.get("Resources", {}).get("CPU", 0))
+        best = max(best, min(cpus, host_cores()) if node.get("NodeID") == driver_node else cpus)
+    return best
 
 
 def num_rollout_workers(recipe: Any, num_cores: int) -> int:

@@ -116,7 +116,7 @@ def reserve(roles: Sequence[Role], shared: bool, name: str, timeout_s: float, ca
             strategy, what = plan[0].strategy, " + ".join(f"{role.count} {role.name}" for role in plan)
             problem = why_unplaceable(bundles, strategy, nodes)
             if problem is not None and not can_grow:
-                raise PlacementError(f"cannot place {what} ({strategy}): {problem}; {_cluster_hint()}")
+                raise PlacementError(f"cannot place {what} ({strategy}): {problem}; {_cluster_hint(shared)}")
             if problem is not None:
                 log.warning("the cluster cannot place %s (%s) yet: %s; waiting up to %.0f s for more nodes", what,
                             strategy, problem, timeout_s)  # fmt: skip
@@ -125,7 +125,7 @@ def reserve(roles: Sequence[Role], shared: bool, name: str, timeout_s: float, ca
             for role in plan:
                 held[role.name] = Reservation(role, group, first)
                 first += role.count
-            _wait_placed(group, what, strategy, timeout_s, problem)
+            _wait_placed(group, what, strategy, timeout_s, problem, shared)
             for role in plan:
                 log.info("%d %s placed (%s) on node(s) %s", role.count, role.name, strategy,
                          ", ".join(node[:8] for node in held[role.name].bundle_nodes()))  # fmt: skip
@@ -147,7 +147,7 @@ def release(held: Mapping[str, Reservation]) -> None:
             log.warning("while removing placement group %s: %s", group.id, e)
 
 
-def _wait_placed(group: Any, what: str, strategy: str, timeout_s: float, problem: str | None) -> None:
+def _wait_placed(group: Any, what: str, strategy: str, timeout_s: float, problem: str | None, shared: bool) -> None:
     """Wait for ``group``; past ``timeout_s`` raise :class:`PlacementError` naming ``problem`` (why the nodes there
     were at the start could not hold it, when known: no node with a GPU, say) and what the cluster has free."""
     import ray
@@ -161,18 +161,23 @@ def _wait_placed(group: Any, what: str, strategy: str, timeout_s: float, problem
             return
         if left <= _LOG_EVERY_S:
             why = f": {problem}, and no node that could joined" if problem is not None else ""
-            raise PlacementError(f"could not place {what} ({strategy}) within {timeout_s:g} s{why}; {_cluster_hint()} "
-                                 "(raise run.placement_groups.timeout_s if nodes are still joining)")  # fmt: skip
+            raise PlacementError(f"could not place {what} ({strategy}) within {timeout_s:g} s{why}; "
+                                 f"{_cluster_hint(shared)} (raise run.placement_groups.timeout_s if nodes are still "
+                                 "joining)")  # fmt: skip
         log.info("waiting for the cluster to place %s (%s)", what, strategy)
 
 
-def _cluster_hint() -> str:
+def _cluster_hint(shared: bool) -> str:
+    """What the cluster has free and what to change; ``shared``: the group of a colocated run (every actor on one
+    node), which run.placement = 'separate' spreads."""
     import ray
 
     free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU", "TPU")}
     nodes = [n for n in ray.nodes() if n["Alive"]]
+    choice = ("run.placement = 'separate' (a colocated run keeps every actor on one node)" if shared
+              else "a looser run.placement_groups strategy")  # fmt: skip
     return (f"the cluster has {len(nodes)} node(s) with {_fmt(free) or 'nothing'} free: add nodes, lower the "
-            "actors' reservations, or choose a looser run.placement_groups strategy")  # fmt: skip
+            f"actors' reservations, or choose {choice}")  # fmt: skip
 
 
 def _fmt(resources: Mapping[str, float]) -> str:

@@ -246,7 +246,7 @@ class _Run:
 
     def __enter__(self) -> _Run:
         from driver.metrics import MetricsLogger
-        from driver.placement import host_cores, plan_placement
+        from driver.placement import cluster_node_cores, host_cores, plan_placement
         from driver.publisher import WeightPublisher
         from driver.reservation import Role, reserve
         from rollout.engine.vllm_plugin import lora_option
@@ -260,7 +260,12 @@ class _Run:
             prometheus_port=r.run.logging.prometheus_port, append=self.resume,
         )  # fmt: skip
         model_cfg = self.model_cfg
-        self.placement = plan_placement(r, host_cores())
+        cores = host_cores()
+        if self.can_grow:  # a joined cluster: the actors' node, which need not be the driver's host
+            import ray
+
+            cores = cluster_node_cores(ray.nodes(), ray.get_runtime_context().get_node_id()) or cores
+        self.placement = plan_placement(r, cores)
         log.info("placement: %s on %d core(s); trainer ranks run %s thread(s), engines %s", r.run.placement,
                  self.placement.num_cores, self.placement.trainer_env["OMP_NUM_THREADS"],
                  self.placement.rollout_env.get("OMP_NUM_THREADS", r.rollout.engine.cpu_threads_bind))  # fmt: skip

@@ -4,7 +4,7 @@ and Ray reservation (the threads reaching the actors is checked end to end in te
 import pytest
 
 from common.config import ConfigError
-from driver.placement import plan_placement
+from driver.placement import cluster_node_cores, host_cores, plan_placement
 from recipe import load_recipe
 
 
@@ -110,3 +110,15 @@ def test_colocated_roles_share_one_host():
 def test_placement_groups_the_run_cannot_make_are_refused_by_the_recipe(overrides, match):
     with pytest.raises(ConfigError, match=match):
         _recipe(**overrides)
+
+
+def test_a_joined_cluster_sizes_a_colocated_run_from_its_largest_node():
+    """The driver's affinity sized a job's colocated run: a head of 0 CPUs beside 8-CPU nodes, or a pod whose affinity
+    shows the whole VM, got a STRICT_PACK group no node could hold."""
+    node = lambda node_id, cpus, alive=True: {"NodeID": node_id, "Alive": alive, "Resources": {"CPU": cpus}}  # noqa: E731
+    head, cores = "head", host_cores()
+    assert cluster_node_cores([node(head, 0), node("a", 8), node("b", 6)], head) == 8
+    assert cluster_node_cores([node(head, 0), node("a", 8, alive=False), node("b", 6)], head) == 6
+    assert cluster_node_cores([node(head, cores + 2)], head) == cores  # the driver's node: no more threads than cores
+    assert cluster_node_cores([node(head, 1)], head) == 1  # a pod limited to 1 CPU
+    assert cluster_node_cores([node(head, 0)], head) == 0

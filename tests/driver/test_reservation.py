@@ -84,6 +84,8 @@ def test_a_layout_an_embedded_ray_cannot_hold_fails_at_once_and_leaves_no_group(
     started = time.monotonic()
     with pytest.raises(PlacementError, match=r"cannot place 2 rollout \(STRICT_SPREAD\).*needs 2 nodes.*has 1.*1 node"):
         reserve(roles, shared=False, name="never", timeout_s=300, can_grow=False)
+    with pytest.raises(PlacementError, match=r"cannot place 1 trainer \+ 2 rollout .*run.placement = 'separate'"):
+        reserve(roles, shared=True, name="never", timeout_s=300, can_grow=False)  # a colocated run's one group
     assert time.monotonic() - started < 10
     assert _groups_alive("never") == []  # the trainer's group, placed first, was removed too
 
