@@ -5,7 +5,7 @@ kit's own host."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -21,13 +21,14 @@ from weight_sync.spec import TensorSpec
 GROUP = CaseGroup()
 
 
-def shm_update(kit: Kit) -> tuple[int, TensorSpec, pb.DataHello, np.ndarray]:
-    """Begin an update of the probe at the next version, for a receiver with a shared-memory plane: (version, probe,
-    the rank's hello with the ticket Begin handed out, fresh values of the probe)."""
+def shm_update(kit: Kit, before: Sequence[TensorSpec] = ()) -> tuple[int, TensorSpec, pb.DataHello, np.ndarray]:
+    """Begin an update of the probe (after the tensors ``before``) at the next version, for a receiver with a
+    shared-memory plane: (version, probe, the rank's hello with the ticket Begin handed out, fresh values of the
+    probe)."""
     kit.need_shm()
     probe = kit.need_probe()
     version = kit.version + 1
-    reply = kit.begin(kit.begin_request(version, [probe]))
+    reply = kit.begin(kit.begin_request(version, [*before, probe]))
     require(len(reply.data_ticket) > 0, "Begin handed out no data ticket although Describe offers a shm plane")
     hello = pb.DataHello(session_id=kit.session(), policy_version=version, rank=0, ticket=reply.data_ticket)
     return version, probe, hello, kit.values(probe)
@@ -58,13 +59,7 @@ def shm_push_commit(kit: Kit) -> str:
     """A rank's stream over shared memory (hello + memfd, payload-less frames, u32 0) gets DataReply OK and commits
     the values the memfd held."""
     version, probe, hello, values = shm_update(kit)
-    chunks = kit.chunks(probe, values)
-    with payload_memfd(chunks) as fd:
-        got = kit.shm_connect(hello, [fd]).frames(chunks).reply()
-    require(got == "OK", f"DataReply {got}")
-    kit.commit(version)
-    kit.remember(version, {probe.name: values})
-    return got
+    return _stream_and_commit(kit, version, hello, kit.chunks(probe, values), {probe.name: values})
 
 
 @GROUP.case("OK")
@@ -72,17 +67,21 @@ def shm_empty_shard(kit: Kit) -> str:
     """A stream whose first shard is a tensor of 0 elements (one chunk of 0 elements, no payload in the memfd), then
     the probe: DataReply OK, and the update commits (PROTOCOL.md 6 and 8.1)."""
     empty = need(next((s for s in kit.manifest.values() if s.numel == 0), None), "tensor with 0 elements")
-    kit.need_shm()
-    probe = kit.need_probe()
-    version, values = kit.version + 1, kit.values(probe)
-    reply = kit.begin(kit.begin_request(version, [empty, probe]))
-    hello = pb.DataHello(session_id=kit.session(), policy_version=version, rank=0, ticket=reply.data_ticket)
+    version, probe, hello, values = shm_update(kit, before=[empty])
     chunks = kit.chunks(empty, kit.values(empty)) + kit.chunks(probe, values)
+    return _stream_and_commit(kit, version, hello, chunks, {probe.name: values})
+
+
+def _stream_and_commit(
+    kit: Kit, version: int, hello: pb.DataHello, chunks: list[pb.PushChunk], values: dict[str, np.ndarray]
+) -> str:
+    """Send ``chunks`` as the rank's one stream (their payloads in a memfd), require DataReply OK, commit ``version``
+    and remember ``values`` as what it holds."""
     with payload_memfd(chunks) as fd:
         got = kit.shm_connect(hello, [fd]).frames(chunks).reply()
     require(got == "OK", f"DataReply {got}")
     kit.commit(version)
-    kit.remember(version, {probe.name: values})
+    kit.remember(version, values)
     return got
 
 
