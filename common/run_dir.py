@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from common.ray_job import ray_job_submission_id
+
 __all__ = [
     "ADAPTER_DIR", "CHECKPOINTS", "CURVES", "FINAL_MODEL", "HF_EXPORTS", "LOCK", "METRICS", "OUTPUTS",
     "RESOLVED_RECIPE", "TENSORBOARD", "WARM_START_MODEL", "RunDirBusy", "RunDirLock", "earlier_runs_kept",
@@ -90,7 +92,9 @@ class RunDirLock:
             return
         os.ftruncate(fd, 0)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {stamp}\n".encode(), 0)
+        job = ray_job_submission_id()
+        of_job = f", Ray job {job!r} (`ray job stop {job}` stops it)" if job is not None else ""
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}{of_job}, since {stamp}\n".encode(), 0)
         self._fd = fd
 
     def release(self) -> None:
