@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import logging
 import shutil
 import signal
@@ -443,12 +444,28 @@ class _Run:
             self.trainer.save_checkpoint(data_cursor=self.dataset.state_dict())
         final = self.out_dir / FINAL_MODEL
         self.trainer.export_hf(str(final), r.export_source_dir, r.run.export.dtype)
-        log.info("trained model: %s (from_pretrained-ready: weights, config, tokenizer, generation config)", final)
+        log.info("trained model: %s (from_pretrained-ready: weights, config, tokenizer, generation config)%s", final,
+                 _export_dtype_note(r.export_source_dir, r.run.export.dtype))  # fmt: skip
         _print_report(before, after, self.out_dir, self.publisher.external_unserved if trained else None)
         if r.run.logging.plot:
             self.logger.close()
             self.logger = None
             plot_curves(self.out_dir / METRICS, self.out_dir / CURVES)
+
+
+def _export_dtype_note(source_dir: str, dtype: str | None) -> str:
+    """A note for an export in float32 (``run.export.dtype`` unset) of a source model saved in another dtype: the
+    user's bfloat16 model comes back twice its size."""
+    if dtype is not None:
+        return ""
+    try:
+        config = json.loads((Path(source_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    saved = config.get("dtype") or config.get("torch_dtype")
+    if saved in (None, "float32"):
+        return ""
+    return f"; in float32, the trainer's, while {source_dir} holds {saved}: run.export.dtype = {saved!r} writes {saved}"
 
 
 def evaluations_on_record(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
