@@ -145,7 +145,7 @@ def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | No
     """:func:`run` once its checks passed and it holds the run directory: the earlier run's outputs set aside (fresh
     start), the resolved recipe written, Ray joined or started, the run executed."""
     from driver.warm_start import WarmStartError
-    from rollout.envs import EpisodeFailed
+    from rollout.envs import EpisodeFailed, PromptTooLong
     from rollout.fleet import WorkersExhausted
     from rollout.rewards.function import RewardFunctionError
     from trainer.checkpoint import CheckpointWriteError
@@ -199,7 +199,7 @@ def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | No
                   f"max_failed_fraction drop more of its episodes; {resume_hint(out_dir, ckpt_dir, failed=True)}",
                   file=sys.stderr)  # fmt: skip
             return 1
-        if not isinstance(cause, (CheckpointWriteError, RewardFunctionError, WarmStartError)):
+        if not isinstance(cause, (CheckpointWriteError, PromptTooLong, RewardFunctionError, WarmStartError)):
             raise
         print(f"error: {cause}\n{resume_hint(out_dir, ckpt_dir, failed=True)}", file=sys.stderr)
         return 1
@@ -406,7 +406,7 @@ class _Run:
             self.trainer.begin_warm_start(r.run.warm_start.parameters == "all")
             num_sft = warm_start(self.trainer, self.dataset, self.tokenizer, r.run.warm_start,
                                  r.rollout.use_chat_template, lambda step, m: self.logger.log(step, m, phase="sft"),
-                                 publish_and_evaluate, r.environment)  # fmt: skip
+                                 publish_and_evaluate, r.environment, r.rollout.engine.max_model_len)  # fmt: skip
             self.trainer.finish_warm_start()
             # Adapters a warm start of every weight did not train (the base took it all) are not exported with it.
             self.trainer.export_hf(str(self.out_dir / WARM_START_MODEL), r.model.path, r.run.export.dtype,

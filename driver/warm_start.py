@@ -69,11 +69,15 @@ def sft_samples(
     examples: list[tuple[Any, str | list[dict[str, str]]]],
     use_chat_template: bool | None,
     environment: EnvironmentConfig | None = None,
+    max_model_len: int | None = None,
 ) -> list[Sample]:
     """Turn ``(problem, ideal completion)`` pairs into trainer samples: a completion text carries the loss whole; a
     transcript (a list of messages, :func:`rollout.envs.episode.render_transcript`) on its assistant turns only. The
-    prompt is the one an episode of ``environment`` starts from (its system prompt and tools included)."""
-    from rollout.envs import build_environment
+    prompt is the one an episode of ``environment`` starts from (its system prompt and tools included).
+
+    ``max_model_len``: the engines' (``rollout.engine.max_model_len``); a prompt that leaves them no room for a
+    completion raises :class:`WarmStartError` here, before any step trains on it, rather than at the first RL batch."""
+    from rollout.envs import PromptTooLong, build_environment
     from rollout.envs.config import AgentEnvConfig, SingleTurnEnvConfig, ToolEnvConfig
     from rollout.envs.episode import render_transcript
 
@@ -89,6 +93,9 @@ def sft_samples(
     samples = []
     for i, ((_, completion), (messages, tools)) in enumerate(zip(examples, asyncio.run(episode_starts()), strict=True)):
         prompt_ids = render_prompt(tokenizer, messages, use_chat_template, tools=tools)
+        if max_model_len is not None and len(prompt_ids) >= max_model_len:
+            too_long = PromptTooLong.of(examples[i][0].problem_id, len(prompt_ids), max_model_len)
+            raise WarmStartError(f"warm start: {too_long}")
         if isinstance(completion, str):
             completion_ids = np.asarray(tokenizer(completion, add_special_tokens=False)["input_ids"], np.int64)
             mask = None
@@ -117,6 +124,7 @@ def warm_start(
     log: Callable[[int, dict[str, float]], None],
     evaluate: Callable[[], dict[str, float]] | None = None,
     environment: EnvironmentConfig | None = None,
+    max_model_len: int | None = None,
 ) -> int:
     """Run SFT steps of ``cfg.num_examples_per_step`` examples at ``cfg.lr`` until ``cfg.num_steps`` or a target of
     ``cfg`` (a ``WarmStartConfig``) is met; log each step (and each accuracy check, as ``warm_start/*``). Returns the
@@ -124,6 +132,7 @@ def warm_start(
 
     ``evaluate()`` must push the current weights to the pool and return ``eval/*`` metrics; it is required by
     ``stop_at_accuracy``. ``environment``: what the RL episodes run in (their first prompt is the SFT prompt).
+    ``max_model_len``: the engines'; a longer prompt stops the warm start (:func:`sft_samples`).
     """
     if cfg.stop_at_accuracy is not None and evaluate is None:
         raise ValueError("warm_start.stop_at_accuracy needs an evaluation of the policy (pass evaluate)")
@@ -133,7 +142,7 @@ def warm_start(
     start = last_line = time.monotonic()
     for step in range(cfg.num_steps):
         samples = sft_samples(
-            tokenizer, examples[step * per_step : (step + 1) * per_step], use_chat_template, environment
+            tokenizer, examples[step * per_step : (step + 1) * per_step], use_chat_template, environment, max_model_len
         )
         metrics = trainer.sft_step(samples, lr=cfg.lr)
         losses.append(metrics["sft_loss"])

@@ -8,14 +8,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from common.imports import resolve_object
-from rollout.envs.base import Environment, EpisodeFailed, Message, StepResult
+from rollout.envs.base import Environment, EpisodeFailed, Message, PromptTooLong, StepResult
 from rollout.envs.episode import Episode, EpisodeLimits, run_episode, unplayed_episode
 
 if TYPE_CHECKING:
     from rollout.envs.config import EnvironmentConfig
 
 __all__ = [
-    "Environment", "Episode", "EpisodeFailed", "EpisodeLimits", "Message", "StepResult", "build_environment",
+    "Environment", "Episode", "EpisodeFailed", "EpisodeLimits", "Message", "PromptTooLong", "StepResult",
+    "build_environment",
     "episode_limits", "run_episode", "unplayed_episode",
 ]  # fmt: skip
 

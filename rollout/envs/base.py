@@ -43,6 +43,17 @@ def warn_once(
         logger.warning(message, *args, exc_info=exc_info)
 
 
+class PromptTooLong(ValueError):
+    """A problem's prompt leaves the engine no room for a completion: a data or setting problem, not an episode's
+    failure, so it stops the batch whatever ``max_failed_fraction`` allows. Built by :meth:`of`."""
+
+    @classmethod
+    def of(cls, problem_id: str, num_tokens: int, max_model_len: int) -> PromptTooLong:
+        return cls(f"problem {problem_id!r}: its prompt is {num_tokens} tokens, and the engine holds "
+                   f"rollout.engine.max_model_len = {max_model_len} (prompt and completion); raise max_model_len or "
+                   "leave such prompts out of the dataset")  # fmt: skip
+
+
 class EpisodeFailed(RuntimeError):
     """An episode's own code failed (the environment's or the agent function's: an exception, a malformed
     ``StepResult``, a hung ``reset``), so the episode has no trajectory. The message names whose code and the problem.

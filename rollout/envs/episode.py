@@ -36,7 +36,15 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from rollout.config import SamplingConfig
-from rollout.envs.base import Environment, EpisodeFailed, Message, StepResult, environment_name, warn_once
+from rollout.envs.base import (
+    Environment,
+    EpisodeFailed,
+    Message,
+    PromptTooLong,
+    StepResult,
+    environment_name,
+    warn_once,
+)
 from rollout.envs.tools import check_tool_descriptions
 from rollout.tasks.problem import Problem
 
@@ -133,11 +141,7 @@ async def run_episode(
         _check_messages(env, "reset()'s messages", messages)
         prompt = render(messages, _tools(env))
         if len(prompt) >= engine.config.max_model_len:
-            raise ValueError(
-                f"problem {problem.problem_id!r}: its prompt is {len(prompt)} tokens, and the engine holds "
-                f"rollout.engine.max_model_len = {engine.config.max_model_len} (prompt and completion); raise "
-                "max_model_len or leave such prompts out of the dataset"
-            )
+            raise PromptTooLong.of(problem.problem_id, len(prompt), engine.config.max_model_len)
         budget = limits.max_total_tokens or (engine.config.max_model_len - len(prompt))
         trajectory = _Trajectory(prompt)
         try:

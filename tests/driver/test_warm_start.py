@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from driver.warm_start import warm_start
+from driver.warm_start import WarmStartError, sft_samples, warm_start
 from recipe.sections import WarmStartConfig
 from rollout.tasks.problem import Problem
 
@@ -80,7 +80,6 @@ def test_an_accuracy_target_needs_an_evaluation():
 
 
 def test_the_warm_start_closes_the_environments_it_rendered_prompts_with_and_names_one_that_fails():
-    from driver.warm_start import WarmStartError, sft_samples
     from rollout.envs.config import CustomEnvConfig
     from tests.driver import warm_start_envs
 
@@ -102,3 +101,14 @@ def test_the_warm_start_closes_the_environments_it_rendered_prompts_with_and_nam
                         ("FailsToConstruct", "environment for problem '0' raised OSError: no sandbox")]:
         with pytest.raises(WarmStartError, match=re.escape(error)):
             sft_samples(FakeTokenizer(), examples, False, CustomEnvConfig(class_path=f"{envs}:{name}"))
+
+
+def test_a_prompt_longer_than_the_engines_hold_stops_the_warm_start_before_it_trains_on_it():
+    """The warm start trained on a 669-token prompt that the engines (max_model_len 128) could not hold; the run then
+    died at its first RL batch."""
+    examples = FakeDataset().sft_examples(3, "<e>")
+    longest = max(len(s.prompt_ids) for s in sft_samples(FakeTokenizer(), examples, False))
+    assert len(sft_samples(FakeTokenizer(), examples, False, max_model_len=longest + 1)) == 3
+    with pytest.raises(WarmStartError, match=rf"warm start: problem '\d': its prompt is {longest} tokens, and the "
+                                             rf"engine holds rollout.engine.max_model_len = {longest}"):
+        sft_samples(FakeTokenizer(), examples, False, max_model_len=longest)

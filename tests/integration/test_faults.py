@@ -238,6 +238,14 @@ def test_a_reward_function_that_raises_fails_the_run_with_what_to_do(tmp_path: P
     assert "no checkpoint was saved" in text, tail(log)
 
 
+def test_a_prompt_longer_than_the_engine_holds_fails_the_run_with_what_to_do(tmp_path: Path) -> None:
+    """A user's prompt above rollout.engine.max_model_len ended the driver in an 80-line traceback, no resume hint."""
+    text, log = _failed_run(tmp_path, "--rollout.engine.max_model_len", "20")  # the task's prompts are 23-25 tokens
+    assert re.search(r"error: problem 'arith-eval-\d+': its prompt is 2\d tokens, and the engine holds "
+                     r"rollout.engine.max_model_len = 20", text), tail(log)  # fmt: skip
+    assert "Traceback" not in text.split("error: problem")[1] and "no checkpoint was saved" in text, tail(log)
+
+
 @pytest.mark.slow
 def test_sigterm_stops_the_run_its_actors_and_says_how_to_continue(tmp_path: Path) -> None:
     """``ray job stop`` and ``kill`` (SIGTERM) ended the driver with exit 15 past a native stack dump (Ray's handler):
