@@ -60,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.check:
-        from driver.preflight import check_data
+        from driver.preflight import check_offline
 
         try:
-            check_data(recipe)
+            check_offline(recipe)
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -3,9 +3,10 @@ transformers) and what an export copies."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-__all__ = ["TOKENIZER_FILES", "check_tokenizer_dir"]
+__all__ = ["TOKENIZER_FILES", "check_tokenizer_dir", "has_chat_template_file", "tokenizer_num_ids"]
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
@@ -35,6 +36,38 @@ def check_tokenizer_dir(path: str | Path) -> list[str]:
     if not set(_VOCABULARY_FILES) & set(present):
         raise ValueError(
             f"tokenizer directory {str(path)!r} has no tokenizer files (expected one of "
-            f"{', '.join(_VOCABULARY_FILES)}); save the tokenizer there with tokenizer.save_pretrained(DIR)"
+            f"{', '.join(_VOCABULARY_FILES)}); save the tokenizer there with tokenizer.save_pretrained(DIR), or point "
+            "rollout.tokenizer_path at the directory that holds it"
         )
     return present
+
+
+def has_chat_template_file(path: str | Path) -> bool:
+    """Whether the tokenizer directory ``path`` carries a chat template (``chat_template.jinja``,
+    ``chat_template.json``, or ``chat_template`` in ``tokenizer_config.json``), read from its files."""
+    directory = Path(path)
+    if (directory / "chat_template.jinja").is_file() or (directory / "chat_template.json").is_file():
+        return True
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
+
+
+def tokenizer_num_ids(path: str | Path) -> int | None:
+    """One more than the largest token id the tokenizer in ``path`` can produce (its vocabulary and added tokens),
+    read from ``tokenizer.json``; None when the directory has none (another format) or it cannot be read."""
+    try:
+        data = json.loads((Path(path) / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    vocab = (data.get("model") or {}).get("vocab") if isinstance(data, dict) else None
+    if isinstance(vocab, dict):
+        largest = max((i for i in vocab.values() if isinstance(i, int)), default=-1)
+    elif isinstance(vocab, list):  # Unigram: [piece, score] pairs, the id is the place
+        largest = len(vocab) - 1
+    else:
+        return None
+    added = [t.get("id") for t in data.get("added_tokens") or [] if isinstance(t, dict)]
+    return max(largest, *(i for i in added if isinstance(i, int))) + 1 if added else largest + 1

@@ -111,6 +111,7 @@ def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None)
     _check_exportable(recipe)
     model_cfg = recipe.policy_config()
     recipe.trainer.check_model(model_cfg)
+    check_tokenizer(recipe, model_cfg.vocab_size, dataset)
     if resume_from is not None:
         check_resumable(resume_from, model_cfg, recipe, out_dir)
         _check_steps_left(resume_from, recipe.run.num_steps)
@@ -129,6 +130,50 @@ def _check_prometheus_port(port: int | None) -> None:
     if taken is not None:
         raise ValueError(f"run.logging.prometheus_port = {port}: cannot serve metrics on 127.0.0.1:{port} ({taken}): "
                          "another process (another run on this host?) holds it; give this run another port")
+
+
+def check_offline(recipe: Recipe) -> PromptDataset:
+    """What ``--check`` verifies beyond the recipe, starting nothing: the task's data, and for a model directory that
+    exists its tokenizer against the model and the task (a model the run creates is checked once it exists, before
+    Ray starts: :func:`check_run`). ``ValueError`` / ``FileNotFoundError`` naming what to change."""
+    from common.tokenizer_dir import check_tokenizer_dir
+
+    dataset = check_data(recipe)
+    if (Path(recipe.model.path) / "config.json").is_file():
+        check_tokenizer_dir(recipe.rollout.tokenizer_dir)
+        check_tokenizer(recipe, recipe.policy_config().vocab_size, dataset)
+    return dataset
+
+
+def check_tokenizer(recipe: Recipe, vocab_size: int, dataset: PromptDataset) -> None:
+    """``ValueError`` when the tokenizer (``rollout.tokenizer_dir``) cannot serve the model and the task, read from its
+    files (no transformers import): ids past the model's ``vocab_size`` rows (tokens added without resizing the
+    embeddings: an index error deep in the first step otherwise), or prompts that need a chat template it lacks
+    (message prompts, or ``rollout.use_chat_template = true``; ``false`` joins messages as plain text)."""
+    from common.tokenizer_dir import has_chat_template_file, tokenizer_num_ids
+
+    directory = recipe.rollout.tokenizer_dir
+    num_ids = tokenizer_num_ids(directory)
+    if num_ids is not None and num_ids > vocab_size:
+        raise ValueError(
+            f"the tokenizer in {directory} has {num_ids} token ids and the model in {recipe.model.path} {vocab_size} "
+            "embedding rows (config.json vocab_size): tokens added to the tokenizer need rows of their own; resize "
+            "the model (model.resize_token_embeddings(len(tokenizer)), then save_pretrained) or use its own tokenizer"
+        )
+    use = recipe.rollout.use_chat_template
+    if use is False or has_chat_template_file(directory):
+        return
+    if use:
+        raise ValueError(f"rollout.use_chat_template = true, and the tokenizer in {directory} has no chat template "
+                         "(no chat_template.jinja, chat_template.json or chat_template in tokenizer_config.json): give "
+                         "it one, or set use_chat_template = false")  # fmt: skip
+    messages = next((p for p in dataset.all_problems() if not isinstance(p.prompt, str)), None)
+    if messages is not None:
+        raise ValueError(
+            f"problem {messages.problem_id!r} (and any like it) has a prompt of chat messages, and the tokenizer in "
+            f"{directory} has no chat template to render them: give it one (chat_template.jinja), or set "
+            "rollout.use_chat_template = false to join the messages as plain text (roles dropped)"
+        )
 
 
 _SHOWN_CHANGES = 8

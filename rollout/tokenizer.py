@@ -85,7 +85,8 @@ def render_prompt(
     if use_chat_template and not template:
         raise ValueError(
             f"use_chat_template=true but the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat "
-            "template; set use_chat_template=false or use a tokenizer whose tokenizer_config.json has one"
+            "template; set use_chat_template=false or use a tokenizer with one (chat_template.jinja, or "
+            "chat_template in tokenizer_config.json)"
         )
     if template and use_chat_template is not False:
         chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]

@@ -70,6 +70,10 @@ class PromptDataset:
             self._position += take
         return batch
 
+    def all_problems(self) -> list[Problem]:
+        """Every problem, training then held-out (for checks over the whole task)."""
+        return [*self._train, *self._eval]
+
     def eval_problems(self) -> list[Problem]:
         """The held-out problems, in their fixed order (never shuffled, never in the training stream)."""
         return list(self._eval)
