@@ -132,6 +132,7 @@ class Recipe(Config):
         _check_lora(self)
         _check_environment(self)
         _check_warm_start_target(self)
+        _warn_warmup_only(self)
         term = self.run.dynamic_sampling.filter_term
         names = [t.term_name for t in self.reward.terms] + (["overlong"] if self.reward.overlong else [])
         if term is not None and term not in names:
@@ -295,6 +296,18 @@ def _check_lora(recipe: Recipe) -> None:
 def _served_adapter(lora: LoRAConfig) -> AdapterSpec:
     """The adapter shape the engines serve for the trainer's ``[model.lora]``: its :class:`AdapterSpec` fields."""
     return AdapterSpec(**{field: getattr(lora, field) for field in AdapterSpec.model_fields})
+
+
+def _warn_warmup_only(recipe: Recipe) -> None:
+    """A run of fewer optimizer steps than the schedule's warmup never reaches ``trainer.optimizer.lr``: say so (a
+    short derived run of a recipe with a 10-step warmup trained at a fraction of the rate it asked for)."""
+    trainer = recipe.trainer
+    steps = recipe.run.num_steps * trainer.num_minibatches * trainer.num_epochs
+    warmup = trainer.schedule.num_warmup_steps
+    if steps <= warmup:
+        log.warning("this run makes %d optimizer step(s) and trainer.schedule.num_warmup_steps = %d: the learning rate "
+                    "only warms up, ending at %.3g of trainer.optimizer.lr = %g; lower num_warmup_steps for a short "
+                    "run", steps, warmup, steps / (warmup + 1), trainer.optimizer.lr)  # fmt: skip
 
 
 def _check_warm_start_target(recipe: Recipe) -> None:

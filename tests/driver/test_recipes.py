@@ -547,6 +547,19 @@ def test_the_base_recipes_cosine_decay_spans_a_derived_recipes_run():
     assert "run.num_steps" in negative and "schedule" not in negative, negative
 
 
+def test_a_run_shorter_than_its_warmup_says_its_rate_only_warms_up(caplog):
+    """A 4-step run of a recipe with a 10-step warmup trained at 4/11 of the rate it asked for, without a word."""
+    grpo = ROOT / "recipes" / "grpo_tiny.toml"
+    with caplog.at_level("WARNING", logger="rl_align"):
+        load_recipe(grpo, {"run.num_steps": 4})
+    assert "this run makes 4 optimizer step(s) and trainer.schedule.num_warmup_steps = 10: the learning rate only " \
+        "warms up, ending at 0.364 of trainer.optimizer.lr = 0.0005" in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rl_align"):
+        load_recipe(grpo, {"run.num_steps": 11})
+    assert "only warms up" not in caplog.text
+
+
 def test_an_unknown_algorithm_type_names_the_types_or_the_setting_a_variant_is():
     grpo = ROOT / "recipes" / "grpo_tiny.toml"
     assert "DAPO is type = 'grpo' with its settings" in load_error(grpo, {"algorithm.type": "dapo"})
