@@ -84,16 +84,18 @@ class WeightPublisher:
 
     def _push(self, endpoints: list[str] | None = None) -> list[dict[str, Any]]:
         """``trainer.push_weights`` to every receiver (or in full to ``endpoints``), then, with LoRA, the base with the
-        adapters to the receivers that hold an older base than the adapters apply to (a server restarted on its
-        directory, a replaced engine whose directory predates a warm start of the base): they took nothing from the
-        first push. Returns each rank's outcome, theirs being the second push's."""
+        adapters to the receivers that may not hold the base the adapters apply to (a server restarted on its
+        directory, a replaced engine whose directory predates a warm start of the base, a server started on another
+        run's model at a version as high): they took nothing from the first push. Returns each rank's outcome, theirs
+        being the second push's."""
         outcomes = self.trainer.push_weights(endpoints=endpoints)
         behind = sorted({address for outcome in outcomes for address in outcome.get("behind", {})})
         if not behind:
             return outcomes
         versions = {a: v for outcome in outcomes for a, v in outcome["behind"].items()}
-        log.info("receivers %s hold policy versions %s, older than the base the adapters apply to: pushing them the "
-                 "base with the adapters", behind, [versions[a] for a in behind])  # fmt: skip
+        log.info("receivers %s (at policy versions %s) may lack the base the adapters apply to (an older version, or "
+                 "one this run did not push them): pushing them the base with the adapters", behind,
+                 [versions[a] for a in behind])  # fmt: skip
         again = self.trainer.push_weights(endpoints=behind, with_base=True)
         for first, second in zip(outcomes, again, strict=True):
             for key in ("push_errors", "commit_errors"):  # commit errors: rank 0's only

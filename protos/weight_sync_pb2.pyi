@@ -95,16 +95,18 @@ class BeginRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., base_version: _Optional[int] = ..., num_streams: _Optional[int] = ..., relay_targets: _Optional[_Iterable[_Union[RelayTarget, _Mapping]]] = ..., relay_fanout: _Optional[int] = ..., protocol_version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., drop_base: _Optional[bool] = ...) -> None: ...
 
 class BeginReply(_message.Message):
-    __slots__ = ("update_id", "current_version", "delta_accepted", "data_ticket")
+    __slots__ = ("update_id", "current_version", "delta_accepted", "data_ticket", "committed_session_id")
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DELTA_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     update_id: str
     current_version: int
     delta_accepted: bool
     data_ticket: bytes
-    def __init__(self, update_id: _Optional[str] = ..., current_version: _Optional[int] = ..., delta_accepted: _Optional[bool] = ..., data_ticket: _Optional[bytes] = ...) -> None: ...
+    committed_session_id: str
+    def __init__(self, update_id: _Optional[str] = ..., current_version: _Optional[int] = ..., delta_accepted: _Optional[bool] = ..., data_ticket: _Optional[bytes] = ..., committed_session_id: _Optional[str] = ...) -> None: ...
 
 class ShardHeader(_message.Message):
     __slots__ = ("name", "offsets", "shape", "xxh3_64")

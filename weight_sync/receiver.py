@@ -289,6 +289,7 @@ class WeightReceiver:
             current_version=self.area.policy_version,
             delta_accepted=delta,
             data_ticket=ticket,
+            committed_session_id=self.area.trainer_session or "",
         )
 
     def _push(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:

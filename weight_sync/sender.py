@@ -79,6 +79,7 @@ __all__ = ["PushReport", "Shard", "WeightSender"]
 log = logging.getLogger("weight_sync.sender")
 ShardKey = tuple[str, tuple[int, ...]]  # LocalShard.key: (tensor name, shard offsets)
 SHM_MINOR = 2  # the protocol minor that added the shared-memory plane (DescribeReply.shm_plane)
+SESSION_MINOR = 4  # the protocol minor that added BeginReply.committed_session_id
 
 
 # Refusals of a socket stream before the receiver opened it after which the same stream may go over gRPC Push instead.
@@ -300,13 +301,10 @@ class WeightSender:
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     self._receivers.rest(address, why)
                 continue
-            if reply.current_version < min_version and self._holds_base(address):
+            lacks = self._lacks_base(address, reply, min_version) if min_version >= 0 else None
+            if lacks is not None:
                 behind[address] = reply.current_version
-                errors[address] = (
-                    f"Begin: it holds policy_version {reply.current_version}, older than {min_version}, the base "
-                    "model these adapters apply to (a restarted server is back at its directory's version): it needs "
-                    "the base pushed with them"
-                )
+                errors[address] = f"Begin: {lacks}: it needs the base pushed with them"
                 self._abort_at(address, request, "the receiver lacks the base these adapters apply to")
                 continue
             tickets[address] = reply.data_ticket
@@ -334,6 +332,27 @@ class WeightSender:
             plan, segments, targets, hello, self._chunk_bytes(), timeout_s=cfg.push_timeout_s, stall_s=self._stall_s,
             connect_timeout_s=cfg.hello_timeout_s,
         )
+
+    def _lacks_base(self, address: str, reply: pb.BeginReply, min_version: int) -> str | None:
+        """Why the receiver at `address` may not hold the base that adapters alone of this push apply to (the version
+        `min_version`, pushed by this session), or None when it holds it or holds no base at all (an adapter sink).
+        A version below `min_version` lacks it (a server restarted on its directory); so does, from a receiver of
+        protocol 1.4, a version this session did not commit (another run's model at the same or a higher version,
+        another sender's push), version numbers alone cannot tell those apart."""
+        if not self._holds_base(address):
+            return None
+        if reply.current_version < min_version:
+            return (f"it holds policy_version {reply.current_version}, older than {min_version}, the base model these "
+                    "adapters apply to (a restarted server is back at its directory's version)")  # fmt: skip
+        described = self._receivers.described.get(address)
+        if described is not None and speaks(described.protocol_version, SESSION_MINOR) and (
+            reply.committed_session_id != self.session_id
+        ):
+            session = reply.committed_session_id
+            whose = f"session {session!r}" if session else "no push since it started"
+            return (f"its policy_version {reply.current_version} comes from {whose}, not this run's, so the base "
+                    "these adapters apply to may not be the one it holds")  # fmt: skip
+        return None
 
     def _holds_base(self, address: str) -> bool:
         """Whether the receiver's manifest holds a base model's weights (adapter sinks hold adapters alone)."""

@@ -70,3 +70,32 @@ def test_a_receiver_restarted_at_an_older_version_is_sent_no_adapters_alone_unti
         finally:
             server.stop(grace_s=0)
             sink.stop(grace_s=0)
+
+
+def test_a_receiver_at_a_version_this_session_did_not_commit_gets_the_base_with_the_adapters() -> None:
+    """A server started on a copy of another run's model recording version 600 took this run's adapters alone from
+    version 601 on, merged into that other base, because 600 is not below the base's version: version numbers alone
+    cannot tell whose base a receiver holds. Since protocol 1.4 Begin says which session committed its version."""
+    everything, adapters = [f"{BASE}.weight", A, B], [A, B]
+    held = {name: torch.zeros_like(t) for name, t in _tensors(0).items()}
+    sink = StateDictSink(held)
+    sink.policy_version = 10  # another run's model, recorded at version 10
+    server = WeightReceiver(sink, WeightSyncConfig())
+    server.start()
+    try:
+        with WeightSender([server.address], WeightSyncConfig(delta=False), session_id="run-b") as sender:
+            first = _push(sender, 11, adapters, seed=2, min_version=3)
+            assert first.behind == {server.address: 10}
+            assert "comes from no push since it started, not this run's" in first.failed[server.address]
+            assert server.policy_version == 10 and not held[A].any()  # nothing landed on the other base
+            assert _push(sender, 11, everything, seed=2).failed == {}  # the publisher's push with the base
+            assert _push(sender, 12, adapters, seed=3, min_version=11).failed == {}  # now this session's base
+            assert torch.equal(held[A], _tensors(3)[A])
+            assert torch.equal(held[f"{BASE}.weight"], _tensors(2)[f"{BASE}.weight"])
+        with WeightSender([server.address], WeightSyncConfig(delta=False), session_id="someone-else") as other:
+            assert _push(other, 13, everything, seed=4).failed == {}  # another sender replaced the weights
+        with WeightSender([server.address], WeightSyncConfig(delta=False), session_id="run-b") as sender:
+            again = _push(sender, 14, adapters, seed=5, min_version=11)
+            assert again.behind == {server.address: 13} and "comes from session 'someone-else'" in str(again.failed)
+    finally:
+        server.stop(grace_s=0)

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.conformance.case import CaseGroup
-from weight_sync.conformance.checks import code_of, require
+from weight_sync.conformance.checks import CaseSkipped, code_of, require
 from weight_sync.conformance.kit import Kit
 
 GROUP = CaseGroup()
@@ -103,6 +103,22 @@ def begin_idempotent(kit: Kit) -> str:
     require(first.data_ticket == again.data_ticket, "a repeated Begin handed out another ticket")
     planes = kit.data_port or kit.shm_plane is not None  # a TLS receiver may offer shared memory without a port
     require(len(first.data_ticket) == (32 if planes else 0), f"ticket of {len(first.data_ticket)} bytes")
+    return "OK"
+
+
+@GROUP.case("OK")
+def begin_reports_the_committing_session(kit: Kit) -> str:
+    """(1.4) BeginReply.committed_session_id names the session whose update made current_version: the kit's, once it
+    committed one, as seen by a Begin of another session."""
+    if kit.minor < 4:
+        raise CaseSkipped(f"BeginReply.committed_session_id is protocol 1.4; the receiver speaks 1.{kit.minor}")
+    probe = kit.need_probe()
+    kit.push_and_commit(kit.version + 1, [probe])
+    version, other = kit.version + 1, kit.session("other")
+    reply = kit.begin(kit.begin_request(version, [probe], session=other))
+    kit.abort(version, session=other)
+    require(reply.committed_session_id == kit.session(),
+            f"committed_session_id {reply.committed_session_id!r} after session {kit.session()!r} committed")
     return "OK"
 
 
