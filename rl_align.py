@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
         help="Ray cluster to join; default: the cluster of `ray job submit` (RAY_ADDRESS), else an embedded instance",
     )
     parser.add_argument(
-        "--check", action="store_true", help="validate the recipe and the task's data, print the recipe resolved, exit"
+        "--check", action="store_true",
+        help="validate the recipe, the task's data and (for a model directory that exists) its tokenizer, print the "
+        "recipe resolved, exit",
     )
     return parser
 

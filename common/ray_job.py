@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 __all__ = ["ray_job_submission_id", "ray_job_working_dir"]
 
@@ -13,7 +14,7 @@ _RAY_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor f
 _RAY_WORKING_DIRS = "working_dir_files"  # where a node unpacks jobs' working directories (runtime_resources/...)
 
 
-def _job_config() -> dict:
+def _job_config() -> dict[str, Any]:
     try:
         job = json.loads(os.environ.get(_RAY_JOB_CONFIG, "{}"))
     except ValueError:

@@ -70,4 +70,4 @@ def tokenizer_num_ids(path: str | Path) -> int | None:
     else:
         return None
     added = [t.get("id") for t in data.get("added_tokens") or [] if isinstance(t, dict)]
-    return max(largest, *(i for i in added if isinstance(i, int))) + 1 if added else largest + 1
+    return max([largest, *(i for i in added if isinstance(i, int))]) + 1

@@ -167,13 +167,22 @@ def check_tokenizer(recipe: Recipe, vocab_size: int, dataset: PromptDataset) -> 
         raise ValueError(f"rollout.use_chat_template = true, and the tokenizer in {directory} has no chat template "
                          "(no chat_template.jinja, chat_template.json or chat_template in tokenizer_config.json): give "
                          "it one, or set use_chat_template = false")  # fmt: skip
-    messages = next((p for p in dataset.all_problems() if not isinstance(p.prompt, str)), None)
+    messages = next((p for p in dataset.all_problems() if not _plain_text(p.prompt)), None)
     if messages is not None:
         raise ValueError(
-            f"problem {messages.problem_id!r} (and any like it) has a prompt of chat messages, and the tokenizer in "
-            f"{directory} has no chat template to render them: give it one (chat_template.jinja), or set "
-            "rollout.use_chat_template = false to join the messages as plain text (roles dropped)"
+            f"problem {messages.problem_id!r} (and any like it) has a prompt of several chat messages (or a role "
+            f"other than user: a system prompt, say), and the tokenizer in {directory} has no chat template to render "
+            "them: give it one (chat_template.jinja), or set rollout.use_chat_template = false to join the messages "
+            "as plain text (roles dropped)"
         )
+
+
+def _plain_text(prompt: object) -> bool:
+    """Whether a prompt renders without a chat template losing nothing: text, or one user message (the tasks turn
+    a text prompt into that)."""
+    if isinstance(prompt, str):
+        return True
+    return isinstance(prompt, list) and len(prompt) == 1 and prompt[0].get("role") == "user"
 
 
 _SHOWN_CHANGES = 8

@@ -313,14 +313,19 @@ class _Run:
             self.__exit__(None, None, None)
             raise
 
+        # The engines start from the base the trainer holds (`init_path`): their receivers report its session, so
+        # that its adapters alone are taken from the first push (a receiver of unknown session is pushed the base).
+        session = f"{r.run.name}-{int(time.time())}"
+
         def start_pool() -> Any:
             return RolloutPool(rollout_cfg, r.reward, self.placement.receiver_sync,
                                runtime_env=_with_env(self.placement.rollout_env), environment=r.environment,
-                               placement=self.reservations["rollout"].actor_placement())  # fmt: skip
+                               placement=self.reservations["rollout"].actor_placement(),
+                               trainer_session=session)  # fmt: skip
 
         def start_trainer() -> Any:
             return TrainerGroup(r.trainer, model_cfg, r.algorithm, init_path=init_path, weight_sync=sync_cfg,
-                                session_id=f"{r.run.name}-{int(time.time())}",
+                                session_id=session,
                                 num_cpus_per_rank=self.placement.trainer_cpus,
                                 runtime_env=_with_env(self.placement.trainer_env, r.run.trainer_python),
                                 placement=self.reservations["trainer"].actor_placement(),

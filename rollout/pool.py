@@ -106,11 +106,13 @@ class RolloutPool:
         runtime_env: dict[str, Any] | None = None,
         environment: EnvironmentConfig | None = None,
         placement: Sequence[dict[str, Any]] | None = None,
+        trainer_session: str | None = None,
     ) -> None:
         """``runtime_env``: the Ray runtime environment of every worker (e.g. its ``env_vars``), beside the job's;
         ``environment``: what every episode runs in (default: single turn); ``placement``: more Ray actor options per
         worker slot, kept by its replacements (its placement-group bundle, see ``driver.reservation``), None: wherever
-        Ray finds room. Each worker asks Ray for :func:`worker_resources`."""
+        Ray finds room; ``trainer_session``: the weight-sync session of the trainer whose base the engines start from
+        (``RolloutWorker``). Each worker asks Ray for :func:`worker_resources`."""
         import ray
 
         from rollout.worker import RolloutWorker
@@ -129,7 +131,7 @@ class RolloutPool:
             raise ValueError(f"placement has {len(placement)} entries for {num_workers} worker(s)")
         per_slot = [{**options, **(placement[i] if placement else {})} for i in range(num_workers)]
         self.fleet = WorkerFleet(
-            ray.remote(RolloutWorker), (config, reward, weight_sync, environment), num_workers,
+            ray.remote(RolloutWorker), (config, reward, weight_sync, environment, trainer_session), num_workers,
             config.num_worker_restarts, on_replaced=self._hand_on, startup_timeout_s=startup_timeout_s,
             options=per_slot,
         )  # fmt: skip

@@ -53,7 +53,10 @@ class RolloutWorker:
         reward: RewardConfig | None = None,
         weight_sync: WeightSyncConfig | None = None,
         environment: EnvironmentConfig | None = None,
+        trainer_session: str | None = None,
     ) -> None:
+        """``trainer_session``: the weight-sync session of the trainer whose base model the engine starts from (its
+        receiver reports it until the first commit, so that trainer's adapters alone are taken); None: unknown."""
         from rollout.agents import AgentRunner, load_agent_function
         from rollout.engine.sink import VLLMWeightSink
         from rollout.engine.vllm_engine import VLLMEngine
@@ -78,7 +81,7 @@ class RolloutWorker:
         self.engine = VLLMEngine(config.served_model_path, config.engine, config.tokenizer_dir)
         self._agents = AgentRunner(agent, self.engine, self.tokenizer) if agent else None
         self.sink = VLLMWeightSink(self.engine)
-        self.receiver = WeightReceiver(self.sink, self._sync_config)
+        self.receiver = WeightReceiver(self.sink, self._sync_config, sink_session=trainer_session)
         self.receiver.start()
         self._cpu = CpuClock()
         self._update_seen = 0.0

@@ -89,7 +89,12 @@ class WeightReceiver:
     not newer, or of another model, is refused at every step).
     """
 
-    def __init__(self, sink: WeightSink, config: WeightSyncConfig | None = None) -> None:
+    def __init__(
+        self, sink: WeightSink, config: WeightSyncConfig | None = None, sink_session: str | None = None
+    ) -> None:
+        """``sink_session``: the sender session whose weights the sink starts with, reported as the committed session
+        until an update commits (an engine a trainer started on its own base: that trainer's adapters alone may go to
+        it); None when unknown (a server started on a directory)."""
         self.sink = sink
         self.config = config or WeightSyncConfig()
         self.area = StagingArea(
@@ -101,6 +106,7 @@ class WeightReceiver:
             max_version_gap=self.config.max_version_gap,
             stream_idle_s=self.config.stream_idle_timeout_s,
         )
+        self.area.trainer_session = sink_session
         self._token = self.config.resolve_token()
         self._watch_slots = threading.BoundedSemaphore(self.config.max_watch_streams)
         self._push_slots = threading.BoundedSemaphore(self.config.max_grpc_push_streams)
@@ -401,8 +407,9 @@ class WeightReceiver:
 
     def _count_refusal(self, session_id: str, policy_version: int, code: grpc.StatusCode) -> None:
         """Count a refused update in :attr:`num_refused`, unless another of its calls was counted already or the call
-        was only turned away for now (too many waiting Commits, a waiting Commit whose client left)."""
-        if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
+        was only turned away for now (another update holds the place, too many waiting Commits, a waiting Commit
+        whose client left: a retry may well be taken)."""
+        if code in (grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
             return
         key = (session_id, policy_version)
         with self._refused_lock:

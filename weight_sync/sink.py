@@ -239,7 +239,8 @@ class PeftAdapterDirSink:
                                  f"{held}, not the {wanted} asked for: serve another directory or pass the matching "
                                  "--rank/--alpha/--target_modules/--target_parameters")  # fmt: skip
         written_over = stored_adapter_base(self.directory)
-        if written_over is not None and Path(written_over).resolve() != Path(self.base_dir):
+        other = written_over is not None and Path(written_over).is_dir()  # a hub id names no directory to compare
+        if other and Path(str(written_over)).resolve() != Path(self.base_dir):
             # A copy of the base in another place is as good: only a warning (the shapes were checked above).
             log.warning(
                 "%s holds an adapter (version %d) written over %s, served here over %s: unless that is a copy of the "

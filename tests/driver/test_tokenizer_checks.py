@@ -56,10 +56,17 @@ def test_message_prompts_need_a_chat_template_or_an_explicit_plain_rendering(tmp
     """A tokenizer without a template joined the messages as plain text, roles dropped, silently."""
     model, task = _model(tmp_path, tiny, template=False), _messages_task(tmp_path)
     jsonl = {"task": {"type": "jsonl", "path": str(task), "num_eval_problems": 2}}
-    with pytest.raises(ValueError, match=r"problem '[^']+' \(and any like it\) has a prompt of chat messages, and the "
+    with pytest.raises(ValueError, match=r"problem '[^']+' \(and any like it\) has a prompt of several chat messages.*"
                                          r"tokenizer in .* has no chat template.*use_chat_template = false"):
         check_offline(_recipe(model, **jsonl))
     check_offline(_recipe(model, **jsonl, **{"rollout.use_chat_template": False}))  # asked for: plain text
+    text_task = tmp_path / "text.jsonl"  # one user message each: plain text loses nothing, as before
+    text_task.write_text("".join(json.dumps({"prompt": f"What is {i} plus 1?", "answer": str(i + 1)}) + "\n"
+                                 for i in range(8)))  # fmt: skip
+    check_offline(_recipe(model, **{"task": {"type": "jsonl", "path": str(text_task), "num_eval_problems": 2}}))
+    with pytest.raises(ValueError, match="several chat messages"):  # a system prompt would be dropped silently
+        check_offline(_recipe(model, **{"task": {"type": "jsonl", "path": str(text_task), "num_eval_problems": 2,
+                                                 "system_prompt": "Answer with a number."}}))  # fmt: skip
     with pytest.raises(ValueError, match=r"rollout.use_chat_template = true, and the tokenizer .* no chat template"):
         check_offline(_recipe(model, **{"rollout.use_chat_template": True}))
     check_offline(_recipe(_model(tmp_path / "with", tiny), **jsonl))  # with its template: fine

@@ -163,6 +163,11 @@ def test_refused_updates_are_counted_once_each(one):
     assert receiver.num_refused == 2
     full_update(client, 4)
     assert receiver.num_refused == 2 and receiver.policy_version == 4
+    begin(client, SD, 5, session="a")
+    assert status_of(lambda: begin(client, SD, 6, session="b")) == C.ABORTED  # turned away for now: retried later
+    client.abort(pb.AbortRequest(session_id="a", policy_version=5, reason="test"))
+    full_update(client, 6, session="b")
+    assert receiver.num_refused == 2 and receiver.policy_version == 6
 
 
 def test_concurrent_update_is_refused_until_the_first_ends(one):
