@@ -24,7 +24,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import load_avg, machine_line, med_range  # noqa: E402
 from common.net import free_port  # noqa: E402
+from common.signals import wait_for_stop  # noqa: E402
 from weight_sync.config import WeightSyncConfig  # noqa: E402
 
 NUM_TENSORS = 16
@@ -177,10 +177,8 @@ def weight_receiver(size_mib: int, config_fields: dict) -> None:
     receiver = WeightReceiver(DiscardSink(specs), WeightSyncConfig(**config_fields))
     receiver.start()
     baseline = _rss_bytes("VmRSS")
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
     print(receiver.address, flush=True)
-    done.wait()
+    wait_for_stop()
     print(json.dumps({"peak_extra_bytes": _rss_bytes("VmHWM") - baseline}), flush=True)
     receiver.stop(0)
 

@@ -28,9 +28,7 @@ import argparse
 import logging
 import os
 import secrets
-import signal
 import sys
-import threading
 import typing
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -38,6 +36,7 @@ from typing import TYPE_CHECKING
 from pydantic.fields import FieldInfo
 
 from common.config import ConfigError, parse_overrides, validate_config
+from common.signals import wait_for_stop
 from weight_sync.config import RECEIVER_FIELDS, WeightSyncConfig
 
 if TYPE_CHECKING:
@@ -142,10 +141,7 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     # The last word stays the address a client on this host connects to (scripts read it).
     where = f"on every interface ({receiver.listening_on}); from this host: " if receiver.listens_everywhere else "on "
     print(f"serving {args.dir} {where}{receiver.address}", flush=True)
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    done.wait()
+    wait_for_stop()
     receiver.stop()
     return 0
 
