@@ -29,7 +29,7 @@ PROBLEMS = [Problem(prompt=f"p{i}", answer=str(i), problem_id=f"p{i}") for i in 
 class FakeWorker:
     """RolloutWorker's pool-facing methods over a version number: a 'push' sets it, samples record it."""
 
-    def __init__(self, config, reward=None, weight_sync=None, environment=None):
+    def __init__(self, config, reward=None, weight_sync=None, environment=None, trainer_session=None):
         self.version = 0
         self.changed = threading.Condition()
 
@@ -75,7 +75,7 @@ def ray_session(tmp_path_factory):
 class FakeWorkerOnAnExport(FakeWorker):
     """Its model directory is an export that records version 5 (its engine starts there)."""
 
-    def __init__(self, config, reward=None, weight_sync=None, environment=None):
+    def __init__(self, config, reward=None, weight_sync=None, environment=None, trainer_session=None):
         super().__init__(config)
         self.version = 5
 
