@@ -113,7 +113,9 @@ class StagingArea:
         self.keep_base = keep_base
         self.idle_timeout_s = idle_timeout_s
         self.stream_idle_s = min(idle_timeout_s, stream_idle_s if stream_idle_s is not None else idle_timeout_s)
-        self.trainer_session: str | None = None  # the session of the last commit, preferred over any other
+        # The session of the last commit (before any: the one the sink started with, `WeightReceiver`'s sink_session),
+        # preferred over any other and reported in BeginReply.committed_session_id.
+        self.trainer_session: str | None = None
         self.max_chunk_bytes = max_chunk_bytes
         self.max_version_gap = max_version_gap
         self.policy_version = policy_version
