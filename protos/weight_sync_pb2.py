@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/weight_sync.proto\x12\x17rl_align.weight_sync.v1\"/\n\x0fProtocolVersion\x12\r\n\x05major\x18\x01 \x01(\r\x12\r\n\x05minor\x18\x02 \x01(\r\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"\x9d\x02\n\rDescribeReply\x12\x35\n\x08manifest\x18\x01 \x03(\x0b\x32#.rl_align.weight_sync.v1.TensorSpec\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x64\x65lta_supported\x18\x04 \x01(\x08\x12\x11\n\tdata_port\x18\x05 \x01(\r\x12\x42\n\x10protocol_version\x18\x06 \x01(\x0b\x32(.rl_align.weight_sync.v1.ProtocolVersion\x12\x34\n\tshm_plane\x18\x07 \x01(\x0b\x32!.rl_align.weight_sync.v1.ShmPlane\"J\n\x08ShmPlane\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x13\n\x0bsocket_name\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x0b\n\x03uid\x18\x04 \x01(\r\"\xe6\x02\n\x0c\x42\x65ginRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x11\n\tnum_ranks\x18\x04 \x01(\x05\x12\x34\n\x07tensors\x18\x05 \x03(\x0b\x32#.rl_align.weight_sync.v1.TensorSpec\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x03\x12\x13\n\x0bnum_streams\x18\x07 \x01(\x05\x12;\n\rrelay_targets\x18\x08 \x03(\x0b\x32$.rl_align.weight_sync.v1.RelayTarget\x12\x14\n\x0crelay_fanout\x18\t \x01(\x05\x12\x42\n\x10protocol_version\x18\n \x01(\x0b\x32(.rl_align.weight_sync.v1.ProtocolVersion\x12\x11\n\tdrop_base\x18\x0b \x01(\x08\"\x83\x01\n\nBeginReply\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x02 \x01(\x03\x12\x16\n\x0e\x64\x65lta_accepted\x18\x03 \x01(\x08\x12\x13\n\x0b\x64\x61ta_ticket\x18\x04 \x01(\x0c\x12\x1c\n\x14\x63ommitted_session_id\x18\x05 \x01(\t\"L\n\x0bShardHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07offsets\x18\x02 \x03(\x03\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0f\n\x07xxh3_64\x18\x04 \x01(\x06\"\xa5\x01\n\x0b\x43hunkHeader\x12\x33\n\x05shard\x18\x01 \x01(\x0b\x32$.rl_align.weight_sync.v1.ShardHeader\x12\x16\n\x0e\x65lement_offset\x18\x02 \x01(\x04\x12\x14\n\x0cnum_elements\x18\x03 \x01(\x04\x12\x33\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32!.rl_align.weight_sync.v1.Encoding\"R\n\tPushChunk\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32$.rl_align.weight_sync.v1.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"=\n\x0bRelayResult\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"n\n\tPushReply\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x12\n\nnum_shards\x18\x02 \x01(\x04\x12\x35\n\x07relayed\x18\x03 \x03(\x0b\x32$.rl_align.weight_sync.v1.RelayResult\"\x9a\x01\n\tDataHello\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0e\n\x06ticket\x18\x04 \x01(\x0c\x12\x33\n\x05relay\x18\x05 \x03(\x0b\x32$.rl_align.weight_sync.v1.RelayTarget\x12\x0e\n\x06\x66\x61nout\x18\x06 \x01(\x05\"A\n\x0bRelayTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tdata_port\x18\x02 \x01(\r\x12\x0e\n\x06ticket\x18\x03 \x01(\x0c\"o\n\tDataReply\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x31\n\x05reply\x18\x03 \x01(\x0b\x32\".rl_align.weight_sync.v1.PushReply\x12\x10\n\x08unopened\x18\x04 \x01(\x08\";\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"<\n\x0b\x43ommitReply\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x15\n\rapply_seconds\x18\x02 \x01(\x01\"J\n\x0c\x41\x62ortRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\",\n\x13WatchVersionRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x03\"&\n\x0cVersionEvent\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03*H\n\x08\x45ncoding\x12\x10\n\x0c\x45NCODING_RAW\x10\x00\x12\x15\n\x11\x45NCODING_XOR_ZSTD\x10\x01\x12\x13\n\x0f\x45NCODING_SPARSE\x10\x02\x32\xa5\x04\n\nWeightSync\x12\\\n\x08\x44\x65scribe\x12(.rl_align.weight_sync.v1.DescribeRequest\x1a&.rl_align.weight_sync.v1.DescribeReply\x12S\n\x05\x42\x65gin\x12%.rl_align.weight_sync.v1.BeginRequest\x1a#.rl_align.weight_sync.v1.BeginReply\x12P\n\x04Push\x12\".rl_align.weight_sync.v1.PushChunk\x1a\".rl_align.weight_sync.v1.PushReply(\x01\x12V\n\x06\x43ommit\x12&.rl_align.weight_sync.v1.CommitRequest\x1a$.rl_align.weight_sync.v1.CommitReply\x12S\n\x05\x41\x62ort\x12%.rl_align.weight_sync.v1.AbortRequest\x1a#.rl_align.weight_sync.v1.AbortReply\x12\x65\n\x0cWatchVersion\x12,.rl_align.weight_sync.v1.WatchVersionRequest\x1a%.rl_align.weight_sync.v1.VersionEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/weight_sync.proto\x12\x17rl_align.weight_sync.v1\"/\n\x0fProtocolVersion\x12\r\n\x05major\x18\x01 \x01(\r\x12\r\n\x05minor\x18\x02 \x01(\r\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"\xb1\x02\n\rDescribeReply\x12\x35\n\x08manifest\x18\x01 \x03(\x0b\x32#.rl_align.weight_sync.v1.TensorSpec\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x64\x65lta_supported\x18\x04 \x01(\x08\x12\x11\n\tdata_port\x18\x05 \x01(\r\x12\x42\n\x10protocol_version\x18\x06 \x01(\x0b\x32(.rl_align.weight_sync.v1.ProtocolVersion\x12\x34\n\tshm_plane\x18\x07 \x01(\x0b\x32!.rl_align.weight_sync.v1.ShmPlane\x12\x12\n\nlora_alpha\x18\x08 \x01(\x01\"J\n\x08ShmPlane\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x13\n\x0bsocket_name\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x0b\n\x03uid\x18\x04 \x01(\r\"\xfa\x02\n\x0c\x42\x65ginRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x11\n\tnum_ranks\x18\x04 \x01(\x05\x12\x34\n\x07tensors\x18\x05 \x03(\x0b\x32#.rl_align.weight_sync.v1.TensorSpec\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x03\x12\x13\n\x0bnum_streams\x18\x07 \x01(\x05\x12;\n\rrelay_targets\x18\x08 \x03(\x0b\x32$.rl_align.weight_sync.v1.RelayTarget\x12\x14\n\x0crelay_fanout\x18\t \x01(\x05\x12\x42\n\x10protocol_version\x18\n \x01(\x0b\x32(.rl_align.weight_sync.v1.ProtocolVersion\x12\x11\n\tdrop_base\x18\x0b \x01(\x08\x12\x12\n\nlora_alpha\x18\x0c \x01(\x01\"\x83\x01\n\nBeginReply\x12\x11\n\tupdate_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x02 \x01(\x03\x12\x16\n\x0e\x64\x65lta_accepted\x18\x03 \x01(\x08\x12\x13\n\x0b\x64\x61ta_ticket\x18\x04 \x01(\x0c\x12\x1c\n\x14\x63ommitted_session_id\x18\x05 \x01(\t\"L\n\x0bShardHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07offsets\x18\x02 \x03(\x03\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0f\n\x07xxh3_64\x18\x04 \x01(\x06\"\xa5\x01\n\x0b\x43hunkHeader\x12\x33\n\x05shard\x18\x01 \x01(\x0b\x32$.rl_align.weight_sync.v1.ShardHeader\x12\x16\n\x0e\x65lement_offset\x18\x02 \x01(\x04\x12\x14\n\x0cnum_elements\x18\x03 \x01(\x04\x12\x33\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32!.rl_align.weight_sync.v1.Encoding\"R\n\tPushChunk\x12\x34\n\x06header\x18\x01 \x01(\x0b\x32$.rl_align.weight_sync.v1.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"=\n\x0bRelayResult\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"n\n\tPushReply\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x12\n\nnum_shards\x18\x02 \x01(\x04\x12\x35\n\x07relayed\x18\x03 \x03(\x0b\x32$.rl_align.weight_sync.v1.RelayResult\"\x9a\x01\n\tDataHello\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0e\n\x06ticket\x18\x04 \x01(\x0c\x12\x33\n\x05relay\x18\x05 \x03(\x0b\x32$.rl_align.weight_sync.v1.RelayTarget\x12\x0e\n\x06\x66\x61nout\x18\x06 \x01(\x05\"A\n\x0bRelayTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tdata_port\x18\x02 \x01(\r\x12\x0e\n\x06ticket\x18\x03 \x01(\x0c\"o\n\tDataReply\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x31\n\x05reply\x18\x03 \x01(\x0b\x32\".rl_align.weight_sync.v1.PushReply\x12\x10\n\x08unopened\x18\x04 \x01(\x08\";\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"<\n\x0b\x43ommitReply\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x15\n\rapply_seconds\x18\x02 \x01(\x01\"J\n\x0c\x41\x62ortRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\",\n\x13WatchVersionRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x03\"&\n\x0cVersionEvent\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03*H\n\x08\x45ncoding\x12\x10\n\x0c\x45NCODING_RAW\x10\x00\x12\x15\n\x11\x45NCODING_XOR_ZSTD\x10\x01\x12\x13\n\x0f\x45NCODING_SPARSE\x10\x02\x32\xa5\x04\n\nWeightSync\x12\\\n\x08\x44\x65scribe\x12(.rl_align.weight_sync.v1.DescribeRequest\x1a&.rl_align.weight_sync.v1.DescribeReply\x12S\n\x05\x42\x65gin\x12%.rl_align.weight_sync.v1.BeginRequest\x1a#.rl_align.weight_sync.v1.BeginReply\x12P\n\x04Push\x12\".rl_align.weight_sync.v1.PushChunk\x1a\".rl_align.weight_sync.v1.PushReply(\x01\x12V\n\x06\x43ommit\x12&.rl_align.weight_sync.v1.CommitRequest\x1a$.rl_align.weight_sync.v1.CommitReply\x12S\n\x05\x41\x62ort\x12%.rl_align.weight_sync.v1.AbortRequest\x1a#.rl_align.weight_sync.v1.AbortReply\x12\x65\n\x0cWatchVersion\x12,.rl_align.weight_sync.v1.WatchVersionRequest\x1a%.rl_align.weight_sync.v1.VersionEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.weight_sync_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENCODING']._serialized_start=2196
-  _globals['_ENCODING']._serialized_end=2268
+  _globals['_ENCODING']._serialized_start=2236
+  _globals['_ENCODING']._serialized_end=2308
   _globals['_PROTOCOLVERSION']._serialized_start=53
   _globals['_PROTOCOLVERSION']._serialized_end=100
   _globals['_TENSORSPEC']._serialized_start=102
@@ -40,41 +40,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=160
   _globals['_DESCRIBEREQUEST']._serialized_end=177
   _globals['_DESCRIBEREPLY']._serialized_start=180
-  _globals['_DESCRIBEREPLY']._serialized_end=465
-  _globals['_SHMPLANE']._serialized_start=467
-  _globals['_SHMPLANE']._serialized_end=541
-  _globals['_BEGINREQUEST']._serialized_start=544
-  _globals['_BEGINREQUEST']._serialized_end=902
-  _globals['_BEGINREPLY']._serialized_start=905
-  _globals['_BEGINREPLY']._serialized_end=1036
-  _globals['_SHARDHEADER']._serialized_start=1038
-  _globals['_SHARDHEADER']._serialized_end=1114
-  _globals['_CHUNKHEADER']._serialized_start=1117
-  _globals['_CHUNKHEADER']._serialized_end=1282
-  _globals['_PUSHCHUNK']._serialized_start=1284
-  _globals['_PUSHCHUNK']._serialized_end=1366
-  _globals['_RELAYRESULT']._serialized_start=1368
-  _globals['_RELAYRESULT']._serialized_end=1429
-  _globals['_PUSHREPLY']._serialized_start=1431
-  _globals['_PUSHREPLY']._serialized_end=1541
-  _globals['_DATAHELLO']._serialized_start=1544
-  _globals['_DATAHELLO']._serialized_end=1698
-  _globals['_RELAYTARGET']._serialized_start=1700
-  _globals['_RELAYTARGET']._serialized_end=1765
-  _globals['_DATAREPLY']._serialized_start=1767
-  _globals['_DATAREPLY']._serialized_end=1878
-  _globals['_COMMITREQUEST']._serialized_start=1880
-  _globals['_COMMITREQUEST']._serialized_end=1939
-  _globals['_COMMITREPLY']._serialized_start=1941
-  _globals['_COMMITREPLY']._serialized_end=2001
-  _globals['_ABORTREQUEST']._serialized_start=2003
-  _globals['_ABORTREQUEST']._serialized_end=2077
-  _globals['_ABORTREPLY']._serialized_start=2079
-  _globals['_ABORTREPLY']._serialized_end=2108
-  _globals['_WATCHVERSIONREQUEST']._serialized_start=2110
-  _globals['_WATCHVERSIONREQUEST']._serialized_end=2154
-  _globals['_VERSIONEVENT']._serialized_start=2156
-  _globals['_VERSIONEVENT']._serialized_end=2194
-  _globals['_WEIGHTSYNC']._serialized_start=2271
-  _globals['_WEIGHTSYNC']._serialized_end=2820
+  _globals['_DESCRIBEREPLY']._serialized_end=485
+  _globals['_SHMPLANE']._serialized_start=487
+  _globals['_SHMPLANE']._serialized_end=561
+  _globals['_BEGINREQUEST']._serialized_start=564
+  _globals['_BEGINREQUEST']._serialized_end=942
+  _globals['_BEGINREPLY']._serialized_start=945
+  _globals['_BEGINREPLY']._serialized_end=1076
+  _globals['_SHARDHEADER']._serialized_start=1078
+  _globals['_SHARDHEADER']._serialized_end=1154
+  _globals['_CHUNKHEADER']._serialized_start=1157
+  _globals['_CHUNKHEADER']._serialized_end=1322
+  _globals['_PUSHCHUNK']._serialized_start=1324
+  _globals['_PUSHCHUNK']._serialized_end=1406
+  _globals['_RELAYRESULT']._serialized_start=1408
+  _globals['_RELAYRESULT']._serialized_end=1469
+  _globals['_PUSHREPLY']._serialized_start=1471
+  _globals['_PUSHREPLY']._serialized_end=1581
+  _globals['_DATAHELLO']._serialized_start=1584
+  _globals['_DATAHELLO']._serialized_end=1738
+  _globals['_RELAYTARGET']._serialized_start=1740
+  _globals['_RELAYTARGET']._serialized_end=1805
+  _globals['_DATAREPLY']._serialized_start=1807
+  _globals['_DATAREPLY']._serialized_end=1918
+  _globals['_COMMITREQUEST']._serialized_start=1920
+  _globals['_COMMITREQUEST']._serialized_end=1979
+  _globals['_COMMITREPLY']._serialized_start=1981
+  _globals['_COMMITREPLY']._serialized_end=2041
+  _globals['_ABORTREQUEST']._serialized_start=2043
+  _globals['_ABORTREQUEST']._serialized_end=2117
+  _globals['_ABORTREPLY']._serialized_start=2119
+  _globals['_ABORTREPLY']._serialized_end=2148
+  _globals['_WATCHVERSIONREQUEST']._serialized_start=2150
+  _globals['_WATCHVERSIONREQUEST']._serialized_end=2194
+  _globals['_VERSIONEVENT']._serialized_start=2196
+  _globals['_VERSIONEVENT']._serialized_end=2234
+  _globals['_WEIGHTSYNC']._serialized_start=2311
+  _globals['_WEIGHTSYNC']._serialized_end=2860
 # @@protoc_insertion_point(module_scope)

@@ -39,7 +39,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("manifest", "policy_version", "max_chunk_bytes", "delta_supported", "data_port", "protocol_version", "shm_plane")
+    __slots__ = ("manifest", "policy_version", "max_chunk_bytes", "delta_supported", "data_port", "protocol_version", "shm_plane", "lora_alpha")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class DescribeReply(_message.Message):
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SHM_PLANE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
     manifest: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     policy_version: int
     max_chunk_bytes: int
@@ -54,7 +55,8 @@ class DescribeReply(_message.Message):
     data_port: int
     protocol_version: ProtocolVersion
     shm_plane: ShmPlane
-    def __init__(self, manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., policy_version: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., delta_supported: _Optional[bool] = ..., data_port: _Optional[int] = ..., protocol_version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., shm_plane: _Optional[_Union[ShmPlane, _Mapping]] = ...) -> None: ...
+    lora_alpha: float
+    def __init__(self, manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., policy_version: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., delta_supported: _Optional[bool] = ..., data_port: _Optional[int] = ..., protocol_version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., shm_plane: _Optional[_Union[ShmPlane, _Mapping]] = ..., lora_alpha: _Optional[float] = ...) -> None: ...
 
 class ShmPlane(_message.Message):
     __slots__ = ("host_id", "socket_name", "pid", "uid")
@@ -69,7 +71,7 @@ class ShmPlane(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., socket_name: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class BeginRequest(_message.Message):
-    __slots__ = ("session_id", "policy_version", "rank", "num_ranks", "tensors", "base_version", "num_streams", "relay_targets", "relay_fanout", "protocol_version", "drop_base")
+    __slots__ = ("session_id", "policy_version", "rank", "num_ranks", "tensors", "base_version", "num_streams", "relay_targets", "relay_fanout", "protocol_version", "drop_base", "lora_alpha")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +83,7 @@ class BeginRequest(_message.Message):
     RELAY_FANOUT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     DROP_BASE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     policy_version: int
     rank: int
@@ -92,7 +95,8 @@ class BeginRequest(_message.Message):
     relay_fanout: int
     protocol_version: ProtocolVersion
     drop_base: bool
-    def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., base_version: _Optional[int] = ..., num_streams: _Optional[int] = ..., relay_targets: _Optional[_Iterable[_Union[RelayTarget, _Mapping]]] = ..., relay_fanout: _Optional[int] = ..., protocol_version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., drop_base: _Optional[bool] = ...) -> None: ...
+    lora_alpha: float
+    def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., base_version: _Optional[int] = ..., num_streams: _Optional[int] = ..., relay_targets: _Optional[_Iterable[_Union[RelayTarget, _Mapping]]] = ..., relay_fanout: _Optional[int] = ..., protocol_version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., drop_base: _Optional[bool] = ..., lora_alpha: _Optional[float] = ...) -> None: ...
 
 class BeginReply(_message.Message):
     __slots__ = ("update_id", "current_version", "delta_accepted", "data_ticket", "committed_session_id")

@@ -293,11 +293,12 @@ class TrainerWorker:
         return self.weight_sync
 
     def _new_sender(self, endpoints: Sequence[str], config: WeightSyncConfig) -> WeightSender:
-        """The one way this rank builds a sender: its rank, the group's size and the run's session id."""
+        """The one way this rank builds a sender: its rank, the group's size, the run's session id, its LoRA alpha."""
         from weight_sync.sender import WeightSender
 
+        lora = self.model_cfg.lora
         return WeightSender(list(endpoints), config, rank=self.rank, num_ranks=self.cfg.num_ranks,
-                            session_id=self.session_id)  # fmt: skip
+                            session_id=self.session_id, lora_alpha=0.0 if lora is None else lora.alpha)  # fmt: skip
 
     def push_weights(
         self, policy_version: int | None = None, dtype: str | None = None, endpoints: Sequence[str] | None = None,

@@ -148,11 +148,14 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _push(args: argparse.Namespace, extra: list[str]) -> int:
     from weight_sync.checkpoint import checkpoint_shards
+    from weight_sync.peft import stored_adapter_fields
     from weight_sync.sender import WeightSender
 
     config = config_of(args, extra)
     session = args.session or f"cli-{os.getpid()}-{secrets.token_hex(3)}"  # two users' pushes never share an update
-    with WeightSender(args.to, config, session_id=session) as sender:
+    adapter = stored_adapter_fields(args.checkpoint)  # a PEFT adapter directory: receivers check its alpha
+    alpha = float(adapter["alpha"] or 0.0) if adapter is not None else 0.0
+    with WeightSender(args.to, config, session_id=session, lora_alpha=alpha) as sender:
         version = args.version
         if version is None:  # one above the highest version the receivers serve
             described = sender.describe()
@@ -207,6 +210,7 @@ def _describe(args: argparse.Namespace, extra: list[str]) -> int:
     print(
         f"{args.to}: policy_version {reply.policy_version}, {len(reply.manifest)} tensors, {plane}, "
         f"protocol {version.major or 1}.{version.minor}"
+        + (f", applies adapters with lora_alpha {reply.lora_alpha:g}" if reply.lora_alpha else "")
     )
     for spec in reply.manifest:
         print(f"  {spec.name} {tuple(spec.shape)} {spec.dtype}")

@@ -31,9 +31,10 @@ from weight_sync.channel import SERVICE, check_token, grpc_options, is_loopback,
 from weight_sync.codec import decode_chunk
 from weight_sync.config import WeightSyncConfig
 from weight_sync.dataplane import DataPlaneServer, StreamLimits
+from weight_sync.peft import is_peft_name
 from weight_sync.relay import Relay
 from weight_sync.shm import ShmPlaneServer
-from weight_sync.sink import WeightSink
+from weight_sync.sink import WeightSink, lora_alpha_of
 from weight_sync.spec import TensorSpec
 from weight_sync.staging import StagingArea, StreamWriter, SyncError
 from weight_sync.version import incompatibility, protocol_version
@@ -107,6 +108,7 @@ class WeightReceiver:
             stream_idle_s=self.config.stream_idle_timeout_s,
         )
         self.area.trainer_session = sink_session
+        self.lora_alpha = lora_alpha_of(sink)
         self._token = self.config.resolve_token()
         self._watch_slots = threading.BoundedSemaphore(self.config.max_watch_streams)
         self._push_slots = threading.BoundedSemaphore(self.config.max_grpc_push_streams)
@@ -277,6 +279,7 @@ class WeightReceiver:
             data_port=self._data.port if self._data is not None else 0,
             protocol_version=protocol_version(),
             shm_plane=self._shm.offer if self._shm is not None else None,
+            lora_alpha=self.lora_alpha,
         )
 
     def _begin(self, request: pb.BeginRequest, context: grpc.ServicerContext) -> pb.BeginReply:
@@ -284,6 +287,7 @@ class WeightReceiver:
         if problem:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, problem)
         try:
+            self._check_lora_alpha(request)
             update, delta = self.area.begin(request)
         except SyncError as e:
             log.warning("refused Begin of version %d from %s: %s", request.policy_version, context.peer(), e.message)
@@ -297,6 +301,22 @@ class WeightReceiver:
             data_ticket=ticket,
             committed_session_id=self.area.trainer_session or "",
         )
+
+    def _check_lora_alpha(self, request: pb.BeginRequest) -> None:
+        """Refuse adapters trained with another alpha than the sink applies: the tensors show the rank, not alpha, and
+        a merge at the wrong scale would serve every version silently wrong. A Begin that does not say (0: a sender
+        before protocol 1.5) is taken."""
+        sent = request.lora_alpha
+        if not (self.lora_alpha and sent and sent != self.lora_alpha):
+            return
+        if any(is_peft_name(t.name) for t in request.tensors):
+            raise SyncError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"these adapters were trained with lora_alpha {sent:g} and this receiver applies adapters with "
+                f"{self.lora_alpha:g} (its scale alpha / rank): restart it with the run's alpha (`weight_sync serve "
+                f"--alpha {sent:g}`, or the rl_align plugin's lora.alpha) or push from a run of alpha "
+                f"{self.lora_alpha:g}",
+            )
 
     def _push(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
         self._authorize(context)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from protos import weight_sync_pb2 as pb
 from weight_sync.chunking import LocalShard
+from weight_sync.peft import is_peft_name
 from weight_sync.spec import itemsize
 
 __all__ = ["FIRST_REST_S", "MAX_REST_S", "Receivers"]
@@ -78,14 +79,25 @@ class Receivers:
                     dtypes[spec.name] = spec.dtype
         return dtypes
 
-    def check(self, shards: Sequence[LocalShard], endpoints: Sequence[str]) -> None:
-        """Note the described receivers whose manifest does not take ``shards``: :meth:`left_out` names them at this
-        push, and at each later one until a new Describe finds them fixed. Raises ``ValueError`` when every receiver
-        of ``endpoints`` answered and refuses them: the shards are of another model than all of them serve, a setup
-        error no later push gets past (while one is unreachable, it may be the one that takes them)."""
+    def check(self, shards: Sequence[LocalShard], endpoints: Sequence[str], lora_alpha: float = 0.0) -> None:
+        """Note the described receivers whose manifest does not take ``shards``, or that would apply adapters among
+        them with another alpha than ``lora_alpha`` (the one they were trained with; 0: not said): :meth:`left_out`
+        names them at this push, and at each later one until a new Describe finds them fixed. Raises ``ValueError``
+        when every receiver of ``endpoints`` answered and refuses them: the shards are of another model than all of
+        them serve, a setup error no later push gets past (while one is unreachable, it may be the one that takes
+        them)."""
         self._refused.clear()
         self._other_model.clear()
+        adapters = lora_alpha > 0 and any(is_peft_name(local.name) for local in shards)
         for address, reply in self.described.items():
+            if adapters and reply.lora_alpha and reply.lora_alpha != lora_alpha:
+                self._refused[address] = (
+                    f"receiver {address} applies adapters with lora_alpha {reply.lora_alpha:g}, and these were "
+                    f"trained with {lora_alpha:g}: restart it with --alpha {lora_alpha:g} (the rl_align vLLM "
+                    "plugin: lora.alpha), or set the run's [model.lora] alpha to its"
+                )
+                self._other_model.add(address)
+                continue
             theirs = {s.name: (tuple(s.shape), s.dtype) for s in reply.manifest}
             for local in shards:
                 want = theirs.get(local.name)

@@ -100,7 +100,13 @@ class WeightSender:
         rank: int = 0,
         num_ranks: int = 1,
         session_id: str = "trainer",
+        lora_alpha: float = 0.0,
     ) -> None:
+        """``lora_alpha``: the alpha of the LoRA adapters this sender pushes (a run's ``[model.lora] alpha``), told to
+        receivers in each Begin so that one applying adapters with another alpha refuses them (protocol 1.5); 0 when
+        it pushes no adapters."""
+        if lora_alpha < 0:
+            raise ValueError(f"lora_alpha {lora_alpha} is negative; give the adapters' alpha, or 0 for none")
         if not 0 <= rank < num_ranks:
             raise ValueError(f"rank {rank} is outside [0, num_ranks={num_ranks})")
         self.config = config or WeightSyncConfig()
@@ -108,6 +114,7 @@ class WeightSender:
         if not self.endpoints:
             raise ValueError("no receivers: pass endpoints or set WeightSyncConfig.endpoints")
         self.rank, self.num_ranks, self.session_id = rank, num_ranks, session_id
+        self.lora_alpha = lora_alpha
         self._clients = {a: WeightSyncClient(a, self.config) for a in self.endpoints}
         self._pool = futures.ThreadPoolExecutor(max_workers=32)
         self._encoders: futures.ThreadPoolExecutor | None = None
@@ -178,13 +185,13 @@ class WeightSender:
             if specs.setdefault(local.name, local.spec) != local.spec:
                 raise ValueError(f"shards of {local.name} disagree on global shape or dtype")
         self._receivers.refresh(self.endpoints)
-        self._receivers.check(locals_, self.endpoints)
+        self._receivers.check(locals_, self.endpoints, self.lora_alpha)
         use_base = self._delta.enabled and all(local.key in self._base for local in locals_)
         request = pb.BeginRequest(
             session_id=self.session_id, policy_version=policy_version, rank=self.rank, num_ranks=self.num_ranks,
             tensors=[pb.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in specs.values()],
             base_version=self._base_version if use_base else -1, num_streams=self.config.num_streams,
-            protocol_version=protocol_version(),
+            protocol_version=protocol_version(), lora_alpha=self.lora_alpha,
         )
         errors: dict[str, str | None] = {}
         ports, offers = self._routes(errors)

@@ -37,7 +37,7 @@ from weight_sync.spec import TensorSpec, dtype_name
 
 __all__ = [
     "POLICY_VERSION_FILE", "PeftAdapterDirSink", "SafetensorsDirSink", "StateDictSink", "TensorSpec", "WeightSink",
-    "read_policy_version", "spec_of", "write_policy_version",
+    "lora_alpha_of", "read_policy_version", "spec_of", "write_policy_version",
 ]
 
 log = logging.getLogger("weight_sync.sink")
@@ -62,6 +62,22 @@ class WeightSink(Protocol):
         receiver starts, which then accepts only newer versions. A sink that persists its weights reports the
         version it persisted."""
         ...
+
+
+def lora_alpha_of(sink: WeightSink) -> float:
+    """The LoRA alpha ``sink`` applies pushed adapters with, or 0.0 when it takes none: what its receiver declares
+    (``DescribeReply.lora_alpha``) and holds Begins of adapters to.
+
+    A sink whose manifest has adapter tensors reports it with a ``lora_alpha() -> float`` method (optional: a sink
+    without one takes adapters of any alpha, as receivers before protocol 1.5 did).
+    """
+    report = getattr(sink, "lora_alpha", None)
+    if report is None:
+        return 0.0
+    alpha = report()
+    if not isinstance(alpha, (int, float)) or alpha < 0:
+        raise ValueError(f"{type(sink).__name__}.lora_alpha() returned {alpha!r}; expected a number >= 0")
+    return float(alpha)
 
 
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
@@ -251,6 +267,11 @@ class PeftAdapterDirSink:
 
     def manifest(self) -> list[TensorSpec]:
         return list(self._manifest)
+
+    def lora_alpha(self) -> float:
+        """The alpha written into ``adapter_config.json`` (``lora_alpha``): pushes of adapters trained with another
+        are refused."""
+        return self.spec.alpha
 
     def committed_version(self) -> int:
         """The version of the adapter in the directory (0 when it holds none)."""

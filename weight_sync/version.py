@@ -14,11 +14,13 @@ from protos import weight_sync_pb2 as pb
 __all__ = ["PROTOCOL_MAJOR", "PROTOCOL_MINOR", "incompatibility", "major_of", "protocol_version", "speaks"]
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 4
+PROTOCOL_MINOR = 5
 # 1.1: DataReply.unopened (a socket refusal before the stream opened; the sender may use gRPC)
 # 1.2: DescribeReply.shm_plane (the same-host shared-memory data plane)
 # 1.3: BeginRequest.drop_base (the sender will not send deltas against this update: keep no base of it)
 # 1.4: BeginReply.committed_session_id (whose update the receiver's version is: a base pushed by this session or not)
+# 1.5: DescribeReply.lora_alpha, BeginRequest.lora_alpha (adapters trained with one alpha are refused by a receiver
+#      that would apply them with another)
 
 
 def protocol_version() -> pb.ProtocolVersion:

@@ -111,6 +111,7 @@ class ServerWeightSink:
         self._specs = {**{s.name: s for s in base}, **self._adapter_specs}
         self._versions = None if lora is None else AdapterVersions(set(self._adapter_specs))
         self._merged = None if lora is None else MergedAdapters(model_dir, base, lora)
+        self._lora_alpha = 0.0 if lora is None else lora.alpha
         self._stage_dir = stage_dir
         self._persist = _persist_sink(model_dir, persist_dir, base, dtype)
         self._packed_modules = _packed_modules(engine)
@@ -127,6 +128,10 @@ class ServerWeightSink:
         (``vllm serve --dtype float32`` over a bfloat16 checkpoint takes float32: senders send what is declared); with
         ``lora`` also the adapters of that shape over it (``weight_sync.peft.adapter_manifest``)."""
         return list(self._specs.values())
+
+    def lora_alpha(self) -> float:
+        """The alpha adapters are merged with (the plugin's ``lora.alpha``), 0.0 without LoRA."""
+        return self._lora_alpha
 
     def committed_version(self) -> int:
         """The version served now: the served (or persisted) checkpoint's version at start, then the last applied."""

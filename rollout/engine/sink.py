@@ -48,6 +48,11 @@ class VLLMWeightSink:
         lora = engine.config.lora
         self._adapter_specs = {} if lora is None else {s.name: s for s in adapter_manifest(engine.manifest, lora)}
         self._specs = {**{s.name: s for s in engine.manifest}, **self._adapter_specs}
+        self._lora_alpha = 0.0 if lora is None else lora.alpha
+
+    def lora_alpha(self) -> float:
+        """The alpha the engine serves adapters with (``EngineConfig.lora``), 0.0 without LoRA."""
+        return self._lora_alpha
 
     def manifest(self) -> list[TensorSpec]:
         """The tensors this engine accepts: its checkpoint's names and global shapes in the dtypes the engine holds

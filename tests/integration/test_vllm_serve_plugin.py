@@ -140,11 +140,12 @@ def _sender_config() -> WeightSyncConfig:
     return WeightSyncConfig(auth_token=TOKEN)
 
 
-def _push(endpoint: str, version: int, state: dict[str, torch.Tensor]) -> str | None:
-    """Push ``state`` whole through the real channel; the commit error of the receiver, or None."""
+def _push(endpoint: str, version: int, state: dict[str, torch.Tensor], lora_alpha: float = 0.0) -> str | None:
+    """Push ``state`` whole through the real channel (adapters trained with ``lora_alpha``, 0: not said); the commit
+    error of the receiver, or None."""
     from weight_sync.sender import Shard, WeightSender
 
-    with WeightSender([endpoint], _sender_config()) as sender:
+    with WeightSender([endpoint], _sender_config(), lora_alpha=lora_alpha) as sender:
         report = sender.push(version, [Shard(n, t, tuple(t.shape), (0,) * t.dim()) for n, t in state.items()])
         if report.failed:
             return str(report.failed)
@@ -339,7 +340,8 @@ def test_a_restarted_server_resumes_its_version_and_refuses_older(server, dirs):
 def test_a_lora_server_serves_pushed_adapters_merged_into_its_base(dirs, tmp_path):
     """With ``"lora"`` in its options the server takes adapter versions (what a ``[model.lora]`` trainer pushes),
     serves each merged into its base as PEFT computes it, updates the served adapter from a subset, and refuses an
-    adapter for another shape with its version unchanged (slow: a server of its own, ~90 s)."""
+    adapter for another shape or one trained with another alpha with its version unchanged (slow: a server of its
+    own, ~90 s)."""
     import peft
 
     from weight_sync.checkpoint import read_checkpoint_manifest
@@ -352,7 +354,7 @@ def test_a_lora_server_serves_pushed_adapters_merged_into_its_base(dirs, tmp_pat
         gen = torch.Generator().manual_seed(11)
         specs = adapter_manifest(read_checkpoint_manifest(base), spec)
         tensors = {s.name: torch.randn(s.shape, generator=gen) * 0.3 for s in specs}
-        assert _push(server.endpoint, 1, tensors) is None
+        assert _push(server.endpoint, 1, tensors, lora_alpha=spec.alpha) is None
         write_peft_adapter(tmp_path / "v1", tensors, spec, base)
         reference = peft.PeftModel.from_pretrained(hf_model(base), str(tmp_path / "v1")).eval()
         _assert_serves(server, reference)
@@ -363,6 +365,8 @@ def test_a_lora_server_serves_pushed_adapters_merged_into_its_base(dirs, tmp_pat
         wider = {n: torch.zeros(t.shape[0] + 1, *t.shape[1:]) for n, t in tensors.items()}
         with pytest.raises(ValueError, match="does not accept .*lora_A.* is it serving the same model"):
             _push(server.endpoint, 3, wider)
+        with pytest.raises(ValueError, match="applies adapters with lora_alpha 8, and these were trained with 16"):
+            _push(server.endpoint, 3, tensors, lora_alpha=16.0)
         assert _describe_version(server.endpoint) == 2
     finally:
         server.stop()

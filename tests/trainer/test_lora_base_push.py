@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from test_lora_training import _configs
 
@@ -52,6 +53,30 @@ def test_a_resumed_trainer_pushes_its_warm_started_base_to_a_receiver_that_lacks
         worker.state.policy_version = 6  # it holds the base now: adapters alone
         later = worker.push_weights()
         assert later["behind"] == {} and later["push_errors"] == {} and receiver.policy_version == 6
+        # A server restarted with another alpha would scale every adapter wrong: the run's alpha travels with them.
+        other_alpha = WeightReceiver(_AlphaSink(held, 2 * dense.lora.alpha), WeightSyncConfig())
+        other_alpha.start()
+        try:
+            with pytest.raises(ValueError, match=f"lora_alpha {2 * dense.lora.alpha:g}, and these were trained with "
+                               f"{dense.lora.alpha:g}"):  # fmt: skip
+                worker.push_weights(endpoints=[other_alpha.address], with_base=True)
+            assert other_alpha.policy_version == 0
+        finally:
+            other_alpha.stop(grace_s=0)
     finally:
         worker.shutdown()
         receiver.stop(grace_s=0)
+
+
+class _AlphaSink:
+    """A state dict that says the LoRA alpha it applies adapters with (as the engines and adapter sinks do)."""
+
+    def __init__(self, held: dict[str, torch.Tensor], alpha: float) -> None:
+        from weight_sync.sink import StateDictSink
+
+        self._inner, self._alpha = StateDictSink({n: t.clone() for n, t in held.items()}), alpha
+        self.manifest, self.apply, self.committed_version = (
+            self._inner.manifest, self._inner.apply, self._inner.committed_version)
+
+    def lora_alpha(self) -> float:
+        return self._alpha

@@ -8,15 +8,21 @@ import os
 import subprocess
 import sys
 
+import grpc
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from protos import weight_sync_pb2 as pb
 from tests.trainer.models.tiny_hf import save_hf_model
 from weight_sync.__main__ import main
+from weight_sync.channel import WeightSyncClient
 from weight_sync.checkpoint import read_checkpoint_manifest
+from weight_sync.config import WeightSyncConfig
+from weight_sync.conformance import run_conformance
 from weight_sync.peft import AdapterSpec, adapter_manifest, read_adapter_version, write_peft_adapter
 from weight_sync.sink import PeftAdapterDirSink
+from weight_sync.version import protocol_version
 
 peft = pytest.importorskip("peft")
 
@@ -145,6 +151,47 @@ def test_an_adapter_sink_needs_the_runs_alpha_unless_its_directory_holds_an_adap
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_adapters_of_another_alpha_are_refused_by_sender_and_receiver(tmp_path, capsys):
+    """A server restarted with another --alpha than the run's would merge every pushed adapter at the wrong scale,
+    silently (the tensors show the rank, not alpha): protocol 1.5 carries alpha, and the push is refused, by our sender
+    before Begin and by the receiver for any client that says its alpha; the directory keeps its version."""
+    base, served, source = tmp_path / "base", tmp_path / "served", tmp_path / "source"
+    save_hf_model("qwen3_tied", base)
+    tensors = _adapter(str(base), seed=6)
+    write_peft_adapter(source, tensors, SPEC.model_copy(update={"alpha": 16.0}), str(base))
+    proc, address = _serve(served, base)  # alpha 8
+    try:
+        assert main(["describe", "--to", address]) == 0
+        assert "applies adapters with lora_alpha 8" in capsys.readouterr().out
+        assert main(["push", "--checkpoint", str(source), "--to", address, "--version", "3"]) == 2
+        error = capsys.readouterr().err
+        assert "applies adapters with lora_alpha 8, and these were trained with 16" in error, error
+        assert "--alpha 16" in error, error
+        assert read_adapter_version(served) == 0
+        client = WeightSyncClient(address, WeightSyncConfig())
+        request = pb.BeginRequest(session_id="other-client", policy_version=4, num_ranks=1, lora_alpha=16.0,
+                                  tensors=spec_msgs(read_checkpoint_manifest(str(base)), SPEC),
+                                  protocol_version=protocol_version())  # fmt: skip
+        with pytest.raises(grpc.RpcError) as refused:
+            client.begin(request)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "trained with lora_alpha 16 and this receiver applies adapters with 8" in refused.value.details()
+        request.lora_alpha = 0.0  # a sender before 1.5 says nothing: taken, as before
+        assert client.begin(request).current_version == 0
+        client.abort(pb.AbortRequest(session_id=request.session_id, policy_version=4, reason="test"))
+        client.close()
+        results = run_conformance(address, WeightSyncConfig(), names=["begin_adapters_of_another_alpha"])
+        assert [(r.name, r.outcome) for r in results] == [("begin_adapters_of_another_alpha", "PASS")], results
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert read_adapter_version(served) == 0
+
+
+def spec_msgs(base: list, spec: AdapterSpec) -> list[pb.TensorSpec]:
+    return [pb.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in adapter_manifest(base, spec)]
 
 
 def test_an_adapter_written_over_another_base_directory_is_named(tmp_path, caplog):

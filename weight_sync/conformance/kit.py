@@ -20,6 +20,7 @@ from weight_sync.config import WeightSyncConfig
 from weight_sync.conformance.checks import CaseSkipped, code_of, need, require
 from weight_sync.conformance.streams import Connection, Stream
 from weight_sync.conformance.wire import U32, Box, shard_chunks, synthetic, whole
+from weight_sync.peft import is_peft_name
 from weight_sync.shm import host_identity
 from weight_sync.spec import TensorSpec
 from weight_sync.version import protocol_version
@@ -30,7 +31,7 @@ FUSED_MEMBERS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # fused 
 
 class BeginOptions(TypedDict, total=False):
     """The BeginRequest fields a case may set beyond version and tensors (defaults: the kit's session, rank 0 of 1,
-    one stream, no delta base)."""
+    one stream, no delta base, the LoRA alpha the receiver declares)."""
 
     session: str | None
     rank: int
@@ -38,6 +39,7 @@ class BeginOptions(TypedDict, total=False):
     num_streams: int
     base_version: int
     drop_base: bool
+    lora_alpha: float
 
 
 class Kit:
@@ -72,6 +74,7 @@ class Kit:
         self.data_port = described.data_port
         self.shm_plane = described.shm_plane if described.HasField("shm_plane") else None
         self.minor = described.protocol_version.minor if described.protocol_version.major else 0
+        self.lora_alpha = described.lora_alpha
         if probe is not None and probe not in self.manifest:
             raise ValueError(f"tensor {probe!r} is not in {address}'s manifest")
         self.probe = self.manifest[probe] if probe else self._pick(lambda s: len(s.shape) >= 1 and s.shape[0] >= 4)
@@ -109,6 +112,12 @@ class Kit:
             raise CaseSkipped("the receiver's shared-memory plane is on another host or namespace (host_id differs)")
         return plane
 
+    def need_adapter(self) -> TensorSpec:
+        """The receiver applies pushed LoRA adapters with a declared alpha (1.5): its smallest adapter tensor."""
+        if not self.lora_alpha:
+            raise CaseSkipped("the receiver declares no LoRA alpha (Describe.lora_alpha = 0: it takes no adapters)")
+        return need(self._pick(lambda s: is_peft_name(s.name)), "LoRA adapter tensor")
+
     def need_delta(self) -> None:
         """The receiver takes delta pushes."""
         if not self.delta_supported:
@@ -138,6 +147,7 @@ class Kit:
             tensors=[pb.TensorSpec(name=s.name, shape=s.shape, dtype=s.dtype) for s in tensors],
             base_version=options.get("base_version", -1), num_streams=options.get("num_streams", 1),
             protocol_version=protocol_version(), drop_base=options.get("drop_base", False),
+            lora_alpha=options.get("lora_alpha", self.lora_alpha),
         )
 
     def begin(self, request: pb.BeginRequest) -> pb.BeginReply:

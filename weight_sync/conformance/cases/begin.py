@@ -122,6 +122,20 @@ def begin_reports_the_committing_session(kit: Kit) -> str:
     return "OK"
 
 
+@GROUP.case("FAILED_PRECONDITION")
+def begin_adapters_of_another_alpha(kit: Kit) -> str:
+    """(1.5) A Begin of LoRA adapters trained with another lora_alpha than the receiver declares is refused; one with
+    its alpha opens the update."""
+    if kit.minor < 5:
+        raise CaseSkipped(f"Describe/Begin lora_alpha is protocol 1.5; the receiver speaks 1.{kit.minor}")
+    adapter = kit.need_adapter()
+    got = code_of(lambda: kit.begin(kit.begin_request(kit.version + 1, [adapter], lora_alpha=kit.lora_alpha * 2)))
+    if got != "OK":
+        after = code_of(lambda: kit.begin(kit.begin_request(kit.version + 1, [adapter])))
+        require(after == "OK", f"a Begin of the same adapters with the receiver's lora_alpha answered {after}")
+    return got
+
+
 @GROUP.case("INVALID_ARGUMENT")
 def begin_rank_again_other_tensors(kit: Kit) -> str:
     """A rank's second Begin of one update with other tensors (or streams, relay targets) is refused."""
