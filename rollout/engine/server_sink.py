@@ -59,6 +59,8 @@ if TYPE_CHECKING:
 __all__ = ["ServedUpdateState", "ServerWeightSink"]
 
 log = logging.getLogger(__name__)
+_SHUTTING_DOWN = ("weight update to version {version} was cut: the server is shutting down before serving it (it "
+                  "served version {served}); push to it again once it is back")  # fmt: skip
 
 
 @dataclass
@@ -122,6 +124,8 @@ class ServerWeightSink:
         self._exit_process = exit_process or (lambda: os.kill(os.getpid(), signal.SIGTERM))
         served = read_policy_version(persist_dir if persist_dir is not None else model_dir)
         self.state = ServedUpdateState(policy_version=served)
+        self._closing = False
+        self._serving: concurrent.futures.Future[float] | None = None  # the update being served on the loop
 
     def manifest(self) -> list[TensorSpec]:
         """The served checkpoint's tensors (HF-canonical names, global shapes) in the dtypes the server holds them in
@@ -146,6 +150,8 @@ class ServerWeightSink:
         start = time.perf_counter()
         if self.state.broken is not None:
             raise RuntimeError(f"this server stopped taking updates: {self.state.broken}; restart it")
+        if self._closing:
+            raise RuntimeError(_SHUTTING_DOWN.format(version=policy_version, served=self.state.policy_version))
         try:
             check_update(self._specs, tensors)
         except ValueError as e:
@@ -167,18 +173,19 @@ class ServerWeightSink:
                 raise
         path = self._stage(policy_version, weights)
         try:
-            future = asyncio.run_coroutine_threadsafe(self._serve(policy_version, path, full), self._loop)
+            self._serving = future = asyncio.run_coroutine_threadsafe(
+                self._serve(policy_version, path, full), self._loop)
+            if self._closing:  # closed while this update was being staged
+                future.cancel()
             pause_s = future.result(timeout=self._drain_timeout_s + self._update_timeout_s)
         except (ValueError, TimeoutError) as e:
             self._refused(e)
             raise
-        except concurrent.futures.CancelledError:  # the server's loop cancelled it: SIGTERM, shutdown
-            self.state.last_error = (
-                f"weight update to version {policy_version} was cut: the server is shutting down before serving it "
-                f"(it served version {self.state.policy_version}); push to it again once it is back"
-            )
+        except concurrent.futures.CancelledError:  # cut by close() or the server's loop: SIGTERM, shutdown
+            self.state.last_error = _SHUTTING_DOWN.format(version=policy_version, served=self.state.policy_version)
             raise RuntimeError(self.state.last_error) from None
         finally:
+            self._serving = None
             os.unlink(path)
         if adapter is not None and self._versions is not None and self._merged is not None:
             self._versions.tensors = adapter
@@ -194,6 +201,15 @@ class ServerWeightSink:
             except Exception as e:  # the engine serves the version already: report, do not refuse
                 self.state.last_error = f"version {policy_version} is served but was not persisted: {e}"
                 log.error("%s", self.state.last_error)
+
+    def close(self) -> None:
+        """The server is shutting down: cut the update being served, if any (its Commit fails and the version stays
+        the one served and persisted; a drain would otherwise wait for an engine already gone up to
+        ``drain_timeout_s``, holding the process), and refuse later ones."""
+        self._closing = True
+        serving = self._serving
+        if serving is not None:
+            serving.cancel()
 
     def _stage(self, policy_version: int, tensors: Mapping[str, torch.Tensor]) -> str:
         """Write the update where every worker can read it; a stage directory without room is named with the fix."""

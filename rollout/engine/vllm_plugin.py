@@ -19,12 +19,13 @@ the bearer token only from ``$RL_ALIGN_WEIGHT_SYNC_TOKEN`` (vLLM logs its whole 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
 import re
 from argparse import Namespace
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import pydantic
@@ -207,9 +208,16 @@ class RLAlignEndpointPlugin:
         REGISTRY.register(_StateCollector(self.sink, self.receiver))
         self.receiver.start()
         _stop_at_shutdown(self.receiver.stop)
+        _stop_with_engine(engine_client, self._close)
         state.rl_align_receiver = self.receiver
         log.info("rl_align weight-sync receiver on %s serving version %d of %s", self.receiver.listening_on,
                  self.sink.committed_version(), model_dir)
+
+
+    def _close(self) -> None:
+        """Cut the update being served, then stop taking pushes: the server is going away."""
+        self.sink.close()
+        self.receiver.stop()
 
 
 def _log_through_vllm() -> None:
@@ -224,6 +232,28 @@ def _log_through_vllm() -> None:
             logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
+
+
+def _stop_with_engine(engine_client: Any, stop: Callable[[], None]) -> None:
+    """Run ``stop`` as the engine client's ``shutdown`` starts: the first thing vLLM's SIGTERM handler does.
+
+    The receiver otherwise stopped at the interpreter's exit, which waited for a Commit whose drain waited for the
+    engine already gone (up to ``drain_timeout_s``: a SIGTERM mid-update kept the process and its open receiver for
+    121 s); pushes meanwhile failed. Stopped here, senders find it unreachable at once and push again to the restarted
+    server. vLLM offers no earlier shutdown hook (its
+    handler replaces any SIGTERM handler of the loop; the app's lifespan ends after the engine), so the client's
+    method is wrapped in place."""
+    shutdown = engine_client.shutdown
+
+    @functools.wraps(shutdown)
+    def stop_then_shutdown(*args: Any, **kwargs: Any) -> Any:
+        try:
+            stop()
+        except Exception:  # the engine's own shutdown must run whatever happens to the receiver
+            log.exception("stopping the rl_align receiver at the engine's shutdown failed")
+        return shutdown(*args, **kwargs)
+
+    engine_client.shutdown = stop_then_shutdown
 
 
 def _stop_at_shutdown(stop: Any) -> None:

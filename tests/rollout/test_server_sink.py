@@ -170,6 +170,62 @@ def test_an_update_cut_by_the_servers_shutdown_says_so(loop, model_dir, tmp_path
     assert "was cut" in (sink.state.last_error or "")
 
 
+def test_close_cuts_an_update_draining_into_a_stopped_engine_and_refuses_later_ones(loop, model_dir, tmp_path):
+    """A SIGTERM while an update drained: the drain waited for an engine already gone up to ``drain_timeout_s`` (121 s
+    measured), holding the Commit and the process. ``close`` (the plugin calls it as the engine shuts down) cuts it."""
+    import time
+
+    engine = RecordingEngine(drain_s=60.0)
+    sink = _sink(engine, loop, model_dir, tmp_path, drain_timeout_s=120.0)
+    outcome: list[BaseException] = []
+
+    def push() -> None:
+        try:
+            sink.apply(1, STATE)
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=push)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while "pause:wait" not in engine.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start = time.monotonic()
+    sink.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and time.monotonic() - start < 5
+    assert isinstance(outcome[0], RuntimeError) and "shutting down" in str(outcome[0]), outcome
+    assert sink.committed_version() == 0 and not os.listdir(tmp_path / "stage")
+    with pytest.raises(RuntimeError, match="version 2 was cut: the server is shutting down"):
+        sink.apply(2, STATE)
+    assert engine.calls == ["pause:wait"]  # nothing of the second reached the engine
+
+
+def test_the_plugin_stops_its_receiver_as_the_engine_shuts_down():
+    """vLLM's SIGTERM handler calls the engine client's ``shutdown`` first; the process exits only after the HTTP
+    server waited for its open requests (of an engine already gone): the receiver must not stay open meanwhile."""
+    from rollout.engine.vllm_plugin import _stop_with_engine
+
+    calls: list[str] = []
+
+    class Client:
+        def shutdown(self, timeout: float | None = None) -> None:
+            calls.append(f"engine shutdown {timeout}")
+
+    client = Client()
+    _stop_with_engine(client, lambda: calls.append("receiver stopped"))
+    client.shutdown(timeout=0)
+    assert calls == ["receiver stopped", "engine shutdown 0"]
+
+    def failing_stop() -> None:
+        raise OSError("already stopped")
+
+    again = Client()
+    _stop_with_engine(again, failing_stop)
+    again.shutdown()  # the engine's shutdown runs whatever the receiver's stop does
+    assert calls[-1] == "engine shutdown None"
+
+
 @pytest.mark.parametrize("policy", ["refuse", "abort"])
 def test_a_drain_past_its_timeout_refuses_or_aborts(loop, model_dir, tmp_path, policy):
     engine = RecordingEngine(drain_s=5.0)
