@@ -22,7 +22,7 @@ from typing import Any
 
 from common.run_dir import METRICS, TENSORBOARD
 
-__all__ = ["MetricsLogger", "plot_curves", "read_jsonl"]
+__all__ = ["MetricsLogger", "plot_curves", "prometheus_port_taken", "read_jsonl"]
 
 log = logging.getLogger("rl_align")
 
@@ -32,6 +32,12 @@ _PROGRESS_KEYS = (
     ("train/kl", "kl"),
     ("perf/tokens_per_s", "tok/s"),
 )
+
+
+def prometheus_port_taken(port: int, cause: str) -> str:
+    """What to say when ``run.logging.prometheus_port`` cannot be served (``cause``: why the bind failed)."""
+    return (f"run.logging.prometheus_port = {port}: cannot serve metrics on 127.0.0.1:{port} ({cause}): another "
+            "process (another run on this host?) holds it; give this run another port")
 
 
 class MetricsLogger:
@@ -55,7 +61,6 @@ class MetricsLogger:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / METRICS
-        self._prometheus = prometheus_port is not None
         self._http: tuple[Any, threading.Thread] | None = None
         if prometheus_port is not None:  # first: a port another process holds fails before any file is touched
             import prometheus_client
@@ -66,8 +71,7 @@ class MetricsLogger:
                     prometheus_port, addr="127.0.0.1", registry=self._registry
                 )
             except OSError as e:
-                raise OSError(f"run.logging.prometheus_port = {prometheus_port}: cannot serve metrics there ({e}): "
-                              "another process (another run on this host?) holds it; choose another port") from None
+                raise OSError(prometheus_port_taken(prometheus_port, str(e))) from None
             log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", self._http[0].server_port)
         self._file = self.path.open("a" if append else "w")
         self._num_steps = num_steps
@@ -90,7 +94,7 @@ class MetricsLogger:
         self._file.write(json.dumps({"step": step, "phase": phase, "time": now, **clean}) + "\n")
         self._file.flush()
         self._to_tensorboard(step, phase, now, clean)
-        if self._prometheus:
+        if self._http is not None:
             self._export_prometheus(clean)
         if self._progress and phase == "rl":
             self._print_progress(step, clean)

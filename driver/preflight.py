@@ -23,11 +23,12 @@ from recipe import Recipe
 
 if TYPE_CHECKING:
     from rollout.tasks.dataset import PromptDataset
+    from rollout.tasks.problem import Problem
     from trainer.models.config import ModelConfig
 
 __all__ = [
-    "CheckedRun", "check_data", "check_resumable", "check_run", "ensure_model", "hold_checkpoint_dir",
-    "outputs_lost_with_the_job", "with_run_defaults",
+    "CheckedRun", "check_data", "check_resumable", "check_reward_functions", "check_run", "ensure_model",
+    "hold_checkpoint_dir", "outputs_lost_with_the_job", "with_run_defaults",
 ]  # fmt: skip
 
 log = logging.getLogger("rl_align")
@@ -125,11 +126,11 @@ def _check_prometheus_port(port: int | None) -> None:
     """``ValueError`` when another process holds ``run.logging.prometheus_port`` (another run's driver on this host:
     a cluster's drivers all run on its head node), found before Ray starts rather than after it."""
     from common.net import port_taken
+    from driver.metrics import prometheus_port_taken
 
     taken = port_taken(port) if port else None
-    if taken is not None:
-        raise ValueError(f"run.logging.prometheus_port = {port}: cannot serve metrics on 127.0.0.1:{port} ({taken}): "
-                         "another process (another run on this host?) holds it; give this run another port")
+    if port and taken is not None:
+        raise ValueError(prometheus_port_taken(port, taken))
 
 
 def check_offline(recipe: Recipe) -> PromptDataset:
@@ -232,11 +233,36 @@ def _flat(table: dict, prefix: str = "") -> dict[str, object]:
 
 
 def check_data(recipe: Recipe) -> PromptDataset:
-    """The task's dataset, every row read and checked (for :func:`check_run` and ``rl_align.py --check``);
-    ``ValueError`` / ``FileNotFoundError`` naming the file and line."""
+    """The task's dataset, every row read and checked, and the user reward functions tried on its first problem (for
+    :func:`check_run` and ``rl_align.py --check``); ``ValueError`` / ``FileNotFoundError`` naming the file and line,
+    or the function."""
     from rollout.tasks import build_dataset
 
-    return build_dataset(recipe.task)
+    dataset = build_dataset(recipe.task)
+    check_reward_functions(recipe, dataset.first_problem())
+    return dataset
+
+
+def check_reward_functions(recipe: Recipe, problem: Problem) -> None:
+    """Call each user reward function (``type = "function"`` terms) once, on ``problem`` with its reference answer as
+    the completion: one that fails or returns no number there would fail the first batch, after every actor started.
+    With ``reward.on_error = "zero"`` (the run would score such samples 0) a warning instead of ``ValueError``."""
+    from rollout.rewards.config import FunctionRewardConfig
+    from rollout.rewards.function import FunctionReward, RewardFunctionError
+
+    on_error = recipe.reward.on_error
+    for term in recipe.reward.terms:
+        if not isinstance(term, FunctionRewardConfig):
+            continue
+        label = (f"the task's first problem (id {problem.problem_id!r}) with its reference answer {problem.answer!r} "
+                 "as the completion")
+        try:
+            _, num_errors = FunctionReward(term, on_error=on_error).score([problem.answer], [problem], [label])
+        except RewardFunctionError as e:
+            raise ValueError(f"{e}; checked before the run starts") from e
+        if num_errors:
+            log.warning("reward term %r: function %r fails on %s; with reward.on_error = 'zero' such samples score 0",
+                        term.term_name, term.function, label)
 
 
 def _check_engines_not_ahead(recipe: Recipe, resume_from: Path | None) -> None:

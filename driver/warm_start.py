@@ -17,7 +17,7 @@ import numpy as np
 
 from rollout.envs.base import environment_name
 from rollout.envs.tools import check_tool_descriptions
-from rollout.tokenizer import render_prompt
+from rollout.tokenizer import render_prompt, turn_end_id
 from rollout.types import Sample
 
 if TYPE_CHECKING:
@@ -137,7 +137,9 @@ def warm_start(
     if cfg.stop_at_accuracy is not None and evaluate is None:
         raise ValueError("warm_start.stop_at_accuracy needs an evaluation of the policy (pass evaluate)")
     per_step = cfg.num_examples_per_step
-    examples = dataset.sft_examples(cfg.num_steps * per_step, tokenizer.eos_token)
+    end = turn_end_id(tokenizer, use_chat_template)  # where the engines stop a turn
+    end_text = tokenizer.eos_token if end is None else tokenizer.decode([end])
+    examples = dataset.sft_examples(cfg.num_steps * per_step, end_text)
     losses: list[float] = []
     start = last_line = time.monotonic()
     for step in range(cfg.num_steps):

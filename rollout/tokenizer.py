@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Messages", "PromptLike", "PromptRenderer", "end_of_turn_id", "has_chat_template", "load_tokenizer",
     "check_prompt", "check_tools", "messages_to_text", "render_continuation", "render_prompt", "token_bytes",
-    "tool_description_problem",
+    "tool_description_problem", "turn_end_id",
 ]  # fmt: skip
 
 Messages = Sequence[Mapping[str, Any]]
@@ -150,12 +150,34 @@ def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
     template writes none (or no special token there)."""
     after = _after_sentinel(tokenizer, [], None)
     ids = tokenizer.encode(after, add_special_tokens=False)
-    if not ids or ids[0] not in set(tokenizer.all_special_ids):
+    if not ids or not _is_special(tokenizer, ids[0]):
         raise ValueError(
             f"the chat template of {getattr(tokenizer, 'name_or_path', '?')} ends an assistant turn with "
             f"{after[:20]!r}, not a special token: multi-turn episodes need a template with an end-of-turn token"
         )
     return int(ids[0])
+
+
+def _is_special(tokenizer: PreTrainedTokenizerBase, token_id: int) -> bool:
+    """Whether ``token_id`` is a special token: one the tokenizer names (eos, pad, additional ones) or an added token
+    marked special (Llama 3 lists ``<|eot_id|>`` only there)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).get(token_id)
+    return token_id in set(tokenizer.all_special_ids) or bool(getattr(added, "special", False))
+
+
+def turn_end_id(tokenizer: PreTrainedTokenizerBase, use_chat_template: bool | None) -> int | None:
+    """The token a model turn ends with: with prompts rendered through the chat template (:func:`render_prompt`'s
+    rule) the template's end-of-turn token, where it writes one; else the tokenizer's end-of-sequence token (None when
+    it has none). They differ for a base model's tokenizer with a chat template (Qwen 3 base: ``<|endoftext|>`` ends a
+    text, ``<|im_end|>`` a turn; Llama 3: ``<|end_of_text|>`` and ``<|eot_id|>``): the engines stop at this one too,
+    and the warm start ends its targets with it."""
+    if use_chat_template is not False and has_chat_template(tokenizer):
+        try:
+            return end_of_turn_id(tokenizer)
+        except ValueError:  # the template ends a turn with plain text: the end-of-sequence token ends it
+            pass
+    eos = tokenizer.eos_token_id
+    return None if eos is None else int(eos)
 
 
 def render_continuation(

@@ -63,7 +63,7 @@ class RolloutWorker:
         from rollout.envs import build_environment, episode_limits
         from rollout.envs.config import AgentEnvConfig, SingleTurnEnvConfig
         from rollout.rewards.scorer import RewardScorer
-        from rollout.tokenizer import PromptRenderer, load_tokenizer
+        from rollout.tokenizer import PromptRenderer, load_tokenizer, turn_end_id
         from weight_sync.config import WeightSyncConfig
         from weight_sync.receiver import WeightReceiver
 
@@ -71,6 +71,9 @@ class RolloutWorker:
         self._sync_config = weight_sync or WeightSyncConfig()
         self.tokenizer = load_tokenizer(config.tokenizer_dir)
         self._render = PromptRenderer(self.tokenizer, config.use_chat_template)
+        end = turn_end_id(self.tokenizer, config.use_chat_template)
+        # A model turn ends at the template's end-of-turn, which a base model's end-of-sequence ids may not include.
+        self._turn_end = [] if end is None or end == self.tokenizer.eos_token_id else [end]
         self.scorer = RewardScorer.from_config(reward) if reward is not None else None
         self._env_config = environment or SingleTurnEnvConfig()
         self._limits = episode_limits(self._env_config)
@@ -85,6 +88,13 @@ class RolloutWorker:
         self.receiver.start()
         self._cpu = CpuClock()
         self._update_seen = 0.0
+
+    def _stopping_at_turn_end(self, sampling: SamplingConfig) -> SamplingConfig:
+        """``sampling`` with the end-of-turn token among its stop ids (unless it ignores the end of sequence)."""
+        extra = [t for t in self._turn_end if t not in sampling.stop_token_ids]
+        if not extra or sampling.ignore_eos:
+            return sampling
+        return sampling.model_copy(update={"stop_token_ids": [*sampling.stop_token_ids, *extra]})
 
     def generate_groups(
         self,
@@ -119,7 +129,7 @@ class RolloutWorker:
 
         if len(problems) != len(group_ids):
             raise ValueError(f"{len(problems)} problems but {len(group_ids)} group ids; pass one id per problem")
-        sampling = sampling or self.config.sampling
+        sampling = self._stopping_at_turn_end(sampling or self.config.sampling)
         start = time.perf_counter()
         jobs, runs, outcomes, num_failed = self._run_jobs(problems, group_ids, group_size, sampling, min_group_size,
                                                           request_episodes)  # fmt: skip

@@ -44,6 +44,10 @@ class PromptDataset:
         """Number of training problems (one epoch)."""
         return len(self._train)
 
+    def first_problem(self) -> Problem:
+        """The first training problem in file order; the cursor does not move (a preflight's sample)."""
+        return self._train[0]
+
     @property
     def epoch(self) -> int:
         """Epoch the next problem comes from (0-based)."""
@@ -82,7 +86,8 @@ class PromptDataset:
         """``(problem, ideal completion)`` pairs for a supervised warm start, from training problems only.
 
         The completion is the problem's ``solution`` (or its answer when it has none) followed by ``eos_text`` (the
-        tokenizer's end-of-sequence token text, e.g. ``"<|im_end|>"``); a transcript solution (a list of messages)
+        text of the token a model turn ends with, ``rollout.tokenizer.turn_end_id``: e.g. ``"<|im_end|>"``); a
+        transcript solution (a list of messages)
         comes as it is. Problems come in the epoch-0 shuffle order of
         a separate stream, cycling if ``num_examples`` exceeds the training set; the cursor is not moved.
         """

@@ -63,7 +63,7 @@ def test_a_prometheus_port_another_process_holds_fails_before_ray_naming_the_set
         assert run(recipe) == 2
         err = capsys.readouterr().err
         assert f"run.logging.prometheus_port = {port}: cannot serve metrics on 127.0.0.1:{port}" in err, err
-        with pytest.raises(OSError, match=f"run.logging.prometheus_port = {port}: cannot serve metrics there"):
+        with pytest.raises(OSError, match=f"run.logging.prometheus_port = {port}: cannot serve metrics on 127.0.0.1"):
             MetricsLogger(tmp_path / "direct", num_steps=1, tensorboard=False, progress=False, prometheus_port=port)
         assert not (tmp_path / "direct" / "metrics.jsonl").exists()
 

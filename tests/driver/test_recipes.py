@@ -220,6 +220,26 @@ def test_function_reward_module_that_fails_inside_or_lacks_the_function_is_repor
     load_recipe(broken, check_paths=False)  # recipes for other machines validate anywhere
 
 
+def test_a_reward_function_returning_no_number_fails_before_the_run_starts(tmp_path, monkeypatch, caplog):
+    """A reward function that returns None (a forgotten ``return``) failed only at the first batch, after Ray and
+    every actor had started: the preflight calls it once on the task's first problem."""
+    from driver.preflight import check_data
+
+    (tmp_path / "none_rewards.py").write_text("def score(completion, problem):\n    completion.strip()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = load_recipe(_broken(tmp_path, lambda t: _with_function_reward(t, "none_rewards:score")))
+    with pytest.raises(ValueError) as e:
+        check_data(recipe)
+    message = str(e.value)
+    assert "function 'none_rewards:score' failed on the task's first problem" in message, message
+    assert "returned None of type NoneType; a reward function must return a number" in message, message
+    assert "checked before the run starts" in message and "reward.on_error = 'zero'" in message, message
+    zero = recipe.model_copy(update={"reward": recipe.reward.model_copy(update={"on_error": "zero"})})
+    with caplog.at_level("WARNING", logger="rl_align"):
+        assert len(check_data(zero)) > 0  # the run would score such samples 0: said, not refused
+    assert "function 'none_rewards:score' fails on the task's first problem" in caplog.text, caplog.text
+
+
 def test_a_field_of_another_section_names_that_section(tmp_path):
     path = _broken(tmp_path, lambda t: t.replace("[run]\n", "[run]\ngroup_size = 8\n"))
     rc, err = run_check(["--recipe", str(path)])

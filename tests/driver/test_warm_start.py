@@ -12,8 +12,11 @@ from rollout.tasks.problem import Problem
 
 
 class FakeTokenizer:
-    eos_token = "<e>"
+    eos_token, eos_token_id = "<e>", 4
     chat_template = None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.eos_token if i == self.eos_token_id else "x" for i in ids)
 
     def __call__(self, text, add_special_tokens=False):
         return {"input_ids": [3] * len(text)}
