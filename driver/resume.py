@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -15,6 +17,8 @@ from recipe import load_recipe
 __all__ = ["point_moved_adapters_at_their_base", "point_moved_run_at_itself", "resume_command", "resume_hint"]
 
 log = logging.getLogger("rl_align")
+ENTRY_POINT = Path(__file__).resolve().parents[1] / "rl_align.py"
+"""The script that runs a recipe (``python rl_align.py --recipe ...``)."""
 
 
 def resume_command(record: Path) -> str:
@@ -25,8 +29,13 @@ def resume_command(record: Path) -> str:
     directory."""
     if ray_job_working_dir() is not None:
         return (f"ray job submit --working-dir <the directory this job was submitted with> -- python rl_align.py "
-                f"--recipe {record.resolve()} --resume")  # fmt: skip
-    return f"cd {Path.cwd()} && {sys.executable} rl_align.py --recipe {record.resolve()} --resume"
+                f"--recipe {shlex.quote(str(record.resolve()))} --resume")  # fmt: skip
+    # The script by its absolute path (a run started from a project directory of the user's names it by another), and
+    # the PYTHONPATH that found the user's own modules (rewards, environments).
+    path = os.environ.get("PYTHONPATH")
+    env = f"PYTHONPATH={shlex.quote(path)} " if path else ""
+    return (f"cd {shlex.quote(str(Path.cwd()))} && {env}{shlex.quote(sys.executable)} {shlex.quote(str(ENTRY_POINT))} "
+            f"--recipe {shlex.quote(str(record.resolve()))} --resume")
 
 
 def resume_hint(out_dir: Path, ckpt_dir: Path, failed: bool) -> str:

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer.checkpoint_dirs import COMPLETE, checkpoint_dir, complete_checkpoints, latest_checkpoint
+from trainer.optim import apply_hyperparameters, configured_hyperparameters
 
 __all__ = [
     "CheckpointManager",
@@ -287,6 +288,8 @@ class CheckpointManager:
         for name, part in parts.items():
             tensors.update(_state_dicts(name, part))
         dcp.load(tensors, checkpoint_id=str(path), no_dist=_no_dist())
+        configured = {name: configured_hyperparameters(part.optimizer, part.scheduler)
+                      for name, part in parts.items() if part.optimizer is not None}  # fmt: skip
         for name, part in parts.items():
             if part.optimizer is None:
                 set_model_state_dict(part.model, tensors[f"{name}.model"], options=part.options)
@@ -301,6 +304,8 @@ class CheckpointManager:
         for name, part in parts.items():
             if part.scheduler is not None:
                 part.scheduler.load_state_dict(small["schedulers"][name])
+            if part.optimizer is not None:  # the recipe's rates, not the saving run's (a resume may change them)
+                apply_hyperparameters(part.optimizer, part.scheduler, configured[name])
         _set_rng_states(small["rng"])
         _barrier()
         return TrainProgress(small["step"], small["policy_version"], small["data_cursor"])

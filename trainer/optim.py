@@ -10,7 +10,9 @@ from torch import nn
 from trainer.config import OptimizerConfig, ScheduleConfig
 from trainer.devices import has_foreach_kernels
 
-__all__ = ["build_optimizer", "build_scheduler", "lr_multiplier"]
+__all__ = [
+    "apply_hyperparameters", "build_optimizer", "build_scheduler", "configured_hyperparameters", "lr_multiplier",
+]
 
 _FUSED_DEVICE_TYPES = {"cpu", "cuda"}
 
@@ -60,3 +62,32 @@ def lr_multiplier(step: int, cfg: ScheduleConfig) -> float:
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` over :func:`lr_multiplier`; call ``.step()`` once after each ``optimizer.step()``."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
+
+
+_HYPERPARAMETERS = ("weight_decay", "betas", "eps")
+"""AdamW settings of a param group that come from the recipe (the optimizer's state dict saves them too)."""
+
+
+def configured_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: object = None) -> list[dict[str, object]]:
+    """Each param group's rate as configured (its schedule's base rate) and AdamW settings, read from an optimizer
+    and ``LambdaLR`` built from the recipe, before a checkpoint's state is loaded into them."""
+    bases = getattr(scheduler, "base_lrs", None) or [g["lr"] for g in optimizer.param_groups]
+    return [{"lr": base, **{k: g[k] for k in _HYPERPARAMETERS if k in g}}
+            for g, base in zip(optimizer.param_groups, bases, strict=True)]  # fmt: skip
+
+
+def apply_hyperparameters(
+    optimizer: torch.optim.Optimizer, scheduler: object, configured: list[dict[str, object]]
+) -> None:
+    """Put ``configured`` (:func:`configured_hyperparameters`) back after a checkpoint's optimizer and scheduler state
+    were loaded, which restore the saving run's rates and settings: a resume with a changed ``lr`` or weight decay
+    trains with the recipe's, at the restored schedule's step (moments and step counts stay the checkpoint's)."""
+    for group, conf in zip(optimizer.param_groups, configured, strict=True):
+        group.update({k: v for k, v in conf.items() if k != "lr"})
+        group["initial_lr"] = group["lr"] = conf["lr"]
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        scheduler.base_lrs = [float(conf["lr"]) for conf in configured]  # type: ignore[arg-type]
+        for group, base, multiplier in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas,
+                                           strict=True):  # fmt: skip
+            group["lr"] = base * multiplier(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports

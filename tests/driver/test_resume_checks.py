@@ -16,6 +16,7 @@ import pytest
 import driver.session
 from common.run_dir import LOCK
 from driver.preflight import check_resumable, ensure_model
+from driver.resume import ENTRY_POINT
 from driver.run import run
 from recipe import load_recipe, write_resolved
 from rollout.tasks import build_dataset
@@ -197,8 +198,9 @@ def test_an_actor_death_offers_a_resume_only_when_there_is_a_checkpoint(tmp_path
     assert "\nerror: " in err and expected in err, err
     if saved:
         record = out.resolve() / "recipe.resolved.toml"
-        command = f"cd {Path.cwd()} && {sys.executable} rl_align.py --recipe {record} --resume"
-        assert f"continue from its last checkpoint (step_00000002) with: {command}" in err, err
+        command = f"{sys.executable} {ENTRY_POINT} --recipe {record} --resume"
+        assert f"continue from its last checkpoint (step_00000002) with: cd {Path.cwd()} && " in err, err
+        assert command in err, err
         # The record repeats the flags of the failed start: the hint says where to change one that caused it.
         assert "its flags included: change the one at fault there, or give its flag again" in err, err
     else:  # the advice was to --resume from a checkpoint that did not exist
@@ -290,6 +292,22 @@ def test_a_ray_jobs_resume_command_is_a_job_with_the_same_working_dir(tmp_path, 
     assert command.startswith("ray job submit --working-dir <the directory this job was submitted with> -- python "
                               f"rl_align.py --recipe {record} --resume"), command
     assert str(package) not in command
+
+
+def test_the_resume_command_works_from_the_users_own_directory(tmp_path, monkeypatch):
+    """A run started from a project directory of the user's printed `cd <it> && python rl_align.py ...`: there is no
+    rl_align.py there, and the PYTHONPATH that found the user's reward and environment modules was left out."""
+    import shlex
+
+    from driver.resume import resume_command
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", "/opt/my project:/work")
+    words = shlex.split(resume_command(tmp_path / "out" / "recipe.resolved.toml"))
+    assert words[:4] == ["cd", str(tmp_path), "&&", "PYTHONPATH=/opt/my project:/work"], words
+    assert Path(words[5]).is_absolute() and Path(words[5]).is_file() and words[5].endswith("rl_align.py"), words
+    monkeypatch.delenv("PYTHONPATH")
+    assert "PYTHONPATH" not in resume_command(tmp_path / "out" / "recipe.resolved.toml")
 
 
 def test_sigterm_stops_a_run_as_ctrl_c_does():

@@ -49,6 +49,29 @@ def test_save_keep_and_resume(tmp_path) -> None:
         assert torch.equal(p, expected[name]), name
 
 
+def test_a_resume_trains_with_the_recipes_rates_not_the_checkpoints(tmp_path) -> None:
+    """A resume with a changed lr said it applied from the checkpoint on, and trained with the saved one: the
+    optimizer's state dict and the scheduler's restore the saving run's rates. Weight decay alike; the schedule's
+    step and AdamW's moments stay the checkpoint's."""
+    manager = CheckpointManager(tmp_path, num_keep=1)
+    part = _part()
+    _train(part, 3)
+    manager.save({"policy": part}, TrainProgress(3, 3, {}))
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.3, weight_decay=0.5)
+    changed = Checkpointable(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)))
+    manager.load({"policy": changed})
+    assert changed.scheduler.last_epoch == 3 and changed.scheduler.base_lrs == [0.3]
+    group = changed.optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(0.3 / 4) and group["weight_decay"] == 0.5
+    assert changed.scheduler.get_last_lr() == [pytest.approx(0.3 / 4)]
+    assert changed.optimizer.state[model.weight]["step"] == 3  # the moments are the checkpoint's
+    _train(changed, 1)
+    assert changed.optimizer.param_groups[0]["lr"] == pytest.approx(0.3 / 5)
+
+
 def test_a_checkpoint_the_disk_cannot_hold_says_what_is_free_and_gives_the_space_back(tmp_path, monkeypatch) -> None:
     # A full disk failed the run with "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598".
     import errno
