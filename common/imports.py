@@ -5,7 +5,23 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["resolve_object"]
+__all__ = ["check_import_path", "resolve_object"]
+
+
+def check_import_path(spec: str, what: str, example: str = "my_module:my_name") -> str:
+    """``spec`` if it has the form ``"package.module:name"``, else ``ValueError`` naming ``what`` and the form (a file
+    path such as ``"my_pkg/envs.py:Env"`` is told its dotted name). Imports nothing."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what} {spec!r}: expected 'package.module:name', e.g. {example!r}")
+    if "/" in module_name or "\\" in module_name or module_name.endswith(".py"):
+        dotted = module_name.removesuffix(".py").replace("\\", "/").strip("/").replace("/", ".")
+        raise ValueError(f"{what} {spec!r}: name the module with dots, as Python imports it ('{dotted}:{attr}', its "
+                         "top directory on PYTHONPATH), not by its file path")  # fmt: skip
+    if not all(part.isidentifier() for part in [*module_name.split("."), attr]):
+        raise ValueError(f"{what} {spec!r}: {module_name!r} and {attr!r} must be Python names (letters, digits, _; "
+                         f"modules joined by dots), e.g. {example!r}")  # fmt: skip
+    return spec
 
 
 def resolve_object(spec: str, what: str) -> Any:
@@ -15,9 +31,8 @@ def resolve_object(spec: str, what: str) -> Any:
     An ``ImportError`` raised *inside* the user's module (a missing dependency of it) is reported as such, not as a
     missing module; any other error its import raises (a syntax error, a name error) is a ``ValueError`` naming it.
     """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} {spec!r}: expected 'module:name', e.g. 'my_module:my_name'")
+    check_import_path(spec, what)
+    module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:

@@ -450,7 +450,8 @@ def _inherited_creator(recipe: Recipe, sources: Sources) -> list[tuple[tuple[str
         return []
     return [(
         ("model", "path"),
-        f"{recipe.model.path!r} has no config.json, and the [model.{creator}] that would create a random model there "
+        f"{recipe.model.path!r} {'has no config.json' if Path(recipe.model.path).is_dir() else 'does not exist'}, and "
+        f"the [model.{creator}] that would create a random model there "
         f"comes from {creator_from}, not from {path_from}, which sets the path: point model.path at your model "
         f"directory (set model.{creator} = false to drop the inherited table), or write [model.{creator}] in "
         f"{path_from} too if a random model is what you want",
@@ -509,8 +510,9 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
     if not creates and not (model_dir / "config.json").is_file():
         problems.append((
             ("model", "path"),
-            f"{str(model_dir)!r} has no config.json: point it at a local HF model directory, or add a "
-            "[model.create_tiny] ([model.create_published]) section to create a tiny (real-size random) one there",
+            f"{str(model_dir)!r} {'has no config.json' if model_dir.is_dir() else 'does not exist'}: point it at a "
+            "local HF model directory, or add a [model.create_tiny] ([model.create_published]) section to create a "
+            "tiny (real-size random) one there",
         ))  # fmt: skip
     elif (model_dir / "config.json").is_file():
         try:  # a model created at run time is checked once it exists (driver.preflight), before any actor starts

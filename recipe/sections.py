@@ -228,13 +228,18 @@ class RunConfig(Config):
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     """DAPO dynamic sampling."""
     warm_start: WarmStartConfig = WarmStartConfig()
-    """Supervised warm start before RL."""
+    """Supervised warm start before RL; ``false`` (as for an optional table) is none: ``num_steps = 0``."""
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation."""
     export: ExportConfig = ExportConfig()
     """HF exports of the trained policy."""
     logging: LoggingConfig = LoggingConfig()
     """Metric sinks."""
+
+    @pydantic.field_validator("warm_start", mode="before")
+    @classmethod
+    def _no_warm_start(cls, value: object) -> object:
+        return WarmStartConfig(num_steps=0) if value is False else value
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> RunConfig:

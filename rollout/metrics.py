@@ -16,7 +16,13 @@ import numpy as np
 
 from rollout.types import Sample, episode_members
 
-__all__ = ["episode_metrics", "sample_metrics"]
+__all__ = ["BUILTIN_EPISODE_FIGURES", "episode_metrics", "sample_metrics"]
+
+BUILTIN_EPISODE_FIGURES = frozenset({
+    "num_episodes", "num_turns", "num_observation_tokens", "num_timeouts", "num_failed_episodes",
+    "num_dropped_episodes",
+})  # fmt: skip
+"""The ``env/<name>`` figures rl-align reports itself; an environment's ``info`` may not use these names."""
 
 
 def episode_metrics(
@@ -49,15 +55,17 @@ def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
 
     Names: ``reward/mean``, ``reward/std`` (population std), ``reward/<term>/mean`` for each reward term any sample
     carries (a sample without that term counts 0), each over episodes (the samples of an agent episode that gave
-    several share its reward and count once), ``rollout/num_samples``, ``rollout/completion_len_mean``,
-    ``rollout/completion_len_max``, ``rollout/truncated_frac`` (finish reason 'length'),
+    several share its reward and count once), ``rollout/num_samples``, ``rollout/completion_len_mean`` and
+    ``rollout/completion_len_max`` (model tokens: a multi-turn episode's observations count in
+    ``env/num_observation_tokens``), ``rollout/truncated_frac`` (finish reason 'length': in a multi-turn episode
+    also a limit of the episode's, its turns, tokens or time),
     ``rollout/min_policy_version`` and ``rollout/max_policy_version``.
     """
     if not samples:
         raise ValueError("sample_metrics needs at least one sample")
     episodes = [samples[m[0]] for m in episode_members([s.group_id for s in samples], [s.episode for s in samples])]
     rewards = np.array([s.reward for s in episodes], dtype=np.float64)
-    lengths = np.array([len(s.completion_ids) for s in samples])
+    lengths = np.array([s.num_model_tokens for s in samples])  # an episode's observations are env/ figures
     versions = [s.policy_version for s in samples]
     out = {
         "reward/mean": float(rewards.mean()),

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 
 from common.config import Config
+from common.imports import check_import_path
 
 __all__ = [
     "AgentEnvConfig", "CustomEnvConfig", "EnvironmentConfig", "FeedbackEnvConfig", "PythonToolConfig",
@@ -147,7 +148,7 @@ class CustomEnvConfig(_MultiTurnConfig):
     @pydantic.field_validator("class_path")
     @classmethod
     def _check_path(cls, path: str) -> str:
-        return _import_path("class_path", path, "package.module:Class", "my_envs:GuessNumber")
+        return check_import_path(path, "class_path", "my_envs:GuessNumber")
 
 
 class AgentEnvConfig(_MultiTurnConfig):
@@ -178,15 +179,7 @@ class AgentEnvConfig(_MultiTurnConfig):
     @pydantic.field_validator("function")
     @classmethod
     def _check_path(cls, path: str) -> str:
-        return _import_path("function", path, "package.module:function", "my_agents:solve")
-
-
-def _import_path(field: str, path: str, form: str, example: str) -> str:
-    """``path`` if it has the ``module:name`` form (importing it is checked at recipe load), else ``ValueError``."""
-    module, sep, name = path.partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"{field} {path!r}: expected {form!r}, e.g. {example!r}")
-    return path
+        return check_import_path(path, "function", "my_agents:solve")
 
 
 EnvironmentConfig = Annotated[

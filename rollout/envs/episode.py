@@ -46,6 +46,7 @@ from rollout.envs.base import (
     warn_once,
 )
 from rollout.envs.tools import check_tool_descriptions
+from rollout.metrics import BUILTIN_EPISODE_FIGURES
 from rollout.tasks.problem import Problem
 
 if TYPE_CHECKING:
@@ -147,7 +148,8 @@ async def run_episode(
         try:
             if not late:
                 async with asyncio.timeout_at(deadline):
-                    await _turns(engine, tokenizer, env, sampling, limits, seed_of_turn, budget, trajectory, deadline)
+                    await _turns(engine, tokenizer, env, sampling, limits, seed_of_turn, budget, trajectory, deadline,
+                                 problem.problem_id)  # fmt: skip
         except _ReturnedLate as returned:
             _say_late(env, returned, limits)
             late = True
@@ -217,6 +219,7 @@ async def _turns(
     budget: int,
     trajectory: _Trajectory,
     deadline: float | None,
+    problem_id: str,
 ) -> None:
     from rollout.tokenizer import end_of_turn_id, render_continuation
 
@@ -225,6 +228,13 @@ async def _turns(
         left = budget - len(trajectory.ids) - len(observation)
         if left <= 0:
             trajectory.finish_reason = "length"
+            if observation:  # a turn's worth of tokens would say nothing: the observation itself ran past
+                warn_once(log, (type(env), "observation past the context"),
+                          "%s: an observation of %d tokens left no room for another model turn (the episode held %d "
+                          "of its %d tokens after the first prompt: environment.max_total_tokens, else what "
+                          "rollout.engine.max_model_len leaves); such episodes end as 'length' after their last "
+                          "complete turn: shorten the observations or raise the limit", environment_name(env),
+                          len(observation), len(trajectory.ids), budget)  # fmt: skip
             return
         turn_sampling = sampling if sampling.max_tokens <= left else sampling.model_copy(update={"max_tokens": left})
         [completion] = await engine.generate_async(
@@ -235,7 +245,8 @@ async def _turns(
         if completion.finish_reason == "length":
             trajectory.finish_reason = "length"
             return
-        result = _checked(env, await _called(env, "step", trajectory.final_text, deadline=deadline))
+        what = f"step of problem {problem_id!r} (turn {turn + 1})"
+        result = _checked(env, await _called(env, "step", trajectory.final_text, what=what, deadline=deadline))
         trajectory.env_reward += result.reward
         for name, value in result.info.items():
             trajectory.info[name] = trajectory.info.get(name, 0.0) + value
@@ -358,6 +369,10 @@ def _checked(env: Environment, result: object) -> StepResult:
     if not isinstance(result.info, Mapping):
         raise EpisodeFailed(f"{name}: StepResult.info is {type(result.info).__name__}; it must map names to numbers")
     for key, value in result.info.items():
+        if key in BUILTIN_EPISODE_FIGURES:
+            raise EpisodeFailed(f"{name}: StepResult.info[{key!r}] would be reported as env/{key}, one of rl-align's "
+                                f"own episode figures ({', '.join(sorted(BUILTIN_EPISODE_FIGURES))}): name it "
+                                "otherwise")  # fmt: skip
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise EpisodeFailed(f"{name}: StepResult.info[{key!r}] is {value!r}; info values must be finite numbers")
     if not result.done and (isinstance(result.observation, str) or not isinstance(result.observation, Sequence)):

@@ -80,11 +80,16 @@ class FailureBudget:
         self.failures: list[EpisodeFailed] = []
 
     def record(self, error: EpisodeFailed) -> EpisodeFailed:
-        """Log and count ``error`` and return it; raise :class:`EpisodeFailed` (chained to the first failure) when it
-        is one more than the budget allows, so the caller stops the request's other episodes."""
+        """Count ``error`` and log it with its traceback; within the budget return it (the episode is dropped), else
+        raise :class:`EpisodeFailed` (chained to the first failure), so the caller stops the request's other episodes.
+        Only the first failure past the budget is logged: episodes failing at the same step all arrive before the
+        others stop, and a traceback each flooded the log."""
         self.failures.append(error)
-        log.warning("episode failed (%d of at most %d in this request): %s", len(self.failures), self.allowed, error,
-                    exc_info=error)  # fmt: skip
+        if len(self.failures) <= self.allowed + 1:
+            dropped = len(self.failures) <= self.allowed
+            log.warning("episode failed (%d of this request's; environment.max_failed_fraction lets %d be dropped%s): "
+                        "%s", len(self.failures), self.allowed, "" if dropped else ", so the request fails", error,
+                        exc_info=error)  # fmt: skip
         if len(self.failures) <= self.allowed:
             return error
         first = self.failures[0]

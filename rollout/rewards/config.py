@@ -24,6 +24,7 @@ from typing import Annotated, Literal
 import pydantic
 
 from common.config import Config, DType
+from common.imports import check_import_path
 
 __all__ = [
     "OverlongPenaltyConfig",
@@ -105,8 +106,13 @@ class FunctionRewardConfig(_TermConfig):
 
     type: Literal["function"] = "function"
     """Selects this term."""
-    function: str = pydantic.Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    function: str
     """Import path ``module:function``, e.g. ``"my_rewards:length_penalty"``."""
+
+    @pydantic.field_validator("function")
+    @classmethod
+    def _check_form(cls, path: str) -> str:
+        return check_import_path(path, "reward function", "my_rewards:length_penalty")
 
     def check_importable(self) -> None:
         """Import the module and look the function up, as the scorer will; ``ValueError`` says what is missing."""

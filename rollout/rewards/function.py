@@ -14,7 +14,7 @@ import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from common.imports import resolve_object
+from common.imports import check_import_path, resolve_object
 from rollout.rewards.config import FunctionRewardConfig
 from rollout.tasks.problem import Problem
 
@@ -29,8 +29,7 @@ class RewardFunctionError(RuntimeError):
 
 def resolve_function(spec: str) -> RewardFunction:
     """Import ``"package.module:function"`` and return the callable; ``ValueError`` says which part is missing."""
-    if ":" not in spec:
-        raise ValueError(f"reward function {spec!r}: expected 'module:function', e.g. 'my_rewards:length_penalty'")
+    check_import_path(spec, "reward function", "my_rewards:length_penalty")
     function = resolve_object(spec, "reward function")
     if not callable(function):
         raise ValueError(f"reward function {spec!r}: {spec.partition(':')[2]!r} is a {type(function).__name__}, not "

@@ -15,10 +15,12 @@ __all__ = ["load_jsonl", "read_jsonl_problems"]
 
 
 def load_jsonl(config: JsonlTaskConfig) -> tuple[list[Problem], list[Problem]]:
-    """Return ``(train, eval)``: from ``path`` and ``eval_path``, or ``path`` split by a seeded shuffle."""
-    train = read_jsonl_problems(config.path, config)
+    """Return ``(train, eval)``: from ``path`` and ``eval_path``, or ``path`` split by a seeded shuffle. Held-out rows
+    need no ``solution_field`` (evaluation samples, it trains on nothing). A problem id that occurs twice is an error
+    naming both lines."""
+    train = _read(config.path, config, need_solution=True)
     if config.eval_path is not None:
-        held_out = read_jsonl_problems(config.eval_path, config)
+        held_out = _read(config.eval_path, config, need_solution=False)
     elif config.num_eval_problems > 0:
         if config.num_eval_problems >= len(train):
             raise ValueError(
@@ -31,18 +33,22 @@ def load_jsonl(config: JsonlTaskConfig) -> tuple[list[Problem], list[Problem]]:
         train = [p for i, p in enumerate(train) if i not in eval_idx]
     else:
         held_out = []
-    seen: set[str] = set()
-    for problem in train + held_out:
-        if problem.problem_id in seen:
-            raise ValueError(
-                f"problem id {problem.problem_id!r} occurs more than once in the task files; ids must be unique"
-            )
-        seen.add(problem.problem_id)
-    return train, held_out
+    seen: dict[str, str] = {}
+    for problem, where in train + held_out:
+        first = seen.setdefault(problem.problem_id, where)
+        if first != where:
+            raise ValueError(f"{where}: problem id {problem.problem_id!r} is also the id of {first}; ids must be "
+                             "unique across the task's files")  # fmt: skip
+    return [p for p, _ in train], [p for p, _ in held_out]
 
 
 def read_jsonl_problems(path: str, config: JsonlTaskConfig) -> list[Problem]:
     """Read every non-blank line of ``path`` into a :class:`Problem`; errors name the file, line and key."""
+    return [problem for problem, _ in _read(path, config, need_solution=True)]
+
+
+def _read(path: str, config: JsonlTaskConfig, need_solution: bool) -> list[tuple[Problem, str]]:
+    """Every problem of ``path`` with its ``file:line``; ``need_solution``: rows must hold ``solution_field``."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"task file {path!r} does not exist")
@@ -64,13 +70,15 @@ def read_jsonl_problems(path: str, config: JsonlTaskConfig) -> list[Problem]:
                 raise ValueError(f"{where}: not valid JSON ({e})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            problems.append(_problem(record, where, f"{file.name}:{line_no}", config))
+            problems.append((_problem(record, where, f"{file.name}:{line_no}", config, need_solution), where))
     if not problems:
         raise ValueError(f"task file {path!r} holds no problems")
     return problems
 
 
-def _problem(record: dict[str, Any], where: str, default_id: str, config: JsonlTaskConfig) -> Problem:
+def _problem(
+    record: dict[str, Any], where: str, default_id: str, config: JsonlTaskConfig, need_solution: bool
+) -> Problem:
     prompt = _field(record, config.prompt_field, where)
     if isinstance(prompt, str) and prompt.strip():
         messages = chat_messages(prompt, config.system_prompt)
@@ -91,7 +99,7 @@ def _problem(record: dict[str, Any], where: str, default_id: str, config: JsonlT
             raise ValueError(f"{where}: {config.id_field!r} must be a non-empty string or an integer, got {value!r}")
         problem_id = str(value)
     solution: str | list[dict[str, str]] | None = None
-    if config.solution_field is not None:
+    if config.solution_field is not None and (need_solution or config.solution_field in record):
         value = _field(record, config.solution_field, where)
         if isinstance(value, str):
             solution = value

@@ -57,9 +57,11 @@ def test_broken_recipes_name_file_and_field(tmp_path, edit, field, reason):
 
 def test_missing_model_dir_without_create_tiny_is_rejected(tmp_path):
     path = _broken(tmp_path, lambda t: t.split("[model.create_tiny]")[0] + "[algorithm]" + t.split("[algorithm]")[1])
-    expected = r"^command-line flag --model.path: .*\n  - model.path: .* has no config.json"
+    expected = r"^command-line flag --model.path: .*\n  - model.path: .* does not exist: point it at a local HF model"
     with pytest.raises(ConfigError, match=expected):
         load_recipe(path, {"model.path": str(tmp_path / "nowhere")})
+    with pytest.raises(ConfigError, match=r"model.path: .* has no config.json: point it at"):
+        load_recipe(path, {"model.path": str(tmp_path)})  # a directory, but no model in it
 
 
 def test_a_users_model_path_under_an_inherited_create_tiny_is_refused_unless_said(tmp_path):
@@ -68,12 +70,12 @@ def test_a_users_model_path_under_an_inherited_create_tiny_is_refused_unless_sai
     child = tmp_path / "mine.toml"
     child.write_text(f'base = "{base}"\n[model]\npath = "{tmp_path / "Qwen3-0.6B-instrct"}"\n')
     msg = load_error(child)
-    assert f"- model.path: '{tmp_path / 'Qwen3-0.6B-instrct'}' has no config.json, and the [model.create_tiny]" in msg
+    assert f"- model.path: '{tmp_path / 'Qwen3-0.6B-instrct'}' does not exist, and the [model.create_tiny]" in msg
     assert "set model.create_tiny = false to drop the inherited table" in msg, msg
     child.write_text(child.read_text() + "[model.create_tiny]\n")  # said: a random model is meant
     assert load_recipe(child).model.create_tiny == load_recipe(base).model.create_tiny
     child.write_text(child.read_text().replace("[model.create_tiny]\n", "create_tiny = false\n"))
-    assert "has no config.json: point it at a local HF model directory" in load_error(child)
+    assert "does not exist: point it at a local HF model directory" in load_error(child)
 
 
 def test_user_code_that_fails_at_import_or_has_the_wrong_signature_is_refused_at_load(tmp_path, monkeypatch):
@@ -238,6 +240,20 @@ def test_a_reward_function_returning_no_number_fails_before_the_run_starts(tmp_p
     with caplog.at_level("WARNING", logger="rl_align"):
         assert len(check_data(zero)) > 0  # the run would score such samples 0: said, not refused
     assert "function 'none_rewards:score' fails on the task's first problem" in caplog.text, caplog.text
+
+
+def test_user_code_named_by_its_file_path_is_told_the_dotted_name(tmp_path):
+    # class_path = "myenvs/fix.py:FixAnswer" got "module 'myenvs/fix.py' not found".
+    path = _broken(tmp_path, lambda t: _with_function_reward(t, "my_pkg/rewards.py:score"))
+    assert "name the module with dots, as Python imports it ('my_pkg.rewards:score'" in load_error(path)
+
+
+def test_warm_start_false_is_no_warm_start(tmp_path):
+    """``= false`` drops a table the base set (README); for the warm start it was "Input should be an object"."""
+    path = tmp_path / "mine.toml"
+    path.write_text(f'base = "{ROOT / "recipes" / "grpo_tiny.toml"}"\n[run]\nwarm_start = false\n')
+    assert load_recipe(path).run.warm_start.num_steps == 0
+    assert load_recipe("recipes/grpo_tiny.toml", {"run.warm_start": False}).run.warm_start.num_steps == 0
 
 
 def test_a_field_of_another_section_names_that_section(tmp_path):

@@ -193,7 +193,8 @@ def test_non_number_return_fails_in_fail_mode(user_module):
         (f"{USER_MODULE}:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a function"),
         ("rl_align_test_broken_dep:f", "importing module 'rl_align_test_broken_dep' failed: No module named "
          "'rl_align_test_missing_dependency'"),
-        ("no_colon", "expected 'module:function'"),
+        ("no_colon", "expected 'package.module:name', e.g. 'my_rewards:length_penalty'"),
+        ("my_pkg/rewards.py:f", "name the module with dots, as Python imports it .'my_pkg.rewards:f'"),
     ],
 )
 def test_bad_function_spec_fails_at_build_time(user_module, spec, message):
@@ -211,7 +212,7 @@ class _Recipe(Config):
 @pytest.mark.parametrize(
     "reward, field, message",
     [
-        ({"terms": [{"type": "function", "function": "no colon"}]}, "reward.terms[0].function", "should match pattern"),
+        ({"terms": [{"type": "function", "function": "no colon"}]}, "reward.terms[0].function", "'package.mod"),
         ({"terms": [{"type": "format", "pattern": "("}]}, "reward.terms[0].pattern", "not a valid Python regex"),
         ({"terms": [{"type": "exact_match", "extract_pattern": "[a"}]}, "reward.terms[0].extract_pattern", "regex"),
         ({"terms": [{"type": "math"}, {"type": "math", "weight": 2.0}]}, "reward", "share the name(s) ['math']"),

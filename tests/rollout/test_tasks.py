@@ -221,7 +221,7 @@ def test_jsonl_missing_file_and_duplicate_ids(tmp_path):
         build_dataset(JsonlTaskConfig(path=str(tmp_path / "none.jsonl")))
     records = [{"prompt": "p", "answer": "1", "id": 1}, {"prompt": "q", "answer": "2", "id": 1}]
     path = _write_jsonl(tmp_path / "d.jsonl", records)
-    with pytest.raises(ValueError, match="'1' occurs more than once"):
+    with pytest.raises(ValueError, match=r"d.jsonl:2: problem id '1' is also the id of .*d.jsonl:1; ids must be"):
         build_dataset(JsonlTaskConfig(path=path, id_field="id"))
     with pytest.raises(ValueError, match="leave some for training"):
         build_dataset(JsonlTaskConfig(path=path, num_eval_problems=2))
@@ -239,6 +239,17 @@ def test_jsonl_ids_must_be_given_and_solutions_may_be_transcripts(tmp_path):
     path = _write_jsonl(tmp_path / "u.jsonl", [{"prompt": "p", "answer": "1", "solution": transcript[1:]}])
     with pytest.raises(ValueError, match="starts and ends with an assistant turn"):
         build_dataset(JsonlTaskConfig(path=path, solution_field="solution"))
+
+
+def test_held_out_rows_need_no_solution(tmp_path):
+    """``solution_field`` made the eval file need it too ("missing key 'sol'"), though evaluation trains on nothing."""
+    train = _write_jsonl(tmp_path / "train.jsonl", [{"prompt": "p", "answer": "1", "sol": "1"}])
+    held_out = _write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "q", "answer": "2"}])
+    dataset = build_dataset(JsonlTaskConfig(path=train, eval_path=held_out, solution_field="sol"))
+    assert len(dataset) == 1 and dataset.first_problem().solution == "1"
+    no_solution = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "p", "answer": "1"}])
+    with pytest.raises(ValueError, match="bad.jsonl:1: missing key 'sol'"):  # training rows still need one
+        build_dataset(JsonlTaskConfig(path=no_solution, eval_path=held_out, solution_field="sol"))
 
 
 def test_an_inherited_eval_path_can_be_dropped_for_a_split():

@@ -226,7 +226,7 @@ def test_a_custom_environment_is_built_with_its_options():
     assert first is not second and first._turns == 2
     with pytest.raises(ValueError, match="has no attribute 'Missing'"):
         build_environment(CustomEnvConfig(class_path="tests.rollout.envs.scripted_env:Missing"))
-    with pytest.raises(ValueError, match="expected 'package.module:Class'"):
+    with pytest.raises(ValueError, match="expected 'package.module:name', e.g. 'my_envs:GuessNumber'"):
         CustomEnvConfig(class_path="no_colon")
 
 

@@ -45,7 +45,7 @@ def test_a_step_that_blocks_the_loop_past_the_deadline_times_out(quick_hold_warn
     assert episode.env_reward == 0.0  # the late step's result is not taken, as a step cut at its deadline gives none
     assert episode_metrics([1], [0], [episode.timed_out])["env/num_timeouts"] == 1.0
     text = caplog.text
-    assert "SleepsInStep: step returned past the episode's timeout_s = 0.2 s" in text
+    assert "SleepsInStep: step of problem 'p0' (turn 1) returned past the episode's timeout_s = 0.2 s" in text
     assert "blocked the event loop" in text and "asyncio.to_thread" in text
 
 
@@ -138,3 +138,42 @@ def test_well_formed_tools_are_described_to_the_model():
     from tests.rollout.envs.scripted_engine import tiny_tokenizer
 
     assert "Tools: calculator(expression) now()." in tiny_tokenizer().decode(engine.prompts[0])
+
+
+def test_info_that_would_overwrite_an_own_figure_fails_the_episode_naming_it():
+    # info={"num_turns": 5} reported env/num_turns 384 for 64 one-turn episodes, silently.
+    class Collides(EchoObservations):
+        async def step(self, text):
+            return StepResult(done=True, reward=1.0, info={"num_turns": 5.0})
+
+    with pytest.raises(EpisodeFailed, match=r"Collides: StepResult.info\['num_turns'\] would be reported as "
+                                            r"env/num_turns, one of rl-align's own episode figures"):  # fmt: skip
+        play(Collides())
+
+
+def test_an_observation_past_the_context_ends_the_episode_and_says_so(quick_hold_warning, caplog):
+    # Every episode ended after its first turn, with nothing said: nothing trained, exit code 0.
+    class Floods(EchoObservations):
+        async def step(self, text):
+            return StepResult(observation=[{"role": "user", "content": "word " * 2000}])
+
+    with caplog.at_level(logging.WARNING):
+        episode = play(Floods(), EpisodeLimits(max_turns=3), ScriptedEngine(max_model_len=512))
+    assert episode.num_turns == 1 and episode.finish_reason == "length"
+    assert "Floods: an observation of " in caplog.text and "left no room for another model turn" in caplog.text
+
+
+def test_completion_lengths_count_model_tokens_only():
+    """rollout/completion_len_mean of multi-turn episodes counted their observations (~60 tokens against ~7)."""
+    import numpy as np
+
+    from rollout.metrics import sample_metrics
+    from rollout.types import Sample
+
+    episode = play(EchoObservations(turns=3))
+    sample = Sample(prompt_ids=np.asarray(episode.prompt_ids, np.int64), completion_ids=episode.completion_ids,
+                    rollout_logprobs=episode.logprobs, reward=0.0, group_id=0, policy_version=0,
+                    loss_mask=episode.loss_mask)  # fmt: skip
+    assert int(episode.loss_mask.sum()) < len(episode.completion_ids)
+    metrics = sample_metrics([sample])
+    assert metrics["rollout/completion_len_mean"] == metrics["rollout/completion_len_max"] == episode.loss_mask.sum()

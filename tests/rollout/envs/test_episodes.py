@@ -188,7 +188,8 @@ def test_an_environment_that_raises_is_named_in_the_error(worker):
             raise KeyError("boom in step")
 
     env = Raises()
-    with pytest.raises(EpisodeFailed, match="environment .*:.*Raises: step raised KeyError: 'boom in step'"):
+    with pytest.raises(EpisodeFailed, match=r"environment .*:.*Raises: step of problem '.*' \(turn 1\) raised "
+                                            r"KeyError: 'boom in step'"):  # fmt: skip
         _run(worker, [env], EpisodeLimits(max_turns=2))
     assert env.closed
 
@@ -222,7 +223,8 @@ def test_malformed_first_messages_and_a_failing_close_are_the_environment_s_fail
         async def step(self, text):
             raise KeyError("the first error")
 
-    with pytest.raises(EpisodeFailed, match="BothFail: step raised KeyError: 'the first error'"):  # not masked
+    # not masked by the second error
+    with pytest.raises(EpisodeFailed, match="BothFail: step of problem .* raised KeyError: 'the first error'"):
         _run(worker, [BothFail()], EpisodeLimits(max_turns=2))
     assert "BothFail: close raised ConnectionError: sandbox teardown failed after the episode had failed" in caplog.text
 
@@ -288,8 +290,8 @@ def test_failed_episodes_within_the_budget_are_dropped_and_one_more_fails_the_ba
     resets.clear()
     monkeypatch.setattr(worker, "_new_env", lambda: FailsSome({**fail, "q2": 1}, resets))
     with pytest.raises(EpisodeFailed, match=r"4 of this rollout request's 9 episodes .*max_failed_fraction = 0.34 "
-                                            r"lets .* = 3 go; the first: environment .*FailsSome: step raised "
-                                            r"ConnectionError"):  # fmt: skip
+                                            r"lets .* = 3 go; the first: environment .*FailsSome: step of problem .* "
+                                            r"raised ConnectionError"):  # fmt: skip
         worker.generate_groups(problems, group_ids=[0, 1, 2], group_size=3)
     assert len(worker.generate_groups(problems[2:], group_ids=[2], group_size=3).samples) == 3  # the engine goes on
 

@@ -21,7 +21,11 @@ def test_the_budget_lets_its_fraction_go_and_the_next_failure_fails_the_request(
         with pytest.raises(EpisodeFailed, match=expected + r"floor\(0.25 x 10\) = 2 go; the first: env A broke on p0"):
             budget.record(EpisodeFailed("env A broke on p7"))
     assert [r.exc_info is not None for r in caplog.records] == [True] * 3  # each failure logged as it happened
-    assert "env A broke on p7" in caplog.text
+    assert "env A broke on p7" in caplog.text and "lets 2 be dropped, so the request fails" in caplog.text
+    # Episodes failing at the same step all arrive before the others stop: one traceback each flooded the log.
+    with caplog.at_level(logging.WARNING, logger="rollout.envs.failures"), pytest.raises(EpisodeFailed):
+        budget.record(EpisodeFailed("env A broke on p9"))
+    assert len(caplog.records) == 3 and "p9" not in caplog.text
     assert FailureBudget(100, 0.29).allowed == 29  # not floor(28.999...)
 
 
