@@ -18,7 +18,8 @@ a synchronous HTTP client, a long computation) stalls generation of every episod
 which can fire only at an ``await``, cannot cut it. So a call that returns at or past the episode's deadline ends
 the episode as a timeout all the same (its result is not taken, as that of a call cut at the deadline is not), and a
 call that runs :data:`HOLD_WARNING_S` or longer without awaiting is named in a warning (once per environment class
-and method), as the agent runner treats an agent that returns past its time.
+and method), as the agent runner treats an agent that returns past its time; so are many shorter ones that add up
+(:data:`BLOCKING_CALL_S`, :data:`BLOCKING_TOTAL_S`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-__all__ = ["HOLD_WARNING_S", "Episode", "EpisodeLimits", "render_transcript", "run_episode"]
+__all__ = [
+    "BLOCKING_CALL_S", "BLOCKING_TOTAL_S", "HOLD_WARNING_S", "Episode", "EpisodeLimits", "render_transcript",
+    "run_episode",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,13 @@ HOLD_WARNING_S = 1.0
 mark of a slow step (``loop.slow_callback_duration``, 0.1 s), so what crosses it is blocking I/O, a sleep or a long
 computation, not the ordinary cost of a step (a parse, an import, a sandbox process started), and a stall of a second
 per call is already a visible share of a batch's generation time."""
+
+
+BLOCKING_CALL_S = 0.025
+"""A call that holds the event loop this long without awaiting blocked (a step's own work takes well under a
+millisecond); once such calls of one environment class and method add up to :data:`BLOCKING_TOTAL_S`, a warning says
+so."""
+BLOCKING_TOTAL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -277,6 +288,7 @@ class _LoopHold(Generic[_T]):
     def __init__(self, awaitable: Awaitable[_T]) -> None:
         self._awaitable = awaitable
         self.longest_s = 0.0
+        self.total_s = 0.0
 
     def __await__(self) -> Generator[Any, Any, _T]:
         inner = self._awaitable.__await__()
@@ -289,7 +301,8 @@ class _LoopHold(Generic[_T]):
             except StopIteration as stop:
                 return stop.value
             finally:
-                self.longest_s = max(self.longest_s, time.perf_counter() - start)
+                held = time.perf_counter() - start
+                self.longest_s, self.total_s = max(self.longest_s, held), self.total_s + held
             try:
                 value, resume = (yield yielded), inner.send
             except GeneratorExit:
@@ -319,6 +332,8 @@ async def _called(
     except Exception as e:  # the episode's deadline arrives as CancelledError (no Exception): it passes
         raise EpisodeFailed(f"{environment_name(env)}: {what} raised {type(e).__name__}: {e}") from e
     finally:
+        if hold is not None:
+            _add_blocking(env, method, hold.longest_s)
         if hold is not None and hold.longest_s >= HOLD_WARNING_S:
             _say_once(env, method, "held", "%s: %s held the event loop for %.1f s without awaiting: an environment "
                       "that blocks (time.sleep, a synchronous HTTP client, a long computation) stalls generation of "
@@ -328,6 +343,25 @@ async def _called(
     if deadline is not None and asyncio.get_running_loop().time() >= deadline:
         raise _ReturnedLate(method, what, value, hold.longest_s)
     return value
+
+
+_blocking: dict[tuple[type, str], list[float]] = {}  # (class, method) -> [seconds held in calls that blocked, calls]
+
+
+def _add_blocking(env: Environment, method: str, held_s: float) -> None:
+    """Count a call that held the loop :data:`BLOCKING_CALL_S` or more; once such calls of one environment class and
+    method add up to :data:`BLOCKING_TOTAL_S`, say so: many short blocking calls (a ``time.sleep(0.05)`` per step)
+    stall generation as one long one does, each staying under the per-call warning."""
+    if held_s < BLOCKING_CALL_S:
+        return
+    tally = _blocking.setdefault((type(env), method), [0.0, 0])
+    tally[0] += held_s
+    tally[1] += 1
+    if tally[0] >= BLOCKING_TOTAL_S:
+        _say_once(env, method, "blocking", "%s: %d calls of %s each held the event loop %.0f ms or more without "
+                  "awaiting, %.1f s in all: every episode on this worker stops generating meanwhile; use async I/O, "
+                  "or `await asyncio.to_thread(...)` for blocking work (said once per environment class and method)",
+                  environment_name(env), tally[1], method, BLOCKING_CALL_S * 1e3, tally[0])  # fmt: skip
 
 
 def _say_late(env: Environment, returned: _ReturnedLate, limits: EpisodeLimits) -> None:

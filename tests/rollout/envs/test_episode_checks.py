@@ -74,6 +74,17 @@ def test_a_call_that_holds_the_loop_long_is_named_once(quick_hold_warning, caplo
     assert "stalls generation of every episode on this worker" in said[0] and "asyncio.to_thread" in said[0]
 
 
+def test_many_short_blocking_calls_are_named_once_they_add_up(quick_hold_warning, monkeypatch, caplog):
+    # time.sleep(0.05) in each step made generation 10x slower, and each call stayed under the per-call warning.
+    monkeypatch.setattr("rollout.envs.episode.BLOCKING_TOTAL_S", 0.25)
+    monkeypatch.setattr("rollout.envs.episode._blocking", {})
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            play(SleepsInStep(0.04, turns=3), EpisodeLimits(max_turns=3))
+    assert "SleepsInStep: " in caplog.text and "calls of step each held the event loop 25 ms or more" in caplog.text
+    assert caplog.text.count("calls of step each held") == 1
+
+
 def test_a_step_that_awaits_is_not_holding_the_loop(quick_hold_warning, caplog):
     import asyncio
 
