@@ -23,12 +23,13 @@ from common.ray_job import ray_job_submission_id
 
 __all__ = [
     "ADAPTER_DIR", "CHECKPOINTS", "CURVES", "FINAL_MODEL", "HF_EXPORTS", "LOCK", "METRICS", "OUTPUTS",
-    "RESOLVED_RECIPE", "TENSORBOARD", "WARM_START_MODEL", "RunDirBusy", "RunDirLock", "earlier_runs_kept",
+    "RESOLVED_RECIPE", "SAMPLES", "TENSORBOARD", "WARM_START_MODEL", "RunDirBusy", "RunDirLock", "earlier_runs_kept",
     "lora_base_dir", "read_run_record", "set_aside_earlier_run",
 ]  # fmt: skip
 
 RESOLVED_RECIPE = "recipe.resolved.toml"
 METRICS = "metrics.jsonl"
+SAMPLES = "samples.jsonl"
 TENSORBOARD = "tensorboard"
 CURVES = "curves.png"
 CHECKPOINTS = "checkpoints"
@@ -38,7 +39,9 @@ FINAL_MODEL = "final_model"
 ADAPTER_DIR = "adapter"
 """Subdirectory of an exported LoRA policy (``final_model/``, ``hf/step_<n>/``) holding its PEFT adapter (the merged
 model is the directory itself)."""
-OUTPUTS = (RESOLVED_RECIPE, METRICS, TENSORBOARD, CURVES, CHECKPOINTS, WARM_START_MODEL, HF_EXPORTS, FINAL_MODEL)
+OUTPUTS = (
+    RESOLVED_RECIPE, METRICS, SAMPLES, TENSORBOARD, CURVES, CHECKPOINTS, WARM_START_MODEL, HF_EXPORTS, FINAL_MODEL,
+)  # fmt: skip
 """Everything a run writes in its output directory."""
 log = logging.getLogger(__name__)
 

@@ -19,14 +19,14 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from common.cpu import CpuClock
 from common.run_dir import HF_EXPORTS
 from rollout.metrics import sample_metrics
-from rollout.types import RolloutBatch, episode_members
+from rollout.types import RolloutBatch, Sample, episode_members
 
 if TYPE_CHECKING:
     from rollout.pool import RolloutHandle
@@ -56,11 +56,14 @@ class RLLoop:
         log: Callable[[int, dict[str, float]], None],
         evaluate: Callable[[], dict[str, float]],
         num_cores: int = 1,
+        log_samples: Callable[[int, Sequence[Sample]], None] | None = None,
     ) -> None:
         """``publisher``: the run's :class:`driver.publisher.WeightPublisher` (``publish() -> push metrics``);
-        ``num_cores``: the cores the run's actors hold (``driver.placement.Placement.num_cores``)."""
+        ``num_cores``: the cores the run's actors hold (``driver.placement.Placement.num_cores``); ``log_samples``:
+        given each step and the samples it trained on (``driver.sample_log.SampleLog.write``)."""
         self.recipe, self.pool, self.trainer, self.dataset = recipe, pool, trainer, dataset
         self.publisher, self._log, self._evaluate = publisher, log, evaluate
+        self._log_samples = log_samples
         self.num_cores = num_cores
         self._queue: collections.deque[_InFlight] = collections.deque()
         self._cpu = CpuClock()
@@ -153,6 +156,8 @@ class RLLoop:
             if evaluated:
                 metrics.update(self._evaluate())
             self._log(step, metrics)
+            if self._log_samples is not None:
+                self._log_samples(step, batch.samples)
             owed = (step, cursor)
         if owed is not None:
             self._save(*owed)

@@ -250,6 +250,7 @@ class _Run:
         from driver.placement import cluster_node_cores, host_cores, plan_placement
         from driver.publisher import WeightPublisher
         from driver.reservation import Role, reserve
+        from driver.sample_log import SampleLog
         from rollout.engine.vllm_plugin import lora_option
         from rollout.pool import RolloutPool, worker_resources
         from rollout.tokenizer import load_tokenizer
@@ -260,6 +261,8 @@ class _Run:
             self.out_dir, r.run.num_steps, tensorboard=r.run.logging.tensorboard, progress=r.run.logging.progress,
             prometheus_port=r.run.logging.prometheus_port, append=self.resume,
         )  # fmt: skip
+        self.sample_log = SampleLog(self.out_dir, r.rollout.tokenizer_dir, r.run.logging.samples_per_step,
+                                    append=self.resume)  # fmt: skip
         model_cfg = self.model_cfg
         cores = host_cores()
         if self.can_grow:  # a joined cluster: the actors' node, which need not be the driver's host
@@ -399,6 +402,7 @@ class _Run:
             self.dataset.load_state_dict(state["data_cursor"])
             start_step = state["step"]
             num_dropped = self.logger.drop_from(start_step)
+            self.sample_log.drop_from(start_step)
             log.info("resumed at step %d (policy version %d); dropped %d metric records past it", start_step,
                      state["policy_version"], num_dropped)  # fmt: skip
         elif self._runs_warm_start:
@@ -437,7 +441,7 @@ class _Run:
             self.logger.log(start_step - 1, evals[start_step - 1], phase="eval")
         before = evals.get(-1, evals[start_step - 1])
         RLLoop(r, self.pool, self.trainer, self.dataset, self.publisher, self.logger.log, do_eval,
-               num_cores=self.placement.num_cores).run(start_step)  # fmt: skip
+               num_cores=self.placement.num_cores, log_samples=self.sample_log.write).run(start_step)  # fmt: skip
         trained = start_step < r.run.num_steps  # else a finished run resumed again: its end is on record
         if trained:
             after = do_eval()

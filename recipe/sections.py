@@ -171,6 +171,9 @@ class LoggingConfig(Config):
     """A PNG of reward, KL and throughput curves at the end of the run."""
     prometheus_port: int | None = pydantic.Field(None, ge=0, le=65535)
     """Serve Prometheus metrics on this port (loopback); None: off."""
+    samples_per_step: int = pydantic.Field(2, ge=0)
+    """Samples of each step written as text to ``<output_dir>/samples.jsonl`` (the first of each of the step's first
+    groups: ``driver.sample_log``); 0: none."""
 
 
 Strategy = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]

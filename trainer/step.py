@@ -20,6 +20,7 @@ Returns one flat dict of floats per step, identical on every rank (``trainer.met
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 
@@ -117,6 +118,31 @@ def _all_reduce_sum(state: TrainState, x: torch.Tensor) -> torch.Tensor:
     if state.dp_size > 1:
         dist.all_reduce(x, group=state.dp_group)
     return x
+
+
+def _advantage_stats(state: TrainState, plans: list[list[MicroBatch]]) -> dict[str, float]:
+    """``advantage_mean``, ``_std`` (population), ``_min`` and ``_max`` over the completion tokens of every rank's
+    micro-batches that carry loss; nothing when there are none."""
+    moments = torch.zeros(3, dtype=torch.float64, device=state.device)  # tokens, sum, sum of squares
+    extremes = torch.full((2,), -math.inf, dtype=torch.float64, device=state.device)  # max, -min
+    for mb in (mb for mbs in plans for mb in mbs):
+        if mb.loss_mask.numel() == 0:  # a micro-batch without completion tokens
+            continue
+        mask, values = mb.loss_mask > 0, mb.advantages.double()  # masked sums: no data-dependent shapes (XLA)
+        weights = mask.double()
+        moments += torch.stack([weights.sum(), (values * weights).sum(), (values.square() * weights).sum()])
+        masked = torch.where(mask, values, -math.inf), torch.where(mask, -values, -math.inf)
+        extremes = torch.maximum(extremes, torch.stack([masked[0].max(), masked[1].max()]))
+    _all_reduce_sum(state, moments)
+    if state.dp_size > 1:
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=state.dp_group)
+    count, total, squares = moments.tolist()
+    if count == 0:
+        return {}
+    mean = total / count
+    top, neg_bottom = extremes.tolist()
+    return {"advantage_mean": mean, "advantage_std": math.sqrt(max(0.0, squares / count - mean * mean)),
+            "advantage_min": -neg_bottom, "advantage_max": top}  # fmt: skip
 
 
 def _trained_indices(state: TrainState, samples: Sequence[Sample]) -> list[int]:
@@ -358,6 +384,7 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
             _no_grad_pass(state, plans, need_old)
             _compute_advantages(state, samples, trained, plans)
             cut_graph(state.device)
+    advantages = _advantage_stats(state, plans) if minis else {}
 
     acc, critic_acc = MetricsAccumulator(), MetricsAccumulator()
     grad_norms: list[torch.Tensor] = []
@@ -401,6 +428,7 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     state.policy_version += 1
     elapsed = time.perf_counter() - start
     metrics["overlong_filtered_frac"] = (len(samples) - len(trained)) / len(samples)
+    metrics.update(advantages)
     metrics.update(
         grad_norm=float(np.mean(norms)) if norms else 0.0,
         grad_norm_max=float(np.max(norms)) if norms else 0.0,

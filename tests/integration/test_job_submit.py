@@ -53,6 +53,9 @@ def test_ray_job_submit_runs_recipe_to_success(ray_cluster: tuple[str, Path], tm
     assert rl_steps(records) == [0, 1]
     assert all(r["reward/mean"] is not None for r in records if r["phase"] == "rl")
     assert [r["step"] for r in records if r["phase"] == "eval"] == [-1, 1]
+    samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in samples] == [0, 0, 1, 1]  # run.logging.samples_per_step = 2
+    assert all(r["prompt"].startswith("<|im_start|>") and r["completion"] for r in samples), samples[0]
     # The job ran from the uploaded copy of the working directory, which left the venv and run outputs behind.
     pkgs = ray_temp_dir.glob("session_latest/runtime_resources/working_dir_files/_ray_pkg_*")
     unpacked = [p for p in pkgs if p.is_dir()]

@@ -62,6 +62,14 @@ def test_first_grpo_step_is_exactly_on_policy() -> None:
     assert m["clip_frac_low"] == 0.0 and m["clip_frac_high"] == 0.0
     assert m["num_tokens"] == sum(len(s.completion_ids) for s in samples)
     assert m["grad_norm"] > 0 and m["policy_version"] == 1.0
+    # The advantages' statistics over completion tokens, against GRPO's formula in numpy.
+    rewards = np.array([s.reward for s in samples]).reshape(3, 4)
+    adv = ((rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, ddof=1, keepdims=True) + 1e-6)).ravel()
+    tokens = np.repeat(adv, [len(s.completion_ids) for s in samples])
+    assert m["advantage_mean"] == pytest.approx(tokens.mean(), abs=1e-6)
+    assert m["advantage_std"] == pytest.approx(tokens.std(), rel=1e-5)
+    assert m["advantage_min"] == pytest.approx(tokens.min(), rel=1e-5)
+    assert m["advantage_max"] == pytest.approx(tokens.max(), rel=1e-5)
 
 
 def test_lora_dropout_leaves_the_importance_weights_to_a_pass_without_it() -> None:
