@@ -65,11 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         from driver.preflight import check_offline
 
         try:
-            check_offline(recipe)
+            dataset = check_offline(recipe)
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(to_toml(recipe), end="")
+        # On stderr: stdout stays the resolved recipe alone, for a script to keep.
+        print(f"ok: {args.recipe} with {len(dataset)} training and {len(dataset.eval_problems())} held-out problems "
+              "(nothing was started)", file=sys.stderr)  # fmt: skip
         return 0
     from driver.run import run
 

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from common.chat_turns import turn_end_id
 from rollout.envs.base import environment_name
 from rollout.envs.tools import check_tool_descriptions
-from rollout.tokenizer import render_prompt, turn_end_id
+from rollout.tokenizer import render_prompt
 from rollout.types import Sample
 
 if TYPE_CHECKING:

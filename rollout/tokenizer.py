@@ -20,15 +20,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.chat_turns import after_assistant_turn, end_of_turn_id, has_chat_template, tool_list
 from common.tokenizer_dir import check_tokenizer_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
-    "Messages", "PromptLike", "PromptRenderer", "end_of_turn_id", "has_chat_template", "load_tokenizer",
-    "check_prompt", "check_tools", "messages_to_text", "render_continuation", "render_prompt", "token_bytes",
-    "tool_description_problem", "turn_end_id",
+    "Messages", "PromptLike", "PromptRenderer", "load_tokenizer", "check_prompt", "check_tools", "messages_to_text",
+    "render_continuation", "render_prompt", "token_bytes", "tool_description_problem",
 ]  # fmt: skip
 
 Messages = Sequence[Mapping[str, Any]]
@@ -40,7 +40,6 @@ Tools = Sequence[Mapping[str, object]]
 _TOOL_SHAPE = ("{'type': 'function', 'function': {'name': ..., 'description': ..., 'parameters': {'type': 'object', "
                "'properties': {...}}}}")  # fmt: skip
 
-_SENTINEL = "\u2063rl-align turn\u2063"  # an assistant turn's text that no template rewrites or meets elsewhere
 _CONTENT = "\u2063rl-align content\u2063"  # stands in for a content holding special-token text (to find its place)
 PromptLike = str | Messages
 """A prompt is plain text or a list of chat messages."""
@@ -59,11 +58,6 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot load the tokenizer in {path!r} (files: {', '.join(present)}): {e}") from e
-
-
-def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether ``tokenizer`` carries a chat template."""
-    return bool(getattr(tokenizer, "chat_template", None))
 
 
 def render_prompt(
@@ -143,43 +137,6 @@ def _prompt_key(prompt: PromptLike, tools: Tools | None) -> str | None:
     return key if len(key) <= 16384 else None
 
 
-@functools.lru_cache(maxsize=8)
-def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The token the chat template writes right after an assistant turn (``<|im_end|>`` in ChatML, ``<|eot_id|>`` in
-    Llama 3): a model turn that ends with it can be continued by :func:`render_continuation`. ``ValueError`` when the
-    template writes none (or no special token there)."""
-    after = _after_sentinel(tokenizer, [], None)
-    ids = tokenizer.encode(after, add_special_tokens=False)
-    if not ids or not _is_special(tokenizer, ids[0]):
-        raise ValueError(
-            f"the chat template of {getattr(tokenizer, 'name_or_path', '?')} ends an assistant turn with "
-            f"{after[:20]!r}, not a special token: multi-turn episodes need a template with an end-of-turn token"
-        )
-    return int(ids[0])
-
-
-def _is_special(tokenizer: PreTrainedTokenizerBase, token_id: int) -> bool:
-    """Whether ``token_id`` is a special token: one the tokenizer names (eos, pad, additional ones) or an added token
-    marked special (Llama 3 lists ``<|eot_id|>`` only there)."""
-    added = getattr(tokenizer, "added_tokens_decoder", {}).get(token_id)
-    return token_id in set(tokenizer.all_special_ids) or bool(getattr(added, "special", False))
-
-
-def turn_end_id(tokenizer: PreTrainedTokenizerBase, use_chat_template: bool | None) -> int | None:
-    """The token a model turn ends with: with prompts rendered through the chat template (:func:`render_prompt`'s
-    rule) the template's end-of-turn token, where it writes one; else the tokenizer's end-of-sequence token (None when
-    it has none). They differ for a base model's tokenizer with a chat template (Qwen 3 base: ``<|endoftext|>`` ends a
-    text, ``<|im_end|>`` a turn; Llama 3: ``<|end_of_text|>`` and ``<|eot_id|>``): the engines stop at this one too,
-    and the warm start ends its targets with it."""
-    if use_chat_template is not False and has_chat_template(tokenizer):
-        try:
-            return end_of_turn_id(tokenizer)
-        except ValueError:  # the template ends a turn with plain text: the end-of-sequence token ends it
-            pass
-    eos = tokenizer.eos_token_id
-    return None if eos is None else int(eos)
-
-
 def render_continuation(
     tokenizer: PreTrainedTokenizerBase, messages: Messages, tools: Tools | None = None
 ) -> list[int]:
@@ -194,30 +151,11 @@ def render_continuation(
     eot = str(tokenizer.decode([end_of_turn_id(tokenizer)]))
 
     def render(chat: list[dict[str, Any]]) -> str:
-        after = _after_sentinel(tokenizer, chat, tools)
+        after = after_assistant_turn(tokenizer, chat, tools)
         assert after.startswith(eot)
         return after[len(eot) :]
 
     return _encode_chat(tokenizer, [dict(m) for m in messages], render)
-
-
-def _after_sentinel(tokenizer: PreTrainedTokenizerBase, messages: Messages, tools: Tools | None) -> str:
-    """The template's text after a sentinel assistant turn followed by ``messages`` (and, with messages, the
-    generation prompt)."""
-    if not has_chat_template(tokenizer):
-        raise ValueError(
-            f"the tokenizer {getattr(tokenizer, 'name_or_path', '?')} has no chat template: multi-turn episodes render "
-            "observations with one"
-        )
-    chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}, *map(dict, messages)]
-    text = tokenizer.apply_chat_template(
-        chat, tools=_tool_list(tools), tokenize=False, add_generation_prompt=bool(messages)
-    )
-    assert isinstance(text, str)
-    at = text.find(_SENTINEL)
-    if at < 0:
-        raise ValueError("the chat template drops assistant turns from the history: episodes cannot be continued")
-    return text[at + len(_SENTINEL):]
 
 
 def _encode_rendered(
@@ -225,7 +163,7 @@ def _encode_rendered(
 ) -> list[int]:
     def render(chat: list[dict[str, Any]]) -> str:
         text = tokenizer.apply_chat_template(
-            chat, tools=_tool_list(tools), tokenize=False, add_generation_prompt=add_generation_prompt
+            chat, tools=tool_list(tools), tokenize=False, add_generation_prompt=add_generation_prompt
         )
         assert isinstance(text, str)
         return text
@@ -279,10 +217,6 @@ def _special_pattern(tokenizer: PreTrainedTokenizerBase) -> re.Pattern[str] | No
     texts = [t.content for t in added.values() if getattr(t, "special", False)] or list(tokenizer.all_special_tokens)
     texts = sorted({t for t in texts if t}, key=len, reverse=True)
     return re.compile("|".join(map(re.escape, texts))) if texts else None
-
-
-def _tool_list(tools: Tools | None) -> list[dict[Any, Any] | Callable[..., Any]] | None:
-    return None if not tools else [dict(t) for t in tools]
 
 
 def token_bytes(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> list[bytes]:

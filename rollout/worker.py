@@ -57,13 +57,14 @@ class RolloutWorker:
     ) -> None:
         """``trainer_session``: the weight-sync session of the trainer whose base model the engine starts from (its
         receiver reports it until the first commit, so that trainer's adapters alone are taken); None: unknown."""
+        from common.chat_turns import turn_end_id
         from rollout.agents import AgentRunner, load_agent_function
         from rollout.engine.sink import VLLMWeightSink
         from rollout.engine.vllm_engine import VLLMEngine
         from rollout.envs import build_environment, episode_limits
         from rollout.envs.config import AgentEnvConfig, SingleTurnEnvConfig
         from rollout.rewards.scorer import RewardScorer
-        from rollout.tokenizer import PromptRenderer, load_tokenizer, turn_end_id
+        from rollout.tokenizer import PromptRenderer, load_tokenizer
         from weight_sync.config import WeightSyncConfig
         from weight_sync.receiver import WeightReceiver
 
@@ -74,6 +75,7 @@ class RolloutWorker:
         end = turn_end_id(self.tokenizer, config.use_chat_template)
         # A model turn ends at the template's end-of-turn, which a base model's end-of-sequence ids may not include.
         self._turn_end = [] if end is None or end == self.tokenizer.eos_token_id else [end]
+        self._info_names: set[str] = set()  # the environment's info figures seen so far
         self.scorer = RewardScorer.from_config(reward) if reward is not None else None
         self._env_config = environment or SingleTurnEnvConfig()
         self._limits = episode_limits(self._env_config)
@@ -177,6 +179,10 @@ class RolloutWorker:
                 [e.num_turns for e in episodes], [int((e.loss_mask == 0).sum()) for e in episodes],
                 [e.timed_out for e in episodes], [e.info for e in episodes],
             )  # fmt: skip
+            # A figure the environment reported before is 0 in a batch where none of its episodes did, not missing
+            # (a gap in its curve).
+            self._info_names.update(name for e in episodes for name in e.info)
+            metrics |= {f"env/{name}": 0.0 for name in self._info_names if f"env/{name}" not in metrics}
         return RolloutBatch(samples=samples, metrics=metrics)
 
     def _run_jobs(

@@ -5,9 +5,10 @@
 
 The directory holds the safetensors weights and a ``config.json`` written from the model config, plus everything
 else a user needs to load and generate that training does not change, taken from the model directory the run started
-from: the tokenizer files, ``generation_config.json`` (written from the token ids when the source has none) and the
-special-token ids of the source ``config.json`` (``eos_token_id``, ``pad_token_id``, ``bos_token_id``), so HF
-``generate`` stops where the trained policy learnt to stop.
+from: the tokenizer files, ``generation_config.json`` (written from the token ids when the source has none, with
+the chat template's end-of-turn token among its ``eos_token_id``) and the special-token ids of the source
+``config.json`` (``eos_token_id``, ``pad_token_id``, ``bos_token_id``), so HF ``generate`` stops where the trained
+policy learnt to stop.
 
 An export is written into a temporary sibling directory and renamed into place when complete, so a reader finds the
 whole export under its name or nothing new; a failure removes the temporary directory and leaves the output as it was.
@@ -72,11 +73,33 @@ def complete_from_source(out_dir: str | Path, source_dir: str | Path) -> list[st
     config = json.loads(config_path.read_text())
     config.update(ids)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if (src / "generation_config.json").is_file():
-        shutil.copyfile(src / "generation_config.json", out / "generation_config.json")
-    else:
-        (out / "generation_config.json").write_text(json.dumps(ids, indent=2, sort_keys=True) + "\n")
+    generation = json.loads((src / "generation_config.json").read_text()) if (
+        src / "generation_config.json").is_file() else dict(ids)  # fmt: skip
+    turn_end = _template_turn_end(out)
+    eos = generation.get("eos_token_id")
+    eos_ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    if turn_end is not None and turn_end not in eos_ids:
+        generation["eos_token_id"] = [*eos_ids, turn_end]
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
     return [*copied, "generation_config.json"]
+
+
+def _template_turn_end(model_dir: Path) -> int | None:
+    """The token the chat template of the tokenizer in ``model_dir`` ends an assistant turn with, or None (no template,
+    or none that ends a turn with a special token). A base model's tokenizer with a chat template ends a text with
+    another (Qwen 3 base: ``<|endoftext|>``, against ``<|im_end|>``): its ``generation_config.json`` lists only that
+    one, and ``generate`` on a chat prompt ran past the end of the turn the run trained and stopped the engines at."""
+    from transformers import AutoTokenizer
+
+    from common.chat_turns import end_of_turn_id, has_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    if not has_chat_template(tokenizer):
+        return None
+    try:
+        return end_of_turn_id(tokenizer)
+    except ValueError:
+        return None
 
 
 def _tokenizer_files(source_dir: Path) -> list[str]:

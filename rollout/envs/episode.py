@@ -232,7 +232,8 @@ async def _turns(
     deadline: float | None,
     problem_id: str,
 ) -> None:
-    from rollout.tokenizer import end_of_turn_id, render_continuation
+    from common.chat_turns import end_of_turn_id
+    from rollout.tokenizer import render_continuation
 
     observation: list[int] = []  # ids of the observation before the next turn, committed with it
     for turn in range(limits.max_turns):
@@ -441,7 +442,8 @@ def render_transcript(
     laid out exactly as :func:`run_episode` lays out an episode: each ``assistant`` turn is its encoded text plus the
     end-of-turn token (mask 1), the messages between turns are their chat-template continuation (mask 0).
     ``ValueError`` unless the transcript starts and ends with an assistant turn."""
-    from rollout.tokenizer import end_of_turn_id, render_continuation
+    from common.chat_turns import end_of_turn_id
+    from rollout.tokenizer import render_continuation
 
     if not turns or turns[0].get("role") != "assistant" or turns[-1].get("role") != "assistant":
         raise ValueError("a transcript solution must start and end with an assistant message")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from common.chat_turns import has_chat_template
 from rollout.rewards.config import RewardModelConfig
 from rollout.tasks.problem import Problem, chat_messages
-from rollout.tokenizer import has_chat_template, load_tokenizer, messages_to_text
+from rollout.tokenizer import load_tokenizer, messages_to_text
 
 __all__ = ["RewardModelReward"]
 

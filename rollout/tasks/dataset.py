@@ -86,7 +86,7 @@ class PromptDataset:
         """``(problem, ideal completion)`` pairs for a supervised warm start, from training problems only.
 
         The completion is the problem's ``solution`` (or its answer when it has none) followed by ``eos_text`` (the
-        text of the token a model turn ends with, ``rollout.tokenizer.turn_end_id``: e.g. ``"<|im_end|>"``); a
+        text of the token a model turn ends with, ``common.chat_turns.turn_end_id``: e.g. ``"<|im_end|>"``); a
         transcript solution (a list of messages)
         comes as it is. Problems come in the epoch-0 shuffle order of
         a separate stream, cycling if ``num_examples`` exceeds the training set; the cursor is not moved.

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from common.chat_turns import end_of_turn_id, has_chat_template
 from common.tokenizer_dir import check_tokenizer_dir
 from rollout.tokenizer import (
     PromptRenderer,
-    end_of_turn_id,
-    has_chat_template,
     load_tokenizer,
     messages_to_text,
     render_continuation,

@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollout.tokenizer import load_tokenizer, render_prompt, turn_end_id
+from common.chat_turns import turn_end_id
+from rollout.tokenizer import load_tokenizer, render_prompt
 from tests.rollout.vllm_helpers import make_model
 
 BASE_EOS = "<|endoftext|>"  # id 0 in the tiny tokenizer
@@ -88,3 +89,28 @@ def test_a_worker_stops_turns_at_the_templates_end_of_turn(tmp_path):
     ended = [c for c, s in zip(completions, batch.samples, strict=True) if c[-1] == turn_end]
     assert ended and all(s.finish_reason == "stop" for s in batch.samples if s.completion_ids[-1] == turn_end)
     assert np.mean([len(c) for c in completions]) < 96  # some stopped early; the rest ran to max_tokens
+
+
+def test_an_export_of_a_base_like_model_stops_generate_at_the_end_of_a_turn(tmp_path):
+    """Its generation_config.json named ``<|endoftext|>`` alone: HF ``generate`` on a chat prompt ran on past the
+    ``<|im_end|>`` the run trained turns to end with (and stopped its engines at)."""
+    import shutil
+
+    import transformers
+
+    from trainer.export import complete_from_source
+
+    source = Path(_as_base_model(make_model(tmp_path / "m")))
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("model.safetensors", "config.json"):
+        shutil.copyfile(source / name, out / name)
+    complete_from_source(out, source)
+    tokenizer = load_tokenizer(str(out))
+    turn_end, eos = tokenizer.convert_tokens_to_ids(TURN_END), tokenizer.convert_tokens_to_ids(BASE_EOS)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [eos, turn_end]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.tensor([render_prompt(tokenizer, "What is 2 + 3?")])
+    with torch.no_grad():
+        generated = model.generate(ids, max_new_tokens=8, do_sample=False, sequence_bias={(turn_end,): 100.0})
+    assert generated[0, ids.shape[1]:].tolist() == [turn_end]

@@ -14,6 +14,7 @@ from tests.rollout.vllm_helpers import tiny_rollout_config, trainer_logprobs
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
+from common.chat_turns import end_of_turn_id  # noqa: E402
 from rollout.agents import AgentRunner, load_agent_function  # noqa: E402
 from rollout.config import SamplingConfig  # noqa: E402
 from rollout.engine.vllm_engine import Completion  # noqa: E402
@@ -21,7 +22,7 @@ from rollout.envs import EpisodeFailed, EpisodeLimits  # noqa: E402
 from rollout.envs.config import AgentEnvConfig  # noqa: E402
 from rollout.rewards.config import ExactMatchRewardConfig, RewardConfig  # noqa: E402
 from rollout.tasks.problem import Problem  # noqa: E402
-from rollout.tokenizer import end_of_turn_id, render_prompt  # noqa: E402
+from rollout.tokenizer import render_prompt  # noqa: E402
 from rollout.worker import RolloutWorker  # noqa: E402
 
 # A random tiny model rarely writes the end-of-turn token; stopping on 80 of its 512 ids ends turns after a few tokens.

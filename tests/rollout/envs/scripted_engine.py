@@ -11,10 +11,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from common.chat_turns import end_of_turn_id
 from rollout.config import SamplingConfig
 from rollout.envs import Environment, Episode, EpisodeLimits, run_episode
 from rollout.tasks.problem import Problem
-from rollout.tokenizer import PromptRenderer, end_of_turn_id
+from rollout.tokenizer import PromptRenderer
 from tools.tiny_tokenizer import build_tokenizer
 
 PROBLEM = Problem(prompt="What is 12 * 34?", answer="408", problem_id="p0")

@@ -8,13 +8,14 @@ from collections.abc import Awaitable
 
 import pytest
 
+from common.chat_turns import end_of_turn_id
 from recipe import load_recipe
 from rollout.envs import build_environment
 from rollout.envs.builtin import FeedbackEnvironment, ToolEnvironment
 from rollout.envs.config import CustomEnvConfig, FeedbackEnvConfig, ToolEnvConfig
 from rollout.envs.tools import Tool, ToolOutput, calculate, format_tool_call, parse_tool_calls, strip_tool_calls
 from rollout.tasks.problem import Problem
-from rollout.tokenizer import end_of_turn_id, render_continuation, render_prompt
+from rollout.tokenizer import render_continuation, render_prompt
 from tools.tiny_tokenizer import build_tokenizer
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[3]

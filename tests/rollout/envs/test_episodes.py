@@ -15,12 +15,13 @@ from tests.rollout.vllm_helpers import tiny_rollout_config, trainer_logprobs
 
 pytest.importorskip("vllm")
 
+from common.chat_turns import end_of_turn_id  # noqa: E402
 from rollout.config import SamplingConfig  # noqa: E402
 from rollout.envs import EpisodeFailed, EpisodeLimits, StepResult, run_episode  # noqa: E402
 from rollout.envs.config import CustomEnvConfig, PythonToolConfig, ToolEnvConfig  # noqa: E402
 from rollout.rewards.config import ExactMatchRewardConfig, RewardConfig  # noqa: E402
 from rollout.tasks.problem import Problem  # noqa: E402
-from rollout.tokenizer import PromptRenderer, end_of_turn_id, render_continuation, render_prompt  # noqa: E402
+from rollout.tokenizer import PromptRenderer, render_continuation, render_prompt  # noqa: E402
 from rollout.types import Sample  # noqa: E402
 from rollout.worker import RolloutWorker  # noqa: E402
 
@@ -256,7 +257,7 @@ def test_token_and_turn_limits_end_episodes_as_length(worker):
     assert out_of_turns.finish_reason == "length" and out_of_turns.num_turns == 2
 
 
-def test_the_worker_turns_episodes_into_masked_samples(worker):
+def test_the_worker_turns_episodes_into_masked_samples(worker, monkeypatch):
     problems = [PROBLEM, Problem(prompt="What is 7 - 3?", answer="4", problem_id="p1")]
     batch = worker.generate_groups(problems, group_ids=[4, 5], group_size=3)
     assert [s.group_id for s in batch.samples] == [4] * 3 + [5] * 3
@@ -271,6 +272,9 @@ def test_the_worker_turns_episodes_into_masked_samples(worker):
     assert m["env/num_observation_tokens"] == sum(int((s.loss_mask == 0).sum()) for s in batch.samples)
     again = worker.generate_groups(problems[1:], group_ids=[5], group_size=3)  # seeds follow group and sample
     assert [s.completion_ids.tolist() for s in again.samples] == [s.completion_ids.tolist() for s in batch.samples[3:]]
+    # A figure the environment reported before is 0 in a batch where none of its episodes did: no gap in its curve.
+    monkeypatch.setattr(worker, "_new_env", lambda: EchoObservations(turns=1))
+    assert worker.generate_groups(problems[1:], group_ids=[6], group_size=2).metrics["env/echoes"] == 0.0
 
 
 def test_failed_episodes_within_the_budget_are_dropped_and_one_more_fails_the_batch(worker, monkeypatch):
