@@ -144,6 +144,8 @@ def test_help_and_recipe_check_do_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "[algorithm]" in out.stdout
+    # It printed the resolved recipe and nothing to say all was well; stdout stays the recipe alone.
+    assert out.stderr.strip().splitlines()[-1].startswith("ok: recipes/grpo_tiny.toml with "), out.stderr
 
 
 def test_bad_recipe_exits_2_with_message(tmp_path):
