@@ -45,7 +45,7 @@ from common.ray_job import ray_job_working_dir
 from common.run_dir import RESOLVED_RECIPE, lora_base_dir
 from recipe.sections import ModelSection, PlacementGroupsConfig, RunConfig
 from rollout.config import MAX_SERVED_LORA_RANK, RolloutConfig, SamplingConfig
-from rollout.envs.config import AgentEnvConfig, CustomEnvConfig, EnvironmentConfig, SingleTurnEnvConfig
+from rollout.envs.config import AgentEnvConfig, CustomEnvConfig, EnvironmentConfig, SingleTurnEnvConfig, ToolEnvConfig
 from rollout.rewards.config import FunctionRewardConfig, RewardConfig, RewardModelConfig
 from rollout.sampling import is_greedy
 from rollout.tasks.config import JsonlTaskConfig, TaskConfig
@@ -556,6 +556,18 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
                 f"{term.path!r} has no config.json: point it at a local HF sequence-classification model directory "
                 f"(relative paths resolve against {Path.cwd()})",
             ))  # fmt: skip
+    environment = recipe.environment
+    named = environment.tools if isinstance(environment, ToolEnvConfig) else (
+        environment.warm_start_tools if isinstance(environment, AgentEnvConfig) else [])  # fmt: skip
+    field = "tools" if isinstance(environment, ToolEnvConfig) else "warm_start_tools"
+    for i, tool in enumerate(named):
+        if ":" in tool:  # the user's own: imported here as the rollout workers will
+            from rollout.envs.tools import build_tool
+
+            try:
+                build_tool(tool)
+            except ValueError as e:
+                problems.append((("environment", field, i), str(e)))
     if isinstance(recipe.environment, CustomEnvConfig):
         from rollout.envs import build_environment
 

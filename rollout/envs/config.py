@@ -21,13 +21,28 @@ from common.config import Config
 from common.imports import check_import_path
 
 __all__ = [
-    "AgentEnvConfig", "CustomEnvConfig", "EnvironmentConfig", "FeedbackEnvConfig", "PythonToolConfig",
-    "SingleTurnEnvConfig", "ToolEnvConfig", "ToolName",
+    "BUILTIN_TOOLS", "AgentEnvConfig", "CustomEnvConfig", "EnvironmentConfig", "FeedbackEnvConfig",
+    "PythonToolConfig", "SingleTurnEnvConfig", "ToolEnvConfig", "ToolName",
 ]  # fmt: skip
 
-ToolName = Literal["calculator", "python"]
+BUILTIN_TOOLS = ("calculator", "python")
 """Built-in tools: ``calculator`` (arithmetic on numbers, evaluated in process without ``eval``: pure and bounded) and
 ``python`` (a program run in the out-of-process sandbox, :mod:`rollout.envs.sandbox`)."""
+
+
+def _check_tool(name: str) -> str:
+    if name in BUILTIN_TOOLS:
+        return name
+    if ":" not in name:
+        raise ValueError(f"tool {name!r}: name a built-in tool ({', '.join(BUILTIN_TOOLS)}) or your own as "
+                         "'package.module:name' of a rollout.envs.tools.Tool")  # fmt: skip
+    return check_import_path(name, "tool", "my_tools:convert")
+
+
+ToolName = Annotated[str, pydantic.AfterValidator(_check_tool)]
+"""A tool of a recipe: a built-in one (:data:`BUILTIN_TOOLS`) or ``"package.module:name"`` of a
+``rollout.envs.tools.Tool`` (or a function returning one) of the user's, importable on the rollout workers and the
+driver (``rollout.envs.tools.build_tool``)."""
 
 
 class SingleTurnEnvConfig(Config):
@@ -100,8 +115,8 @@ class ToolEnvConfig(_MultiTurnConfig):
 
     type: Literal["tools"] = "tools"
     """Selects this environment."""
-    tools: list[ToolName] = pydantic.Field(default_factory=lambda: ["calculator"], min_length=1)  # type: ignore[arg-type]
-    """Tools the model may call."""
+    tools: list[ToolName] = pydantic.Field(default_factory=lambda: ["calculator"], min_length=1)
+    """Tools the model may call: built-in ones by name, your own by ``"package.module:name"`` (:data:`ToolName`)."""
     system_prompt: str | None = None
     """System message before the task's prompt (the template adds the tool descriptions)."""
     max_calls_per_turn: int = pydantic.Field(default=4, ge=1)
@@ -172,9 +187,10 @@ class AgentEnvConfig(_MultiTurnConfig):
     """The model name the endpoint lists and answers as (requests may name any model: there is one)."""
     warm_start_tools: list[ToolName] = []
     """The agent's own prompts are not known before it runs, so a supervised warm start renders the task's prompts
-    as the ``tools`` environment does with these built-in tools described (``[]``: as the single-turn environment
-    does). An agent that sends the task's messages with the same tool schemas
-    (``rollout.envs.tools.build_tool(name).schema()``) then starts from the prompts it was warm-started on."""
+    as the ``tools`` environment does with these tools described (built-in ones by name, your own by
+    ``"package.module:name"``: :data:`ToolName`; ``[]``: as the single-turn environment does). An agent that sends
+    the task's messages with the same tool schemas (``rollout.envs.tools.build_tool(name).schema()``) then starts
+    from the prompts it was warm-started on."""
 
     @pydantic.field_validator("function")
     @classmethod

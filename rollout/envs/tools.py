@@ -18,15 +18,15 @@ import asyncio
 import json
 import math
 import operator
-import typing
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from rollout.envs.config import PythonToolConfig, ToolName
-from rollout.tokenizer import check_tools
+from common.imports import resolve_object
+from rollout.envs.config import BUILTIN_TOOLS, PythonToolConfig, ToolName
+from rollout.tokenizer import check_tools, tool_description_problem
 
 __all__ = [
     "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "Tool", "ToolCall", "ToolOutput", "build_tool", "calculate",
@@ -248,7 +248,10 @@ def _slots(size: int) -> asyncio.Semaphore:
 
 
 def build_tool(name: ToolName, python: PythonToolConfig | None = None) -> Tool:
-    """The built-in tool ``name`` (``python`` with ``python``'s limits)."""
+    """The tool ``name``: a built-in one (``python`` with ``python``'s limits), or the user's ``Tool`` (or function of
+    no arguments returning one) at ``"package.module:name"``. ``ValueError`` names what is wrong."""
+    if ":" in name:
+        return _user_tool(name)
     if name == "calculator":
         return Tool(
             "calculator", "Evaluate an arithmetic expression exactly.",
@@ -261,4 +264,18 @@ def build_tool(name: ToolName, python: PythonToolConfig | None = None) -> Tool:
             {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
             _python_tool(python or PythonToolConfig()),
         )  # fmt: skip
-    raise ValueError(f"unknown tool {name!r}; built-in tools: {', '.join(typing.get_args(ToolName))}")
+    raise ValueError(f"unknown tool {name!r}; built-in tools: {', '.join(BUILTIN_TOOLS)}, or your own as "
+                     "'package.module:name'")
+
+
+def _user_tool(spec: str) -> Tool:
+    """The user's tool at ``spec``: a :class:`Tool`, or a function of no arguments returning one."""
+    found = resolve_object(spec, "tool")
+    tool = found() if callable(found) and not isinstance(found, Tool) else found
+    if not isinstance(tool, Tool):
+        raise ValueError(f"tool {spec!r} is a {type(tool).__name__}; it must be a rollout.envs.tools.Tool(name, "
+                         "description, parameters, run), or a function of no arguments returning one")  # fmt: skip
+    problem = tool_description_problem(tool.schema())
+    if problem:
+        raise ValueError(f"tool {spec!r}: {problem}")
+    return tool

@@ -250,6 +250,15 @@ def test_user_code_named_by_its_file_path_is_told_the_dotted_name(tmp_path):
     assert "name the module with dots, as Python imports it ('my_pkg.rewards:score'" in load_error(path)
 
 
+def test_a_users_tool_that_cannot_be_imported_fails_at_load_naming_its_place():
+    msg = load_error(ROOT / "recipes" / "agent_calc_tiny.toml",
+                     {"environment.tools": ["calculator", "tests.rollout.envs.user_tools:nope"]})  # fmt: skip
+    assert "- environment.tools[1]: tool 'tests.rollout.envs.user_tools:nope'" in msg and "no attribute 'nope'" in msg
+    agent = load_recipe(ROOT / "recipes" / "agent_openai_tiny.toml",
+                        {"environment.warm_start_tools": ["tests.rollout.envs.user_tools:convert"]})  # fmt: skip
+    assert agent.environment.warm_start_tools == ["tests.rollout.envs.user_tools:convert"]
+
+
 def test_warm_start_false_is_no_warm_start(tmp_path):
     """``= false`` drops a table the base set (README); for the warm start it was "Input should be an object"."""
     path = tmp_path / "mine.toml"

@@ -313,3 +313,21 @@ def test_a_calculator_transcript_renders_as_the_template_renders_the_conversatio
     assert asyncio.run(env.step(turns[0]["content"])).observation == [turns[1]]
     with pytest.raises(ValueError, match="start and end with an assistant"):
         render_transcript(tok, turns[:2], env.tools)
+
+
+def test_a_users_tool_is_named_by_import_path_beside_the_built_ins():
+    """``tools`` named the built-ins only: a tool of one's own needed a custom environment class, and an agent's
+    warm start could not describe it at all."""
+    from rollout.envs.tools import build_tool
+
+    env = ToolEnvironment(ToolEnvConfig(tools=["calculator", "tests.rollout.envs.user_tools:convert"]))
+    assert [t["function"]["name"] for t in env.tools] == ["calculator", "convert"]
+    call = '<tool_call>{"name": "convert", "arguments": {"value": 37, "from": "km", "to": "m"}}</tool_call>'
+    assert _step(env, call).observation[0]["content"] == "37000"
+    assert build_tool("tests.rollout.envs.user_tools:make_convert").name == "convert"  # a factory of one
+    with pytest.raises(ValueError, match="tool 'tests.rollout.envs.user_tools:NOT_A_TOOL' is a int; it must be a "):
+        build_tool("tests.rollout.envs.user_tools:NOT_A_TOOL")
+    with pytest.raises(ValueError, match="name a built-in tool .calculator, python. or your own as 'package.module:"):
+        ToolEnvConfig(tools=["convert"])
+    with pytest.raises(ValueError, match="name the module with dots"):
+        ToolEnvConfig(tools=["my_tools/convert.py:convert"])
