@@ -19,7 +19,7 @@ RESERVED_SERVER_THREADS = MAX_COMMIT_WAITERS + 4  # + short calls: Describe, Beg
 RECEIVER_FIELDS = frozenset({
     "update_idle_timeout_s", "max_pending_data_connections", "max_watch_streams", "watch_timeout_s", "max_version_gap",
     "tls_require_client_cert", "bind_host", "port", "allow_insecure_remote", "offer_shm", "data_port",
-    "num_server_threads",
+    "num_server_threads", "max_grpc_connections",
 })  # fmt: skip
 """The `WeightSyncConfig` fields only a receiver reads; a sender reads the rest (some both sides)."""
 
@@ -56,7 +56,13 @@ class WeightSyncConfig(Config):
     shared-memory stream waits for its answer up to ``push_timeout_s``)."""
     hello_timeout_s: float = pydantic.Field(10.0, gt=0)
     """Receiver side: a socket data-plane connection must deliver its whole DataHello within this many seconds of
-    being accepted, else it is closed (DEADLINE_EXCEEDED). Sender side: the longest wait to connect to a data port."""
+    being accepted, else it is closed (DEADLINE_EXCEEDED); a gRPC connection its handshake. Sender side: the longest
+    wait to connect to a data port."""
+    max_grpc_connections: int = pydantic.Field(4096, ge=1)
+    """Receiver side: gRPC connections at once (one per sender rank, and per watcher); more are closed as they
+    connect. Each must finish its TLS and HTTP/2 handshake within ``hello_timeout_s`` and is closed after 5 minutes
+    without a call, so clients that connect and stay silent cannot hold a server's file descriptors (a receiver runs
+    inside a vLLM server: its descriptors are the server's). Raise it for a trainer of more ranks."""
     max_pending_data_connections: int = pydantic.Field(16, ge=1, le=4096)
     """Receiver side: data-plane connections that have not yet sent their DataHello, at most this many at once; a new
     one beyond closes the oldest (RESOURCE_EXHAUSTED, `DataReply.unopened`). Connections past their hello belong to

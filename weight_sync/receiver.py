@@ -34,7 +34,7 @@ from weight_sync.dataplane import DataPlaneServer, StreamLimits
 from weight_sync.peft import is_peft_name
 from weight_sync.relay import Relay
 from weight_sync.shm import ShmPlaneServer
-from weight_sync.sink import WeightSink, lora_alpha_of
+from weight_sync.sink import WeightSink, lora_alpha_of, unavailable_reason
 from weight_sync.spec import TensorSpec
 from weight_sync.staging import StagingArea, StreamWriter, SyncError
 from weight_sync.version import incompatibility, protocol_version
@@ -85,9 +85,10 @@ class WeightReceiver:
     socket plane bounds connections before their hello separately (`dataplane.DataPlaneServer`); malformed request
     bytes get INVALID_ARGUMENT.
 
-    :attr:`num_refused` counts the updates it refused, at Begin or at Commit (the sink's refusals included), once per
-    update however many of its ranks were refused: what an operator alerts on (a trainer pushing versions that are
-    not newer, or of another model, is refused at every step).
+    :attr:`num_refused` counts the updates it refused, at Begin, in a stream (a bad chunk, a checksum) or at Commit
+    (the sink's refusals included), once per update however many of its ranks were refused: what an operator alerts
+    on (a trainer pushing versions that are not newer, or of another model, is refused at every step). A sink that
+    says it takes no update now (``weight_sync.sink.unavailable_reason``) has every Begin refused with UNAVAILABLE.
     """
 
     def __init__(
@@ -108,6 +109,7 @@ class WeightReceiver:
             stream_idle_s=self.config.stream_idle_timeout_s,
         )
         self.area.trainer_session = sink_session
+        self.area.on_refused = self._count_refusal
         self.lora_alpha = lora_alpha_of(sink)
         self._token = self.config.resolve_token()
         self._watch_slots = threading.BoundedSemaphore(self.config.max_watch_streams)
@@ -136,7 +138,7 @@ class WeightReceiver:
                     "token, or set allow_insecure_remote=true on a trusted network"
                 )
         self._handlers = futures.ThreadPoolExecutor(max_workers=cfg.num_server_threads, thread_name_prefix="ws-rpc")
-        server = grpc.server(self._handlers, options=grpc_options(cfg))
+        server = grpc.server(self._handlers, options=[*grpc_options(cfg), *_connection_limits(cfg)])
         # Requests arrive as bytes and are parsed in `_parsed`: gRPC's own deserializers answer INTERNAL for bad bytes.
         handlers = {
             "Describe": grpc.unary_unary_rpc_method_handler(
@@ -287,6 +289,9 @@ class WeightReceiver:
         if problem:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, problem)
         try:
+            unavailable = unavailable_reason(self.sink)
+            if unavailable is not None:
+                raise SyncError(grpc.StatusCode.UNAVAILABLE, unavailable)
             self._check_lora_alpha(request)
             update, delta = self.area.begin(request)
         except SyncError as e:
@@ -471,6 +476,20 @@ class WeightReceiver:
                     yield pb.VersionEvent(policy_version=current)
         finally:
             self._watch_slots.release()
+
+
+IDLE_CONNECTION_S = 300
+
+
+def _connection_limits(config: WeightSyncConfig) -> list[tuple[str, int]]:
+    """gRPC server options that bound connections (``WeightSyncConfig.max_grpc_connections``): silent half-open
+    connections (a TLS ClientHello never finished) held ~10,000 descriptors each of two clients until the server's
+    ran out and its HTTP API failed with it."""
+    return [
+        ("grpc.max_allowed_incoming_connections", config.max_grpc_connections),
+        ("grpc.server_handshake_timeout_ms", int(config.hello_timeout_s * 1000)),
+        ("grpc.max_connection_idle_ms", IDLE_CONNECTION_S * 1000),
+    ]
 
 
 def _host_port(host: str, port: int) -> str:

@@ -37,7 +37,7 @@ from weight_sync.spec import TensorSpec, dtype_name
 
 __all__ = [
     "POLICY_VERSION_FILE", "PeftAdapterDirSink", "SafetensorsDirSink", "StateDictSink", "TensorSpec", "WeightSink",
-    "lora_alpha_of", "read_policy_version", "spec_of", "write_policy_version",
+    "lora_alpha_of", "read_policy_version", "spec_of", "unavailable_reason", "write_policy_version",
 ]
 
 log = logging.getLogger("weight_sync.sink")
@@ -62,6 +62,14 @@ class WeightSink(Protocol):
         receiver starts, which then accepts only newer versions. A sink that persists its weights reports the
         version it persisted."""
         ...
+
+
+def unavailable_reason(sink: WeightSink) -> str | None:
+    """Why ``sink`` takes no update now (its engine failed midway, the server is stopping), or None. A sink says so
+    with an optional ``unavailable() -> str | None`` method; its receiver then refuses Begins with UNAVAILABLE, so a
+    sender does not stream a whole model only to have the Commit refused."""
+    report = getattr(sink, "unavailable", None)
+    return None if report is None else report()
 
 
 def lora_alpha_of(sink: WeightSink) -> float:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import hmac
+import logging
 import secrets
 import threading
 import time
@@ -42,6 +43,8 @@ from weight_sync.spec import TensorSpec
 from weight_sync.update import StagedUpdate, StreamWriter, SyncError, shown
 
 __all__ = ["StagedUpdate", "StagingArea", "StreamWriter", "SyncError"]
+
+log = logging.getLogger("weight_sync.receiver")
 
 MAX_RANKS = 65536
 MAX_STREAMS_PER_RANK = 64
@@ -116,6 +119,8 @@ class StagingArea:
         # The session of the last commit (before any: the one the sink started with, `WeightReceiver`'s sink_session),
         # preferred over any other and reported in BeginReply.committed_session_id.
         self.trainer_session: str | None = None
+        self.on_refused: Callable[[str, int, grpc.StatusCode], None] | None = None
+        """Told (session, version, status) of each update a failed stream dropped (``stream_refused``)."""
         self.max_chunk_bytes = max_chunk_bytes
         self.max_version_gap = max_version_gap
         self.policy_version = policy_version
@@ -436,6 +441,14 @@ class StagingArea:
     def fail(self, update: StagedUpdate, error: SyncError) -> None:
         with self._lock:
             self._drop(update, error)
+
+    def stream_refused(self, update: StagedUpdate, rank: int, error: SyncError) -> None:
+        """A stream of ``update`` failed (a bad chunk, a checksum, the client gone), dropping it: said in the log, and
+        told to :attr:`on_refused` (the receiver's count of refused updates), whichever data plane carried it."""
+        log.warning("dropped update %s: rank %d's stream failed: %s: %s", update.update_id, rank, error.code.name,
+                    error.message)  # fmt: skip
+        if self.on_refused is not None:
+            self.on_refused(update.session_id, update.policy_version, error.code)
 
     def cut_stream(self, writer: StreamWriter, error: SyncError) -> bool:
         """Drop the update of a stream that is still writing (an idle one), cutting all its streams; False when the

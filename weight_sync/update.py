@@ -321,7 +321,11 @@ class StreamWriter:
         )
 
     def close_failed(self, error: SyncError) -> None:
-        """The stream failed or broke: it writes nothing more, and the whole update is dropped."""
+        """The stream failed or broke: it writes nothing more, and the whole update is dropped (the first stream of
+        the update to fail is reported: ``StagingArea.stream_refused``)."""
+        first = self.update.failure is None
         self.area.writer_closed(self, done=False)
         self.area.fail(self.update, error)
+        if first:
+            self.area.stream_refused(self.update, self.rank, error)
 

@@ -84,6 +84,8 @@ class AgentOutcome:
     num_calls: int
     num_ignored_sampling: int
     num_unknown_params: int = 0
+    num_splits: int = 0
+    """Calls whose prompt did not extend the conversation so far (``rollout.agents.trajectory.Assembled``)."""
 
 
 def load_agent_function(spec: str, options: Mapping[str, Any] | None = None) -> AgentFunction:
@@ -182,8 +184,9 @@ class AgentRunner:
         number = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
         if value is not None and not number:
             raise self._failed(problem, f"returned {value!r}; return a finite number (the reward) or None")
+        num_splits = 0
         if episode.calls:
-            segments = assemble(episode.calls)
+            segments, num_splits = assemble(episode.calls)
         elif empty is not None:
             segments = [empty]
         else:
@@ -194,7 +197,7 @@ class AgentRunner:
             segments[-1].finish_reason = "length"
         reward = float(value) if number else 0.0  # type: ignore[arg-type]
         return AgentOutcome(segments, reward, timed_out, stopped, len({c.index for c in episode.calls}),
-                            episode.num_ignored_sampling, episode.num_unknown_params)  # fmt: skip
+                            episode.num_ignored_sampling, episode.num_unknown_params, num_splits)  # fmt: skip
 
     def _failed(self, problem: Problem, what: str) -> EpisodeFailed:
         return EpisodeFailed(f"agent function {self._spec!r} {what} on problem {problem.problem_id!r}")
@@ -240,7 +243,7 @@ def agent_metrics(outcomes: Sequence[AgentOutcome]) -> dict[str, float]:
     observation_tokens = [sum(int((e.loss_mask == 0).sum()) for e in o.episodes) for o in outcomes]
     return episode_metrics([o.num_calls for o in outcomes], observation_tokens, [o.timed_out for o in outcomes]) | {
         "agent/num_samples": float(sum(len(o.episodes) for o in outcomes)),
-        "agent/num_split_episodes": float(sum(len(o.episodes) > 1 for o in outcomes)),
+        "agent/num_split_episodes": float(sum(o.num_splits > 0 for o in outcomes)),
         "agent/num_limit_stops": float(sum(o.stopped_at_limit for o in outcomes)),
         "agent/ignored_sampling_params": float(sum(o.num_ignored_sampling for o in outcomes)),
         "agent/unknown_params": float(sum(o.num_unknown_params for o in outcomes)),

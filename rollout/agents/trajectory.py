@@ -16,14 +16,19 @@ conditioned on and sampled.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
+from rollout.envs.base import warn_once
 from rollout.envs.episode import Episode
 
-__all__ = ["AgentCall", "assemble"]
+__all__ = ["AgentCall", "Assembled", "assemble"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,9 +76,21 @@ class _Segment:
         self.calls.append(call)
 
 
-def assemble(calls: Sequence[AgentCall]) -> list[Episode]:
+class Assembled(NamedTuple):
+    """An episode's training samples and how often a call's prompt did not extend the conversation so far."""
+
+    episodes: list[Episode]
+    num_splits: int
+    """Calls (first choices) that began a new segment after the first: a prompt that did not extend any earlier
+    segment (rewritten history, a different re-tokenisation, an edited conversation). A call's other choices
+    (``n`` > 1) begin segments of their own too, and are not splits."""
+
+
+def assemble(calls: Sequence[AgentCall]) -> Assembled:
     """The episode's segments, each as an :class:`~rollout.envs.episode.Episode` (``env_reward`` 0, finish reason of
-    its last call); empty without calls. A call extends the longest open segment its prompt starts with.
+    its last call), and the number of splits; no segment without calls. A call extends the longest open segment its
+    prompt starts with. The first split of the process is named in a warning, with where the prompt departed from the
+    conversation so far.
 
     The last segment is the one holding the agent's last call (its first choice when that call sampled several): the
     episode's final answer, which rewards score. The others follow in the order they began. So an agent that sampled
@@ -82,17 +99,39 @@ def assemble(calls: Sequence[AgentCall]) -> list[Episode]:
     may arrive last, so an agent that scores on reward terms awaits its side calls before its final one."""
     segments: list[_Segment] = []
     final: _Segment | None = None
+    num_splits = 0
     for call in sorted(calls, key=lambda c: (c.index, c.choice)):
         extended = [s for s in segments if s.is_prefix_of(call.prompt_ids)]
         segment = max(extended, key=len) if extended else None
         if segment is None:
+            if segments and call.choice == 0:
+                num_splits += 1
+                _say_split(segments, call)
             segment = _Segment(list(call.prompt_ids), [], [], [], [])
             segments.append(segment)
         segment.add(call.prompt_ids[len(segment):], call)
         if call.choice == 0:
             final = segment
     ordered = [s for s in segments if s is not final] + ([final] if final is not None else [])
-    return [_episode(s) for s in ordered]
+    return Assembled([_episode(s) for s in ordered], num_splits)
+
+
+def _say_split(segments: Sequence[_Segment], call: AgentCall) -> None:
+    """Warn, once per process, where ``call``'s prompt left the conversation it came closest to extending."""
+    best, at = None, -1
+    for segment in segments:
+        held = segment.prompt + segment.ids
+        common = next((i for i, (a, b) in enumerate(zip(held, call.prompt_ids, strict=False)) if a != b),
+                      min(len(held), len(call.prompt_ids)))  # fmt: skip
+        if common > at:
+            best, at = held, common
+    assert best is not None
+    got = call.prompt_ids[at : at + 4]
+    warn_once(log, "agent episode split", "an agent's call %d does not extend its conversation so far: its prompt "
+              "departs at token %d (the conversation holds %s there, the prompt %s); the episode is split into "
+              "separate samples there (agent/num_split_episodes). Usual causes: a chat template that rewrites earlier "
+              "turns, tool-call arguments the agent sends back otherwise than the model wrote them, an edited "
+              "conversation (said once)", call.index, at, best[at : at + 4], got)  # fmt: skip
 
 
 def _episode(segment: _Segment) -> Episode:

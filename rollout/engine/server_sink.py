@@ -46,6 +46,7 @@ from rollout.engine.transfer import (
     check_fused_groups,
     check_whole_expert_layers,
     engine_manifest,
+    sweep_stage_dir,
     write_update_file,
 )
 from weight_sync.checkpoint import read_checkpoint_manifest
@@ -115,6 +116,7 @@ class ServerWeightSink:
         self._merged = None if lora is None else MergedAdapters(model_dir, base, lora)
         self._lora_alpha = 0.0 if lora is None else lora.alpha
         self._stage_dir = stage_dir
+        sweep_stage_dir(stage_dir)
         self._persist = _persist_sink(model_dir, persist_dir, base, dtype)
         self._packed_modules = _packed_modules(engine)
         self._experts = _experts_per_module(base)
@@ -201,6 +203,14 @@ class ServerWeightSink:
             except Exception as e:  # the engine serves the version already: report, do not refuse
                 self.state.last_error = f"version {policy_version} is served but was not persisted: {e}"
                 log.error("%s", self.state.last_error)
+
+    def unavailable(self) -> str | None:
+        """Why no update is taken now: the server is broken (an update failed midway) or shutting down; else None."""
+        if self.state.broken is not None:
+            return f"this server stopped taking updates: {self.state.broken}; restart it"
+        if self._closing:
+            return "this server is shutting down; push to it again once it is back"
+        return None
 
     def close(self) -> None:
         """The server is shutting down: cut the update being served, if any (its Commit fails and the version stays

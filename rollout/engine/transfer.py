@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -57,6 +58,8 @@ __all__ = [
     "expected_parameters",
     "write_update_file",
 ]
+
+log = logging.getLogger(__name__)
 
 REFUSED = "rl_align refused:"
 """Prefix of the message of an update refused before the model changed (the engine keeps serving its version)."""
@@ -107,6 +110,41 @@ class RLAlignUpdateInfo(WeightTransferUpdateInfo):
 def default_stage_dir() -> str:
     """Where update files go by default: ``/dev/shm`` (memory, shared by every process of the host) where it exists."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+_STAGED = re.compile(r"^rl-align-(?P<pid>\d+)-v\d+-.+\.(safetensors|tmp)$")
+
+
+def sweep_stage_dir(directory: str) -> list[str]:
+    """Remove the update files in ``directory`` of processes of this host that are gone (a server or engine killed
+    mid-update, SIGKILL or the OOM killer, leaves one the size of the update, in memory under ``/dev/shm``), with a
+    warning; return their names. A file of a live process (another server sharing the directory) is left alone."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _STAGED.match(name)
+        if match is None or _alive(int(match["pid"])):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+    if removed:
+        log.warning("removed %d update file(s) of weight-sync servers or engines that died mid-update from %s: %s",
+                    len(removed), directory, ", ".join(removed[:5]))  # fmt: skip
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def write_update_file(tensors: Mapping[str, torch.Tensor], directory: str, policy_version: int) -> str:

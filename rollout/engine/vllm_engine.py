@@ -62,7 +62,7 @@ from rollout.engine.platform import (
     lora_serving,
     platform_engine_args,
 )
-from rollout.engine.transfer import REFUSED, default_stage_dir, engine_manifest, write_update_file
+from rollout.engine.transfer import REFUSED, default_stage_dir, engine_manifest, sweep_stage_dir, write_update_file
 from rollout.engine.vllm_plugin import BACKEND, register
 from rollout.sampling import is_greedy, to_vllm_sampling_params
 from weight_sync.checkpoint import read_checkpoint_manifest
@@ -189,6 +189,7 @@ class VLLMEngine:
         self.manifest = engine_manifest(read_checkpoint_manifest(model_path), dtype_name(dtype))
         """The tensors the engine holds (HF names of its model directory, global shapes, the dtypes vLLM loaded them
         in): what a weight update must consist of."""
+        sweep_stage_dir(default_stage_dir())
         if config.lora is not None:
             self._adapter_versions = AdapterVersions({s.name for s in adapter_manifest(self.manifest, config.lora)})
             if lora_serving(config) == "adapter":

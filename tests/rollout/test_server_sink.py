@@ -201,27 +201,77 @@ def test_close_cuts_an_update_draining_into_a_stopped_engine_and_refuses_later_o
     assert engine.calls == ["pause:wait"]  # nothing of the second reached the engine
 
 
-def test_the_plugin_stops_its_receiver_as_the_engine_shuts_down():
+def test_a_broken_or_closing_server_refuses_begin_before_any_data(loop, model_dir, tmp_path):
+    """A broken server took whole pushes (300 MB) and refused only at Commit, at every step of the trainer."""
+    import grpc
+
+    from protos import weight_sync_pb2 as pb
+    from weight_sync.channel import WeightSyncClient
+    from weight_sync.receiver import WeightReceiver
+    from weight_sync.version import protocol_version
+
+    sink = _sink(RecordingEngine(fail_update="worker 0 died"), loop, model_dir, tmp_path, exit_process=lambda: None)
+    receiver = WeightReceiver(sink)
+    receiver.start()
+    client = WeightSyncClient(receiver.address, receiver.config)
+    norm = pb.TensorSpec(name="model.norm.weight", shape=[4], dtype="float32")
+    request = pb.BeginRequest(session_id="t", policy_version=1, num_ranks=1, protocol_version=protocol_version(),
+                              tensors=[norm])  # fmt: skip
+    try:
+        assert client.begin(request).current_version == 0
+        client.abort(pb.AbortRequest(session_id="t", policy_version=1, reason="test"))
+        with pytest.raises(RuntimeError, match="failed midway"):
+            sink.apply(1, {"model.norm.weight": torch.full((4,), 2.0)})
+        with pytest.raises(grpc.RpcError) as refused:
+            client.begin(request)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "this server stopped taking updates" in refused.value.details()
+    finally:
+        client.close()
+        receiver.stop(grace_s=0)
+    fresh = _sink(RecordingEngine(), loop, model_dir, tmp_path)
+    fresh.close()
+    assert fresh.unavailable() == "this server is shutting down; push to it again once it is back"
+
+
+def test_the_plugin_stops_its_receiver_as_the_engine_shuts_down_and_fails_what_is_in_flight(loop):
     """vLLM's SIGTERM handler calls the engine client's ``shutdown`` first; the process exits only after the HTTP
-    server waited for its open requests (of an engine already gone): the receiver must not stay open meanwhile."""
+    server waited for its open requests: the receiver must not stay open meanwhile, and a request the shutdown left
+    waiting (its output task cancelled, not failed) must be answered, else the process stayed up for good."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
     from rollout.engine.vllm_plugin import _stop_with_engine
 
     calls: list[str] = []
+    answered: list[BaseException] = []
+
+    class Queue:
+        def put(self, item):
+            answered.append(item)
 
     class Client:
+        def __init__(self):
+            self.output_processor = types.SimpleNamespace(
+                request_states={"r1": types.SimpleNamespace(queue=Queue())},
+                propagate_error=lambda e: [s.queue.put(e) for s in self.output_processor.request_states.values()],
+            )
+
         def shutdown(self, timeout: float | None = None) -> None:
             calls.append(f"engine shutdown {timeout}")
 
     client = Client()
-    _stop_with_engine(client, lambda: calls.append("receiver stopped"))
+    _stop_with_engine(client, lambda: calls.append("receiver stopped"), loop)
     client.shutdown(timeout=0)
     assert calls == ["receiver stopped", "engine shutdown 0"]
+    done = threading.Event()
+    loop.call_soon_threadsafe(done.set)  # after the propagation queued on the loop
+    assert done.wait(5) and len(answered) == 1 and isinstance(answered[0], EngineDeadError)
 
     def failing_stop() -> None:
         raise OSError("already stopped")
 
     again = Client()
-    _stop_with_engine(again, failing_stop)
+    _stop_with_engine(again, failing_stop, loop)
     again.shutdown()  # the engine's shutdown runs whatever the receiver's stop does
     assert calls[-1] == "engine shutdown None"
 
@@ -251,6 +301,23 @@ def test_updates_that_do_not_fit_the_manifest_are_refused_before_any_call(loop, 
         with pytest.raises(ValueError, match=match):
             sink.apply(1, update)
     assert engine.calls == []
+
+
+def test_update_files_of_servers_that_died_mid_update_are_removed_at_start(loop, model_dir, tmp_path):
+    """A server SIGKILLed mid-update left its update file (the model's size, in memory under /dev/shm) for good."""
+    import subprocess
+    import sys
+
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = stage / f"rl-align-{dead.stdout.strip()}-v3-abc123.safetensors"
+    live = stage / f"rl-align-{os.getpid()}-v4-def456.safetensors"  # another server, still serving
+    other = stage / "someone-elses.safetensors"
+    for path in (gone, live, other):
+        path.write_bytes(b"x")
+    _sink(RecordingEngine(), loop, model_dir, tmp_path)
+    assert sorted(p.name for p in stage.iterdir()) == sorted([live.name, other.name])
 
 
 def test_a_stage_dir_that_cannot_take_the_update_is_named(loop, model_dir, tmp_path):

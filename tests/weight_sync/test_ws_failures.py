@@ -54,7 +54,7 @@ def assert_untouched(receiver, sink, version=0):
         assert all(torch.equal(sink.state_dict[k], torch.zeros_like(v)) for k, v in SD.items())
 
 
-def test_corrupted_chunk_is_data_loss_and_nothing_applies(one):
+def test_corrupted_chunk_is_data_loss_and_nothing_applies(one, caplog):
     receiver, sink, client = one
     begin(client, SD, 1)
     messages = shard_messages("w", SD["w"], (0, 0), chunk_elems=7)
@@ -63,7 +63,12 @@ def test_corrupted_chunk_is_data_loss_and_nothing_applies(one):
     flipped[5] ^= 0x10
     messages[3] = encode_chunk(header, bytes(flipped))
     assert status_of(lambda: raw_push(client, "s", 1, 0, messages)) == C.DATA_LOSS
+    # Said and counted where it happens (only a Commit after it told the operator before: a flaky link corrupting a
+    # trainer's pushes was invisible).
+    assert receiver.num_refused == 1
+    assert any("dropped update s@1: rank 0's stream failed: DATA_LOSS" in r.getMessage() for r in caplog.records)
     assert status_of(lambda: commit(client, 1)) == C.NOT_FOUND  # the failed update was dropped
+    assert receiver.num_refused == 1  # one update, counted once
     assert_untouched(receiver, sink)
     full_update(client, 2)
     assert receiver.policy_version == 2 and torch.equal(sink.state_dict["w"], SD["w"])

@@ -126,3 +126,42 @@ def test_remote_bind_is_allowed_with_tls_and_a_token(pki):
         assert receiver.policy_version == 1 and all(torch.equal(sink.state_dict[k], v) for k, v in sd.items())
     finally:
         receiver.stop(0)
+
+
+def test_silent_connections_are_closed_and_capped_while_a_sender_still_pushes(pki):
+    """Two clients each held ~10,000 connections that sent 6 bytes of a TLS ClientHello: the server's descriptors ran
+    out (a plugin receiver's are the vLLM server's, whose HTTP API failed with them). A handshake not finished within
+    hello_timeout_s is closed, and connections past max_grpc_connections are closed as they connect."""
+    import socket
+    import time
+
+    server = WeightSyncConfig(tls_cert_path=pki["server_cert"], tls_key_path=pki["server_key"], auth_token="t",
+                              hello_timeout_s=1.0, max_grpc_connections=4)  # fmt: skip
+    receiver, sink, sd = _serve(server)
+
+    def closed(sock: socket.socket) -> bool:
+        sock.setblocking(False)
+        try:
+            return sock.recv(1) == b""
+        except BlockingIOError:
+            return False
+        except ConnectionResetError:
+            return True
+
+    silent = []
+    try:
+        for _ in range(6):
+            sock = socket.create_connection(("127.0.0.1", int(receiver.address.rsplit(":", 1)[1])))
+            sock.send(b"\x16\x03\x01\x02\x00\x01")  # the start of a ClientHello, never finished
+            silent.append(sock)
+        time.sleep(0.5)
+        assert [closed(s) for s in silent] == [False] * 4 + [True] * 2  # past the cap: closed as they connect
+        deadline = time.monotonic() + 10
+        while not all(closed(s) for s in silent) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(closed(s) for s in silent)  # the handshake timeout closed the rest
+        assert _push_ok(receiver.address, WeightSyncConfig(tls_ca_path=pki["ca"], auth_token="t"), sd)
+    finally:
+        for sock in silent:
+            sock.close()
+        receiver.stop(0)

@@ -4,6 +4,7 @@ name, tool calls in replies, and how recorded calls become samples."""
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -183,24 +184,29 @@ def _call(index, prompt, completion, version=0, choice=0, text=""):
 def test_calls_whose_prompts_extend_the_trajectory_make_one_sample_with_observations_masked():
     calls = [_call(0, [1, 2], [3, 4]), _call(1, [1, 2, 3, 4, 9, 9], [5], version=1),
              _call(2, [1, 2, 3, 4, 9, 9, 5, 8], [6])]
-    [episode] = assemble(list(reversed(calls)))  # arrival order, not completion order, decides
+    [episode], num_splits = assemble(list(reversed(calls)))  # arrival order, not completion order, decides
+    assert num_splits == 0
     assert episode.prompt_ids == [1, 2] and episode.completion_ids.tolist() == [3, 4, 9, 9, 5, 8, 6]
     assert episode.loss_mask.tolist() == [1, 1, 0, 0, 1, 0, 1]
     assert episode.logprobs.tolist() == [-1, -1, 0, 0, -1, 0, -1]
     assert episode.num_turns == 3 and episode.policy_versions == [0, 1, 0]
 
 
-def test_a_prompt_that_does_not_extend_starts_a_new_sample_and_branches_extend_their_own():
+def test_a_prompt_that_does_not_extend_starts_a_new_sample_and_branches_extend_their_own(caplog, monkeypatch):
+    monkeypatch.setattr("rollout.envs.base._warned", set())
     calls = [
         _call(0, [1, 2], [3]),
         _call(1, [1, 2, 7], [4]),            # rewrote the reply: new segment
         _call(2, [1, 2, 3, 5], [6]),         # extends the first
         _call(3, [1, 2, 7, 4, 0], [8]),      # extends the second
     ]  # fmt: skip
-    a, b = assemble(calls)
+    with caplog.at_level(logging.WARNING):
+        (a, b), num_splits = assemble(calls)
     assert a.prompt_ids == [1, 2] and a.completion_ids.tolist() == [3, 5, 6] and a.loss_mask.tolist() == [1, 0, 1]
     assert b.prompt_ids == [1, 2, 7] and b.completion_ids.tolist() == [4, 0, 8] and b.loss_mask.tolist() == [1, 0, 1]
-    assert assemble([]) == []
+    assert num_splits == 1 and assemble([]) == ([], 0)
+    # Where the prompt left the conversation is said (once), for an agent author to find the cause.
+    assert "call 1 does not extend its conversation so far: its prompt departs at token 2" in caplog.text
 
 
 def test_the_choices_of_one_call_become_samples_and_the_agent_continues_the_one_it_chose():
@@ -210,7 +216,8 @@ def test_the_choices_of_one_call_become_samples_and_the_agent_continues_the_one_
         _call(1, [1, 2, 3, 9], [5], choice=0),
         _call(2, [1, 2, 3, 9, 4, 8], [6]),      # the agent went on with choice 1
     ]  # fmt: skip
-    first, other = assemble(calls)
+    (first, other), num_splits = assemble(calls)
+    assert num_splits == 0  # another choice is a sample of its own, not a prompt that failed to extend
     assert first.prompt_ids == [1, 2] and first.completion_ids.tolist() == [3, 9, 5] and first.num_turns == 2
     assert first.loss_mask.tolist() == [1, 0, 1]
     # The other choice's prompt is the whole conversation: the earlier turns are trained once, in the first sample.
@@ -230,7 +237,7 @@ def test_the_choices_of_one_call_become_samples_and_the_agent_continues_the_one_
     ],
 ])  # fmt: skip
 def test_the_last_sample_is_the_conversation_the_agent_finished(calls):
-    *others, final = assemble(calls)
+    *others, final = assemble(calls).episodes
     assert final.final_text == "final answer" and final.prompt_ids == [1, 2] and len(others) == 1
 
 

@@ -4,6 +4,7 @@ rendering, and the recipe's [environment] section."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable
 
 import pytest
@@ -331,3 +332,20 @@ def test_a_users_tool_is_named_by_import_path_beside_the_built_ins():
         ToolEnvConfig(tools=["convert"])
     with pytest.raises(ValueError, match="name the module with dots"):
         ToolEnvConfig(tools=["my_tools/convert.py:convert"])
+
+
+def test_a_tool_cut_by_the_episodes_timeout_is_named(caplog, monkeypatch):
+    # Hanging tools ended as env/num_timeouts with nothing naming the tool, and env/tool_s read 0.006 s.
+    monkeypatch.setattr("rollout.envs.base._warned", set())
+
+    async def hangs(arguments):
+        await asyncio.sleep(60)
+
+    env = ToolEnvironment(ToolEnvConfig(), tools=[_tool("lookup", hangs)])
+
+    async def step_with_deadline():
+        await asyncio.wait_for(env.step('<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'), 0.2)
+
+    with caplog.at_level(logging.WARNING), pytest.raises(TimeoutError):
+        asyncio.run(step_with_deadline())
+    assert "the tool 'lookup' was still running after 0.2 s when the episode's timeout_s cut it" in caplog.text
