@@ -37,7 +37,7 @@ from pydantic.fields import FieldInfo
 
 from common.config import ConfigError, parse_overrides, validate_config
 from common.signals import wait_for_stop
-from weight_sync.config import RECEIVER_FIELDS, WeightSyncConfig
+from weight_sync.config import DEFAULT_TOKEN_ENV, RECEIVER_FIELDS, WeightSyncConfig
 
 if TYPE_CHECKING:
     from weight_sync.chunking import Shard
@@ -162,7 +162,11 @@ def _push(args: argparse.Namespace, extra: list[str]) -> int:
             if unreachable := {a: r for a, r in described.items() if isinstance(r, str)}:
                 for address, why in unreachable.items():
                     print(f"{address}: cannot read its version: {why}")
-                print("nothing pushed: give --version, or reach every receiver", flush=True)
+                if any("UNAUTHENTICATED" in why for why in unreachable.values()):
+                    print("nothing pushed: the receiver refused the token; give the one it was started with "
+                          f"(--auth_token, or ${DEFAULT_TOKEN_ENV})", flush=True)  # fmt: skip
+                else:
+                    print("nothing pushed: give --version, or reach every receiver", flush=True)
                 return 1
             version = max(r.policy_version for r in described.values() if not isinstance(r, str)) + 1
         report = sender.push(version, _as_declared(checkpoint_shards(args.checkpoint), sender.declared_dtypes()))

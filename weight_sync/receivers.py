@@ -126,7 +126,7 @@ class Receivers:
         now = time.monotonic()
         if self._is_resting(address, now):
             retry_at, _, why = self._resting[address]
-            return f"left out for {retry_at - now:.0f} s more: unreachable at the last try ({why})"
+            return f"left out for {retry_at - now:.0f} s more: its last try failed ({why})"
         if address in self._refused:
             return f"Describe: {self._refused[address]}"
         return None

@@ -140,3 +140,25 @@ def test_push_sends_a_checkpoint_in_the_dtype_the_receiver_declares_and_describe
     assert main(["describe", "--to", "127.0.0.1:1", "--num_retries", "0"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: 127.0.0.1:1 does not answer Describe: UNAVAILABLE") and "Traceback" not in err
+
+
+def test_a_push_with_the_wrong_token_says_so(tmp_path, capsys):
+    """It printed "nothing pushed: give --version, or reach every receiver": neither was the problem."""
+    import torch
+    from safetensors.torch import save_file
+
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.receiver import WeightReceiver
+    from weight_sync.sink import StateDictSink
+
+    receiver = WeightReceiver(StateDictSink({"w": torch.zeros(2)}), WeightSyncConfig(auth_token="right"))
+    receiver.start()
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    try:
+        assert main(["push", "--checkpoint", str(tmp_path), "--to", receiver.address, "--auth_token", "wrong",
+                     "--num_retries", "0"]) == 1  # fmt: skip
+    finally:
+        receiver.stop(grace_s=0)
+    out = capsys.readouterr().out
+    assert "UNAUTHENTICATED" in out and "nothing pushed: the receiver refused the token" in out, out
+    assert receiver.policy_version == 0

@@ -133,7 +133,7 @@ def test_unreachable_receiver_is_reported_left_out_for_a_while_and_the_others_co
         assert committed[receiver.address] is None and "its push failed" in committed[dead]
         assert_holds([sink], sd)
     # The second push did not try it again (each try cost its Describe and Begin retries): it is left out a while.
-    assert report.failed[dead].startswith("left out for ") and "unreachable at the last try" in report.failed[dead]
+    assert report.failed[dead].startswith("left out for ") and "its last try failed" in report.failed[dead]
 
 
 def test_a_receiver_restarted_on_another_data_port_gets_socket_streams_again(receivers):
