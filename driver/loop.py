@@ -168,7 +168,8 @@ class RLLoop:
         run = self.recipe.run
         if run.export.every_num_steps and (step + 1) % run.export.every_num_steps == 0:
             out = run.resolved_output_dir / HF_EXPORTS / f"step_{step + 1}"
-            self.trainer.export_hf(str(out), self.recipe.export_source_dir, run.export.dtype)
+            self.trainer.export_hf(str(out), self.recipe.export_source_dir, run.export.dtype,
+                                   use_chat_template=self.recipe.rollout.use_chat_template)  # fmt: skip
         if checkpoint_due(self.recipe, step):
             self.trainer.save_checkpoint(data_cursor=cursor)
 

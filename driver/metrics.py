@@ -16,13 +16,13 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from common.run_dir import METRICS, TENSORBOARD
 
-__all__ = ["MetricsLogger", "plot_curves", "prometheus_port_taken", "read_jsonl"]
+__all__ = ["MetricsLogger", "keep_records", "plot_curves", "prometheus_port_taken", "read_jsonl"]
 
 log = logging.getLogger("rl_align")
 
@@ -32,6 +32,25 @@ _PROGRESS_KEYS = (
     ("train/kl", "kl"),
     ("perf/tokens_per_s", "tok/s"),
 )
+
+
+def keep_records(path: Path, keep: Callable[[dict[str, Any]], bool]) -> tuple[list[str], int]:
+    """Rewrite the JSONL file ``path`` with the lines whose record ``keep`` accepts (atomically: a new file renamed
+    over it); a line that is no JSON (cut short when a run was killed) goes too. Returns the kept lines and how many
+    lines went."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and keep(record):
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
+    return kept, len(lines) - len(kept)
 
 
 def prometheus_port_taken(port: int, cause: str) -> str:
@@ -108,18 +127,7 @@ class MetricsLogger:
         step once).
         """
         self._file.close()
-        lines = self.path.read_text().splitlines()
-        kept = []
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short when the previous run was killed
-            if record.get("phase") == "sft" or record.get("step", -1) < step:
-                kept.append(line)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        tmp.replace(self.path)
+        kept, num_dropped = keep_records(self.path, lambda r: r.get("phase") == "sft" or r.get("step", -1) < step)
         self._file = self.path.open("a")
         if self._writer_class is not None:
             for writer in self._writers.values():
@@ -131,7 +139,7 @@ class MetricsLogger:
                 record = json.loads(line)
                 step_of, phase, wall_time = record.pop("step"), record.pop("phase"), record.pop("time", 0.0)
                 self._to_tensorboard(step_of, phase, wall_time, record)
-        return len(lines) - len(kept)
+        return num_dropped
 
     def _to_tensorboard(self, step: int, phase: str, wall_time: float, metrics: Mapping[str, float | None]) -> None:
         """One event holding the record's scalars: RL ones under their names in the top run, others as

@@ -257,12 +257,11 @@ def check_reward_functions(recipe: Recipe, problem: Problem) -> None:
         label = (f"the task's first problem (id {problem.problem_id!r}) with its reference answer {problem.answer!r} "
                  "as the completion")
         try:
-            _, num_errors = FunctionReward(term, on_error=on_error).score([problem.answer], [problem], [label])
+            FunctionReward(term, on_error="fail").score([problem.answer], [problem], [label])
         except RewardFunctionError as e:
-            raise ValueError(f"{e}; checked before the run starts") from e
-        if num_errors:
-            log.warning("reward term %r: function %r fails on %s; with reward.on_error = 'zero' such samples score 0",
-                        term.term_name, term.function, label)
+            if on_error == "fail":
+                raise ValueError(f"{e}; checked before the run starts") from e
+            log.warning("%s; with reward.on_error = 'zero' such samples score 0", e)
 
 
 def _check_engines_not_ahead(recipe: Recipe, resume_from: Path | None) -> None:

@@ -419,7 +419,8 @@ class _Run:
             self.trainer.finish_warm_start()
             # Adapters a warm start of every weight did not train (the base took it all) are not exported with it.
             self.trainer.export_hf(str(self.out_dir / WARM_START_MODEL), r.model.path, r.run.export.dtype,
-                                   adapter=r.run.warm_start.parameters != "all")  # fmt: skip
+                                   adapter=r.run.warm_start.parameters != "all",
+                                   use_chat_template=r.rollout.use_chat_template)  # fmt: skip
             log.info("warm start: %d SFT steps in %.1f s", num_sft, time.perf_counter() - t0)
             if r.trainer.checkpoint.every_num_steps:  # a stop before the first RL checkpoint keeps the warm start
                 self.trainer.save_checkpoint(data_cursor=self.dataset.state_dict())
@@ -452,7 +453,8 @@ class _Run:
         if trained and r.trainer.checkpoint.every_num_steps and not checkpoint_due(r, r.run.num_steps - 1):
             self.trainer.save_checkpoint(data_cursor=self.dataset.state_dict())
         final = self.out_dir / FINAL_MODEL
-        self.trainer.export_hf(str(final), r.export_source_dir, r.run.export.dtype)
+        self.trainer.export_hf(str(final), r.export_source_dir, r.run.export.dtype,
+                               use_chat_template=r.rollout.use_chat_template)  # fmt: skip
         log.info("trained model: %s (from_pretrained-ready: weights, config, tokenizer, generation config)%s", final,
                  _export_dtype_note(r.export_source_dir, r.run.export.dtype))  # fmt: skip
         _print_report(before, after, self.out_dir, self.publisher.external_unserved if trained else None)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from common.run_dir import SAMPLES
+from driver.metrics import keep_records
 from rollout.types import Sample
 
 __all__ = ["SampleLog"]
@@ -48,11 +49,10 @@ class SampleLog:
                 f.write(json.dumps(self._record(step, sample)) + "\n")
 
     def drop_from(self, step: int) -> None:
-        """Remove the records of ``step`` and later: a resumed run generates those steps again."""
-        if not self.path.is_file():
-            return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] < step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        """Remove the records of ``step`` and later, and a line a killed run cut short: a resumed run generates
+        those steps again."""
+        if self.path.is_file():
+            keep_records(self.path, lambda r: r.get("step", step) < step)
 
     def _record(self, step: int, sample: Sample) -> dict[str, Any]:
         meta = sample.metadata

@@ -56,9 +56,15 @@ killed writer's hidden ``*.partial`` files) is an earlier export, which a new on
 _ADAPTER_FILES = frozenset({ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE})
 
 
-def complete_from_source(out_dir: str | Path, source_dir: str | Path) -> list[str]:
+def complete_from_source(
+    out_dir: str | Path, source_dir: str | Path, use_chat_template: bool | None = None
+) -> list[str]:
     """Copy the tokenizer files and ``generation_config.json`` of ``source_dir`` into the HF directory ``out_dir``,
-    and its special-token ids into ``out_dir/config.json``; return the names written.
+    and its special-token ids into ``out_dir/config.json``; return the names written. The token a turn ends with
+    where the run's prompts used the chat template (``common.chat_turns.turn_end_id`` with the run's
+    ``use_chat_template``) joins the ``eos_token_id`` of ``generation_config.json`` when it is not there: a base
+    model's tokenizer with a chat template lists its end-of-text token only (Qwen 3 base: ``<|endoftext|>``, against
+    ``<|im_end|>``), and ``generate`` on a chat prompt ran past the end of the turn the run trained.
 
     Raises ``ValueError`` when ``source_dir`` has no tokenizer (``common.tokenizer_dir.check_tokenizer_dir``): a model
     without one cannot be used by the person it is exported for.
@@ -73,33 +79,24 @@ def complete_from_source(out_dir: str | Path, source_dir: str | Path) -> list[st
     config = json.loads(config_path.read_text())
     config.update(ids)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    generation = json.loads((src / "generation_config.json").read_text()) if (
-        src / "generation_config.json").is_file() else dict(ids)  # fmt: skip
-    turn_end = _template_turn_end(out)
-    eos = generation.get("eos_token_id")
+    generation_file = src / "generation_config.json"
+    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else dict(ids)
+    eos = generation.get("eos_token_id", ids.get("eos_token_id"))
     eos_ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    turn_end = _turn_end(out, use_chat_template)
     if turn_end is not None and turn_end not in eos_ids:
         generation["eos_token_id"] = [*eos_ids, turn_end]
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
     return [*copied, "generation_config.json"]
 
 
-def _template_turn_end(model_dir: Path) -> int | None:
-    """The token the chat template of the tokenizer in ``model_dir`` ends an assistant turn with, or None (no template,
-    or none that ends a turn with a special token). A base model's tokenizer with a chat template ends a text with
-    another (Qwen 3 base: ``<|endoftext|>``, against ``<|im_end|>``): its ``generation_config.json`` lists only that
-    one, and ``generate`` on a chat prompt ran past the end of the turn the run trained and stopped the engines at."""
+def _turn_end(model_dir: Path, use_chat_template: bool | None) -> int | None:
+    """``common.chat_turns.turn_end_id`` of the tokenizer in ``model_dir``."""
     from transformers import AutoTokenizer
 
-    from common.chat_turns import end_of_turn_id, has_chat_template
+    from common.chat_turns import turn_end_id
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    if not has_chat_template(tokenizer):
-        return None
-    try:
-        return end_of_turn_id(tokenizer)
-    except ValueError:
-        return None
+    return turn_end_id(AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True), use_chat_template)
 
 
 def _tokenizer_files(source_dir: Path) -> list[str]:
@@ -119,6 +116,7 @@ def export_policy(
     dtype: str | None = None,
     policy_version: int | None = None,
     adapter: bool = True,
+    use_chat_template: bool | None = None,
 ) -> list[str]:
     """Write ``policy`` (plain or sharded; collective when sharded: every rank calls it, rank 0 writes) as a
     complete HF directory at ``out_dir``; ``dtype`` casts the weights (e.g. ``"bfloat16"``). Returns the file names
@@ -127,7 +125,8 @@ def export_policy(
     its adapters alone as a PEFT adapter directory in ``out_dir/adapter`` (``PeftModel.from_pretrained(base,
     out_dir / "adapter")``, or a vLLM ``LoRARequest`` over the base), whose base is ``source_dir``; ``adapter`` False
     writes the merged model only (adapters that were not trained: a warm start that fine-tuned every weight).
-    ``policy_version`` is recorded as ``policy_version.json``, so a
+    ``use_chat_template``: the run's ``rollout.use_chat_template`` (which token ends a turn:
+    :func:`complete_from_source`). ``policy_version`` is recorded as ``policy_version.json``, so a
     weight-sync receiver serving the directory (``vllm serve`` with the rl_align plugin, ``python -m weight_sync
     serve``) starts at that version and refuses older pushes.
 
@@ -149,7 +148,7 @@ def export_policy(
             return files  # [] on the ranks that do not write
         if adapters is not None:
             files = [*files, *_write_adapter(stage, model_cfg, adapters, source_dir, dtype, policy_version)]
-        return _complete(stage, files, source_dir, policy_version)
+        return _complete(stage, files, source_dir, policy_version, use_chat_template)
 
     source = Path(source_dir) if source_dir is not None else None
     return _write_whole(out_dir, write, source)
@@ -180,7 +179,8 @@ def _write_adapter(
 
 
 def _complete(
-    out_dir: str | Path, files: list[str], source_dir: str | Path | None, policy_version: int | None
+    out_dir: str | Path, files: list[str], source_dir: str | Path | None, policy_version: int | None,
+    use_chat_template: bool | None,
 ) -> list[str]:
     """Add ``policy_version.json`` and the source's tokenizer and generation files to the exported weights ``files``."""
     from weight_sync.sink import write_policy_version
@@ -190,7 +190,7 @@ def _complete(
         files = [*files, POLICY_VERSION_FILE]
     if source_dir is None:
         return files
-    return [*files, *complete_from_source(out_dir, source_dir)]
+    return [*files, *complete_from_source(out_dir, source_dir, use_chat_template)]
 
 
 def _write_whole(
@@ -363,6 +363,7 @@ def export_checkpoint(
                          "run started from; a LoRA run's warm_start_model when its warm start trained every "
                          "weight)")  # fmt: skip
     recipe_model = record[0].get("model", {}) if record is not None else None
+    use_chat_template = record[0].get("rollout", {}).get("use_chat_template") if record is not None else None
     if model_dir is not None:
         source = Path(model_dir)
         _check_model_dir(ckpt, source, record)
@@ -399,7 +400,7 @@ def export_checkpoint(
         if adapters is not None:
             pairs = [(peft_name(model_cfg, name), t) for name, t in adapters.items()]
             files = [*files, *_write_adapter(stage, model_cfg, pairs, source, dtype, policy_version)]
-        return _complete(stage, files, source, policy_version)
+        return _complete(stage, files, source, policy_version, use_chat_template)
 
     return _write_whole(out_dir, write, source, ckpt)
 

@@ -114,12 +114,13 @@ class TrainerGroup:
         return self._all("load_checkpoint", path)[0]
 
     def export_hf(
-        self, path: str, source_dir: str | None, dtype: str | None = None, adapter: bool = True
+        self, path: str, source_dir: str | None, dtype: str | None = None, adapter: bool = True,
+        use_chat_template: bool | None = None,
     ) -> list[str]:
         """Write the policy as a complete HF model directory at ``path`` (tokenizer and generation config from
         ``source_dir``, a LoRA policy's adapter base; ``adapter`` False: no adapter directory); returns the file
         names."""
-        return self._all("export_hf", path, source_dir, dtype, adapter)[0]
+        return self._all("export_hf", path, source_dir, dtype, adapter, use_chat_template)[0]
 
     def push_weights(
         self, policy_version: int | None = None, dtype: str | None = None, endpoints: Sequence[str] | None = None,

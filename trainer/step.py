@@ -46,6 +46,7 @@ from trainer.models.registry import ATTENTION_BLOCKS
 from trainer.models.transformer import Transformer
 from trainer.packing import MicroBatch, plan_micro_batches, split_minibatches
 from trainer.parallelize import sync_tensor_parallel_partial_grads
+from trainer.rl.advantages import whitening_moments
 from trainer.rl.algorithms import AdvantageInputs
 from trainer.rl.kl import kl_estimate
 from trainer.rl.router_aux import add_router_aux_loss, count_router_tokens, moe_aux_coef
@@ -120,22 +121,29 @@ def _all_reduce_sum(state: TrainState, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _advantage_stats(state: TrainState, plans: list[list[MicroBatch]]) -> dict[str, float]:
-    """``advantage_mean``, ``_std`` (population), ``_min`` and ``_max`` over the completion tokens of every rank's
-    micro-batches that carry loss; nothing when there are none."""
-    moments = torch.zeros(3, dtype=torch.float64, device=state.device)  # tokens, sum, sum of squares
-    extremes = torch.full((2,), -math.inf, dtype=torch.float64, device=state.device)  # max, -min
+def _advantage_moments(state: TrainState, plans: list[list[MicroBatch]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The advantages over every rank's completion tokens that carry loss, as device tensors (read at the step's
+    end, :func:`_advantage_metrics`, not here between two passes): ``whitening_moments``' ``[count, sum, sum of
+    squares]`` and ``[max, -min]``. Every rank calls it (collectives)."""
+    moments = torch.zeros(3, dtype=torch.float64, device=state.device)
+    extremes = torch.full((2,), -math.inf, dtype=torch.float64, device=state.device)
     for mb in (mb for mbs in plans for mb in mbs):
         if mb.loss_mask.numel() == 0:  # a micro-batch without completion tokens
             continue
-        mask, values = mb.loss_mask > 0, mb.advantages.double()  # masked sums: no data-dependent shapes (XLA)
-        weights = mask.double()
-        moments += torch.stack([weights.sum(), (values * weights).sum(), (values.square() * weights).sum()])
-        masked = torch.where(mask, values, -math.inf), torch.where(mask, -values, -math.inf)
-        extremes = torch.maximum(extremes, torch.stack([masked[0].max(), masked[1].max()]))
+        mask = mb.loss_mask > 0
+        moments += whitening_moments(mb.advantages, mask)
+        values = mb.advantages.double()  # masked, not indexed: no data-dependent shapes (XLA)
+        top = torch.where(mask, values, -math.inf).max()
+        extremes = torch.maximum(extremes, torch.stack([top, torch.where(mask, -values, -math.inf).max()]))
     _all_reduce_sum(state, moments)
     if state.dp_size > 1:
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=state.dp_group)
+    return moments, extremes
+
+
+def _advantage_metrics(moments: torch.Tensor, extremes: torch.Tensor) -> dict[str, float]:
+    """``advantage_mean``, ``_std`` (population), ``_min`` and ``_max`` from :func:`_advantage_moments`; nothing
+    when no token carried loss."""
     count, total, squares = moments.tolist()
     if count == 0:
         return {}
@@ -384,7 +392,7 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
             _no_grad_pass(state, plans, need_old)
             _compute_advantages(state, samples, trained, plans)
             cut_graph(state.device)
-    advantages = _advantage_stats(state, plans) if minis else {}
+    advantages = _advantage_moments(state, plans) if minis else None
 
     acc, critic_acc = MetricsAccumulator(), MetricsAccumulator()
     grad_norms: list[torch.Tensor] = []
@@ -428,7 +436,8 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     state.policy_version += 1
     elapsed = time.perf_counter() - start
     metrics["overlong_filtered_frac"] = (len(samples) - len(trained)) / len(samples)
-    metrics.update(advantages)
+    if advantages is not None:
+        metrics.update(_advantage_metrics(*advantages))
     metrics.update(
         grad_norm=float(np.mean(norms)) if norms else 0.0,
         grad_norm_max=float(np.max(norms)) if norms else 0.0,

@@ -257,16 +257,18 @@ class TrainerWorker:
         return {"step": progress.step, "policy_version": progress.policy_version, "data_cursor": progress.data_cursor}
 
     def export_hf(
-        self, path: str, source_dir: str | None, dtype: str | None = None, adapter: bool = True
+        self, path: str, source_dir: str | None, dtype: str | None = None, adapter: bool = True,
+        use_chat_template: bool | None = None,
     ) -> list[str]:
         """Write the policy as a complete HF model directory (weights, config, tokenizer files and generation config
         of ``source_dir``, the model directory the run started from (a LoRA policy's adapter base), and the policy
-        version; ``adapter`` False: no adapter directory); rank 0 writes (``trainer.export.export_policy``)."""
+        version; ``adapter`` False: no adapter directory; ``use_chat_template``: the run's, for the token that ends a
+        turn); rank 0 writes (``trainer.export.export_policy``)."""
         from trainer.export import export_policy
 
         state = self._require_state()
         return export_policy(state.policy, path, source_dir, dtype, policy_version=state.policy_version,
-                             adapter=adapter)  # fmt: skip
+                             adapter=adapter, use_chat_template=use_chat_template)  # fmt: skip
 
     def policy_version(self) -> int:
         return self._require_state().policy_version

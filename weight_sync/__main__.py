@@ -147,6 +147,8 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _push(args: argparse.Namespace, extra: list[str]) -> int:
+    import grpc
+
     from weight_sync.checkpoint import checkpoint_shards
     from weight_sync.peft import stored_adapter_fields
     from weight_sync.sender import WeightSender
@@ -162,7 +164,8 @@ def _push(args: argparse.Namespace, extra: list[str]) -> int:
             if unreachable := {a: r for a, r in described.items() if isinstance(r, str)}:
                 for address, why in unreachable.items():
                     print(f"{address}: cannot read its version: {why}")
-                if any("UNAUTHENTICATED" in why for why in unreachable.values()):
+                refused = f"{grpc.StatusCode.UNAUTHENTICATED.name}:"  # the code, as report.error_text leads with it
+                if any(why.startswith(refused) for why in unreachable.values()):
                     print("nothing pushed: the receiver refused the token; give the one it was started with "
                           f"(--auth_token, or ${DEFAULT_TOKEN_ENV})", flush=True)  # fmt: skip
                 else:

@@ -417,8 +417,8 @@ class WeightReceiver:
                     f"rank {writer.rank}'s Push stream of {writer.update.update_id} received nothing for {limit:.0f} s "
                     "(stream_idle_timeout_s); the update is dropped",
                 )
-                if self.area.cut_stream(writer, error):
-                    log.warning("%s", error.message)
+                if self.area.cut_stream(writer, error):  # its handler's close_failed then finds the update failed
+                    self.area.stream_refused(writer.update, writer.rank, error)
 
     def _commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
         try:

@@ -23,12 +23,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rollout.envs.base import warn_once
+from rollout.envs.base import said_once, warn_once
 from rollout.envs.episode import Episode
 
 __all__ = ["AgentCall", "Assembled", "assemble"]
 
 log = logging.getLogger(__name__)
+_SPLIT = "agent episode split"  # warn_once's key
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,8 @@ def assemble(calls: Sequence[AgentCall]) -> Assembled:
 
 def _say_split(segments: Sequence[_Segment], call: AgentCall) -> None:
     """Warn, once per process, where ``call``'s prompt left the conversation it came closest to extending."""
+    if said_once(_SPLIT):  # the scan is Python over every segment's ids: with a template that rewrites every turn
+        return  # each call splits, and it would run at every one
     best, at = None, -1
     for segment in segments:
         held = segment.prompt + segment.ids
@@ -127,7 +130,7 @@ def _say_split(segments: Sequence[_Segment], call: AgentCall) -> None:
             best, at = held, common
     assert best is not None
     got = call.prompt_ids[at : at + 4]
-    warn_once(log, "agent episode split", "an agent's call %d does not extend its conversation so far: its prompt "
+    warn_once(log, _SPLIT, "an agent's call %d does not extend its conversation so far: its prompt "
               "departs at token %d (the conversation holds %s there, the prompt %s); the episode is split into "
               "separate samples there (agent/num_split_episodes). Usual causes: a chat template that rewrites earlier "
               "turns, tool-call arguments the agent sends back otherwise than the model wrote them, an edited "

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import signal
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 __all__ = ["ServedUpdateState", "ServerWeightSink"]
 
 log = logging.getLogger(__name__)
+RESUME_ON_CUT_S = 5.0  # how long a cut update waits to resume generation (an engine shutting down may not answer)
 _SHUTTING_DOWN = ("weight update to version {version} was cut: the server is shutting down before serving it (it "
                   "served version {served}); push to it again once it is back")  # fmt: skip
 
@@ -232,7 +234,17 @@ class ServerWeightSink:
             ) from e
 
     async def _serve(self, policy_version: int, path: str, full: bool) -> float:
-        """Steps 3-4 on the server's event loop; returns the seconds generation was paused."""
+        """Steps 3-4 on the server's event loop; returns the seconds generation was paused. Cut (``close``, the loop's
+        shutdown) it tries to resume generation before it ends, so that a shutdown that drains its requests
+        (``--shutdown-timeout``) does not wait on a paused engine."""
+        try:
+            return await self._serve_paused(policy_version, path, full)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._engine.resume_generation(), RESUME_ON_CUT_S)
+            raise
+
+    async def _serve_paused(self, policy_version: int, path: str, full: bool) -> float:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         engine = self._engine

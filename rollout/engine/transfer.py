@@ -112,22 +112,33 @@ def default_stage_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-_STAGED = re.compile(r"^rl-align-(?P<pid>\d+)-v\d+-.+\.(safetensors|tmp)$")
+_STAGED = re.compile(r"^rl-align-(?P<pid>\d+)-ns(?P<ns>\d+)-v\d+-.+\.(safetensors|tmp)$")
+
+
+def _pid_namespace() -> int:
+    """This process's PID namespace (its inode), 0 where it cannot be read: pids are compared only within one (two
+    containers sharing ``/dev/shm`` with ``--ipc=host`` each see their own pids)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def sweep_stage_dir(directory: str) -> list[str]:
     """Remove the update files in ``directory`` of processes of this host that are gone (a server or engine killed
     mid-update, SIGKILL or the OOM killer, leaves one the size of the update, in memory under ``/dev/shm``), with a
-    warning; return their names. A file of a live process (another server sharing the directory) is left alone."""
+    warning; return their names. A file of a live process (another server sharing the directory), or of a process in
+    another PID namespace (another container), is left alone."""
     removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
+    namespace = _pid_namespace()
     for name in names:
         match = _STAGED.match(name)
-        if match is None or _alive(int(match["pid"])):
-            continue
+        if match is None or not namespace or int(match["ns"]) != namespace or _alive(int(match["pid"])):
+            continue  # another PID namespace's file: whether its process lives cannot be told from here
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(directory, name))
             removed.append(name)
@@ -153,7 +164,8 @@ def write_update_file(tensors: Mapping[str, torch.Tensor], directory: str, polic
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f"rl-align-{os.getpid()}-v{policy_version}-", suffix=".tmp", dir=directory)
+    prefix = f"rl-align-{os.getpid()}-ns{_pid_namespace()}-v{policy_version}-"  # what sweep_stage_dir reads
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
     os.close(fd)
     try:
         save_file({name: t.contiguous() for name, t in tensors.items()}, tmp,

@@ -23,7 +23,9 @@ from typing import Any
 
 from rollout.tasks.problem import Problem
 
-__all__ = ["Environment", "EpisodeFailed", "Message", "StepResult", "environment_name", "warn_once"]
+__all__ = [
+    "Environment", "EpisodeFailed", "Message", "StepResult", "environment_name", "said_once", "warn_once",
+]  # fmt: skip
 
 _warned: set[Hashable] = set()
 
@@ -31,6 +33,11 @@ _warned: set[Hashable] = set()
 def environment_name(env: object) -> str:
     """How errors and warnings name an environment instance: ``environment <module>:<Class>``."""
     return f"environment {type(env).__module__}:{type(env).__qualname__}"
+
+
+def said_once(key: Hashable) -> bool:
+    """Whether :func:`warn_once` has said its warning of ``key`` in this process."""
+    return key in _warned
 
 
 def warn_once(

@@ -284,7 +284,8 @@ class _ReturnedLate(Exception):
 
 class _LoopHold(Generic[_T]):
     """Awaits ``awaitable`` as ``await`` does, timing each of its runs between two awaits: ``longest_s`` is how long
-    it held the event loop at once (no other episode generated then, and no deadline could fire)."""
+    it held the event loop at once (no other episode generated then, and no deadline could fire), ``total_s`` all its
+    runs together."""
 
     def __init__(self, awaitable: Awaitable[_T]) -> None:
         self._awaitable = awaitable
@@ -334,7 +335,7 @@ async def _called(
         raise EpisodeFailed(f"{environment_name(env)}: {what} raised {type(e).__name__}: {e}") from e
     finally:
         if hold is not None:
-            _add_blocking(env, method, hold.longest_s)
+            _add_blocking(env, method, hold.total_s)  # a call that blocks in several pieces counts them all
         if hold is not None and hold.longest_s >= HOLD_WARNING_S:
             _say_once(env, method, "held", "%s: %s held the event loop for %.1f s without awaiting: an environment "
                       "that blocks (time.sleep, a synchronous HTTP client, a long computation) stalls generation of "
@@ -350,9 +351,9 @@ _blocking: dict[tuple[type, str], list[float]] = {}  # (class, method) -> [secon
 
 
 def _add_blocking(env: Environment, method: str, held_s: float) -> None:
-    """Count a call that held the loop :data:`BLOCKING_CALL_S` or more; once such calls of one environment class and
-    method add up to :data:`BLOCKING_TOTAL_S`, say so: many short blocking calls (a ``time.sleep(0.05)`` per step)
-    stall generation as one long one does, each staying under the per-call warning."""
+    """Count a call that held the loop :data:`BLOCKING_CALL_S` or more in all; once such calls of one environment
+    class and method add up to :data:`BLOCKING_TOTAL_S`, say so: many short blocking calls (a ``time.sleep(0.05)``
+    per step) stall generation as one long one does, each staying under the per-call warning."""
     if held_s < BLOCKING_CALL_S:
         return
     tally = _blocking.setdefault((type(env), method), [0.0, 0])

@@ -111,7 +111,7 @@ class FakeTrainer:
     def save_checkpoint(self, data_cursor):
         self.events.append(("checkpoint", self.version, data_cursor["position"]))
 
-    def export_hf(self, path, source_dir, dtype=None):
+    def export_hf(self, path, source_dir, dtype=None, adapter=True, use_chat_template=None):
         self.events.append(("export", self.version, path.rsplit("/", 2)[-2:]))
 
 

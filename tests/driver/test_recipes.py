@@ -241,7 +241,8 @@ def test_a_reward_function_returning_no_number_fails_before_the_run_starts(tmp_p
     zero = recipe.model_copy(update={"reward": recipe.reward.model_copy(update={"on_error": "zero"})})
     with caplog.at_level("WARNING", logger="rl_align"):
         assert len(check_data(zero)) > 0  # the run would score such samples 0: said, not refused
-    assert "function 'none_rewards:score' fails on the task's first problem" in caplog.text, caplog.text
+    assert "function 'none_rewards:score' failed on the task's first problem" in caplog.text, caplog.text
+    assert "returned None" in caplog.text and "such samples score 0" in caplog.text, caplog.text  # and how
 
 
 def test_user_code_named_by_its_file_path_is_told_the_dotted_name(tmp_path):

@@ -37,6 +37,8 @@ def test_the_first_sample_of_each_first_group_is_logged_as_text(tmp_path):
     assert first["completion"] == "9<|im_end|>" and first["prompt"].startswith("<|im_start|>user\nwhat is 5 + 4?")
     assert first["problem_id"] == "p5" and first["reward_terms"] == {"exact_match": 1.0}
     assert first["policy_version"] == 3 and first["finish_reason"] == "stop"
+    with log.path.open("a") as f:
+        f.write('{"step": 2, "group_id": 5, "prom')  # a line a killed run cut short
     log.drop_from(1)  # a run resumed at step 1 generates it again
     assert [json.loads(line)["step"] for line in log.path.read_text().splitlines()] == [0, 0]
     resumed = SampleLog(tmp_path / "out", str(tmp_path / "tok"), per_step=2, append=True)

@@ -198,7 +198,9 @@ def test_close_cuts_an_update_draining_into_a_stopped_engine_and_refuses_later_o
     assert sink.committed_version() == 0 and not os.listdir(tmp_path / "stage")
     with pytest.raises(RuntimeError, match="version 2 was cut: the server is shutting down"):
         sink.apply(2, STATE)
-    assert engine.calls == ["pause:wait"]  # nothing of the second reached the engine
+    # Generation resumed as the cut update ended (a draining shutdown would wait on a paused engine); nothing of the
+    # second update reached the engine.
+    assert engine.calls == ["pause:wait", "resume"]
 
 
 def test_a_broken_or_closing_server_refuses_begin_before_any_data(loop, model_dir, tmp_path):
@@ -311,13 +313,16 @@ def test_update_files_of_servers_that_died_mid_update_are_removed_at_start(loop,
     stage = tmp_path / "stage"
     stage.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    gone = stage / f"rl-align-{dead.stdout.strip()}-v3-abc123.safetensors"
-    live = stage / f"rl-align-{os.getpid()}-v4-def456.safetensors"  # another server, still serving
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    gone = stage / f"rl-align-{dead.stdout.strip()}-ns{ns}-v3-abc123.safetensors"
+    live = stage / f"rl-align-{os.getpid()}-ns{ns}-v4-def456.safetensors"  # another server, still serving
+    # Another container's (its own PID namespace, /dev/shm shared by --ipc=host): its pid means nothing here.
+    elsewhere = stage / f"rl-align-{dead.stdout.strip()}-ns{ns + 1}-v5-aaa111.safetensors"
     other = stage / "someone-elses.safetensors"
-    for path in (gone, live, other):
+    for path in (gone, live, elsewhere, other):
         path.write_bytes(b"x")
     _sink(RecordingEngine(), loop, model_dir, tmp_path)
-    assert sorted(p.name for p in stage.iterdir()) == sorted([live.name, other.name])
+    assert sorted(p.name for p in stage.iterdir()) == sorted([live.name, elsewhere.name, other.name])
 
 
 def test_a_stage_dir_that_cannot_take_the_update_is_named(loop, model_dir, tmp_path):

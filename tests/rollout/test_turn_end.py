@@ -105,9 +105,11 @@ def test_an_export_of_a_base_like_model_stops_generate_at_the_end_of_a_turn(tmp_
     out.mkdir()
     for name in ("model.safetensors", "config.json"):
         shutil.copyfile(source / name, out / name)
-    complete_from_source(out, source)
+    complete_from_source(out, source, use_chat_template=False)  # a run without the template: its turns end at eos
     tokenizer = load_tokenizer(str(out))
     turn_end, eos = tokenizer.convert_tokens_to_ids(TURN_END), tokenizer.convert_tokens_to_ids(BASE_EOS)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
+    complete_from_source(out, source)
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [eos, turn_end]
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     ids = torch.tensor([render_prompt(tokenizer, "What is 2 + 3?")])
