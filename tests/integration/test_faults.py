@@ -226,13 +226,13 @@ def test_an_environment_that_fails_past_its_budget_fails_the_run_with_what_to_do
 
 
 def test_a_reward_function_that_raises_fails_the_run_with_what_to_do(tmp_path: Path) -> None:
-    """A user reward function's error (here at the evaluation before the first step) ended the driver in a
-    traceback naming an internal group id: it now names the term, the problem and the completion, what to set, and how
-    to continue, and exits 1."""
-    terms = '[{type = "function", function = "tests.rollout.reward_functions:needs_a_field_the_problems_lack"}]'
+    """A user reward function's error (here at the evaluation before the first step, on generated text: the preflight
+    tries it on the reference answer alone) ended the driver in a traceback naming an internal group id: it now names
+    the term, the problem and the completion, what to set, and how to continue, and exits 1."""
+    terms = '[{type = "function", function = "tests.rollout.reward_functions:fails_on_what_the_model_writes"}]'
     text, log = _failed_run(tmp_path, "--reward.terms", terms)
     expected = ("error: reward term 'function': function 'tests.rollout.reward_functions:"
-                "needs_a_field_the_problems_lack' failed on problem 'arith-eval-0' with completion '")  # fmt: skip
+                "fails_on_what_the_model_writes' failed on problem 'arith-eval-0' with completion '")  # fmt: skip
     assert expected in text and "KeyError: 'expected' (set reward.on_error = 'zero'" in text, tail(log)
     assert "Traceback" not in text.split("error: reward term")[1] and "group" not in text.split("error:")[1], tail(log)
     assert "no checkpoint was saved" in text, tail(log)
