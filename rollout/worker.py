@@ -74,7 +74,7 @@ class RolloutWorker:
         self._render = PromptRenderer(self.tokenizer, config.use_chat_template)
         end = turn_end_id(self.tokenizer, config.use_chat_template)
         # A model turn ends at the template's end-of-turn, which a base model's end-of-sequence ids may not include.
-        self._turn_end = [] if end is None or end == self.tokenizer.eos_token_id else [end]
+        self._turn_end = None if end == self.tokenizer.eos_token_id else end
         self._info_names: set[str] = set()  # the environment's info figures seen so far
         self.scorer = RewardScorer.from_config(reward) if reward is not None else None
         self._env_config = environment or SingleTurnEnvConfig()
@@ -93,10 +93,10 @@ class RolloutWorker:
 
     def _stopping_at_turn_end(self, sampling: SamplingConfig) -> SamplingConfig:
         """``sampling`` with the end-of-turn token among its stop ids (unless it ignores the end of sequence)."""
-        extra = [t for t in self._turn_end if t not in sampling.stop_token_ids]
-        if not extra or sampling.ignore_eos:
+        end = self._turn_end
+        if end is None or end in sampling.stop_token_ids or sampling.ignore_eos:
             return sampling
-        return sampling.model_copy(update={"stop_token_ids": [*sampling.stop_token_ids, *extra]})
+        return sampling.model_copy(update={"stop_token_ids": [*sampling.stop_token_ids, end]})
 
     def generate_groups(
         self,

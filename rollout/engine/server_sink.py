@@ -153,7 +153,7 @@ class ServerWeightSink:
         """
         start = time.perf_counter()
         if self.state.broken is not None:
-            raise RuntimeError(f"this server stopped taking updates: {self.state.broken}; restart it")
+            raise RuntimeError(self.unavailable())
         if self._closing:
             raise RuntimeError(_SHUTTING_DOWN.format(version=policy_version, served=self.state.policy_version))
         try:

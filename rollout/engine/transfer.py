@@ -138,7 +138,7 @@ def sweep_stage_dir(directory: str) -> list[str]:
     for name in names:
         match = _STAGED.match(name)
         if match is None or not namespace or int(match["ns"]) != namespace or _alive(int(match["pid"])):
-            continue  # another PID namespace's file: whether its process lives cannot be told from here
+            continue  # not ours, alive, or of another PID namespace (whose pids cannot be checked from here)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(directory, name))
             removed.append(name)

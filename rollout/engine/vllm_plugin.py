@@ -214,7 +214,6 @@ class RLAlignEndpointPlugin:
         log.info("rl_align weight-sync receiver on %s serving version %d of %s", self.receiver.listening_on,
                  self.sink.committed_version(), model_dir)
 
-
     def _close(self) -> None:
         """Cut the update being served, then stop taking pushes: the server is going away."""
         self.sink.close()
@@ -241,9 +240,8 @@ def _stop_with_engine(engine_client: Any, stop: Callable[[], None], loop: asynci
     The receiver otherwise stopped at the interpreter's exit, which waited for a Commit whose drain waited for the
     engine already gone (up to ``drain_timeout_s``: a SIGTERM mid-update kept the process and its open receiver for
     121 s); pushes meanwhile failed. Stopped here, senders find it unreachable at once and push again to the restarted
-    server. vLLM offers no earlier shutdown hook (its
-    handler replaces any SIGTERM handler of the loop; the app's lifespan ends after the engine), so the client's
-    method is wrapped in place.
+    server. vLLM offers no earlier shutdown hook (its handler replaces any SIGTERM handler of the loop; the app's
+    lifespan ends after the engine), so the client's method is wrapped in place.
 
     After the engine's shutdown the requests still in flight are failed (``EngineDeadError``, as vLLM fails them when
     its engine dies): its SIGTERM path cancels the task that would have, and a request left waiting kept the HTTP

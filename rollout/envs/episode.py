@@ -336,12 +336,12 @@ async def _called(
     finally:
         if hold is not None:
             _add_blocking(env, method, hold.total_s)  # a call that blocks in several pieces counts them all
-        if hold is not None and hold.longest_s >= HOLD_WARNING_S:
-            _say_once(env, method, "held", "%s: %s held the event loop for %.1f s without awaiting: an environment "
-                      "that blocks (time.sleep, a synchronous HTTP client, a long computation) stalls generation of "
-                      "every episode on this worker, and no timeout_s can cut it; use async I/O, or run the blocking "
-                      "part with `await asyncio.to_thread(...)` (said once per environment class and method)",
-                      environment_name(env), method, hold.longest_s)  # fmt: skip
+            if hold.longest_s >= HOLD_WARNING_S:
+                _say_once(env, method, "held", "%s: %s held the event loop for %.1f s without awaiting: an "
+                          "environment that blocks (time.sleep, a synchronous HTTP client, a long computation) stalls "
+                          "generation of every episode on this worker, and no timeout_s can cut it; use async I/O, or "
+                          "run the blocking part with `await asyncio.to_thread(...)` (said once per environment class "
+                          "and method)", environment_name(env), method, hold.longest_s)  # fmt: skip
     if deadline is not None and asyncio.get_running_loop().time() >= deadline:
         raise _ReturnedLate(method, what, value, hold.longest_s)
     return value

@@ -1,4 +1,5 @@
-"""Helpers of the recipe tests: a recipe's load error, ``rl_align.py --check`` in a subprocess."""
+"""Helpers of the recipe tests: a changed default recipe, a recipe's load error, ``rl_align.py --check`` in a
+subprocess."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from common.config import ConfigError
 from recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def broken_recipe(tmp_path, edit):
+    """``recipes/grpo_tiny.toml`` changed by ``edit`` (text -> text), written as ``tmp_path/broken.toml``."""
+    path = tmp_path / "broken.toml"
+    path.write_text(edit((ROOT / "recipes" / "grpo_tiny.toml").read_text()))
+    return path
 
 
 def run_check(args, timeout=60):

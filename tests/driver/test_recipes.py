@@ -11,7 +11,7 @@ import pytest
 
 from common.config import ConfigError, parse_overrides
 from recipe import Recipe, load_recipe, write_resolved
-from tests.driver.recipe_checks import ROOT, load_error, run_check
+from tests.driver.recipe_checks import ROOT, broken_recipe, load_error, run_check
 
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
 
@@ -25,13 +25,6 @@ def test_every_recipe_loads(path):
     recipe = load_recipe(path, check_paths=False)  # hardware recipes name model dirs of other machines
     assert isinstance(recipe, Recipe)
     assert recipe.rollout.model_path == recipe.model.path
-
-
-def _broken(tmp_path, edit):
-    text = (ROOT / "recipes" / "grpo_tiny.toml").read_text()
-    path = tmp_path / "broken.toml"
-    path.write_text(edit(text))
-    return path
 
 
 @pytest.mark.parametrize(
@@ -48,7 +41,7 @@ def _broken(tmp_path, edit):
     ],
 )
 def test_broken_recipes_name_file_and_field(tmp_path, edit, field, reason):
-    path = _broken(tmp_path, edit)
+    path = broken_recipe(tmp_path, edit)
     with pytest.raises(ConfigError) as e:
         load_recipe(path)
     msg = str(e.value)
@@ -56,7 +49,10 @@ def test_broken_recipes_name_file_and_field(tmp_path, edit, field, reason):
 
 
 def test_missing_model_dir_without_create_tiny_is_rejected(tmp_path):
-    path = _broken(tmp_path, lambda t: t.split("[model.create_tiny]")[0] + "[algorithm]" + t.split("[algorithm]")[1])
+    def without_create_tiny(text):
+        return text.split("[model.create_tiny]")[0] + "[algorithm]" + text.split("[algorithm]")[1]
+
+    path = broken_recipe(tmp_path, without_create_tiny)
     expected = r"^command-line flag --model.path: .*\n  - model.path: .* does not exist: point it at a local HF model"
     with pytest.raises(ConfigError, match=expected):
         load_recipe(path, {"model.path": str(tmp_path / "nowhere")})
@@ -90,7 +86,7 @@ def test_user_code_that_fails_at_import_or_has_the_wrong_signature_is_refused_at
         "    async def step(self, text):\n        return None\n"
     )  # fmt: skip
     monkeypatch.syspath_prepend(str(tmp_path))
-    path = _broken(tmp_path, lambda t: t.replace("stop_at_accuracy = 0.4", "stop_at_accuracy = false"))
+    path = broken_recipe(tmp_path, lambda t: t.replace("stop_at_accuracy = 0.4", "stop_at_accuracy = false"))
     term = lambda spec: {"reward.terms": [{"type": "function", "function": spec}]}  # noqa: E731
     assert "importing module 'syntax_rewards' raised SyntaxError" in load_error(path, term("syntax_rewards:score"))
     assert "raised RuntimeError: no GPU here" in load_error(path, term("raising_rewards:score"))
@@ -106,7 +102,7 @@ def test_a_warm_start_accuracy_target_needs_held_out_problems_and_a_correctness_
     # SFT step: the inherited target could never be met.
     data = tmp_path / "train.jsonl"
     data.write_text("".join(f'{{"prompt": "p{i}", "answer": "{i}"}}\n' for i in range(20)))
-    path = _broken(tmp_path, lambda t: t)
+    path = broken_recipe(tmp_path, lambda t: t)
     jsonl = {"task": {"type": "jsonl", "path": str(data)}}
     msg = load_error(path, jsonl)
     assert "- run.warm_start.stop_at_accuracy: stop_at_accuracy = 0.4 is measured on held-out problems" in msg, msg
@@ -119,7 +115,7 @@ def test_a_warm_start_accuracy_target_needs_held_out_problems_and_a_correctness_
 
 def test_a_reward_model_that_is_not_there_is_refused_at_load(tmp_path):
     # It failed once the actors had started, blamed a tokenizer directory, and advised a --resume with no checkpoint.
-    path = _broken(tmp_path, lambda t: t)
+    path = broken_recipe(tmp_path, lambda t: t)
     terms = {"reward.terms": [{"type": "exact_match"}, {"type": "reward_model", "path": str(tmp_path / "no_rm")}]}
     msg = load_error(path, terms)
     assert f"- reward.terms[1].path: '{tmp_path / 'no_rm'}' has no config.json" in msg, msg
@@ -149,7 +145,7 @@ def test_help_and_recipe_check_do_not_import_torch():
 
 
 def test_bad_recipe_exits_2_with_message(tmp_path):
-    path = _broken(tmp_path, lambda t: t.replace("group_size = 8", "group_size = 1"))
+    path = broken_recipe(tmp_path, lambda t: t.replace("group_size = 8", "group_size = 1"))
     out = subprocess.run(
         [sys.executable, "rl_align.py", "--recipe", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
@@ -170,7 +166,7 @@ def test_resume_without_checkpoint_fails_before_anything_starts(tmp_path):
 
 
 def test_unknown_block_fails_at_check_naming_file_field_and_the_declared_names(tmp_path):
-    path = _broken(tmp_path, lambda t: t.replace("[model]\n", '[model]\nattention = "flash_attn"\n'))
+    path = broken_recipe(tmp_path, lambda t: t.replace("[model]\n", '[model]\nattention = "flash_attn"\n'))
     rc, err = run_check(["--recipe", str(path)])
     assert rc == 2 and f"{path}: invalid recipe" in err, err
     assert "- model.attention: unknown attention block 'flash_attn'" in err, err
@@ -185,7 +181,7 @@ KERNELS = [("attention", "splash", "sdpa"), ("output_head", "fused_pallas", "chu
 
 @pytest.mark.parametrize("field, kernel, alternative", KERNELS)
 def test_pallas_kernel_with_device_cuda_fails_at_load_naming_field_and_fix(tmp_path, field, kernel, alternative):
-    path = _broken(tmp_path, lambda t: t.replace("[model]\n", f'[model]\n{field} = "{kernel}"\n'))
+    path = broken_recipe(tmp_path, lambda t: t.replace("[model]\n", f'[model]\n{field} = "{kernel}"\n'))
     msg = load_error(path, {"trainer.device": "cuda"})
     assert f"- model.{field}: model.{field} = " + f'"{kernel}" has no path for device ' + "'cuda'" in msg, msg
     assert f'set model.{field} = "{alternative}"' in msg and str(path) in msg, msg
@@ -193,71 +189,10 @@ def test_pallas_kernel_with_device_cuda_fails_at_load_naming_field_and_fix(tmp_p
 
 
 def test_pallas_kernel_with_device_cuda_fails_at_check(tmp_path):
-    path = _broken(tmp_path, lambda t: t.replace('device = "cpu"', 'device = "cuda"'))
+    path = broken_recipe(tmp_path, lambda t: t.replace('device = "cpu"', 'device = "cuda"'))
     rc, err = run_check(["--recipe", str(path), "--model.output_head", "fused_pallas"])
     assert rc == 2 and err.startswith("error: command-line flag --model.output_head: "), err
     assert 'set model.output_head = "chunked"' in err, err
-
-
-def _with_function_reward(text, spec):
-    # No correctness term is left, so no held-out accuracy: the warm start stops by its step count alone.
-    text = text.replace("stop_at_accuracy = 0.4", "stop_at_accuracy = false")
-    return text.replace('type = "exact_match"', f'type = "function"\nfunction = "{spec}"')
-
-
-def test_function_reward_whose_module_does_not_import_fails_at_check(tmp_path):
-    path = _broken(tmp_path, lambda t: _with_function_reward(t, "no_such_reward_module:score"))
-    rc, err = run_check(["--recipe", str(path)])
-    assert rc == 2 and "- reward.terms[0].function: reward function 'no_such_reward_module:score'" in err, err
-    assert "module 'no_such_reward_module' not found" in err and str(path) in err, err
-
-
-def test_function_reward_module_that_fails_inside_or_lacks_the_function_is_reported_at_load(tmp_path, monkeypatch):
-    (tmp_path / "broken_rewards.py").write_text("import no_such_dependency_of_it\n")
-    (tmp_path / "ok_rewards.py").write_text("def score(completion, problem):\n    return 1.0\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    broken = _broken(tmp_path, lambda t: _with_function_reward(t, "broken_rewards:score"))
-    assert "importing module 'broken_rewards' failed" in load_error(broken)
-    term = lambda spec: {"reward.terms": [{"type": "function", "function": spec}]}  # noqa: E731
-    assert "has no attribute 'scor'" in load_error(broken, term("ok_rewards:scor"))
-    load_recipe(broken, term("ok_rewards:score"))
-    load_recipe(broken, check_paths=False)  # recipes for other machines validate anywhere
-
-
-def test_a_reward_function_returning_no_number_fails_before_the_run_starts(tmp_path, monkeypatch, caplog):
-    """A reward function that returns None (a forgotten ``return``) failed only at the first batch, after Ray and
-    every actor had started: the preflight calls it once on the task's first problem."""
-    from driver.preflight import check_data
-
-    (tmp_path / "none_rewards.py").write_text("def score(completion, problem):\n    completion.strip()\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    recipe = load_recipe(_broken(tmp_path, lambda t: _with_function_reward(t, "none_rewards:score")))
-    with pytest.raises(ValueError) as e:
-        check_data(recipe)
-    message = str(e.value)
-    assert "function 'none_rewards:score' failed on the task's first problem" in message, message
-    assert "returned None of type NoneType; a reward function must return a number" in message, message
-    assert "checked before the run starts" in message and "reward.on_error = 'zero'" in message, message
-    zero = recipe.model_copy(update={"reward": recipe.reward.model_copy(update={"on_error": "zero"})})
-    with caplog.at_level("WARNING", logger="rl_align"):
-        assert len(check_data(zero)) > 0  # the run would score such samples 0: said, not refused
-    assert "function 'none_rewards:score' failed on the task's first problem" in caplog.text, caplog.text
-    assert "returned None" in caplog.text and "such samples score 0" in caplog.text, caplog.text  # and how
-
-
-def test_user_code_named_by_its_file_path_is_told_the_dotted_name(tmp_path):
-    # class_path = "myenvs/fix.py:FixAnswer" got "module 'myenvs/fix.py' not found".
-    path = _broken(tmp_path, lambda t: _with_function_reward(t, "my_pkg/rewards.py:score"))
-    assert "name the module with dots, as Python imports it ('my_pkg.rewards:score'" in load_error(path)
-
-
-def test_a_users_tool_that_cannot_be_imported_fails_at_load_naming_its_place():
-    msg = load_error(ROOT / "recipes" / "agent_calc_tiny.toml",
-                     {"environment.tools": ["calculator", "tests.rollout.envs.user_tools:nope"]})  # fmt: skip
-    assert "- environment.tools[1]: tool 'tests.rollout.envs.user_tools:nope'" in msg and "no attribute 'nope'" in msg
-    agent = load_recipe(ROOT / "recipes" / "agent_openai_tiny.toml",
-                        {"environment.warm_start_tools": ["tests.rollout.envs.user_tools:convert"]})  # fmt: skip
-    assert agent.environment.warm_start_tools == ["tests.rollout.envs.user_tools:convert"]
 
 
 def test_warm_start_false_is_no_warm_start(tmp_path):
@@ -269,7 +204,7 @@ def test_warm_start_false_is_no_warm_start(tmp_path):
 
 
 def test_a_field_of_another_section_names_that_section(tmp_path):
-    path = _broken(tmp_path, lambda t: t.replace("[run]\n", "[run]\ngroup_size = 8\n"))
+    path = broken_recipe(tmp_path, lambda t: t.replace("[run]\n", "[run]\ngroup_size = 8\n"))
     rc, err = run_check(["--recipe", str(path)])
     assert rc == 2 and f"{path}: invalid recipe" in err, err
     assert "- run.group_size: unknown key (no field 'group_size' in [run]); did you mean algorithm.group_size?" in err
@@ -376,7 +311,7 @@ def test_run_seed_is_the_default_of_every_component_seed(tmp_path):
 def test_max_grad_norm_inf_disables_clipping_and_round_trips(tmp_path):
     default = load_recipe(ROOT / "recipes" / "grpo_tiny.toml")
     assert default.trainer.grad_clip_norm == default.trainer.max_grad_norm == 1.0
-    path = _broken(tmp_path, lambda t: t.replace("[trainer]\n", "[trainer]\nmax_grad_norm = inf\n"))
+    path = broken_recipe(tmp_path, lambda t: t.replace("[trainer]\n", "[trainer]\nmax_grad_norm = inf\n"))
     unclipped = load_recipe(path)
     assert unclipped.trainer.grad_clip_norm is None
     assert load_recipe(write_resolved(unclipped, tmp_path / "out")) == unclipped
