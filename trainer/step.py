@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -286,7 +287,12 @@ def _clip_and_step(
     state: TrainState, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_norm: float | None
 ) -> torch.Tensor:
     """Clip the global gradient norm (computed per mesh group, then combined), step, zero grads; returns the norm
-    (0-dim, on the device: read with the step's other metrics)."""
+    (0-dim, on the device: read with the step's other metrics).
+
+    A norm that is not finite (a NaN or inf gradient) skips the optimizer step: the weights and the optimizer's
+    moments stay as they were, where one step of AdamW would make every weight NaN and every later push serve them.
+    The scheduler steps either way, so the schedule keeps counting updates. The caller sees the norm as not finite.
+    """
     sync_tensor_parallel_partial_grads(model, state.mesh)
     groups = _by_mesh([p for p in model.parameters() if p.grad is not None])
     foreach = has_foreach_kernels(state.device)
@@ -296,6 +302,15 @@ def _clip_and_step(
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         squares.append(norm.double() ** 2)
     total = torch.stack(squares).sum().sqrt().float()
+    # One host read per update; every rank holds the same global norm, so all of them skip together.
+    if not bool(torch.isfinite(total)):
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            with warnings.catch_warnings():  # "scheduler stepped before the optimizer": here that is the intent
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+                scheduler.step()
+        cut_graph(state.device)
+        return total.detach()
     if max_norm is not None:
         for group in groups:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
@@ -349,6 +364,24 @@ def _read(values: list[torch.Tensor]) -> list[float]:
     return torch.stack(values).cpu().tolist() if values else []
 
 
+def _norm_metrics(norms: list[float], model: str, step: int) -> dict[str, float]:
+    """``grad_norm`` (mean over the updates that stepped), ``grad_norm_max`` and ``skipped_updates`` (updates whose
+    gradient norm was not finite, so skipped: :func:`_clip_and_step`) of ``model``'s updates; warns of skips."""
+    finite = [n for n in norms if math.isfinite(n)]
+    skipped = len(norms) - len(finite)
+    if skipped:
+        log.warning(
+            "step %d: %d of %d %s updates skipped: the gradient norm was not finite (NaN or inf; the weights were "
+            "left as they were). Repeated skips mean the loss itself is not finite: a learning rate too high for the "
+            "model's dtype, or rewards that are not finite", step, skipped, len(norms), model,
+        )  # fmt: skip
+    return {
+        "grad_norm": float(np.mean(finite)) if finite else 0.0,
+        "grad_norm_max": float(np.max(finite)) if finite else 0.0,
+        "skipped_updates": float(skipped),
+    }
+
+
 def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     """One update of ``state.algorithm`` on ``batch`` (every rank passes the same batch); returns the step's metrics.
 
@@ -359,6 +392,7 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     log-prob, ``rollout_kl`` = KL(rollout || trainer), ``is_ratio_mean``, ``is_weight_mean``, ``is_frac_capped``,
     ``is_frac_masked``; see README "Metrics"), extremes (``ratio_min/max``, ``logprob_gap_max``,
     ``is_ratio_min/max``), ``grad_norm`` (mean over optimizer steps, before clipping) and ``grad_norm_max``,
+    ``skipped_updates`` (optimizer steps skipped for a gradient norm that was not finite),
     ``lr`` (the rate of the step's first optimizer update),
     ``step_s``, ``tokens_per_s`` (prompt + completion tokens of the batch x epochs per second, all ranks), this rank's
     seconds in each phase of the step (``logprobs_s``: old / reference log-probs, values and advantages;
@@ -367,8 +401,9 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
     ``num_tokens`` (completion tokens), ``num_samples``, ``overlong_filtered_frac`` (samples the overlong filter took
     out of the loss; with every sample filtered the step makes no update), ``step``, ``policy_version``; with a critic
     (PPO) also ``critic/value_loss``, ``critic/value_error``, ``critic/value_mean``, ``critic/value_clip_frac``,
-    ``critic/explained_variance``, ``critic/return_mean``, ``critic/grad_norm``, ``critic/lr``, and ``critic/loss``
-    (the value loss plus, MoE only, the critic routers' weighted ``critic/loss/moe_aux``); on a device that compiles
+    ``critic/explained_variance``, ``critic/return_mean``, ``critic/grad_norm``, ``critic/grad_norm_max``,
+    ``critic/skipped_updates``, ``critic/lr``, and ``critic/loss`` (the value loss plus, MoE only, the critic routers'
+    weighted ``critic/loss/moe_aux``); on a device that compiles
     per shape (``xla``), ``compiled_graphs``: the graphs this step compiled (0 once the step's shapes have all been
     seen).
     """
@@ -429,18 +464,17 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
         metrics.update({f"critic/{k}": per_update(k, v) for k, v in critic_metrics.items()})
         assert critic_lr is not None
         metrics["critic/lr"] = critic_lr
+    state.step += 1
     norms, critic_norm_values = _read(grad_norms), _read(critic_norms)
     if critic_norm_values:
-        metrics["critic/grad_norm"] = float(np.mean(critic_norm_values))
-    state.step += 1
+        metrics.update({f"critic/{k}": v for k, v in _norm_metrics(critic_norm_values, "critic", state.step).items()})
     state.policy_version += 1
     elapsed = time.perf_counter() - start
     metrics["overlong_filtered_frac"] = (len(samples) - len(trained)) / len(samples)
     if advantages is not None:
         metrics.update(_advantage_metrics(*advantages))
+    metrics.update(_norm_metrics(norms, "policy", state.step))
     metrics.update(
-        grad_norm=float(np.mean(norms)) if norms else 0.0,
-        grad_norm_max=float(np.max(norms)) if norms else 0.0,
         lr=lr, step_s=elapsed,
         tokens_per_s=batch.num_tokens * cfg.num_epochs / elapsed, num_samples=float(len(samples)),
         step=float(state.step), policy_version=float(state.policy_version), **clock.metrics(),
@@ -477,10 +511,12 @@ def sft_step(state: TrainState, samples: Sequence[Sample], lr: float | None = No
     if lr is not None:
         for g in state.optimizer.param_groups:
             g["lr"] = lr
-    grad_norm = float(_clip_and_step(state, state.policy, state.optimizer, None, state.cfg.grad_clip_norm))
+    norm = float(_clip_and_step(state, state.policy, state.optimizer, None, state.cfg.grad_clip_norm))
     for g, old in zip(state.optimizer.param_groups, saved):
         g["lr"] = old
     state.policy_version += 1
     out = acc.reduce(mesh_device_type(state.device), state.dp_group)
-    out.update(grad_norm=grad_norm, step_s=time.perf_counter() - start, policy_version=float(state.policy_version))
+    norms = _norm_metrics([norm], "warm-start", state.policy_version)
+    out.update(grad_norm=norms["grad_norm"], skipped_updates=norms["skipped_updates"],
+               step_s=time.perf_counter() - start, policy_version=float(state.policy_version))  # fmt: skip
     return out

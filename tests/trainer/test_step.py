@@ -436,3 +436,25 @@ def test_the_step_reports_the_seconds_of_each_phase(algo) -> None:
     assert all(metrics[p] > 0 for p in phases), {p: metrics.get(p) for p in phases}
     assert sum(metrics[p] for p in phases) <= metrics["step_s"]
     assert ("critic_s" in metrics) == isinstance(algo, PPOConfig)
+
+
+def test_an_update_whose_gradient_is_not_finite_is_skipped_and_the_next_one_trains(caplog) -> None:
+    """One NaN gradient through AdamW would make every weight NaN, and every engine would then serve them."""
+    from trainer.step import rl_step
+
+    state = _engine(GRPOConfig(group_size=4), num_minibatches=2)
+    weights = {k: v.clone() for k, v in state.policy.state_dict().items()}
+    param = next(state.policy.parameters())
+    hook = param.register_hook(lambda g: g * float("nan"))
+    m = rl_step(state, RolloutBatch(_samples()))
+    assert m["skipped_updates"] == 2.0 and m["grad_norm"] == 0.0
+    assert all(torch.equal(v, weights[k]) for k, v in state.policy.state_dict().items())
+    assert not state.optimizer.state, "a skipped update leaves AdamW's moments as they were (none yet)"
+    assert "2 of 2 policy updates skipped" in caplog.text
+    assert state.scheduler.last_epoch == 2, "the schedule counts the skipped updates"
+    hook.remove()
+    m = rl_step(state, RolloutBatch(_samples(seed=1)))
+    assert m["skipped_updates"] == 0.0 and m["grad_norm"] > 0
+    after = state.policy.state_dict()
+    assert all(torch.isfinite(v).all() for v in after.values())
+    assert any(not torch.equal(v, weights[k]) for k, v in after.items())
