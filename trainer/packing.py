@@ -396,13 +396,14 @@ def assign_to_ranks(lengths: Sequence[int], indices: Sequence[int], num_ranks: i
     return [sorted(o) for o in out]
 
 
-def split_minibatches(num_samples: int, num_minibatches: int, seed: int | None = None) -> list[list[int]]:
-    """Split sample indices into ``num_minibatches`` near-equal mini-batches (shuffled with ``seed`` if given)."""
-    if num_minibatches > num_samples:
-        raise ValueError(f"{num_minibatches} mini-batches requested for a batch of only {num_samples} samples")
-    order = np.arange(num_samples)
+def split_minibatches(num_units: int, num_minibatches: int, seed: int | None = None) -> list[list[int]]:
+    """Split the indices ``0 .. num_units - 1`` (samples, or episodes of several samples) into ``num_minibatches``
+    near-equal mini-batches (shuffled with ``seed`` if given)."""
+    if num_minibatches > num_units:
+        raise ValueError(f"{num_minibatches} mini-batches requested for a batch of only {num_units} units")
+    order = np.arange(num_units)
     if seed is not None:
-        order = np.random.default_rng(seed).permutation(num_samples)
+        order = np.random.default_rng(seed).permutation(num_units)
     return [sorted(int(i) for i in part) for part in np.array_split(order, num_minibatches)]
 
 

@@ -163,17 +163,23 @@ def _trained_indices(state: TrainState, samples: Sequence[Sample]) -> list[int]:
 
 
 def _minibatches(state: TrainState, samples: Sequence[Sample], trained: list[int], epoch: int) -> list[list[int]]:
-    """``trainer.num_minibatches`` mini-batches of ``trained`` (fewer when fewer samples are left), the same on every
-    rank: contiguous in epoch 0, then reshuffled every epoch from the trainer seed, the step and the epoch."""
+    """``trainer.num_minibatches`` mini-batches of ``trained`` (fewer when fewer episodes are left), the same on every
+    rank: contiguous in epoch 0, then reshuffled every epoch from the trainer seed, the step and the epoch.
+
+    The unit is the episode: an agent episode that gave several samples stays in one mini-batch, whose loss
+    normalisers (:func:`_mini_counts`) count it once with all of its tokens.
+    """
     if not trained:
         return []
-    num = min(state.cfg.num_minibatches, len(trained))
+    episodes = episode_members([samples[i].group_id for i in trained], [samples[i].episode for i in trained])
+    num = min(state.cfg.num_minibatches, len(episodes))
     # Overlong filtering, dynamic sampling or dropped episodes shrank the batch.
     if num < state.cfg.num_minibatches and epoch == 0:
-        log.warning("step %d: %d sample(s) to train on, fewer than trainer.num_minibatches = %d: %d mini-batch(es)",
-                    state.step, len(trained), state.cfg.num_minibatches, num)  # fmt: skip
+        log.warning("step %d: %d episode(s) to train on, fewer than trainer.num_minibatches = %d: %d mini-batch(es)",
+                    state.step, len(episodes), state.cfg.num_minibatches, num)  # fmt: skip
     seed = None if epoch == 0 else int(np.random.SeedSequence([state.cfg.seed, state.step, epoch]).generate_state(1)[0])
-    return [[trained[j] for j in part] for part in split_minibatches(len(trained), num, seed=seed)]
+    parts = split_minibatches(len(episodes), num, seed=seed)
+    return [sorted(trained[j] for e in part for j in episodes[e]) for part in parts]
 
 
 def _reshuffled(

@@ -229,6 +229,23 @@ def test_an_episode_of_several_samples_is_one_sequence_of_the_loss(aggregation) 
         assert m["policy_loss"] == pytest.approx((c[0] + c[1] - c[2]) / (2 * 8), rel=1e-5)
 
 
+def test_mini_batches_keep_an_episode_of_several_samples_whole() -> None:
+    """Episode 0 (reward 3) gave one sample, episode 1 (reward 1) two: advantages +1 and -1, each token's loss -A
+    while the ratio is 1 (a learning rate of 1e-30). Two mini-batches of one episode each lose -1 and +1: mean 0.
+    Split by sample, the first mini-batch held sample 0 and half of episode 1, each counted as a sequence (loss 0),
+    the second the other half (loss 1): episode 1 counted twice, its tokens weighed by its parts' lengths."""
+    from trainer.step import rl_step
+
+    samples = _samples(seed=7, num_groups=1, group_size=3)
+    for s, episode, reward in zip(samples, (0, 1, 1), (3.0, 1.0, 1.0), strict=True):
+        s.episode, s.reward = episode, reward
+    algo = GRPOConfig(group_size=2, scale_advantages_by_std=False, loss_aggregation="seq_mean_token_mean")
+    state = _engine(algo, optimizer={"lr": 1e-30}, num_minibatches=2, num_epochs=2)
+    _set_rollout_logprobs_to_trainer(state, samples)
+    m = rl_step(state, RolloutBatch(samples))
+    assert m["policy_loss"] == pytest.approx(0.0, abs=1e-6)
+
+
 def test_ppo_step_trains_the_critic() -> None:
     from trainer.step import rl_step
 
@@ -375,7 +392,7 @@ def test_a_step_reports_the_rates_it_trained_with_and_fewer_mini_batches_than_as
     first = rl_step(state, RolloutBatch(_samples(seed=12, num_groups=2, group_size=4)))  # 8 samples
     assert first["lr"] == pytest.approx(1e-3 * lr_multiplier(0, state.cfg.schedule))
     assert first["critic/lr"] == pytest.approx(1e-2 * lr_multiplier(0, state.cfg.schedule))
-    assert "8 sample(s) to train on, fewer than trainer.num_minibatches = 16: 8 mini-batch(es)" in caplog.text
+    assert "8 episode(s) to train on, fewer than trainer.num_minibatches = 16: 8 mini-batch(es)" in caplog.text
     second = rl_step(state, RolloutBatch(_samples(seed=13)))  # 12 samples: 12 updates, the scheduler 8 steps on
     assert second["lr"] == pytest.approx(1e-3 * lr_multiplier(8, state.cfg.schedule))
 

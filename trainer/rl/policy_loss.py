@@ -43,8 +43,11 @@ def policy_ratio(
     if level == "token":
         return torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     if level == "sequence":
-        seq_log_ratio = (log_ratio.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        return torch.exp(seq_log_ratio.detach()[:, None] + logprobs - logprobs.detach())
+        seq_log_ratio = log_ratio.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+        # Value 0 either way; past the bound the gradient path is cut too (the clamp alone bounds only the value).
+        inside = (seq_log_ratio.abs() <= MAX_LOG_RATIO)[:, None]
+        grad_path = torch.where(inside, logprobs - logprobs.detach(), torch.zeros_like(logprobs))
+        return torch.exp(seq_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).detach()[:, None] + grad_path)
     raise ValueError(f"unknown ratio level {level!r}; use 'token' or 'sequence'")
 
 

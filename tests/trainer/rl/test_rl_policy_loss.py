@@ -154,6 +154,5 @@ def test_huge_log_ratios_are_bounded_before_exp(level):
                                   ratio_level=level, aggregation="seq_mean_token_mean")  # fmt: skip
     assert math.isfinite(loss.item()) and m["ratio_max"] == pytest.approx(math.exp(20))
     loss.backward()
-    assert torch.isfinite(logp.grad).all()
-    if level == "token":
-        assert torch.equal(logp.grad, torch.zeros(1, 2))
+    assert torch.equal(logp.grad, torch.zeros(1, 2)), "past the bound no gradient (a sequence's too: its value alone "\
+                                                      "was bounded, the gradient scaled by e^20)"
