@@ -36,7 +36,9 @@ class WeightSyncConfig(Config):
     rpc_timeout_s: float = pydantic.Field(30.0, gt=0)
     """Deadline of Describe/Begin/Abort calls."""
     push_timeout_s: float = pydantic.Field(600.0, gt=0)
-    """Deadline of one rank's whole Push stream to one receiver."""
+    """Deadline of one rank's whole Push stream to one receiver. Receiver side: an update still open (not yet
+    committing) this long plus ``rpc_timeout_s`` after its first Begin gives way to another session's Begin, so a
+    client that keeps its streams alive with a byte now and then cannot hold the receiver's one update slot."""
     commit_timeout_s: float = pydantic.Field(600.0, gt=0)
     """Deadline of Commit; generous because a sink may wait for the engine's current generation batch to end."""
     num_retries: int = pydantic.Field(2, ge=0)

@@ -37,6 +37,7 @@ from weight_sync.shm import ShmPlaneServer
 from weight_sync.sink import WeightSink, lora_alpha_of, unavailable_reason
 from weight_sync.spec import TensorSpec
 from weight_sync.staging import StagingArea, StreamWriter, SyncError
+from weight_sync.update import shown
 from weight_sync.version import incompatibility, protocol_version
 
 __all__ = ["WeightReceiver"]
@@ -87,7 +88,8 @@ class WeightReceiver:
 
     :attr:`num_refused` counts the updates it refused, at Begin, in a stream (a bad chunk, a checksum) or at Commit
     (the sink's refusals included), once per update however many of its ranks were refused: what an operator alerts
-    on (a trainer pushing versions that are not newer, or of another model, is refused at every step). A sink that
+    on (a trainer pushing versions that are not newer, or of another model, is refused at every step);
+    :attr:`last_refusal` says which update was last refused, and why. A sink that
     says it takes no update now (``weight_sync.sink.unavailable_reason``) has every Begin refused with UNAVAILABLE.
     """
 
@@ -107,6 +109,7 @@ class WeightReceiver:
             policy_version=committed_version_of(sink),
             max_version_gap=self.config.max_version_gap,
             stream_idle_s=self.config.stream_idle_timeout_s,
+            max_update_s=self.config.push_timeout_s + self.config.rpc_timeout_s,
         )
         self.area.trainer_session = sink_session
         self.area.on_refused = self._count_refusal
@@ -124,6 +127,8 @@ class WeightReceiver:
         self._port: int | None = None
         self._stopping = threading.Event()
         self.num_refused = 0
+        self.last_refusal: str | None = None
+        """The last counted refusal: ``"<session>@<version>: <STATUS>: <reason>"``."""
         self._refused_updates: deque[tuple[str, int]] = deque(maxlen=64)  # already counted: one count an update
         self._refused_lock = threading.Lock()
 
@@ -296,7 +301,7 @@ class WeightReceiver:
             update, delta = self.area.begin(request)
         except SyncError as e:
             log.warning("refused Begin of version %d from %s: %s", request.policy_version, context.peer(), e.message)
-            self._count_refusal(request.session_id, request.policy_version, e.code)
+            self._count_refusal(request.session_id, request.policy_version, e)
             context.abort(e.code, e.message)
         ticket = update.tickets[request.rank] if self._data is not None or self._shm is not None else b""
         return pb.BeginReply(
@@ -425,22 +430,25 @@ class WeightReceiver:
             seconds = self.area.commit(request.session_id, request.policy_version, self._apply, context.is_active)
         except SyncError as e:
             log.warning("refused Commit of version %d from %s: %s", request.policy_version, context.peer(), e.message)
-            self._count_refusal(request.session_id, request.policy_version, e.code)
+            self._count_refusal(request.session_id, request.policy_version, e)
             context.abort(e.code, e.message)
         log.info("committed policy_version %d (sink apply %.3f s)", request.policy_version, seconds)
         return pb.CommitReply(policy_version=self.area.policy_version, apply_seconds=seconds)
 
-    def _count_refusal(self, session_id: str, policy_version: int, code: grpc.StatusCode) -> None:
-        """Count a refused update in :attr:`num_refused`, unless another of its calls was counted already or the call
-        was only turned away for now (another update holds the place, too many waiting Commits, a waiting Commit
-        whose client left: a retry may well be taken)."""
-        if code in (grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
+    def _count_refusal(self, session_id: str, policy_version: int, error: SyncError) -> None:
+        """Count a refused update in :attr:`num_refused` and say it in :attr:`last_refusal`, unless another of its
+        calls was counted already or the call was only turned away for now (another update holds the place, too many
+        waiting Commits, a waiting Commit whose client left: a retry may well be taken)."""
+        if error.code in (grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
             return
         key = (session_id, policy_version)
         with self._refused_lock:
             if key not in self._refused_updates:
                 self._refused_updates.append(key)
                 self.num_refused += 1
+                valid = session_id.isascii() and session_id.isprintable() and len(session_id) <= 256
+                session = session_id if valid else shown(session_id)  # as a client sent it: quoted and cut
+                self.last_refusal = f"{session}@{policy_version}: {error.code.name}: {error.message}"
 
     def _apply(self, version: int, buffers: Mapping[str, tuple[np.ndarray, TensorSpec]]) -> None:
         self.sink.apply(version, {name: _as_tensor(buf, spec) for name, (buf, spec) in buffers.items()})

@@ -107,6 +107,7 @@ class StagingArea:
         policy_version: int = 0,
         max_version_gap: int = 1 << 20,
         stream_idle_s: float | None = None,
+        max_update_s: float = float("inf"),
     ) -> None:
         self.manifest = {spec.name: spec for spec in manifest}
         if len(self.manifest) != len(manifest):
@@ -116,11 +117,12 @@ class StagingArea:
         self.keep_base = keep_base
         self.idle_timeout_s = idle_timeout_s
         self.stream_idle_s = min(idle_timeout_s, stream_idle_s if stream_idle_s is not None else idle_timeout_s)
+        self.max_update_s = max_update_s
         # The session of the last commit (before any: the one the sink started with, `WeightReceiver`'s sink_session),
         # preferred over any other and reported in BeginReply.committed_session_id.
         self.trainer_session: str | None = None
-        self.on_refused: Callable[[str, int, grpc.StatusCode], None] | None = None
-        """Told (session, version, status) of each update a failed stream dropped (``stream_refused``)."""
+        self.on_refused: Callable[[str, int, SyncError], None] | None = None
+        """Told (session, version, refusal) of each update a failed stream dropped (``stream_refused``)."""
         self.max_chunk_bytes = max_chunk_bytes
         self.max_version_gap = max_version_gap
         self.policy_version = policy_version
@@ -285,7 +287,8 @@ class StagingArea:
 
         In this order: an update being applied keeps it; a failed one gives way; a newer version of the same session
         supersedes it; the trainer's session (of the last commit) preempts another session's; an update idle for
-        `stream_idle_s` while it waits for data, or for `idle_timeout_s` when complete, gives way to anyone.
+        `stream_idle_s` while it waits for data, or for `idle_timeout_s` when complete, gives way to anyone; so does
+        one open longer than `max_update_s` (a client that trickles a byte now and then holds the slot no longer).
         """
         if current.committing:
             raise SyncError(Code.ABORTED, f"update {current.update_id} is being applied; retry after its Commit")
@@ -306,10 +309,15 @@ class StagingArea:
             limit = self.stream_idle_s if current.waits_for_data() else self.idle_timeout_s
         if idle > limit:
             return f"replaced by {req.session_id}@{req.policy_version} after {idle:.1f} s without traffic"
+        age = time.monotonic() - current.opened
+        if age > self.max_update_s:
+            return (f"replaced by {req.session_id}@{req.policy_version}: open {age:.0f} s, longer than any push may "
+                    f"take ({self.max_update_s:.0f} s)")  # fmt: skip
         raise SyncError(
             Code.ABORTED,
             f"update {current.update_id} is in progress (last traffic {idle:.1f} s ago; another session may replace it "
-            f"after {limit:.0f} s without traffic); retry after it commits or aborts",
+            f"after {limit:.0f} s without traffic, or once it has been open {self.max_update_s:.0f} s); retry after "
+            "it commits or aborts",
         )
 
     def _add_specs(self, update: StagedUpdate, specs: tuple[TensorSpec, ...]) -> None:
@@ -448,7 +456,7 @@ class StagingArea:
         log.warning("dropped update %s: rank %d's stream failed: %s: %s", update.update_id, rank, error.code.name,
                     error.message)  # fmt: skip
         if self.on_refused is not None:
-            self.on_refused(update.session_id, update.policy_version, error.code)
+            self.on_refused(update.session_id, update.policy_version, error)
 
     def cut_stream(self, writer: StreamWriter, error: SyncError) -> bool:
         """Drop the update of a stream that is still writing (an idle one), cutting all its streams; False when the

@@ -98,6 +98,7 @@ class StagedUpdate:
     committed: threading.Event = dataclasses.field(default_factory=threading.Event)  # set when Commit has an answer
     outcome: float | SyncError | None = None  # that answer: the sink's apply seconds, or the refusal
     last_activity: float = dataclasses.field(default_factory=time.monotonic)
+    opened: float = dataclasses.field(default_factory=time.monotonic)  # its first Begin
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @property

@@ -162,7 +162,8 @@ class RLAlignEndpointPlugin:
                 return JSONResponse({"enabled": False}, status_code=404)
             return JSONResponse({"enabled": True, "receiver": self.receiver.address,
                                  "listening_on": self.receiver.listening_on, **asdict(self.sink.state),
-                                 "num_refused": self.receiver.num_refused})  # fmt: skip
+                                 "num_refused": self.receiver.num_refused,
+                                 "last_refusal": self.receiver.last_refusal})  # fmt: skip
 
         app.add_api_route("/rl_align/weight_sync", weight_sync_status, methods=["GET"])
 

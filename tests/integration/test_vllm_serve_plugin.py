@@ -273,6 +273,7 @@ def test_refused_pushes_leave_the_server_on_its_version(server, dirs, tmp_path):
     assert _describe_version(server.endpoint) == version
     status = server.get("/rl_align/weight_sync")
     assert status["policy_version"] == version and status["broken"] is None and status["num_refused"] >= 1
+    assert "fused" in status["last_refusal"], status  # the last refusal and its reason, not only a count
     assert server.generate(PROMPTS[1], max_tokens=8)["token_ids"] == before
 
 

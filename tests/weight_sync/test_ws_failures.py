@@ -161,11 +161,12 @@ def test_refused_updates_are_counted_once_each(one):
     for rank in (0, 1):  # a trainer restarted from an older checkpoint: every rank's Begin is not newer
         assert status_of(partial(begin, client, SD, 1, rank=rank, num_ranks=2)) == C.FAILED_PRECONDITION
     assert receiver.num_refused == 1
+    assert receiver.last_refusal == "s@1: FAILED_PRECONDITION: policy_version 1 is not newer than the current 2"
     begin(client, SD, 3)
     raw_push(client, "s", 3, 0, shard_messages("w", SD["w"], (0, 0)))  # b never covered
     assert status_of(lambda: commit(client, 3)) == C.FAILED_PRECONDITION
     assert status_of(lambda: commit(client, 3)) == C.FAILED_PRECONDITION  # the retry gets the same answer
-    assert receiver.num_refused == 2
+    assert receiver.num_refused == 2 and receiver.last_refusal.startswith("s@3: FAILED_PRECONDITION: ")
     full_update(client, 4)
     assert receiver.num_refused == 2 and receiver.policy_version == 4
     begin(client, SD, 5, session="a")
@@ -191,6 +192,23 @@ def test_stale_update_is_replaced_after_the_idle_timeout(receivers):
     begin(client, SD, 1, session="dead")
     time.sleep(0.3)
     full_update(client, 2, session="alive")
+    assert receiver.policy_version == 2
+
+
+def test_an_update_open_past_any_push_deadline_gives_way_though_never_idle(receivers):
+    """A token holder that keeps its update alive (here: idle never reached, as with a chunk now and then) held the
+    receiver's one update slot for good against every session but the trainer's."""
+    config = WeightSyncConfig(stream_idle_timeout_s=30, push_timeout_s=0.5, rpc_timeout_s=0.1)
+    (receiver, sink), = receivers(1, config=config, sd=SD)
+    client = WeightSyncClient(receiver.address, WeightSyncConfig())
+    begin(client, SD, 1, session="holder", num_ranks=2)  # waits for rank 1, which never comes
+    try:
+        begin(client, SD, 2, session="other")
+        raise AssertionError("a young update was replaced")
+    except grpc.RpcError as e:
+        assert e.code() == C.ABORTED and "once it has been open 1 s" in (e.details() or "")
+    time.sleep(0.7)
+    full_update(client, 2, session="other")
     assert receiver.policy_version == 2
 
 
