@@ -64,8 +64,23 @@ def record_results(errors: dict[str, str | None], codes: dict[str, int], results
             codes[result.address] = result.code
 
 
+# What gRPC's connection errors mean for a weight-sync client: the receiver's TLS set-up and the sender's disagree.
+_CONNECT_HINTS = (
+    ("WRONG_VERSION_NUMBER", "the receiver does not speak TLS: connect without tls_ca_path, or start it with "
+                             "tls_cert_path / tls_key_path"),
+    ("CERTIFICATE_VERIFY_FAILED", "the receiver's certificate is not signed by tls_ca_path (or not issued to the "
+                                  "host name connected to: tls_server_name)"),
+    ("Socket closed", "the receiver closed the connection at its handshake: it may require TLS (give tls_ca_path) or "
+                      "a client certificate (tls_cert_path / tls_key_path), or not be a weight-sync receiver"),
+)  # fmt: skip
+
+
 def error_text(error: BaseException) -> str:
-    """`CODE: details` of an RPC error, `Type: message` of anything else."""
+    """`CODE: details` of an RPC error, `Type: message` of anything else; a connection that failed for a TLS
+    mismatch says which (gRPC's own text names only the socket or the handshake)."""
     if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
-        return f"{error.code().name}: {error.details()}"
+        details = error.details() or ""
+        hint = next((h for marker, h in _CONNECT_HINTS if marker in details), None)
+        connecting = error.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details
+        return f"{error.code().name}: {details}" + (f" ({hint})" if hint and connecting else "")
     return f"{type(error).__name__}: {error}"

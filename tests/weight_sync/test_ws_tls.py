@@ -15,6 +15,7 @@ from ws_helpers import rank_shards, tiny_state_dict, zeros_like_dict
 from weight_sync.channel import WeightSyncClient
 from weight_sync.config import WeightSyncConfig
 from weight_sync.receiver import WeightReceiver
+from weight_sync.report import error_text
 from weight_sync.sender import WeightSender
 from weight_sync.sink import StateDictSink
 
@@ -80,9 +81,22 @@ def test_tls_push_works_and_plaintext_clients_are_refused(pki):
         with pytest.raises(grpc.RpcError) as err:
             plain.describe()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "may require TLS (give tls_ca_path)" in error_text(err.value)  # gRPC says only "Socket closed"
         client = WeightSyncConfig(tls_ca_path=pki["ca"], auth_token="t")
         assert _push_ok(receiver.address, client, sd)
         assert all(torch.equal(sink.state_dict[k], v) for k, v in sd.items())
+    finally:
+        receiver.stop(0)
+
+
+def test_a_tls_client_of_a_plaintext_receiver_is_told_so(pki):
+    receiver, _, _ = _serve(WeightSyncConfig())
+    try:
+        client = WeightSyncClient(receiver.address, WeightSyncConfig(tls_ca_path=pki["ca"], num_retries=0,
+                                                                     rpc_timeout_s=3))  # fmt: skip
+        with pytest.raises(grpc.RpcError) as err:
+            client.describe()
+        assert "the receiver does not speak TLS" in error_text(err.value)
     finally:
         receiver.stop(0)
 
