@@ -279,7 +279,7 @@ class _Run:
                      lora.alpha, ", ".join([*lora.target_modules, *lora.target_parameters]),
                      "'auto' (merged into the base on CPU, else through vLLM's LoRA path)" if serving == "auto"
                      else repr(serving))  # fmt: skip
-            if r.weight_sync.endpoints:  # pushes carry tensors: a sink of another alpha would scale them silently
+            if r.weight_sync.endpoints:  # a receiver of another rank or alpha refuses the pushes: say how to serve them
                 targets = "".join(f" --{flag} {' '.join(names)}" for flag, names in (
                     ("target_modules", lora.target_modules), ("target_parameters", lora.target_parameters)) if names)
                 log.info("external receivers take these adapters when served as: python -m weight_sync serve --dir "
