@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,11 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, validate, then run; returns the process exit code."""
     args, rest = _parser().parse_known_args(argv)
     from common.config import ConfigError, parse_overrides, to_toml
+    from driver.resume import record_in_its_directory
     from recipe import load_recipe
 
     try:
-        recipe = load_recipe(args.recipe, parse_overrides(rest))
-    except ConfigError as e:
+        overrides = parse_overrides(rest)
+        recipe = record_in_its_directory(Path(args.recipe), load_recipe(args.recipe, overrides), overrides)
+    except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.check:

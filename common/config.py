@@ -17,9 +17,11 @@ Contract for subclasses:
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import difflib
 import json
+import logging
 import tomllib
 import typing
 from collections.abc import Mapping, Sequence
@@ -297,23 +299,43 @@ def load_toml_config(cls: type[ConfigT], path: str | Path, overrides: Mapping[st
     return validate_config(cls, data, source=str(path), sources=sources)
 
 
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("rl_align_quiet_validation", default=False)
+
+
+def setting_warning(logger: logging.Logger, message: str, *args: object) -> None:
+    """Warn about a setting from a validator, unless the config is being validated quietly (``validate_config(...,
+    quiet=True)``: a record of an earlier run read for comparison, whose warnings are not about this run)."""
+    if not _QUIET.get():
+        logger.warning(message, *args)
+
+
 def validate_config(
     cls: type[ConfigT], data: Mapping[str, Any], source: str = "<config>", sources: Sources | None = None,
-    what: str = "recipe",
+    what: str = "recipe", quiet: bool = False,
 ) -> ConfigT:
     """Validate a plain mapping into ``cls``; raise :class:`ConfigError` with one line per problem.
 
     ``source`` names where ``data`` came from; ``sources`` (from :func:`read_toml_with_sources`) names, per key, the
     file or flag that wrote it, so each problem is reported against the source that can fix it; ``what`` names the
-    kind of input in the message ("invalid recipe", "invalid settings").
+    kind of input in the message ("invalid recipe", "invalid settings"); ``quiet``: no :func:`setting_warning`.
     """
+    token = _QUIET.set(quiet)
+    try:
+        return _validate(cls, data, source, sources, what)
+    finally:
+        _QUIET.reset(token)
+
+
+def _validate(
+    cls: type[ConfigT], data: Mapping[str, Any], source: str, sources: Sources | None, what: str
+) -> ConfigT:
     try:
         # JSON-mode validation: TOML arrays validate as tuples, strings as paths, while "0.1" stays no float.
         return cls.model_validate_json(json.dumps(_false_as_unset(cls, data), default=str))
     except pydantic.ValidationError as e:
         as_text = _flag_values_as_text(e, data, sources or {})
         if as_text is not None:  # a number or boolean typed on the command line for a text field: the flag's text
-            return validate_config(cls, as_text, source, sources, what)
+            return _validate(cls, as_text, source, sources, what)
         problems = []
         for err in e.errors():
             loc, reason = tuple(err["loc"]), _reason(err, cls, data)

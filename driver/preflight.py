@@ -12,6 +12,7 @@ and exits 2.
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,20 @@ def hold_checkpoint_dir(ckpt_dir: Path, out_dir: Path) -> RunDirLock:
         pass
     lock = RunDirLock(ckpt_dir, what="checkpoint directory", field="trainer.checkpoint.dir")
     lock.acquire()
+    _remove_half_saved(ckpt_dir)
     return lock
+
+
+def _remove_half_saved(ckpt_dir: Path) -> None:
+    """Remove the checkpoints a killed run left half saved (held by this run's lock, nothing else writes them): no
+    resume reads them and no pruning counts them, so each would keep its size on the disk for good."""
+    from trainer.checkpoint_dirs import incomplete_checkpoints
+
+    for partial in incomplete_checkpoints(ckpt_dir):
+        size = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
+        log.warning("removing %s (%.1f MB): a checkpoint left half saved (no COMPLETE marker), which a resume "
+                    "never reads", partial, size / 1e6)  # fmt: skip
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None) -> CheckedRun:
@@ -202,9 +216,11 @@ def _warn_changed_settings(recipe: Recipe, out_dir: Path) -> None:
         return
     now = _flat(tomllib.loads(to_toml(recipe)))
     try:  # read through today's schema, so that both sides name every setting alike (unset ones left out of both)
-        recorded = with_run_defaults(load_recipe(record_path, check_paths=False), out_dir)
+        recorded = with_run_defaults(load_recipe(record_path, check_paths=False, quiet=True), out_dir)
         before = _flat(tomllib.loads(to_toml(recorded)))
         keys = before.keys() | now.keys()
+        if recorded.run.resolved_output_dir.resolve() != out_dir.resolve():  # moved or copied: its paths follow it
+            keys -= {"run.output_dir", "trainer.checkpoint.dir"}
     except (ConfigError, ValueError, OSError):  # a record of older code: compare what both still name
         before = _flat(read_run_record(out_dir) or {})
         keys = before.keys() & now.keys()
@@ -348,6 +364,10 @@ def _check_steps_left(checkpoint: Path, num_steps: int) -> None:
             f"--resume: the newest checkpoint, {checkpoint}, is at step {step}, past run.num_steps = {num_steps}: "
             f"there is nothing to train. Give run.num_steps above {step} to extend the run (or start fresh elsewhere)"
         )
+    if step == num_steps:
+        log.warning("--resume: the newest checkpoint, %s, is at run.num_steps = %d: nothing is left to train, and the "
+                    "run's end (final evaluation, final_model/) is written again; give run.num_steps above %d to "
+                    "extend the run", checkpoint, num_steps, step)  # fmt: skip
 
 
 def _check_exportable(recipe: Recipe) -> None:

@@ -1,5 +1,6 @@
-"""How an operator continues a run: the command that resumes it, the hint printed when it stops, and the record of an
-earlier run that a fresh start moved aside, pointed at where its outputs went so that it can still be resumed."""
+"""How an operator continues a run: the command that resumes it, the hint printed when it stops, the record of an
+earlier run that a fresh start moved aside, pointed at where its outputs went so that it can still be resumed, and a
+run record read from a run directory that was moved or copied, pointed at that directory."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import logging
 import os
 import shlex
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from common.ray_job import ray_job_working_dir
 from common.run_dir import CHECKPOINTS, RESOLVED_RECIPE, read_run_record
-from recipe import load_recipe
+from recipe import Recipe, load_recipe
 
-__all__ = ["point_moved_adapters_at_their_base", "point_moved_run_at_itself", "resume_command", "resume_hint"]
+__all__ = [
+    "point_moved_adapters_at_their_base", "point_moved_run_at_itself", "record_in_its_directory", "resume_command",
+    "resume_hint",
+]  # fmt: skip
 
 log = logging.getLogger("rl_align")
 ENTRY_POINT = Path(__file__).resolve().parents[1] / "rl_align.py"
@@ -113,3 +118,36 @@ def point_moved_adapters_at_their_base(moved: dict[Path, Path]) -> list[Path]:
             except (OSError, ValueError, AttributeError) as e:
                 log.warning("fresh start: %s still names its base where the new run writes (%s)", config, e)
     return edited
+
+
+def record_in_its_directory(path: Path, recipe: Recipe, overrides: Mapping[str, object]) -> Recipe:
+    """``recipe``, loaded from ``path``, pointed at the run directory it was read from when ``path`` is a run record
+    (``<dir>/recipe.resolved.toml``) written for another directory: the run was moved or copied (to branch it), and its
+    record still names the original's ``run.output_dir`` and checkpoints. Read as written, a copy's ``--resume``
+    continued the original run, pruning its checkpoints and rewriting its record, and a moved run's found no
+    checkpoint. Its output directory becomes ``<dir>``, default checkpoints ``<dir>/checkpoints``, and its adapters'
+    base the copy's own warm start. ``run.output_dir`` given as a flag is taken as it is. ``ValueError`` when the
+    record names a checkpoint directory outside the original's run directory (not copied with it, and the original
+    run's to prune) and no ``--trainer.checkpoint.dir`` says which this run is to use."""
+    if path.name != RESOLVED_RECIPE or "run.output_dir" in overrides:
+        return recipe
+    here, written_for = path.parent.resolve(), recipe.run.resolved_output_dir.resolve()
+    if here == written_for:
+        return recipe
+    checkpoints = recipe.trainer.checkpoint
+    if "trainer.checkpoint.dir" not in overrides:
+        if checkpoints.dir is not None and Path(checkpoints.dir).resolve() != written_for / CHECKPOINTS:
+            raise ValueError(
+                f"{path} is the record of the run at {written_for} (this copy was moved or copied from there), and it "
+                f"names that run's checkpoint directory {checkpoints.dir}: continuing from it would train and prune "
+                "that run's checkpoints. Give this run its own: --trainer.checkpoint.dir DIR (copy the checkpoints "
+                "there first to continue from them), or run the original with its own record"
+            )  # fmt: skip
+        checkpoints = checkpoints.model_copy(update={"dir": str(here / CHECKPOINTS)})
+    log.info("%s was written for the run at %s: this is a moved or copied run, continued in %s", path, written_for,
+             here)  # fmt: skip
+    point_moved_adapters_at_their_base({written_for: here})
+    return recipe.model_copy(update={
+        "run": recipe.run.model_copy(update={"output_dir": str(here)}),
+        "trainer": recipe.trainer.model_copy(update={"checkpoint": checkpoints}),
+    })  # fmt: skip

@@ -38,6 +38,7 @@ from common.config import (
     Sources,
     config_error,
     read_toml_with_sources,
+    setting_warning,
     to_toml,
     validate_config,
 )
@@ -274,10 +275,11 @@ def _check_lora(recipe: Recipe) -> None:
         raise FieldError("rollout.engine.lora", f"{served} differs from [model.lora] (rank, alpha, targets): "
                          "leave it unset, [model.lora] fills it in")  # fmt: skip
     if recipe.model.lora.dropout > 0:
-        log.warning("model.lora.dropout = %g in an RL run: the gradient pass scores a noisier policy than the one that "
-                    "sampled, so policy ratios carry the dropout noise (the importance weights do not: they use a "
-                    "pass without dropout, at one more forward a step); 0 is the choice for RL",
-                    recipe.model.lora.dropout)  # fmt: skip
+        setting_warning(
+            log, "model.lora.dropout = %g in an RL run: the gradient pass scores a noisier policy than the one that "
+                 "sampled, so policy ratios carry the dropout noise (the importance weights do not: they use a pass "
+                 "without dropout, at one more forward a step); 0 is the choice for RL", recipe.model.lora.dropout,
+        )  # fmt: skip
     rank = recipe.model.lora.rank
     if recipe.rollout.engine.lora_serving == "adapter" and rank > MAX_SERVED_LORA_RANK:
         raise FieldError("rollout.engine.lora_serving", f"'adapter' serves through vLLM's LoRA path, which takes ranks "
@@ -305,9 +307,11 @@ def _warn_warmup_only(recipe: Recipe) -> None:
     steps = recipe.run.num_steps * trainer.num_minibatches * trainer.num_epochs
     warmup = trainer.schedule.num_warmup_steps
     if steps <= warmup:
-        log.warning("this run makes %d optimizer step(s) and trainer.schedule.num_warmup_steps = %d: the learning rate "
-                    "only warms up, ending at %.3g of trainer.optimizer.lr = %g; lower num_warmup_steps for a short "
-                    "run", steps, warmup, steps / (warmup + 1), trainer.optimizer.lr)  # fmt: skip
+        setting_warning(
+            log, "this run makes %d optimizer step(s) and trainer.schedule.num_warmup_steps = %d: the learning rate "
+                 "only warms up, ending at %.3g of trainer.optimizer.lr = %g; lower num_warmup_steps for a short run",
+            steps, warmup, steps / (warmup + 1), trainer.optimizer.lr,
+        )  # fmt: skip
 
 
 def _check_warm_start_target(recipe: Recipe) -> None:
@@ -423,15 +427,18 @@ def _schedule_spans_the_run(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "trainer": {**trainer, "schedule": {**schedule, "num_total_steps": total}}}
 
 
-def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None, check_paths: bool = True) -> Recipe:
+def load_recipe(
+    path: str | Path, overrides: Mapping[str, Any] | None = None, check_paths: bool = True, quiet: bool = False
+) -> Recipe:
     """Load and validate a recipe file with dotted overrides; raise ConfigError naming the source and each field.
 
     ``check_paths=False`` skips the checks that need this machine (the model directory, the reward functions'
-    modules), so recipes for other hardware validate anywhere.
+    modules), so recipes for other hardware validate anywhere; ``quiet`` drops the warnings about its settings (a
+    record of an earlier run, read to compare).
     """
     data, sources = read_toml_with_sources(path, overrides)
     data = _schedule_spans_the_run(data)
-    recipe = validate_config(Recipe, data, source=str(path), sources=sources)
+    recipe = validate_config(Recipe, data, source=str(path), sources=sources, quiet=quiet)
     problems = [*_inherited_creator(recipe, sources), *_host_problems(recipe)] if check_paths else []
     if problems:
         raise config_error(problems, data, source=str(path), sources=sources)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-__all__ = ["COMPLETE", "checkpoint_dir", "checkpoint_step", "complete_checkpoints", "latest_checkpoint"]
+__all__ = [
+    "COMPLETE", "checkpoint_dir", "checkpoint_step", "complete_checkpoints", "incomplete_checkpoints",
+    "latest_checkpoint",
+]  # fmt: skip
 
 COMPLETE = "COMPLETE"
 """The marker file of a finished checkpoint."""
@@ -46,3 +49,13 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest complete checkpoint under ``root``, or None."""
     found = complete_checkpoints(root)
     return found[-1][1] if found else None
+
+
+def incomplete_checkpoints(root: str | Path) -> list[Path]:
+    """Checkpoint directories under ``root`` without ``COMPLETE``: a save that a killed run left halfway (never
+    resumed from, never pruned: only complete checkpoints count)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(child for child in root.iterdir()
+                  if _STEP_DIR.match(child.name) and child.is_dir() and not (child / COMPLETE).exists())  # fmt: skip

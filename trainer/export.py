@@ -376,6 +376,10 @@ def export_checkpoint(
                              "--model-dir")  # fmt: skip
     _check_out(Path(out_dir), source, ckpt)
     policy_version = _check_checkpoint(ckpt)
+    if (recipe_model or {}).get("lora") and not (source / "config.json").is_file():
+        raise ValueError(f"{ckpt} holds the adapters of a LoRA run, which apply to its base model {source} (its warm "
+                         "start, or the model it started from) and to no other; that directory is not there: restore "
+                         "it, or pass that exact base as --model-dir")  # fmt: skip
     _tokenizer_files(source)
     model_cfg = model_config_from_hf(str(source), lora=(recipe_model or {}).get("lora"))
     meta = build_model(model_cfg, device="meta")  # names and shapes only

@@ -490,3 +490,15 @@ def test_a_resume_with_changed_settings_names_them(tmp_path, caplog):
     assert "trainer.pack_row_tokens: '(unset)' -> 512" in caplog.text  # set where the record has none
     assert "trainer.schedule.num_total_steps stays 11 (the record's)" in caplog.text  # the 4-step run's warmup + 1
     assert "run.num_steps: 4 -> 40" in caplog.text
+
+
+def test_a_checkpoint_left_half_saved_is_removed_when_the_run_resumes(tmp_path, no_ray, caplog):
+    """A kill during a save left a step_ directory without COMPLETE: never resumed from nor pruned, it stayed."""
+    out = checkpointed_run(tmp_path)
+    partial = out / "checkpoints" / "step_00000003"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"x" * 1000)
+    with pytest.raises(AssertionError, match="Ray was started"):
+        run(load_recipe(out / "recipe.resolved.toml"), resume="required")
+    assert not partial.exists() and (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
+    assert f"removing {partial}" in caplog.text

@@ -246,6 +246,22 @@ def test_a_lora_run_whose_warm_start_trained_the_base_exports_over_its_warm_star
     assert not (tmp_path / "merged" / "adapter").exists()
 
 
+def test_a_lora_checkpoint_whose_base_is_gone_says_the_adapters_need_that_base(source, tmp_path, capsys):
+    """The warm start a LoRA run's adapters apply to, removed: the export offered to write a tiny model instead."""
+    from trainer.export import export_policy, main
+
+    run = tmp_path / "run"
+    warm = run / "warm_start_model"
+    export_policy(_trained(source), warm, source, policy_version=1)
+    ckpt = _save_lora_run(run, _trained_lora(warm, DENSE_LORA), source, DENSE_LORA)
+    record = (run / "recipe.resolved.toml").read_text()
+    (run / "recipe.resolved.toml").write_text(f'[run.warm_start]\nnum_steps = 5\nparameters = "all"\n\n{record}')
+    shutil.rmtree(warm)
+    assert main([str(ckpt), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"apply to its base model {warm}" in err and "make_tiny_model" not in err
+
+
 def test_an_adapter_checkpoint_over_another_base_is_refused_before_writing(source, tmp_path, capsys):
     from trainer.export import main
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic
 
-from common.config import Config
+from common.config import Config, setting_warning
 
 __all__ = [
     "AlgorithmConfig",
@@ -69,7 +69,8 @@ class KLConfig(Config):
     @pydantic.model_validator(mode="after")
     def _warn_k1_in_loss(self) -> KLConfig:
         if self.in_loss and self.estimator == "k1":
-            log.warning(
+            setting_warning(
+                log,
                 "algorithm.kl.estimator = 'k1' with where = 'loss': the expected gradient of k1 as a loss term is 0, "
                 "so the penalty does not pull the policy towards the reference; use 'k3' or 'k2' for the loss, or "
                 "where = 'reward' for k1"
@@ -243,7 +244,8 @@ class GRPOConfig(PolicyConfig):
                 "set scale_advantages_by_std = false"
             )
         if self.kl.in_reward and self.scale_advantages_by_std:
-            log.warning(
+            setting_warning(
+                log,
                 "algorithm.kl.where = 'reward' with scale_advantages_by_std: in a group whose task rewards are equal, "
                 "the rewards then differ only by their KL penalties, and dividing by the group's std scales those "
                 "differences up to advantages of order 1, whatever kl.coef is; use where = 'loss' (GRPO's own "
@@ -277,9 +279,9 @@ class PPOConfig(PolicyConfig):
         # Every earlier PPO run's recipe.resolved.toml holds it: still read (a run resumes from its record), ignored.
         if isinstance(data, dict) and "vf_coef" in data:
             data = {k: v for k, v in data.items() if k != "vf_coef"}
-            log.warning("algorithm.vf_coef is ignored and will be refused in a later release: the critic has an "
-                        "optimizer of its own (AdamW), which undoes a constant weight on its loss (400x changed its "
-                        "update by 3%); set the critic's step size with trainer.critic_lr")  # fmt: skip
+            setting_warning(log, "algorithm.vf_coef is ignored and will be refused in a later release: the critic has "
+                                 "an optimizer of its own (AdamW), which undoes a constant weight on its loss (400x "
+                                 "changed its update by 3%); set the critic's step size with trainer.critic_lr")
         return data
 
 

@@ -1,0 +1,61 @@
+"""A run directory moved or copied elsewhere (to branch an experiment) and continued through its own record
+(``--recipe <copy>/recipe.resolved.toml --resume``): the copy is the run continued, never the original."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+
+import rl_align
+from recipe import load_recipe, write_resolved
+from tests.driver.run_dirs import checkpointed_run, listing
+
+
+def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_as_it_was(tmp_path, no_ray, caplog):
+    """Read as written, the copy's record named the original's directory: its --resume trained the original, pruned
+    its checkpoints and rewrote its record, and the copy was never touched."""
+    out = checkpointed_run(tmp_path)
+    (out / "final_model" / "adapter").mkdir(parents=True)  # a LoRA export's adapter names the run's warm start
+    (out / "final_model" / "adapter" / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": str(out / "warm_start_model")}))  # fmt: skip
+    branch = tmp_path / "branch"
+    shutil.copytree(out, branch)
+    before = {p: (out / p).read_bytes() for p in listing(out) if (out / p).is_file()}
+    caplog.set_level(logging.INFO, logger="rl_align")
+    caplog.clear()  # the set-up's own recipe warnings
+    with pytest.raises(AssertionError, match="Ray was started"):  # the resume's checks passed, on the copy
+        rl_align.main(["--recipe", str(branch / "recipe.resolved.toml"), "--resume", "--trainer.optimizer.lr", "1e-4"])
+    assert f"continued in {branch}" in caplog.text
+    # The settings changed are the flag's; the paths that follow the copy are none, and the record's own warnings
+    # (a 4-step run in a 10-step warmup) are said once, of this run.
+    assert "trainer.optimizer.lr: 0.0005 -> 0.0001;" in caplog.text and "run.output_dir:" not in caplog.text
+    assert caplog.text.count("only warms up") == 1
+    assert {p: (out / p).read_bytes() for p in listing(out) if (out / p).is_file()} == before
+    adapter = json.loads((branch / "final_model" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(branch / "warm_start_model")
+
+
+def test_a_moved_run_resumes_where_it_is(tmp_path, no_ray, capsys):
+    out = checkpointed_run(tmp_path)
+    moved = out.rename(tmp_path / "moved")
+    with pytest.raises(AssertionError, match="Ray was started"):  # not "no complete checkpoint under <old place>"
+        rl_align.main(["--recipe", str(moved / "recipe.resolved.toml"), "--resume"])
+    assert not out.exists(), "nothing is created at the run's old place"
+
+
+def test_a_copy_whose_record_names_checkpoints_outside_it_is_refused_before_anything_starts(tmp_path, no_ray, capsys):
+    out = checkpointed_run(tmp_path)
+    outside = tmp_path / "kept"
+    (out / "checkpoints").rename(outside)
+    write_resolved(load_recipe(out / "recipe.resolved.toml", {"trainer.checkpoint.dir": str(outside)}), out)
+    branch = tmp_path / "branch"
+    shutil.copytree(out, branch)
+    assert rl_align.main(["--recipe", str(branch / "recipe.resolved.toml"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"names that run's checkpoint directory {outside}" in err and "--trainer.checkpoint.dir" in err
+    with pytest.raises(AssertionError, match="Ray was started"):  # its own, given: the copy goes on from there
+        rl_align.main(["--recipe", str(branch / "recipe.resolved.toml"), "--resume", "auto",
+                       "--trainer.checkpoint.dir", str(tmp_path / "branch_ckpts")])  # fmt: skip
