@@ -132,8 +132,9 @@ def record_in_its_directory(path: Path, recipe: Recipe, overrides: Mapping[str, 
     if path.name != RESOLVED_RECIPE or "run.output_dir" in overrides:
         return recipe
     here, written_for = path.parent.resolve(), recipe.run.resolved_output_dir.resolve()
-    if here == written_for:
-        return recipe
+    job_dir = ray_job_working_dir()
+    if here == written_for or (job_dir is not None and here.is_relative_to(Path(job_dir).resolve())):
+        return recipe  # the same place, or a copy Ray uploaded with a job (outputs there would be lost with it)
     checkpoints = recipe.trainer.checkpoint
     if "trainer.checkpoint.dir" not in overrides:
         if checkpoints.dir is not None and Path(checkpoints.dir).resolve() != written_for / CHECKPOINTS:

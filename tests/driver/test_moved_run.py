@@ -59,3 +59,18 @@ def test_a_copy_whose_record_names_checkpoints_outside_it_is_refused_before_anyt
     with pytest.raises(AssertionError, match="Ray was started"):  # its own, given: the copy goes on from there
         rl_align.main(["--recipe", str(branch / "recipe.resolved.toml"), "--resume", "auto",
                        "--trainer.checkpoint.dir", str(tmp_path / "branch_ckpts")])  # fmt: skip
+
+
+def test_a_record_in_the_copy_ray_uploaded_with_a_job_keeps_the_runs_own_place(tmp_path, monkeypatch):
+    """A job's working directory is Ray's temporary copy: a record read there (its run directory uploaded with the
+    code) still names the run's own place, where the outputs outlive the job."""
+    import driver.resume
+    from driver.resume import record_in_its_directory
+
+    out = checkpointed_run(tmp_path)
+    job_copy = tmp_path / "_ray_pkg_1"
+    shutil.copytree(out, job_copy / "runs" / "x")
+    monkeypatch.setattr(driver.resume, "ray_job_working_dir", lambda: job_copy)
+    record = job_copy / "runs" / "x" / "recipe.resolved.toml"
+    recipe = load_recipe(record)
+    assert record_in_its_directory(record, recipe, {}) == recipe
