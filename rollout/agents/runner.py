@@ -36,7 +36,7 @@ from common.imports import resolve_object
 from rollout.agents.server import LIMIT_CODES, AgentEndpoint, EpisodeCalls
 from rollout.agents.trajectory import assemble
 from rollout.envs import Episode, EpisodeFailed, episode_limits, unplayed_episode
-from rollout.envs.failures import FailureBudget, run_all
+from rollout.envs.failures import FailureBudget, is_own_base_exception, run_all
 from rollout.metrics import episode_metrics
 from rollout.sampling import turn_seed
 
@@ -163,6 +163,10 @@ class AgentRunner:
                 after = (" after the endpoint refused a call for an episode limit (let the refusal's error propagate, "
                          "or return)") if episode.num_limit_refusals else ""  # fmt: skip
                 raise self._failed(problem, f"raised {e!r}{after}") from e
+        except BaseException as e:
+            if not is_own_base_exception(e):
+                raise
+            raise self._failed(problem, f"raised {e!r}") from e
         finally:
             await asyncio.shield(self._on_engine(self.endpoint.close(episode)))
         if episode.engine_error is not None:  # however the agent ended, the engine failed it: the worker is replaced

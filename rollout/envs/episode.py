@@ -46,6 +46,7 @@ from rollout.envs.base import (
     environment_name,
     warn_once,
 )
+from rollout.envs.failures import is_own_base_exception
 from rollout.envs.tools import check_tool_descriptions
 from rollout.metrics import BUILTIN_EPISODE_FIGURES
 from rollout.tasks.problem import Problem
@@ -331,7 +332,9 @@ async def _called(
                             f"{method}`")  # fmt: skip
         hold = _LoopHold(call)
         value = await hold
-    except Exception as e:  # the episode's deadline arrives as CancelledError (no Exception): it passes
+    except BaseException as e:  # the episode's deadline arrives as a cancellation of its task: it passes
+        if not isinstance(e, Exception) and not is_own_base_exception(e):
+            raise
         raise EpisodeFailed(f"{environment_name(env)}: {what} raised {type(e).__name__}: {e}") from e
     finally:
         if hold is not None:

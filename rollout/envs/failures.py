@@ -20,12 +20,25 @@ from typing import Any, TypeVar
 from rollout.envs.base import EpisodeFailed
 
 __all__ = [
-    "FailureBudget", "check_request_failures", "check_request_kept", "drop_failed", "failures_allowed", "run_all",
+    "FailureBudget", "check_request_failures", "check_request_kept", "drop_failed", "failures_allowed",
+    "is_own_base_exception", "run_all",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+
+def is_own_base_exception(error: BaseException) -> bool:
+    """Whether ``error``, a ``BaseException`` that is no ``Exception``, caught in a task running user code (an
+    environment's call, an agent function), is that code's own failure: ``SystemExit`` (a CLI parser in an agent), a
+    library's ``CancelledError``. Not so for a cancellation of the task itself (its batch or deadline cancelled it),
+    nor ``GeneratorExit`` (a coroutine being closed): those go on up. Raised on, the user's own ended the worker's
+    event loop, and every later batch waited on it for good."""
+    if isinstance(error, GeneratorExit):
+        return False
+    task = asyncio.current_task()
+    return not (isinstance(error, asyncio.CancelledError) and task is not None and task.cancelling())
 
 
 def failures_allowed(num_episodes: int, max_failed_fraction: float) -> int:

@@ -236,6 +236,16 @@ async def broken(ctx: AgentContext) -> float:
     raise KeyError("the agent's own bug")
 
 
+async def exits(ctx: AgentContext) -> float:
+    """Agent code built on a CLI parser exits on bad input: ``SystemExit`` ended the agents' loop, hanging the run."""
+    raise SystemExit(3)
+
+
+async def own_cancelled_error(ctx: AgentContext) -> float:
+    """A CancelledError of the agent's own (leaked from a library), not a cancellation of its episode."""
+    raise asyncio.CancelledError("a library's")
+
+
 async def bad_return(ctx: AgentContext) -> Any:
     client = _client(ctx)
     await client.chat.completions.create(model=ctx.model, messages=_first_messages(ctx))

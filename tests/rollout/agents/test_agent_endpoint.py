@@ -215,6 +215,8 @@ def test_a_call_whose_client_went_away_is_aborted_and_not_recorded(worker, monke
     ("no_call", r"returned without a chat completion"),
     # A bug after a caught refusal was taken for the limit's stop: the run went on, the reward silently dropped.
     ("bug_after_the_limit", r"raised KeyError\('reward'\) after the endpoint refused a call for an episode limit"),
+    ("exits", r"agent function '.*:exits' raised SystemExit\(3\)"),  # ended the agents' loop: the run hung
+    ("own_cancelled_error", r"raised CancelledError"),  # crashed the worker with a raw traceback
 ])  # fmt: skip
 def test_a_failing_agent_fails_the_batch_naming_it(worker, function, match):
     runner = runner_of(worker, function)

@@ -162,6 +162,17 @@ def test_info_that_would_overwrite_an_own_figure_fails_the_episode_naming_it():
         play(Collides())
 
 
+@pytest.mark.parametrize("error", [SystemExit(2), KeyboardInterrupt()])
+def test_an_environment_that_raises_a_base_exception_fails_its_episode_naming_it(error):
+    """Raised on, SystemExit ended the worker's event loop, and every later batch waited on it for good."""
+    class Exits(EchoObservations):
+        async def step(self, text):
+            raise error
+
+    with pytest.raises(EpisodeFailed, match=rf"Exits: step of problem .* raised {type(error).__name__}"):
+        play(Exits())
+
+
 def test_an_observation_past_the_context_ends_the_episode_and_says_so(quick_hold_warning, caplog):
     # Every episode ended after its first turn, with nothing said: nothing trained, exit code 0.
     class Floods(EchoObservations):
