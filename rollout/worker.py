@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -84,6 +85,10 @@ class RolloutWorker:
         if agent:
             load_agent_function(agent.function, agent.options)  # fails before the engine starts
         self.engine = VLLMEngine(config.served_model_path, config.engine, config.tokenizer_dir)
+        # vLLM seeds the process's `random` and `numpy.random` with the engine's seed: every worker, and every
+        # replacement after a restart, handed environments, tools and agents the same "random" streams.
+        random.seed()
+        np.random.seed()
         self._agents = AgentRunner(agent, self.engine, self.tokenizer) if agent else None
         self.sink = VLLMWeightSink(self.engine)
         self.receiver = WeightReceiver(self.sink, self._sync_config, sink_session=trainer_session)

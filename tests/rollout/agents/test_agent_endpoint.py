@@ -32,6 +32,16 @@ from rollout.envs.config import AgentEnvConfig  # noqa: E402
 from rollout.tokenizer import render_prompt  # noqa: E402
 
 
+def test_user_code_on_a_worker_gets_random_streams_of_its_own(worker):
+    """vLLM seeds `random` and `numpy.random` with the engine's seed (0): an environment drawing a secret got the
+    same sequence on every worker and after every restart. First in this module: the next draws after the
+    worker's start."""
+    import random
+
+    seeded = random.Random(0).random(), np.random.RandomState(0).random_sample()
+    assert (random.random(), np.random.random_sample()) != seeded
+
+
 def test_openai_client_episodes_are_recorded_token_exact(worker):
     scripted_agents.RECORDS.clear()
     batch = worker.generate_groups([PROBLEM], [7], 4)
@@ -339,3 +349,4 @@ def test_the_example_agent_starts_from_the_prompt_its_warm_start_trains_on(worke
     [warm] = sft_samples(worker.tokenizer, [(PROBLEM, calculator_transcript("12 * 34"))], None, config)
     for outcome in outcomes:
         assert outcome.episodes[0].prompt_ids == warm.prompt_ids.tolist() and outcome.num_calls >= 1
+
