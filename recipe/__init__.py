@@ -46,7 +46,14 @@ from common.ray_job import ray_job_working_dir
 from common.run_dir import RESOLVED_RECIPE, lora_base_dir
 from recipe.sections import ModelSection, PlacementGroupsConfig, RunConfig
 from rollout.config import MAX_SERVED_LORA_RANK, RolloutConfig, SamplingConfig
-from rollout.envs.config import AgentEnvConfig, CustomEnvConfig, EnvironmentConfig, SingleTurnEnvConfig, ToolEnvConfig
+from rollout.envs.config import (
+    ENVIRONMENT_TERM,
+    AgentEnvConfig,
+    CustomEnvConfig,
+    EnvironmentConfig,
+    SingleTurnEnvConfig,
+    ToolEnvConfig,
+)
 from rollout.rewards.config import FunctionRewardConfig, RewardConfig, RewardModelConfig
 from rollout.sampling import is_greedy
 from rollout.tasks.config import JsonlTaskConfig, TaskConfig
@@ -136,6 +143,8 @@ class Recipe(Config):
         _warn_warmup_only(self)
         term = self.run.dynamic_sampling.filter_term
         names = [t.term_name for t in self.reward.terms] + (["overlong"] if self.reward.overlong else [])
+        if self.environment.type != "single_turn":
+            names.append(ENVIRONMENT_TERM)
         if term is not None and term not in names:
             raise FieldError(
                 "run.dynamic_sampling.filter_term",

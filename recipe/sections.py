@@ -132,7 +132,8 @@ class DynamicSamplingConfig(Config):
     """What must differ within a group for it to count as informative: None, the total reward; or the name of one
     reward term (e.g. ``"math"``), so that a small bonus of another term (a format reward) does not keep a group
     whose answers are all wrong. (Std-normalised GRPO advantages would blow such a bonus up to the same size as a
-    correctness difference.)"""
+    correctness difference.) With a multi-turn environment or an agent also ``"environment"``: the episode's own
+    reward (the environment's, the agent's returned number)."""
 
 
 class ExportConfig(Config):

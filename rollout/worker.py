@@ -27,6 +27,7 @@ import numpy as np
 from common.cpu import CpuClock
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.envs.base import EpisodeFailed
+from rollout.envs.config import ENVIRONMENT_TERM
 from rollout.envs.episode import run_episode
 from rollout.envs.failures import FailureBudget, drop_failed, run_all
 from rollout.metrics import episode_metrics
@@ -160,7 +161,7 @@ class RolloutWorker:
                 # Greedy decoding's log-probs are vLLM's untempered ones (T = 1); recipes never train on them.
                 temperature=1.0 if is_greedy(sampling) else sampling.temperature,
                 reward_terms={name: scores[j] for name, scores in terms.items()}
-                | ({"environment": env_reward} if multi_turn else {}),
+                | ({ENVIRONMENT_TERM: env_reward} if multi_turn else {}),
                 metadata={"problem_id": problems[i].problem_id, "answer": problems[i].answer}
                 | ({"num_turns": e.num_turns, "final_text": finals[j].final_text} if multi_turn else {})
                 | ({"sample_index": k, "segment": s, "num_segments": len(segments)} if self._agents else {}),

@@ -21,9 +21,13 @@ from common.config import Config
 from common.imports import check_import_path
 
 __all__ = [
-    "BUILTIN_TOOLS", "AgentEnvConfig", "CustomEnvConfig", "EnvironmentConfig", "FeedbackEnvConfig",
+    "BUILTIN_TOOLS", "ENVIRONMENT_TERM", "AgentEnvConfig", "CustomEnvConfig", "EnvironmentConfig", "FeedbackEnvConfig",
     "PythonToolConfig", "SingleTurnEnvConfig", "ToolEnvConfig", "ToolName",
 ]  # fmt: skip
+
+ENVIRONMENT_TERM = "environment"
+"""The reward term a multi-turn episode's own reward goes under (an environment's rewards, an agent's returned
+number), beside the ``[reward.terms]``: ``reward/environment/mean``, a dynamic-sampling filter term."""
 
 BUILTIN_TOOLS = ("calculator", "python")
 """Built-in tools: ``calculator`` (arithmetic on numbers, evaluated in process without ``eval``: pure and bounded) and

@@ -243,6 +243,12 @@ def test_dynamic_sampling_filter_term_must_be_a_reward_term():
 
     with pytest.raises(ConfigError, match="run.dynamic_sampling.filter_term.*not a reward term"):
         load_recipe("recipes/grpo_tiny.toml", {"run.dynamic_sampling.filter_term": "correct"})
+    with pytest.raises(ConfigError, match="run.dynamic_sampling.filter_term.*not a reward term"):
+        load_recipe("recipes/grpo_tiny.toml", {"run.dynamic_sampling.filter_term": "environment"})  # single-turn
+    # A multi-turn episode's own reward (an agent's returned number) is a term every one of its samples carries.
+    agent = load_recipe("recipes/agent_openai_tiny.toml", {"run.dynamic_sampling.enabled": True,
+                                                           "run.dynamic_sampling.filter_term": "environment"})
+    assert agent.run.dynamic_sampling.filter_term == "environment"
 
 
 def test_exports_the_policy_every_k_steps_when_asked():
