@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from common.cpu import CpuClock
 from common.run_dir import HF_EXPORTS
-from rollout.metrics import sample_metrics
+from rollout.metrics import combined_metrics
 from rollout.types import RolloutBatch, Sample, episode_members
 
 if TYPE_CHECKING:
@@ -93,20 +93,17 @@ class RLLoop:
         metrics = dict(batch.metrics)  # the pool's own names: rollout/*, reward/*
         if not run.dynamic_sampling.enabled:
             return batch, item.cursor, metrics
-        sampled = list(batch.samples)
+        rounds = [batch]
         term = run.dynamic_sampling.filter_term
         kept = _informative_groups(batch, term)
-        num_rounds = 1
-        while len(kept) < run.num_prompts_per_step and num_rounds < run.dynamic_sampling.max_num_rounds:
-            extra = self.pool.collect(self._submit_next(run.num_prompts_per_step - len(kept)))
-            sampled += extra.samples
-            kept += _informative_groups(extra, term)
-            num_rounds += 1
+        while len(kept) < run.num_prompts_per_step and len(rounds) < run.dynamic_sampling.max_num_rounds:
+            rounds.append(self.pool.collect(self._submit_next(run.num_prompts_per_step - len(kept))))
+            kept += _informative_groups(rounds[-1], term)
         # A cursor taken now also covers the extra prompts, and the prompts of batches still in flight (drawn before
         # them): a resume skips those, which is harmless (they were never trained on).
-        cursor = self.dataset.state_dict() if num_rounds > 1 else item.cursor
-        metrics.update(sample_metrics(sampled))
-        metrics["rollout/dynamic_sampling_rounds"] = float(num_rounds)
+        cursor = self.dataset.state_dict() if len(rounds) > 1 else item.cursor
+        metrics = combined_metrics(rounds)
+        metrics["rollout/dynamic_sampling_rounds"] = float(len(rounds))
         metrics["rollout/informative_groups"] = float(len(kept))
         if not kept:
             kept = list(batch.groups().values())  # nothing informative: train anyway (zero advantages, KL only)

@@ -14,9 +14,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from rollout.types import Sample, episode_members
+from rollout.types import RolloutBatch, Sample, episode_members
 
-__all__ = ["BUILTIN_EPISODE_FIGURES", "episode_metrics", "sample_metrics"]
+__all__ = [
+    "BUILTIN_EPISODE_FIGURES", "combined_metrics", "episode_metrics", "sample_metrics", "summed_metrics",
+]  # fmt: skip
 
 BUILTIN_EPISODE_FIGURES = frozenset({
     "num_episodes", "num_turns", "num_observation_tokens", "num_timeouts", "num_failed_episodes",
@@ -80,3 +82,23 @@ def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     for name in sorted({name for s in episodes for name in s.reward_terms}):
         out[f"reward/{name}/mean"] = float(np.mean([s.reward_terms.get(name, 0.0) for s in episodes]))
     return out
+
+
+def summed_metrics(batches: Sequence[RolloutBatch]) -> dict[str, float]:
+    """Every figure of ``batches`` summed by name (the callers replace those that do not add up)."""
+    metrics: dict[str, float] = {}
+    for batch in batches:
+        for key, value in batch.metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + value
+    return metrics
+
+
+def combined_metrics(batches: Sequence[RolloutBatch]) -> dict[str, float]:
+    """The figures of several requests' batches as of one (a step's dynamic-sampling rounds, one after another): their
+    counters and seconds summed, :func:`sample_metrics` of all their samples, and tokens per second over the summed
+    seconds."""
+    metrics = summed_metrics(batches)
+    metrics.update(sample_metrics([s for batch in batches for s in batch.samples]))
+    seconds = metrics.get("rollout/seconds", 0.0)
+    metrics["rollout/tokens_per_s"] = metrics.get("rollout/num_completion_tokens", 0.0) / max(seconds, 1e-9)
+    return metrics

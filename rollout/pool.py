@@ -36,7 +36,7 @@ from common.resources import actor_options
 from rollout.config import RolloutConfig, SamplingConfig
 from rollout.envs.failures import check_request_failures, check_request_kept
 from rollout.fleet import Publisher, WorkerFleet, WorkerSlot
-from rollout.metrics import sample_metrics
+from rollout.metrics import sample_metrics, summed_metrics
 from rollout.types import RolloutBatch, Sample
 
 if TYPE_CHECKING:
@@ -342,10 +342,7 @@ def _merge(pending: _Pending, seconds: float) -> RolloutBatch:
     """One batch of every piece's samples (ordered by group id), with the pieces' additive counters summed and the
     batch's :func:`rollout.metrics.sample_metrics`."""
     samples: list[Sample] = sorted((s for batch in pending.results for s in batch.samples), key=lambda s: s.group_id)
-    metrics: dict[str, float] = {}
-    for batch in pending.results:
-        for key, value in batch.metrics.items():
-            metrics[key] = metrics.get(key, 0.0) + value
+    metrics = summed_metrics(pending.results)
     metrics.update(sample_metrics(samples))
     metrics.update({
         "rollout/seconds": seconds,
@@ -353,3 +350,4 @@ def _merge(pending: _Pending, seconds: float) -> RolloutBatch:
         "rollout/tokens_per_s": metrics.get("rollout/num_completion_tokens", 0.0) / max(seconds, 1e-9),
     })  # fmt: skip
     return RolloutBatch(samples=samples, metrics=metrics)
+

@@ -78,7 +78,8 @@ class FakePool:
                    reward=sum(terms(p, k).values()), group_id=p, policy_version=version, reward_terms=terms(p, k))
             for p in problems for k in range(group_size)
         ]  # fmt: skip
-        return RolloutBatch(samples, {"rollout/seconds": 0.0, **sample_metrics(samples)})
+        counters = {"rollout/seconds": 0.5, "rollout/num_completion_tokens": float(len(samples))}
+        return RolloutBatch(samples, {**counters, **sample_metrics(samples)})
 
 
 class FakeTrainer:
@@ -204,6 +205,9 @@ def test_dynamic_sampling_keeps_only_informative_groups():
     # the batch trained on (groups 0 and 2) its own figure.
     assert metrics["reward/mean"] == 2 / 6 and metrics["rollout/num_samples"] == 6.0
     assert metrics["reward/filtered_mean"] == 2 / 4
+    # So do the counters: both rounds' tokens and seconds (the first round's alone before).
+    assert metrics["rollout/num_completion_tokens"] == 6.0 and metrics["rollout/seconds"] == 1.0
+    assert metrics["rollout/tokens_per_s"] == 6.0
 
 
 def test_pool_is_told_each_committed_version():
