@@ -100,6 +100,10 @@ class AgentEndpoint:
         # 16 MB body) takes its time there instead of stopping the engine loop's generation for every episode; with a
         # tokenizer of its own, since a tokenizer is not safe to use from two threads at once.
         self._prompts = PromptRenderer(copy.deepcopy(tokenizer), use_chat_template=True)
+        # No token covers more characters than its own string has: a request whose contents need more tokens than the
+        # context holds at this rate is refused unrendered (megabytes of a tool's output took seconds on the one
+        # reader thread, every other episode's calls waiting behind it).
+        self._longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="agent-requests")
         self._episodes: dict[str, EpisodeCalls] = {}
         self._warned_unknown: set[str] = set()
@@ -170,13 +174,14 @@ class AgentEndpoint:
             return _not_found()
         raw = await request.read()
         try:
-            chat, prompt = await asyncio.get_running_loop().run_in_executor(self._reader, self._read, raw)
+            chat, prompt, prompt_len = await asyncio.get_running_loop().run_in_executor(self._reader, self._read, raw)
             if episode.closed:  # it ended while the request was read: nothing may start for it now
                 raise protocol.ProtocolError("the episode ended while this call was read", code="episode_closed",
                                              status=409)  # fmt: skip
-            sampling = self._call_sampling(episode, chat, len(prompt))
+            sampling = self._call_sampling(episode, chat, prompt_len, exact=prompt is not None)
         except protocol.ProtocolError as e:
             return _error(e.status, str(e), e.param, e.code)
+        assert prompt is not None, "a prompt left unrendered is past the context, refused above"
         index = episode.num_accepted
         episode.num_accepted += 1
         episode.num_ignored_sampling += bool(chat.ignored_sampling_params)
@@ -321,9 +326,10 @@ class AgentEndpoint:
         """A reply's text from generated ids: special tokens dropped."""
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    def _read(self, raw: bytes) -> tuple[protocol.ChatRequest, list[int]]:
-        """A request body as a checked request and its prompt ids (on the reader thread); ``ProtocolError`` (400)
-        for anything wrong with it."""
+    def _read(self, raw: bytes) -> tuple[protocol.ChatRequest, list[int] | None, int]:
+        """A request body as a checked request, its prompt ids and their count (on the reader thread); ``ProtocolError``
+        (400) for anything wrong with it. Contents too long for the context at any tokenisation are not rendered: no
+        ids, and the fewest tokens they could be."""
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -335,13 +341,21 @@ class AgentEndpoint:
         if any(t >= vocab for t in chat.stop_token_ids):  # vLLM does not check them: one past the vocabulary broke it
             raise protocol.ProtocolError(f"stop_token_ids: the vocabulary has {vocab} tokens (ids 0 to {vocab - 1})",
                                          param="stop_token_ids")  # fmt: skip
+        fewest = -(-sum(len(m["content"] or "") for m in chat.messages) // self._longest_token)
+        if fewest > self.engine.config.max_model_len:
+            return chat, None, fewest
         try:
-            return chat, self._prompts(chat.messages, chat.tools)
+            prompt = self._prompts(chat.messages, chat.tools)
+            return chat, prompt, len(prompt)
         except Exception as e:  # the template is the model's (jinja): any of its errors is the request's fault here
             why = f"the chat template cannot render these messages: {e}"
             raise protocol.ProtocolError(why, param="messages") from e
 
-    def _call_sampling(self, episode: EpisodeCalls, chat: protocol.ChatRequest, prompt_len: int) -> SamplingConfig:
+    def _call_sampling(
+        self, episode: EpisodeCalls, chat: protocol.ChatRequest, prompt_len: int, exact: bool = True
+    ) -> SamplingConfig:
+        """The call's sampling within the episode's limits, for a prompt of ``prompt_len`` tokens (``exact`` False: at
+        least that many); ``ProtocolError`` when a limit refuses it (counted in the episode's limit refusals)."""
         limits, max_model_len = episode.limits, self.engine.config.max_model_len
         if episode.num_accepted >= limits.max_turns:
             episode.num_limit_refusals += 1
@@ -356,7 +370,8 @@ class AgentEndpoint:
         if room <= 0:
             episode.num_limit_refusals += 1
             raise protocol.ProtocolError(
-                f"the prompt has {prompt_len} tokens: no room left to generate (rollout.engine.max_model_len = "
+                f"the prompt has {'' if exact else 'at least '}{prompt_len} tokens: no room left to generate "
+                f"(rollout.engine.max_model_len = "
                 f"{max_model_len}, environment.max_total_tokens = {limits.max_total_tokens})",
                 param="messages", code=CONTEXT_LENGTH_EXCEEDED,
             )  # fmt: skip

@@ -23,6 +23,26 @@ def test_agent_functions_are_checked_when_loaded():
         load_agent_function(f"{AGENTS}:missing")
 
 
+def test_a_message_too_long_for_any_tokenisation_is_refused_unrendered_as_past_the_context(worker, monkeypatch):
+    """4 MB of a tool's output was rendered and tokenised first (4.5 s on the one reader thread, other episodes'
+    calls waiting) to be refused then: the refusal comes from the contents' length alone, counted as a limit's."""
+    runner = runner_of(worker, "no_call")
+    episode = worker.engine.run(runner.endpoint.open(SAMPLING, EpisodeLimits(max_turns=4), lambda t, n: None))
+    client = openai.OpenAI(base_url=episode.base_url, api_key="x", max_retries=0)
+
+    def unrendered(*args, **kwargs):
+        raise AssertionError("rendered")
+
+    monkeypatch.setattr(type(runner.endpoint._prompts), "__call__", unrendered)
+    try:
+        with pytest.raises(openai.BadRequestError, match="the prompt has at least .* tokens: no room left") as e:
+            client.chat.completions.create(model="policy", messages=[{"role": "tool", "content": "x" * (4 << 20)}])
+        assert e.value.code == "context_length_exceeded" and episode.num_limit_refusals == 1 and not episode.calls
+    finally:
+        worker.engine.run(runner.endpoint.close(episode))
+        runner.shutdown()
+
+
 def test_requests_the_endpoint_cannot_serve_exactly_are_refused_by_name(worker):
     runner = runner_of(worker, "no_call")
     endpoint = runner.endpoint
