@@ -278,7 +278,8 @@ class AgentEndpoint:
             handler = asyncio.current_task()
             if not generation.cancelled() or (handler is not None and handler.cancelling()):
                 raise  # this handler itself is being cancelled (its client went away, server shutdown)
-            return protocol.ProtocolError("the episode ended (its timeout passed) while this call was in flight",
+            return protocol.ProtocolError("the episode ended (its agent returned, failed or ran out of time) while "
+                                          "this call was in flight",
                                           code="episode_closed", status=409)  # fmt: skip
         except (EngineBrokenError, RuntimeError) as e:
             if isinstance(e, EngineBrokenError):
