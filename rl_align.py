@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         overrides = parse_overrides(rest)
-        recipe = record_in_its_directory(Path(args.recipe), load_recipe(args.recipe, overrides), overrides)
+        recipe, moved_from = record_in_its_directory(Path(args.recipe), load_recipe(args.recipe, overrides), overrides)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from driver.run import run
 
-    return run(recipe, resume=args.resume, address=args.address)
+    return run(recipe, resume=args.resume, address=args.address, moved_from=moved_from)
 
 
 if __name__ == "__main__":

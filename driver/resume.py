@@ -13,7 +13,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from common.ray_job import ray_job_working_dir
-from common.run_dir import CHECKPOINTS, RESOLVED_RECIPE, read_run_record
+from common.run_dir import (
+    CHECKPOINTS,
+    FINAL_MODEL,
+    LOCK,
+    METRICS,
+    RESOLVED_RECIPE,
+    WARM_START_MODEL,
+    read_run_record,
+)  # fmt: skip
 from recipe import Recipe, load_recipe
 
 __all__ = [
@@ -120,35 +128,45 @@ def point_moved_adapters_at_their_base(moved: dict[Path, Path]) -> list[Path]:
     return edited
 
 
-def record_in_its_directory(path: Path, recipe: Recipe, overrides: Mapping[str, object]) -> Recipe:
+def record_in_its_directory(
+    path: Path, recipe: Recipe, overrides: Mapping[str, object]
+) -> tuple[Recipe, Path | None]:
     """``recipe``, loaded from ``path``, pointed at the run directory it was read from when ``path`` is a run record
-    (``<dir>/recipe.resolved.toml``) written for another directory: the run was moved or copied (to branch it), and its
-    record still names the original's ``run.output_dir`` and checkpoints. Read as written, a copy's ``--resume``
-    continued the original run, pruning its checkpoints and rewriting its record, and a moved run's found no
-    checkpoint. Its output directory becomes ``<dir>``, default checkpoints ``<dir>/checkpoints``, and its adapters'
-    base the copy's own warm start. ``run.output_dir`` given as a flag is taken as it is. ``ValueError`` when the
-    record names a checkpoint directory outside the original's run directory (not copied with it, and the original
-    run's to prune) and no ``--trainer.checkpoint.dir`` says which this run is to use."""
-    if path.name != RESOLVED_RECIPE or "run.output_dir" in overrides:
-        return recipe
+    (``<dir>/recipe.resolved.toml`` beside a run's outputs) written for another directory: the run was moved or copied
+    (to branch it), and its record still names the original's ``run.output_dir`` and checkpoints. Read as written, a
+    copy's ``--resume`` continued the original run, pruning its checkpoints and rewriting its record, and a moved
+    run's found no checkpoint. Its output directory becomes ``<dir>``, and checkpoints the record keeps inside the
+    original's directory the same place inside ``<dir>``. Returns the recipe and the directory the record was written
+    for (None: nothing changed), whose adapters' base :func:`point_moved_adapters_at_their_base` moves once the run
+    holds ``<dir>``. Reads only. ``run.output_dir`` given as a flag is taken as it is. ``ValueError`` when the record
+    names a checkpoint directory outside the original's (not copied with it, and the original run's to prune) and no
+    ``--trainer.checkpoint.dir`` says which this run is to use."""
+    if path.name != RESOLVED_RECIPE or "run.output_dir" in overrides or not _holds_run_outputs(path.parent):
+        return recipe, None
     here, written_for = path.parent.resolve(), recipe.run.resolved_output_dir.resolve()
     job_dir = ray_job_working_dir()
     if here == written_for or (job_dir is not None and here.is_relative_to(Path(job_dir).resolve())):
-        return recipe  # the same place, or a copy Ray uploaded with a job (outputs there would be lost with it)
+        return recipe, None  # the same place, or a copy Ray uploaded with a job (outputs there would be lost with it)
     checkpoints = recipe.trainer.checkpoint
     if "trainer.checkpoint.dir" not in overrides:
-        if checkpoints.dir is not None and Path(checkpoints.dir).resolve() != written_for / CHECKPOINTS:
+        own = Path(checkpoints.dir).resolve() if checkpoints.dir is not None else written_for / CHECKPOINTS
+        if not own.is_relative_to(written_for):
             raise ValueError(
                 f"{path} is the record of the run at {written_for} (this copy was moved or copied from there), and it "
                 f"names that run's checkpoint directory {checkpoints.dir}: continuing from it would train and prune "
                 "that run's checkpoints. Give this run its own: --trainer.checkpoint.dir DIR (copy the checkpoints "
                 "there first to continue from them), or run the original with its own record"
             )  # fmt: skip
-        checkpoints = checkpoints.model_copy(update={"dir": str(here / CHECKPOINTS)})
+        checkpoints = checkpoints.model_copy(update={"dir": str(here / own.relative_to(written_for))})
     log.info("%s was written for the run at %s: this is a moved or copied run, continued in %s", path, written_for,
              here)  # fmt: skip
-    point_moved_adapters_at_their_base({written_for: here})
     return recipe.model_copy(update={
         "run": recipe.run.model_copy(update={"output_dir": str(here)}),
         "trainer": recipe.trainer.model_copy(update={"checkpoint": checkpoints}),
-    })  # fmt: skip
+    }), written_for  # fmt: skip
+
+
+def _holds_run_outputs(directory: Path) -> bool:
+    """Whether ``directory`` holds a run's outputs beside its record (a recipe saved under that name elsewhere, e.g.
+    ``--check``'s output, names no run to continue)."""
+    return any((directory / name).exists() for name in (LOCK, CHECKPOINTS, METRICS, WARM_START_MODEL, FINAL_MODEL))

@@ -50,14 +50,16 @@ __all__ = ["evaluations_on_record", "run"]
 log = logging.getLogger("rl_align")
 
 
-def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -> int:
+def run(recipe: Recipe, resume: str | None = None, address: str | None = None, moved_from: Path | None = None) -> int:
     """Run ``recipe`` to the end; return the process exit code (0 success, 1 failure, 2 bad input, 130 interrupted,
     143 stopped by SIGTERM).
 
     ``resume``: None starts fresh (an earlier run's outputs in the run directory are moved to its ``previous-<time>/``,
     never mixed in: ``common.run_dir``); "required" continues from the newest checkpoint and fails if there is none;
     "auto" continues when one exists. The run holds its directory and its checkpoint directory from before its checks
-    to its end (``common.run_dir.RunDirLock``): a second run in either is refused.
+    to its end (``common.run_dir.RunDirLock``): a second run in either is refused. ``moved_from``: the directory the
+    run's record was written for, when the run was moved or copied from there
+    (:func:`driver.resume.record_in_its_directory`): its adapters are pointed at their base in the run's directory.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     out_dir = recipe.run.resolved_output_dir
@@ -75,7 +77,7 @@ def run(recipe: Recipe, resume: str | None = None, address: str | None = None) -
         print(f"error: {cannot}{e}", file=sys.stderr)
         return 2
     try:
-        return _checked_run(recipe, out_dir, resume, address)
+        return _checked_run(recipe, out_dir, resume, address, moved_from)
     finally:
         lock.release()
         if new_dir:
@@ -92,7 +94,9 @@ def _remove_if_only_locks(directory: Path) -> None:
         pass  # a directory another process writes to meanwhile: it is theirs now
 
 
-def _checked_run(recipe: Recipe, out_dir: Path, resume: str | None, address: str | None) -> int:
+def _checked_run(
+    recipe: Recipe, out_dir: Path, resume: str | None, address: str | None, moved_from: Path | None
+) -> int:
     """:func:`run` while it holds the run directory: the checks that need no Ray (``driver.preflight``), holding the
     checkpoint directory too, then :func:`_start`."""
     recipe = with_run_defaults(recipe, out_dir)
@@ -110,7 +114,7 @@ def _checked_run(recipe: Recipe, out_dir: Path, resume: str | None, address: str
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        return _start(recipe, out_dir, checked, address)
+        return _start(recipe, out_dir, checked, address, moved_from)
     finally:
         ckpt_lock.release()
         if new_dir:
@@ -141,9 +145,10 @@ def _sigterm_stops_the_run(received: threading.Event) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | None) -> int:
-    """:func:`run` once its checks passed and it holds the run directory: the earlier run's outputs set aside (fresh
-    start), the resolved recipe written, Ray joined or started, the run executed."""
+def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | None, moved_from: Path | None) -> int:
+    """:func:`run` once its checks passed and it holds the run directory: a moved or copied run's adapters pointed at
+    their base in it, the earlier run's outputs set aside (fresh start), the resolved recipe written, Ray joined or
+    started, the run executed."""
     from driver.warm_start import WarmStartError
     from rollout.envs import EpisodeFailed, PromptTooLong
     from rollout.fleet import WorkersExhausted
@@ -152,6 +157,8 @@ def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | No
 
     ckpt_dir = Path(recipe.trainer.checkpoint.dir)  # type: ignore[arg-type]  # with_run_defaults set it
     resume_from, model_cfg = checked.resume_from, checked.model_cfg
+    if moved_from is not None:
+        point_moved_adapters_at_their_base({moved_from: out_dir})
     if resume_from is None:
         inputs = [p for p in (recipe.model.path, recipe.rollout.tokenizer_path, recipe.rollout.model_path) if p]
         moved = set_aside_earlier_run(out_dir, ckpt_dir, keep=inputs)

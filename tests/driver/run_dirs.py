@@ -37,6 +37,7 @@ def checkpointed_run(tmp_path: Path, base: str = "recipes/grpo_tiny.toml") -> Pa
     part = Checkpointable(policy, build_optimizer(policy, OptimizerConfig()), trainable_only=lora)
     cursor = build_dataset(started.task).state_dict()  # the task's own cursor, as the driver saves it
     CheckpointManager(out / "checkpoints").save({"policy": part}, TrainProgress(2, 2, cursor))
+    (out / LOCK).touch()  # the lock file a run leaves (it holds nothing of the run's)
     return out
 
 

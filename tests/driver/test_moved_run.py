@@ -23,6 +23,9 @@ def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_as_it_was(tmp_
         json.dumps({"base_model_name_or_path": str(out / "warm_start_model")}))  # fmt: skip
     branch = tmp_path / "branch"
     shutil.copytree(out, branch)
+    adapter_config = (branch / "final_model" / "adapter" / "adapter_config.json").read_text()
+    assert rl_align.main(["--recipe", str(branch / "recipe.resolved.toml"), "--check"]) == 0
+    assert (branch / "final_model" / "adapter" / "adapter_config.json").read_text() == adapter_config, "--check wrote"
     before = {p: (out / p).read_bytes() for p in listing(out) if (out / p).is_file()}
     caplog.set_level(logging.INFO, logger="rl_align")
     caplog.clear()  # the set-up's own recipe warnings
@@ -73,4 +76,29 @@ def test_a_record_in_the_copy_ray_uploaded_with_a_job_keeps_the_runs_own_place(t
     monkeypatch.setattr(driver.resume, "ray_job_working_dir", lambda: job_copy)
     record = job_copy / "runs" / "x" / "recipe.resolved.toml"
     recipe = load_recipe(record)
-    assert record_in_its_directory(record, recipe, {}) == recipe
+    assert record_in_its_directory(record, recipe, {}) == (recipe, None)
+
+
+def test_checkpoints_inside_the_run_under_another_name_follow_the_copy(tmp_path):
+    from driver.resume import record_in_its_directory
+
+    out = checkpointed_run(tmp_path)
+    (out / "checkpoints").rename(out / "ckpts")
+    write_resolved(load_recipe(out / "recipe.resolved.toml", {"trainer.checkpoint.dir": str(out / "ckpts")}), out)
+    branch = tmp_path / "branch"
+    shutil.copytree(out, branch)
+    recipe, moved_from = record_in_its_directory(branch / "recipe.resolved.toml",
+                                                 load_recipe(branch / "recipe.resolved.toml"), {})  # fmt: skip
+    assert moved_from == out and recipe.trainer.checkpoint.dir == str(branch / "ckpts")
+
+
+def test_a_recipe_saved_under_the_records_name_beside_no_run_is_read_as_it_is(tmp_path):
+    """``--check``'s output kept as configs/x/recipe.resolved.toml: no run to continue there, no outputs sent there."""
+    from driver.resume import record_in_its_directory
+
+    out = checkpointed_run(tmp_path)
+    saved = tmp_path / "configs" / "recipe.resolved.toml"
+    saved.parent.mkdir()
+    shutil.copy(out / "recipe.resolved.toml", saved)
+    recipe = load_recipe(saved)
+    assert record_in_its_directory(saved, recipe, {}) == (recipe, None)
