@@ -198,7 +198,8 @@ class TrainerConfig(Config):
     num_epochs: int = pydantic.Field(default=1, ge=1)
     """Optimizer passes over each rollout batch (PPO-style reuse; 1 = strictly on-policy after the first step)."""
     num_minibatches: int = pydantic.Field(default=1, ge=1)
-    """Optimizer steps per epoch: the batch is split into this many mini-batches, each one optimizer step."""
+    """Optimizer steps per epoch: the batch's episodes are split into this many mini-batches (an agent episode of
+    several samples stays in one), each one optimizer step."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Periodic full-state checkpoints."""
     seed: int = 0

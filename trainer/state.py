@@ -56,6 +56,8 @@ class TrainState:
     step: int = 0
     policy_version: int = 0
     data_cursor: dict = field(default_factory=dict)
+    steps_without_update: int = 0
+    """RL steps in a row whose every optimizer update was skipped for a gradient norm that was not finite."""
 
     def reset_optimizers(self) -> None:
         """Fresh AdamW state and learning-rate schedules over what trains now, for the policy and the critic (a new

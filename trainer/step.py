@@ -293,7 +293,7 @@ def _clip_and_step(
     state: TrainState, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_norm: float | None
 ) -> torch.Tensor:
     """Clip the global gradient norm (computed per mesh group, then combined), step, zero grads; returns the norm
-    (0-dim, on the device: read with the step's other metrics).
+    (0-dim, on the device, the caller reads it with the step's other metrics; this reads whether it is finite).
 
     A norm that is not finite (a NaN or inf gradient) skips the optimizer step: the weights and the optimizer's
     moments stay as they were, where one step of AdamW would make every weight NaN and every later push serve them.
@@ -308,21 +308,19 @@ def _clip_and_step(
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         squares.append(norm.double() ** 2)
     total = torch.stack(squares).sum().sqrt().float()
-    # One host read per update; every rank holds the same global norm, so all of them skip together.
-    if not bool(torch.isfinite(total)):
-        optimizer.zero_grad(set_to_none=True)
+    # One host read per update (on XLA it ends the backward's graph there); every rank holds the same global norm, so
+    # all of them skip together.
+    if bool(torch.isfinite(total)):
+        if max_norm is not None:
+            for group in groups:
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
+        optimizer.step()
         if scheduler is not None:
-            with warnings.catch_warnings():  # "scheduler stepped before the optimizer": here that is the intent
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
-                scheduler.step()
-        cut_graph(state.device)
-        return total.detach()
-    if max_norm is not None:
-        for group in groups:
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
-    optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
+            scheduler.step()
+    elif scheduler is not None:
+        with warnings.catch_warnings():  # "scheduler stepped before the optimizer": here that is the intent
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+            scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     if state.cfg.releases_freed_memory:
         release_freed_memory(RELEASE_MIN_FREE_BYTES)  # the gradients just dropped
@@ -370,12 +368,18 @@ def _read(values: list[torch.Tensor]) -> list[float]:
     return torch.stack(values).cpu().tolist() if values else []
 
 
+MAX_STEPS_WITHOUT_UPDATE = 3
+"""RL steps in a row whose every policy update was skipped (a gradient norm not finite) after which a run fails: the
+loss itself is not finite, and the run would go on pushing the same weights as new versions."""
+
+
 def _norm_metrics(norms: list[float], model: str, step: int) -> dict[str, float]:
     """``grad_norm`` (mean over the updates that stepped), ``grad_norm_max`` and ``skipped_updates`` (updates whose
-    gradient norm was not finite, so skipped: :func:`_clip_and_step`) of ``model``'s updates; warns of skips."""
+    gradient norm was not finite, so skipped: :func:`_clip_and_step`) of ``model``'s updates; warns of skips (on the
+    first rank only: every rank skips alike)."""
     finite = [n for n in norms if math.isfinite(n)]
     skipped = len(norms) - len(finite)
-    if skipped:
+    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
         log.warning(
             "step %d: %d of %d %s updates skipped: the gradient norm was not finite (NaN or inf; the weights were "
             "left as they were). Repeated skips mean the loss itself is not finite: a learning rate too high for the "
@@ -386,6 +390,20 @@ def _norm_metrics(norms: list[float], model: str, step: int) -> dict[str, float]
         "grad_norm_max": float(np.max(finite)) if finite else 0.0,
         "skipped_updates": float(skipped),
     }
+
+
+def _count_steps_without_update(state: TrainState, norms: list[float]) -> None:
+    """Count a step whose every policy update was skipped; ``RuntimeError`` at :data:`MAX_STEPS_WITHOUT_UPDATE` in a
+    row, naming what to look at."""
+    skipped_all = bool(norms) and not any(math.isfinite(n) for n in norms)
+    state.steps_without_update = state.steps_without_update + 1 if skipped_all else 0
+    if state.steps_without_update >= MAX_STEPS_WITHOUT_UPDATE:
+        raise RuntimeError(
+            f"steps {state.step - MAX_STEPS_WITHOUT_UPDATE + 2}-{state.step + 1}: every optimizer update skipped, the "
+            "gradient norm not finite (NaN or inf) each time, so the loss itself is not: look for rewards or "
+            "advantages that are not finite, or a learning rate too high for the model's dtype (the weights are as "
+            "the last finite update left them; resume from the last checkpoint once the cause is fixed)"
+        )  # fmt: skip
 
 
 def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
@@ -470,8 +488,9 @@ def rl_step(state: TrainState, batch: RolloutBatch) -> dict[str, float]:
         metrics.update({f"critic/{k}": per_update(k, v) for k, v in critic_metrics.items()})
         assert critic_lr is not None
         metrics["critic/lr"] = critic_lr
-    state.step += 1
     norms, critic_norm_values = _read(grad_norms), _read(critic_norms)
+    _count_steps_without_update(state, norms)
+    state.step += 1  # the step's number in its metrics and messages from here on (train/step)
     if critic_norm_values:
         metrics.update({f"critic/{k}": v for k, v in _norm_metrics(critic_norm_values, "critic", state.step).items()})
     state.policy_version += 1

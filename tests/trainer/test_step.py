@@ -475,3 +475,15 @@ def test_an_update_whose_gradient_is_not_finite_is_skipped_and_the_next_one_trai
     after = state.policy.state_dict()
     assert all(torch.isfinite(v).all() for v in after.values())
     assert any(not torch.equal(v, weights[k]) for k, v in after.items())
+
+
+def test_a_run_whose_every_update_is_skipped_fails_after_a_few_steps() -> None:
+    """A loss that is never finite trained nothing, for ever, pushing the same weights as new versions."""
+    from trainer.step import MAX_STEPS_WITHOUT_UPDATE, rl_step
+
+    state = _engine(GRPOConfig(group_size=4))
+    next(state.policy.parameters()).register_hook(lambda g: g * float("nan"))
+    for seed in range(MAX_STEPS_WITHOUT_UPDATE - 1):
+        assert rl_step(state, RolloutBatch(_samples(seed=seed)))["skipped_updates"] == 1.0
+    with pytest.raises(RuntimeError, match=r"steps 1-3: every optimizer update skipped, the gradient norm not finite"):
+        rl_step(state, RolloutBatch(_samples(seed=9)))
