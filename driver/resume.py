@@ -94,7 +94,7 @@ def point_moved_run_at_itself(moved: dict[Path, Path], out_dir: Path) -> Path | 
         record.write_text(tomli_w.dumps(data))
         if latest_checkpoint(ckpts) is None:
             return None
-        load_recipe(record, check_paths=False)
+        load_recipe(record, check_paths=False, quiet=True)
     except (ValueError, OSError) as e:  # undecodable, unparsable, or a schema this code no longer reads
         log.warning("fresh start: the earlier run's %s cannot be resumed with this code (%s)", record,
                     str(e).splitlines()[0] if str(e) else type(e).__name__)  # fmt: skip

@@ -350,4 +350,3 @@ def _merge(pending: _Pending, seconds: float) -> RolloutBatch:
         "rollout/tokens_per_s": metrics.get("rollout/num_completion_tokens", 0.0) / max(seconds, 1e-9),
     })  # fmt: skip
     return RolloutBatch(samples=samples, metrics=metrics)
-

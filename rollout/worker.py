@@ -87,7 +87,8 @@ class RolloutWorker:
             load_agent_function(agent.function, agent.options)  # fails before the engine starts
         self.engine = VLLMEngine(config.served_model_path, config.engine, config.tokenizer_dir)
         # vLLM seeds the process's `random` and `numpy.random` with the engine's seed: every worker, and every
-        # replacement after a restart, handed environments, tools and agents the same "random" streams.
+        # replacement after a restart, handed environments, tools and agents the same "random" streams. (torch's stays
+        # as vLLM seeded it: the engine's own sampling draws from it.)
         random.seed()
         np.random.seed()
         self._agents = AgentRunner(agent, self.engine, self.tokenizer) if agent else None

@@ -166,7 +166,8 @@ class AgentRunner:
         except BaseException as e:
             if not is_own_base_exception(e):
                 raise
-            raise self._failed(problem, f"raised {e!r}") from e
+            if episode.engine_error is None:
+                raise self._failed(problem, f"raised {e!r}") from e
         finally:
             await asyncio.shield(self._on_engine(self.endpoint.close(episode)))
         if episode.engine_error is not None:  # however the agent ended, the engine failed it: the worker is replaced

@@ -32,9 +32,10 @@ _T = TypeVar("_T")
 def is_own_base_exception(error: BaseException) -> bool:
     """Whether ``error``, a ``BaseException`` that is no ``Exception``, caught in a task running user code (an
     environment's call, an agent function), is that code's own failure: ``SystemExit`` (a CLI parser in an agent), a
-    library's ``CancelledError``. Not so for a cancellation of the task itself (its batch or deadline cancelled it),
-    nor ``GeneratorExit`` (a coroutine being closed): those go on up. Raised on, the user's own ended the worker's
-    event loop, and every later batch waited on it for good."""
+    library's ``CancelledError``, a ``KeyboardInterrupt`` it raised (the process's own arrives in the main thread,
+    never in these tasks). Not so for a cancellation of the task itself (its batch or deadline cancelled it), nor
+    ``GeneratorExit`` (a coroutine being closed): those go on up. Raised on, the user's own ended the worker's event
+    loop, and every later batch waited on it for good."""
     if isinstance(error, GeneratorExit):
         return False
     task = asyncio.current_task()

@@ -314,7 +314,7 @@ def test_an_agent_that_goes_on_with_its_first_choice_is_scored_on_it(worker):
     assert len(outcome.episodes) >= 2 and outcome.episodes[-1].final_text == scripted_agents.LAST_REPLY[0]
 
 
-def test_choices_of_one_call_are_all_trained_on_and_count_asone_episode(worker, monkeypatch):
+def test_choices_of_one_call_are_all_trained_on_and_count_as_one_episode(worker, monkeypatch):
     """An agent asks for 2 choices and goes on with the second: its episode gives a sample per choice (the chosen one
     with the rest of the conversation where its text re-encodes to its ids), all marked as one episode."""
     runner = runner_of(worker, "best_of_two")
@@ -349,4 +349,3 @@ def test_the_example_agent_starts_from_the_prompt_its_warm_start_trains_on(worke
     [warm] = sft_samples(worker.tokenizer, [(PROBLEM, calculator_transcript("12 * 34"))], None, config)
     for outcome in outcomes:
         assert outcome.episodes[0].prompt_ids == warm.prompt_ids.tolist() and outcome.num_calls >= 1
-
