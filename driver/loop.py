@@ -74,12 +74,15 @@ class RLLoop:
 
     def _submit_next(self, num_prompts: int) -> RolloutHandle:
         """Submit the next ``num_prompts`` training problems; their group ids are their stream positions, so that a
-        seeded run resumed from a checkpoint (its cursor restored) samples what the run would have sampled."""
+        seeded run resumed from a checkpoint (its cursor restored) samples what the run would have sampled. A
+        dynamic-sampling refill (fewer problems) may drop as many failed episodes as the step's batch."""
         first = self.dataset.stream_position
         problems = self.dataset.next_batch(num_prompts)
         algorithm = self.recipe.algorithm
         least = 2 if algorithm.group_relative else 1  # a group-relative advantage compares two episodes at least
-        return self.pool.submit(problems, algorithm.group_size, first_group_id=first, min_group_size=least)
+        batch = self.recipe.run.num_prompts_per_step * algorithm.group_size
+        return self.pool.submit(problems, algorithm.group_size, first_group_id=first, min_group_size=least,
+                                budget_of=batch)  # fmt: skip
 
     def _collect(self) -> tuple[RolloutBatch, dict, dict[str, float]]:
         """The next step's batch (with DAPO dynamic sampling when on), its cursor, and rollout metrics.

@@ -60,11 +60,19 @@ class RolloutHandle:
     num_groups: int
     group_size: int
     submitted_at: float
+    budget_of: int = 0
+    """The episodes whose ``environment.max_failed_fraction`` the request may drop when more than its own (a
+    dynamic-sampling refill: its step's batch's)."""
 
     @property
     def num_episodes(self) -> int:
-        """The episodes the request runs (``environment.max_failed_fraction`` is of these)."""
+        """The episodes the request runs."""
         return self.num_groups * self.group_size
+
+    @property
+    def budget_episodes(self) -> int:
+        """The episodes ``environment.max_failed_fraction`` is of: its own, or ``budget_of`` when more."""
+        return max(self.num_episodes, self.budget_of)
 
 
 @dataclass(eq=False)
@@ -147,10 +155,13 @@ class RolloutPool:
         sampling: SamplingConfig | None = None,
         first_group_id: int | None = None,
         min_group_size: int = 1,
+        budget_of: int = 0,
     ) -> RolloutHandle:
         """Start generating ``group_size`` samples for each problem; returns at once. A group whose episodes failed
-        (within ``environment.max_failed_fraction``) comes back smaller, or not at all when fewer than
-        ``min_group_size`` episodes are left (``RolloutWorker.generate_groups``).
+        (within ``environment.max_failed_fraction`` of the request's episodes, or of ``budget_of`` episodes when more:
+        a dynamic-sampling refill drops as many as its step's batch may, where its own few would let none go) comes
+        back smaller, or not at all when fewer than ``min_group_size`` episodes are left
+        (``RolloutWorker.generate_groups``).
 
         Group ids (which seed a seeded sampling's random streams, ``rollout.sampling.turn_seed``) are
         ``first_group_id, first_group_id + 1, ...`` when given: the training stream's positions of the problems
@@ -162,7 +173,7 @@ class RolloutPool:
         if group_size < 1:
             raise ValueError(f"group_size={group_size} must be at least 1")
         sampling = sampling or self.config.sampling
-        handle = RolloutHandle(next(self._ids), len(problems), group_size, time.perf_counter())
+        handle = RolloutHandle(next(self._ids), len(problems), group_size, time.perf_counter(), budget_of)
         if first_group_id is None:
             first_group_id = self._next_group_id
             self._next_group_id += len(problems)
@@ -174,7 +185,7 @@ class RolloutPool:
         size = max(1, min(self.config.max_groups_per_dispatch, share))
         pieces = [
             _Piece(handle.handle_id, list(problems[i : i + size]), group_ids[i : i + size], group_size, sampling,
-                   min_group_size, handle.num_episodes)
+                   min_group_size, handle.budget_episodes)
             for i in range(0, len(problems), size)
         ]
         self._pending[handle.handle_id] = _Pending(handle, pieces)
@@ -264,7 +275,7 @@ class RolloutPool:
         pending.results.append(batch)
         piece.done = True
         # Each worker let its share's failures spend the whole request's budget: the request's sum decides.
-        check_request_failures(_num_failed(pending), pending.handle.num_episodes, self._max_failed_fraction)
+        check_request_failures(_num_failed(pending), pending.handle.budget_episodes, self._max_failed_fraction)
 
     def _hand_on(self, replaced: WorkerSlot) -> None:
         """Send what a replaced worker was running to the other workers (left to fail, each piece would replace

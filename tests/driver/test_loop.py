@@ -57,7 +57,7 @@ class FakePool:
     def hold_back(self, addresses):
         self.held_back.append(list(addresses))
 
-    def submit(self, problems, group_size, sampling=None, first_group_id=None, min_group_size=1):
+    def submit(self, problems, group_size, sampling=None, first_group_id=None, min_group_size=1, budget_of=0):
         handle, self._num_submitted = self._num_submitted, self._num_submitted + 1
         self._handles[handle] = (list(problems), group_size, self.version)
         self.events.append(("submit", handle, self.version))

@@ -69,3 +69,12 @@ def test_a_request_whose_every_share_kept_nothing_fails_once_they_all_came_back(
     with pytest.raises(EpisodeFailed, match=r"^2 of this rollout request's 4 episodes failed, and no group kept the 2 "
                                             r"episodes it needs \(each failure's traceback"):  # fmt: skip
         pool.collect(pool.submit(_problems("half0", "half1"), 2, SHORT, min_group_size=2), timeout_s=300)
+
+
+def test_a_refill_may_drop_as_many_failed_episodes_as_its_steps_batch(pool):
+    """A dynamic-sampling refill of a few problems let floor(fraction x its few episodes) go, often none: one flaky
+    episode failed the step."""
+    with pytest.raises(EpisodeFailed, match=r"4 of this rollout request's 6 episodes failed"):  # floor(0.5 x 6) = 3
+        pool.collect(pool.submit(_problems("ok0", "fail1", "fail2"), 2, SHORT), timeout_s=300)
+    batch = pool.collect(pool.submit(_problems("ok0", "fail1", "fail2"), 2, SHORT, budget_of=8), timeout_s=300)
+    assert batch.metrics["env/num_failed_episodes"] == 4 and len(batch.samples) == 2
