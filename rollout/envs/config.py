@@ -83,9 +83,9 @@ class _MultiTurnConfig(Config):
     """Wall-clock limit of one episode: when it passes, the turn in flight is aborted, the episode keeps what was
     complete before it and ends with finish reason ``length``. ``None``: no limit."""
     max_failed_fraction: float = pydantic.Field(default=0.0, ge=0.0, lt=1.0)
-    """Fraction of a rollout request's episodes (a training batch, each dynamic-sampling refill of it, an evaluation)
-    whose own code may fail (the environment or agent raised, hung in ``reset``, returned malformed results or
-    messages, failed to close) and be dropped, each logged with its traceback and counted in
+    """Fraction of a rollout request's episodes (a training batch, an evaluation; a dynamic-sampling refill has its
+    step batch's budget) whose own code may fail (the environment or agent raised, hung in ``reset``, returned
+    malformed results or messages, failed to close) and be dropped, each logged with its traceback and counted in
     ``env/num_failed_episodes``. One more fails the batch: at once, stopping the other episodes, when one worker's
     share of the batch alone has that many, else when the share that brings the sum over it finishes. A group left
     with too few episodes to compare (two for group-relative advantages) is dropped whole
