@@ -17,7 +17,8 @@ def evaluate(pool: Any, problems: Sequence[Any], sampling: SamplingConfig, term:
 
     ``eval/accuracy`` is the fraction of held-out problems whose sampled completion's ``term``
     (``RewardConfig.accuracy_term``) scores 1 (``eval/greedy_accuracy`` the same for greedy decoding); ``eval/reward``
-    is the mean total reward of the sampled episodes. A problem whose episode failed (within
+    and ``eval/greedy_reward`` are the mean total rewards of the sampled and greedy episodes (with a reward model and
+    no accuracy term, what tells how the policy does). A problem whose episode failed (within
     ``environment.max_failed_fraction``) has no completion: it counts as wrong, never as left out (an environment may
     fail more often on harder problems), and ``eval/num_failed_episodes`` counts them over both passes.
     """
@@ -26,9 +27,7 @@ def evaluate(pool: Any, problems: Sequence[Any], sampling: SamplingConfig, term:
     greedy = sampling.model_copy(update={"temperature": 0.0, "seed": None})
     handles = [pool.submit(problems, 1, sampling), pool.submit(problems, 1, greedy)]
     sampled, greedy_batch = (pool.collect(h) for h in handles)
-    # One episode per problem (its group), which an agent may have split into several samples of one reward.
-    rewards = {s.group_id: s.reward for s in sampled.samples}
-    metrics = {"eval/reward": float(np.mean(list(rewards.values()))) if rewards else 0.0}
+    metrics = {"eval/reward": _mean_reward(sampled), "eval/greedy_reward": _mean_reward(greedy_batch)}
     failed = sum(b.metrics.get("env/num_failed_episodes", 0.0) for b in (sampled, greedy_batch))
     if failed:
         metrics["eval/num_failed_episodes"] = failed
@@ -37,3 +36,10 @@ def evaluate(pool: Any, problems: Sequence[Any], sampling: SamplingConfig, term:
             solved = {s.group_id for s in batch.samples if s.reward_terms.get(term, 0.0) >= 1.0}
             metrics[name] = len(solved) / len(problems)
     return metrics
+
+
+def _mean_reward(batch: Any) -> float:
+    """The mean reward of a batch's episodes: one per problem (its group), which an agent may have split into several
+    samples of one reward."""
+    rewards = {s.group_id: s.reward for s in batch.samples}
+    return float(np.mean(list(rewards.values()))) if rewards else 0.0

@@ -566,12 +566,8 @@ def _host_problems(recipe: Recipe) -> list[tuple[tuple[str | int, ...], str]]:
                 term.check_importable()
             except ValueError as e:
                 problems.append((("reward", "terms", i, "function"), str(e)))
-        if isinstance(term, RewardModelConfig) and not (Path(term.path) / "config.json").is_file():
-            problems.append((
-                ("reward", "terms", i, "path"),
-                f"{term.path!r} has no config.json: point it at a local HF sequence-classification model directory "
-                f"(relative paths resolve against {Path.cwd()})",
-            ))  # fmt: skip
+        if isinstance(term, RewardModelConfig) and (problem := term.directory_problem()) is not None:
+            problems.append((("reward", "terms", i, "path"), problem))
     environment = recipe.environment
     named = environment.tools if isinstance(environment, ToolEnvConfig) else (
         environment.warm_start_tools if isinstance(environment, AgentEnvConfig) else [])  # fmt: skip

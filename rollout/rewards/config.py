@@ -139,9 +139,42 @@ class RewardModelConfig(_TermConfig):
     max_length: int = pydantic.Field(default=2048, ge=8)
     """Longer inputs are truncated from the left, keeping the completion."""
     device: str = "cpu"
-    """Torch device of the reward model ('cpu', 'cuda', 'cuda:1', ...)."""
+    """Torch device of the reward model ('cpu', or 'cuda': the GPU Ray gives the rollout worker, which holds its own
+    copy of the model)."""
     dtype: DType = "float32"
     """Dtype the reward model runs in."""
+
+    def directory_problem(self) -> str | None:
+        """What makes ``path`` no reward model this term can use, read from its files (no torch, no weights): no
+        ``config.json``; an architecture that is no sequence classifier (its head would be random); ``label_index``
+        past its labels; a tokenizer with more ids than its embedding rows. None when none of these."""
+        import json
+        from pathlib import Path
+
+        from common.tokenizer_dir import tokenizer_num_ids
+
+        try:
+            config = json.loads((Path(self.path) / "config.json").read_text())
+        except FileNotFoundError:
+            return (f"{self.path!r} has no config.json: point it at a local HF sequence-classification model directory "
+                    f"(relative paths resolve against {Path.cwd()})")  # fmt: skip
+        except (OSError, ValueError) as e:
+            return f"{self.path}/config.json cannot be read: {e}"
+        architectures = config.get("architectures") or []
+        if architectures and not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+            return (f"{self.path!r} holds a {', '.join(map(str, architectures))} (config.json architectures), not a "
+                    "sequence classifier: loaded as one, its score head would be random. Point it at a reward model "
+                    "(AutoModelForSequenceClassification, usually num_labels = 1)")  # fmt: skip
+        num_labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2  # transformers' default: 2
+        if self.label_index >= num_labels:
+            return f"label_index = {self.label_index}, and the model in {self.path!r} has {num_labels} label(s)"
+        vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        num_ids = tokenizer_num_ids(self.path)
+        if isinstance(vocab, int) and num_ids is not None and num_ids > vocab:
+            return (f"the tokenizer in {self.path!r} has {num_ids} token ids and the reward model {vocab} embedding "
+                    "rows: tokens added to its tokenizer need rows of their own (resize_token_embeddings, then "
+                    "save_pretrained)")  # fmt: skip
+        return None
 
 
 RewardTermConfig = Annotated[

@@ -2,7 +2,8 @@
 
 Each sample is rendered as a conversation (prompt messages, then the completion as the assistant turn) with the reward
 model's own chat template when it has one, else as prompt text followed by the completion; inputs longer than
-``max_length`` keep their last tokens. Batches are right-padded, so position ids match an unpadded forward pass.
+``max_length`` (at most the model's positions) keep their leading special tokens (a BOS, the ``[CLS]`` an encoder
+scores from) and their last tokens. Batches are right-padded, so position ids match an unpadded forward pass.
 """
 
 from __future__ import annotations
@@ -28,15 +29,27 @@ class RewardModelReward:
         self.weight = config.weight
         self._config = config
         self._tokenizer = load_tokenizer(config.path)
+        problem = config.directory_problem()
+        if problem is not None:
+            raise ValueError(f"reward term {self.name!r}: {problem}")
         try:
-            self._model = AutoModelForSequenceClassification.from_pretrained(
-                config.path, local_files_only=True, dtype=getattr(torch, config.dtype)
+            self._model, loading = AutoModelForSequenceClassification.from_pretrained(
+                config.path, local_files_only=True, dtype=getattr(torch, config.dtype), output_loading_info=True
             )
         except (OSError, ValueError) as e:
             raise ValueError(
                 f"reward model {config.path!r}: cannot load it as a sequence classifier "
                 f"(AutoModelForSequenceClassification): {e}"
             ) from e
+        if loading.get("missing_keys"):  # initialised at random: the scores would be noise
+            missing = sorted(loading["missing_keys"])
+            raise ValueError(f"reward model {config.path!r}: its checkpoint lacks {len(missing)} weight(s) of the "
+                             f"classifier ({', '.join(missing[:4])}): not a trained reward model")  # fmt: skip
+        positions = getattr(self._model.config.get_text_config(), "max_position_embeddings", None)
+        self._max_length = min(config.max_length, positions) if isinstance(positions, int) else config.max_length
+        added = self._tokenizer.added_tokens_decoder  # a template's markers (<|im_start|>) are special tokens added
+        special = {*self._tokenizer.all_special_ids, *(i for i, token in added.items() if token.special)}
+        self._is_special = special.__contains__
         num_labels = self._model.config.num_labels
         if config.label_index >= num_labels:
             raise ValueError(
@@ -63,7 +76,12 @@ class RewardModelReward:
         else:
             prompt = problem.prompt if isinstance(problem.prompt, str) else messages_to_text(problem.prompt)
             ids = tokenizer.encode(prompt + completion, add_special_tokens=True)
-        return list(ids[-self._config.max_length :])
+        ids = list(ids)
+        if len(ids) <= self._max_length:
+            return ids
+        lead = next((i for i, t in enumerate(ids) if not self._is_special(t)), len(ids))
+        lead = min(lead, self._max_length // 2)  # a long run of special tokens is cut like text
+        return ids[:lead] + ids[len(ids) - (self._max_length - lead) :]
 
     def _score_batch(self, batch: list[list[int]]) -> list[float]:
         import torch

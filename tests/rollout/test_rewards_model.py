@@ -95,18 +95,50 @@ def test_without_template_and_with_pad_token_in_the_text(plain_rm):
     assert scores == pytest.approx(_reference(plain_rm, texts, True, label=0), abs=1e-5)
 
 
-def test_long_inputs_keep_their_end(chat_rm):
+def test_long_inputs_keep_their_leading_special_tokens_and_their_end(chat_rm):
+    """Cut from the left alone, an input lost its first token: the BOS of a decoder, the [CLS] an encoder scores."""
     term = RewardModelReward(RewardModelConfig(path=str(chat_rm), max_length=8))
     scores, _ = term.score(["5"], PROBLEMS[:1], ["s0"])
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(chat_rm).encode(_chatml(PROBLEMS[0], "5"), add_special_tokens=False)
-    tail_text = AutoTokenizer.from_pretrained(chat_rm).decode(ids[-8:])
-    assert scores == pytest.approx(_reference(chat_rm, [tail_text], False, label=0), abs=1e-5)
+    tokenizer = AutoTokenizer.from_pretrained(chat_rm)
+    ids = tokenizer.encode(_chatml(PROBLEMS[0], "5"), add_special_tokens=False)
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    assert ids[0] in special and ids[1] not in special  # <|im_start|>, then text
+    kept_text = tokenizer.decode(ids[:1] + ids[-7:])
+    assert scores == pytest.approx(_reference(chat_rm, [kept_text], False, label=0), abs=1e-5)
 
 
 def test_bad_reward_model_settings(chat_rm, tmp_path):
-    with pytest.raises(ValueError, match="label_index = 2 but the model has 2 labels"):
+    with pytest.raises(ValueError, match=r"label_index = 2, and the model in .* has 2 label\(s\)"):
         RewardModelReward(RewardModelConfig(path=str(chat_rm), label_index=2))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         RewardScorer.from_config(RewardConfig(terms=[RewardModelConfig(path=str(tmp_path / "missing"))]))
+
+
+def test_a_directory_that_is_no_trained_reward_model_is_refused_before_and_at_load(chat_rm, tmp_path):
+    """A causal LM's directory loaded as a classifier got a random score head: --check said ok, the run trained on
+    noise. A tokenizer past the embedding rows failed in the first rollout with an IndexError naming nothing."""
+    import json
+    import shutil
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    lm = tmp_path / "lm"
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16)).save_pretrained(lm)
+    shutil.copy(chat_rm / "tokenizer.json", lm / "tokenizer.json")
+    assert "not a sequence classifier" in RewardModelConfig(path=str(lm)).directory_problem()
+    config = json.loads((lm / "config.json").read_text())
+    (lm / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForSequenceClassification"]}))
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (chat_rm / name).exists():
+            shutil.copy(chat_rm / name, lm / name)
+    with pytest.raises(ValueError, match=r"its checkpoint lacks 1 weight\(s\) of the classifier \(score.weight\)"):
+        RewardModelReward(RewardModelConfig(path=str(lm)))
+    small = tmp_path / "small"
+    shutil.copytree(chat_rm, small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 200}))
+    assert "embedding rows" in RewardModelConfig(path=str(small)).directory_problem()
+    assert RewardModelConfig(path=str(chat_rm)).directory_problem() is None
