@@ -220,19 +220,27 @@ def test_an_adapter_only_checkpoint_exports_over_the_runs_base(source, moe_sourc
     _assert_adapter_loads_in_peft(tmp_path / "out", model, base)
 
 
-def test_a_lora_run_whose_warm_start_trained_the_base_exports_over_its_warm_started_model(source, tmp_path):
-    """``run.warm_start.parameters = "all"`` (the LoRA demo): the adapters apply to the warm-started base. The
-    checkpoint's export merged them into the random ``[model] path`` instead (greedy output ' f f f f') and the
-    adapter directory named that model as its base."""
-    from trainer.export import export_policy, main
+def _lora_run_over_its_warm_start(source: Path, run: Path):
+    """(warm_start_model, the adapter-trained policy, its checkpoint) of a LoRA run in ``run`` whose warm start trained
+    every weight of ``source`` (``run.warm_start.parameters = "all"``, the LoRA demo's)."""
+    from trainer.export import export_policy
 
-    run = tmp_path / "run"
     warm = run / "warm_start_model"
     export_policy(_trained(source), warm, source, policy_version=1)  # a base that moved away from ``source``
     model = _trained_lora(warm, DENSE_LORA)
     ckpt = _save_lora_run(run, model, source, DENSE_LORA)
     record = (run / "recipe.resolved.toml").read_text()
     (run / "recipe.resolved.toml").write_text(f'[run.warm_start]\nnum_steps = 5\nparameters = "all"\n\n{record}')
+    return warm, model, ckpt
+
+
+def test_a_lora_run_whose_warm_start_trained_the_base_exports_over_its_warm_started_model(source, tmp_path):
+    """``run.warm_start.parameters = "all"`` (the LoRA demo): the adapters apply to the warm-started base. The
+    checkpoint's export merged them into the random ``[model] path`` instead (greedy output ' f f f f') and the
+    adapter directory named that model as its base."""
+    from trainer.export import export_policy, main
+
+    warm, model, ckpt = _lora_run_over_its_warm_start(source, tmp_path / "run")
     assert main([str(ckpt), str(tmp_path / "out")]) == 0
     export_policy(model, tmp_path / "live", warm, policy_version=2)
     for name in ("model.safetensors", "adapter/adapter_config.json"):
@@ -248,14 +256,9 @@ def test_a_lora_run_whose_warm_start_trained_the_base_exports_over_its_warm_star
 
 def test_a_lora_checkpoint_whose_base_is_gone_says_the_adapters_need_that_base(source, tmp_path, capsys):
     """The warm start a LoRA run's adapters apply to, removed: the export offered to write a tiny model instead."""
-    from trainer.export import export_policy, main
+    from trainer.export import main
 
-    run = tmp_path / "run"
-    warm = run / "warm_start_model"
-    export_policy(_trained(source), warm, source, policy_version=1)
-    ckpt = _save_lora_run(run, _trained_lora(warm, DENSE_LORA), source, DENSE_LORA)
-    record = (run / "recipe.resolved.toml").read_text()
-    (run / "recipe.resolved.toml").write_text(f'[run.warm_start]\nnum_steps = 5\nparameters = "all"\n\n{record}')
+    warm, _, ckpt = _lora_run_over_its_warm_start(source, tmp_path / "run")
     shutil.rmtree(warm)
     assert main([str(ckpt), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
@@ -277,14 +280,9 @@ def test_an_adapter_checkpoint_over_another_base_is_refused_before_writing(sourc
 def test_a_model_dir_other_than_the_base_a_lora_run_records_is_refused(source, tmp_path, capsys):
     """Regression: ``--model-dir [model] path`` on a run whose warm start trained the base merged the adapters into
     the untrained model without a word."""
-    from trainer.export import export_policy, main
+    from trainer.export import main
 
-    run = tmp_path / "run"
-    warm = run / "warm_start_model"
-    export_policy(_trained(source), warm, source, policy_version=1)
-    ckpt = _save_lora_run(run, _trained_lora(warm, DENSE_LORA), source, DENSE_LORA)
-    record = (run / "recipe.resolved.toml").read_text()
-    (run / "recipe.resolved.toml").write_text(f'[run.warm_start]\nnum_steps = 5\nparameters = "all"\n\n{record}')
+    warm, _, ckpt = _lora_run_over_its_warm_start(source, tmp_path / "run")
     assert main([str(ckpt), str(tmp_path / "out"), "--model-dir", str(source)]) == 2
     error = _error(capsys)
     assert f"trained over {warm}" in error and f"not over --model-dir {source}" in error and "Leave out" in error
