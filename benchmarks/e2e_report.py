@@ -112,11 +112,14 @@ def report_short(runs: list[RunResult], threshold: float, warm: tuple[float, flo
         where = f"step {hit[1]} at {hit[0]:.1f} s" if hit else "not reached"
         print(f"  {r.side} rep {r.rep}: sampled held-out accuracy >= {threshold}: {where}")
     ours, trl = (statistics.median(reached.get(s, [float("inf")])) for s in ("ours", "TRL"))
-    ratio = trl / ours if ours < float("inf") else float("nan")
-    verdict = "met" if ratio >= TARGET else "NOT met"
+    if ours < float("inf"):
+        ratio = trl / ours
+        verdict = f"{ratio:.2f}x (target >= {TARGET}x: {'met' if ratio >= TARGET else 'NOT met'})"
+    else:
+        verdict = "no ratio: ours did not reach it (target: NOT met)"
     print(f"time from process start to sampled held-out accuracy >= {threshold}: ours "
           f"{med_range(reached['ours'], '{:.1f}')} s, TRL {med_range(reached['TRL'], '{:.1f}')} s; TRL / ours = "
-          f"{ratio:.2f}x (target >= {TARGET}x: {verdict})")  # fmt: skip
+          f"{verdict}")  # fmt: skip
     if warm[0] >= threshold:
         print(f"  note: the warm start itself is at {warm[0]:.3f} >= {threshold} (the first RL steps dip below it); "
               "a higher --threshold measures the climb")  # fmt: skip

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import time
 import warnings
 from typing import Any
@@ -101,6 +102,8 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
     print(machine_line())
+    if not torch.cuda.is_available():
+        sys.exit(f"no CUDA device here (torch {torch.__version__}; a CUDA build and a GPU are needed): nothing done")
     print(f"gpu: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB); "
           f"torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)  # fmt: skip
     init_single_rank_group("cpu:gloo,cuda:nccl")
