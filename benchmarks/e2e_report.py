@@ -112,11 +112,12 @@ def report_short(runs: list[RunResult], threshold: float, warm: tuple[float, flo
         where = f"step {hit[1]} at {hit[0]:.1f} s" if hit else "not reached"
         print(f"  {r.side} rep {r.rep}: sampled held-out accuracy >= {threshold}: {where}")
     ours, trl = (statistics.median(reached.get(s, [float("inf")])) for s in ("ours", "TRL"))
-    if ours < float("inf"):
-        ratio = trl / ours
-        verdict = f"{ratio:.2f}x (target >= {TARGET}x: {'met' if ratio >= TARGET else 'NOT met'})"
-    else:
+    if ours == float("inf"):
         verdict = "no ratio: ours did not reach it (target: NOT met)"
+    elif trl == float("inf"):
+        verdict = "no ratio: TRL did not reach it, ours did"
+    else:
+        verdict = f"{trl / ours:.2f}x (target >= {TARGET}x: {'met' if trl / ours >= TARGET else 'NOT met'})"
     print(f"time from process start to sampled held-out accuracy >= {threshold}: ours "
           f"{med_range(reached['ours'], '{:.1f}')} s, TRL {med_range(reached['TRL'], '{:.1f}')} s; TRL / ours = "
           f"{verdict}")  # fmt: skip

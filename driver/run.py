@@ -500,7 +500,7 @@ def _print_report(
 ) -> None:
     """The end of a run: held-out accuracy before and after RL, where the outputs are, and the external receivers
     (``weight_sync.endpoints``) that took no version of this run, with the last reason (``unserved``)."""
-    rows = [k for k in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward")
+    rows = [k for k in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward", "eval/greedy_reward")
             if before.get(k) is not None and after.get(k) is not None]  # a record's non-finite value is null
     lines = ["", "held-out problems      start of RL    end of RL    change", "-" * 58] if rows else []
     for key in rows:

@@ -161,7 +161,8 @@ class RolloutPool:
         (within ``environment.max_failed_fraction`` of the request's episodes, or of ``budget_of`` episodes when more:
         a dynamic-sampling refill drops as many as its step's batch may, where its own few would let none go) comes
         back smaller, or not at all when fewer than ``min_group_size`` episodes are left
-        (``RolloutWorker.generate_groups``).
+        (``RolloutWorker.generate_groups``); a request that kept no group that way fails, but for such a refill,
+        which comes back empty (one more round).
 
         Group ids (which seed a seeded sampling's random streams, ``rollout.sampling.turn_seed``) are
         ``first_group_id, first_group_id + 1, ...`` when given: the training stream's positions of the problems
@@ -227,8 +228,9 @@ class RolloutPool:
                 self._forget(pending)  # the request failed: nothing collects it again
                 raise
         del self._pending[handle.handle_id]
-        check_request_kept(sum(len(b.samples) for b in pending.results), _num_failed(pending), handle.num_episodes,
-                           pending.pieces[0].min_group_size)  # fmt: skip
+        if handle.budget_of <= handle.num_episodes:  # a refill that kept nothing is one more round, not a failure
+            check_request_kept(sum(len(b.samples) for b in pending.results), _num_failed(pending), handle.num_episodes,
+                               pending.pieces[0].min_group_size)  # fmt: skip
         return _merge(pending, time.perf_counter() - handle.submitted_at)
 
     def _forget(self, pending: _Pending) -> None:
@@ -354,7 +356,8 @@ def _merge(pending: _Pending, seconds: float) -> RolloutBatch:
     batch's :func:`rollout.metrics.sample_metrics`."""
     samples: list[Sample] = sorted((s for batch in pending.results for s in batch.samples), key=lambda s: s.group_id)
     metrics = summed_metrics(pending.results)
-    metrics.update(sample_metrics(samples))
+    if samples:  # none: a refill whose failed episodes left no group whole
+        metrics.update(sample_metrics(samples))
     metrics.update({
         "rollout/seconds": seconds,
         "rollout/num_redispatched": float(pending.num_redispatched),

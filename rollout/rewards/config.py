@@ -137,7 +137,8 @@ class RewardModelConfig(_TermConfig):
     batch_size: int = pydantic.Field(default=16, ge=1)
     """Sequences scored per forward pass."""
     max_length: int = pydantic.Field(default=2048, ge=8)
-    """Longer inputs are truncated from the left, keeping the completion."""
+    """Longer inputs keep their leading special tokens (a BOS, an encoder's ``[CLS]``) and their end (the completion);
+    at most the model's positions (and its tokenizer's ``model_max_length``)."""
     device: str = "cpu"
     """Torch device of the reward model ('cpu', or 'cuda': the GPU Ray gives the rollout worker, which holds its own
     copy of the model)."""

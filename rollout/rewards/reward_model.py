@@ -43,18 +43,16 @@ class RewardModelReward:
             ) from e
         if loading.get("missing_keys"):  # initialised at random: the scores would be noise
             missing = sorted(loading["missing_keys"])
-            raise ValueError(f"reward model {config.path!r}: its checkpoint lacks {len(missing)} weight(s) of the "
-                             f"classifier ({', '.join(missing[:4])}): not a trained reward model")  # fmt: skip
-        positions = getattr(self._model.config.get_text_config(), "max_position_embeddings", None)
-        self._max_length = min(config.max_length, positions) if isinstance(positions, int) else config.max_length
+            raise ValueError(f"reward model {config.path!r}: its checkpoint lacks {len(missing)} weight(s) the "
+                             f"classifier needs ({', '.join(missing[:4])}), which would be random: not a trained "
+                             "reward model")  # fmt: skip
+        # The model's positions, and its tokenizer's limit where it says one (RoBERTa's 514 positions hold 512 tokens).
+        limits = [config.max_length, getattr(self._model.config.get_text_config(), "max_position_embeddings", None),
+                  getattr(self._tokenizer, "model_max_length", None)]  # fmt: skip
+        self._max_length = min(n for n in limits if isinstance(n, int) and 0 < n < 1 << 30)
         added = self._tokenizer.added_tokens_decoder  # a template's markers (<|im_start|>) are special tokens added
         special = {*self._tokenizer.all_special_ids, *(i for i, token in added.items() if token.special)}
         self._is_special = special.__contains__
-        num_labels = self._model.config.num_labels
-        if config.label_index >= num_labels:
-            raise ValueError(
-                f"reward term {self.name!r}: label_index = {config.label_index} but the model has {num_labels} labels"
-            )
         self._model.to(config.device).eval()
         self._vocab_size = self._model.get_input_embeddings().num_embeddings
 

@@ -58,6 +58,7 @@ class FakePool:
         self.held_back.append(list(addresses))
 
     def submit(self, problems, group_size, sampling=None, first_group_id=None, min_group_size=1, budget_of=0):
+        self.budgets_of = [*getattr(self, "budgets_of", []), budget_of]
         handle, self._num_submitted = self._num_submitted, self._num_submitted + 1
         self._handles[handle] = (list(problems), group_size, self.version)
         self.events.append(("submit", handle, self.version))
@@ -196,7 +197,8 @@ def test_no_checkpoint_unless_asked():
 
 
 def test_dynamic_sampling_keeps_only_informative_groups():
-    events, logged = _run({"run.dynamic_sampling.enabled": True}, num_steps=1)
+    pools: list = []
+    events, logged = _run({"run.dynamic_sampling.enabled": True}, num_steps=1, pool_out=pools)
     (_, groups), = [e for e in events if e[0] == "train"]
     assert groups == [0, 2]  # problem 1 (all rewards 0) dropped, problem 2 drawn in a second round
     metrics = logged[0][1]
@@ -208,6 +210,8 @@ def test_dynamic_sampling_keeps_only_informative_groups():
     # So do the counters: both rounds' tokens and seconds (the first round's alone before).
     assert metrics["rollout/num_completion_tokens"] == 6.0 and metrics["rollout/seconds"] == 1.0
     assert metrics["rollout/tokens_per_s"] == 6.0
+    # The refill (1 problem) may drop as many failed episodes as the step's batch (_run: 2 problems x 2 episodes).
+    assert pools[0].budgets_of == [4, 4]
 
 
 def test_pool_is_told_each_committed_version():

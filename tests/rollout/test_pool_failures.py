@@ -78,3 +78,6 @@ def test_a_refill_may_drop_as_many_failed_episodes_as_its_steps_batch(pool):
         pool.collect(pool.submit(_problems("ok0", "fail1", "fail2"), 2, SHORT), timeout_s=300)
     batch = pool.collect(pool.submit(_problems("ok0", "fail1", "fail2"), 2, SHORT, budget_of=8), timeout_s=300)
     assert batch.metrics["env/num_failed_episodes"] == 4 and len(batch.samples) == 2
+    # A refill whose one group lost its episodes comes back empty (the loop draws another round), not failed.
+    empty = pool.collect(pool.submit(_problems("fail3"), 2, SHORT, budget_of=8), timeout_s=300)
+    assert empty.samples == [] and empty.metrics["env/num_failed_episodes"] == 2

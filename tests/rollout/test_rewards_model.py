@@ -134,7 +134,7 @@ def test_a_directory_that_is_no_trained_reward_model_is_refused_before_and_at_lo
     for name in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (chat_rm / name).exists():
             shutil.copy(chat_rm / name, lm / name)
-    with pytest.raises(ValueError, match=r"its checkpoint lacks 1 weight\(s\) of the classifier \(score.weight\)"):
+    with pytest.raises(ValueError, match=r"its checkpoint lacks 1 weight\(s\) the classifier needs \(score.weight\)"):
         RewardModelReward(RewardModelConfig(path=str(lm)))
     small = tmp_path / "small"
     shutil.copytree(chat_rm, small)
