@@ -37,7 +37,7 @@ from weight_sync.shm import ShmPlaneServer
 from weight_sync.sink import WeightSink, lora_alpha_of, unavailable_reason
 from weight_sync.spec import TensorSpec
 from weight_sync.staging import StagingArea, StreamWriter, SyncError
-from weight_sync.update import shown
+from weight_sync.update import is_session_id, shown
 from weight_sync.version import incompatibility, protocol_version
 
 __all__ = ["WeightReceiver"]
@@ -446,8 +446,7 @@ class WeightReceiver:
             if key not in self._refused_updates:
                 self._refused_updates.append(key)
                 self.num_refused += 1
-                valid = session_id.isascii() and session_id.isprintable() and len(session_id) <= 256
-                session = session_id if valid else shown(session_id)  # as a client sent it: quoted and cut
+                session = session_id if is_session_id(session_id) else shown(session_id)  # else quoted and cut
                 self.last_refusal = f"{session}@{policy_version}: {error.code.name}: {error.message}"
 
     def _apply(self, version: int, buffers: Mapping[str, tuple[np.ndarray, TensorSpec]]) -> None:

@@ -40,7 +40,7 @@ from protos import weight_sync_pb2 as pb
 from weight_sync.config import MAX_COMMIT_WAITERS
 from weight_sync.layout import tiles_exactly
 from weight_sync.spec import TensorSpec
-from weight_sync.update import StagedUpdate, StreamWriter, SyncError, shown
+from weight_sync.update import StagedUpdate, StreamWriter, SyncError, is_session_id, shown
 
 __all__ = ["StagedUpdate", "StagingArea", "StreamWriter", "SyncError"]
 
@@ -151,7 +151,7 @@ class StagingArea:
     def begin(self, req: pb.BeginRequest) -> tuple[StagedUpdate, bool]:
         """Open or join the update (idempotent per rank); return it and whether this rank may send delta chunks."""
         session = req.session_id
-        if not 1 <= len(session) <= 256 or not (session.isascii() and session.isprintable()):
+        if not is_session_id(session):
             raise SyncError(
                 Code.INVALID_ARGUMENT, f"session_id {shown(session)} must be 1-256 printable ASCII characters"
             )

@@ -34,7 +34,7 @@ from weight_sync.spec import TensorSpec, element_dtype
 if TYPE_CHECKING:
     from weight_sync.staging import StagingArea
 
-__all__ = ["MAX_SHARDS_PER_TENSOR", "StagedUpdate", "StreamWriter", "SyncError", "shown"]
+__all__ = ["MAX_SHARDS_PER_TENSOR", "StagedUpdate", "StreamWriter", "SyncError", "is_session_id", "shown"]
 
 MAX_SHARDS_PER_TENSOR = 4096
 Code = grpc.StatusCode
@@ -47,6 +47,11 @@ class SyncError(Exception):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+
+
+def is_session_id(text: str) -> bool:
+    """Whether ``text`` is a session id a Begin may carry: 1-256 printable ASCII characters."""
+    return 1 <= len(text) <= 256 and text.isascii() and text.isprintable()
 
 
 def shown(text: str, limit: int = 200) -> str:
