@@ -13,6 +13,7 @@ __all__ = ["RECEIVER_FIELDS", "WeightSyncConfig"]
 
 DEFAULT_TOKEN_ENV = "RL_ALIGN_WEIGHT_SYNC_TOKEN"
 MAX_COMMIT_WAITERS = 16  # Commits that may wait at once for the one applying their update (each holds an RPC thread)
+MAX_RELAY_FANOUT = 64  # children a relay node opens per stream
 RESERVED_SERVER_THREADS = MAX_COMMIT_WAITERS + 4  # + short calls: Describe, Begin, Abort, the applying Commit
 
 
@@ -113,7 +114,7 @@ class WeightSyncConfig(Config):
     idle cores between steps shorten a delta push."""
     delta_zstd_level: int = pydantic.Field(1, ge=-5, le=19)
     """zstd level of delta chunks (1 is fast; higher compresses better and costs sender CPU)."""
-    relay_fanout: int = pydantic.Field(0, ge=0, le=64)
+    relay_fanout: int = pydantic.Field(0, ge=0, le=MAX_RELAY_FANOUT)
     """0: the sender streams to every receiver. k >= 1: the sender streams to k receivers and each forwards to up to k
     more, so the sender's bytes per version stay about k x model bytes however many receivers there are."""
     data_plane: Literal["auto", "shm", "tcp", "grpc"] = "auto"

@@ -67,18 +67,16 @@ from weight_sync.peft import holds_base
 from weight_sync.receivers import Receivers
 from weight_sync.relay import ChunkStream, PushStream, StreamFailure, results_of, split_tree, stream_metadata
 from weight_sync.report import PushReport, error_text, record_results
-from weight_sync.shm import host_identity
+from weight_sync.routes import routes, with_relay_targets
 from weight_sync.shm_push import SegmentPool, ShmPush, ShmStream
 from weight_sync.socket_push import SocketStream, relay_hello
 from weight_sync.spec import TensorSpec
-from weight_sync.staging import MAX_RELAY_TARGETS
-from weight_sync.version import incompatibility, protocol_version, speaks
+from weight_sync.version import protocol_version, speaks
 
 __all__ = ["PushReport", "Shard", "WeightSender"]
 
 log = logging.getLogger("weight_sync.sender")
 ShardKey = tuple[str, tuple[int, ...]]  # LocalShard.key: (tensor name, shard offsets)
-SHM_MINOR = 2  # the protocol minor that added the shared-memory plane (DescribeReply.shm_plane)
 SESSION_MINOR = 4  # the protocol minor that added BeginReply.committed_session_id
 
 
@@ -194,7 +192,7 @@ class WeightSender:
             protocol_version=protocol_version(), lora_alpha=self.lora_alpha,
         )
         errors: dict[str, str | None] = {}
-        ports, offers = self._routes(errors)
+        ports, offers = routes(self.endpoints, self._receivers, self.config, errors)
         behind: dict[str, int] = {}
         tickets, delta, full, shm = self._begin_all(request, ports, offers, errors, (min_version, behind))
         stream_ports = {a: ports[a] if tickets[a] else 0 for a in (*delta, *full)}
@@ -257,31 +255,6 @@ class WeightSender:
             payload / max(seconds, 1e-9) / 1e9, report.failed or "none",
         )
         return report
-
-    def _routes(self, errors: dict[str, str | None]) -> tuple[dict[str, int], dict[str, pb.ShmPlane]]:
-        """The receivers to Begin and how their streams travel: ({address: data port, 0 for gRPC Push}, {address: its
-        shared-memory plane, for those reached through one}); receivers refused before Begin go to `errors`."""
-        ports: dict[str, int] = {}
-        offers: dict[str, pb.ShmPlane] = {}
-        for address in self.endpoints:
-            left_out = self._receivers.left_out(address)
-            if left_out is not None:
-                errors[address] = left_out  # refused before Begin: nothing is staged there
-                continue
-            described = self._receivers.described.get(address)
-            problem = incompatibility(described.protocol_version, "receiver") if described is not None else None
-            if problem:
-                errors[address] = f"Describe: {problem}"  # refused before Begin: nothing is staged there
-                continue
-            try:
-                offer = self._shm_offer(address)
-                ports[address] = 0 if offer is not None else self._socket_port(address)
-            except ValueError as e:
-                errors[address] = f"Push: {e}"  # refused before Begin: nothing is left staged there
-                continue
-            if offer is not None:
-                offers[address] = offer
-        return ports, offers
 
     def _begin_all(
         self, request: pb.BeginRequest, ports: dict[str, int], offers: dict[str, pb.ShmPlane],
@@ -418,12 +391,8 @@ class WeightSender:
 
     def _begin_request(self, request: pb.BeginRequest, address: str, ports: dict[str, int]) -> pb.BeginRequest:
         """`request` for one receiver: without a base version where the delta policy wants a full push, asking it to
-        keep no base where no delta is coming (`drop_base`); with a relay
-        tree (`ports`: the receivers in relay trees), it announces the receivers that one may forward to.
-
-        Which receivers end up below which depends on the Begin replies (delta or full), so every other receiver of
-        this push is announced; a receiver refuses (PERMISSION_DENIED) a relay list naming any receiver not announced.
-        """
+        keep no base where no delta is coming (`drop_base`); with a relay tree (`ports`: the receivers in relay
+        trees), it announces the receivers that one may forward to (`weight_sync.routes.with_relay_targets`)."""
         use_delta, keep = self._delta.use_delta(address), self._delta.wants_base(address)
         if (request.base_version >= 0 and not use_delta) or not keep:
             changed = pb.BeginRequest()
@@ -432,52 +401,7 @@ class WeightSender:
                 changed.base_version = -1  # the delta policy chose a full push for this receiver
             changed.drop_base = not keep  # nor will the next push be a delta: the receiver keeps no base
             request = changed
-        fanout = self.config.relay_fanout
-        if address not in ports or not fanout or len(ports) < 2:
-            return request
-        if len(ports) - 1 > MAX_RELAY_TARGETS:
-            raise ValueError(
-                f"relay_fanout={fanout} with {len(ports)} receivers: a receiver accepts at most {MAX_RELAY_TARGETS} "
-                "relay targets; split the receivers over several senders or push without relays"
-            )
-        out = pb.BeginRequest()
-        out.CopyFrom(request)
-        out.relay_targets.extend(pb.RelayTarget(address=a, data_port=p) for a, p in ports.items() if a != address)
-        out.relay_fanout = fanout
-        return out
-
-    def _shm_offer(self, address: str) -> pb.ShmPlane | None:
-        """The receiver's shared-memory plane when this rank's streams to it should take it (it offers one on this
-        host: the same `host_identity`), else None. Raises ValueError when `data_plane = "shm"` demands a plane the
-        receiver does not offer here."""
-        cfg = self.config
-        if cfg.data_plane not in ("auto", "shm"):
-            return None
-        described = self._receivers.described.get(address)
-        offer: pb.ShmPlane | None = None
-        if described is not None and described.HasField("shm_plane") and speaks(described.protocol_version, SHM_MINOR):
-            offer = described.shm_plane
-        here = host_identity()
-        if offer is not None and offer.socket_name and here is not None and offer.host_id == here:
-            return offer
-        if cfg.data_plane == "shm":
-            where = "offers no shared-memory data plane" if offer is None else "is not on this host"
-            raise ValueError(f"data_plane='shm' but receiver {address} {where}")
-        return None
-
-    def _socket_port(self, address: str) -> int:
-        """The receiver's data port when pushes to it should use the socket plane, else 0 (gRPC Push streams).
-
-        Raises ValueError when `data_plane = "tcp"` demands a socket plane the receiver does not offer.
-        """
-        cfg = self.config
-        if cfg.data_plane == "grpc" or cfg.tls_ca_path is not None:
-            return 0
-        described = self._receivers.described.get(address)
-        port = described.data_port if described is not None else 0
-        if cfg.data_plane == "tcp" and not port:
-            raise ValueError(f"data_plane='tcp' but receiver {address} offers no socket data plane")
-        return port
+        return with_relay_targets(request, address, ports, self.config.relay_fanout)
 
     def _open_streams(
         self, policy_version: int, delta: list[str], full: list[str], ports: dict[str, int], tickets: dict[str, bytes]

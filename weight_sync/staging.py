@@ -15,8 +15,8 @@ Promises kept against any client:
   (`StreamWriter.set_cancel`) and its buffers return to the pool when the last of them has stopped writing; a new
   update waits for that (up to `RELEASE_WAIT_S`) instead of allocating more;
 - checks in time linear in shards (exact tiling by signed box corners, `layout.add_box_corners`);
-- relays only where the rank's Begin said (`BeginRequest.relay_targets`, at most `MAX_RELAY_TARGETS`; ranks that
-  announce the same targets share one copy, and an update holds at most `MAX_UPDATE_RELAY_TARGETS` in all);
+- relays only where the rank's Begin said (`BeginRequest.relay_targets`, bounded per rank and per update: ranks that
+  announce the same targets share one copy; `weight_sync/relay_targets.py`);
 - no client starves the others: an update that waits for data and got none for `stream_idle_s` gives way to another
   session's Begin, the trainer's session (the one of the last commit) preempts any other session's update that is not
   being applied, a newer version of a session supersedes its older open update, and at most `MAX_COMMIT_WAITERS`
@@ -39,6 +39,7 @@ import numpy as np
 from protos import weight_sync_pb2 as pb
 from weight_sync.config import MAX_COMMIT_WAITERS
 from weight_sync.layout import tiles_exactly
+from weight_sync.relay_targets import announced_relay_targets, check_relay, shared_relay_targets
 from weight_sync.spec import TensorSpec
 from weight_sync.update import StagedUpdate, StreamWriter, SyncError, is_session_id, shown
 
@@ -49,9 +50,6 @@ log = logging.getLogger("weight_sync.receiver")
 MAX_RANKS = 65536
 MAX_STREAMS_PER_RANK = 64
 MAX_POLICY_VERSION = 2**53 - 1  # exact in a double: JSON and JavaScript clients read it without rounding
-MAX_RELAY_TARGETS = 1024  # relay targets one rank's Begin may announce to one receiver
-MAX_UPDATE_RELAY_TARGETS = 16 * MAX_RELAY_TARGETS  # distinct (rank's set) relay targets all Begins of an update hold
-MAX_RELAY_FANOUT = 64  # children a relay node opens per stream (WeightSyncConfig.relay_fanout's bound)
 RELEASE_WAIT_S = 5.0  # how long a new update waits for the cut streams of a dropped one to stop writing
 NUM_REMEMBERED_COMMITS = 64  # Commit outcomes kept to answer repeated Commits alike
 Code = grpc.StatusCode
@@ -63,32 +61,6 @@ def _answer(outcome: float | SyncError | None) -> float:
         raise SyncError(outcome.code, outcome.message)
     assert outcome is not None, "a finished Commit always has an outcome"
     return outcome
-
-
-def _relay_targets(req: pb.BeginRequest) -> tuple[dict[str, int], int]:
-    """The relay targets and fanout a Begin announces, checked: ({address: data port}, fanout)."""
-    if len(req.relay_targets) > MAX_RELAY_TARGETS:
-        raise SyncError(
-            Code.INVALID_ARGUMENT,
-            f"Begin announces {len(req.relay_targets)} relay targets; at most {MAX_RELAY_TARGETS} are accepted",
-        )
-    targets: dict[str, int] = {}
-    for target in req.relay_targets:
-        host, sep, port = target.address.rpartition(":")
-        if not sep or not host or not _is_port(port) or len(target.address) > 300:
-            raise SyncError(Code.INVALID_ARGUMENT, f"relay target {shown(target.address)} is not HOST:PORT")
-        if target.data_port and not 1 <= target.data_port <= 65535:
-            raise SyncError(Code.INVALID_ARGUMENT, f"relay target {target.address}: data_port {target.data_port}")
-        if target.ticket:
-            raise SyncError(Code.INVALID_ARGUMENT, "relay targets in Begin carry no ticket (tickets travel in hellos)")
-        targets[target.address] = target.data_port
-    if targets and not 1 <= req.relay_fanout <= MAX_RELAY_FANOUT:
-        raise SyncError(Code.INVALID_ARGUMENT, f"relay_fanout {req.relay_fanout} is outside [1, {MAX_RELAY_FANOUT}]")
-    return targets, req.relay_fanout if targets else 0
-
-
-def _is_port(text: str) -> bool:
-    return text.isascii() and text.isdigit() and 1 <= int(text) <= 65535
 
 
 class StagingArea:
@@ -165,7 +137,7 @@ class StagingArea:
         specs = tuple(self._check_spec(s) for s in req.tensors)
         if len({s.name for s in specs}) != len(specs):
             raise SyncError(Code.INVALID_ARGUMENT, "Begin lists a tensor twice")
-        relay_targets, relay_fanout = _relay_targets(req)
+        relay_targets, relay_fanout = announced_relay_targets(req)
         with self._lock:
             update = self._open_update(req)
             with update.lock:
@@ -187,7 +159,7 @@ class StagingArea:
                             f"rank {req.rank} called Begin again with other tensors, streams or relay targets",
                         )
                 else:
-                    relay_targets = self._shared_targets(update, relay_targets)
+                    relay_targets = shared_relay_targets(update, relay_targets)
                     self._add_specs(update, specs)
                     update.rank_specs[req.rank] = specs
                     update.rank_names[req.rank] = frozenset(s.name for s in specs)
@@ -206,26 +178,6 @@ class StagingArea:
                     update.delta_ranks.add(req.rank)
                 update.drop_base = update.drop_base or req.drop_base
             return update, delta
-
-    @staticmethod
-    def _shared_targets(update: StagedUpdate, targets: dict[str, int]) -> dict[str, int]:
-        """One copy of each distinct set of relay targets per update (ranks usually announce the same receivers);
-        INVALID_ARGUMENT past `MAX_UPDATE_RELAY_TARGETS` in all (the caller holds the update's lock)."""
-        if not targets:
-            return targets
-        key = frozenset(targets.items())
-        shared = update.relay_sets.get(key)
-        if shared is not None:
-            return shared
-        held = sum(len(t) for t in update.relay_sets.values())
-        if held + len(targets) > MAX_UPDATE_RELAY_TARGETS:
-            raise SyncError(
-                Code.INVALID_ARGUMENT,
-                f"the Begins of {update.update_id} announce more than {MAX_UPDATE_RELAY_TARGETS} distinct relay "
-                "targets in all; ranks of one update announce the same receivers",
-            )
-        update.relay_sets[key] = targets
-        return targets
 
     def _check_spec(self, msg: pb.TensorSpec) -> TensorSpec:
         spec = self.manifest.get(msg.name)
@@ -403,7 +355,7 @@ class StagingArea:
                         f"tensors of {announced} bytes: size the memfd to the stream's share",
                     )
                 if relay:
-                    self._check_relay(update, rank, relay, fanout)
+                    check_relay(update, rank, relay, fanout)
                 opened = update.opened_streams.get(rank, 0)
                 if opened >= update.rank_streams[rank]:
                     raise SyncError(Code.ALREADY_EXISTS, f"rank {rank} already opened its {opened} stream(s)")
@@ -412,23 +364,6 @@ class StagingArea:
                 update.writers.add(writer)
                 update.last_activity = writer.last_activity
         return writer
-
-    @staticmethod
-    def _check_relay(update: StagedUpdate, rank: int, relay: Sequence[tuple[str, int | None]], fanout: int) -> None:
-        allowed = update.relay_targets[rank]
-        for address, data_port in relay:
-            if address not in allowed or (data_port is not None and allowed[address] != data_port):
-                port = "" if data_port is None else f" (data port {data_port})"
-                raise SyncError(
-                    Code.PERMISSION_DENIED,
-                    f"relay target {address[:300]}{port} was not announced in rank {rank}'s Begin "
-                    f"(BeginRequest.relay_targets); a receiver forwards only where the update's Begin says",
-                )
-        if max(fanout, 1) > update.relay_fanout[rank]:
-            raise SyncError(
-                Code.PERMISSION_DENIED,
-                f"relay fanout {fanout} exceeds the {update.relay_fanout[rank]} rank {rank}'s Begin announced",
-            )
 
     def writer_closed(self, writer: StreamWriter, done: bool) -> None:
         """A StreamWriter stopped writing (`done`: it ended cleanly); after the last, a dropped update's buffers return

@@ -550,7 +550,7 @@ def test_push_metadata_numbers_are_plain_decimals_and_a_bad_one_is_named(one_rec
 
 def test_ranks_announcing_the_same_relay_targets_share_them_and_distinct_ones_are_bounded(one_receiver):
     # 65,536 ranks of 1,024 targets of 300 characters each were all kept: ~25 GB from one client.
-    from weight_sync.staging import MAX_RELAY_TARGETS, MAX_UPDATE_RELAY_TARGETS
+    from weight_sync.relay_targets import MAX_RELAY_TARGETS, MAX_UPDATE_RELAY_TARGETS
 
     receiver, sink, client = one_receiver
 

@@ -17,7 +17,7 @@ from test_ws_tls import pki  # noqa: F401  (the certificates fixture)
 from ws_helpers import begin, commit, rank_shards, run_ranks, status_of, tiny_state_dict
 
 from protos import weight_sync_pb2 as pb
-from weight_sync import sender as sender_module
+from weight_sync import routes as routes_module
 from weight_sync.channel import WeightSyncClient
 from weight_sync.config import WeightSyncConfig
 from weight_sync.frames import chunk_prefix, framed, read_reply
@@ -163,7 +163,7 @@ def test_auto_falls_back_to_the_socket_plane_when_the_receiver_offers_no_shared_
 
 def test_a_sender_on_another_host_never_tries_the_plane(receivers, monkeypatch):
     (receiver, sink), = receivers(1, config=SHM, sd=SD)
-    monkeypatch.setattr(sender_module, "host_identity", lambda: "another-boot-id/net:[1]/pid:[1]/user:[1]")
+    monkeypatch.setattr(routes_module, "host_identity", lambda: "another-boot-id/net:[1]/pid:[1]/user:[1]")
     with WeightSender([receiver.address], WeightSyncConfig()) as sender:
         report = sender.push(1, rank_shards(SD, 0, 1))
         assert not report.failed and report.shm_endpoints == [] and report.socket_endpoints == [receiver.address]
