@@ -10,13 +10,16 @@ inherit. Each name is checked on validation against the torch-free block declara
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 import pydantic
 
-from common.config import Config, Family
+from common.config import Config, Family, setting_warning
 from trainer.models.registry import BLOCK_REGISTRIES
 from weight_sync.peft import AdapterSpec
+
+log = logging.getLogger("rl_align")
 
 __all__ = ["BlockChoices", "Family", "LoRAConfig", "ModelConfig", "MoEConfig", "RopeScalingConfig"]
 
@@ -194,6 +197,14 @@ class ModelConfig(BlockChoices):
         return self
 
     def _check_lora(self, lora: LoRAConfig) -> None:
+        too_narrow = {t: w for t, w in self._adapted_widths(lora).items() if lora.rank > w}
+        if too_narrow:
+            setting_warning(
+                log, "lora.rank = %d exceeds the narrower side of %s: a projection's update has rank at most "
+                "min(in, out), so the extra rank adds adapter parameters and optimizer state but no capacity (and "
+                "alpha / rank scales the update down); a rank of at most %d fits every target",
+                lora.rank, ", ".join(f"{t} ({w})" for t, w in too_narrow.items()), min(too_narrow.values()),
+            )  # fmt: skip
         mlp = [t for t in lora.target_modules if t in _LORA_MLP_TARGETS]
         if self.moe is not None and mlp:
             raise ValueError(
@@ -213,6 +224,15 @@ class ModelConfig(BlockChoices):
         if self.moe_experts not in ("loop", "grouped"):
             raise ValueError(f"lora.target_parameters with moe_experts = {self.moe_experts!r}: expert adapters run "
                              "in the 'grouped' and 'loop' kernels only (not built for the Pallas one)")  # fmt: skip
+
+    def _adapted_widths(self, lora: LoRAConfig) -> dict[str, int]:
+        """min(in, out) of each projection ``lora`` adapts (the highest rank its update can have)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        ffn = self.moe.expert_ffn_hidden_dim if self.moe is not None else self.ffn_hidden_dim
+        sides = {"q_proj": (self.dim, q), "k_proj": (self.dim, kv), "v_proj": (self.dim, kv), "o_proj": (q, self.dim),
+                 "gate_proj": (self.dim, ffn), "up_proj": (self.dim, ffn), "down_proj": (ffn, self.dim),
+                 "mlp.experts.gate_up_proj": (self.dim, 2 * ffn), "mlp.experts.down_proj": (ffn, self.dim)}  # fmt: skip
+        return {t: min(sides[t]) for t in (*lora.target_modules, *lora.target_parameters) if t in sides}
 
     @property
     def num_params(self) -> int:

@@ -206,3 +206,17 @@ def test_expert_adapters_are_refused_where_they_are_not_built(hf_dirs):
     assert adapter_params(model_cfg, experts) == sum(
         p.numel() for n, p in build_model(model_cfg, device="meta").named_parameters() if is_adapter(n)
     )
+
+
+def test_a_rank_past_a_projection_width_is_warned_with_the_rank_that_fits(hf_dirs, caplog):
+    """A projection's update has rank at most min(in, out): a larger LoRA rank adds parameters, not capacity."""
+    path = str(hf_dirs["qwen3_tied"][0])
+    model = model_config_from_hf(path)
+    kv = model.num_kv_heads * model.head_dim
+    with caplog.at_level("WARNING", logger="rl_align"):
+        model_config_from_hf(path, lora=LoRAConfig(rank=kv, target_modules=("k_proj", "v_proj")))
+    assert not caplog.records  # a rank equal to the width fits
+    with caplog.at_level("WARNING", logger="rl_align"):
+        model_config_from_hf(path, lora=LoRAConfig(rank=kv + 1, target_modules=("k_proj", "v_proj")))
+    [record] = caplog.records
+    assert f"k_proj ({kv}), v_proj ({kv})" in record.getMessage() and f"at most {kv} fits" in record.getMessage()
