@@ -67,6 +67,7 @@ class RLLoop:
         self.num_cores = num_cores
         self._queue: collections.deque[_InFlight] = collections.deque()
         self._cpu = CpuClock()
+        self._warned_terms: set[str] = set()
 
     def _submit(self) -> None:
         handle = self._submit_next(self.recipe.run.num_prompts_per_step)
@@ -137,6 +138,7 @@ class RLLoop:
                 self._save(*owed)
             t1 = time.perf_counter()
             batch, cursor, metrics = self._collect()
+            self._warn_failing_terms(step, metrics)
             t2 = time.perf_counter()
             top_up(ahead)  # async: later batches generate with the current weights while this one trains
             train = self.trainer.train_step(batch)
@@ -161,6 +163,21 @@ class RLLoop:
             owed = (step, cursor)
         if owed is not None:
             self._save(*owed)
+
+    def _warn_failing_terms(self, step: int, metrics: dict[str, float]) -> None:
+        """Warn once per term whose reward function failed on most of a step's samples (``reward.on_error = 'zero'``
+        scores them 0: the run trains on zeros, and only a counter said so)."""
+        num_samples = metrics.get("rollout/num_samples", 0.0)
+        for key, num_errors in metrics.items():
+            term = key.removeprefix("reward/").removesuffix("/num_errors")
+            if not key.endswith("/num_errors") or term in ("num_errors", *self._warned_terms):
+                continue
+            if num_samples and num_errors > num_samples / 2:
+                self._warned_terms.add(term)
+                log.warning("step %d: reward term %r failed on %d of %d samples, each scored 0 (reward.on_error = "
+                            "'zero'): the run learns from zeros; the rollout workers' log has the first error of each "
+                            "type with its traceback (this warning is given once per term)", step, term,
+                            int(num_errors), int(num_samples))  # fmt: skip
 
     def _save(self, step: int, cursor: dict) -> None:
         """The HF export and checkpoint due after ``step`` (0-based), of the trainer's state after that step; the

@@ -199,7 +199,7 @@ def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | No
     except PlacementError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (ray.exceptions.RayTaskError, EpisodeFailed, WarmStartError) as e:
+    except (ray.exceptions.RayTaskError, EpisodeFailed, PromptTooLong, WarmStartError) as e:
         cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
         if isinstance(cause, EpisodeFailed):  # its traceback, and each dropped episode's, are in the workers' log
             print(f"error: a rollout batch failed: {cause}\nfix the environment, or let environment."
@@ -396,11 +396,17 @@ class _Run:
         from driver.metrics import plot_curves, read_jsonl
         from driver.publisher import engines_behind
         from driver.warm_start import warm_start
+        from rollout.envs import PromptTooLong
+        from rollout.envs.config import SingleTurnEnvConfig
 
         r = self.recipe
         eval_problems = self.dataset.eval_problems()[: r.run.eval.num_problems]
         eval_sampling, term = r.eval_sampling, r.reward.accuracy_term
         do_eval = lambda: evaluate(self.pool, eval_problems, eval_sampling, term)  # noqa: E731
+        if isinstance(r.environment, SingleTurnEnvConfig):  # every prompt, before anything trains (a row hours in)
+            too_long = self.pool.prompts_too_long(self.dataset.all_problems())
+            if too_long is not None:
+                raise PromptTooLong(too_long)
 
         start_step = 0
         if self.resume:

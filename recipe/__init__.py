@@ -38,6 +38,7 @@ from common.config import (
     to_toml,
     validate_config,
 )
+from common.published import published_fields
 from common.run_dir import RESOLVED_RECIPE, lora_base_dir
 from recipe.host_checks import host_problems, inherited_creator
 from recipe.sections import ModelSection, PlacementGroupsConfig, RunConfig
@@ -199,12 +200,21 @@ class Recipe(Config):
         return lora_base_dir(self.model_dump(mode="json"), self.run.resolved_output_dir)
 
     def policy_config(self) -> ModelConfig:
-        """The policy's model config: the model directory's ``config.json`` with the recipe's blocks and
-        ``[model.lora]``. ``FieldError`` on ``model.lora`` for adapters the model cannot take (experts on a dense
-        model), not blamed on the model's config.json; ``ValueError`` for a config.json this code cannot read."""
-        from trainer.models.hf_config import model_config_from_hf
+        """The policy's model config: the model directory's ``config.json`` (before a ``[model.create_published]``
+        model exists, the published fields it will be written from) with the recipe's blocks and ``[model.lora]``.
+        ``FieldError`` on ``model.lora`` for adapters the model cannot take (experts on a dense model), not blamed on
+        the model's config.json; ``ValueError`` for a config.json this code cannot read."""
+        from trainer.models.hf_config import model_config_from_hf, model_config_from_hf_dict
 
-        model_cfg = model_config_from_hf(self.model.path, **self.model.block_overrides())
+        published = self.model.create_published
+        if published is not None and not (Path(self.model.path) / "config.json").is_file():
+            fields = published_fields(published.architecture, published.num_layers, published.num_experts,
+                                      published.vocab_size)  # fmt: skip
+            model_cfg = model_config_from_hf_dict(
+                fields, source=f"[model.create_published] {published.architecture}", **self.model.block_overrides()
+            )
+        else:
+            model_cfg = model_config_from_hf(self.model.path, **self.model.block_overrides())
         if self.model.lora is None:
             return model_cfg
         try:
@@ -441,7 +451,7 @@ def load_recipe(
     data, sources = read_toml_with_sources(path, overrides)
     data = _schedule_spans_the_run(data)
     recipe = validate_config(Recipe, data, source=str(path), sources=sources, quiet=quiet)
-    problems = [*inherited_creator(recipe, sources), *host_problems(recipe)] if check_paths else []
+    problems = [*inherited_creator(recipe, sources, path), *host_problems(recipe)] if check_paths else []
     if problems:
         raise config_error(problems, data, source=str(path), sources=sources)
     return recipe

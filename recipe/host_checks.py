@@ -25,23 +25,35 @@ __all__ = ["host_problems", "inherited_creator"]
 Problem = tuple[tuple[str | int, ...], str]
 
 
-def inherited_creator(recipe: Recipe, sources: Sources) -> list[Problem]:
-    """A model directory that does not exist, named in one recipe file while the table that would create it comes from
-    a base file: a user's own model path (perhaps misspelt) under ``base = "grpo_tiny.toml"`` must not silently become
-    a random tiny model. Repeating the table header in the file that sets the path says it is meant."""
+def inherited_creator(recipe: Recipe, sources: Sources, recipe_file: str | Path) -> list[Problem]:
+    """A model directory that does not exist, named in one recipe file (or by a flag over it) while the table that
+    would create it comes from a base file: a user's own model path (perhaps misspelt) under ``base = "grpo_tiny.toml"``
+    must not silently become a random tiny model. Repeating the table header in the file that sets the path says it is
+    meant. A flag may move a model whose path the creating file sets (``--model.path`` over ``ppo_tiny.toml``'s
+    inherited demo model), not one the recipe file ``recipe_file`` (or another base) names as its own."""
     creator = "create_tiny" if recipe.model.create_tiny is not None else "create_published"
     if getattr(recipe.model, creator) is None or (Path(recipe.model.path) / "config.json").is_file():
         return []
     path_from, creator_from = sources.get(("model", "path"), ""), sources.get(("model", creator), "")
-    if path_from == creator_from or path_from.startswith("command-line"):
+    by_flag = path_from.startswith("command-line")
+    if path_from == creator_from or (by_flag and creator_from.startswith("command-line")):
         return []
+    if by_flag:
+        from common.config import read_toml_with_sources
+
+        written_by = read_toml_with_sources(recipe_file)[1].get(("model", "path"), "")  # the files alone
+        if written_by == creator_from:
+            return []
+        path_from = f"{path_from} (over the path {written_by} names)"
     return [(
         ("model", "path"),
         f"{recipe.model.path!r} {'has no config.json' if Path(recipe.model.path).is_dir() else 'does not exist'}, and "
         f"the [model.{creator}] that would create a random model there "
         f"comes from {creator_from}, not from {path_from}, which sets the path: point model.path at your model "
-        f"directory (set model.{creator} = false to drop the inherited table), or write [model.{creator}] in "
-        f"{path_from} too if a random model is what you want",
+        f"directory (set model.{creator} = false to drop the inherited table), or "
+        + (f"give the table by flag too (--model.{creator} '{{...}}') " if path_from.startswith("command-line") else
+           f"write [model.{creator}] in {path_from} too ")
+        + "if a random model is what you want",
     )]  # fmt: skip
 
 
@@ -101,8 +113,10 @@ def host_problems(recipe: Recipe) -> list[Problem]:
             "local HF model directory, or add a [model.create_tiny] ([model.create_published]) section to create a "
             "tiny (real-size random) one there",
         ))  # fmt: skip
-    elif (model_dir / "config.json").is_file():
-        try:  # a model created at run time is checked once it exists (driver.preflight), before any actor starts
+    elif (model_dir / "config.json").is_file() or recipe.model.create_published is not None:
+        # A published architecture is checked from its fields before it is created; a tiny model created at run time
+        # is checked once it exists (driver.preflight), before any actor starts.
+        try:
             recipe.trainer.check_model(recipe.policy_config())
         except FieldError as e:
             problems.append((tuple(e.field.split(".")), str(e)))

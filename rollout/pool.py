@@ -326,6 +326,21 @@ class RolloutPool:
 
         return ray.get([w.actor.policy_version.remote() for w in self.fleet.serving()])
 
+    def prompts_too_long(self, problems: Sequence[Problem]) -> str | None:
+        """Why some of ``problems`` cannot be generated from (prompts of ``rollout.engine.max_model_len`` tokens or
+        more, rendered by a serving worker as the single-turn environment renders them), or None."""
+        import ray
+
+        worker = self.fleet.serving()[0].actor
+        count, first = ray.get(worker.prompts_too_long.remote([(p.problem_id, p.prompt) for p in problems]))
+        if not count:
+            return None
+        named = ", ".join(f"{problem_id!r} ({num_tokens} tokens)" for problem_id, num_tokens in first)
+        more = f" and {count - len(first)} more" if count > len(first) else ""
+        return (f"{count} problem(s) of the task have prompts that leave no room for a completion in "
+                f"rollout.engine.max_model_len = {self.config.engine.max_model_len} tokens (prompt and completion): "
+                f"{named}{more}; raise max_model_len, or leave them out of the task's files")  # fmt: skip
+
     def health(self) -> list[dict[str, Any]]:
         """Each serving worker's :meth:`RolloutWorker.health`."""
         import ray

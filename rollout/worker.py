@@ -245,6 +245,22 @@ class RolloutWorker:
             return [0.0] * len(texts), {}, {}
         return self.scorer.score(texts, problems, num_tokens=lengths, max_tokens=max_tokens)
 
+    def prompts_too_long(self, prompts: Sequence[tuple[str, Any]], most: int = 5) -> tuple[int, list[tuple[str, int]]]:
+        """How many of ``prompts`` (problem id, prompt), rendered as the single-turn environment renders them, leave
+        the engine no room for a completion (``rollout.engine.max_model_len`` tokens or more), and (id, tokens) of the
+        first ``most`` of them (a check of the whole task before anything trains)."""
+        from rollout.tokenizer import render_prompt
+
+        limit, count = self.config.engine.max_model_len, 0
+        first: list[tuple[str, int]] = []
+        for problem_id, prompt in prompts:
+            num_tokens = len(render_prompt(self.tokenizer, prompt, self.config.use_chat_template))
+            if num_tokens >= limit:
+                count += 1
+                if len(first) < most:
+                    first.append((problem_id, num_tokens))
+        return count, first
+
     def receiver_address(self) -> str:
         """host:port of this worker's weight receiver, reachable from other nodes when it binds a wildcard address."""
         if self._sync_config.bind_host in ("0.0.0.0", "::"):

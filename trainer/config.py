@@ -298,7 +298,8 @@ class TrainerConfig(Config):
     def check_model(self, model: ModelConfig) -> None:
         """Raise ``FieldError`` (a ``ValueError``) on the field to change when this trainer cannot run ``model``: the
         ``varlen`` attention block computes in bfloat16/float16 only; the vocabulary-parallel head stands in for
-        ``chunked`` only; expert parallelism needs an MoE model whose expert count the degree divides. Run before any
+        ``chunked`` only; tensor parallelism needs dense blocks whose head counts the degree divides; expert parallelism
+        needs an MoE model whose expert count the degree divides. Run before any
         rank starts (the recipe's load does for a model that exists, the driver for one it creates)."""
         if model.attention == "varlen" and self.mixed_precision.param_dtype == "float32":
             raise FieldError("model.attention", (
@@ -311,6 +312,9 @@ class TrainerConfig(Config):
                 f'model.output_chunk_size tokens, but model.output_head = "{model.output_head}": set output_head = '
                 f'"chunked" or vocab_parallel = false'
             ))  # fmt: skip
+        tp_problem = model.tensor_parallel_problem(self.parallelism.tensor_parallel_degree)
+        if tp_problem is not None:
+            raise FieldError("trainer.parallelism.tensor_parallel_degree", tp_problem)
         ep = self.parallelism.expert_parallel_degree
         if ep == 1:
             return

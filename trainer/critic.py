@@ -1,4 +1,5 @@
-"""PPO's critic: the policy's transformer body with a scalar value head instead of the output head.
+"""PPO's critic: the policy's transformer body with a scalar value head instead of the output head (an untied head is
+dropped; a tied one is the input embedding, which the body keeps).
 
 The critic is built from the same :class:`ModelConfig` (and usually the same initial weights) as the policy, so it
 shards the same way (``critic.layers`` are its blocks). Its value at row position ``t`` estimates the return of the
@@ -27,9 +28,9 @@ class Critic(nn.Module):
         self.value_head = nn.Linear(dim, 1, bias=True, device=body.tok_embeddings.weight.device)
         if self.value_head.weight.device.type != "meta":
             self.reset_value_head()
-        # The body's (untied) token output head is never used by the critic: freeze it, no optimizer state for it.
-        if body.output is not None:
-            body.output.requires_grad_(False)
+        # The body's (untied) token output head is never used by the critic: dropped, so it is neither read from the
+        # initial checkpoint, sharded, gathered nor saved ([V, D]: 1.2 GB in float32 for Qwen3-30B-A3B's).
+        body.output = None
 
     @torch.no_grad()
     def reset_value_head(self) -> None:

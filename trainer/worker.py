@@ -220,11 +220,12 @@ class TrainerWorker:
             self._base_trains = False
         copies = [state.reference] if state.reference is not None else []
         if state.critic is not None:
-            copies.append(state.critic.body)  # a deep copy of the policy: the same parameters, sharded the same way
+            copies.append(state.critic.body)  # a deep copy of the policy, sharded the same way, less an untied head
+        policy = dict(state.policy.named_parameters())
         with torch.no_grad():
             for model in copies:
-                for copy, pol in zip(model.parameters(), state.policy.parameters(), strict=True):
-                    copy.copy_(pol)
+                for name, copy in model.named_parameters():
+                    copy.copy_(policy[name])
         state.reset_optimizers()
 
     # -- state -----------------------------------------------------------------------------------------------------

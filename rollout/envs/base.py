@@ -57,8 +57,9 @@ class PromptTooLong(ValueError):
     @classmethod
     def of(cls, problem_id: str, num_tokens: int, max_model_len: int) -> PromptTooLong:
         return cls(f"problem {problem_id!r}: its prompt is {num_tokens} tokens, and the engine holds "
-                   f"rollout.engine.max_model_len = {max_model_len} (prompt and completion); raise max_model_len or "
-                   "leave such prompts out of the dataset")  # fmt: skip
+                   f"rollout.engine.max_model_len = {max_model_len} (prompt and completion); raise max_model_len (a "
+                   "resumed run may), or shorten such prompts (a run resumes only on the task data it started "
+                   "with)")  # fmt: skip
 
 
 class EpisodeFailed(RuntimeError):

@@ -19,8 +19,8 @@ def load_jsonl(config: JsonlTaskConfig) -> tuple[list[Problem], list[Problem]]:
     need no ``solution_field`` (evaluation samples, it trains on nothing). A problem id that occurs twice is an error
     naming both lines."""
     train = _read(config.path, config, need_solution=True)
-    if config.eval_path is not None:
-        held_out = _read(config.eval_path, config, need_solution=False)
+    if config.eval_path is not None:  # default ids say "held-out": train/data.jsonl and eval/data.jsonl share names
+        held_out = _read(config.eval_path, config, need_solution=False, id_prefix="held-out:")
     elif config.num_eval_problems > 0:
         if config.num_eval_problems >= len(train):
             raise ValueError(
@@ -47,8 +47,11 @@ def read_jsonl_problems(path: str, config: JsonlTaskConfig) -> list[Problem]:
     return [problem for problem, _ in _read(path, config, need_solution=True)]
 
 
-def _read(path: str, config: JsonlTaskConfig, need_solution: bool) -> list[tuple[Problem, str]]:
-    """Every problem of ``path`` with its ``file:line``; ``need_solution``: rows must hold ``solution_field``."""
+def _read(
+    path: str, config: JsonlTaskConfig, need_solution: bool, id_prefix: str = ""
+) -> list[tuple[Problem, str]]:
+    """Every problem of ``path`` with its ``file:line``; ``need_solution``: rows must hold ``solution_field``; a row
+    without ``id_field`` is ``<id_prefix><file name>:<line>``."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"task file {path!r} does not exist")
@@ -70,7 +73,15 @@ def _read(path: str, config: JsonlTaskConfig, need_solution: bool) -> list[tuple
                 raise ValueError(f"{where}: not valid JSON ({e})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            problems.append((_problem(record, where, f"{file.name}:{line_no}", config, need_solution), where))
+            broken = _lone_surrogate(record)
+            if broken is not None:
+                raise ValueError(
+                    f"{where}: {broken} holds a lone UTF-16 surrogate escape (e.g. \\ud83d without its pair): a "
+                    "character cut in half by the tool that wrote the file, which no tokenizer encodes; fix or drop "
+                    "the row"
+                )
+            default_id = f"{id_prefix}{file.name}:{line_no}"
+            problems.append((_problem(record, where, default_id, config, need_solution), where))
     if not problems:
         raise ValueError(f"task file {path!r} holds no problems")
     return problems
@@ -112,7 +123,27 @@ def _problem(
                 f"{where}: {config.solution_field!r} must be a string (the ideal completion) or a transcript: a list "
                 'of {"role", "content"} messages that starts and ends with an assistant turn'
             )
-    return Problem(prompt=messages, answer=str(answer), problem_id=problem_id, solution=solution, metadata={})
+    own = {config.prompt_field, config.answer_field, config.id_field, config.solution_field}
+    metadata = {key: value for key, value in record.items() if key not in own}  # for the user's reward functions
+    return Problem(prompt=messages, answer=str(answer), problem_id=problem_id, solution=solution, metadata=metadata)
+
+
+def _lone_surrogate(value: Any, where: str = "") -> str | None:
+    """The key path of the first string in ``value`` (a JSON value) that UTF-8 cannot encode, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"key {where!r}" if where else "a string"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in items:
+        if isinstance(key, str) and (found := _lone_surrogate(key, where)) is not None:
+            return found
+        found = _lone_surrogate(child, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}".lstrip("."))
+        if found is not None:
+            return found
+    return None
 
 
 def _field(record: dict[str, Any], key: str, where: str) -> Any:

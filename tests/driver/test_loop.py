@@ -41,6 +41,7 @@ class FakePool:
         self.events, self.version, self._handles, self._num_submitted = events, 0, {}, 0
         self.bonus = bonus  # a second reward term: the first sample of every group gets it
         self.replace_on_collect, self.publish, self.committed, self.held_back = replace_on_collect, None, [], []
+        self.extra_metrics: dict[str, float] = {}  # added to every batch's metrics
 
     def set_weight_publisher(self, publish):
         self.publish = publish
@@ -80,7 +81,7 @@ class FakePool:
             for p in problems for k in range(group_size)
         ]  # fmt: skip
         counters = {"rollout/seconds": 0.5, "rollout/num_completion_tokens": float(len(samples))}
-        return RolloutBatch(samples, {**counters, **sample_metrics(samples)})
+        return RolloutBatch(samples, {**counters, **sample_metrics(samples), **self.extra_metrics})
 
 
 class FakeTrainer:
@@ -117,11 +118,12 @@ class FakeTrainer:
         self.events.append(("export", self.version, path.rsplit("/", 2)[-2:]))
 
 
-def _run(overrides, num_steps=3, replace_on_collect=None, pool_out=None, failing=(), bonus=0.0):
+def _run(overrides, num_steps=3, replace_on_collect=None, pool_out=None, failing=(), bonus=0.0, extra_metrics=None):
     recipe = load_recipe("recipes/grpo_tiny.toml", {"run.num_steps": num_steps, "run.num_prompts_per_step": 2,
                                                     "algorithm.group_size": 2, **overrides})  # fmt: skip
     events, logged = [], []
     pool = FakePool(events, replace_on_collect, bonus)
+    pool.extra_metrics = extra_metrics or {}
     trainer = FakeTrainer(events, pool, failing)
     publisher = WeightPublisher(trainer, pool, external=["external:1"])
 
@@ -322,3 +324,15 @@ def test_cores_busy_leaves_out_the_steps_whose_cpu_laps_hold_an_evaluation():
     """The laps are each process's CPU since its previous report: a step after an evaluation read ~1.9 of 2 cores."""
     _, logged = _run({"run.eval.every_num_steps": 2}, num_steps=5)  # evaluations after steps 2 and 4 (1-based)
     assert ["perf/cores_busy" in metrics for _, metrics in logged] == [False, True, False, True, False]
+
+
+def test_a_reward_term_failing_on_most_samples_is_warned_once(caplog):
+    """With reward.on_error = 'zero' a reward function failing on every sample trained on zeros, said by a counter
+    alone. The fake batch has 4 samples."""
+    failing = {"reward/function/num_errors": 3.0, "reward/fine/num_errors": 2.0, "reward/num_errors": 5.0}
+    with caplog.at_level("WARNING", logger="rl_align"):
+        _run({}, num_steps=3, extra_metrics=failing)
+    warned = [r.getMessage() for r in caplog.records if "failed on" in r.getMessage()]
+    assert warned == ["step 0: reward term 'function' failed on 3 of 4 samples, each scored 0 (reward.on_error = "
+                      "'zero'): the run learns from zeros; the rollout workers' log has the first error of each type "
+                      "with its traceback (this warning is given once per term)"]

@@ -74,6 +74,21 @@ def test_a_users_model_path_under_an_inherited_create_tiny_is_refused_unless_sai
     assert "does not exist: point it at a local HF model directory" in load_error(child)
 
 
+def test_a_flag_path_over_a_users_own_model_path_is_refused_and_over_the_demos_it_moves_the_demo(tmp_path):
+    """A misspelt --model.path over a user's recipe (its own model under the base's [model.create_tiny]) trained a
+    random tiny model, exit 0; over a shipped recipe that inherits the demo's path as well, the flag moves the demo."""
+    base = (ROOT / "recipes" / "grpo_tiny.toml").resolve()
+    child = tmp_path / "mine.toml"
+    child.write_text(f'base = "{base}"\n[model]\npath = "{tmp_path / "my-qwen3"}"\n')
+    msg = load_error(child, {"model.path": str(tmp_path / "my-qwn3")})
+    assert f"'{tmp_path / 'my-qwn3'}' does not exist, and the [model.create_tiny]" in msg, msg
+    assert f"over the path {child} names" in msg and "--model.create_tiny '{...}'" in msg, msg
+    said = load_recipe(child, {"model.path": str(tmp_path / "my-qwn3"), "model.create_tiny": {"num_layers": 2}})
+    assert said.model.create_tiny is not None and said.model.create_tiny.num_layers == 2
+    moved = load_recipe(ROOT / "recipes" / "ppo_tiny.toml", {"model.path": str(tmp_path / "elsewhere")})
+    assert moved.model.create_tiny is not None and moved.model.path == str(tmp_path / "elsewhere")
+
+
 def test_user_code_that_fails_at_import_or_has_the_wrong_signature_is_refused_at_load(tmp_path, monkeypatch):
     (tmp_path / "syntax_rewards.py").write_text("def score(completion, problem)\n    return 1.0\n")
     (tmp_path / "raising_rewards.py").write_text("raise RuntimeError('no GPU here')\n")
@@ -451,6 +466,36 @@ def test_expert_parallel_the_model_cannot_take_fails_at_load_naming_the_field(tm
     two = {"trainer.num_ranks": 2, "trainer.parallelism.expert_parallel_degree": 2}
     assert "has no experts: set it to 1" in load_error(recipe, {"model.path": dense, **two})
     load_recipe(recipe, {"model.path": moe, **two})
+
+
+def test_tensor_parallel_the_model_cannot_take_fails_at_load_naming_the_field(tmp_path):
+    """Checked at load, as expert parallelism is: otherwise it failed in the trainer ranks' setup, after Ray and the
+    engines had started."""
+    from tools.make_tiny_model import make_tiny_model
+
+    moe = str(make_tiny_model(tmp_path / "moe", family="qwen3_moe", hidden_size=32, num_layers=1))
+    dense = str(make_tiny_model(tmp_path / "dense", family="qwen3", hidden_size=32, num_layers=1))  # 4 q, 2 kv heads
+    recipe = ROOT / "recipes" / "grpo_tiny.toml"
+    tp = "trainer.parallelism.tensor_parallel_degree"
+    msg = load_error(recipe, {"model.path": moe, "trainer.num_ranks": 2, tp: 2})
+    assert "- trainer.parallelism.tensor_parallel_degree: tensor parallelism supports dense blocks only" in msg, msg
+    msg = load_error(recipe, {"model.path": dense, "trainer.num_ranks": 4, tp: 4})
+    assert "tensor_parallel_degree 4 must divide num_heads and num_kv_heads (4, 2): use one of [1, 2]" in msg, msg
+    load_recipe(recipe, {"model.path": dense, "trainer.num_ranks": 2, tp: 2})
+
+
+def test_sharding_a_published_model_cannot_take_fails_at_load_before_it_is_created(tmp_path):
+    """A real-size recipe's model is created at start, for minutes: its sharding is checked from the published
+    fields, with nothing written."""
+    recipe, where = ROOT / "recipes" / "qwen3_30b_a3b_reduced_cpu.toml", str(tmp_path / "not_yet")
+    ep = "trainer.parallelism.expert_parallel_degree"
+    msg = load_error(recipe, {"model.path": where, "trainer.num_ranks": 3, ep: 3})
+    assert "- trainer.parallelism.expert_parallel_degree: " in msg and "does not divide the model's 8 experts" in msg
+    dense = ROOT / "recipes" / "qwen3_0p6b_cpu.toml"
+    msg = load_error(dense, {"model.path": where, "trainer.num_ranks": 2, ep: 2})
+    assert "has no experts: set it to 1" in msg, msg
+    assert not (tmp_path / "not_yet").exists()
+    load_recipe(recipe, {"model.path": where})
 
 
 def test_a_warm_start_accuracy_target_without_held_out_problems_is_refused():

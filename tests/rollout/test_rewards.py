@@ -164,13 +164,19 @@ def test_user_function_error_fails_naming_the_sample(user_module):
     assert isinstance(info.value.__cause__, KeyError)
 
 
-def test_user_function_error_scores_zero_and_is_counted(user_module):
+def test_user_function_error_scores_zero_and_is_counted(user_module, caplog):
+    """Each exception type is logged once with its traceback and sample: counted alone, nobody saw why."""
     scorer = _scorer(
         FunctionRewardConfig(function=f"{user_module}:boom"),
         FunctionRewardConfig(name="nan", function=f"{user_module}:not_a_number"),
         on_error="zero",
     )
-    rewards, terms, metrics = scorer.score(["ok", "bad", "bad"], [_problem("1")] * 3)
+    with caplog.at_level("WARNING", logger="rl_align"):
+        rewards, terms, metrics = scorer.score(["ok", "bad", "bad"], [_problem("1")] * 3)
+        scorer.score(["bad"], [_problem("1")])
+    logged = [r for r in caplog.records if "failed on" in r.getMessage()]
+    assert [r.getMessage().split(":")[0] for r in logged] == ["reward term 'function'", "reward term 'nan'"]
+    assert "KeyError" in logged[0].getMessage() and logged[0].exc_info is not None
     assert terms["function"] == [1.0, 0.0, 0.0] and terms["nan"] == [0.0, 0.0, 0.0]
     assert rewards == [1.0, 0.0, 0.0]
     assert metrics["reward/function/num_errors"] == 2.0

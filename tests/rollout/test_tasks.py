@@ -191,8 +191,27 @@ def test_jsonl_eval_file_and_default_ids(tmp_path):
     dataset = build_dataset(JsonlTaskConfig(path=train, eval_path=held_out))
     assert sorted(p.problem_id for p in dataset.next_batch(2)) == ["train.jsonl:1", "train.jsonl:2"]
     (problem,) = dataset.eval_problems()
-    assert problem.problem_id == "eval.jsonl:1" and problem.prompt == [{"role": "user", "content": "r"}]
+    assert problem.problem_id == "held-out:eval.jsonl:1" and problem.prompt == [{"role": "user", "content": "r"}]
     assert dataset.sft_examples(1, "</s>")[0][1] in ("1</s>", "2</s>")
+    # train/data.jsonl beside eval/data.jsonl: default ids collided, an error about ids the user never chose
+    (tmp_path / "train").mkdir(), (tmp_path / "eval").mkdir()
+    same = [_write_jsonl(tmp_path / d / "data.jsonl", [{"prompt": "p", "answer": "1"}]) for d in ("train", "eval")]
+    dataset = build_dataset(JsonlTaskConfig(path=same[0], eval_path=same[1]))
+    assert [p.problem_id for p in dataset.eval_problems()] == ["held-out:data.jsonl:1"]
+
+
+def test_jsonl_rows_keep_their_other_keys_for_rewards_and_refuse_half_characters(tmp_path):
+    """Extra keys were dropped (a reward needing test cases had no way to them); a lone surrogate escape passed every
+    check and crashed the first batch in the tokenizer, naming no row."""
+    row = {"prompt": "p", "answer": "1", "id": "a", "tests": [{"in": 1, "out": 2}], "tolerance": 0.1}
+    dataset = build_dataset(JsonlTaskConfig(path=_write_jsonl(tmp_path / "d.jsonl", [row]), id_field="id"))
+    (problem,) = dataset.all_problems()
+    assert problem.metadata == {"tests": [{"in": 1, "out": 2}], "tolerance": 0.1}
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "ok", "answer": 1}\n{"prompt": [{"role": "user", "content": "1 + \\ud83d?"}], '
+                    '"answer": 1}\n')
+    with pytest.raises(ValueError, match=r"broken.jsonl:2: key 'prompt\[0\].content' holds a lone UTF-16 surrogate"):
+        build_dataset(JsonlTaskConfig(path=str(path)))
 
 
 @pytest.mark.parametrize(

@@ -22,16 +22,18 @@ MODEL = ModelConfig(
 LORA = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_the_critic_starts_from_the_warm_started_policy_and_resumes_over_it(tmp_path, lora: bool) -> None:
+@pytest.mark.parametrize(("lora", "tied"), [(False, True), (True, True), (False, False)],
+                         ids=["full", "lora", "full_untied"])  # fmt: skip
+def test_the_critic_starts_from_the_warm_started_policy_and_resumes_over_it(tmp_path, lora: bool, tied: bool) -> None:
+    """An untied model's critic holds no output head (it never uses one: it was loaded, gathered and saved)."""
     from trainer.models.hf_io import save_hf_checkpoint
     from trainer.models.transformer import build_model
     from trainer.worker import TrainerWorker
 
     torch.set_num_threads(1)
     torch.manual_seed(3)
-    save_hf_checkpoint(build_model(MODEL), str(tmp_path / "base"))
-    model_cfg = MODEL.model_copy(update={"lora": LORA if lora else None})
+    model_cfg = MODEL.model_copy(update={"lora": LORA if lora else None, "tie_embeddings": tied})
+    save_hf_checkpoint(build_model(model_cfg.model_copy(update={"lora": None})), str(tmp_path / "base"))
     cfg = TrainerConfig(optimizer=dict(lr=3e-3), critic_lr=1e-2, micro_batch_tokens=64,
                         checkpoint=dict(dir=str(tmp_path / "ckpt"), num_keep=1))  # fmt: skip
     algo = PPOConfig(group_size=4)
@@ -47,9 +49,9 @@ def test_the_critic_starts_from_the_warm_started_policy_and_resumes_over_it(tmp_
         first.finish_warm_start()
         assert first.state is not None and first.state.critic is not None
         policy, body = full_weights(first.state.policy), full_weights(first.state.critic.body)
-        assert policy.keys() == body.keys()
-        for name, tensor in policy.items():
-            assert torch.equal(body[name], tensor), name
+        assert policy.keys() - body.keys() == (set() if tied else {"output.weight"}) and body.keys() <= policy.keys()
+        for name, tensor in body.items():
+            assert torch.equal(policy[name], tensor), name
         first.export_hf(str(warm), None)  # the driver's warm_start_model, which a LoRA resume builds on
         first.train_step(batch)
         first.save_checkpoint(data_cursor={"next": 1})

@@ -225,6 +225,21 @@ class ModelConfig(BlockChoices):
             raise ValueError(f"lora.target_parameters with moe_experts = {self.moe_experts!r}: expert adapters run "
                              "in the 'grouped' and 'loop' kernels only (not built for the Pallas one)")  # fmt: skip
 
+    def tensor_parallel_problem(self, degree: int) -> str | None:
+        """Why the blocks of this model cannot be split over ``degree`` tensor-parallel ranks, or None when they can:
+        MoE experts are not split, and the degree must divide both head counts."""
+        if degree == 1:
+            return None
+        if self.moe is not None:
+            return ("tensor parallelism supports dense blocks only (MoE experts are not split: use "
+                    "parallelism.expert_parallel_degree); set parallelism.tensor_parallel_degree = 1")  # fmt: skip
+        heads = (self.num_heads, self.num_kv_heads)
+        if any(n % degree for n in heads):
+            divisors = [d for d in range(1, min(heads) + 1) if not heads[0] % d and not heads[1] % d]
+            return (f"tensor_parallel_degree {degree} must divide num_heads and num_kv_heads {heads}: use one of "
+                    f"{divisors}")  # fmt: skip
+        return None
+
     def _adapted_widths(self, lora: LoRAConfig) -> dict[str, int]:
         """min(in, out) of each projection ``lora`` adapts (the highest rank its update can have)."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -219,9 +219,11 @@ HFSource = tuple[int | None, str, Path]
 
 def hf_sources(cfg: ModelConfig, path: Path, params: dict[str, Shape]) -> dict[str, list[HFSource]]:
     """The HF tensors of each of ``params`` (our non-adapter names and shapes) in the checkpoint at ``path``, in
-    expert order, from the files' headers alone. Raises ``ValueError`` for a tensor the model does not have, a
+    expert order, from the files' headers alone (``lm_head.weight`` is skipped when ``params`` has no output head: tied
+    embeddings, or a critic's body). Raises ``ValueError`` for a tensor the model does not have, a
     parameter the checkpoint does not cover (each expert of stacked ones) and a shape that differs."""
     names = name_map(cfg.family)
+    headless = cfg.tie_embeddings or "output.weight" not in params  # tied, or a critic's body: lm_head is not read
     sources: dict[str, list[HFSource]] = {n: [] for n in params}
     unknown = []
     for file in _checkpoint_files(path):
@@ -232,7 +234,7 @@ def hf_sources(cfg: ModelConfig, path: Path, params: dict[str, Shape]) -> dict[s
                 except KeyError:
                     unknown.append(hf_name)
                     continue
-                if target is None or (cfg.tie_embeddings and target[0] == "output.weight"):
+                if target is None or (target[0] == "output.weight" and headless):
                     continue
                 ours, index = target
                 shape = params.get(ours)

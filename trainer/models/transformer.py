@@ -250,14 +250,9 @@ class Transformer(nn.Module):
         """
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-        if self.cfg.moe is not None:
-            raise ValueError(
-                "tensor parallelism supports dense blocks only (MoE experts are not split); "
-                "set parallelism.tensor_parallel_degree = 1"
-            )
-        heads = (self.cfg.num_heads, self.cfg.num_kv_heads)
-        if any(n % degree for n in heads):
-            raise ValueError(f"tensor_parallel_degree {degree} must divide num_heads and num_kv_heads {heads}")
+        problem = self.cfg.tensor_parallel_problem(degree)
+        if problem is not None:
+            raise ValueError(problem)
         return {
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(),
