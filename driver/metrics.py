@@ -38,7 +38,7 @@ def keep_records(path: Path, keep: Callable[[dict[str, Any]], bool]) -> tuple[li
     """Rewrite the JSONL file ``path`` with the lines whose record ``keep`` accepts (atomically: a new file renamed
     over it); a line that is no JSON (cut short when a run was killed) goes too. Returns the kept lines and how many
     lines went."""
-    lines = path.read_text().splitlines() if path.is_file() else []
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
     kept = []
     for line in lines:
         try:
@@ -48,7 +48,7 @@ def keep_records(path: Path, keep: Callable[[dict[str, Any]], bool]) -> tuple[li
         if isinstance(record, dict) and keep(record):
             kept.append(line)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
     tmp.replace(path)
     return kept, len(lines) - len(kept)
 

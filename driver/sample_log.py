@@ -44,9 +44,9 @@ class SampleLog:
             firsts.setdefault(sample.group_id, sample)
             if len(firsts) == self.per_step:
                 break
-        with self.path.open("a") as f:
+        with self.path.open("a", encoding="utf-8") as f:
             for sample in firsts.values():
-                f.write(json.dumps(self._record(step, sample)) + "\n")
+                f.write(json.dumps(self._record(step, sample), ensure_ascii=False) + "\n")  # readable in any script
 
     def drop_from(self, step: int) -> None:
         """Remove the records of ``step`` and later, and a line a killed run cut short: a resumed run generates

@@ -432,10 +432,11 @@ def _schedule_spans_the_run(data: dict[str, Any]) -> dict[str, Any]:
             (run, "num_steps"), (trainer, "num_minibatches"), (trainer, "num_epochs"), (schedule, "num_warmup_steps")
         )
     )  # fmt: skip
-    if not all(isinstance(n, int) for n in (num_steps, minibatches, epochs, warmup)):
-        return data
-    # A run shorter than its warmup only warms up; a negative count is refused on its own field (not here again).
-    total = max(num_steps * minibatches * epochs, warmup + 1, 1)
+    if all(isinstance(n, int) for n in (num_steps, minibatches, epochs, warmup)):
+        # A run shorter than its warmup only warms up; a negative count is refused on its own field (not here again).
+        total = max(num_steps * minibatches * epochs, warmup + 1, 1)
+    else:  # a malformed count is refused on its own field: no second error about the length it left unset
+        total = warmup + 1 if isinstance(warmup, int) and warmup >= 0 else 1
     return {**data, "trainer": {**trainer, "schedule": {**schedule, "num_total_steps": total}}}
 
 

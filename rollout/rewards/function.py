@@ -86,9 +86,14 @@ class FunctionReward:
 
 
 def _as_reward(value: Any) -> float:
-    if not isinstance(value, numbers.Real):
+    """``value`` as a reward: a real number, or one a 0-d tensor, a one-element array or a ``Decimal`` holds."""
+    if isinstance(value, str | bytes) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
         raise TypeError(f"returned {value!r} of type {type(value).__name__}; a reward function must return a number")
-    value = float(value)
+    try:
+        value = float(value)
+    except (TypeError, ValueError) as e:  # a tensor of several elements, a complex number
+        raise TypeError(f"returned {value!r} of type {type(value).__name__}, which is no single real number ({e}); "
+                        "a reward function must return a number") from None
     if not math.isfinite(value):
         raise ValueError(f"returned {value}; a reward must be finite")
     return value

@@ -53,6 +53,12 @@ def test_without_tokenizer_json_ids_are_logged_and_zero_logs_nothing(tmp_path):
     log.write(0, [_sample(tokenizer, 0, "a", "b", 0.0)])
     [record] = [json.loads(line) for line in log.path.read_text().splitlines()]
     assert record["completion_ids"] == tokenizer.encode("b", add_special_tokens=False) and "completion" not in record
+    unicode = _sample(tokenizer, 1, "a", "b", 0.0)
+    unicode.metadata["answer"] = "café 答え"
+    log.write(1, [unicode])
+    assert '"answer": "café 答え"' in log.path.read_text(encoding="utf-8")  # readable, not \u00e9
+    log.drop_from(2)  # rewritten as UTF-8 too
+    assert json.loads(log.path.read_text(encoding="utf-8").splitlines()[-1])["answer"] == "café 答え"
     off = SampleLog(tmp_path / "off", str(tmp_path / "no_tokenizer"), per_step=0)
     off.write(0, [_sample(tokenizer, 0, "a", "b", 0.0)])
     assert not (tmp_path / "off" / "samples.jsonl").exists()

@@ -51,6 +51,15 @@ def user_module(tmp_path, monkeypatch) -> str:
             def is_answer(completion, problem):
                 return completion == problem.answer
 
+            def held(completion, problem):  # a number another library holds: a 0-d tensor, a Decimal, an array
+                import decimal
+
+                import numpy as np
+                import torch
+
+                return {"t": torch.tensor(0.5), "d": decimal.Decimal("0.25"), "a": np.array([2.0]),
+                        "many": torch.ones(2), "c": 1j}[completion]
+
             NOT_CALLABLE = 3
             """
         )
@@ -182,6 +191,14 @@ def test_user_function_error_scores_zero_and_is_counted(user_module, caplog):
     assert metrics["reward/function/num_errors"] == 2.0
     assert metrics["reward/nan/num_errors"] == 3.0
     assert metrics["reward/num_errors"] == 5.0
+
+
+def test_a_number_held_by_a_tensor_decimal_or_array_is_a_reward_and_several_are_not(user_module):
+    scorer = _scorer(FunctionRewardConfig(function=f"{user_module}:held"))
+    assert scorer.score(["t", "d", "a"], [_problem("1")] * 3)[0] == [0.5, 0.25, 2.0]
+    for bad, why in (("many", "which is no single real number"), ("c", "of type complex")):
+        with pytest.raises(RewardFunctionError, match=why):
+            scorer.score([bad], [_problem("1")])
 
 
 def test_non_number_return_fails_in_fail_mode(user_module):
