@@ -17,13 +17,14 @@ Contract for subclasses:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 import json
 import logging
 import tomllib
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -43,6 +44,7 @@ __all__ = [
     "config_error",
     "load_toml_config",
     "parse_overrides",
+    "quiet_settings",
     "read_toml",
     "read_toml_with_sources",
     "to_toml",
@@ -309,6 +311,17 @@ def setting_warning(logger: logging.Logger, message: str, *args: object) -> None
         logger.warning(message, *args)
 
 
+@contextlib.contextmanager
+def quiet_settings(quiet: bool = True) -> Iterator[None]:
+    """Within it (when ``quiet``), :func:`setting_warning` says nothing: a config validated again whose warnings were
+    given already (a model config built at recipe load and again before the run starts)."""
+    token = _QUIET.set(quiet or _QUIET.get())
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
+
+
 def validate_config(
     cls: type[ConfigT], data: Mapping[str, Any], source: str = "<config>", sources: Sources | None = None,
     what: str = "recipe", quiet: bool = False,
@@ -319,11 +332,8 @@ def validate_config(
     file or flag that wrote it, so each problem is reported against the source that can fix it; ``what`` names the
     kind of input in the message ("invalid recipe", "invalid settings"); ``quiet``: no :func:`setting_warning`.
     """
-    token = _QUIET.set(quiet)
-    try:
+    with quiet_settings(quiet):
         return _validate(cls, data, source, sources, what)
-    finally:
-        _QUIET.reset(token)
 
 
 def _validate(

@@ -167,17 +167,17 @@ class RLLoop:
     def _warn_failing_terms(self, step: int, metrics: dict[str, float]) -> None:
         """Warn once per term whose reward function failed on most of a step's samples (``reward.on_error = 'zero'``
         scores them 0: the run trains on zeros, and only a counter said so)."""
-        num_samples = metrics.get("rollout/num_samples", 0.0)
+        num_scored = metrics.get("rollout/num_episodes", 0.0)  # the rewards score an episode once
         for key, num_errors in metrics.items():
             term = key.removeprefix("reward/").removesuffix("/num_errors")
-            if not key.endswith("/num_errors") or term in ("num_errors", *self._warned_terms):
+            if not (key.startswith("reward/") and key.endswith("/num_errors")) or "/" in term or term == "num_errors":
                 continue
-            if num_samples and num_errors > num_samples / 2:
+            if term not in self._warned_terms and num_scored and num_errors > num_scored / 2:
                 self._warned_terms.add(term)
-                log.warning("step %d: reward term %r failed on %d of %d samples, each scored 0 (reward.on_error = "
+                log.warning("step %d: reward term %r failed on %d of %d episodes, each scored 0 (reward.on_error = "
                             "'zero'): the run learns from zeros; the rollout workers' log has the first error of each "
                             "type with its traceback (this warning is given once per term)", step, term,
-                            int(num_errors), int(num_samples))  # fmt: skip
+                            int(num_errors), int(num_scored))  # fmt: skip
 
     def _save(self, step: int, cursor: dict) -> None:
         """The HF export and checkpoint due after ``step`` (0-based), of the trainer's state after that step; the

@@ -121,10 +121,11 @@ def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None)
     recipe.weight_sync.resolve_token()  # a token variable set but empty: the engines' receivers would refuse to start
     _check_prometheus_port(recipe.run.logging.prometheus_port)
     dataset = check_data(recipe)
+    checked_at_load = recipe.model.create_published is not None or (Path(recipe.model.path) / "config.json").is_file()
     ensure_model(recipe)
     check_tokenizer_dir(recipe.rollout.tokenizer_dir)  # loaded while the actors start
     _check_exportable(recipe)
-    model_cfg = recipe.policy_config()
+    model_cfg = recipe.policy_config(quiet=checked_at_load)  # its warnings were given at load
     recipe.trainer.check_model(model_cfg)
     check_tokenizer(recipe, model_cfg.vocab_size, dataset)
     if resume_from is not None:
@@ -156,7 +157,7 @@ def check_offline(recipe: Recipe) -> PromptDataset:
     dataset = check_data(recipe)
     if (Path(recipe.model.path) / "config.json").is_file():
         check_tokenizer_dir(recipe.rollout.tokenizer_dir)
-        check_tokenizer(recipe, recipe.policy_config().vocab_size, dataset)
+        check_tokenizer(recipe, recipe.policy_config(quiet=True).vocab_size, dataset)  # warned at load
     return dataset
 
 

@@ -33,6 +33,7 @@ from common.config import (
     Config,
     FieldError,
     config_error,
+    quiet_settings,
     read_toml_with_sources,
     setting_warning,
     to_toml,
@@ -199,11 +200,16 @@ class Recipe(Config):
         """The model directory this run's adapters apply to (``common.run_dir.lora_base_dir``); None without LoRA."""
         return lora_base_dir(self.model_dump(mode="json"), self.run.resolved_output_dir)
 
-    def policy_config(self) -> ModelConfig:
+    def policy_config(self, quiet: bool = False) -> ModelConfig:
         """The policy's model config: the model directory's ``config.json`` (before a ``[model.create_published]``
         model exists, the published fields it will be written from) with the recipe's blocks and ``[model.lora]``.
         ``FieldError`` on ``model.lora`` for adapters the model cannot take (experts on a dense model), not blamed on
-        the model's config.json; ``ValueError`` for a config.json this code cannot read."""
+        the model's config.json; ``ValueError`` for a config.json this code cannot read. ``quiet``: no warnings about
+        its settings (given when the recipe was loaded)."""
+        with quiet_settings(quiet):
+            return self._policy_config()
+
+    def _policy_config(self) -> ModelConfig:
         from trainer.models.hf_config import model_config_from_hf, model_config_from_hf_dict
 
         published = self.model.create_published

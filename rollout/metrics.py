@@ -57,8 +57,9 @@ def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
 
     Names: ``reward/mean``, ``reward/std`` (population std), ``reward/<term>/mean`` for each reward term any sample
     carries (a sample without that term counts 0), each over episodes (the samples of an agent episode that gave
-    several share its reward and count once), ``rollout/num_samples``, ``rollout/completion_len_mean`` and
-    ``rollout/completion_len_max`` (model tokens: a multi-turn episode's observations count in
+    several share its reward and count once), ``rollout/num_samples``, ``rollout/num_episodes`` (what the rewards
+    scored), ``rollout/completion_len_mean`` and ``rollout/completion_len_max`` (model tokens: a multi-turn episode's
+    observations count in
     ``env/num_observation_tokens``), ``rollout/truncated_frac`` (finish reason 'length': in a multi-turn episode
     also a limit of the episode's, its turns, tokens or time),
     ``rollout/min_policy_version`` and ``rollout/max_policy_version``.
@@ -73,6 +74,7 @@ def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()),
         "rollout/num_samples": float(len(samples)),
+        "rollout/num_episodes": float(len(episodes)),
         "rollout/completion_len_mean": float(lengths.mean()),
         "rollout/completion_len_max": float(lengths.max()),
         "rollout/truncated_frac": float(np.mean([s.finish_reason == "length" for s in samples])),

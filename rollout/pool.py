@@ -26,6 +26,7 @@ retried: they surface from :meth:`collect`.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -38,6 +39,8 @@ from rollout.envs.failures import check_request_failures, check_request_kept
 from rollout.fleet import Publisher, WorkerFleet, WorkerSlot
 from rollout.metrics import sample_metrics, summed_metrics
 from rollout.types import RolloutBatch, Sample
+
+log = logging.getLogger("rl_align")
 
 if TYPE_CHECKING:
     from rollout.envs.config import EnvironmentConfig
@@ -331,8 +334,10 @@ class RolloutPool:
         more, rendered by a serving worker as the single-turn environment renders them), or None."""
         import ray
 
+        start = time.perf_counter()
         worker = self.fleet.serving()[0].actor
         count, first = ray.get(worker.prompts_too_long.remote([(p.problem_id, p.prompt) for p in problems]))
+        log.info("%d prompts measured against max_model_len in %.1f s", len(problems), time.perf_counter() - start)
         if not count:
             return None
         named = ", ".join(f"{problem_id!r} ({num_tokens} tokens)" for problem_id, num_tokens in first)

@@ -248,12 +248,25 @@ class RolloutWorker:
     def prompts_too_long(self, prompts: Sequence[tuple[str, Any]], most: int = 5) -> tuple[int, list[tuple[str, int]]]:
         """How many of ``prompts`` (problem id, prompt), rendered as the single-turn environment renders them, leave
         the engine no room for a completion (``rollout.engine.max_model_len`` tokens or more), and (id, tokens) of the
-        first ``most`` of them (a check of the whole task before anything trains)."""
+        first ``most`` of them (a check of the whole task before anything trains).
+
+        Only a prompt that could reach the limit is rendered: a token holds at least one byte of text, so a prompt
+        takes at most its contents' UTF-8 bytes plus what the template adds around messages of its roles (measured
+        once per sequence of roles) plus a few tokens a message for tokens cut at the contents' edges."""
         from rollout.tokenizer import render_prompt
 
         limit, count = self.config.engine.max_model_len, 0
         first: list[tuple[str, int]] = []
+        around: dict[tuple[str, ...], int] = {}  # roles -> tokens of the prompt with one-byte contents
         for problem_id, prompt in prompts:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            roles = tuple(str(m.get("role")) for m in messages)
+            if roles not in around:
+                stand_in = prompt[:1] if isinstance(prompt, str) else [{**m, "content": "x"} for m in messages]
+                around[roles] = len(render_prompt(self.tokenizer, stand_in, self.config.use_chat_template))
+            content_bytes = sum(len((m.get("content") or "").encode()) for m in messages)
+            if around[roles] + content_bytes + 4 * len(messages) < limit:
+                continue  # cannot reach the limit
             num_tokens = len(render_prompt(self.tokenizer, prompt, self.config.use_chat_template))
             if num_tokens >= limit:
                 count += 1

@@ -299,8 +299,8 @@ class TrainerConfig(Config):
         """Raise ``FieldError`` (a ``ValueError``) on the field to change when this trainer cannot run ``model``: the
         ``varlen`` attention block computes in bfloat16/float16 only; the vocabulary-parallel head stands in for
         ``chunked`` only; tensor parallelism needs dense blocks whose head counts the degree divides; expert parallelism
-        needs an MoE model whose expert count the degree divides. Run before any
-        rank starts (the recipe's load does for a model that exists, the driver for one it creates)."""
+        needs an MoE model whose expert count the degree divides. Run before any rank starts (the recipe's load does for
+        a model that exists or a published one it creates, the driver for a tiny one once created)."""
         if model.attention == "varlen" and self.mixed_precision.param_dtype == "float32":
             raise FieldError("model.attention", (
                 'model.attention = "varlen" runs Flash Attention, which computes in bfloat16 or float16, but '

@@ -23,6 +23,7 @@ class Critic(nn.Module):
     """``values = value_head(body(tokens))``: float32 per position."""
 
     def __init__(self, body: Transformer, dim: int) -> None:
+        """Takes ``body`` over (give it a copy of the policy): its untied output head is dropped."""
         super().__init__()
         self.body = body
         self.value_head = nn.Linear(dim, 1, bias=True, device=body.tok_embeddings.weight.device)

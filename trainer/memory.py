@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from trainer.config import ActivationCheckpointConfig
 from trainer.models.config import LoRAConfig, ModelConfig
-from weight_sync.peft import expert_target_dims
 from weight_sync.spec import itemsize
 
 __all__ = [
@@ -40,18 +39,10 @@ __all__ = [
 def adapter_params(model: ModelConfig, lora: LoRAConfig) -> int:
     """Parameters of LoRA adapters on ``lora.target_modules`` of every block: ``rank x (in + out)`` each; on the
     targeted expert weights (``lora.target_parameters``) that per expert."""
-    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    ffn = model.ffn_hidden_dim
-    shapes = {
-        "q_proj": (model.dim, q), "k_proj": (model.dim, kv), "v_proj": (model.dim, kv), "o_proj": (q, model.dim),
-        "gate_proj": (model.dim, ffn), "up_proj": (model.dim, ffn), "down_proj": (ffn, model.dim),
-    }  # fmt: skip
-    per_block = sum(lora.rank * sum(shapes[t]) for t in lora.target_modules)
+    sides = model.lora_target_sides()
+    per_block = sum(lora.rank * sum(sides[t]) for t in lora.target_modules)
     if model.moe is not None:
-        width = model.moe.expert_ffn_hidden_dim
-        per_block += model.moe.num_experts * sum(
-            lora.rank * sum(expert_target_dims(t, model.dim, width)) for t in lora.target_parameters
-        )
+        per_block += model.moe.num_experts * sum(lora.rank * sum(sides[t]) for t in lora.target_parameters)
     return model.num_layers * per_block
 
 

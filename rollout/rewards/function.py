@@ -3,8 +3,8 @@
 The function is called as ``f(completion: str, problem: Problem)`` and must return a real number. A call that raises
 or returns something else is a *user error about one sample*: with ``on_error = "fail"`` it becomes a
 :class:`RewardFunctionError` naming the function and the sample; with ``"zero"`` the sample scores 0 for this term
-and the error is counted; the first error of each exception type is logged with its traceback and sample (a worker's
-log: Ray forwards it to the driver's output).
+and the error is counted; the first error of each exception type is logged with its traceback and sample, once per
+rollout worker (Ray forwards a worker's log to the driver's output).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class FunctionReward:
         self._spec = config.function
         self._function = resolve_function(config.function)
         self._on_error = on_error
-        self._logged: set[str] = set()  # exception types already logged: one traceback each, not one per sample
+        self._logged: set[str] = set()  # exception types this worker logged: one traceback each, not one per sample
 
     def score(
         self, completions: Sequence[str], problems: Sequence[Problem], labels: Sequence[str]
@@ -75,8 +75,9 @@ class FunctionReward:
                         f"{type(e).__name__}: {e} (set reward.on_error = 'zero' to score such samples 0 instead)"
                     ) from e
                 value, num_errors = 0.0, num_errors + 1
-                if type(e).__qualname__ not in self._logged:
-                    self._logged.add(type(e).__qualname__)
+                kind = f"{type(e).__module__}.{type(e).__qualname__}"
+                if kind not in self._logged:
+                    self._logged.add(kind)
                     log.warning("reward term %r: function %r failed on %s, scored 0 (reward.on_error = 'zero'; "
                                 "reward/%s/num_errors counts such samples; this exception type is logged once): "
                                 "%s: %s", self.name, self._spec, label, self.name, type(e).__name__, e,

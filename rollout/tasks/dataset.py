@@ -74,6 +74,10 @@ class PromptDataset:
             self._position += take
         return batch
 
+    def train_problems(self) -> list[Problem]:
+        """The training problems in file order; the cursor does not move."""
+        return list(self._train)
+
     def all_problems(self) -> list[Problem]:
         """Every problem, training then held-out (for checks over the whole task)."""
         return [*self._train, *self._eval]

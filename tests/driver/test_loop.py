@@ -333,6 +333,6 @@ def test_a_reward_term_failing_on_most_samples_is_warned_once(caplog):
     with caplog.at_level("WARNING", logger="rl_align"):
         _run({}, num_steps=3, extra_metrics=failing)
     warned = [r.getMessage() for r in caplog.records if "failed on" in r.getMessage()]
-    assert warned == ["step 0: reward term 'function' failed on 3 of 4 samples, each scored 0 (reward.on_error = "
+    assert warned == ["step 0: reward term 'function' failed on 3 of 4 episodes, each scored 0 (reward.on_error = "
                       "'zero'): the run learns from zeros; the rollout workers' log has the first error of each type "
                       "with its traceback (this warning is given once per term)"]

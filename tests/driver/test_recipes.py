@@ -210,6 +210,13 @@ def test_pallas_kernel_with_device_cuda_fails_at_check(tmp_path):
     assert 'set model.output_head = "chunked"' in err, err
 
 
+def test_check_says_what_it_leaves_to_the_run_for_a_tiny_model_not_yet_created(tmp_path):
+    """--check printed a bare "ok" where sharding and tokenizer checks of a model it cannot see were still to come."""
+    rc, err = run_check(["--recipe", "recipes/grpo_tiny.toml", "--model.path", str(tmp_path / "tiny")])
+    assert rc == 0 and "(nothing was started); the tiny model for" in err, err
+    assert "checked against the trainer's sharding and the tokenizer once a run creates it" in err, err
+
+
 def test_warm_start_false_is_no_warm_start(tmp_path):
     """``= false`` drops a table the base set (README); for the warm start it was "Input should be an object"."""
     path = tmp_path / "mine.toml"
@@ -603,3 +610,16 @@ def test_check_reads_the_tasks_data_as_a_run_does(tmp_path):
     code, err = run_check(["--recipe", "recipes/grpo_tiny.toml", "--task.type", "jsonl", "--task.path", str(data),
                         "--task.num_eval_problems", "2"])  # fmt: skip
     assert code == 2 and f"error: {data}:6: missing key 'answer'" in err, err
+
+
+def test_a_model_settings_warning_is_given_once_per_start(tmp_path, caplog):
+    """The LoRA rank warning came twice: the model config is built at recipe load and again before the run starts."""
+    from driver.preflight import check_offline
+    from tools.make_tiny_model import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path / "tiny", family="qwen3", hidden_size=32, num_layers=1))
+    with caplog.at_level("WARNING", logger="rl_align"):
+        recipe = load_recipe(ROOT / "recipes" / "grpo_tiny_lora.toml", {"model.path": model, "model.lora.rank": 64})
+        check_offline(recipe)
+        recipe.policy_config(quiet=True)
+    assert sum("lora.rank = 64 exceeds" in r.getMessage() for r in caplog.records) == 1, caplog.records

@@ -243,10 +243,11 @@ def test_a_prompt_longer_than_the_engine_holds_fails_the_run_with_what_to_do(tmp
     then it ended the run when first rendered, which could be hours in, where a resume on the fixed data is refused:
     every prompt of the task is measured before anything trains, and the first few are named."""
     text, log = _failed_run(tmp_path, "--rollout.engine.max_model_len", "20")  # the task's prompts are 23-25 tokens
-    assert re.search(r"error: 2500 problem\(s\) of the task have prompts that leave no room for a completion in "
+    # 2,000 training problems and the 16 held-out ones the run evaluates (the other held-out rows are never rendered)
+    assert re.search(r"error: 2016 problem\(s\) of the task have prompts that leave no room for a completion in "
                      r"rollout.engine.max_model_len = 20 tokens \(prompt and completion\): 'arith-\w+-\d+' "
                      r"\(2\d tokens\), ", text), tail(log)  # fmt: skip
-    assert "and 2495 more; raise max_model_len" in text, tail(log)
+    assert "'arith-train-0' (25 tokens), " in text and "and 2011 more; raise max_model_len" in text, tail(log)
     assert "Traceback" not in text.split("error: ")[1] and "no checkpoint was saved" in text, tail(log)
 
 

@@ -36,4 +36,4 @@ def test_reward_figures_count_an_episode_of_several_samples_once():
                _sample(1, None, 0.0), _sample(1, None, 1.0)]  # fmt: skip
     m = sample_metrics(samples)
     assert m["reward/mean"] == m["reward/correct/mean"] == pytest.approx(0.5)  # 2 of 4 episodes, not 4 of 6 samples
-    assert m["reward/std"] == pytest.approx(0.5) and m["rollout/num_samples"] == 6.0
+    assert m["reward/std"] == pytest.approx(0.5) and m["rollout/num_samples"] == 6.0 and m["rollout/num_episodes"] == 4

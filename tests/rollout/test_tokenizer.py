@@ -205,3 +205,30 @@ def test_token_bytes_of_a_tokenizer_whose_pieces_are_bytes():
             return [b"\xc3", b"\xa9"][: len(ids)]
 
     assert token_bytes(Tiktoken(), [0, 1]) == [b"\xc3", b"\xa9"]
+
+
+@pytest.mark.parametrize("use_chat_template", [None, False])
+def test_the_prompt_length_check_finds_exactly_the_prompts_that_reach_the_limit(tokenizer, use_chat_template):
+    """``RolloutWorker.prompts_too_long`` renders only prompts whose bytes could reach the limit: its count must equal
+    rendering every prompt (the reference), for text and chat prompts of mixed scripts near the limit."""
+    import random
+    from types import SimpleNamespace
+
+    from rollout.worker import RolloutWorker
+
+    rng = random.Random(0)
+    words = ["12", "+", "345", "what", "is", "é", "答え", "\n", " ", "🙂", "<|im_end|>", "x" * 7]
+    prompts: list = []
+    for i in range(300):
+        text = "".join(rng.choice(words) for _ in range(rng.randrange(1, 60)))
+        system = {"role": "system", "content": "".join(rng.choice(words) for _ in range(rng.randrange(0, 9)))}
+        prompts.append((f"p{i}", text if i % 3 == 0 else [*([system] if i % 3 == 2 else []),
+                                                           {"role": "user", "content": text}]))
+    limit = 48
+    worker = SimpleNamespace(tokenizer=tokenizer, config=SimpleNamespace(
+        engine=SimpleNamespace(max_model_len=limit), use_chat_template=use_chat_template))  # fmt: skip
+    lengths = {pid: len(render_prompt(tokenizer, p, use_chat_template)) for pid, p in prompts}
+    expected = [pid for pid, _ in prompts if lengths[pid] >= limit]
+    assert 20 < len(expected) < 280  # prompts on both sides of the limit
+    count, first = RolloutWorker.prompts_too_long(worker, prompts, most=3)
+    assert count == len(expected) and first == [(pid, lengths[pid]) for pid in expected[:3]]

@@ -17,7 +17,7 @@ import pydantic
 
 from common.config import Config, Family, setting_warning
 from trainer.models.registry import BLOCK_REGISTRIES
-from weight_sync.peft import AdapterSpec
+from weight_sync.peft import EXPERT_TARGETS, AdapterSpec, expert_target_dims
 
 log = logging.getLogger("rl_align")
 
@@ -240,13 +240,20 @@ class ModelConfig(BlockChoices):
                     f"{divisors}")  # fmt: skip
         return None
 
+    def lora_target_sides(self) -> dict[str, tuple[int, int]]:
+        """``(in, out)`` of each projection a LoRA target names (``q_proj`` ... ``down_proj``; on MoE models one
+        expert's ``mlp.experts.*`` weight): an adapter on it is ``A [rank, in]``, ``B [out, rank]``."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        sides = {"q_proj": (self.dim, q), "k_proj": (self.dim, kv), "v_proj": (self.dim, kv), "o_proj": (q, self.dim),
+                 "gate_proj": (self.dim, self.ffn_hidden_dim), "up_proj": (self.dim, self.ffn_hidden_dim),
+                 "down_proj": (self.ffn_hidden_dim, self.dim)}  # fmt: skip
+        if self.moe is not None:
+            sides.update({t: expert_target_dims(t, self.dim, self.moe.expert_ffn_hidden_dim) for t in EXPERT_TARGETS})
+        return sides
+
     def _adapted_widths(self, lora: LoRAConfig) -> dict[str, int]:
         """min(in, out) of each projection ``lora`` adapts (the highest rank its update can have)."""
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        ffn = self.moe.expert_ffn_hidden_dim if self.moe is not None else self.ffn_hidden_dim
-        sides = {"q_proj": (self.dim, q), "k_proj": (self.dim, kv), "v_proj": (self.dim, kv), "o_proj": (q, self.dim),
-                 "gate_proj": (self.dim, ffn), "up_proj": (self.dim, ffn), "down_proj": (ffn, self.dim),
-                 "mlp.experts.gate_up_proj": (self.dim, 2 * ffn), "mlp.experts.down_proj": (ffn, self.dim)}  # fmt: skip
+        sides = self.lora_target_sides()
         return {t: min(sides[t]) for t in (*lora.target_modules, *lora.target_parameters) if t in sides}
 
     @property

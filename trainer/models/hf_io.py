@@ -288,7 +288,8 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path) -> set[str]:
     after ``to_empty``), each read as a slice of its tensor in the safetensors files, so only those bytes are read.
 
     Every parameter must be covered (each expert of stacked ones) and every checkpoint tensor must map to one, except
-    names the table drops and ``lm_head.weight`` when embeddings are tied (LoRA adapters are not loaded). Returns the
+    names the table drops and ``lm_head.weight`` when the model has no output head of its own (tied embeddings, a
+    critic's body) (LoRA adapters are not loaded). Returns the
     set of HF names loaded. Raises ``ValueError`` on unknown, missing or mis-shaped tensors, before anything is copied.
     """
     from torch.distributed.tensor import DTensor

@@ -193,8 +193,13 @@ class Transformer(nn.Module):
 
     @property
     def output_weight(self) -> torch.Tensor:
-        """The ``[V, D]`` output projection (the embedding matrix when embeddings are tied)."""
-        return self.tok_embeddings.weight if self.output is None else self.output.weight
+        """The ``[V, D]`` output projection (the embedding matrix when embeddings are tied). Raises ``ValueError`` for
+        a body whose untied head was dropped (a PPO critic's)."""
+        if self.output is not None:
+            return self.output.weight
+        if not self.cfg.tie_embeddings:
+            raise ValueError("this model's untied output head was dropped (a critic's body): it has no output weight")
+        return self.tok_embeddings.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Dense logits ``[B, T, V]`` (float32) for ``hidden [B, T, D]``; holds them all (evaluation, parity). Needs
