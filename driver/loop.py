@@ -103,8 +103,8 @@ class RLLoop:
         while len(kept) < run.num_prompts_per_step and len(rounds) < run.dynamic_sampling.max_num_rounds:
             rounds.append(self.pool.collect(self._submit_next(run.num_prompts_per_step - len(kept))))
             kept += _informative_groups(rounds[-1], term)
-        # A cursor taken now also covers the extra prompts, and the prompts of batches still in flight (drawn before
-        # them): a resume skips those, which is harmless (they were never trained on).
+        # A cursor taken now also covers the extra prompts. No later batch is in flight yet (sync mode, or async with
+        # max_staleness = 1: the next batch is drawn after this collect; RunConfig refuses more), so it is exact.
         cursor = self.dataset.state_dict() if len(rounds) > 1 else item.cursor
         metrics = combined_metrics(rounds)
         metrics["rollout/dynamic_sampling_rounds"] = float(len(rounds))

@@ -470,7 +470,8 @@ class _Run:
                                use_chat_template=r.rollout.use_chat_template)  # fmt: skip
         log.info("trained model: %s (from_pretrained-ready: weights, config, tokenizer, generation config)%s", final,
                  _export_dtype_note(r.export_source_dir, r.run.export.dtype))  # fmt: skip
-        _print_report(before, after, self.out_dir, self.publisher.external_unserved if trained else None)
+        _print_report(before, after, self.out_dir, self.publisher.external_unserved if trained else None,
+                      plotted=r.run.logging.plot)  # fmt: skip
         if r.run.logging.plot:
             self.logger.close()
             self.logger = None
@@ -502,16 +503,18 @@ def evaluations_on_record(records: list[dict[str, Any]]) -> dict[int, dict[str, 
 
 
 def _print_report(
-    before: dict[str, float], after: dict[str, float], out_dir: Path, unserved: dict[str, str] | None = None
+    before: dict[str, float], after: dict[str, float], out_dir: Path, unserved: dict[str, str] | None = None,
+    plotted: bool = True,
 ) -> None:
-    """The end of a run: held-out accuracy before and after RL, where the outputs are, and the external receivers
-    (``weight_sync.endpoints``) that took no version of this run, with the last reason (``unserved``)."""
+    """The end of a run: held-out accuracy before and after RL, where the outputs are (``plotted``: the curves
+    too), and the external receivers (``weight_sync.endpoints``) that took no version of this run, with the last
+    reason (``unserved``)."""
     rows = [k for k in ("eval/accuracy", "eval/greedy_accuracy", "eval/reward", "eval/greedy_reward")
             if before.get(k) is not None and after.get(k) is not None]  # a record's non-finite value is null
     lines = ["", "held-out problems      start of RL    end of RL    change", "-" * 58] if rows else []
     for key in rows:
         lines.append(f"{key[5:]:<22} {before[key]:>11.3f} {after[key]:>12.3f} {after[key] - before[key]:>+9.3f}")
-    lines.append(f"\nmetrics: {out_dir / METRICS}   curves: {out_dir / CURVES}")
+    lines.append(f"\nmetrics: {out_dir / METRICS}" + (f"   curves: {out_dir / CURVES}" if plotted else ""))
     lines.append(f"trained model (AutoModelForCausalLM.from_pretrained): {out_dir / FINAL_MODEL}")
     adapter = out_dir / FINAL_MODEL / ADAPTER_DIR
     if adapter.is_dir():  # a LoRA run's: the same policy as its base plus these adapters

@@ -8,15 +8,18 @@ here.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated, Literal
 
 import pydantic
 
-from common.config import Config, DType
+from common.config import Config, DType, setting_warning
 from common.published import published_fields
 from rollout.config import check_temperature
 from trainer.models.config import BlockChoices, Family, LoRAConfig
+
+log = logging.getLogger("rl_align")
 
 __all__ = [
     "DynamicSamplingConfig", "EvalConfig", "ExportConfig", "LoggingConfig", "ModelSection", "PlacementGroupsConfig",
@@ -249,6 +252,21 @@ class RunConfig(Config):
     def _check(self) -> RunConfig:
         if self.mode == "async" and self.max_staleness < 1:
             raise ValueError("mode = 'async' needs max_staleness >= 1 (0 is the sync mode)")
+        if self.mode == "async" and self.max_staleness > 1 and self.dynamic_sampling.enabled:
+            raise ValueError(
+                f"dynamic_sampling with mode = 'async' takes max_staleness = 1, not {self.max_staleness}: with more "
+                "batches in flight, a refill's prompts are drawn after theirs, and a checkpoint's data cursor cannot "
+                "say which prompts a resume must draw again (it skipped a batch in flight)"
+            )
+        default = type(self).model_fields["max_staleness"].default
+        if self.mode == "sync" and self.max_staleness != default:
+            setting_warning(log, "run.max_staleness = %d: unused in mode = 'sync' (on-policy); set run.mode = "
+                                 "'async' for generation to run ahead of training", self.max_staleness)  # fmt: skip
+        sampling = self.dynamic_sampling
+        if not sampling.enabled and sampling.model_dump(exclude={"enabled"}) != DynamicSamplingConfig().model_dump(
+            exclude={"enabled"}
+        ):
+            setting_warning(log, "run.dynamic_sampling settings are unused, as dynamic_sampling.enabled = false")
         warm = self.warm_start
         if warm.num_steps > 0 and warm.stop_at_accuracy is not None and self.eval.num_problems == 0:
             raise ValueError(

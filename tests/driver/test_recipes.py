@@ -623,3 +623,24 @@ def test_a_model_settings_warning_is_given_once_per_start(tmp_path, caplog):
         check_offline(recipe)
         recipe.policy_config(quiet=True)
     assert sum("lora.rank = 64 exceeds" in r.getMessage() for r in caplog.records) == 1, caplog.records
+
+
+def test_async_dynamic_sampling_past_one_batch_in_flight_is_refused_and_unused_settings_are_warned(caplog):
+    """A refill drawn after a later batch made a resumed run skip that batch; settings of a mode or feature the run
+    does not use were accepted silently."""
+    recipe = ROOT / "recipes" / "dapo_tiny.toml"
+    msg = load_error(recipe, {"run.mode": "async", "run.max_staleness": 2})
+    assert "dynamic_sampling with mode = 'async' takes max_staleness = 1, not 2" in msg, msg
+    load_recipe(recipe, {"run.mode": "async", "run.max_staleness": 1})
+    tiny = ROOT / "recipes" / "grpo_tiny.toml"
+    with caplog.at_level("WARNING"):
+        load_recipe(tiny, {"run.max_staleness": 4, "run.dynamic_sampling.max_num_rounds": 5,
+                           "algorithm.importance_sampling.enabled": False, "algorithm.importance_sampling.cap": 5.0})
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    assert "run.max_staleness = 4: unused in mode = 'sync'" in said, said
+    assert "run.dynamic_sampling settings are unused, as dynamic_sampling.enabled = false" in said, said
+    assert "importance_sampling.cap = 5.0: unused, as importance_sampling.enabled = false" in said, said
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        load_recipe(tiny)
+    assert not [r for r in caplog.records if "unused" in r.getMessage()], caplog.records

@@ -16,3 +16,14 @@ def test_a_float32_export_of_a_bfloat16_model_says_how_to_keep_its_dtype(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
     assert _export_dtype_note(str(tmp_path), None) == ""
     assert _export_dtype_note(str(tmp_path / "missing"), None) == ""
+
+
+def test_the_report_names_the_curves_only_when_they_are_plotted(tmp_path, capsys):
+    """With run.logging.plot = false the report named a curves.png that was never written."""
+    from driver.run import _print_report
+
+    before, after = {"eval/accuracy": 0.4}, {"eval/accuracy": 0.6}
+    _print_report(before, after, tmp_path, plotted=False)
+    assert "curves:" not in capsys.readouterr().out
+    _print_report(before, after, tmp_path, plotted=True)
+    assert f"curves: {tmp_path / 'curves.png'}" in capsys.readouterr().out

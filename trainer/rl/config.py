@@ -128,6 +128,11 @@ class ImportanceSamplingConfig(Config):
 
     @pydantic.model_validator(mode="after")
     def _check_bounds(self) -> ImportanceSamplingConfig:
+        unused = [f"{name} = {getattr(self, name)!r}" for name in ("level", "mode", "cap", "lower_bound")
+                  if getattr(self, name) != type(self).model_fields[name].default]  # fmt: skip
+        if not self.enabled and unused:
+            setting_warning(log, "importance_sampling.%s: unused, as importance_sampling.enabled = false",
+                            ", ".join(unused))  # fmt: skip
         if self.lower_bound is not None and self.lower_bound >= self.cap:
             raise ValueError(
                 f"importance_sampling.lower_bound = {self.lower_bound} must be below cap = {self.cap}; lower it "
