@@ -138,30 +138,37 @@ def record_in_its_directory(
     run's found no checkpoint. Its output directory becomes ``<dir>``, and checkpoints the record keeps inside the
     original's directory the same place inside ``<dir>``. Returns the recipe and the directory the record was written
     for (None: nothing changed), whose adapters' base :func:`point_moved_adapters_at_their_base` moves once the run
-    holds ``<dir>``. Reads only. ``run.output_dir`` given as a flag is taken as it is. ``ValueError`` when the record
+    holds ``<dir>``. Reads only. ``run.output_dir`` given as a flag is where the run goes instead of ``<dir>`` (a
+    record resumed into another directory), its checkpoints moved along the same way. ``ValueError`` when the record
     names a checkpoint directory outside the original's (not copied with it, and the original run's to prune) and no
     ``--trainer.checkpoint.dir`` says which this run is to use."""
-    if path.name != RESOLVED_RECIPE or "run.output_dir" in overrides or not _holds_run_outputs(path.parent):
+    if path.name != RESOLVED_RECIPE or not _holds_run_outputs(path.parent):
         return recipe, None
-    here, written_for = path.parent.resolve(), recipe.run.resolved_output_dir.resolve()
+    here = path.parent.resolve()
+    # The record's own output directory, whatever a flag says.
+    written_for = load_recipe(path, check_paths=False, quiet=True).run.resolved_output_dir.resolve()
+    flagged = "run.output_dir" in overrides
+    target = recipe.run.resolved_output_dir.resolve() if flagged else here
     job_dir = ray_job_working_dir()
-    if here == written_for or (job_dir is not None and here.is_relative_to(Path(job_dir).resolve())):
+    if target == written_for or (
+        not flagged and job_dir is not None and here.is_relative_to(Path(job_dir).resolve())
+    ):
         return recipe, None  # the same place, or a copy Ray uploaded with a job (outputs there would be lost with it)
     checkpoints = recipe.trainer.checkpoint
     if "trainer.checkpoint.dir" not in overrides:
         own = Path(checkpoints.dir).resolve() if checkpoints.dir is not None else written_for / CHECKPOINTS
         if not own.is_relative_to(written_for):
             raise ValueError(
-                f"{path} is the record of the run at {written_for} (this copy was moved or copied from there), and it "
-                f"names that run's checkpoint directory {checkpoints.dir}: continuing from it would train and prune "
-                "that run's checkpoints. Give this run its own: --trainer.checkpoint.dir DIR (copy the checkpoints "
-                "there first to continue from them), or run the original with its own record"
+                f"{path} is the record of the run at {written_for} (this run goes to {target}), and it names that "
+                f"run's checkpoint directory {checkpoints.dir}: continuing from it would train and prune that run's "
+                "checkpoints. Give this run its own: --trainer.checkpoint.dir DIR (copy the checkpoints there first "
+                "to continue from them), or run the original with its own record"
             )  # fmt: skip
-        checkpoints = checkpoints.model_copy(update={"dir": str(here / own.relative_to(written_for))})
-    log.info("%s was written for the run at %s: this is a moved or copied run, continued in %s", path, written_for,
-             here)  # fmt: skip
+        checkpoints = checkpoints.model_copy(update={"dir": str(target / own.relative_to(written_for))})
+    log.info("%s was written for the run at %s: continued in %s, with its own checkpoints", path, written_for,
+             target)  # fmt: skip
     return recipe.model_copy(update={
-        "run": recipe.run.model_copy(update={"output_dir": str(here)}),
+        "run": recipe.run.model_copy(update={"output_dir": str(target)}),
         "trainer": recipe.trainer.model_copy(update={"checkpoint": checkpoints}),
     }), written_for  # fmt: skip
 

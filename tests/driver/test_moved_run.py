@@ -102,3 +102,24 @@ def test_a_recipe_saved_under_the_records_name_beside_no_run_is_read_as_it_is(tm
     shutil.copy(out / "recipe.resolved.toml", saved)
     recipe = load_recipe(saved)
     assert record_in_its_directory(saved, recipe, {}) == (recipe, None)
+
+
+def test_a_record_resumed_into_another_directory_by_flag_takes_its_checkpoints_along(tmp_path):
+    """``cp -a runs/a runs/b`` then ``--recipe runs/b/recipe.resolved.toml --run.output_dir runs/b --resume`` trained
+    on from the original's checkpoints and wrote (and pruned) them: the flag skipped the move. Also a record resumed
+    in its own place into a new directory must not train the original's checkpoints."""
+    from driver.resume import record_in_its_directory
+
+    out = checkpointed_run(tmp_path)
+    branch = tmp_path / "branch"
+    shutil.copytree(out, branch)
+    record = branch / "recipe.resolved.toml"
+    flag = {"run.output_dir": str(branch)}
+    recipe, moved_from = record_in_its_directory(record, load_recipe(record, flag), flag)
+    assert moved_from == out and recipe.trainer.checkpoint.dir == str(branch / "checkpoints")
+    elsewhere, own = {"run.output_dir": str(tmp_path / "new")}, out / "recipe.resolved.toml"
+    recipe, moved_from = record_in_its_directory(own, load_recipe(own, elsewhere), elsewhere)
+    assert moved_from == out and recipe.trainer.checkpoint.dir == str(tmp_path / "new" / "checkpoints")
+    same = {"run.output_dir": str(out)}
+    kept = load_recipe(out / "recipe.resolved.toml", same)
+    assert record_in_its_directory(out / "recipe.resolved.toml", kept, same) == (kept, None)

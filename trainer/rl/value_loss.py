@@ -70,7 +70,8 @@ def explained_variance(metrics: dict[str, float]) -> dict[str, float]:
     """``metrics`` (the token means of :func:`clipped_value_loss`, reduced over a step) with its moments replaced by
     ``explained_variance``: ``1 - Var(R - V) / Var(R)`` over the step's completion tokens, of the values the
     advantages were computed with (1: the critic predicts every return; 0: no better than the mean return; below 0:
-    worse). Left out when the returns do not vary (every reward of the step equal)."""
+    worse). Left out when the returns do not vary (every reward of the step equal and the critic at zero: GAE returns
+    bootstrap from the values, so once the critic predicts anything they vary even where the rewards do not)."""
     out = {k: v for k, v in metrics.items() if k not in _MOMENTS}
     if not all(k in metrics for k in (*_MOMENTS, "return_mean")):
         return out
