@@ -286,8 +286,10 @@ def _check_lora(recipe: Recipe) -> None:
     served = recipe.rollout.engine.lora
     if recipe.model.lora is None:
         if served is not None:
-            raise FieldError("rollout.engine.lora", "the engines would serve adapters that nothing trains: set "
-                             "[model.lora] instead (it fills this in)")  # fmt: skip
+            raise FieldError("rollout.engine.lora", (
+                "the engines would serve adapters that nothing trains: to train adapters set [model.lora] instead (it "
+                "fills this in); with model.lora = false over a LoRA run's record (which holds the filled-in value) "
+                "add --rollout.engine.lora false"))  # fmt: skip
         return
     if served is not None and served != _served_adapter(recipe.model.lora):
         raise FieldError("rollout.engine.lora", f"{served} differs from [model.lora] (rank, alpha, targets): "
