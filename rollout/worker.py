@@ -45,6 +45,14 @@ if TYPE_CHECKING:
 __all__ = ["RolloutWorker"]
 
 
+_EDGE_TOKENS = 4
+"""Tokens a message's content may add past its bytes where the template's text meets it (a cut merge, a prefix
+space)."""
+_PROBE = 'He said "a\\b"\n\t\x01 ﷺ ㍿ ½ ﬁ Ⅻ ' * 4
+"""Contents a template escapes (quotes, backslashes, control characters) and a tokenizer may normalise to longer text
+(NFKC: one character to several), at 4 copies so that a template writing a content twice shows too."""
+
+
 class RolloutWorker:
     """One engine + one weight receiver (sink = the engine) + the environment + the reward scorer; see the module
     docstring."""
@@ -250,22 +258,25 @@ class RolloutWorker:
         the engine no room for a completion (``rollout.engine.max_model_len`` tokens or more), and (id, tokens) of the
         first ``most`` of them (a check of the whole task before anything trains).
 
-        Only a prompt that could reach the limit is rendered: a token holds at least one byte of text, so a prompt
-        takes at most its contents' UTF-8 bytes plus what the template adds around messages of its roles (measured
-        once per sequence of roles) plus a few tokens a message for tokens cut at the contents' edges."""
+        Only a prompt that could reach the limit is rendered: where a token holds at least one byte of the contents
+        and the template writes each content once as it is, a prompt takes at most its contents' UTF-8 bytes plus
+        what the template adds around messages of its roles (measured once per sequence of roles, with one-character
+        contents) plus a few tokens a message cut at the contents' edges. A probe per sequence of roles (contents
+        that a template escaping or repeating them, or a tokenizer normalising them, would make longer than that
+        bound) decides whether the bound holds; where it does not, every prompt of those roles is rendered."""
         from rollout.tokenizer import render_prompt
 
         limit, count = self.config.engine.max_model_len, 0
         first: list[tuple[str, int]] = []
-        around: dict[tuple[str, ...], int] = {}  # roles -> tokens of the prompt with one-byte contents
+        bounds: dict[tuple[str, ...], int | None] = {}  # roles -> template tokens around them, None: no bound holds
         for problem_id, prompt in prompts:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             roles = tuple(str(m.get("role")) for m in messages)
-            if roles not in around:
-                stand_in = prompt[:1] if isinstance(prompt, str) else [{**m, "content": "x"} for m in messages]
-                around[roles] = len(render_prompt(self.tokenizer, stand_in, self.config.use_chat_template))
+            if roles not in bounds:
+                bounds[roles] = _template_tokens(self.tokenizer, self.config.use_chat_template, prompt, messages)
+            around = bounds[roles]
             content_bytes = sum(len((m.get("content") or "").encode()) for m in messages)
-            if around[roles] + content_bytes + 4 * len(messages) < limit:
+            if around is not None and around + content_bytes + _EDGE_TOKENS * len(messages) < limit:
                 continue  # cannot reach the limit
             num_tokens = len(render_prompt(self.tokenizer, prompt, self.config.use_chat_template))
             if num_tokens >= limit:
@@ -317,3 +328,17 @@ class RolloutWorker:
         self.engine.shutdown()
 
 
+def _template_tokens(
+    tokenizer: Any, use_chat_template: bool | None, prompt: Any, messages: list[dict[str, Any]]
+) -> int | None:
+    """Tokens the template adds around messages of ``messages``' roles (rendered with one-character contents), or None
+    when a probe shows contents may take more tokens than their bytes (escaped, repeated, normalised)."""
+    from rollout.tokenizer import render_prompt
+
+    def render(content: str) -> int:
+        stand_in = content if isinstance(prompt, str) else [{**m, "content": content} for m in messages]
+        return len(render_prompt(tokenizer, stand_in, use_chat_template))
+
+    around = render("x")
+    probed = render(_PROBE)
+    return around if probed <= around + len(messages) * (len(_PROBE.encode()) + _EDGE_TOKENS) else None

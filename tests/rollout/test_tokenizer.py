@@ -207,17 +207,34 @@ def test_token_bytes_of_a_tokenizer_whose_pieces_are_bytes():
     assert token_bytes(Tiktoken(), [0, 1]) == [b"\xc3", b"\xa9"]
 
 
-@pytest.mark.parametrize("use_chat_template", [None, False])
-def test_the_prompt_length_check_finds_exactly_the_prompts_that_reach_the_limit(tokenizer, use_chat_template):
+@pytest.mark.parametrize(
+    ("use_chat_template", "twist"),
+    [(None, None), (False, None), (None, "tojson"), (None, "repeat"), (False, "nfkc")],
+)
+def test_the_prompt_length_check_finds_exactly_the_prompts_that_reach_the_limit(model_dir, use_chat_template, twist):
     """``RolloutWorker.prompts_too_long`` renders only prompts whose bytes could reach the limit: its count must equal
-    rendering every prompt (the reference), for text and chat prompts of mixed scripts near the limit."""
+    rendering every prompt (the reference), for text and chat prompts of mixed scripts near the limit; also under a
+    template that escapes contents (``tojson``, as Llama 3's does for tool turns) or writes one twice, and a tokenizer
+    that normalises a character into many (NFKC), where the bound on bytes does not hold."""
     import random
     from types import SimpleNamespace
 
+    from tokenizers import normalizers
+
     from rollout.worker import RolloutWorker
 
+    tokenizer = load_tokenizer(str(model_dir))
+    if twist == "tojson":
+        tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | tojson }}"
+                                   "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")  # fmt: skip
+    elif twist == "repeat":
+        tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                                   "{% endfor %}Again: {{ messages[-1].content }}<|im_start|>assistant\n")  # fmt: skip
+    elif twist == "nfkc":
+        tokenizer.backend_tokenizer.normalizer = normalizers.NFKC()
     rng = random.Random(0)
-    words = ["12", "+", "345", "what", "is", "é", "答え", "\n", " ", "🙂", "<|im_end|>", "x" * 7]
+    words = ["12", "+", "345", "what", "is", "é", "答え", "\n", " ", "🙂", "x" * 7, '"q"', "\\", "ﷺ"]
+    words += ["<|im_end|>"] if twist is None else []  # a special token's text written twice is refused
     prompts: list = []
     for i in range(300):
         text = "".join(rng.choice(words) for _ in range(rng.randrange(1, 60)))
@@ -229,6 +246,6 @@ def test_the_prompt_length_check_finds_exactly_the_prompts_that_reach_the_limit(
         engine=SimpleNamespace(max_model_len=limit), use_chat_template=use_chat_template))  # fmt: skip
     lengths = {pid: len(render_prompt(tokenizer, p, use_chat_template)) for pid, p in prompts}
     expected = [pid for pid, _ in prompts if lengths[pid] >= limit]
-    assert 20 < len(expected) < 280  # prompts on both sides of the limit
+    assert 10 < len(expected) < 295  # prompts on both sides of the limit
     count, first = RolloutWorker.prompts_too_long(worker, prompts, most=3)
     assert count == len(expected) and first == [(pid, lengths[pid]) for pid in expected[:3]]
