@@ -138,16 +138,19 @@ def record_in_its_directory(
     run's found no checkpoint. Its output directory becomes ``<dir>``, and checkpoints the record keeps inside the
     original's directory the same place inside ``<dir>``. Returns the recipe and the directory the record was written
     for (None: nothing changed), whose adapters' base :func:`point_moved_adapters_at_their_base` moves once the run
-    holds ``<dir>``. Reads only. ``run.output_dir`` given as a flag is where the run goes instead of ``<dir>`` (a
-    record resumed into another directory), its checkpoints moved along the same way. ``ValueError`` when the record
+    holds ``<dir>``. Reads only. ``run.output_dir`` given as a flag is where the run goes instead of ``<dir>`` (for
+    any recipe file: one that names checkpoints inside its own output directory has them follow the flag, or a copy
+    of a record saved under another name would train and prune the original's), with a warning where the original
+    has checkpoints and the new place none (nothing is copied). ``ValueError`` when the record
     names a checkpoint directory outside the original's (not copied with it, and the original run's to prune) and no
     ``--trainer.checkpoint.dir`` says which this run is to use."""
-    if path.name != RESOLVED_RECIPE or not _holds_run_outputs(path.parent):
+    is_record = path.name == RESOLVED_RECIPE and _holds_run_outputs(path.parent)
+    flagged = "run.output_dir" in overrides
+    if not is_record and not flagged:
         return recipe, None
     here = path.parent.resolve()
-    # The record's own output directory, whatever a flag says.
+    # The file's own output directory, whatever a flag says.
     written_for = load_recipe(path, check_paths=False, quiet=True).run.resolved_output_dir.resolve()
-    flagged = "run.output_dir" in overrides
     target = recipe.run.resolved_output_dir.resolve() if flagged else here
     job_dir = ray_job_working_dir()
     if target == written_for or (
@@ -155,8 +158,11 @@ def record_in_its_directory(
     ):
         return recipe, None  # the same place, or a copy Ray uploaded with a job (outputs there would be lost with it)
     checkpoints = recipe.trainer.checkpoint
+    own = Path(checkpoints.dir).resolve() if checkpoints.dir is not None else written_for / CHECKPOINTS
+    if not is_record and (checkpoints.dir is None or "trainer.checkpoint.dir" in overrides
+                          or not own.is_relative_to(written_for)):  # fmt: skip
+        return recipe, None  # a recipe file: its default checkpoints follow the flag; another place is its choice
     if "trainer.checkpoint.dir" not in overrides:
-        own = Path(checkpoints.dir).resolve() if checkpoints.dir is not None else written_for / CHECKPOINTS
         if not own.is_relative_to(written_for):
             raise ValueError(
                 f"{path} is the record of the run at {written_for} (this run goes to {target}), and it names that "
@@ -164,9 +170,15 @@ def record_in_its_directory(
                 "checkpoints. Give this run its own: --trainer.checkpoint.dir DIR (copy the checkpoints there first "
                 "to continue from them), or run the original with its own record"
             )  # fmt: skip
-        checkpoints = checkpoints.model_copy(update={"dir": str(target / own.relative_to(written_for))})
-    log.info("%s was written for the run at %s: continued in %s, with its own checkpoints", path, written_for,
-             target)  # fmt: skip
+        from trainer.checkpoint_dirs import latest_checkpoint
+
+        new = target / own.relative_to(written_for)
+        checkpoints = checkpoints.model_copy(update={"dir": str(new)})
+        if latest_checkpoint(own) is not None and latest_checkpoint(new) is None:
+            log.warning("%s names the run at %s; this run goes to %s, its checkpoints to %s, and none are there: the "
+                        "checkpoints in %s stay that run's (copy them there first to continue from them)", path,
+                        written_for, target, new, own)  # fmt: skip
+    log.warning("%s was written for the run at %s: this run is %s", path, written_for, target)
     return recipe.model_copy(update={
         "run": recipe.run.model_copy(update={"output_dir": str(target)}),
         "trainer": recipe.trainer.model_copy(update={"checkpoint": checkpoints}),

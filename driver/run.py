@@ -403,7 +403,7 @@ class _Run:
         eval_problems = self.dataset.eval_problems()[: r.run.eval.num_problems]
         eval_sampling, term = r.eval_sampling, r.reward.accuracy_term
         do_eval = lambda: evaluate(self.pool, eval_problems, eval_sampling, term)  # noqa: E731
-        if isinstance(r.environment, SingleTurnEnvConfig):  # every prompt, before anything trains (a row hours in)
+        if isinstance(r.environment, SingleTurnEnvConfig):  # before anything trains (not a row hours in)
             too_long = self.pool.prompts_too_long([*self.dataset.train_problems(), *eval_problems])
             if too_long is not None:
                 raise PromptTooLong(too_long)

@@ -91,7 +91,8 @@ def _as_reward(value: Any) -> float:
     if isinstance(value, str | bytes) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
         raise TypeError(f"returned {value!r} of type {type(value).__name__}; a reward function must return a number")
     try:
-        value = float(value)
+        # One element of an array or tensor by .item(): numpy deprecates float() of an array with dimensions.
+        value = float(value.item() if getattr(value, "size", None) == 1 and hasattr(value, "item") else value)
     except (TypeError, ValueError) as e:  # a tensor of several elements, a complex number
         raise TypeError(f"returned {value!r} of type {type(value).__name__}, which is no single real number ({e}); "
                         "a reward function must return a number") from None

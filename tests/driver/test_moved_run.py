@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +32,7 @@ def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_as_it_was(tmp_
     caplog.clear()  # the set-up's own recipe warnings
     with pytest.raises(AssertionError, match="Ray was started"):  # the resume's checks passed, on the copy
         rl_align.main(["--recipe", str(branch / "recipe.resolved.toml"), "--resume", "--trainer.optimizer.lr", "1e-4"])
-    assert f"continued in {branch}" in caplog.text
+    assert f"was written for the run at {out}: this run is {branch}" in caplog.text
     # The settings changed are the flag's; the paths that follow the copy are none, and the record's own warnings
     # (a 4-step run in a 10-step warmup) are said once, of this run.
     assert "trainer.optimizer.lr: 0.0005 -> 0.0001;" in caplog.text and "run.output_dir:" not in caplog.text
@@ -104,7 +105,7 @@ def test_a_recipe_saved_under_the_records_name_beside_no_run_is_read_as_it_is(tm
     assert record_in_its_directory(saved, recipe, {}) == (recipe, None)
 
 
-def test_a_record_resumed_into_another_directory_by_flag_takes_its_checkpoints_along(tmp_path):
+def test_a_record_resumed_into_another_directory_by_flag_takes_its_checkpoints_along(tmp_path, caplog):
     """``cp -a runs/a runs/b`` then ``--recipe runs/b/recipe.resolved.toml --run.output_dir runs/b --resume`` trained
     on from the original's checkpoints and wrote (and pruned) them: the flag skipped the move. Also a record resumed
     in its own place into a new directory must not train the original's checkpoints."""
@@ -120,6 +121,15 @@ def test_a_record_resumed_into_another_directory_by_flag_takes_its_checkpoints_a
     elsewhere, own = {"run.output_dir": str(tmp_path / "new")}, out / "recipe.resolved.toml"
     recipe, moved_from = record_in_its_directory(own, load_recipe(own, elsewhere), elsewhere)
     assert moved_from == out and recipe.trainer.checkpoint.dir == str(tmp_path / "new" / "checkpoints")
+    assert f"none are there: the checkpoints in {out / 'checkpoints'} stay that run's (copy them there" in caplog.text
     same = {"run.output_dir": str(out)}
     kept = load_recipe(out / "recipe.resolved.toml", same)
     assert record_in_its_directory(out / "recipe.resolved.toml", kept, same) == (kept, None)
+    # The record copied under another name names the original's checkpoints explicitly, as every record does.
+    mine = tmp_path / "mine.toml"
+    write_resolved(load_recipe(own, {"trainer.checkpoint.dir": str(out / "checkpoints")}), tmp_path / "w")
+    shutil.copy(tmp_path / "w" / "recipe.resolved.toml", mine)
+    recipe, _ = record_in_its_directory(mine, load_recipe(mine, elsewhere), elsewhere)
+    assert recipe.trainer.checkpoint.dir == str(tmp_path / "new" / "checkpoints")
+    plain = load_recipe("recipes/grpo_tiny.toml", elsewhere)  # default checkpoints follow the flag by themselves
+    assert record_in_its_directory(Path("recipes/grpo_tiny.toml"), plain, elsewhere) == (plain, None)
