@@ -6,12 +6,13 @@ No torch import here (recipes validate in well under a second). The model and th
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, Literal
 
 import pydantic
 
-from common.config import Config, DType, FieldError
+from common.config import Config, DType, FieldError, setting_warning
 
 if TYPE_CHECKING:
     from trainer.models.config import ModelConfig
@@ -83,6 +84,13 @@ class ActivationCheckpointConfig(Config):
     then each ``every`` blocks), trading memory against recompute."""
     every: int = pydantic.Field(default=2, ge=2)
     """With 'selective': checkpoint blocks ``0, every, 2 * every, ...`` (every block is 'full')."""
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> ActivationCheckpointConfig:
+        if self.mode != "selective" and self.every != type(self).model_fields["every"].default:
+            setting_warning(logging.getLogger("rl_align"), "trainer.activation_checkpoint.every = %d: unused with "
+                            "mode = %r (it picks the blocks of mode = 'selective')", self.every, self.mode)  # fmt: skip
+        return self
 
     def checkpointed_blocks(self, num_blocks: int) -> list[int]:
         """Indices of the blocks (of ``num_blocks``) this setting checkpoints."""

@@ -140,6 +140,16 @@ def test_config_selects_blocks_and_refuses_a_selective_every_of_one() -> None:
         TrainerConfig(activation_checkpoint={"mode": "op"})
 
 
+def test_every_outside_selective_mode_is_warned_unused(caplog) -> None:
+    with caplog.at_level("WARNING", logger="rl_align"):
+        ActivationCheckpointConfig(mode="selective", every=3)
+        ActivationCheckpointConfig(mode="full")
+        assert not caplog.records
+        ActivationCheckpointConfig(mode="full", every=3)
+    [record] = caplog.records
+    assert "activation_checkpoint.every = 3: unused with mode = 'full'" in record.getMessage()
+
+
 def test_a_recipe_names_it_and_a_bad_setting_names_the_field() -> None:
     from common.config import ConfigError
     from recipe import load_recipe
