@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         print(to_toml(recipe), end="")
         # On stderr: stdout stays the resolved recipe alone, for a script to keep.
         later = ""
-        if recipe.model.create_tiny is not None and not (Path(recipe.model.path) / "config.json").is_file():
+        if not recipe.policy_config_known:  # a tiny model the run creates (the load refused any other missing one)
             later = (f"; the tiny model for {recipe.model.path} does not exist yet: it is checked against the "
                      "trainer's sharding and the tokenizer once a run creates it, before any actor starts")  # fmt: skip
         print(f"ok: {args.recipe} with {len(dataset)} training and {len(dataset.eval_problems())} held-out problems "

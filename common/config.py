@@ -41,6 +41,7 @@ __all__ = [
     "FieldError",
     "Sources",
     "apply_overrides",
+    "changed_settings",
     "config_error",
     "load_toml_config",
     "parse_overrides",
@@ -302,6 +303,14 @@ def load_toml_config(cls: type[ConfigT], path: str | Path, overrides: Mapping[st
 
 
 _QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("rl_align_quiet_validation", default=False)
+
+
+def changed_settings(config: pydantic.BaseModel, names: Sequence[str] | None = None) -> list[str]:
+    """``"name = value"`` for each field of ``config`` (of ``names``, default all) set to other than its default: what a
+    warning about settings a mode or feature leaves unused names."""
+    fields = type(config).model_fields
+    return [f"{name} = {getattr(config, name)!r}" for name in (names or list(fields))
+            if getattr(config, name) != fields[name].default]  # fmt: skip
 
 
 def setting_warning(logger: logging.Logger, message: str, *args: object) -> None:

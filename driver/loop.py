@@ -169,9 +169,10 @@ class RLLoop:
         scores them 0: the run trains on zeros, and only a counter said so)."""
         num_scored = metrics.get("rollout/num_episodes", 0.0)  # the rewards score an episode once
         for key, num_errors in metrics.items():
-            term = key.removeprefix("reward/").removesuffix("/num_errors")
-            if not (key.startswith("reward/") and key.endswith("/num_errors")) or "/" in term or term == "num_errors":
+            parts = key.split("/")
+            if len(parts) != 3 or parts[0] != "reward" or parts[2] != "num_errors":  # reward/<term>/num_errors
                 continue
+            term = parts[1]
             if term not in self._warned_terms and num_scored and num_errors > num_scored / 2:
                 self._warned_terms.add(term)
                 log.warning("step %d: reward term %r failed on %d of %d episodes, each scored 0 (reward.on_error = "

@@ -121,7 +121,7 @@ def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None)
     recipe.weight_sync.resolve_token()  # a token variable set but empty: the engines' receivers would refuse to start
     _check_prometheus_port(recipe.run.logging.prometheus_port)
     dataset = check_data(recipe)
-    checked_at_load = recipe.model.create_published is not None or (Path(recipe.model.path) / "config.json").is_file()
+    checked_at_load = recipe.policy_config_known
     ensure_model(recipe)
     check_tokenizer_dir(recipe.rollout.tokenizer_dir)  # loaded while the actors start
     _check_exportable(recipe)

@@ -146,8 +146,9 @@ def record_in_its_directory(
     ``--trainer.checkpoint.dir`` says which this run is to use."""
     is_record = path.name == RESOLVED_RECIPE and _holds_run_outputs(path.parent)
     flagged = "run.output_dir" in overrides
-    if not is_record and not flagged:
-        return recipe, None
+    checkpoints = recipe.trainer.checkpoint
+    if not is_record and (not flagged or checkpoints.dir is None or "trainer.checkpoint.dir" in overrides):
+        return recipe, None  # a recipe file: its default checkpoints follow the flag; a flag's are the flag's
     here = path.parent.resolve()
     # The file's own output directory, whatever a flag says.
     written_for = load_recipe(path, check_paths=False, quiet=True).run.resolved_output_dir.resolve()
@@ -157,11 +158,9 @@ def record_in_its_directory(
         not flagged and job_dir is not None and here.is_relative_to(Path(job_dir).resolve())
     ):
         return recipe, None  # the same place, or a copy Ray uploaded with a job (outputs there would be lost with it)
-    checkpoints = recipe.trainer.checkpoint
     own = Path(checkpoints.dir).resolve() if checkpoints.dir is not None else written_for / CHECKPOINTS
-    if not is_record and (checkpoints.dir is None or "trainer.checkpoint.dir" in overrides
-                          or not own.is_relative_to(written_for)):  # fmt: skip
-        return recipe, None  # a recipe file: its default checkpoints follow the flag; another place is its choice
+    if not is_record and not own.is_relative_to(written_for):
+        return recipe, None  # a recipe file naming checkpoints outside its output directory: its choice
     if "trainer.checkpoint.dir" not in overrides:
         if not own.is_relative_to(written_for):
             raise ValueError(

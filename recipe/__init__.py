@@ -200,6 +200,12 @@ class Recipe(Config):
         """The model directory this run's adapters apply to (``common.run_dir.lora_base_dir``); None without LoRA."""
         return lora_base_dir(self.model_dump(mode="json"), self.run.resolved_output_dir)
 
+    @property
+    def policy_config_known(self) -> bool:
+        """Whether :meth:`policy_config` can be read now: the model directory holds a ``config.json``, or the model is
+        a published architecture created from known fields (a tiny model is known once a run creates it)."""
+        return self.model.create_published is not None or (Path(self.model.path) / "config.json").is_file()
+
     def policy_config(self, quiet: bool = False) -> ModelConfig:
         """The policy's model config: the model directory's ``config.json`` (before a ``[model.create_published]``
         model exists, the published fields it will be written from) with the recipe's blocks and ``[model.lora]``.

@@ -113,7 +113,7 @@ def host_problems(recipe: Recipe) -> list[Problem]:
             "local HF model directory, or add a [model.create_tiny] ([model.create_published]) section to create a "
             "tiny (real-size random) one there",
         ))  # fmt: skip
-    elif (model_dir / "config.json").is_file() or recipe.model.create_published is not None:
+    elif recipe.policy_config_known:
         # A published architecture is checked from its fields before it is created; a tiny model created at run time
         # is checked once it exists (driver.preflight), before any actor starts.
         try:

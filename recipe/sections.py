@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 import pydantic
 
-from common.config import Config, DType, setting_warning
+from common.config import Config, DType, changed_settings, setting_warning
 from common.published import published_fields
 from rollout.config import check_temperature
 from trainer.models.config import BlockChoices, Family, LoRAConfig
@@ -258,15 +258,13 @@ class RunConfig(Config):
                 "batches in flight, a refill's prompts are drawn after theirs, and a checkpoint's data cursor cannot "
                 "say which prompts a resume must draw again (it skipped a batch in flight)"
             )
-        default = type(self).model_fields["max_staleness"].default
-        if self.mode == "sync" and self.max_staleness != default:
-            setting_warning(log, "run.max_staleness = %d: unused in mode = 'sync' (on-policy); set run.mode = "
-                                 "'async' for generation to run ahead of training", self.max_staleness)  # fmt: skip
+        if self.mode == "sync" and (staleness := changed_settings(self, ["max_staleness"])):
+            setting_warning(log, "run.%s: unused in mode = 'sync' (on-policy); set run.mode = 'async' for generation "
+                                 "to run ahead of training", staleness[0])  # fmt: skip
         sampling = self.dynamic_sampling
-        if not sampling.enabled and sampling.model_dump(exclude={"enabled"}) != DynamicSamplingConfig().model_dump(
-            exclude={"enabled"}
-        ):
-            setting_warning(log, "run.dynamic_sampling settings are unused, as dynamic_sampling.enabled = false")
+        if not sampling.enabled and (unused := changed_settings(sampling)):
+            setting_warning(log, "run.dynamic_sampling settings are unused, as dynamic_sampling.enabled = false: %s",
+                            ", ".join(unused))  # fmt: skip
         warm = self.warm_start
         if warm.num_steps > 0 and warm.stop_at_accuracy is not None and self.eval.num_problems == 0:
             raise ValueError(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 import pydantic
 
-from common.config import Config, DType, FieldError, setting_warning
+from common.config import Config, DType, FieldError, changed_settings, setting_warning
 
 if TYPE_CHECKING:
     from trainer.models.config import ModelConfig
@@ -87,9 +87,9 @@ class ActivationCheckpointConfig(Config):
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> ActivationCheckpointConfig:
-        if self.mode != "selective" and self.every != type(self).model_fields["every"].default:
-            setting_warning(logging.getLogger("rl_align"), "trainer.activation_checkpoint.every = %d: unused with "
-                            "mode = %r (it picks the blocks of mode = 'selective')", self.every, self.mode)  # fmt: skip
+        if self.mode != "selective" and (every := changed_settings(self, ["every"])):
+            setting_warning(logging.getLogger("rl_align"), "trainer.activation_checkpoint.%s: unused with mode = %r "
+                            "(it picks the blocks of mode = 'selective')", every[0], self.mode)  # fmt: skip
         return self
 
     def checkpointed_blocks(self, num_blocks: int) -> list[int]:

@@ -210,13 +210,6 @@ def test_pallas_kernel_with_device_cuda_fails_at_check(tmp_path):
     assert 'set model.output_head = "chunked"' in err, err
 
 
-def test_check_says_what_it_leaves_to_the_run_for_a_tiny_model_not_yet_created(tmp_path):
-    """--check printed a bare "ok" where sharding and tokenizer checks of a model it cannot see were still to come."""
-    rc, err = run_check(["--recipe", "recipes/grpo_tiny.toml", "--model.path", str(tmp_path / "tiny")])
-    assert rc == 0 and "(nothing was started); the tiny model for" in err, err
-    assert "checked against the trainer's sharding and the tokenizer once a run creates it" in err, err
-
-
 def test_warm_start_false_is_no_warm_start(tmp_path):
     """``= false`` drops a table the base set (README); for the warm start it was "Input should be an object"."""
     path = tmp_path / "mine.toml"
@@ -461,50 +454,6 @@ def test_an_agent_function_that_is_missing_or_not_async_or_cannot_take_its_optio
     assert "'turn'" in err and "tool_loop(ctx: 'AgentContext', turns: 'int' = 3" in err
 
 
-def test_expert_parallel_the_model_cannot_take_fails_at_load_naming_the_field(tmp_path):
-    from tools.make_tiny_model import make_tiny_model
-
-    moe = str(make_tiny_model(tmp_path / "moe", family="qwen3_moe", hidden_size=32, num_layers=1))  # 4 experts
-    dense = str(make_tiny_model(tmp_path / "dense", family="qwen3", hidden_size=32, num_layers=1))
-    recipe = ROOT / "recipes" / "grpo_tiny.toml"
-    three = {"trainer.num_ranks": 3, "trainer.parallelism.expert_parallel_degree": 3}
-    msg = load_error(recipe, {"model.path": moe, **three})
-    assert "- trainer.parallelism.expert_parallel_degree: " in msg and "does not divide the model's 4 experts" in msg
-    two = {"trainer.num_ranks": 2, "trainer.parallelism.expert_parallel_degree": 2}
-    assert "has no experts: set it to 1" in load_error(recipe, {"model.path": dense, **two})
-    load_recipe(recipe, {"model.path": moe, **two})
-
-
-def test_tensor_parallel_the_model_cannot_take_fails_at_load_naming_the_field(tmp_path):
-    """Checked at load, as expert parallelism is: otherwise it failed in the trainer ranks' setup, after Ray and the
-    engines had started."""
-    from tools.make_tiny_model import make_tiny_model
-
-    moe = str(make_tiny_model(tmp_path / "moe", family="qwen3_moe", hidden_size=32, num_layers=1))
-    dense = str(make_tiny_model(tmp_path / "dense", family="qwen3", hidden_size=32, num_layers=1))  # 4 q, 2 kv heads
-    recipe = ROOT / "recipes" / "grpo_tiny.toml"
-    tp = "trainer.parallelism.tensor_parallel_degree"
-    msg = load_error(recipe, {"model.path": moe, "trainer.num_ranks": 2, tp: 2})
-    assert "- trainer.parallelism.tensor_parallel_degree: tensor parallelism supports dense blocks only" in msg, msg
-    msg = load_error(recipe, {"model.path": dense, "trainer.num_ranks": 4, tp: 4})
-    assert "tensor_parallel_degree 4 must divide num_heads and num_kv_heads (4, 2): use one of [1, 2]" in msg, msg
-    load_recipe(recipe, {"model.path": dense, "trainer.num_ranks": 2, tp: 2})
-
-
-def test_sharding_a_published_model_cannot_take_fails_at_load_before_it_is_created(tmp_path):
-    """A real-size recipe's model is created at start, for minutes: its sharding is checked from the published
-    fields, with nothing written."""
-    recipe, where = ROOT / "recipes" / "qwen3_30b_a3b_reduced_cpu.toml", str(tmp_path / "not_yet")
-    ep = "trainer.parallelism.expert_parallel_degree"
-    msg = load_error(recipe, {"model.path": where, "trainer.num_ranks": 3, ep: 3})
-    assert "- trainer.parallelism.expert_parallel_degree: " in msg and "does not divide the model's 8 experts" in msg
-    dense = ROOT / "recipes" / "qwen3_0p6b_cpu.toml"
-    msg = load_error(dense, {"model.path": where, "trainer.num_ranks": 2, ep: 2})
-    assert "has no experts: set it to 1" in msg, msg
-    assert not (tmp_path / "not_yet").exists()
-    load_recipe(recipe, {"model.path": where})
-
-
 def test_a_warm_start_accuracy_target_without_held_out_problems_is_refused():
     msg = load_error(ROOT / "recipes" / "grpo_tiny.toml", {"run.eval.num_problems": 0})
     assert "warm_start.stop_at_accuracy = 0.4 is checked on held-out problems, but eval.num_problems = 0" in msg, msg
@@ -528,13 +477,6 @@ def test_a_critic_learning_rate_without_a_critic_is_refused_and_value_clip_false
     assert load_recipe(grpo, {"trainer.critic_lr": False}).trainer.critic_lr is None  # a base recipe's, unset
     assert load_recipe(ppo, {"algorithm.value_clip": False}).algorithm.value_clip is None
     assert load_recipe(ppo, {"algorithm.vf_coef": 0.5}) == load_recipe(ppo)  # an earlier record's: read, ignored
-
-
-def test_a_model_config_without_the_keys_every_model_has_is_an_error_on_model_path(tmp_path):
-    """Every load reads the model's config.json now (to check the model fits): a KeyError escaped as a traceback."""
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
-    msg = load_error(ROOT / "recipes" / "grpo_tiny.toml", {"model.path": str(tmp_path), "model.create_tiny": False})
-    assert "- model.path: " in msg and "is not a model config this code reads (KeyError: 'num_attention_heads')" in msg
 
 
 def test_a_run_that_pushes_over_tls_to_engines_serving_plaintext_fails_at_load():
@@ -610,19 +552,6 @@ def test_check_reads_the_tasks_data_as_a_run_does(tmp_path):
     code, err = run_check(["--recipe", "recipes/grpo_tiny.toml", "--task.type", "jsonl", "--task.path", str(data),
                         "--task.num_eval_problems", "2"])  # fmt: skip
     assert code == 2 and f"error: {data}:6: missing key 'answer'" in err, err
-
-
-def test_a_model_settings_warning_is_given_once_per_start(tmp_path, caplog):
-    """The LoRA rank warning came twice: the model config is built at recipe load and again before the run starts."""
-    from driver.preflight import check_offline
-    from tools.make_tiny_model import make_tiny_model
-
-    model = str(make_tiny_model(tmp_path / "tiny", family="qwen3", hidden_size=32, num_layers=1))
-    with caplog.at_level("WARNING", logger="rl_align"):
-        recipe = load_recipe(ROOT / "recipes" / "grpo_tiny_lora.toml", {"model.path": model, "model.lora.rank": 64})
-        check_offline(recipe)
-        recipe.policy_config(quiet=True)
-    assert sum("lora.rank = 64 exceeds" in r.getMessage() for r in caplog.records) == 1, caplog.records
 
 
 def test_async_dynamic_sampling_past_one_batch_in_flight_is_refused_and_unused_settings_are_warned(caplog):

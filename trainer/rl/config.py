@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic
 
-from common.config import Config, setting_warning
+from common.config import Config, changed_settings, setting_warning
 
 __all__ = [
     "AlgorithmConfig",
@@ -128,8 +128,7 @@ class ImportanceSamplingConfig(Config):
 
     @pydantic.model_validator(mode="after")
     def _check_bounds(self) -> ImportanceSamplingConfig:
-        unused = [f"{name} = {getattr(self, name)!r}" for name in ("level", "mode", "cap", "lower_bound")
-                  if getattr(self, name) != type(self).model_fields[name].default]  # fmt: skip
+        unused = changed_settings(self, ["level", "mode", "cap", "lower_bound"])
         if not self.enabled and unused:
             setting_warning(log, "importance_sampling.%s: unused, as importance_sampling.enabled = false",
                             ", ".join(unused))  # fmt: skip
