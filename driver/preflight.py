@@ -265,20 +265,27 @@ def check_reward_functions(recipe: Recipe, problem: Problem) -> None:
     the completion: one that fails or returns no number there would fail the first batch, after every actor started.
     With ``reward.on_error = "zero"`` (the run would score such samples 0) a warning instead of ``ValueError``."""
     from rollout.rewards.config import FunctionRewardConfig
-    from rollout.rewards.function import FunctionReward, RewardFunctionError
+    from rollout.rewards.function import RewardFunctionError
+    from rollout.rewards.scorer import RewardScorer
 
+    functions = [t for t in recipe.reward.terms if isinstance(t, FunctionRewardConfig)]
+    if not functions:
+        return
     on_error = recipe.reward.on_error
-    for term in recipe.reward.terms:
-        if not isinstance(term, FunctionRewardConfig):
-            continue
-        label = (f"the task's first problem (id {problem.problem_id!r}) with its reference answer {problem.answer!r} "
-                 "as the completion")
-        try:
-            FunctionReward(term, on_error="fail").score([problem.answer], [problem], [label])
-        except RewardFunctionError as e:
-            if on_error == "fail":
-                raise ValueError(f"{e}; checked before the run starts") from e
-            log.warning("%s; with reward.on_error = 'zero' such samples score 0", e)
+    # In the reward process the run uses, under reward.timeout_s: a function that never returns is reported too.
+    scorer = RewardScorer.from_config(recipe.reward.model_copy(update={"terms": functions, "on_error": "fail"}))
+    label = (f"the task's first problem (id {problem.problem_id!r}) with its reference answer {problem.answer!r} as "
+             "the completion")
+    try:
+        for term in scorer.terms:
+            try:
+                term.score([problem.answer], [problem], [label])
+            except RewardFunctionError as e:
+                if on_error == "fail":
+                    raise ValueError(f"{e}; checked before the run starts") from e
+                log.warning("%s; with reward.on_error = 'zero' such samples score 0", e)
+    finally:
+        scorer.close()
 
 
 def _check_engines_not_ahead(recipe: Recipe, resume_from: Path | None) -> None:

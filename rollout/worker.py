@@ -130,10 +130,10 @@ class RolloutWorker:
         all.
 
         Returns the samples grouped by problem, in input order, and additive metrics: ``rollout/generate_s``,
-        ``rollout/score_s`` (the reward functions),
-        ``rollout/num_completion_tokens`` (model tokens), ``rollout/process_cpu_s`` (this worker's CPU seconds since
-        its previous batch, weight loads included), ``rollout/weight_update_s`` (seconds weight updates held the
-        engine since its previous batch), ``reward/num_errors`` and ``reward/<term>/num_errors``; for multi-turn
+        ``rollout/score_s`` (the reward functions), ``rollout/num_completion_tokens`` (model tokens),
+        ``rollout/process_cpu_s`` (this worker's CPU seconds since its previous batch, weight loads and its reward
+        process's included), ``rollout/weight_update_s`` (seconds weight updates held the engine since its previous
+        batch), ``reward/num_errors`` and ``reward/<term>/num_errors``; for multi-turn
         environments also ``env/num_episodes``, ``env/num_turns``, ``env/num_observation_tokens``,
         ``env/num_timeouts``, ``env/num_failed_episodes`` (dropped within ``environment.max_failed_fraction``),
         ``env/num_dropped_episodes`` (those and the rest of the groups dropped whole) and the environment's own
@@ -182,7 +182,8 @@ class RolloutWorker:
         ]
         metrics = {"rollout/generate_s": generate_s, "rollout/score_s": score_s,
                    "rollout/num_completion_tokens": float(sum(int(s.num_model_tokens) for s in samples)),
-                   "rollout/process_cpu_s": self._cpu.lap(), "rollout/weight_update_s": self._update_lap(), **errors}
+                   "rollout/process_cpu_s": self._cpu.lap() + (self.scorer.cpu_lap() if self.scorer else 0.0),
+                   "rollout/weight_update_s": self._update_lap(), **errors}
         if multi_turn:
             metrics["env/num_failed_episodes"] = float(num_failed)
             metrics["env/num_dropped_episodes"] = float(len(problems) * group_size - len(jobs))
@@ -325,6 +326,8 @@ class RolloutWorker:
         self.receiver.stop()
         if self._agents is not None:
             self._agents.shutdown()
+        if self.scorer is not None:
+            self.scorer.close()
         self.engine.shutdown()
 
 

@@ -59,8 +59,8 @@ class MathRewardConfig(_TermConfig):
     type: Literal["math"] = "math"
     """Selects this term."""
     timeout_s: int = pydantic.Field(default=5, ge=1)
-    """Most seconds spent parsing or comparing one completion (enforced with SIGALRM on the main thread only; off
-    the main thread the check runs without a limit)."""
+    """Most seconds math-verify spends parsing or comparing one completion (its own SIGALRM limit, which holds on the
+    reward process's main thread, :mod:`rollout.rewards.isolation`; ``reward.timeout_s`` bounds the whole call)."""
 
 
 class ExactMatchRewardConfig(_TermConfig):
@@ -107,7 +107,10 @@ class FunctionRewardConfig(_TermConfig):
     type: Literal["function"] = "function"
     """Selects this term."""
     function: str
-    """Import path ``module:function``, e.g. ``"my_rewards:length_penalty"``."""
+    """Import path ``module:function``, e.g. ``"my_rewards:length_penalty"``. An ``async def`` function (a judge
+    behind an HTTP API) is awaited, up to ``max_concurrency`` calls at once."""
+    max_concurrency: int = pydantic.Field(default=32, ge=1)
+    """Calls of an ``async def`` function in flight at once (a plain function is called one sample at a time)."""
 
     @pydantic.field_validator("function")
     @classmethod
@@ -208,8 +211,14 @@ class RewardConfig(Config):
     terms: list[RewardTermConfig] = pydantic.Field(default_factory=lambda: [_DEFAULT_TERM], min_length=1)
     """The reward terms; each is reported on its own in metrics and ``Sample.reward_terms``."""
     on_error: Literal["fail", "zero"] = "fail"
-    """When a user reward function raises or returns a non-number: 'fail' stops the step with an error naming the
-    sample; 'zero' scores that term 0 for the sample and counts it in the metrics (``reward/<term>/num_errors``)."""
+    """When a user reward function raises, returns a non-number or passes ``timeout_s``: 'fail' stops the step with
+    an error naming the sample; 'zero' scores that term 0 for the sample and counts it in the metrics
+    (``reward/<term>/num_errors``)."""
+    timeout_s: float = pydantic.Field(default=60.0, gt=0)
+    """Most seconds one term may take on one completion. Every term but reward models runs in a process of its own
+    beside the rollout worker (:mod:`rollout.rewards.isolation`), which is stopped and replaced when a call takes
+    longer: a user function's sample then counts as failed (``on_error``); a rule term's (a math check that never
+    ends on a model's output) scores 0 and is counted."""
     strip_suffixes: list[str] = pydantic.Field(
         default_factory=lambda: ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>"]
     )

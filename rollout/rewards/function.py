@@ -1,7 +1,9 @@
 """User reward functions given as ``"module:function"``: resolved once at build time, called per sample.
 
-The function is called as ``f(completion: str, problem: Problem)`` and must return a real number. A call that raises
-or returns something else is a *user error about one sample*: with ``on_error = "fail"`` it becomes a
+The function is called as ``f(completion: str, problem: Problem)`` and must return a real number; an ``async def``
+function is awaited, ``max_concurrency`` calls at a time, each under ``reward.timeout_s`` (a plain function's calls
+are timed by the process that runs them, :mod:`rollout.rewards.isolation`). A call that raises, returns something
+else or times out is a *user error about one sample*: with ``on_error = "fail"`` it becomes a
 :class:`RewardFunctionError` naming the function and the sample; with ``"zero"`` the sample scores 0 for this term
 and the error is counted; the first error of each exception type is logged with its traceback and sample, once per
 rollout worker (Ray forwards a worker's log to the driver's output).
@@ -9,18 +11,19 @@ rollout worker (Ray forwards a worker's log to the driver's output).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import math
 import numbers
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal, cast
 
 from common.imports import check_import_path, resolve_object
 from rollout.rewards.config import FunctionRewardConfig
 from rollout.tasks.problem import Problem
 
-__all__ = ["FunctionReward", "RewardFunctionError", "resolve_function"]
+__all__ = ["FunctionReward", "RewardFunctionError", "is_async_function", "resolve_function"]
 
 RewardFunction = Callable[[str, Problem], float]
 log = logging.getLogger("rl_align")
@@ -53,37 +56,82 @@ def resolve_function(spec: str) -> RewardFunction:
 class FunctionReward:
     """A reward term computed by a user function, one call per sample."""
 
-    def __init__(self, config: FunctionRewardConfig, on_error: Literal["fail", "zero"]) -> None:
+    def __init__(
+        self, config: FunctionRewardConfig, on_error: Literal["fail", "zero"], timeout_s: float | None = None
+    ) -> None:
+        """``timeout_s``: the limit of one call of an ``async def`` function (None: none)."""
         self.name = config.term_name
         self.weight = config.weight
         self._spec = config.function
         self._function = resolve_function(config.function)
+        self.is_async = is_async_function(self._function)
+        self._max_concurrency = config.max_concurrency
+        self._timeout_s = timeout_s
         self._on_error = on_error
         self._logged: set[str] = set()  # exception types this worker logged: one traceback each, not one per sample
 
     def score(
         self, completions: Sequence[str], problems: Sequence[Problem], labels: Sequence[str]
     ) -> tuple[list[float], int]:
-        scores, num_errors = [], 0
-        for completion, problem, label in zip(completions, problems, labels, strict=True):
-            try:
-                value = _as_reward(self._function(completion, problem))
-            except Exception as e:  # noqa: BLE001  (user code: a boundary; re-raised or counted per on_error)
-                if self._on_error == "fail":
-                    raise RewardFunctionError(
-                        f"reward term {self.name!r}: function {self._spec!r} failed on {label}: "
-                        f"{type(e).__name__}: {e} (set reward.on_error = 'zero' to score such samples 0 instead)"
-                    ) from e
-                value, num_errors = 0.0, num_errors + 1
-                kind = f"{type(e).__module__}.{type(e).__qualname__}"
-                if kind not in self._logged:
-                    self._logged.add(kind)
-                    log.warning("reward term %r: function %r failed on %s, scored 0 (reward.on_error = 'zero'; "
-                                "reward/%s/num_errors counts such samples; this exception type is logged once): "
-                                "%s: %s", self.name, self._spec, label, self.name, type(e).__name__, e,
-                                exc_info=e)  # fmt: skip
-            scores.append(value)
-        return scores, num_errors
+        if self.is_async:
+            return asyncio.run(self._score_async(completions, problems, labels))
+        scored = [self.call(c, p, label) for c, p, label in zip(completions, problems, labels, strict=True)]
+        return [value for value, _ in scored], sum(errors for _, errors in scored)
+
+    def call(self, completion: str, problem: Problem, label: str) -> tuple[float, int]:
+        """One sample's (score, errors) by a plain function (see the module docstring for errors)."""
+        try:
+            return _as_reward(self._function(completion, problem)), 0
+        except Exception as e:  # noqa: BLE001  (user code: a boundary; re-raised or counted per on_error)
+            return self.failed(e, label), 1
+
+    async def call_async(self, completion: str, problem: Problem, label: str) -> tuple[float, int]:
+        """One sample's (score, errors) by an ``async def`` function, cancelled after ``timeout_s``."""
+        function = cast("Callable[[str, Problem], Awaitable[Any]]", self._function)
+        try:
+            return _as_reward(await asyncio.wait_for(function(completion, problem), self._timeout_s)), 0
+        except TimeoutError:
+            why = (f"no result within reward.timeout_s = {self._timeout_s:g} s (raise it or make the function "
+                   "faster); the call was cancelled")  # fmt: skip
+            return self.failed(TimeoutError(why), label), 1
+        except Exception as e:  # noqa: BLE001  (user code: a boundary; re-raised or counted per on_error)
+            return self.failed(e, label), 1
+
+    def failed(self, error: BaseException, label: str) -> float:
+        """The score of a sample the function failed on: raises :class:`RewardFunctionError` under ``on_error =
+        "fail"``, else logs the first failure of each exception type with its traceback and returns 0."""
+        cause = f"{type(error).__name__}: {error}"
+        if self._on_error == "fail":
+            raise RewardFunctionError(
+                f"reward term {self.name!r}: function {self._spec!r} failed on {label}: {cause} (set "
+                "reward.on_error = 'zero' to score such samples 0 instead)"
+            ) from error
+        kind = f"{type(error).__module__}.{type(error).__qualname__}"
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("reward term %r: function %r failed on %s, scored 0 (reward.on_error = 'zero'; "
+                        "reward/%s/num_errors counts such samples; this exception type is logged once): %s",
+                        self.name, self._spec, label, self.name, cause, exc_info=error)  # fmt: skip
+        return 0.0
+
+    async def _score_async(
+        self, completions: Sequence[str], problems: Sequence[Problem], labels: Sequence[str]
+    ) -> tuple[list[float], int]:
+        slots = asyncio.Semaphore(self._max_concurrency)
+
+        async def one(completion: str, problem: Problem, label: str) -> tuple[float, int]:
+            async with slots:
+                return await self.call_async(completion, problem, label)
+
+        scored = await asyncio.gather(*(one(c, p, label) for c, p, label in zip(completions, problems, labels,
+                                                                                strict=True)))  # fmt: skip
+        return [value for value, _ in scored], sum(errors for _, errors in scored)
+
+
+def is_async_function(function: Callable[..., Any]) -> bool:
+    """Whether calling ``function`` returns a coroutine to await (an ``async def`` function, or an object whose
+    ``__call__`` is one)."""
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(type(function).__call__)
 
 
 def _as_reward(value: Any) -> float:

@@ -4,6 +4,10 @@ Usage::
 
     scorer = RewardScorer.from_config(config.reward)   # imports user functions, loads reward models: fails early
     rewards, terms, metrics = scorer.score(completions, problems)
+    scorer.close()
+
+Every term but reward models is computed in a process of its own, each call under ``reward.timeout_s``
+(:mod:`rollout.rewards.isolation`); reward models run here.
 
 ``rewards[i] = sum(term.weight * terms[term.name][i])``. Completions are the decoded text of the generated tokens;
 trailing end-of-sequence texts (``reward.strip_suffixes``) are removed before any term sees them.
@@ -12,7 +16,7 @@ trailing end-of-sequence texts (``reward.strip_suffixes``) are removed before an
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from rollout.rewards.config import (
     ExactMatchRewardConfig,
@@ -26,7 +30,10 @@ from rollout.rewards.config import (
 )
 from rollout.tasks.problem import Problem
 
-__all__ = ["RewardScorer", "RewardTerm", "build_term", "overlong_penalty"]
+if TYPE_CHECKING:
+    from rollout.rewards.isolation import TermProcess
+
+__all__ = ["RewardScorer", "RewardTerm", "build_term", "check_buildable", "overlong_penalty"]
 
 
 def overlong_penalty(num_tokens: int, max_tokens: int, cache_tokens: int) -> float:
@@ -49,8 +56,12 @@ class RewardTerm(Protocol):
     ) -> tuple[list[float], int]: ...
 
 
-def build_term(config: RewardTermConfig, on_error: Literal["fail", "zero"]) -> RewardTerm:
-    """Build the term a config describes (user functions are imported, reward models loaded here)."""
+def build_term(
+    config: RewardTermConfig, on_error: Literal["fail", "zero"], timeout_s: float | None = None
+) -> RewardTerm:
+    """Build the term a config describes here (user functions are imported, reward models loaded);
+    ``timeout_s``: the limit of one call of an async user function. :meth:`RewardScorer.from_config` builds all but
+    reward models in a process of their own (:mod:`rollout.rewards.isolation`) through this."""
     if isinstance(config, MathRewardConfig):
         from rollout.rewards.rules import MathReward
 
@@ -66,12 +77,21 @@ def build_term(config: RewardTermConfig, on_error: Literal["fail", "zero"]) -> R
     if isinstance(config, FunctionRewardConfig):
         from rollout.rewards.function import FunctionReward
 
-        return FunctionReward(config, on_error=on_error)
+        return FunctionReward(config, on_error=on_error, timeout_s=timeout_s)
     if isinstance(config, RewardModelConfig):
         from rollout.rewards.reward_model import RewardModelReward
 
         return RewardModelReward(config)
     raise TypeError(f"unknown reward term config {type(config).__name__}")
+
+
+def check_buildable(config: RewardTermConfig) -> None:
+    """``ValueError`` (``ImportError`` for a missing library) where :func:`build_term` would fail on ``config``,
+    without building it: the user function's module and name, math-verify for a math term."""
+    if isinstance(config, FunctionRewardConfig):
+        config.check_importable()
+    elif isinstance(config, MathRewardConfig):
+        import math_verify  # noqa: F401
 
 
 class RewardScorer:
@@ -82,18 +102,43 @@ class RewardScorer:
         terms: Sequence[RewardTerm],
         strip_suffixes: Sequence[str] = (),
         overlong: OverlongPenaltyConfig | None = None,
+        process: TermProcess | None = None,
     ) -> None:
+        """``process``: the one computing the :class:`IsolatedTerm` among ``terms``, closed with the scorer."""
         if not terms:
             raise ValueError("a reward scorer needs at least one term")
         self.terms = list(terms)
         self._suffixes = tuple(s for s in strip_suffixes if s)
         self.overlong = overlong
+        self._process = process
 
     @classmethod
     def from_config(cls, config: RewardConfig) -> RewardScorer:
-        """Build every term of ``config``; a bad ``module:function`` or reward model path raises ``ValueError`` here."""
-        terms = [build_term(t, config.on_error) for t in config.terms]
-        return cls(terms, strip_suffixes=config.strip_suffixes, overlong=config.overlong)
+        """Build every term of ``config``: reward models here, the others in a :class:`TermProcess` started now. A bad
+        ``module:function`` or reward model path raises ``ValueError`` here."""
+        from rollout.rewards.isolation import IsolatedTerm, TermProcess
+
+        isolated = [t for t in config.terms if not isinstance(t, RewardModelConfig)]
+        for checked in isolated:
+            check_buildable(checked)
+        process = TermProcess(isolated, config.on_error, config.timeout_s) if isolated else None
+        terms: list[RewardTerm] = []
+        for config_term in config.terms:
+            if isinstance(config_term, RewardModelConfig):
+                terms.append(build_term(config_term, config.on_error))
+            else:
+                assert process is not None
+                terms.append(IsolatedTerm(process, sum(isinstance(t, IsolatedTerm) for t in terms), config_term))
+        return cls(terms, strip_suffixes=config.strip_suffixes, overlong=config.overlong, process=process)
+
+    def cpu_lap(self) -> float:
+        """CPU seconds the scorer's own process used since the previous lap (0 without one)."""
+        return self._process.cpu_lap() if self._process is not None else 0.0
+
+    def close(self) -> None:
+        """Stop the scorer's process (idempotent)."""
+        if self._process is not None:
+            self._process.close()
 
     @property
     def term_names(self) -> list[str]:

@@ -1,0 +1,127 @@
+"""Reward terms in their own process: a call that never ends, a process that dies, async functions, CPU accounting."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from rollout.rewards import FormatRewardConfig, FunctionRewardConfig, RewardConfig, RewardFunctionError, RewardScorer
+from rollout.tasks import Problem
+
+MODULE = "rl_align_test_isolated_rewards"
+
+
+def _problems(n: int) -> list[Problem]:
+    return [Problem(prompt="q", answer="1", problem_id=f"p{i}") for i in range(n)]
+
+
+@pytest.fixture
+def module(tmp_path, monkeypatch) -> str:
+    (tmp_path / f"{MODULE}.py").write_text(textwrap.dedent(
+        """
+        import asyncio
+        import os
+        import time
+
+        def sleepy(completion, problem):
+            if completion == "hang":
+                time.sleep(1000)
+            return float(len(completion))
+
+        def dies(completion, problem):
+            if completion == "die":
+                os._exit(3)
+            return 1.0
+
+        def busy(completion, problem):
+            end = time.process_time() + 0.3
+            while time.process_time() < end:
+                pass
+            return 1.0
+
+        IN_FLIGHT = [0, 0]  # now, most
+
+        async def judge(completion, problem):
+            IN_FLIGHT[0] += 1
+            IN_FLIGHT[1] = max(IN_FLIGHT)
+            try:
+                await asyncio.sleep(1000 if completion == "hang" else 0.2)
+            finally:
+                IN_FLIGHT[0] -= 1
+            return float(IN_FLIGHT[1])
+        """))  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))  # on sys.path, not PYTHONPATH: the process must still find it
+    monkeypatch.delitem(sys.modules, MODULE, raising=False)
+    return MODULE
+
+
+def _scorer(*terms, on_error: str = "fail", timeout_s: float = 1.0) -> RewardScorer:
+    return RewardScorer.from_config(RewardConfig(terms=list(terms), on_error=on_error, timeout_s=timeout_s))
+
+
+def test_a_call_that_never_returns_fails_its_sample_and_the_next_batch_runs(module):
+    scorer = _scorer(FunctionRewardConfig(function=f"{module}:sleepy"))
+    with pytest.raises(RewardFunctionError) as info:
+        scorer.score(["ab", "hang", "abc"], _problems(3))
+    message = str(info.value)
+    assert f"function '{module}:sleepy' failed on problem 'p1' with completion 'hang'" in message
+    assert "no result within reward.timeout_s = 1 s" in message and "on_error = 'zero'" in message
+    assert scorer.score(["abcd"], _problems(1))[0] == [4.0]  # a new process
+    scorer.close()
+
+
+def test_with_on_error_zero_the_stalled_sample_scores_zero_and_the_rest_of_the_batch_is_scored(module, caplog):
+    scorer = _scorer(FunctionRewardConfig(function=f"{module}:sleepy"), on_error="zero")
+    with caplog.at_level("WARNING", logger="rl_align"):
+        rewards, _, metrics = scorer.score(["ab", "hang", "abc", "hang", "a"], _problems(5))
+    assert rewards == [2.0, 0.0, 3.0, 0.0, 1.0]
+    assert metrics["reward/function/num_errors"] == 2.0
+    assert [r.getMessage() for r in caplog.records].count(next(
+        r.getMessage() for r in caplog.records if "no result within" in r.getMessage())) == 1  # logged once
+    scorer.close()
+
+
+def test_a_process_that_dies_fails_only_the_sample_it_was_scoring(module):
+    scorer = _scorer(FunctionRewardConfig(function=f"{module}:dies"), on_error="zero")
+    rewards, _, metrics = scorer.score(["a", "die", "b"], _problems(3))
+    assert rewards == [1.0, 0.0, 1.0] and metrics["reward/num_errors"] == 1.0
+    scorer = _scorer(FunctionRewardConfig(function=f"{module}:dies"))
+    with pytest.raises(RewardFunctionError, match=r"the reward process ended \(exit status 3\): it died"):
+        scorer.score(["die"], _problems(1))
+    scorer.close()
+
+
+def test_a_rule_term_that_backtracks_forever_scores_zero_and_is_counted_whatever_on_error(caplog):
+    """A regex holds the interpreter's lock while it backtracks: no thread could stop it, the process is killed."""
+    scorer = _scorer(FormatRewardConfig(pattern=r"(a+)+"), on_error="fail")
+    with caplog.at_level("WARNING", logger="rl_align"):
+        rewards, _, metrics = scorer.score(["aaa", "a" * 40 + "b", "aa"], _problems(3))
+    assert rewards == [1.0, 0.0, 1.0] and metrics["reward/format/num_errors"] == 1.0
+    assert any("reward term 'format': the format check failed on problem 'p1'" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    scorer.close()
+
+
+def test_async_functions_run_concurrently_and_each_call_has_the_timeout(module):
+    scorer = _scorer(FunctionRewardConfig(function=f"{module}:judge", max_concurrency=4), on_error="zero")
+    rewards, _, metrics = scorer.score(["x"] * 6 + ["hang"], _problems(7))
+    assert rewards[-1] == 0.0 and metrics["reward/num_errors"] == 1.0
+    assert max(rewards) == 4.0  # at most max_concurrency calls in flight, and that many were
+    scorer.close()
+
+
+def test_the_process_cpu_is_counted_and_close_stops_it(module):
+    before = {c.pid for c in psutil.Process().children()}
+    scorer = _scorer(FunctionRewardConfig(function=f"{module}:busy"))
+    scorer.cpu_lap()
+    scorer.score(["a", "b"], _problems(2))
+    assert scorer.cpu_lap() >= 0.5
+    ours = [c for c in psutil.Process().children() if c.pid not in before]
+    assert len(ours) == 1 and "rollout.rewards.reward_process" in " ".join(ours[0].cmdline())
+    scorer.close()
+    assert not any(psutil.pid_exists(c.pid) for c in ours)
+    with pytest.raises(RuntimeError, match="closed"):
+        scorer.score(["a"], _problems(1))
