@@ -564,8 +564,10 @@ def test_async_dynamic_sampling_past_one_batch_in_flight_is_refused_and_unused_s
     tiny = ROOT / "recipes" / "grpo_tiny.toml"
     with caplog.at_level("WARNING"):
         load_recipe(tiny, {"run.max_staleness": 4, "run.dynamic_sampling.max_num_rounds": 5,
-                           "algorithm.importance_sampling.enabled": False, "algorithm.importance_sampling.cap": 5.0})
+                           "algorithm.importance_sampling.enabled": False, "algorithm.importance_sampling.cap": 5.0,
+                           "algorithm.kl.where": "reward"})  # fmt: skip
     said = " | ".join(r.getMessage() for r in caplog.records)
+    assert "algorithm.kl.where = 'reward': unused, as algorithm.kl.coef = 0" in said, said
     assert "run.max_staleness = 4: unused in mode = 'sync'" in said, said
     assert "run.dynamic_sampling settings are unused, as dynamic_sampling.enabled = false" in said, said
     assert "importance_sampling.cap = 5.0: unused, as importance_sampling.enabled = false" in said, said

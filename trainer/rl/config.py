@@ -68,6 +68,9 @@ class KLConfig(Config):
 
     @pydantic.model_validator(mode="after")
     def _warn_k1_in_loss(self) -> KLConfig:
+        if self.coef == 0 and (unused := changed_settings(self, ["where"])):
+            setting_warning(log, "algorithm.kl.%s: unused, as algorithm.kl.coef = 0 (no KL penalty, no reference "
+                            "model); set kl.coef > 0 to apply it", ", ".join(unused))  # fmt: skip
         if self.in_loss and self.estimator == "k1":
             setting_warning(
                 log,
