@@ -18,12 +18,13 @@ No torch import here, so recipes validate instantly; ``rollout.rewards.RewardSco
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Annotated, Literal
 
 import pydantic
 
-from common.config import Config, DType
+from common.config import Config, DType, changed_settings, setting_warning
 from common.imports import check_import_path
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
     "RewardModelConfig",
     "RewardTermConfig",
 ]
+
+log = logging.getLogger("rl_align")
 
 
 class _TermConfig(Config):
@@ -118,10 +121,14 @@ class FunctionRewardConfig(_TermConfig):
         return check_import_path(path, "reward function", "my_rewards:length_penalty")
 
     def check_importable(self) -> None:
-        """Import the module and look the function up, as the scorer will; ``ValueError`` says what is missing."""
-        from rollout.rewards.function import resolve_function
+        """Import the module and look the function up, as the scorer will; ``ValueError`` says what is missing. A
+        ``max_concurrency`` set for a plain function (called one sample at a time) is warned about."""
+        from rollout.rewards.function import is_async_function, resolve_function
 
-        resolve_function(self.function)
+        function = resolve_function(self.function)
+        if not is_async_function(function) and (unused := changed_settings(self, ["max_concurrency"])):
+            setting_warning(log, "reward term %r: %s is unused, as %r is no async function (called one sample at a "
+                            "time)", self.term_name, unused[0], self.function)  # fmt: skip
 
 
 class RewardModelConfig(_TermConfig):

@@ -89,7 +89,9 @@ def check_buildable(config: RewardTermConfig) -> None:
     """``ValueError`` (``ImportError`` for a missing library) where :func:`build_term` would fail on ``config``,
     without building it: the user function's module and name, math-verify for a math term."""
     if isinstance(config, FunctionRewardConfig):
-        config.check_importable()
+        from rollout.rewards.function import resolve_function
+
+        resolve_function(config.function)
     elif isinstance(config, MathRewardConfig):
         import math_verify  # noqa: F401
 

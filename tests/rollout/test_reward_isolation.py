@@ -125,3 +125,12 @@ def test_the_process_cpu_is_counted_and_close_stops_it(module):
     assert not any(psutil.pid_exists(c.pid) for c in ours)
     with pytest.raises(RuntimeError, match="closed"):
         scorer.score(["a"], _problems(1))
+
+
+def test_max_concurrency_of_a_plain_function_is_warned_about_as_unused(module, caplog):
+    with caplog.at_level("WARNING", logger="rl_align"):
+        FunctionRewardConfig(function=f"{module}:judge", max_concurrency=4).check_importable()
+        assert not caplog.records
+        FunctionRewardConfig(function=f"{module}:sleepy", max_concurrency=4).check_importable()
+    assert "max_concurrency = 4 is unused, as 'rl_align_test_isolated_rewards:sleepy' is no async function" in (
+        caplog.records[0].getMessage())
