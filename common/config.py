@@ -26,7 +26,7 @@ import tomllib
 import typing
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import pydantic
 import tomli_w
@@ -39,6 +39,8 @@ __all__ = [
     "DType",
     "Family",
     "FieldError",
+    "MAX_ACTORS",
+    "Seed",
     "Sources",
     "apply_overrides",
     "changed_settings",
@@ -57,6 +59,11 @@ DType = Literal["float32", "bfloat16", "float16"]
 Family = Literal["llama3", "qwen3", "qwen3_moe"]
 """The supported architecture families: ``llama3`` (LlamaForCausalLM), ``qwen3`` (Qwen3ForCausalLM) and ``qwen3_moe``
 (Qwen3MoeForCausalLM). Declared here so the model config, the recipe and ``tools/make_tiny_model`` share it."""
+Seed = Annotated[int, pydantic.Field(ge=0, le=2**32 - 1)]
+"""A seed: 0 to 2**32 - 1, the range vLLM's sampler and numpy take."""
+MAX_ACTORS = 65536
+"""Most actors of one role (trainer ranks, rollout workers) a recipe may ask for: a bound far above any cluster's, so
+that a mistyped count is refused at load instead of filling the driver's memory with placement bundles."""
 
 Sources = dict[tuple[str, ...], str]
 """Where each key of a recipe's data was written: key path -> a file name or ``command-line flag --a.b``."""
@@ -71,7 +78,17 @@ class Config(pydantic.BaseModel):
         frozen=True,
         validate_default=True,
         use_attribute_docstrings=True,
+        allow_inf_nan=False,  # a field that means something by inf says so: pydantic.Field(allow_inf_nan=True)
     )
+
+    @pydantic.field_validator("*", mode="after")
+    @classmethod
+    def _fits_64_bits(cls, value: Any) -> Any:
+        # torch, numpy and vLLM take 64-bit integers: 2**70 workers or tokens would fail (or fill the memory) there.
+        if type(value) is int and not -(2**63) <= value < 2**63:  # noqa: E721  (not bool)
+            raise ValueError(f"{value} is out of range: a recipe's integers fit in 64 bits")
+        return value
+
 
 
 class ConfigError(ValueError):
@@ -220,9 +237,12 @@ def apply_overrides(
                 where = ".".join(parts[: j + 1])
                 raise ConfigError(f"override --{dotted}: {where} is a value ({child!r}), not a table")
             node = child
-        node[parts[-1]] = value
+        below = node.get(parts[-1])
+        # A table merges into the table there key by key, as a recipe file's does (unless it names another type).
+        merged = isinstance(value, dict) and isinstance(below, dict) and _same_type(below, value)
+        node[parts[-1]] = _merge(below, value) if merged and isinstance(below, dict) else value
         if sources is not None:
-            for key in [k for k in sources if k[: len(parts)] == parts]:
+            for key in [k for k in sources if k[: len(parts)] == parts and not merged]:
                 del sources[key]
             sources.update(_key_sources(value, source, parts))
     return out
@@ -249,12 +269,19 @@ def read_toml_with_sources(
 
 
 def _read_with_base(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], Sources]:
+    if path.exists() and not path.is_file():  # a directory; a FIFO would block the read for good
+        raise ConfigError(f"{path}: not a recipe file (a {'directory' if path.is_dir() else 'special file'}); name "
+                          "a .toml file")  # fmt: skip
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode()
     except FileNotFoundError:
         raise ConfigError(f"{path}: recipe file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the recipe file: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); TOML files are UTF-8") from None
     try:
-        data = tomllib.loads(text)
+        data = tomllib.loads(text.removeprefix("\ufeff"))  # a byte-order mark, as some editors write
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     base = data.pop("base", None)
@@ -283,13 +310,16 @@ def _key_sources(value: Any, source: str, prefix: tuple[str, ...]) -> Sources:
     return out
 
 
+def _same_type(below: Mapping[str, Any], top: Mapping[str, Any]) -> bool:
+    """Whether table ``top`` written over ``below`` keeps its tagged-union ``type`` (or neither has one)."""
+    return top.get("type", below.get("type")) == below.get("type")
+
+
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in top.items():
         below = out.get(key)
-        if isinstance(value, dict) and isinstance(below, dict) and value.get("type", below.get("type")) == below.get(
-            "type"
-        ):
+        if isinstance(value, dict) and isinstance(below, dict) and _same_type(below, value):
             out[key] = _merge(below, value)
         else:  # a value, or a table of another tagged-union type: replaces the base's
             out[key] = value
@@ -394,11 +424,13 @@ def config_error(
     A location is a pydantic error location in ``data`` (keys, list indices, union tags). Problems whose location was
     written by another file or a flag (per ``sources``) are listed under that source; the rest under ``source``.
     """
-    grouped: dict[str, list[str]] = {}
+    reasons: dict[tuple[str, str], list[str]] = {}  # (source, field) -> why; a plain union's members refuse each
     for loc, reason in problems:
         name, keys = field_name(loc, data)
-        where = _source_of(keys, sources or {}, source)
-        grouped.setdefault(where, []).append(f"- {name}: {reason}")
+        reasons.setdefault((_source_of(keys, sources or {}, source), name), []).append(reason)
+    grouped: dict[str, list[str]] = {}
+    for (where, name), why in reasons.items():
+        grouped.setdefault(where, []).append(f"- {name}: {'; or '.join(why)}")
     num = sum(len(lines) for lines in grouped.values())
     if len(grouped) == 1:
         [(where, lines)] = grouped.items()

@@ -30,6 +30,7 @@ def field_name(loc: Loc, data: Any) -> tuple[str, tuple[str, ...]]:
     keys: list[str] = []
     in_list = False
     node = data
+    tagged: Any = None  # the table whose tagged-union tag was passed: the next item is one of its keys
     for j, item in enumerate(loc):
         last = j == len(loc) - 1
         if isinstance(item, Blamed):
@@ -39,12 +40,16 @@ def field_name(loc: Loc, data: Any) -> tuple[str, tuple[str, ...]]:
             parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
             node = node[item] if item < len(node) else None
             in_list = True
+        elif isinstance(node, dict) and item == node.get("type") and tagged is not node:
+            # The tag pydantic inserts for a tagged union (e.g. 'grpo') comes first, even where the table has a key
+            # of the same name (the 'function' reward term's field 'function').
+            tagged = node
         elif isinstance(node, dict) and item in node:
             parts.append(str(item))
             keys += [] if in_list else [str(item)]
             node = node[item]
-        elif isinstance(node, dict) and item == node.get("type"):
-            continue  # the tag pydantic inserts for a tagged union (e.g. 'grpo'): not a key the user wrote
+        elif node is not None and not isinstance(node, dict | list):
+            continue  # a member tag of a plain union ('constrained-int', "literal['auto']"): the value is this field's
         elif last or not isinstance(node, dict):
             parts.append(str(item))
             keys += [] if in_list else [str(item)]

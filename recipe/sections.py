@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 import pydantic
 
-from common.config import Config, DType, changed_settings, setting_warning
+from common.config import Config, DType, Seed, changed_settings, setting_warning
 from common.published import published_fields
 from rollout.config import check_temperature
 from trainer.models.config import BlockChoices, Family, LoRAConfig
@@ -38,7 +38,7 @@ class TinyModelSpec(Config):
     """Transformer blocks."""
     num_heads: int = pydantic.Field(4, ge=1)
     """Query heads (key/value heads: half of them)."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of the random initialisation and of the tokenizer training corpus; unset means ``run.seed``."""
 
 
@@ -58,7 +58,7 @@ class PublishedModelSpec(Config):
     head alone would not fit the host beside the blocks being measured; None keeps the published vocabulary."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of the saved weights (published checkpoints are bfloat16)."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of the random initialisation and of the tokenizer; unset means ``run.seed``."""
 
     @pydantic.field_validator("architecture")
@@ -205,7 +205,7 @@ class RunConfig(Config):
     """Run name (used in the default output directory)."""
     output_dir: str | None = None
     """Where metrics, the resolved recipe, checkpoints and plots go; default ``runs/<name>``."""
-    seed: int = pydantic.Field(0, ge=0)
+    seed: Seed = 0
     """Base seed of the run: the value of every component seed the recipe leaves unset (``trainer.seed``: the
     trainer's torch RNG; ``task.seed``: problem generation and data order; ``rollout.engine.seed``: the engines'
     sampler; ``model.create_tiny.seed``: the tiny model's initialisation), and the seed of held-out evaluation unless

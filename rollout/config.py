@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 import pydantic
 
-from common.config import Config, DType
+from common.config import MAX_ACTORS, Config, DType, Seed
 from weight_sync.peft import AdapterSpec
 
 __all__ = [
@@ -62,7 +62,7 @@ class SamplingConfig(Config):
     """Token ids that end a completion besides the tokenizer's end-of-sequence token (the id is kept in the ids)."""
     ignore_eos: bool = False
     """Keep generating past end-of-sequence until ``max_tokens`` (benchmarks only)."""
-    seed: int | None = None
+    seed: Seed | None = None
     """Base seed: each sample's (and model turn's) seed derives from it and the sample's group id, index and turn
     (``rollout.sampling.turn_seed``), so results do not depend on which worker ran it or how episodes interleaved.
     ``None`` samples without a fixed seed."""
@@ -97,7 +97,7 @@ class EngineConfig(Config):
     block_size: int | None = pydantic.Field(default=None, ge=1)
     """Tokens per KV-cache block; the prefix cache reuses whole blocks only. ``None``: the platform's choice
     (:func:`rollout.engine.platform.platform_engine_args`: 32 on CPU, vLLM's default elsewhere)."""
-    seed: int = 0
+    seed: Seed = 0
     """Engine-wide random seed (requests with a sampling seed use their own). In a recipe, unset means
     ``run.seed``."""
     cpu_threads_bind: str = "auto"
@@ -138,7 +138,7 @@ class RolloutConfig(Config):
     """Local tokenizer directory when it differs from ``model_path``."""
     use_chat_template: bool | None = None
     """Render prompts with the tokenizer's chat template: ``None`` when it has one, ``True`` requires it."""
-    num_workers: Annotated[int, pydantic.Field(ge=1)] | Literal["auto"] = 1
+    num_workers: Annotated[int, pydantic.Field(ge=1, le=MAX_ACTORS)] | Literal["auto"] = 1
     """Rollout workers (Ray actors), each one engine. 'auto' (in a recipe): as many as the run's placement makes
     best use of, decided by ``driver.placement.plan_placement``; a pool is always given a number."""
     num_cpus_per_worker: float = pydantic.Field(default=1.0, ge=0.0)

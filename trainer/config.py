@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 import pydantic
 
-from common.config import Config, DType, FieldError, changed_settings, setting_warning
+from common.config import MAX_ACTORS, Config, DType, FieldError, Seed, changed_settings, setting_warning
 
 if TYPE_CHECKING:
     from trainer.models.config import ModelConfig
@@ -173,7 +173,7 @@ class TrainerConfig(Config):
     device: Device = "cpu"
     """Where the trainer computes: 'cpu' (gloo), 'cuda' (nccl, one GPU per rank), 'tpu' (torch-tpu) or 'xla'
     (torch_xla's device, for hosts on that stack; one rank; its own environment: ``make xla-env``)."""
-    num_ranks: int = pydantic.Field(default=1, ge=1)
+    num_ranks: int = pydantic.Field(default=1, ge=1, le=MAX_ACTORS)
     """Trainer ranks (Ray actors) forming one torch.distributed group."""
     parallelism: ParallelismConfig = ParallelismConfig()
     """Sharding of the model across ranks."""
@@ -187,7 +187,7 @@ class TrainerConfig(Config):
     """PPO critic learning rate; None reuses ``optimizer.lr``."""
     schedule: ScheduleConfig = ScheduleConfig()
     """Learning-rate warmup and decay."""
-    max_grad_norm: float = pydantic.Field(default=1.0, gt=0)
+    max_grad_norm: float = pydantic.Field(default=1.0, gt=0, allow_inf_nan=True)
     """Clip the global gradient norm to this value; ``inf`` (TOML ``inf``, Python ``math.inf``) disables clipping (the
     norm is still reported). Read it through :attr:`grad_clip_norm`."""
     micro_batch_tokens: int = pydantic.Field(default=4096, ge=1)
@@ -210,7 +210,7 @@ class TrainerConfig(Config):
     several samples stays in one), each one optimizer step."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Periodic full-state checkpoints."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of the trainer's torch RNG, set before the model is built (its random initialisation when no checkpoint is
     loaded); the same on every rank. In a recipe, unset means ``run.seed``."""
     compile: bool = False

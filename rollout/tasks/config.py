@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 import pydantic
 
-from common.config import Config
+from common.config import Config, Seed
 
 __all__ = ["ArithmeticTaskConfig", "JsonlTaskConfig", "Operator", "TaskConfig", "arithmetic_capacity"]
 
@@ -52,7 +52,7 @@ class ArithmeticTaskConfig(Config):
     solution_format: Literal["answer", "calculator"] = "answer"
     """The ideal solution a warm start trains on: the bare result, or a transcript that calls the ``calculator`` tool
     on the problem and answers with its result (for ``[environment] type = "tools"``)."""
-    seed: int = pydantic.Field(default=0, ge=0)
+    seed: Seed = 0
     """Seed of problem generation and of the per-epoch shuffle."""
 
     @pydantic.field_validator("prompt_template")
@@ -136,7 +136,7 @@ class JsonlTaskConfig(Config):
     recipe's, so a ``num_eval_problems`` split can replace it)."""
     num_eval_problems: int = pydantic.Field(default=0, ge=0)
     """Lines of ``path`` set aside (after a seeded shuffle) as the held-out set when there is no ``eval_path``."""
-    seed: int = pydantic.Field(default=0, ge=0)
+    seed: Seed = 0
     """Seed of the held-out split and of the per-epoch shuffle."""
 
 

@@ -271,3 +271,66 @@ def test_false_unsets_an_optional_table_or_value_and_leaves_booleans_and_free_fo
                                               "options": {"calculator": False}})  # fmt: skip
     assert dropped.adapter is None and dropped.target is None
     assert dropped.flag is False and dropped.options == {"calculator": False}  # a user's own options, as given
+
+
+class Bounded(Config):
+    lr: float = 1.0
+    clip: float = pydantic.Field(default=1.0, allow_inf_nan=True)
+    """inf means off."""
+    count: int = 1
+    workers: Annotated[int, pydantic.Field(ge=1)] | Literal["auto"] = 1
+    algo: Annotated[A | B, pydantic.Field(discriminator="type")] = A()
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_float_is_finite_unless_its_field_says_inf_means_something(value):
+    with pytest.raises(ConfigError, match=r"- lr: Input should be a finite number"):
+        validate_config(Bounded, {"lr": value})
+    assert validate_config(Bounded, {"clip": float("inf")}).clip == float("inf")
+
+
+def test_an_integer_past_64_bits_is_refused_at_load_not_where_torch_or_numpy_overflow():
+    """2**70 rollout workers passed --check and filled the driver's memory with placement bundles."""
+    with pytest.raises(ConfigError, match=r"- count: 1180591620717411303424 is out of range: a recipe's integers fit"):
+        validate_config(Bounded, {"count": 2**70})
+    assert validate_config(Bounded, {"count": 2**63 - 1}).count == 2**63 - 1
+
+
+def test_the_members_of_a_plain_union_refuse_a_value_in_one_line_under_the_field():
+    with pytest.raises(ConfigError) as e:
+        validate_config(Bounded, {"workers": 0})
+    assert "(1 problem(s)):\n  - workers: Input should be greater than or equal to 1 (got 0); or Input should be " \
+        "'auto' (got 0)" in str(e.value)  # fmt: skip
+
+
+def test_a_missing_field_named_like_its_tables_type_is_named():
+    class F(Config):
+        type: Literal["function"] = "function"
+        function: str
+
+    class WithF(Config):
+        terms: list[Annotated[F | B, pydantic.Field(discriminator="type")]] = []
+
+    with pytest.raises(ConfigError, match=r"- terms\[0\].function: required field is missing"):
+        validate_config(WithF, {"terms": [{"type": "function"}]})
+    with pytest.raises(ConfigError, match=r"- terms\[0\].function: Input should be a valid string"):
+        validate_config(WithF, {"terms": [{"type": "function", "function": 3}]})
+
+
+def test_a_table_given_as_a_flag_merges_into_the_recipes_table_as_a_file_would(tmp_path):
+    """`--run.warm_start '{num_steps=10}'` dropped the base's other warm-start settings, silently."""
+    f = tmp_path / "r.toml"
+    f.write_text('name = "r"\n[inner]\nlr = 0.5\nbetas = [0.1, 0.2]\n[algo]\ntype = "a"\ngroup_size = 6\n')
+    cfg = load_toml_config(Root, f, parse_overrides(["--inner", "{lr = 0.25}", "--algo", '{type = "a"}']))
+    assert cfg.inner == Inner(lr=0.25, betas=[0.1, 0.2]) and cfg.algo == A(group_size=6)
+    assert load_toml_config(Root, f, parse_overrides(["--algo", '{type = "b"}'])).algo == B()  # another type: replaced
+
+
+def test_a_recipe_path_that_is_no_utf8_file_is_named_with_what_is_wrong(tmp_path):
+    with pytest.raises(ConfigError, match=r": not a recipe file \(a directory\); name a .toml file"):
+        load_toml_config(Root, tmp_path)
+    (tmp_path / "latin1.toml").write_bytes('name = "caf\xe9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.toml: not UTF-8 text \(byte 11: invalid continuation byte\)"):
+        load_toml_config(Root, tmp_path / "latin1.toml")
+    (tmp_path / "bom.toml").write_bytes('\ufeffname = "with a byte-order mark"\n'.encode())
+    assert load_toml_config(Root, tmp_path / "bom.toml").name == "with a byte-order mark"

@@ -575,3 +575,11 @@ def test_async_dynamic_sampling_past_one_batch_in_flight_is_refused_and_unused_s
     with caplog.at_level("WARNING"):
         load_recipe(tiny)
     assert not [r for r in caplog.records if "unused" in r.getMessage()], caplog.records
+
+
+@pytest.mark.parametrize("key, value", [("run.seed", 2**32), ("rollout.engine.seed", -5), ("trainer.seed", 2**70),
+                                        ("task.seed", 2**32), ("model.create_tiny.seed", 2**32)])  # fmt: skip
+def test_a_seed_outside_what_the_engine_and_numpy_take_is_refused_at_load(key, value):
+    """run.seed = 2**32 passed --check and failed in every rollout worker's start, after Ray and the trainer."""
+    msg = load_error(ROOT / "recipes" / "grpo_tiny.toml", {key: value})
+    assert f"- {key}: Input should be" in msg and f"(got {value})" in msg, msg
