@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,16 @@ from rollout.tasks.problem import Problem, chat_messages
 
 __all__ = ["load_jsonl", "read_jsonl_problems"]
 
+log = logging.getLogger("rl_align")
+
 
 def load_jsonl(config: JsonlTaskConfig) -> tuple[list[Problem], list[Problem]]:
     """Return ``(train, eval)``: from ``path`` and ``eval_path``, or ``path`` split by a seeded shuffle. Held-out rows
     need no ``solution_field`` (evaluation samples, it trains on nothing). A problem id that occurs twice is an error
     naming both lines."""
+    if config.eval_path is not None and Path(config.eval_path).resolve() == Path(config.path).resolve():
+        raise ValueError(f"task.eval_path is task.path ({config.path}): every held-out problem would be one the run "
+                         "trains on; give a file of its own, or split path with task.num_eval_problems")  # fmt: skip
     train = _read(config.path, config, need_solution=True)
     if config.eval_path is not None:  # default ids say "held-out": train/data.jsonl and eval/data.jsonl share names
         held_out = _read(config.eval_path, config, need_solution=False, id_prefix="held-out:")
@@ -39,6 +45,12 @@ def load_jsonl(config: JsonlTaskConfig) -> tuple[list[Problem], list[Problem]]:
         if first != where:
             raise ValueError(f"{where}: problem id {problem.problem_id!r} is also the id of {first}; ids must be "
                              "unique across the task's files")  # fmt: skip
+    trained = {json.dumps(p.prompt, sort_keys=True) for p, _ in train}
+    seen_in_training = [where for p, where in held_out if json.dumps(p.prompt, sort_keys=True) in trained]
+    if seen_in_training:
+        log.warning("%d of the %d held-out problems have the prompt of a training problem (the first at %s): held-out "
+                    "accuracy then counts answers the run trained on", len(seen_in_training), len(held_out),
+                    seen_in_training[0])  # fmt: skip
     return [p for p, _ in train], [p for p, _ in held_out]
 
 
@@ -69,7 +81,9 @@ def _read(
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as e:
+            except RecursionError:
+                raise ValueError(f"{where}: JSON nested too deeply to read") from None
+            except ValueError as e:  # malformed, or a number of more digits than Python converts
                 raise ValueError(f"{where}: not valid JSON ({e})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")

@@ -226,6 +226,10 @@ def test_jsonl_rows_keep_their_other_keys_for_rewards_and_refuse_half_characters
         # Accepted before: an empty prompt, a role no template knows.
         (['{"prompt": "  ", "answer": "1"}'], r"data.jsonl:1: 'prompt' must be non-empty text"),
         (['{"prompt": [{"role": "robot", "content": "p"}], "answer": "1"}'], r"roles: system, user, assistant, tool"),
+        # A traceback (RecursionError), and an error naming no file or line (Python's digit limit), before.
+        (['{"prompt": "p", "answer": "1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"],
+         r"data.jsonl:1: JSON nested too deeply to read"),
+        (['{"prompt": "p", "answer": ' + "9" * 5000 + "}"], r"data.jsonl:1: not valid JSON \(Exceeds the limit"),
     ],
 )
 def test_jsonl_errors_name_file_and_line(tmp_path, lines, message):
@@ -286,3 +290,14 @@ def test_task_config_round_trips_through_toml():
 
     recipe = _Recipe(task=ArithmeticTaskConfig(operators=["*"], max_digits=3, prompt_template="{a} {op} {b} = ?"))
     assert validate_config(_Recipe, tomllib.loads(to_toml(recipe))) == recipe
+
+
+def test_held_out_data_the_run_trains_on_is_refused_or_warned_about(tmp_path, caplog):
+    """The training file given as eval_path passed as 40 training and 40 held-out problems (the default ids differ)."""
+    train = _write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"p{i}", "answer": "1"} for i in range(4)])
+    with pytest.raises(ValueError, match=r"task.eval_path is task.path .*train.jsonl.*: every held-out problem would"):
+        build_dataset(JsonlTaskConfig(path=train, eval_path=str(tmp_path / "." / "train.jsonl")))
+    held_out = _write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "p1", "answer": "1"}, {"prompt": "x", "answer": "2"}])
+    with caplog.at_level("WARNING", logger="rl_align"):
+        build_dataset(JsonlTaskConfig(path=train, eval_path=held_out))
+    assert "1 of the 2 held-out problems have the prompt of a training problem (the first at " in caplog.text
