@@ -58,6 +58,9 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 LIMIT_CODES = (EPISODE_LIMIT, CONTEXT_LENGTH_EXCEEDED)
 
 _MAX_BODY_BYTES = 16 << 20
+_RENDER_BOUND = 4
+"""A request whose text (contents, tool calls, tools) is over this many times what the context holds at the longest
+token is refused unrendered."""
 
 
 @dataclass
@@ -342,9 +345,20 @@ class AgentEndpoint:
         if any(t >= vocab for t in chat.stop_token_ids):  # vLLM does not check them: one past the vocabulary broke it
             raise protocol.ProtocolError(f"stop_token_ids: the vocabulary has {vocab} tokens (ids 0 to {vocab - 1})",
                                          param="stop_token_ids")  # fmt: skip
-        fewest = -(-sum(len(m["content"] or "") for m in chat.messages) // self._longest_token)
+        contents = sum(len(m["content"] or "") for m in chat.messages)
+        fewest = -(-contents // self._longest_token)
         if fewest > self.engine.config.max_model_len:
             return chat, None, fewest
+        # Tool calls' arguments and tool descriptions count towards no bound (a template may leave them out), but
+        # rendering megabytes of them holds the one reader thread, every episode's calls behind it.
+        other = len(json.dumps([m.get("tool_calls") for m in chat.messages], default=str)) + len(
+            json.dumps(chat.tools, default=str))  # fmt: skip
+        most = _RENDER_BOUND * self.engine.config.max_model_len * self._longest_token
+        if contents + other > most:
+            raise protocol.ProtocolError(
+                f"the request holds {contents + other} characters of messages, tool calls and tools: over "
+                f"{_RENDER_BOUND}x what a context of {self.engine.config.max_model_len} tokens (at most "
+                f"{self._longest_token} characters each) holds; it was not rendered", param="messages")  # fmt: skip
         try:
             prompt = self._prompts(chat.messages, chat.tools)
             return chat, prompt, len(prompt)

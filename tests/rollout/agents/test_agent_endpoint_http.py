@@ -38,6 +38,12 @@ def test_a_message_too_long_for_any_tokenisation_is_refused_unrendered_as_past_t
         with pytest.raises(openai.BadRequestError, match="the prompt has at least .* tokens: no room left") as e:
             client.chat.completions.create(model="policy", messages=[{"role": "tool", "content": "x" * (4 << 20)}])
         assert e.value.code == "context_length_exceeded" and episode.num_limit_refusals == 1 and not episode.calls
+        # A tool call's arguments and the tools count towards no bound (a template may leave them out), yet 14 MB of
+        # them took 38 s to render on the reader thread.
+        call = {"id": "c", "type": "function", "function": {"name": "calc", "arguments": "x" * (4 << 20)}}
+        with pytest.raises(openai.BadRequestError, match=r"characters of messages, tool calls and tools: over 4x"):
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}, {
+                "role": "assistant", "content": None, "tool_calls": [call]}])  # fmt: skip
     finally:
         worker.engine.run(runner.endpoint.close(episode))
         runner.shutdown()
