@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import datetime
 import json
 import logging
 import tomllib
@@ -156,8 +157,13 @@ def parse_overrides(args: Sequence[str]) -> dict[str, Any]:
 
 def _parse_value(raw: str) -> Any:
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
+        parsed = tomllib.loads(f"v = {raw}")
     except tomllib.TOMLDecodeError:
+        return raw
+    value = parsed["v"]
+    # Text that reads as more than one value ("3\nfoo = 1"), or as a TOML date or time (no field takes one; TOML
+    # would rewrite "1979-05-27T07:32:00" as "1979-05-27 07:32:00"), is the text itself.
+    if len(parsed) > 1 or isinstance(value, datetime.date | datetime.time):
         return raw
     if type(value) is int:  # noqa: E721  (not bool)
         return _IntFlag(value, raw)

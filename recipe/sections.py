@@ -201,8 +201,9 @@ class PlacementGroupsConfig(Config):
 class RunConfig(Config):
     """The RL loop itself."""
 
-    name: str = pydantic.Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
-    """Run name (used in the default output directory)."""
+    name: str = pydantic.Field("run", pattern=r"^[A-Za-z0-9_.-]*[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
+    """Run name (used in the default output directory): letters, digits, ``_``, ``-`` and ``.``, not dots alone (``..``
+    would make ``runs/..`` the output directory)."""
     output_dir: str | None = None
     """Where metrics, the resolved recipe, checkpoints and plots go; default ``runs/<name>``."""
     seed: Seed = 0

@@ -42,8 +42,9 @@ log = logging.getLogger("rl_align")
 
 
 class _TermConfig(Config):
-    name: str | None = None
-    """Name of the term in metrics and ``Sample.reward_terms``; defaults to its ``type``. Names must be unique."""
+    name: str | None = pydantic.Field(default=None, pattern=r"^[^/\x00-\x1f]+$")
+    """Name of the term in metrics (``reward/<name>/...``) and ``Sample.reward_terms``; defaults to its ``type``. Names
+    must be unique, not empty, without ``/`` or control characters."""
     weight: float = 1.0
     """The term's score is multiplied by this before summing into the reward."""
 

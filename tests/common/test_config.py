@@ -334,3 +334,9 @@ def test_a_recipe_path_that_is_no_utf8_file_is_named_with_what_is_wrong(tmp_path
         load_toml_config(Root, tmp_path / "latin1.toml")
     (tmp_path / "bom.toml").write_bytes('\ufeffname = "with a byte-order mark"\n'.encode())
     assert load_toml_config(Root, tmp_path / "bom.toml").name == "with a byte-order mark"
+
+
+def test_flag_text_that_toml_reads_as_more_than_one_value_or_as_a_date_is_kept_as_text():
+    """'3\\nfoo = 1' was read as 3 (the rest dropped); a date-time typed for a path came back rewritten."""
+    got = parse_overrides(["--n", "3\nfoo = 1", "--dir", "1979-05-27T07:32:00", "--t", "07:32:00.5"])
+    assert got == {"n": "3\nfoo = 1", "dir": "1979-05-27T07:32:00", "t": "07:32:00.5"}

@@ -583,3 +583,10 @@ def test_a_seed_outside_what_the_engine_and_numpy_take_is_refused_at_load(key, v
     """run.seed = 2**32 passed --check and failed in every rollout worker's start, after Ray and the trainer."""
     msg = load_error(ROOT / "recipes" / "grpo_tiny.toml", {key: value})
     assert f"- {key}: Input should be" in msg and f"(got {value})" in msg, msg
+
+
+def test_a_run_name_of_dots_alone_is_refused():
+    """run.name = '..' made runs/.. (the working directory) the output directory."""
+    msg = load_error(ROOT / "recipes" / "grpo_tiny.toml", {"run.name": ".."})
+    assert "- run.name: String should match pattern" in msg, msg
+    load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"run.name": "v1.2"})

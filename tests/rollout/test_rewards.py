@@ -253,6 +253,8 @@ class _Recipe(Config):
         ({"terms": [{"type": "bleu"}]}, "reward.terms[0]", "no type 'bleu': set type = one of 'math', 'exact_match'"),
         ({"on_error": "ignore"}, "reward.on_error", "'fail' or 'zero'"),
         ({"terms": [{"type": "reward_model"}]}, "reward.terms[0].path", "required field is missing"),
+        ({"terms": [{"type": "math", "name": "a/b"}]}, "reward.terms[0].name", "should match pattern"),
+        ({"terms": [{"type": "math", "name": ""}]}, "reward.terms[0].name", "should match pattern"),
     ],
 )
 def test_bad_reward_configs_name_the_field(reward, field, message):
