@@ -229,6 +229,8 @@ def apply_overrides(
             known = sources if sources is not None else {}
             for key in [k for k in known if len(k) > len(under) and k[: len(under)] == under]:
                 del known[key]
+            if under:  # the table is the flag's now: what it lacks is the flag's to give
+                known[under] = _override_source(dotted)
     for dotted, value in overrides.items():
         parts = tuple(dotted.split("."))
         if not all(parts):

@@ -171,6 +171,18 @@ def test_an_override_of_a_tables_type_replaces_the_table_as_a_file_naming_anothe
         cfg = load_toml_config(Root, tmp_path / "r.toml", parse_overrides(flags))
         assert cfg.algo == A(group_size=6), flags  # gamma, a key of type 'b', went with the table
     assert load_toml_config(Root, tmp_path / "r.toml", parse_overrides(["--algo.type", "b"])).algo == B(gamma=0.5)
+    # What the emptied table then lacks is the flag's to give, not the file's.
+    (tmp_path / "r.toml").write_text('[algo]\ntype = "a"\ngroup_size = 6\n')
+
+    class Needs(Config):
+        type: Literal["n"] = "n"
+        path: str
+
+    class WithNeeds(Config):
+        algo: Annotated[A | Needs, pydantic.Field(discriminator="type")] = A()
+
+    with pytest.raises(ConfigError, match=r"^command-line flag --algo.type: invalid recipe .*\n  - algo.path: requi"):
+        load_toml_config(WithNeeds, tmp_path / "r.toml", parse_overrides(["--algo.type", "n"]))
 
 
 def test_a_table_of_a_tagged_union_without_its_type_lists_the_types_and_the_one_its_keys_fit(tmp_path):
