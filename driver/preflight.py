@@ -126,7 +126,7 @@ def check_run(recipe: Recipe, out_dir: Path, ckpt_dir: Path, resume: str | None)
     check_tokenizer_dir(recipe.rollout.tokenizer_dir)  # loaded while the actors start
     _check_exportable(recipe)
     model_cfg = recipe.policy_config(quiet=checked_at_load)  # its warnings were given at load
-    recipe.trainer.check_model(model_cfg)
+    recipe.check_model(model_cfg)
     check_tokenizer(recipe, model_cfg.vocab_size, dataset)
     if resume_from is not None:
         check_resumable(resume_from, model_cfg, recipe, out_dir)

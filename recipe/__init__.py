@@ -236,6 +236,14 @@ class Recipe(Config):
             raise FieldError("model.lora", f"[model.lora] does not fit the model in {self.model.path}: "
                                            f"{problems}") from None  # fmt: skip
 
+    def check_model(self, model: ModelConfig) -> None:
+        """Raise ``FieldError`` on the field to change where the trainer (:meth:`TrainerConfig.check_model`) or the
+        engines (a KV cache too small for one sequence) cannot run ``model``."""
+        self.trainer.check_model(model)
+        problem = self.rollout.engine.kv_cache_problem(model.num_layers, model.num_kv_heads, model.head_dim)
+        if problem is not None:
+            raise FieldError("rollout.engine.kv_cache_gib", problem)
+
     @property
     def export_source_dir(self) -> str:
         """The model directory an export of the policy takes its tokenizer, special-token ids and generation config

@@ -117,7 +117,7 @@ def host_problems(recipe: Recipe) -> list[Problem]:
         # A published architecture is checked from its fields before it is created; a tiny model created at run time
         # is checked once it exists (driver.preflight), before any actor starts.
         try:
-            recipe.trainer.check_model(recipe.policy_config())
+            recipe.check_model(recipe.policy_config())
         except FieldError as e:
             problems.append((tuple(e.field.split(".")), str(e)))
         except ValueError as e:

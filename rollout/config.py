@@ -126,6 +126,20 @@ class EngineConfig(Config):
     log-prob is that of the weights that sampled it, so the trainer's importance correction stays exact; the pause is
     the reload alone)."""
 
+    def kv_cache_problem(self, num_layers: int, num_kv_heads: int, head_dim: int) -> str | None:
+        """Why ``kv_cache_gib`` cannot hold one sequence of ``max_model_len`` tokens of a model of these shapes (vLLM
+        then refuses to start, naming a setting of its own); None when it can. An engine of a tensor-parallel group
+        holds its share of the key/value heads."""
+        heads = max(1, num_kv_heads // self.tensor_parallel_size)
+        per_token = 2 * num_layers * heads * head_dim * (4 if self.dtype == "float32" else 2)
+        needed = self.max_model_len * per_token
+        if needed <= self.kv_cache_gib * (1 << 30):
+            return None
+        return (f"{self.kv_cache_gib:g} GiB of KV cache holds {int(self.kv_cache_gib * (1 << 30)) // per_token} "
+                f"tokens of this model ({per_token} bytes each in {self.dtype}), not one sequence of "
+                f"rollout.engine.max_model_len = {self.max_model_len}: raise it to at least {needed / (1 << 30):.3g} "
+                "GiB (more for sequences decoded together) or lower max_model_len")  # fmt: skip
+
 
 class RolloutConfig(Config):
     """The rollout pool: which model to serve, how many workers, how each engine runs and how it samples."""

@@ -76,3 +76,13 @@ def test_a_model_settings_warning_is_given_once_per_start(tmp_path, caplog):
         check_offline(recipe)
         recipe.policy_config(quiet=True)
     assert sum("lora.rank = 64 exceeds" in r.getMessage() for r in caplog.records) == 1, caplog.records
+
+
+def test_a_kv_cache_too_small_for_one_sequence_fails_at_load_naming_the_field():
+    """kv_cache_gib = 1e-9 passed --check; vLLM then refused every engine's start naming gpu_memory_utilization, a
+    setting no recipe has. Qwen3-0.6B's shapes (28 layers, 8 kv heads of 128) in bfloat16: 114,688 bytes a token."""
+    recipe = ROOT / "recipes" / "qwen3_0p6b_cpu.toml"
+    msg = load_error(recipe, {"rollout.engine.kv_cache_gib": 0.001})
+    assert "- rollout.engine.kv_cache_gib: 0.001 GiB of KV cache holds 9 tokens of this model (114688 bytes each in " \
+        "bfloat16), not one sequence of rollout.engine.max_model_len = 256" in msg, msg  # fmt: skip
+    load_recipe(recipe, {"rollout.engine.kv_cache_gib": 0.03})
