@@ -94,9 +94,10 @@ class EngineConfig(Config):
     enable_prefix_caching: bool = True
     """Reuse the KV of shared prompt prefixes (the n samples of a group share their prompt, an episode's next turn
     extends its last); reset on every update."""
-    block_size: int | None = pydantic.Field(default=None, ge=1)
-    """Tokens per KV-cache block; the prefix cache reuses whole blocks only. ``None``: the platform's choice
-    (:func:`rollout.engine.platform.platform_engine_args`: 32 on CPU, vLLM's default elsewhere)."""
+    block_size: int | None = pydantic.Field(default=None, ge=16, multiple_of=16)
+    """Tokens per KV-cache block, a multiple of 16 (of 32 on CPU: vLLM's attention kernels' blocks); the prefix cache
+    reuses whole blocks only. ``None``: the platform's choice (:func:`rollout.engine.platform.platform_engine_args`: 32
+    on CPU, vLLM's default elsewhere)."""
     seed: Seed = 0
     """Engine-wide random seed (requests with a sampling seed use their own). In a recipe, unset means
     ``run.seed``."""
