@@ -284,9 +284,13 @@ def tool_description_problem(tool: object) -> str | None:
         return f"['function']['name'] is {name!r}, not a non-empty string: the name the model calls the tool by"
     if function.get("description") is not None and not isinstance(function["description"], str):
         return f"['function']['description'] is a {_type_name(function['description'])}, not text"
-    if "parameters" in function and not isinstance(function["parameters"], Mapping):
-        return (f"['function']['parameters'] is a {_type_name(function['parameters'])}, not a JSON schema object "
-                "({'type': 'object', 'properties': {...}, 'required': [...]})")  # fmt: skip
+    parameters = function.get("parameters", {})
+    schema = "a JSON schema object ({'type': 'object', 'properties': {...}, 'required': [...]})"
+    if not isinstance(parameters, Mapping):
+        return f"['function']['parameters'] is a {_type_name(parameters)}, not {schema}"
+    if parameters.get("type", "object") != "object" or not isinstance(parameters.get("properties", {}), Mapping):
+        return (f"['function']['parameters'] has type {parameters.get('type')!r} and properties of type "
+                f"{_type_name(parameters.get('properties', {}))}: the arguments are {schema}")  # fmt: skip
     return None
 
 

@@ -36,12 +36,13 @@ tojson`` would otherwise render the JSON as a quoted string the model never wrot
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollout.tokenizer import tool_description_problem
+from rollout.tokenizer import check_tools
 
 __all__ = [
     "MAX_CHOICES", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "ChatRequest", "ProtocolError", "assistant_reply",
@@ -337,10 +338,11 @@ def _tools(value: object) -> list[dict[str, Any]] | None:
         return None
     if not isinstance(value, list):
         raise ProtocolError("tools must be a list of {'type': 'function', 'function': {...}}", param="tools")
-    for j, tool in enumerate(value):
-        problem = tool_description_problem(tool)
-        if problem is not None:
-            raise ProtocolError(f"tools[{j}]{problem}", param=f"tools[{j}]")
+    try:
+        check_tools(value)  # as a recipe's tools are: each a description, of a name of its own
+    except ValueError as e:
+        entry = re.match(r"tools\[\d+\]", str(e))
+        raise ProtocolError(str(e), param=entry.group(0) if entry else "tools") from None
     return [dict(t) for t in value] or None
 
 

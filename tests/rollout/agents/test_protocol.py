@@ -97,6 +97,9 @@ def test_a_served_tool_call_sent_back_renders_as_the_model_wrote_it_under_a_tojs
     ({"messages": USER, "tools": [{"type": "retrieval"}]}, "tools[0]"),
     # parameters a chat template cannot read as a schema: the check the environments' tools go through too
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0]"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": 7, "properties": "x"}}}]}, "tools[0]"),  # fmt: skip
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools[1]"),  # as a recipe's
     ({"messages": USER, "max_tokens": 0}, "max_tokens"),
     ({"messages": USER, "stop": ["", "x"]}, "stop"),
     ({"messages": USER, "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),

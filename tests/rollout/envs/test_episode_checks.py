@@ -121,7 +121,7 @@ CALC = build_tool("calculator").schema()
     ([{"type": "function", "function": {"name": "calc", "parameters": "x"}}],
      r"tools\[0\]\['function'\]\['parameters'\] is a str, not a JSON schema object"),
     ([CALC, CALC], r"tools\[1\] is a second tool named 'calculator'"),
-    ([{"type": "function", "function": {"name": "calc", "parameters": {"type": {int}}}}],
+    ([{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {"x": {int}}}}}],
      r"tools\[0\] is not JSON"),
 ])  # fmt: skip
 def test_tools_no_template_can_describe_fail_the_episode_naming_the_environment(tools, error):
