@@ -40,9 +40,12 @@ def field_name(loc: Loc, data: Any) -> tuple[str, tuple[str, ...]]:
             parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
             node = node[item] if item < len(node) else None
             in_list = True
-        elif isinstance(node, dict) and item == node.get("type") and tagged is not node:
-            # The tag pydantic inserts for a tagged union (e.g. 'grpo') comes first, even where the table has a key
-            # of the same name (the 'function' reward term's field 'function').
+        elif isinstance(node, dict) and item == node.get("type") and tagged is not node and not (
+            item in node and (last or _addresses(node[item], loc[j + 1]))
+        ):
+            # The tag pydantic inserts for a tagged union (e.g. 'grpo'), once per table, before its keys, even one of
+            # the same name (the 'function' reward term's field 'function'); a location of keys alone (a check of
+            # this machine's) has none.
             tagged = node
         elif isinstance(node, dict) and item in node:
             parts.append(str(item))
@@ -55,6 +58,13 @@ def field_name(loc: Loc, data: Any) -> tuple[str, tuple[str, ...]]:
             keys += [] if in_list else [str(item)]
         # else: a union tag such as 'grpo' that is not a key of the input: skip it.
     return ".".join(parts) or "(whole file)", tuple(keys)
+
+
+def _addresses(value: Any, item: str | int) -> bool:
+    """Whether ``item`` is a key or an index of ``value``."""
+    if isinstance(value, dict):
+        return item in value
+    return isinstance(value, list) and isinstance(item, int) and item < len(value)
 
 
 def refusal_reason(err: Mapping[str, Any], cls: type[pydantic.BaseModel], data: Any) -> str:
