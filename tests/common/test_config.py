@@ -328,6 +328,22 @@ def test_a_missing_field_named_like_its_tables_type_is_named():
     with pytest.raises(ConfigError, match=r"- terms\[0\].function: Input should be a valid string"):
         validate_config(WithF, {"terms": [{"type": "function", "function": 3}]})
 
+    class Tools(Config):  # the tool environment: type 'tools' and a list 'tools'
+        type: Literal["tools"] = "tools"
+        tools: list[str] = []
+        fraction: float = 0.0
+
+    class WithTools(Config):
+        env: Annotated[Tools | B, pydantic.Field(discriminator="type")] = Tools()
+
+    with pytest.raises(ConfigError, match=r"- env.fraction: Input should be a finite number"):  # not env.tools.fraction
+        validate_config(WithTools, {"env": {"type": "tools", "tools": ["calc"], "fraction": float("nan")}})
+    from common.config import config_error
+
+    # A check's own location of keys (no tags): the list is named, not taken for the tag.
+    assert "- env.tools[0]: unknown" in str(config_error([(("env", "tools", 0), "unknown")],
+                                                         {"env": {"type": "tools", "tools": ["calc"]}}))  # fmt: skip
+
 
 def test_a_table_given_as_a_flag_merges_into_the_recipes_table_as_a_file_would(tmp_path):
     """`--run.warm_start '{num_steps=10}'` dropped the base's other warm-start settings, silently."""
