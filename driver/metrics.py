@@ -10,6 +10,7 @@ Python loader only, not by the default Rust one).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -20,9 +21,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from common.disk import free_bytes, is_no_space
 from common.run_dir import METRICS, TENSORBOARD
 
-__all__ = ["MetricsLogger", "keep_records", "plot_curves", "prometheus_port_taken", "read_jsonl"]
+__all__ = ["MetricsLogger", "MetricsWriteError", "keep_records", "plot_curves", "prometheus_port_taken", "read_jsonl"]
 
 log = logging.getLogger("rl_align")
 
@@ -32,6 +34,17 @@ _PROGRESS_KEYS = (
     ("train/kl", "kl"),
     ("perf/tokens_per_s", "tok/s"),
 )
+
+
+class MetricsWriteError(RuntimeError):
+    """The metrics of a step could not be written (the message says why and what is free)."""
+
+
+def _write_failure(out_dir: Path, error: OSError) -> str:
+    free = free_bytes(out_dir)
+    space = (f"; {free / 1e6:,.1f} MB are free under {out_dir}: free space or point run.output_dir at a larger volume"
+             if free is not None and is_no_space(error) else "")  # fmt: skip
+    return f"the metrics could not be written under {out_dir} ({type(error).__name__}: {error}){space}"
 
 
 def keep_records(path: Path, keep: Callable[[dict[str, Any]], bool]) -> tuple[list[str], int]:
@@ -107,12 +120,19 @@ class MetricsLogger:
         self._gauges: dict[str, Any] = {}
 
     def log(self, step: int, metrics: Mapping[str, float], phase: str = "rl") -> None:
-        """Record ``metrics`` for ``step`` in every sink; non-finite values are kept in JSONL as null."""
+        """Record ``metrics`` for ``step`` in every sink; non-finite values are kept in JSONL as null.
+        :class:`MetricsWriteError` when the JSONL file or TensorBoard's cannot be written (a full volume)."""
         clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()}
         now = time.time()
-        self._file.write(json.dumps({"step": step, "phase": phase, "time": now, **clean}) + "\n")
-        self._file.flush()
-        self._to_tensorboard(step, phase, now, clean)
+        start = self._file.tell()
+        try:
+            self._file.write(json.dumps({"step": step, "phase": phase, "time": now, **clean}) + "\n")
+            self._file.flush()
+            self._to_tensorboard(step, phase, now, clean)
+        except OSError as e:
+            with contextlib.suppress(OSError):  # no half record left for a reader (a resume cuts it anyway)
+                self._file.truncate(start)
+            raise MetricsWriteError(_write_failure(self.out_dir, e)) from e
         if self._http is not None:
             self._export_prometheus(clean)
         if self._progress and phase == "rl":
@@ -153,8 +173,10 @@ class MetricsLogger:
         writer = self._writers.get(run)
         if writer is None:
             writer = self._writers[run] = self._writer_class(str(self.out_dir / TENSORBOARD / run))
-        values = [Summary.Value(tag=f"{phase}/{name}" if phase != "rl" else name, simple_value=value)
-                  for name, value in metrics.items() if value is not None]  # fmt: skip
+        # An evaluation's "eval/accuracy" is one curve whether it came in an RL step's record or its own.
+        tags = {name: name if phase == "rl" or name.startswith(f"{phase}/") else f"{phase}/{name}" for name in metrics}
+        values = [Summary.Value(tag=tags[name], simple_value=value) for name, value in metrics.items()
+                  if value is not None]  # fmt: skip
         writer.add_event(Event(wall_time=wall_time, step=step, summary=Summary(value=values)))
 
     def _export_prometheus(self, metrics: Mapping[str, float | None]) -> None:
@@ -186,9 +208,13 @@ class MetricsLogger:
         print(" | ".join(parts), file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        self._file.close()
-        for writer in self._writers.values():
-            writer.close()
+        """Close every sink; a sink that cannot write what it holds (a full volume) is warned about, not raised: the
+        run's own error, if any, is the one to see."""
+        for close in (self._file.close, *(writer.close for writer in self._writers.values())):
+            try:
+                close()
+            except OSError as e:
+                log.warning("metrics: closing a sink under %s failed: %s", self.out_dir, e)
         self._writers = {}
         if self._http is not None:
             server, thread = self._http

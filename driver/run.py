@@ -178,6 +178,7 @@ def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | No
 
     import ray
 
+    from driver.metrics import MetricsWriteError
     from driver.reservation import PlacementError
     from driver.session import ray_session
 
@@ -199,6 +200,9 @@ def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | No
     except PlacementError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except MetricsWriteError as e:
+        print(f"error: {e}\n{resume_hint(out_dir, ckpt_dir, failed=True)}", file=sys.stderr)
+        return 1
     except (ray.exceptions.RayTaskError, EpisodeFailed, PromptTooLong, WarmStartError) as e:
         cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
         if isinstance(cause, EpisodeFailed):  # its traceback, and each dropped episode's, are in the workers' log

@@ -16,7 +16,6 @@ Every rank must call :meth:`CheckpointManager.save` / :meth:`load` together (the
 
 from __future__ import annotations
 
-import errno
 import logging
 import random
 import shutil
@@ -40,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from common.disk import free_bytes, is_no_space
 from trainer.checkpoint_dirs import COMPLETE, checkpoint_dir, complete_checkpoints, latest_checkpoint
 from trainer.optim import apply_hyperparameters, configured_hyperparameters
 
@@ -131,27 +131,6 @@ def _all_ranks_ok(ok: bool) -> bool:
     return all(bool(v) for v in every)
 
 
-def _no_space(error: BaseException | None) -> bool:
-    """Whether ``error`` or one it came from is an ``ENOSPC`` (disk full) or ``EDQUOT`` (quota) ``OSError``."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def _free_bytes(path: Path) -> int | None:
-    """Free bytes on the filesystem of ``path`` or of its nearest existing parent (None when none can be read)."""
-    for candidate in (path, *path.parents):
-        try:
-            return shutil.disk_usage(candidate).free
-        except OSError:
-            continue
-    return None
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -232,26 +211,30 @@ class CheckpointManager:
         """Run this rank's ``write`` of the checkpoint at ``path``; when it failed on any rank, every rank raises
         :class:`CheckpointWriteError` together (a rank left waiting in a barrier would hang the run for the process
         group's timeout) and rank 0 removes the partial directory, unless it was complete before this save."""
-        error: Exception | None = None
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        error: BaseException | None = None
         try:
             write()
         except (OSError, RuntimeError) as e:  # a full disk reads as DCP's or torch's own error, most naming no space
             error = e
+        except CheckpointException as e:  # DCP's wrapping of each rank's error: a BaseException
+            error = next((exc for exc, _ in e.failures.values()), e)
         if _all_ranks_ok(error is None):
             return
         if _rank() == 0 and not existed:
             shutil.rmtree(path, ignore_errors=True)  # it would never count (no COMPLETE): give the space back
         raise self._write_failed(path, error) from error
 
-    def _write_failed(self, path: Path, error: Exception | None) -> CheckpointWriteError:
+    def _write_failed(self, path: Path, error: BaseException | None) -> CheckpointWriteError:
         """What to say about a checkpoint that could not be written: the error, and the space left when space is what
         likely ran out (an ``ENOSPC``/``EDQUOT`` in the error's chain, or less room than the last checkpoint took)."""
         what = f"{type(error).__name__}: {error}" if error is not None else "another trainer rank failed to write"
-        free = _free_bytes(self.root)
+        free = free_bytes(self.root)
         saved = latest_checkpoint(self.root)
         size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file()) if saved is not None else None
         short = free is not None and (free < (size or 0) or free < _LOW_SPACE_BYTES)
-        if free is None or not (_no_space(error) or short):
+        if free is None or not (is_no_space(error) or short):
             return CheckpointWriteError(
                 f"checkpoint {path} could not be written ({what}): fix the cause (the directory's permissions, the "
                 "volume) or point trainer.checkpoint.dir elsewhere, then resume"

@@ -91,3 +91,35 @@ def test_the_progress_line_s_time_per_step_and_eta_follow_the_steps(tmp_path, ca
     assert lines[1].endswith("450.8s/step ETA 902s")
     assert lines[2].endswith("467.2s/step ETA 467s")
     logger.close()
+
+
+def test_a_full_volume_is_an_error_naming_the_free_space_and_leaves_no_half_record(tmp_path):
+    """A full output volume ended the run in a traceback, and closing the logger raised the same error again over
+    it; the half-written last line broke every reader of metrics.jsonl. /dev/full answers every write with ENOSPC."""
+    from driver.metrics import MetricsWriteError
+
+    logger = MetricsLogger(tmp_path, num_steps=3, tensorboard=False, progress=False)
+    logger.log(0, {"reward/mean": 0.5})
+    full = open("/dev/full", "a")  # noqa: SIM115  (the logger's file from now on)
+    logger._file.close()
+    logger._file = full
+    with pytest.raises(MetricsWriteError, match=r"the metrics could not be written under .* \(OSError: \[Errno 28\] "
+                                                r"No space left on device\); [0-9,.]+ MB are free under "):  # fmt: skip
+        logger.log(1, {"reward/mean": 0.6})
+    logger.close()  # warned, not raised
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0]
+
+
+def test_an_evaluation_is_one_tensorboard_curve_whether_logged_in_a_step_or_on_its_own(tmp_path):
+    """Evaluations at the start, the end and a resume (records of their own) went to eval/eval/accuracy, those
+    between them (in an RL step's record) to eval/accuracy: no chart showed the whole curve."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(tmp_path, num_steps=3, tensorboard=True, progress=False)
+    logger.log(-1, {"eval/accuracy": 0.2}, phase="eval")
+    logger.log(1, {"reward/mean": 0.5, "eval/accuracy": 0.4})
+    logger.log(2, {"eval/accuracy": 0.6, "kl": 0.1}, phase="eval")
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert [(e.step, round(e.value, 3)) for e in events.Scalars("eval/accuracy")] == [(-1, 0.2), (1, 0.4), (2, 0.6)]
+    assert "eval/kl" in events.Tags()["scalars"]

@@ -73,10 +73,12 @@ def test_a_resume_trains_with_the_recipes_rates_not_the_checkpoints(tmp_path) ->
 
 
 def test_a_checkpoint_the_disk_cannot_hold_says_what_is_free_and_gives_the_space_back(tmp_path, monkeypatch) -> None:
-    # A full disk failed the run with "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598".
+    # A full disk failed the run with "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"; DCP
+    # wraps each rank's error in its CheckpointException, a BaseException, which went past every handler.
     import errno
 
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     manager = CheckpointManager(tmp_path, num_keep=2)
     part = _part()
@@ -85,7 +87,7 @@ def test_a_checkpoint_the_disk_cannot_hold_says_what_is_free_and_gives_the_space
     def full_disk(state, checkpoint_id, **kwargs):
         (tmp_path / "step_00000002" / "__0_0.distcp").parent.mkdir()
         (tmp_path / "step_00000002" / "__0_0.distcp").write_bytes(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise CheckpointException("Failed to save", {0: (OSError(errno.ENOSPC, "No space left on device"), None)})
 
     monkeypatch.setattr(dcp, "save", full_disk)
     with pytest.raises(CheckpointWriteError, match=r"checkpoint .*step_00000002 could not be written \(OSError: .*No "
