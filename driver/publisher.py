@@ -17,12 +17,16 @@ is pushed the base with them at once.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["WeightPublisher", "push_failures"]
 
 log = logging.getLogger("rl_align")
+
+REMIND_EVERY_S = 600.0
+"""While a receiver's pushes keep failing, how often the log says so again."""
 
 
 class WeightPublisher:
@@ -36,6 +40,8 @@ class WeightPublisher:
         """The version the last :meth:`publish` got to every receiver (``None`` before one did)."""
         self.external_unserved: dict[str, str] = {address: "no push reached it yet" for address in self.external}
         """External receivers that have taken no version in this run, with the last reason (for the final report)."""
+        self._failing: dict[str, tuple[int, float | None]] = {}
+        """Receivers whose pushes fail: how many in a row, and when that was last logged."""
         pool.set_weight_publisher(self.push_to)
 
     def endpoints(self) -> list[str]:
@@ -53,9 +59,7 @@ class WeightPublisher:
         self.trainer.set_weight_endpoints(endpoints)
         outcomes = self._push()
         failed = push_failures(outcomes)
-        for address, error in failed.items():
-            log.warning("weight push to %s failed (a live receiver keeps serving its old version; a pool worker gets "
-                        "no work until it is caught up or replaced): %s", address, error)  # fmt: skip
+        self._report(failed, [a for a in endpoints if a not in failed], int(outcomes[0]["policy_version"]))
         self.pool.set_policy_version(int(outcomes[0]["policy_version"]))
         self.published_version = None if failed else int(outcomes[0]["policy_version"])
         for address in list(self.external_unserved):
@@ -70,6 +74,26 @@ class WeightPublisher:
             "push/seconds": seconds, "push/bytes": float(payload), "push/num_failed_receivers": float(len(failed)),
             "push/gb_per_s": payload / max(seconds, 1e-9) / 1e9,
         }  # fmt: skip
+
+    def _report(self, failed: dict[str, str], reached: Sequence[str], version: int) -> None:
+        """Log each receiver's failing pushes once when they start, again every :data:`REMIND_EVERY_S` while they go
+        on, and once when it takes a version again (one line a step for a receiver down an hour was 3,600 lines)."""
+        now = time.monotonic()
+        for address, error in failed.items():
+            count, warned_at = self._failing.get(address, (0, None))
+            self._failing[address] = (count + 1, warned_at)
+            if warned_at is not None and now - warned_at < REMIND_EVERY_S:
+                continue
+            self._failing[address] = (count + 1, now)
+            what = ("an external server: it keeps serving its old version and gets the next version in full" if
+                    address in self.external else "a pool worker: it gets no work until it is caught up or replaced")
+            again = f" ({count + 1} pushes in a row; push/num_failed_receivers counts them)" if count else ""
+            log.warning("weight push to %s failed%s (%s): %s", address, again, what, error)
+        for address in reached:
+            if address in self._failing:
+                count, _ = self._failing.pop(address)
+                log.info("weight push to %s succeeded again after %d failed push(es): it serves version %d", address,
+                         count, version)  # fmt: skip
 
     def push_to(self, addresses: list[str]) -> int:
         """Push the trainer's current weights to just ``addresses`` now (with LoRA the adapters, and the base to those
