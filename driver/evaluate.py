@@ -28,9 +28,9 @@ def evaluate(pool: Any, problems: Sequence[Any], sampling: SamplingConfig, term:
     handles = [pool.submit(problems, 1, sampling), pool.submit(problems, 1, greedy)]
     sampled, greedy_batch = (pool.collect(h) for h in handles)
     metrics = {"eval/reward": _mean_reward(sampled), "eval/greedy_reward": _mean_reward(greedy_batch)}
-    failed = sum(b.metrics.get("env/num_failed_episodes", 0.0) for b in (sampled, greedy_batch))
-    if failed:
-        metrics["eval/num_failed_episodes"] = failed
+    # 0 too: a series missing where it is 0 is no series in TensorBoard or Prometheus.
+    metrics["eval/num_failed_episodes"] = sum(b.metrics.get("env/num_failed_episodes", 0.0) for b in (sampled,
+                                                                                                     greedy_batch))
     if term is not None:
         for name, batch in (("eval/accuracy", sampled), ("eval/greedy_accuracy", greedy_batch)):
             solved = {s.group_id for s in batch.samples if s.reward_terms.get(term, 0.0) >= 1.0}

@@ -155,8 +155,10 @@ class RLLoop:
                 metrics["perf/cores_busy"] = cpu_s / max(metrics["time/step_s"] * self.num_cores, 1e-9)
             every = run.eval.every_num_steps
             evaluated = bool(every) and (step + 1) % every == 0 and step + 1 < run.num_steps
-            if evaluated:
+            if evaluated:  # after the step's timers: its seconds are time/eval_s alone
+                t5 = time.perf_counter()
                 metrics.update(self._evaluate())
+                metrics["time/eval_s"] = time.perf_counter() - t5
             self._log(step, metrics)
             if self._log_samples is not None:
                 self._log_samples(step, batch.samples)

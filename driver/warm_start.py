@@ -162,9 +162,13 @@ def warm_start(
             last_line = now
             check = metrics.get("warm_start/eval_accuracy")
             target = "" if check is None else f" | held-out accuracy {check:.3f} (target {cfg.stop_at_accuracy:g})"
-            logger.info("warm start step %d/%d | loss %.3g (mean of the last %d)%s | %.2fs/step", step + 1,
+            per_step_s = (now - start) / (step + 1)
+            left = per_step_s * (cfg.num_steps - step - 1)
+            # A target may end it sooner: then the steps left are at most these.
+            eta = f"at most {left:.0f}s left" if cfg.stop_at_accuracy or cfg.stop_at_loss else f"ETA {left:.0f}s"
+            logger.info("warm start step %d/%d | loss %.3g (mean of the last %d)%s | %.2fs/step %s", step + 1,
                       cfg.num_steps, float(np.mean(losses[-_LOSS_WINDOW:])), min(len(losses), _LOSS_WINDOW), target,
-                      (now - start) / (step + 1))  # fmt: skip
+                      per_step_s, eta)  # fmt: skip
         if done:
             return step + 1
     return cfg.num_steps

@@ -75,6 +75,7 @@ def test_stops_at_the_accuracy_target_checked_every_k_steps(caplog):
     assert [line.split(" | ")[0] for line in lines] == ["warm start step 20/500", "warm start step 40/500",
                                                         "warm start step 60/500"]  # fmt: skip
     assert "held-out accuracy 0.300 (target 0.3)" in lines[-1] and "loss " in lines[-1]
+    assert re.search(r"s/step at most \d+s left$", lines[0]), lines[0]  # an ETA, which the target may cut short
 
 
 def test_an_accuracy_target_needs_an_evaluation():
