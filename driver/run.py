@@ -16,6 +16,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import re
 import shutil
 import signal
 import sys
@@ -220,9 +221,16 @@ def _start(recipe: Recipe, out_dir: Path, checked: CheckedRun, address: str | No
         else:
             unreachable = isinstance(e, ray.exceptions.ActorUnavailableError)
             gone = "became unreachable (its process or node is gone)" if unreachable else "died"
-            what = f"a trainer or rollout actor {gone} and could not be replaced: {e}"
+            what = f"{_actor_role(str(e))} {gone} and could not be replaced; Ray's account of it follows.\n{e}"
         print(f"error: {what}\n{resume_hint(out_dir, ckpt_dir, failed=True)}", file=sys.stderr)
         return 1
+
+
+def _actor_role(error: str) -> str:
+    """Which of the run's actors a Ray actor error is about, read from the class name Ray's message carries."""
+    found = re.search(r"class_name: (\w+)", error)
+    roles = {"TrainerWorker": "a trainer rank", "RolloutWorker": "a rollout worker"}
+    return roles.get(found.group(1), f"an actor ({found.group(1)})") if found else "a trainer or rollout actor"
 
 
 def _with_env(env_vars: dict[str, str], py_executable: str | None = None) -> dict[str, Any] | None:
