@@ -44,6 +44,8 @@ _SLACK_S = 2.0
 """Beyond ``timeout_s`` before a silent process counts as stalled: a busy machine's scheduling."""
 _PROGRESS_EVERY_S = 0.25
 """How often the parent reads the shared progress count while it waits for a batch."""
+_IDLE_RESTARTS = 2
+"""Processes started again for a batch when one ends before it began any of its samples, before the batch fails."""
 _START_TIMEOUT_S = 300.0
 """Most seconds the process may take to import the terms' modules (a user module importing torch on a slow disk)."""
 
@@ -78,14 +80,19 @@ class TermProcess:
             pending = list(range(len(completions)))
             while pending:
                 run, pending = pending[:SLOTS], pending[SLOTS:]
+                idle_restarts = 0  # processes that ended before they began a sample of this run
                 while run:
                     stopped = self._running().run(index, run, completions, problems, labels, results, self._timeout_s)
                     if stopped is None:
                         break
                     why, blamed = stopped
                     self._stop(kill=True)
-                    if not blamed:  # it ended before it began any sample: it would again
-                        raise RuntimeError(f"reward term {self._configs[index].term_name!r}: {why}")
+                    if not blamed:  # no sample to blame (ended between batches, or on reading this one): once more
+                        idle_restarts += 1
+                        if idle_restarts > _IDLE_RESTARTS:
+                            name = self._configs[index].term_name
+                            raise RuntimeError(f"reward term {name!r}: {why} (the reward process was started "
+                                               f"{idle_restarts} times for this batch)")  # fmt: skip
                     for i in blamed:
                         results[i] = (self._failure(index, labels[i], why), 1)
                     run = [i for i in run if i not in results]
@@ -189,7 +196,7 @@ class _Child:
             self._outbox.send((index, [completions[i] for i in positions], [problems[i] for i in positions],
                                [labels[i] for i in positions]))  # fmt: skip
         except OSError:
-            return self._ending("it had ended before the batch was sent"), [positions[0]]
+            return self._ending("it had ended before the batch was sent"), []
         seen, deadline = area.progress, time.monotonic() + timeout_s + _SLACK_S
         while True:
             message = self._receive(min(_PROGRESS_EVERY_S, max(0.0, deadline - time.monotonic())))

@@ -10,7 +10,8 @@ deadlines; this side only computes. Messages, pickled over :class:`multiprocessi
   the rollout worker's log). Each sample's result goes into the shared :class:`ResultArea`, not into a message.
 
 Plain terms run one sample at a time on the main thread (math-verify's SIGALRM timeouts work only there); an async
-user function's calls run together on an event loop. The process exits when its input closes or its parent dies.
+user function's calls run together on one event loop, the same for every batch (a client it keeps stays usable). The
+process exits when its input closes or its parent dies.
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ def main(argv: Sequence[str]) -> int:
         send(("failed", str(e)))
         return 1
     send(("ready", [bool(getattr(term, "is_async", False)) for term in terms]))
+    loop: asyncio.AbstractEventLoop | None = None  # one for the process's life: a function may keep a client on it
     while True:
         try:
             index, completions, problems, labels = inbox.recv()
@@ -160,7 +162,9 @@ def main(argv: Sequence[str]) -> int:
         term = terms[index]
         try:
             if getattr(term, "is_async", False):
-                asyncio.run(_score_async(term, completions, problems, labels, area, configs[index].max_concurrency))
+                loop = loop or asyncio.new_event_loop()
+                loop.run_until_complete(_score_async(term, completions, problems, labels, area,
+                                                     configs[index].max_concurrency))  # fmt: skip
             else:
                 for slot, (completion, problem, label) in enumerate(zip(completions, problems, labels, strict=True)):
                     area.start(slot)

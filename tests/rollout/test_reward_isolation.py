@@ -52,6 +52,12 @@ def module(tmp_path, monkeypatch) -> str:
             finally:
                 IN_FLIGHT[0] -= 1
             return float(IN_FLIGHT[1])
+
+        LOOPS = set()
+
+        async def loops_seen(completion, problem):  # a client made on one batch's loop must work on the next
+            LOOPS.add(id(asyncio.get_running_loop()))
+            return float(len(LOOPS))
         """))  # fmt: skip
     monkeypatch.syspath_prepend(str(tmp_path))  # on sys.path, not PYTHONPATH: the process must still find it
     monkeypatch.delitem(sys.modules, MODULE, raising=False)
@@ -134,3 +140,22 @@ def test_max_concurrency_of_a_plain_function_is_warned_about_as_unused(module, c
         FunctionRewardConfig(function=f"{module}:sleepy", max_concurrency=4).check_importable()
     assert "max_concurrency = 4 is unused, as 'rl_align_test_isolated_rewards:sleepy' is no async function" in (
         caplog.records[0].getMessage())
+
+
+def test_a_process_that_died_between_batches_is_replaced_without_failing_a_sample(module):
+    before = {c.pid for c in psutil.Process().children()}
+    scorer = _scorer(FunctionRewardConfig(function=f"{module}:sleepy"))
+    assert scorer.score(["a"], _problems(1))[0] == [1.0]
+    (child,) = [c for c in psutil.Process().children() if c.pid not in before]
+    child.kill()
+    child.wait()
+    rewards, _, metrics = scorer.score(["ab", "abc"], _problems(2))
+    assert rewards == [2.0, 3.0] and metrics["reward/num_errors"] == 0.0
+    scorer.close()
+
+
+def test_an_async_function_runs_on_one_event_loop_across_batches(module):
+    scorer = _scorer(FunctionRewardConfig(function=f"{module}:loops_seen"))
+    scorer.score(["a", "b"], _problems(2))
+    assert scorer.score(["c"], _problems(1))[0] == [1.0]
+    scorer.close()
