@@ -61,8 +61,9 @@ class TermProcess:
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._logged: set[tuple[str, str]] = set()  # (term, cause) of the stops logged: each once
-        self._is_async: list[bool] = []
         self._child: _Child | None = None
+        self._current: list[_Child] = []  # the running process, for the finalizer (which must not hold self)
+        weakref.finalize(self, _kill_all, self._current)
         self._cpu_done = 0.0  # CPU seconds of processes that ended
         self._cpu_read = 0.0  # what cpu_lap returned so far
         self._closed = False
@@ -115,13 +116,12 @@ class TermProcess:
         if self._child is None:
             self._start()
         assert self._child is not None
-        is_async = self._child.ready()
-        self._is_async = is_async
+        self._child.ready()
         return self._child
 
     def _start(self) -> None:
         self._child = _Child(self._configs, self._on_error, self._timeout_s)
-        weakref.finalize(self, self._child.kill)
+        self._current[:] = [self._child]
 
     def _stop(self, kill: bool = False) -> None:
         if self._child is not None:
@@ -167,21 +167,19 @@ class _Child:
         self._outbox = Connection(from_parent, readable=False)
         self._inbox = Connection(to_parent, writable=False)
         self._outbox.send((list(configs), on_error, timeout_s))
-        self._is_async: list[bool] | None = None
+        self._ready = False
         self._cpu_s = 0.0  # the process's CPU seconds when last read
 
-    def ready(self) -> list[bool]:
-        """Wait for the terms to be built; whether each is async. ``ValueError`` with the process's reason when it
-        could not build them."""
-        if self._is_async is not None:
-            return self._is_async
+    def ready(self) -> None:
+        """Wait for the terms to be built; ``ValueError`` with the process's reason when it could not build them."""
+        if self._ready:
+            return
         message = self._receive(_START_TIMEOUT_S)
         if message is None or message[0] != "ready":
             why = message[1] if message is not None and message[0] == "failed" else self._ending(
                 f"no answer within {_START_TIMEOUT_S:g} s" if message is None else f"unexpected {message[0]!r}")
             raise ValueError(f"the reward process could not build the reward terms: {why}")
-        self._is_async = list(message[1])
-        return self._is_async
+        self._ready = True
 
     def run(
         self, index: int, positions: Sequence[int], completions: Sequence[str], problems: Sequence[Problem],
@@ -276,6 +274,11 @@ class _Child:
             self._cpu_s = self.cpu_s()
             self.process.kill()
             self.process.wait()
+
+
+def _kill_all(children: list[_Child]) -> None:
+    for child in children:
+        child.kill()
 
 
 class IsolatedTerm:

@@ -5,7 +5,7 @@ AREA_FD`` (pipes of its own, so a user function printing to stdout cannot break 
 deadlines; this side only computes. Messages, pickled over :class:`multiprocessing.connection.Connection`:
 
 - in: ``(term configs, on_error, timeout_s)`` once, then ``(term index, completions, problems, labels)`` per batch;
-- out: ``("ready", [term is async, ...])`` or ``("failed", message)`` once; per batch ``("end",)`` or ``("raised", is
+- out: ``("ready",)`` or ``("failed", message)`` once; per batch ``("end",)`` or ``("raised", is
   a RewardFunctionError, message, traceback)``; ``("log", level, text)`` whenever a term logs (the parent logs it in
   the rollout worker's log). Each sample's result goes into the shared :class:`ResultArea`, not into a message.
 
@@ -152,7 +152,7 @@ def main(argv: Sequence[str]) -> int:
     except Exception as e:  # noqa: BLE001  (reported to the parent, which raises it where the scorer is used)
         send(("failed", str(e)))
         return 1
-    send(("ready", [bool(getattr(term, "is_async", False)) for term in terms]))
+    send(("ready",))
     loop: asyncio.AbstractEventLoop | None = None  # one for the process's life: a function may keep a client on it
     while True:
         try:
