@@ -86,10 +86,24 @@ class Config(pydantic.BaseModel):
     @classmethod
     def _fits_64_bits(cls, value: Any) -> Any:
         # torch, numpy and vLLM take 64-bit integers: 2**70 workers or tokens would fail (or fill the memory) there.
-        if type(value) is int and not -(2**63) <= value < 2**63:  # noqa: E721  (not bool)
-            raise ValueError(f"{value} is out of range: a recipe's integers fit in 64 bits")
+        for number in _integers(value):
+            if not -(2**63) <= number < 2**63:
+                raise ValueError(f"{number} is out of range: a recipe's integers fit in 64 bits")
         return value
 
+
+
+def _integers(value: Any) -> Iterator[int]:
+    """The integers in ``value`` and in the lists, tuples and tables it holds (not in nested configs: they check
+    their own)."""
+    if type(value) is int:  # noqa: E721  (not bool)
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _integers(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _integers(item)
 
 
 class ConfigError(ValueError):

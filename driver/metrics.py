@@ -11,9 +11,11 @@ Python loader only, not by the default Rust one).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -105,7 +107,7 @@ class MetricsLogger:
             except OSError as e:
                 raise OSError(prometheus_port_taken(prometheus_port, str(e))) from None
             log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", self._http[0].server_port)
-        self._file = self.path.open("a" if append else "w")
+        self._fd = self._open(append)
         self._num_steps = num_steps
         self._progress = progress
         self._last_progress: float | None = None
@@ -119,19 +121,24 @@ class MetricsLogger:
         """TensorBoard writers by run ("" for RL and eval, "sft"), opened at their first record."""
         self._gauges: dict[str, Any] = {}
 
+    def _open(self, append: bool) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
+
     def log(self, step: int, metrics: Mapping[str, float], phase: str = "rl") -> None:
         """Record ``metrics`` for ``step`` in every sink; non-finite values are kept in JSONL as null.
         :class:`MetricsWriteError` when the JSONL file or TensorBoard's cannot be written (a full volume)."""
         clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()}
         now = time.time()
-        start = self._file.tell()
+        line = (json.dumps({"step": step, "phase": phase, "time": now, **clean}) + "\n").encode()
+        start = os.lseek(self._fd, 0, os.SEEK_END)
         try:
-            self._file.write(json.dumps({"step": step, "phase": phase, "time": now, **clean}) + "\n")
-            self._file.flush()
+            written = 0
+            while written < len(line):  # unbuffered: a record is on disk, or none of it (cut back below)
+                written += os.write(self._fd, line[written:])
             self._to_tensorboard(step, phase, now, clean)
         except OSError as e:
-            with contextlib.suppress(OSError):  # no half record left for a reader (a resume cuts it anyway)
-                self._file.truncate(start)
+            with contextlib.suppress(OSError):  # no half record left for a reader; truncating needs no space
+                os.ftruncate(self._fd, start)
             raise MetricsWriteError(_write_failure(self.out_dir, e)) from e
         if self._http is not None:
             self._export_prometheus(clean)
@@ -146,9 +153,9 @@ class MetricsLogger:
         With TensorBoard on, its event files are written anew from the records kept (every loader then shows each
         step once).
         """
-        self._file.close()
+        os.close(self._fd)
         kept, num_dropped = keep_records(self.path, lambda r: r.get("phase") == "sft" or r.get("step", -1) < step)
-        self._file = self.path.open("a")
+        self._fd = self._open(append=True)
         if self._writer_class is not None:
             for writer in self._writers.values():
                 writer.close()
@@ -210,7 +217,7 @@ class MetricsLogger:
     def close(self) -> None:
         """Close every sink; a sink that cannot write what it holds (a full volume) is warned about, not raised: the
         run's own error, if any, is the one to see."""
-        for close in (self._file.close, *(writer.close for writer in self._writers.values())):
+        for close in (functools.partial(os.close, self._fd), *(writer.close for writer in self._writers.values())):
             try:
                 close()
             except OSError as e:

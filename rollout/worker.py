@@ -322,7 +322,7 @@ class RolloutWorker:
         }
 
     def shutdown(self) -> None:
-        """Stop the receiver and the agent endpoint, then release the engine."""
+        """Stop the receiver, the agent endpoint and the reward process, then release the engine."""
         self.receiver.stop()
         if self._agents is not None:
             self._agents.shutdown()

@@ -65,7 +65,6 @@ class FunctionReward:
         self._spec = config.function
         self._function = resolve_function(config.function)
         self.is_async = is_async_function(self._function)
-        self._max_concurrency = config.max_concurrency
         self._timeout_s = timeout_s
         self._on_error = on_error
         self._logged: set[str] = set()  # exception types this worker logged: one traceback each, not one per sample
@@ -73,8 +72,8 @@ class FunctionReward:
     def score(
         self, completions: Sequence[str], problems: Sequence[Problem], labels: Sequence[str]
     ) -> tuple[list[float], int]:
-        if self.is_async:
-            return asyncio.run(self._score_async(completions, problems, labels))
+        if self.is_async:  # awaited, many at once, by the reward process's event loop
+            raise TypeError(f"{self._spec!r} is an async function: :func:`call_async` each sample on an event loop")
         scored = [self.call(c, p, label) for c, p, label in zip(completions, problems, labels, strict=True)]
         return [value for value, _ in scored], sum(errors for _, errors in scored)
 
@@ -113,19 +112,6 @@ class FunctionReward:
                         "reward/%s/num_errors counts such samples; this exception type is logged once): %s",
                         self.name, self._spec, label, self.name, cause, exc_info=error)  # fmt: skip
         return 0.0
-
-    async def _score_async(
-        self, completions: Sequence[str], problems: Sequence[Problem], labels: Sequence[str]
-    ) -> tuple[list[float], int]:
-        slots = asyncio.Semaphore(self._max_concurrency)
-
-        async def one(completion: str, problem: Problem, label: str) -> tuple[float, int]:
-            async with slots:
-                return await self.call_async(completion, problem, label)
-
-        scored = await asyncio.gather(*(one(c, p, label) for c, p, label in zip(completions, problems, labels,
-                                                                                strict=True)))  # fmt: skip
-        return [value for value, _ in scored], sum(errors for _, errors in scored)
 
 
 def is_async_function(function: Callable[..., Any]) -> bool:

@@ -17,6 +17,7 @@ time is the worker's (``rollout/process_cpu_s``), read with :meth:`TermProcess.c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -44,6 +45,9 @@ _SLACK_S = 2.0
 """Beyond ``timeout_s`` before a silent process counts as stalled: a busy machine's scheduling."""
 _PROGRESS_EVERY_S = 0.25
 """How often the parent reads the shared progress count while it waits for a batch."""
+MAX_STALLS_PER_BATCH = 4
+"""Calls of one term past ``reward.timeout_s`` in one batch after which its samples left fail untried: a policy that
+learnt to write what hangs a check would otherwise cost a step ``timeout_s`` a sample."""
 _IDLE_RESTARTS = 2
 """Processes started again for a batch when one ends before it began any of its samples, before the batch fails."""
 _START_TIMEOUT_S = 300.0
@@ -56,10 +60,13 @@ class TermProcess:
     def __init__(
         self, configs: Sequence[RewardTermConfig], on_error: Literal["fail", "zero"], timeout_s: float
     ) -> None:
+        """Start the process and wait until it has built the terms: ``ValueError`` with its reason when it cannot
+        (a user function's module that does not import, a missing library)."""
         self._configs = list(configs)
         self._on_error = on_error
         self._timeout_s = timeout_s
-        self._lock = threading.Lock()
+        self._batch = threading.Lock()  # one batch at a time
+        self._state = threading.Lock()  # the process and its CPU bookkeeping: never held while waiting on it
         self._logged: set[tuple[str, str]] = set()  # (term, cause) of the stops logged: each once
         self._child: _Child | None = None
         self._current: list[_Child] = []  # the running process, for the finalizer (which must not hold self)
@@ -67,18 +74,18 @@ class TermProcess:
         self._cpu_done = 0.0  # CPU seconds of processes that ended
         self._cpu_read = 0.0  # what cpu_lap returned so far
         self._closed = False
-        self._start()
+        self._running()
 
     def score(
         self, index: int, completions: Sequence[str], problems: Sequence[Problem], labels: Sequence[str]
     ) -> tuple[list[float], int]:
         """Term ``index``'s (scores, errors) of the samples, in order; raises what the term raises
-        (:class:`RewardFunctionError`, ``ValueError`` for a reference the term cannot read)."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the reward scorer was closed")
+        (:class:`RewardFunctionError`, ``ValueError`` for a reference the term cannot read). After
+        :data:`MAX_STALLS_PER_BATCH` calls of the term past the limit in one batch, its samples left fail too."""
+        with self._batch:
             results: dict[int, tuple[float, int]] = {}
             pending = list(range(len(completions)))
+            stalls = 0
             while pending:
                 run, pending = pending[:SLOTS], pending[SLOTS:]
                 idle_restarts = 0  # processes that ended before they began a sample of this run
@@ -94,55 +101,85 @@ class TermProcess:
                             name = self._configs[index].term_name
                             raise RuntimeError(f"reward term {name!r}: {why} (the reward process was started "
                                                f"{idle_restarts} times for this batch)")  # fmt: skip
+                    if len(blamed) > 1:  # an async function's calls in flight: its event loop stopped answering
+                        why += (f"; {len(blamed)} calls were in flight: a call that blocks the event loop (time.sleep, "
+                                "a blocking HTTP client) inside the async function stops them all")  # fmt: skip
                     for i in blamed:
                         results[i] = (self._failure(index, labels[i], why), 1)
+                    stalls += 1
                     run = [i for i in run if i not in results]
+                    if stalls >= MAX_STALLS_PER_BATCH and run + pending:
+                        left = run + pending
+                        why = (f"not scored: {stalls} calls of this term in this batch took longer than "
+                               f"reward.timeout_s = {self._timeout_s:g} s, so its {len(left)} samples left were "
+                               "not tried")  # fmt: skip
+                        for i in left:
+                            results[i] = (self._failure(index, labels[i], why), 1)
+                        run, pending = [], []
             return [results[i][0] for i in range(len(completions))], sum(results[i][1] for i in results)
 
     def cpu_lap(self) -> float:
         """CPU seconds the process (and those it replaced) used since the previous lap."""
-        with self._lock:
+        with self._state:
             total = self._cpu_done + (self._child.cpu_s() if self._child is not None else 0.0)
             lap, self._cpu_read = max(0.0, total - self._cpu_read), max(total, self._cpu_read)
             return lap
 
     def close(self) -> None:
-        """Stop the process (idempotent)."""
-        with self._lock:
+        """Stop the process (idempotent); a batch in progress then fails with ``RuntimeError``."""
+        with self._state:
             self._closed = True
-            self._stop()
+            child = self._child
+        if child is None:
+            return
+        if self._batch.acquire(blocking=False):
+            try:
+                with contextlib.suppress(RuntimeError):  # "closed": what close asked for
+                    self._stop()
+            finally:
+                self._batch.release()
+        else:  # the batch sees its process end, stops it and raises
+            child.kill()
 
     def _running(self) -> _Child:
-        if self._child is None:
-            self._start()
-        assert self._child is not None
-        self._child.ready()
-        return self._child
-
-    def _start(self) -> None:
-        self._child = _Child(self._configs, self._on_error, self._timeout_s)
-        self._current[:] = [self._child]
+        """The process, started (again) if none runs, and ready."""
+        with self._state:
+            if self._closed:
+                raise RuntimeError("the reward scorer was closed")
+            if self._child is None:
+                self._child = _Child(self._configs, self._on_error, self._timeout_s)
+                self._current[:] = [self._child]
+            child = self._child
+        try:
+            child.ready()
+        except ValueError:
+            self._stop(kill=True)
+            raise
+        return child
 
     def _stop(self, kill: bool = False) -> None:
-        if self._child is not None:
-            self._cpu_done += self._child.stop(kill)
-            self._child = None
+        with self._state:
+            child, self._child = self._child, None
+            if child is not None:
+                self._cpu_done += child.stop(kill)
+            if self._closed:
+                raise RuntimeError("the reward scorer was closed")
 
-    def _failure(self, index: int, label: str, stopped: str) -> float:
-        """The score of the sample a stopped process was computing (see the module docstring)."""
+    def _failure(self, index: int, label: str, why: str) -> float:
+        """The score of a sample the process could not score (see the module docstring)."""
         config = self._configs[index]
         name = config.term_name
         if isinstance(config, FunctionRewardConfig):
             what = f"function {config.function!r}"
             if self._on_error == "fail":
-                raise RewardFunctionError(f"reward term {name!r}: {what} failed on {label}: {stopped} (set "
+                raise RewardFunctionError(f"reward term {name!r}: {what} failed on {label}: {why} (set "
                                           "reward.on_error = 'zero' to score such samples 0 instead)")  # fmt: skip
         else:
             what = f"the {config.type} check"
-        if (name, stopped.partition(":")[0]) not in self._logged:
-            self._logged.add((name, stopped.partition(":")[0]))
+        if (name, why.partition(":")[0]) not in self._logged:
+            self._logged.add((name, why.partition(":")[0]))
             log.warning("reward term %r: %s failed on %s, scored 0 (reward/%s/num_errors counts such samples; logged "
-                        "once): %s", name, what, label, name, stopped)  # fmt: skip
+                        "once): %s", name, what, label, name, why)  # fmt: skip
         return 0.0
 
 
@@ -158,9 +195,14 @@ class _Child:
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "rollout.rewards.reward_process", str(to_child), str(from_child),
-                 str(self._area.fd)],
+                 str(self._area.fd), str(os.getpid())],
                 pass_fds=(to_child, from_child, self._area.fd), env=env, stdin=subprocess.DEVNULL,
             )  # fmt: skip
+        except BaseException:
+            for fd in (from_parent, to_parent):
+                os.close(fd)
+            self._area.close()
+            raise
         finally:
             os.close(to_child)
             os.close(from_child)
@@ -243,11 +285,13 @@ class _Child:
             code = self.process.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
             return f"the reward process stopped answering: {what}"
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        how = f"exit status {code}" if code >= 0 else f"killed by {_signal_name(-code)}"
         return f"the reward process ended ({how}): {what}"
 
     def cpu_s(self) -> float:
         """The process's CPU seconds so far (readable until it is reaped: :meth:`stop` reads them first)."""
+        if self.process.returncode is not None:  # reaped: its pid may be another process's now
+            return self._cpu_s
         try:
             times = psutil.Process(self.process.pid).cpu_times()
             self._cpu_s = max(self._cpu_s, times.user + times.system)
@@ -274,6 +318,13 @@ class _Child:
             self._cpu_s = self.cpu_s()
             self.process.kill()
             self.process.wait()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal
+        return f"signal {number}"
 
 
 def _kill_all(children: list[_Child]) -> None:

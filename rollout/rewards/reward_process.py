@@ -1,7 +1,7 @@
 """The reward process's own side: build the reward terms, then score one term's batch at a time.
 
 :class:`rollout.rewards.isolation.TermProcess` starts it as ``python -m rollout.rewards.reward_process IN_FD OUT_FD
-AREA_FD`` (pipes of its own, so a user function printing to stdout cannot break the protocol) and owns the
+AREA_FD PARENT_PID`` (pipes of its own, so a user function printing to stdout cannot break the protocol) and owns the
 deadlines; this side only computes. Messages, pickled over :class:`multiprocessing.connection.Connection`:
 
 - in: ``(term configs, on_error, timeout_s)`` once, then ``(term index, completions, problems, labels)`` per batch;
@@ -20,6 +20,7 @@ import asyncio
 import logging
 import mmap
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -110,6 +111,8 @@ class _ForwardedLogs(logging.Handler):
 
 async def _score_async(term: Any, completions: Sequence[str], problems: Sequence[Any], labels: Sequence[str],
                        area: ResultArea, max_concurrency: int) -> None:  # fmt: skip
+    """Every sample's call at once, ``max_concurrency`` in flight; the first error cancels the rest (none may write
+    into the next batch's slots) and is raised."""
     slots = asyncio.Semaphore(max_concurrency)
 
     async def one(slot: int, completion: str, problem: Any, label: str) -> None:
@@ -118,8 +121,25 @@ async def _score_async(term: Any, completions: Sequence[str], problems: Sequence
             score, errors = await term.call_async(completion, problem, label)
         area.finish(slot, score, errors)
 
-    await asyncio.gather(*(one(k, *sample) for k, sample in enumerate(zip(completions, problems, labels,
-                                                                           strict=True))))  # fmt: skip
+    try:
+        async with asyncio.TaskGroup() as group:
+            for slot, sample in enumerate(zip(completions, problems, labels, strict=True)):
+                group.create_task(one(slot, *sample))
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+
+
+def _die_with_parent(parent: int) -> None:
+    """Be killed when the parent dies, even while a call holds the interpreter's lock (a regex backtracking): the
+    kernel's parent-death signal where there is one, and a thread that watches the parent otherwise."""
+    if sys.platform == "linux":
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the signal was asked for
+        os._exit(0)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -137,7 +157,7 @@ def main(argv: Sequence[str]) -> int:
         with lock:
             outbox.send(message)
 
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    _die_with_parent(int(argv[4]))
     logger = logging.getLogger("rl_align")
     logger.addHandler(_ForwardedLogs(send))
     logger.setLevel(logging.INFO)

@@ -33,7 +33,7 @@ from rollout.tasks.problem import Problem
 if TYPE_CHECKING:
     from rollout.rewards.isolation import TermProcess
 
-__all__ = ["RewardScorer", "RewardTerm", "build_term", "check_buildable", "overlong_penalty"]
+__all__ = ["RewardScorer", "RewardTerm", "build_term", "overlong_penalty"]
 
 
 def overlong_penalty(num_tokens: int, max_tokens: int, cache_tokens: int) -> float:
@@ -85,17 +85,6 @@ def build_term(
     raise TypeError(f"unknown reward term config {type(config).__name__}")
 
 
-def check_buildable(config: RewardTermConfig) -> None:
-    """``ValueError`` (``ImportError`` for a missing library) where :func:`build_term` would fail on ``config``,
-    without building it: the user function's module and name, math-verify for a math term."""
-    if isinstance(config, FunctionRewardConfig):
-        from rollout.rewards.function import resolve_function
-
-        resolve_function(config.function)
-    elif isinstance(config, MathRewardConfig):
-        import math_verify  # noqa: F401
-
-
 class RewardScorer:
     """Scores completions with the weighted sum of the configured terms, reporting each term and error counts."""
 
@@ -116,21 +105,25 @@ class RewardScorer:
 
     @classmethod
     def from_config(cls, config: RewardConfig) -> RewardScorer:
-        """Build every term of ``config``: reward models here, the others in a :class:`TermProcess` started now. A bad
-        ``module:function`` or reward model path raises ``ValueError`` here."""
+        """Build every term of ``config``: reward models here, the others in a :class:`TermProcess` started and ready
+        now. A bad ``module:function`` or reward model path raises ``ValueError`` here."""
         from rollout.rewards.isolation import IsolatedTerm, TermProcess
 
         isolated = [t for t in config.terms if not isinstance(t, RewardModelConfig)]
-        for checked in isolated:
-            check_buildable(checked)
+        # Built there alone (a module that loads a model at import loads it once), ready before this returns.
         process = TermProcess(isolated, config.on_error, config.timeout_s) if isolated else None
         terms: list[RewardTerm] = []
-        for config_term in config.terms:
-            if isinstance(config_term, RewardModelConfig):
-                terms.append(build_term(config_term, config.on_error))
-            else:
-                assert process is not None
-                terms.append(IsolatedTerm(process, sum(isinstance(t, IsolatedTerm) for t in terms), config_term))
+        try:
+            for config_term in config.terms:
+                if isinstance(config_term, RewardModelConfig):
+                    terms.append(build_term(config_term, config.on_error))
+                else:
+                    assert process is not None
+                    terms.append(IsolatedTerm(process, sum(isinstance(t, IsolatedTerm) for t in terms), config_term))
+        except BaseException:
+            if process is not None:
+                process.close()
+            raise
         return cls(terms, strip_suffixes=config.strip_suffixes, overlong=config.overlong, process=process)
 
     def cpu_lap(self) -> float:

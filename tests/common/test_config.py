@@ -307,6 +307,14 @@ def test_an_integer_past_64_bits_is_refused_at_load_not_where_torch_or_numpy_ove
         validate_config(Bounded, {"count": 2**70})
     assert validate_config(Bounded, {"count": 2**63 - 1}).count == 2**63 - 1
 
+    class Listed(Config):
+        ids: list[int] = []
+        table: dict[str, list[int]] = {}
+
+    for data in ({"ids": [1, 2**70]}, {"table": {"a": [2**70]}}):  # stop_token_ids = [2**70] passed
+        with pytest.raises(ConfigError, match=r"1180591620717411303424 is out of range"):
+            validate_config(Listed, data)
+
 
 def test_the_members_of_a_plain_union_refuse_a_value_in_one_line_under_the_field():
     with pytest.raises(ConfigError) as e:

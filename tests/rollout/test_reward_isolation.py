@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -53,6 +56,14 @@ def module(tmp_path, monkeypatch) -> str:
                 IN_FLIGHT[0] -= 1
             return float(IN_FLIGHT[1])
 
+        async def slow_or_bad(completion, problem):
+            if completion == "bad":
+                raise ValueError("bad")
+            if completion.startswith("sleep"):
+                await asyncio.sleep(float(completion[5:]))
+                return 100.0
+            return 1.0
+
         LOOPS = set()
 
         async def loops_seen(completion, problem):  # a client made on one batch's loop must work on the next
@@ -85,8 +96,7 @@ def test_with_on_error_zero_the_stalled_sample_scores_zero_and_the_rest_of_the_b
         rewards, _, metrics = scorer.score(["ab", "hang", "abc", "hang", "a"], _problems(5))
     assert rewards == [2.0, 0.0, 3.0, 0.0, 1.0]
     assert metrics["reward/function/num_errors"] == 2.0
-    assert [r.getMessage() for r in caplog.records].count(next(
-        r.getMessage() for r in caplog.records if "no result within" in r.getMessage())) == 1  # logged once
+    assert sum("no result within" in r.getMessage() for r in caplog.records) == 1  # logged once, not per sample
     scorer.close()
 
 
@@ -111,12 +121,83 @@ def test_a_rule_term_that_backtracks_forever_scores_zero_and_is_counted_whatever
     scorer.close()
 
 
-def test_async_functions_run_concurrently_and_each_call_has_the_timeout(module):
+def test_async_functions_run_concurrently_and_each_call_has_the_timeout(module, caplog):
+    before = {c.pid for c in psutil.Process().children()}
     scorer = _scorer(FunctionRewardConfig(function=f"{module}:judge", max_concurrency=4), on_error="zero")
-    rewards, _, metrics = scorer.score(["x"] * 6 + ["hang"], _problems(7))
+    (child,) = [c.pid for c in psutil.Process().children() if c.pid not in before]
+    with caplog.at_level("WARNING", logger="rl_align"):
+        rewards, _, metrics = scorer.score(["x"] * 6 + ["hang"], _problems(7))
     assert rewards[-1] == 0.0 and metrics["reward/num_errors"] == 1.0
     assert max(rewards) == 4.0  # at most max_concurrency calls in flight, and that many were
+    # The call was cancelled in the process (its own timeout), which goes on serving: not stopped by the parent.
+    assert "the call was cancelled" in caplog.text and [c.pid for c in psutil.Process().children()
+                                                        if c.pid not in before] == [child]  # fmt: skip
     scorer.close()
+
+
+def test_an_async_error_cancels_the_batch_s_other_calls_before_the_next_batch(module):
+    """A call left running after another raised finished during the next batch, into that batch's slots."""
+    scorer = _scorer(FunctionRewardConfig(function=f"{module}:slow_or_bad"))
+    with pytest.raises(RewardFunctionError, match="ValueError: bad"):
+        scorer.score(["sleep0.3", "bad"], _problems(2))
+    assert scorer.score(["a", "sleep0.6"], _problems(2))[0] == [1.0, 100.0]
+    scorer.close()
+
+
+def test_calls_past_the_limit_are_paid_for_a_few_times_a_batch_not_once_a_sample(module, monkeypatch, caplog):
+    import rollout.rewards.isolation as isolation
+
+    monkeypatch.setattr(isolation, "_SLACK_S", 0.2)
+    scorer = _scorer(FunctionRewardConfig(function=f"{module}:sleepy"), on_error="zero", timeout_s=0.3)
+    with caplog.at_level("WARNING", logger="rl_align"):
+        rewards, _, metrics = scorer.score(["hang"] * 6 + ["ab"], _problems(7))
+    assert rewards == [0.0] * 7 and metrics["reward/num_errors"] == 7.0
+    assert f"{isolation.MAX_STALLS_PER_BATCH} calls of this term in this batch took longer than" in caplog.text
+    assert scorer.score(["ab"], _problems(1))[0] == [2.0]  # the next batch is tried again
+    scorer.close()
+
+
+def test_close_during_a_batch_stops_it_at_once(module):
+    import threading
+
+    scorer = _scorer(FunctionRewardConfig(function=f"{module}:sleepy"), timeout_s=600.0)
+    raised: list[BaseException] = []
+
+    def scoring() -> None:
+        try:
+            scorer.score(["hang"], _problems(1))
+        except BaseException as e:  # noqa: BLE001
+            raised.append(e)
+
+    thread = threading.Thread(target=scoring)
+    thread.start()
+    time.sleep(1.0)
+    scorer.close()
+    thread.join(30)
+    assert not thread.is_alive() and isinstance(raised[0], RuntimeError) and "closed" in str(raised[0])
+
+
+def test_the_process_dies_with_its_parent_even_inside_a_call_that_holds_the_interpreter(tmp_path):
+    """A backtracking regex holds the interpreter's lock: a watching thread never ran, and the process spun on,
+    parentless, after its rollout worker was killed."""
+    script = textwrap.dedent("""
+        import os, threading, time, psutil
+        from rollout.rewards import FormatRewardConfig, RewardConfig, RewardScorer
+        from rollout.tasks import Problem
+
+        scorer = RewardScorer.from_config(RewardConfig(terms=[FormatRewardConfig(pattern=r"(a+)+")]))
+        threading.Thread(target=scorer.score, args=(["a" * 60 + "b"], [Problem("q", "1", "p")]), daemon=True).start()
+        time.sleep(1.0)
+        print(*[c.pid for c in psutil.Process().children()], flush=True)
+        os._exit(0)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    (pid,) = [int(p) for p in done.stdout.split()]
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the reward process outlived its parent"
+        time.sleep(0.1)
 
 
 def test_the_process_cpu_is_counted_and_close_stops_it(module):
