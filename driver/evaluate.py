@@ -20,7 +20,8 @@ def evaluate(pool: Any, problems: Sequence[Any], sampling: SamplingConfig, term:
     and ``eval/greedy_reward`` are the mean total rewards of the sampled and greedy episodes (with a reward model and
     no accuracy term, what tells how the policy does). A problem whose episode failed (within
     ``environment.max_failed_fraction``) has no completion: it counts as wrong, never as left out (an environment may
-    fail more often on harder problems), and ``eval/num_failed_episodes`` counts them over both passes.
+    fail more often on harder problems), and ``eval/num_failed_episodes`` counts them over both passes;
+    ``eval/num_reward_errors`` counts the reward calls that failed (scored 0) over both passes.
     """
     if not problems:
         return {}
@@ -31,6 +32,8 @@ def evaluate(pool: Any, problems: Sequence[Any], sampling: SamplingConfig, term:
     # 0 too: a series missing where it is 0 is no series in TensorBoard or Prometheus.
     metrics["eval/num_failed_episodes"] = sum(b.metrics.get("env/num_failed_episodes", 0.0) for b in (sampled,
                                                                                                      greedy_batch))
+    # A judge that is down scores 0 (reward.on_error = "zero"): a worse policy to read, unless this says otherwise.
+    metrics["eval/num_reward_errors"] = sum(b.metrics.get("reward/num_errors", 0.0) for b in (sampled, greedy_batch))
     if term is not None:
         for name, batch in (("eval/accuracy", sampled), ("eval/greedy_accuracy", greedy_batch)):
             solved = {s.group_id for s in batch.samples if s.reward_terms.get(term, 0.0) >= 1.0}

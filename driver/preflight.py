@@ -283,7 +283,8 @@ def check_reward_functions(recipe: Recipe, problem: Problem) -> None:
             except RewardFunctionError as e:
                 if on_error == "fail":
                     raise ValueError(f"{e}; checked before the run starts") from e
-                log.warning("%s; with reward.on_error = 'zero' such samples score 0", e)
+                told = str(e).replace(" (set reward.on_error = 'zero' to score such samples 0 instead)", "")
+                log.warning("%s; with reward.on_error = 'zero' such samples score 0", told)
     finally:
         scorer.close()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -57,6 +58,15 @@ def worker_env_vars(device: str = "cpu") -> dict[str, str]:
     if device == "tpu":
         env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "1"
     return env
+
+
+def job_env_vars() -> dict[str, str]:
+    """The environment variables this Ray job's runtime env sets (empty outside a job Ray's job manager started)."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")  # ray._private.runtime_env.constants: how Ray hands it over
+    if not raw:
+        return {}
+    env = (json.loads(raw).get("runtime_env") or {}).get("env_vars") or {}
+    return {str(k): str(v) for k, v in env.items()}
 
 
 def remove_killed_sessions(root: Path | None = None) -> list[Path]:
@@ -187,7 +197,10 @@ def ray_session(address: str | None, device: str = "cpu") -> Iterator[str]:
     import ray
 
     address = address or os.environ.get("RAY_ADDRESS")
-    runtime_env = {"env_vars": worker_env_vars(device)}
+    # Keys the job's own runtime env sets (`ray job submit --runtime-env-json`) are left to it: Ray refuses a driver
+    # that sets them again, and this process holds the job's values, which worker_env_vars would pass on anyway.
+    job_env = job_env_vars()
+    runtime_env = {"env_vars": {k: v for k, v in worker_env_vars(device).items() if k not in job_env}}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         try:

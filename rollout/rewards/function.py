@@ -110,7 +110,8 @@ class FunctionReward:
             self._logged.add(kind)
             log.warning("reward term %r: function %r failed on %s, scored 0 (reward.on_error = 'zero'; "
                         "reward/%s/num_errors counts such samples; this exception type is logged once): %s",
-                        self.name, self._spec, label, self.name, cause, exc_info=error)  # fmt: skip
+                        self.name, self._spec, label, self.name, cause, exc_info=error,
+                        extra={"once": f"{self.name}:{kind}"})  # fmt: skip
         return 0.0
 
 

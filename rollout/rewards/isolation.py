@@ -68,6 +68,7 @@ class TermProcess:
         self._batch = threading.Lock()  # one batch at a time
         self._state = threading.Lock()  # the process and its CPU bookkeeping: never held while waiting on it
         self._logged: set[tuple[str, str]] = set()  # (term, cause) of the stops logged: each once
+        self._logged_once: set[str] = set()  # keys of the processes' own once-only lines, over replacements
         self._child: _Child | None = None
         self._current: list[_Child] = []  # the running process, for the finalizer (which must not hold self)
         weakref.finalize(self, _kill_all, self._current)
@@ -95,6 +96,8 @@ class TermProcess:
                         break
                     why, blamed = stopped
                     self._stop(kill=True)
+                    if not blamed and all(i in results for i in run):  # every sample done, the process hung after
+                        break
                     if not blamed:  # no sample to blame (ended between batches, or on reading this one): once more
                         idle_restarts += 1
                         if idle_restarts > _IDLE_RESTARTS:
@@ -147,7 +150,7 @@ class TermProcess:
             if self._closed:
                 raise RuntimeError("the reward scorer was closed")
             if self._child is None:
-                self._child = _Child(self._configs, self._on_error, self._timeout_s)
+                self._child = _Child(self._configs, self._on_error, self._timeout_s, self._logged_once)
                 self._current[:] = [self._child]
             child = self._child
         try:
@@ -186,7 +189,11 @@ class TermProcess:
 class _Child:
     """One reward process, its two pipes and the shared area it writes each sample's result into."""
 
-    def __init__(self, configs: Sequence[RewardTermConfig], on_error: str, timeout_s: float) -> None:
+    def __init__(
+        self, configs: Sequence[RewardTermConfig], on_error: str, timeout_s: float, logged_once: set[str]
+    ) -> None:
+        """``logged_once``: the keys of the log lines given once, shared with the processes this one replaces."""
+        self._logged_once = logged_once
         to_child, from_parent = os.pipe()
         to_parent, from_child = os.pipe()
         self._area = ResultArea.create()
@@ -277,7 +284,10 @@ class _Child:
                 return ("eof",)
             if message[0] != "log":
                 return message
-            log.log(message[1], "%s", message[2])
+            _, level, text, once = message
+            if once is None or once not in self._logged_once:
+                self._logged_once.add(once)
+                log.log(level, "%s", text)
 
     def _ending(self, what: str) -> str:
         """Why the process ended: ``what`` and how it exited."""

@@ -5,9 +5,10 @@ AREA_FD PARENT_PID`` (pipes of its own, so a user function printing to stdout ca
 deadlines; this side only computes. Messages, pickled over :class:`multiprocessing.connection.Connection`:
 
 - in: ``(term configs, on_error, timeout_s)`` once, then ``(term index, completions, problems, labels)`` per batch;
-- out: ``("ready",)`` or ``("failed", message)`` once; per batch ``("end",)`` or ``("raised", is
-  a RewardFunctionError, message, traceback)``; ``("log", level, text)`` whenever a term logs (the parent logs it in
-  the rollout worker's log). Each sample's result goes into the shared :class:`ResultArea`, not into a message.
+- out: ``("ready",)`` or ``("failed", message)`` once; per batch ``("end",)`` or ``("raised", is a RewardFunctionError,
+  message, traceback)``; ``("log", level, text, key)`` whenever a term logs (the parent logs it in the rollout worker's
+  log; a line with a ``key`` once over every process it starts). Each sample's result goes into the shared
+  :class:`ResultArea`, not into a message.
 
 Plain terms run one sample at a time on the main thread (math-verify's SIGALRM timeouts work only there); an async
 user function's calls run together on one event loop, the same for every batch (a client it keeps stays usable). The
@@ -104,7 +105,7 @@ class _ForwardedLogs(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._send(("log", record.levelno, self.format(record)))
+            self._send(("log", record.levelno, self.format(record), getattr(record, "once", None)))
         except Exception:  # noqa: BLE001  (a closed pipe: the parent is gone or stopping this process)
             self.handleError(record)
 
@@ -197,4 +198,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    code = main(sys.argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # not waiting for threads a user function left (a call to_thread that never returns)

@@ -44,3 +44,6 @@ def test_a_split_episode_counts_once_and_a_failed_one_counts_as_wrong():
     assert metrics["eval/num_failed_episodes"] == 1.0
     clean = evaluate(ReplayPool(greedy, greedy), ["p0", "p1", "p2", "p3"], SamplingConfig(), "exact_match")
     assert clean["eval/num_failed_episodes"] == 0.0 and clean["eval/accuracy"] == 1.0
+    erring = RolloutBatch(samples=greedy.samples, metrics={"reward/num_errors": 2.0})
+    assert evaluate(ReplayPool(erring, greedy), ["p0", "p1", "p2", "p3"], SamplingConfig(),
+                    "exact_match")["eval/num_reward_errors"] == 2.0  # fmt: skip

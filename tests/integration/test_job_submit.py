@@ -31,7 +31,8 @@ def test_ray_job_submit_runs_recipe_to_success(ray_cluster: tuple[str, Path], tm
     submission_id = f"rl-align-it-{int(time.time())}"
     overrides = small_run_args(tmp_path, 2, "--run.logging.plot", "false", *ONE_ENGINE)
     cmd = [RAY, "job", "submit", "--address", url, "--submission-id", submission_id, "--working-dir", ".",
-           "--runtime-env-json", json.dumps({"excludes": EXCLUDES}),
+           # An env var rl_align sets for its actors too: Ray refused the driver's runtime env over it.
+           "--runtime-env-json", json.dumps({"excludes": EXCLUDES, "env_vars": {"OMP_NUM_THREADS": "1"}}),
            "--", "python", "rl_align.py", "--recipe", RECIPE, *overrides]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=420)
     output = done.stdout + done.stderr

@@ -64,6 +64,18 @@ def module(tmp_path, monkeypatch) -> str:
                 return 100.0
             return 1.0
 
+        async def threaded(completion, problem):  # a judge wrapping a blocking client in a thread
+            if completion == "hang":
+                await asyncio.to_thread(time.sleep, 1000)
+            return 1.0
+
+        def dies_or_raises(completion, problem):
+            if completion == "die":
+                os._exit(3)
+            if completion == "bad":
+                raise ValueError("bad")
+            return 1.0
+
         LOOPS = set()
 
         async def loops_seen(completion, problem):  # a client made on one batch's loop must work on the next
@@ -239,4 +251,23 @@ def test_an_async_function_runs_on_one_event_loop_across_batches(module):
     scorer = _scorer(FunctionRewardConfig(function=f"{module}:loops_seen"))
     scorer.score(["a", "b"], _problems(2))
     assert scorer.score(["c"], _problems(1))[0] == [1.0]
+    scorer.close()
+
+
+def test_a_judge_whose_thread_never_returns_fails_that_sample_and_the_batch_goes_on(module):
+    """The thread kept asyncio.run from returning after every sample was done: the batch then failed as a whole,
+    on_error = 'zero' or not."""
+    scorer = _scorer(FunctionRewardConfig(function=f"{module}:threaded"), on_error="zero")
+    rewards, _, metrics = scorer.score(["hang", "a"], _problems(2))
+    assert rewards == [0.0, 1.0] and metrics["reward/num_errors"] == 1.0
+    assert scorer.score(["b"], _problems(1))[0] == [1.0]
+    scorer.close()
+
+
+def test_an_exception_type_is_logged_once_over_the_processes_that_replace_each_other(module, caplog):
+    scorer = _scorer(FunctionRewardConfig(function=f"{module}:dies_or_raises"), on_error="zero")
+    with caplog.at_level("WARNING", logger="rl_align"):
+        rewards, _, _ = scorer.score(["bad", "die", "bad", "die", "bad", "a"], _problems(6))
+    assert rewards == [0.0] * 5 + [1.0]
+    assert sum("ValueError: bad" in r.getMessage() for r in caplog.records) == 1, caplog.text
     scorer.close()
