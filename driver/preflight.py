@@ -265,7 +265,7 @@ def check_reward_functions(recipe: Recipe, problem: Problem) -> None:
     the completion: one that fails or returns no number there would fail the first batch, after every actor started.
     With ``reward.on_error = "zero"`` (the run would score such samples 0) a warning instead of ``ValueError``."""
     from rollout.rewards.config import FunctionRewardConfig
-    from rollout.rewards.function import RewardFunctionError
+    from rollout.rewards.function import ON_ERROR_HINT, RewardFunctionError
     from rollout.rewards.scorer import RewardScorer
 
     functions = [t for t in recipe.reward.terms if isinstance(t, FunctionRewardConfig)]
@@ -283,7 +283,7 @@ def check_reward_functions(recipe: Recipe, problem: Problem) -> None:
             except RewardFunctionError as e:
                 if on_error == "fail":
                     raise ValueError(f"{e}; checked before the run starts") from e
-                told = str(e).replace(" (set reward.on_error = 'zero' to score such samples 0 instead)", "")
+                told = str(e).replace(ON_ERROR_HINT, "")
                 log.warning("%s; with reward.on_error = 'zero' such samples score 0", told)
     finally:
         scorer.close()

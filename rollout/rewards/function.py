@@ -23,7 +23,14 @@ from common.imports import check_import_path, resolve_object
 from rollout.rewards.config import FunctionRewardConfig
 from rollout.tasks.problem import Problem
 
-__all__ = ["FunctionReward", "RewardFunctionError", "is_async_function", "resolve_function"]
+__all__ = [
+    "ON_ERROR_HINT",
+    "FunctionReward",
+    "RewardFunctionError",
+    "failure_message",
+    "is_async_function",
+    "resolve_function",
+]
 
 RewardFunction = Callable[[str, Problem], float]
 log = logging.getLogger("rl_align")
@@ -101,10 +108,7 @@ class FunctionReward:
         "fail"``, else logs the first failure of each exception type with its traceback and returns 0."""
         cause = f"{type(error).__name__}: {error}"
         if self._on_error == "fail":
-            raise RewardFunctionError(
-                f"reward term {self.name!r}: function {self._spec!r} failed on {label}: {cause} (set "
-                "reward.on_error = 'zero' to score such samples 0 instead)"
-            ) from error
+            raise RewardFunctionError(failure_message(self.name, self._spec, label, cause)) from error
         kind = f"{type(error).__module__}.{type(error).__qualname__}"
         if kind not in self._logged:
             self._logged.add(kind)
@@ -113,6 +117,15 @@ class FunctionReward:
                         self.name, self._spec, label, self.name, cause, exc_info=error,
                         extra={"once": f"{self.name}:{kind}"})  # fmt: skip
         return 0.0
+
+
+ON_ERROR_HINT = " (set reward.on_error = 'zero' to score such samples 0 instead)"
+"""The end of :func:`failure_message`: what to set instead of stopping."""
+
+
+def failure_message(term: str, spec: str, label: str, cause: str) -> str:
+    """What a run stopped by a user function's failure on a sample says (``reward.on_error = "fail"``)."""
+    return f"reward term {term!r}: function {spec!r} failed on {label}: {cause}{ON_ERROR_HINT}"
 
 
 def is_async_function(function: Callable[..., Any]) -> bool:

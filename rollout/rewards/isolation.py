@@ -33,7 +33,7 @@ from typing import Any, Literal
 import psutil
 
 from rollout.rewards.config import FunctionRewardConfig, RewardTermConfig
-from rollout.rewards.function import RewardFunctionError
+from rollout.rewards.function import RewardFunctionError, failure_message
 from rollout.rewards.reward_process import SLOTS, ResultArea
 from rollout.tasks.problem import Problem
 
@@ -175,8 +175,7 @@ class TermProcess:
         if isinstance(config, FunctionRewardConfig):
             what = f"function {config.function!r}"
             if self._on_error == "fail":
-                raise RewardFunctionError(f"reward term {name!r}: {what} failed on {label}: {why} (set "
-                                          "reward.on_error = 'zero' to score such samples 0 instead)")  # fmt: skip
+                raise RewardFunctionError(failure_message(name, config.function, label, why))
         else:
             what = f"the {config.type} check"
         if (name, why.partition(":")[0]) not in self._logged:
